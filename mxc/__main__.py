@@ -1,0 +1,7 @@
+"""``python -m mxc`` = the ``mxc`` command."""
+
+import sys
+
+from mxc.cli import main
+
+sys.exit(main())

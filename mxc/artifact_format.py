@@ -1,0 +1,28 @@
+"""The artifact's on-disk contract, shared by the builder and the runtime.
+
+An artifact is a directory: ``manifest.json``, ``graph.yaml`` (the final IR),
+``code/forward.py`` (the generated program), ``weights/rank{r}.safetensors``
+and optionally ``tokenizer/``. The manifest lists the sha256 of every other
+file. ``SCHEMA_VERSION`` changes when this layout changes incompatibly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+
+
+def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_digests(root: Path) -> dict[str, str]:
+    """sha256 of every file under ``root`` except the manifest, by relative path."""
+    return {p.relative_to(root).as_posix(): sha256_file(p) for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != "manifest.json" and "__pycache__" not in p.parts}

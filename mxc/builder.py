@@ -1,0 +1,216 @@
+"""``mxc build``: model definition + checkpoint -> artifact directory.
+
+Resolves the source (a bundled definition name, a YAML path, or an HF
+checkpoint directory whose config.json picks the definition), binds the graph,
+runs the compiler pipeline, renders the forward program, converts the weights
+and writes the manifest. Everything is written into a temporary sibling
+directory that replaces ``out`` only at the end: a failed or killed build
+leaves the previous artifact intact, or nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import mxc
+from mxc.artifact_format import SCHEMA_VERSION, file_digests
+from mxc.codegen.render import render_forward
+from mxc.compiler.options import BuildOptions
+from mxc.compiler.pipeline import compile_graph
+from mxc.errors import MxcError
+from mxc.ir import Graph, dump_graph, verify
+from mxc.loaders.checkpoint import open_checkpoint
+from mxc.loaders.convert import write_weights
+from mxc.loaders.dummy import DummyCheckpoint
+from mxc.models import MODELS_DIR, Entry, architecture_of, bind_model, lookup
+from mxc.ir.template import read_model_file
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "generation_config.json")
+
+
+@dataclass(frozen=True)
+class Source:
+    model_file: Path
+    config: dict
+    config_path: str
+    checkpoint: Path | None
+    entry: Entry | None
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise MxcError(f"{path}: not found; a checkpoint directory needs its config.json") from None
+    except json.JSONDecodeError as e:
+        raise MxcError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+    if not isinstance(config, dict):
+        raise MxcError(f"{path}: expected a JSON object")
+    return config
+
+
+def resolve_source(source: str, checkpoint: str | None) -> Source:
+    """Work out the model file, config and checkpoint from the command line."""
+    src = Path(source)
+    if src.is_dir():
+        if checkpoint is not None:
+            raise MxcError(f"{source} is a checkpoint directory; do not also pass --checkpoint")
+        checkpoint, src = source, None
+    ckpt = Path(checkpoint) if checkpoint else None
+    if ckpt is not None and not ckpt.is_dir():
+        raise MxcError(f"--checkpoint {checkpoint}: not a directory")
+
+    bundled = src is not None and not src.exists() and (MODELS_DIR / src.with_suffix(".yaml").name).exists() \
+        and src.name == str(src)
+    if src is not None and not src.exists() and not bundled:
+        from mxc.models import model_files
+        raise MxcError(f"{source}: no such file, and not a bundled definition ({', '.join(model_files())})")
+
+    if ckpt is not None:
+        config_path = ckpt / "config.json"
+        config = _read_config(config_path)
+        arch = architecture_of(config, str(config_path))
+        if src is None or bundled:
+            entry = lookup(arch, str(config_path))
+            if bundled and entry.model != src.with_suffix(".yaml").name:
+                raise MxcError(f"{config_path}: architecture {arch} is served by {entry.model}, not {src.name}")
+            return Source(entry.path, config, str(config_path), ckpt, entry)
+        return Source(src, config, str(config_path), ckpt, None)  # a user's own definition: no registry settings
+
+    model_file = MODELS_DIR / src.with_suffix(".yaml").name if bundled else src
+    tiny = read_model_file(model_file).get("tiny_config")
+    if tiny is None:
+        raise MxcError(f"{model_file}: no --checkpoint given and the definition names no tiny_config to build with")
+    config_path = model_file.parent / str(tiny)
+    config = _read_config(config_path)
+    entry = lookup(architecture_of(config, str(config_path)), str(config_path)) if bundled else None
+    return Source(model_file, config, str(config_path), None, entry)
+
+
+def _runtime_info(graph: Graph, config: dict) -> dict:
+    """What the runtime needs without reading the IR: KV cache geometry, vocabulary, stop tokens."""
+    types = verify(graph)
+    layers, kv = 0, None
+    for node, rep in graph.nodes():
+        if node.op == "attention":
+            layers += rep.count if rep else 1
+            kv = types[node.ins[1]].shape[1:]
+    reps = graph.repeats()
+    if len(reps) > 1:
+        raise NotImplementedError("the runtime's weight layout supports one repeated block")
+    prefix = None
+    if reps:
+        local, w = next(iter(reps[0].weights.items()))
+        prefix = w.name[: len(w.name) - len(local)]
+    logits = types[graph.outputs[0]]
+    eos = config.get("eos_token_id")
+    return {"vocab_size": logits.shape[-1], "dtype": graph.dtype, "inputs": list(graph.inputs),
+            "layers": {"count": reps[0].count, "index": reps[0].index, "prefix": prefix} if reps else None,
+            "kv_cache": {"layers": layers, "kv_heads": kv[0], "head_dim": kv[1]} if kv else None,
+            "max_position_embeddings": config.get("max_position_embeddings"),
+            "eos_token_id": eos if isinstance(eos, list) else ([eos] if eos is not None else [])}
+
+
+def _kernel_table(graph: Graph) -> list[dict]:
+    rows = []
+    for node, rep in graph.nodes():
+        rows.append({"node": ", ".join(node.outs), "op": node.op, "in": "layers" if rep else "top",
+                     "kernel": node.attrs.get("kernel"), "reason": node.attrs.get("kernel_reason"), "loc": node.loc})
+    return rows
+
+
+def _target_info(options: BuildOptions) -> dict:
+    import torch
+
+    return {"name": options.target, "torch": torch.__version__.split("+")[0]}
+
+
+def _log(msg: str) -> None:
+    print(f"mxc: {msg}", file=sys.stderr)
+
+
+def build(source: str, *, out: str | Path | None = None, checkpoint: str | None = None,
+          dtype: str | None = None, target: str = "cpu", dump_ir: str | Path | None = None,
+          progress: bool = True, log=_log) -> Path:
+    """Build an artifact and return its directory."""
+    if target not in ("cpu", "cuda"):
+        raise MxcError(f"--target {target}: expected cpu or cuda")
+    if dtype not in (None, "float32", "bfloat16", "float16"):
+        raise MxcError(f"--dtype {dtype}: expected float32, bfloat16 or float16")
+    options = BuildOptions(target=target, dtype=dtype or ("float32" if target == "cpu" else "bfloat16"))
+    src = resolve_source(source, checkpoint)
+    out = Path(out) if out else Path("build") / src.model_file.stem
+    if out.exists() and not (out / "manifest.json").is_file():
+        raise MxcError(f"--out {out}: exists and is not an mxc artifact; choose another path or remove it")
+
+    log(f"binding {src.model_file.name} to {src.config_path}")
+    graph = bind_model(src.model_file, src.config, options.dtype, src.entry, src.config_path)
+    log("compiling" + (f" (IR after each pass in {dump_ir})" if dump_ir else ""))
+    graph = compile_graph(graph, options, Path(dump_ir) if dump_ir else None)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.building-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        _write(tmp, graph, src, options, progress, log)
+        _replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"wrote {out}")
+    return out
+
+
+def _write(tmp: Path, graph: Graph, src: Source, options: BuildOptions, progress: bool, log) -> None:
+    (tmp / "code").mkdir(parents=True)
+    (tmp / "weights").mkdir()
+    ir_text = dump_graph(graph)
+    (tmp / "graph.yaml").write_text(ir_text)
+    import hashlib
+
+    ir_hash = hashlib.sha256(ir_text.encode()).hexdigest()
+    (tmp / "code" / "forward.py").write_text(render_forward(graph, ir_hash))
+    log("writing weights" + (f" from {src.checkpoint}" if src.checkpoint else " (deterministic random: no --checkpoint)"))
+    ckpt = open_checkpoint(src.checkpoint) if src.checkpoint else DummyCheckpoint(graph)
+    with ckpt:
+        write_weights(graph, ckpt, tmp / "weights" / "rank0.safetensors", progress=progress)
+    if src.checkpoint:
+        present = [f for f in TOKENIZER_FILES if (src.checkpoint / f).is_file()]
+        if present:
+            (tmp / "tokenizer").mkdir()
+            for f in present:
+                shutil.copyfile(src.checkpoint / f, tmp / "tokenizer" / f)
+    manifest = {
+        "schema_version": SCHEMA_VERSION,
+        "mxc_version": mxc.__version__,
+        "family": graph.family,
+        "architecture": (src.config.get("architectures") or [None])[0],
+        "model_file": src.model_file.name,
+        "config": graph.config,
+        "hf_config": src.config,
+        "options": options.to_dict(),
+        "target": _target_info(options),
+        "ir_sha256": ir_hash,
+        "runtime": _runtime_info(graph, src.config),
+        "kernels": _kernel_table(graph),
+        "source": {"checkpoint": str(src.checkpoint) if src.checkpoint else None,
+                   "weights": "checkpoint" if src.checkpoint else "dummy"},
+        "tp": options.tp,
+        "files": file_digests(tmp),
+    }
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Swap the finished ``tmp`` in for ``out`` with two renames."""
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    if out.exists():
+        os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,119 @@
+"""The ``mxc`` command line: build, generate, inspect, models.
+
+Each subcommand parses its arguments and calls the library (``mxc.build``,
+``mxc.load``, ``mxc.inspect``), holding no logic a library user could not
+call. A user error (``MxcError``) prints one line, ``mxc: error: ...``, and
+exits with status 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from mxc.errors import MxcError
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise MxcError(f"--ids {text!r}: expected comma-separated integers like 1,2,3") from None
+    if not ids:
+        raise MxcError("--ids: give at least one token id")
+    return ids
+
+
+def cmd_build(args) -> None:
+    from mxc.builder import build
+
+    build(args.source, out=args.out, checkpoint=args.checkpoint, dtype=args.dtype, target=args.target,
+          dump_ir=args.dump_ir)
+
+
+def cmd_generate(args) -> None:
+    import mxc
+    from mxc.runtime.tokenizer import load_tokenizer
+
+    if (args.ids is None) == (args.prompt is None):
+        raise MxcError("give exactly one of --ids or --prompt")
+    model = mxc.load(args.artifact, device=args.device)
+    tokenizer = load_tokenizer(model.path) if args.prompt is not None else None
+    if args.prompt is not None and tokenizer is None:
+        raise MxcError(f"{args.artifact}: --prompt needs a tokenizer, and the checkpoint it was built from had none; "
+                       f"use --ids")
+    ids = _ids(args.ids) if args.ids is not None else tokenizer.encode(args.prompt)
+    new = model.generate([ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                         top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                         stop_at_eos=tokenizer is not None)[0].tolist()
+    result = {"ids": new}
+    if tokenizer is not None:
+        result["text"] = tokenizer.decode(new)
+    print(json.dumps(result))
+
+
+def cmd_inspect(args) -> None:
+    from mxc.inspect import summary
+
+    print(summary(args.artifact))
+
+
+def cmd_models(args) -> None:
+    from mxc.models import registry
+
+    for arch, entry in sorted(registry().items()):
+        note = "" if entry.tested else "  (same graph; not parity-tested here)"
+        print(f"{arch:28s} {entry.model}{note}")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mxc", description="Ahead-of-time model builder for LLM inference.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("build", help="build an artifact from a model definition and a checkpoint")
+    b.add_argument("source", help="bundled definition (llama.yaml), a YAML path, or an HF checkpoint directory")
+    b.add_argument("--checkpoint", help="HF checkpoint directory (default: bundled tiny config, random weights)")
+    b.add_argument("--out", help="artifact directory (default: build/<definition>)")
+    b.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="weight/activation dtype (default: float32 on cpu, bfloat16 on cuda)")
+    b.add_argument("--target", choices=["cpu", "cuda"], default="cpu")
+    b.add_argument("--dump-ir", metavar="DIR", help="write the IR after every pass into DIR")
+    b.set_defaults(fn=cmd_build)
+
+    g = sub.add_parser("generate", help="generate tokens with a built artifact")
+    g.add_argument("artifact")
+    g.add_argument("--ids", help="prompt token ids, comma-separated")
+    g.add_argument("--prompt", help="prompt text (needs a tokenizer in the artifact)")
+    g.add_argument("--max-new-tokens", type=int, default=16)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--device", default="cpu")
+    g.set_defaults(fn=cmd_generate)
+
+    i = sub.add_parser("inspect", help="print a readable summary of an artifact")
+    i.add_argument("artifact")
+    i.set_defaults(fn=cmd_inspect)
+
+    m = sub.add_parser("models", help="list supported Hugging Face architectures")
+    m.set_defaults(fn=cmd_models)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        args.fn(args)
+    except MxcError as e:
+        print(f"mxc: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("mxc: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

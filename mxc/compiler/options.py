@@ -1,0 +1,25 @@
+"""Build options: resolved once, up front, and passed to every pass frozen."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+TARGETS = ("cpu", "cuda")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    target: str = "cpu"
+    dtype: str = "float32"
+    tp: int = 1
+    quant: str | None = None
+
+    def __post_init__(self):
+        if self.target not in TARGETS:
+            raise ValueError(f"target must be one of {TARGETS}, got {self.target!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)

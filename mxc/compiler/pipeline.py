@@ -1,0 +1,38 @@
+"""The compiler pipeline: one plain list of passes, run in order.
+
+Each pass is a pure ``run(graph, options) -> Graph`` in ``passes/``. The
+verifier runs after every pass; ``compile_graph`` can dump the IR after each
+(``--dump-ir DIR``: ``00-bound.yaml``, ``01-merge_qkv.yaml``, ...).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mxc.compiler.options import BuildOptions
+from mxc.compiler.passes import eliminate_dead_code, merge_gate_up, merge_qkv, select_kernels
+from mxc.ir import Graph, dump_graph, verify
+
+PIPELINE = [
+    # fusion: fewer, larger GEMMs
+    ("merge_qkv", merge_qkv.run),
+    ("merge_gate_up", merge_gate_up.run),
+    # cleanup
+    ("eliminate_dead_code", eliminate_dead_code.run),
+    # lowering: every node claimed by a kernel for the target
+    ("select_kernels", select_kernels.run),
+]
+
+
+def compile_graph(graph: Graph, options: BuildOptions, dump_dir: Path | None = None) -> Graph:
+    verify(graph)
+    if dump_dir is not None:
+        dump_dir = Path(dump_dir)
+        dump_dir.mkdir(parents=True, exist_ok=True)
+        (dump_dir / "00-bound.yaml").write_text(dump_graph(graph))
+    for i, (name, run) in enumerate(PIPELINE, start=1):
+        graph = run(graph, options)
+        verify(graph)
+        if dump_dir is not None:
+            (dump_dir / f"{i:02d}-{name}.yaml").write_text(dump_graph(graph))
+    return graph

@@ -1,0 +1,95 @@
+"""A small rewrite engine for local passes: rules as data.
+
+A rule is ``(op, fn)``: for every node with that op, ``fn(node, ctx)`` returns
+``None`` to decline, or a ``{node_index: [replacement nodes]}`` mapping (an
+empty list deletes). ``ctx`` gives the body's nodes, the producer and users of
+each value, and the weights table the rule may add merged weights to. Rules
+run over the top level and every repeat body until nothing changes. Producers
+left unused by a rewrite are not deleted here: ``eliminate_dead_code`` does that.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable
+
+from mxc.ir import Graph, Node, map_bodies
+
+Rule = tuple[str, Callable]
+
+
+@dataclass
+class Context:
+    nodes: list[Node]
+    weights: dict  # local name -> Weight (mutable: rules add merged weights)
+    producer: dict[str, int]  # value -> index of the node defining it
+    users: dict[str, list[int]]  # value -> indices of nodes reading it
+    taken: set[str]  # every name in the graph, for fresh names
+
+    def fresh(self, base: str) -> str:
+        name, n = base, 0
+        while name in self.taken:
+            n += 1
+            name = f"{base}_{n}"
+        self.taken.add(name)
+        return name
+
+    def producing(self, value: str | None) -> Node | None:
+        i = self.producer.get(value) if value is not None else None
+        return None if i is None else self.nodes[i]
+
+    def index(self, node: Node) -> int:
+        return self.nodes.index(node)
+
+
+def _names(graph: Graph) -> set[str]:
+    names = set(graph.inputs) | set(graph.weights)
+    for n, rep in graph.nodes():
+        names.update(n.outs)
+        if rep is not None:
+            names.update(rep.weights)
+    return names
+
+
+def _context(nodes, weights, taken) -> Context:
+    producer, users = {}, defaultdict(list)
+    for i, n in enumerate(nodes):
+        for o in n.outs:
+            producer[o] = i
+        for v in n.ins:
+            if v is not None:
+                users[v].append(i)
+    return Context(list(nodes), weights, producer, users, taken)
+
+
+def apply_rules(graph: Graph, rules: list[Rule], *, max_rounds: int = 100) -> tuple[Graph, int]:
+    """Apply ``rules`` to a fixpoint. Returns the new graph and the number of rewrites."""
+    count = 0
+    taken = _names(graph)
+
+    def run(nodes, weights):
+        nonlocal count
+        nodes = list(nodes)
+        for _ in range(max_rounds):
+            changed = False
+            for op, fn in rules:
+                ctx = _context(nodes, weights, taken)
+                for node in ctx.nodes:
+                    if node.op != op:
+                        continue
+                    edits = fn(node, ctx)
+                    if edits:
+                        new = []
+                        for i, n in enumerate(ctx.nodes):
+                            new.extend(edits.get(i, [n]))
+                        nodes, changed = new, True
+                        count += 1
+                        break
+                if changed:
+                    break
+            if not changed:
+                return tuple(nodes), weights
+        raise RuntimeError(f"rewrite rules did not converge after {max_rounds} rounds")
+
+    return map_bodies(graph, run), count

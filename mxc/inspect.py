@@ -1,0 +1,41 @@
+"""``mxc inspect``: a readable summary of an artifact, from its manifest and IR."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from mxc.runtime.artifact import read_manifest
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def summary(path) -> str:
+    path = Path(path)
+    m = read_manifest(path)
+    c = m["config"]
+    rt = m["runtime"]
+    lines = [
+        f"artifact     {path}",
+        f"model        {m['architecture']} ({m['model_file']}, family {m['family']})",
+        f"shape        {c.get('num_hidden_layers')} layers, hidden {c.get('hidden_size')}, "
+        f"heads {c.get('num_attention_heads')}/{c.get('num_key_value_heads')} kv, head_dim {c.get('head_dim')}, "
+        f"mlp {c.get('intermediate_size')}, vocab {rt['vocab_size']}",
+        f"rope         {c.get('rope', {}).get('type')} (theta {c.get('rope', {}).get('theta')})",
+        f"build        target {m['options']['target']}, dtype {m['options']['dtype']}, tp {m.get('tp', 1)}, "
+        f"quant {m['options'].get('quant') or 'none'}",
+        f"built by     mxc {m['mxc_version']} (torch {m['target'].get('torch')}), IR sha256 {m['ir_sha256'][:16]}",
+        f"weights      {m['source']['weights']}" + (f" from {m['source']['checkpoint']}" if m['source']['checkpoint'] else ""),
+        "kernels      " + ", ".join(f"{k} x{n}" for k, n in Counter(r["kernel"] for r in m["kernels"]).items()),
+        "files",
+    ]
+    for rel in m["files"]:
+        f = path / rel
+        lines.append(f"  {rel:32s} {_size(f.stat().st_size) if f.exists() else 'MISSING'}")
+    return "\n".join(lines)

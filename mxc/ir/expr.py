@@ -1,0 +1,83 @@
+"""Safe evaluation of the small expressions model files use.
+
+Shapes (``num_attention_heads*head_dim``), conditions (``qkv_bias and not x``)
+and attribute values (``head_dim**-0.5``) are Python expression syntax,
+parsed with ``ast`` and evaluated by walking the tree: names come only from the
+environment given, and only arithmetic, comparisons, boolean logic,
+conditional expressions and literals are allowed. Nothing is ``eval``-ed.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+
+_BIN = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+    ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod, ast.Pow: operator.pow,
+}
+_CMP = {
+    ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt,
+    ast.LtE: operator.le, ast.Gt: operator.gt, ast.GtE: operator.ge,
+    ast.Is: operator.is_, ast.IsNot: operator.is_not,
+}
+
+
+class ExprError(ValueError):
+    """An expression that is malformed or names something unknown."""
+
+
+def parse_expr(text: str) -> ast.expr:
+    try:
+        return ast.parse(str(text).strip(), mode="eval").body
+    except SyntaxError as e:
+        raise ExprError(f"cannot parse expression {text!r}: {e.msg}") from None
+
+
+def evaluate(node: ast.expr | str | int | float | bool | None, env: dict):
+    """Evaluate an expression tree (or text, or a plain literal) over ``env``."""
+    if node is None or isinstance(node, (bool, int, float)):
+        return node
+    if isinstance(node, str):
+        node = parse_expr(node)
+    return _eval(node, env)
+
+
+def _eval(n: ast.expr, env: dict):
+    if isinstance(n, ast.Constant):
+        return n.value
+    if isinstance(n, ast.Name):
+        if n.id in ("true", "false", "null"):
+            return {"true": True, "false": False, "null": None}[n.id]
+        if n.id not in env:
+            raise ExprError(f"unknown name {n.id!r}")
+        return env[n.id]
+    if isinstance(n, ast.BinOp) and type(n.op) in _BIN:
+        return _BIN[type(n.op)](_eval(n.left, env), _eval(n.right, env))
+    if isinstance(n, ast.UnaryOp):
+        v = _eval(n.operand, env)
+        if isinstance(n.op, ast.USub):
+            return -v
+        if isinstance(n.op, ast.UAdd):
+            return +v
+        if isinstance(n.op, ast.Not):
+            return not v
+    if isinstance(n, ast.BoolOp):
+        vals = (_eval(v, env) for v in n.values)
+        return all(vals) if isinstance(n.op, ast.And) else any(vals)
+    if isinstance(n, ast.Compare) and all(type(o) in _CMP for o in n.ops):
+        left = _eval(n.left, env)
+        for op, right_node in zip(n.ops, n.comparators):
+            right = _eval(right_node, env)
+            if not _CMP[type(op)](left, right):
+                return False
+            left = right
+        return True
+    if isinstance(n, ast.IfExp):
+        return _eval(n.body, env) if _eval(n.test, env) else _eval(n.orelse, env)
+    if isinstance(n, (ast.List, ast.Tuple)):
+        return [_eval(e, env) for e in n.elts]
+    if isinstance(n, ast.Dict):
+        return {_eval(k, env): _eval(v, env) for k, v in zip(n.keys, n.values)}
+    raise ExprError(f"unsupported expression {ast.unparse(n)!r}")

@@ -1,0 +1,161 @@
+"""The op set: every op the IR knows, each with one shape/dtype rule.
+
+A rule takes the input types (``None`` for an absent optional input) and the
+node's attributes, checks them, and returns the output types. It raises
+``RuleError`` with a short message; the verifier adds the node and location.
+Shapes are tuples of ints and symbolic token dims ("T" for tokens, "R" for
+logit rows). Adding an op = adding one ``OpDef`` here, a torch reference in
+``kernels/torch_ref.py`` and a candidate in ``kernels/candidates.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from mxc.ir.graph import TensorType
+
+
+class RuleError(ValueError):
+    """An op's inputs or attributes do not fit its rule."""
+
+
+def _need(cond: bool, msg: Callable[[], str]) -> None:
+    if not cond:
+        raise RuleError(msg())
+
+
+@dataclass(frozen=True)
+class OpDef:
+    name: str
+    inputs: tuple[str, ...]  # input names; a trailing "?" marks optional
+    rule: Callable[..., tuple[TensorType, ...]]
+    attrs: tuple[str, ...] = ()  # required attributes
+    optional_attrs: tuple[str, ...] = ()
+    doc: str = ""
+    uses_context: bool = False  # reads the forward context (sequence layout, KV cache)
+
+
+# --- rules -----------------------------------------------------------------
+
+def _embedding(ids, table, **_):
+    _need(len(ids.shape) == 1 and ids.dtype == "int64", lambda: f"ids must be [T] int64, got {ids}")
+    _need(len(table.shape) == 2, lambda: f"table must be [vocab, hidden], got {table}")
+    return (TensorType((ids.shape[0], table.shape[1]), table.dtype),)
+
+
+def _rms_norm(x, w, eps, **_):
+    _need(len(w.shape) == 1 and x.shape[-1] == w.shape[0], lambda: f"weight {w} does not match the last dim of {x}")
+    _need(eps > 0, lambda: f"eps must be > 0, got {eps}")
+    return (x,)
+
+
+def _linear(x, w, bias=None, **_):
+    _need(len(x.shape) == 2 and len(w.shape) == 2, lambda: f"expects x [T, K] and w [N, K], got {x} and {w}")
+    _need(x.shape[1] == w.shape[1], lambda: f"x {x} and weight {w} disagree on K")
+    if bias is not None:
+        _need(bias.shape == (w.shape[0],), lambda: f"bias {bias} must be [{w.shape[0]}]")
+    return (TensorType((x.shape[0], w.shape[0]), x.dtype),)
+
+
+def _heads(x, size, **_):
+    _need(len(x.shape) == 2 and x.shape[1] % size == 0, lambda: f"cannot split {x} into heads of {size}")
+    return (TensorType((x.shape[0], x.shape[1] // size, size), x.dtype),)
+
+
+def _flatten_heads(x, **_):
+    _need(len(x.shape) == 3, lambda: f"expects [T, heads, head_dim], got {x}")
+    return (TensorType((x.shape[0], x.shape[1] * x.shape[2]), x.dtype),)
+
+
+def _rope(q, k, positions, spec, **_):
+    _need(len(q.shape) == 3 and len(k.shape) == 3 and q.shape[2] == k.shape[2], lambda: f"q {q} and k {k} must be [T, heads, head_dim]")
+    _need(positions.dtype == "int64" and positions.shape == (q.shape[0],), lambda: f"positions {positions} must be [T] int64")
+    _need(spec.get("rotary_dim", q.shape[2]) <= q.shape[2], lambda: f"rotary_dim {spec.get('rotary_dim')} exceeds head_dim {q.shape[2]}")
+    return (q, k)
+
+
+def _attention(q, k, v, **attrs):
+    _need(len(q.shape) == 3 and k.shape == v.shape and len(k.shape) == 3, lambda: f"expects q, k, v [T, heads, head_dim], got {q}, {k}, {v}")
+    _need(q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2], lambda: f"q {q} and k {k} disagree")
+    _need(q.shape[1] % k.shape[1] == 0, lambda: f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
+    return (q,)
+
+
+def _same2(a, b, **_):
+    _need(a == b, lambda: f"inputs differ: {a} vs {b}")
+    return (a,)
+
+
+def _unary(x, **_):
+    return (x,)
+
+
+def _silu_mul(x, **_):
+    _need(len(x.shape) == 2 and x.shape[1] % 2 == 0, lambda: f"expects [T, 2*I], got {x}")
+    return (TensorType((x.shape[0], x.shape[1] // 2), x.dtype),)
+
+
+def _split(x, sizes, **_):
+    _need(sum(sizes) == x.shape[-1], lambda: f"sizes {list(sizes)} do not add up to the last dim of {x}")
+    return tuple(TensorType(x.shape[:-1] + (s,), x.dtype) for s in sizes)
+
+
+def _gather_rows(x, rows, **_):
+    _need(len(rows.shape) == 1 and rows.dtype == "int64", lambda: f"rows must be [R] int64, got {rows}")
+    return (TensorType((rows.shape[0],) + x.shape[1:], x.dtype),)
+
+
+# --- the op list -------------------------------------------------------------
+
+OPS: dict[str, OpDef] = {d.name: d for d in [
+    # lookup
+    OpDef("embedding", ("ids", "table"), _embedding, doc="rows of table: [T] -> [T, H]"),
+    OpDef("gather_rows", ("x", "rows"), _gather_rows, doc="x[rows]: [T, H] -> [R, H]"),
+    # elementwise
+    OpDef("add", ("a", "b"), _same2),
+    OpDef("mul", ("a", "b"), _same2),
+    OpDef("silu", ("x",), _unary),
+    OpDef("silu_mul", ("x",), _silu_mul, doc="silu(x[:, :I]) * x[:, I:] (fused by merge_gate_up)"),
+    # normalisation
+    OpDef("rms_norm", ("x", "weight"), _rms_norm, attrs=("eps",), doc="over the last dim"),
+    # matmul
+    OpDef("linear", ("x", "weight", "bias?"), _linear, doc="x @ weight.T + bias"),
+    # layout
+    OpDef("heads", ("x",), _heads, attrs=("size",), doc="[T, n*d] -> [T, n, d]"),
+    OpDef("flatten_heads", ("x",), _flatten_heads, doc="[T, n, d] -> [T, n*d]"),
+    OpDef("split", ("x",), _split, attrs=("sizes",), doc="along the last dim (made by merge_qkv)"),
+    # attention
+    OpDef("rope", ("q", "k", "positions"), _rope, attrs=("spec",), doc="rotary embedding of q and k",
+          uses_context=True),
+    OpDef("attention", ("q", "k", "v"), _attention, attrs=("scale", "layer"),
+          optional_attrs=("causal", "sliding_window"),
+          doc="causal GQA attention per sequence; reads and appends KV cache slot `layer`",
+          uses_context=True),
+]}
+
+
+def n_outputs(op: str, attrs: dict) -> int:
+    if op == "split":
+        return len(attrs.get("sizes", ()))
+    return 2 if op == "rope" else 1
+
+
+def infer(op: str, in_types: list, attrs: dict) -> tuple[TensorType, ...]:
+    """Apply ``op``'s rule. Raises RuleError on a mismatch."""
+    d = OPS[op]
+    names = [n.rstrip("?") for n in d.inputs]
+    if len(in_types) > len(names):
+        raise RuleError(f"takes at most {len(names)} inputs ({', '.join(d.inputs)}), got {len(in_types)}")
+    for n, t in zip(d.inputs, list(in_types) + [None] * (len(names) - len(in_types))):
+        if t is None and not n.endswith("?"):
+            raise RuleError(f"input {n!r} is required")
+    missing = [a for a in d.attrs if a not in attrs]
+    if missing:
+        raise RuleError(f"missing attribute(s) {', '.join(missing)}")
+    known = set(d.attrs) | set(d.optional_attrs) | {"kernel", "kernel_reason"}
+    extra = [a for a in attrs if a not in known]
+    if extra:
+        raise RuleError(f"unknown attribute(s) {', '.join(extra)}; {op} takes {', '.join(sorted(known - {'kernel', 'kernel_reason'})) or 'none'}")
+    rule_attrs = {k: v for k, v in attrs.items() if k in d.attrs or k in d.optional_attrs}
+    return d.rule(*in_types, **rule_attrs)

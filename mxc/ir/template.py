@@ -1,0 +1,254 @@
+"""Binding a model file to a configuration: YAML template -> concrete Graph.
+
+A model file declares ``params`` (read from the checkpoint's config, with
+defaults as expressions over earlier params), ``inputs``, ``weights`` (shape
+expressions, HF names, optional ``when`` conditions, ``tied_to``), a ``graph``
+of statements with ``repeat`` and ``when`` blocks, and ``outputs``. Binding
+evaluates every expression, drops disabled weights and blocks, unrolls nested
+calls into named values and renames to SSA (a rebound name gets a fresh
+value; rebinding an outer name inside a repeat makes it loop-carried).
+Every error names the file, the line and the field.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from mxc.ir.expr import ExprError, evaluate
+from mxc.ir.graph import Graph, Node, Repeat, ShardSpec, Sym, TensorType, Weight
+from mxc.ir.ops import OPS, n_outputs
+from mxc.ir.statements import Call, StatementError, parse_statement
+from mxc.ir.yaml_source import LDict, SourceError, load_yaml
+
+TOP_KEYS = {"family", "doc", "params", "inputs", "weights", "ignore", "graph", "outputs", "tiny_config"}
+WEIGHT_KEYS = {"shape", "hf", "shard", "when", "tied_to", "tied_if", "init"}
+PARAM_KEYS = {"default", "resolve", "doc"}
+DTYPES = ("float32", "bfloat16", "float16")
+
+Resolver = Callable[[dict, dict], Any]  # (hf config, params so far) -> value
+
+
+def read_model_file(path: Path | str) -> LDict:
+    data = load_yaml(path)
+    err = SourceError(path)
+    if not isinstance(data, dict):
+        raise err(1, "top level", "expected a mapping with family, params, inputs, weights, graph, outputs")
+    for key in data:
+        if key not in TOP_KEYS:
+            raise err(data.key_line(key), key, f"unknown section; expected one of {', '.join(sorted(TOP_KEYS))}")
+    for key in ("family", "params", "inputs", "weights", "graph", "outputs"):
+        if key not in data:
+            raise err(data.line, key, "missing required section")
+    return data
+
+
+def bind(path: Path | str, config: dict, *, dtype: str, overrides: dict | None = None,
+         resolvers: dict[str, Resolver] | None = None) -> Graph:
+    """Bind the model file at ``path`` to ``config`` (an HF config dict)."""
+    data = read_model_file(path)
+    return _Binder(Path(path), data, config, dtype, overrides or {}, resolvers or {}).run()
+
+
+class _Binder:
+    def __init__(self, path, data, config, dtype, overrides, resolvers):
+        self.path, self.data, self.config = path, data, config
+        self.err = SourceError(path.name)
+        self.dtype, self.overrides, self.resolvers = dtype, overrides, resolvers
+        self.used_names: set[str] = set()
+        self.aliases: dict[str, str] = {}  # tied weight -> the weight it reuses
+        self.disabled: set[str] = set()  # weights whose `when` is false
+
+    # --- helpers --------------------------------------------------------------
+    def eval(self, expr, env, line, field):
+        try:
+            return evaluate(expr, env)
+        except (ExprError, TypeError, ZeroDivisionError) as e:
+            raise self.err(line, field, str(e)) from None
+
+    def fresh(self, base: str) -> str:
+        name, n = base, 0
+        while name in self.used_names:
+            n += 1
+            name = f"{base}_{n}"
+        self.used_names.add(name)
+        return name
+
+    # --- sections -------------------------------------------------------------
+    def run(self) -> Graph:
+        d = self.data
+        if self.dtype not in DTYPES:
+            raise self.err(0, "dtype", f"expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        self.params = self.resolve_params(d["params"])
+        inputs = self.read_inputs(d["inputs"])
+        self.used_names.update(inputs)
+        weights = self.read_weights(d["weights"], self.params, prefix="", hf_prefix="", where="weights")
+        self.top_weights = weights
+        scope = {name: name for name in inputs}
+        body = self.block(d["graph"], scope, self.params, weights, "graph")
+        outs = d["outputs"]
+        if not isinstance(outs, list) or not outs:
+            raise self.err(d.key_line("outputs"), "outputs", "expected a non-empty list of value names")
+        outputs = []
+        for o in outs:
+            if o not in scope:
+                raise self.err(getattr(o, "line", 0), "outputs", f"{o!r} is not a value defined in the graph")
+            outputs.append(scope[o])
+        ignore = [str(x) for x in d.get("ignore", [])]
+        ignore += [self.tied_hf[w] for w in self.aliases]
+        return Graph(family=str(d["family"]), dtype=self.dtype, config=self.params, inputs=inputs,
+                     weights=weights, body=tuple(body), outputs=tuple(outputs), ignore=tuple(ignore),
+                     source=self.path.name)
+
+    def resolve_params(self, spec) -> dict:
+        if not isinstance(spec, dict):
+            raise self.err(self.data.key_line("params"), "params", "expected a mapping name -> {default: expr}")
+        params: dict[str, Any] = {}
+        for name, p in spec.items():
+            line = spec.key_line(name)
+            p = p or {}
+            if not isinstance(p, dict) or set(p) - PARAM_KEYS:
+                raise self.err(line, f"params.{name}", f"expected a mapping with keys among {sorted(PARAM_KEYS)}")
+            if name in self.overrides:
+                params[name] = self.overrides[name]
+            elif "resolve" in p:
+                fn = self.resolvers.get(p["resolve"])
+                if fn is None:
+                    raise self.err(line, f"params.{name}.resolve", f"unknown resolver {p['resolve']!r}")
+                params[name] = fn(self.config, params)
+            elif self.config.get(name) is not None:
+                params[name] = self.config[name]
+            elif "default" in p:
+                params[name] = self.eval(p["default"], params, line, f"params.{name}.default")
+            else:
+                raise self.err(line, f"params.{name}", f"config.json has no field {name!r} and the model file gives no default")
+        return params
+
+    def read_inputs(self, spec) -> dict[str, TensorType]:
+        out = {}
+        for name, t in spec.items():
+            if not isinstance(t, dict) or "shape" not in t:
+                raise self.err(spec.key_line(name), f"inputs.{name}", "expected {shape: [...], dtype: ...}")
+            out[str(name)] = TensorType(tuple(str(s) if isinstance(s, str) else s for s in t["shape"]), str(t.get("dtype", self.dtype)))
+        return out
+
+    def read_weights(self, spec, env, prefix, hf_prefix, where) -> dict[str, Weight]:
+        if not isinstance(spec, dict):
+            raise self.err(getattr(spec, "line", 0), where, "expected a mapping name -> {shape, hf, ...}")
+        self.tied_hf = getattr(self, "tied_hf", {})
+        out = {}
+        for name, w in spec.items():
+            line, field = spec.key_line(name), f"{where}.{name}"
+            if not isinstance(w, dict):
+                raise self.err(line, field, "expected a mapping with shape and hf")
+            unknown = set(w) - WEIGHT_KEYS
+            if unknown:
+                raise self.err(line, field, f"unknown key(s) {sorted(unknown)}; expected among {sorted(WEIGHT_KEYS)}")
+            for key in ("shape", "hf"):
+                if key not in w:
+                    raise self.err(line, field, f"missing {key!r}")
+            if "when" in w and not self.eval(w["when"], env, line, f"{field}.when"):
+                self.disabled.add(name)
+                continue
+            shape = self.eval_shape(w["shape"], env, line, f"{field}.shape")
+            shard = w.get("shard")
+            if shard is not None and shard not in ShardSpec.KINDS:
+                raise self.err(line, f"{field}.shard", f"expected one of {', '.join(ShardSpec.KINDS)}, got {shard!r}")
+            init = str(w.get("init", "normal"))
+            if init not in ("normal", "ones"):
+                raise self.err(line, f"{field}.init", f"expected 'normal' or 'ones', got {init!r}")
+            hf = f"{hf_prefix}{w['hf']}"
+            if "tied_to" in w and self.eval(w.get("tied_if", "true"), env, line, f"{field}.tied_if"):
+                target = w["tied_to"]
+                if target not in out:
+                    raise self.err(line, f"{field}.tied_to", f"{target!r} is not a weight declared above it")
+                if out[target].shape != shape:
+                    raise self.err(line, f"{field}.tied_to", f"shape {list(shape)} differs from {target} {list(out[target].shape)}")
+                self.aliases[name] = target
+                self.tied_hf[name] = hf
+                continue
+            out[str(name)] = Weight(name=f"{prefix}{name}", shape=shape, dtype=self.dtype, hf=(hf,), init=init,
+                                    shard=ShardSpec(str(shard)) if shard else None)
+        return out
+
+    def eval_shape(self, spec, env, line, field) -> tuple[int, ...]:
+        if not isinstance(spec, list):
+            raise self.err(line, field, "expected a list of dimension expressions")
+        dims = tuple(self.eval(s, env, line, field) for s in spec)
+        for s, d in zip(spec, dims):
+            if not isinstance(d, int) or isinstance(d, bool) or d <= 0:
+                raise self.err(line, field, f"{s!r} evaluates to {d!r}; expected a positive integer")
+        return dims
+
+    # --- graph body -----------------------------------------------------------
+    def block(self, items, scope, env, weights, where) -> list:
+        if not isinstance(items, list):
+            raise self.err(getattr(items, "line", 0), where, "expected a list of statements")
+        out: list = []
+        for item in items:
+            if isinstance(item, str):
+                out.extend(self.statement(item, scope, env, weights))
+            elif isinstance(item, dict) and "repeat" in item:
+                out.append(self.repeat(item, scope, env, weights))
+            elif isinstance(item, dict) and "when" in item:
+                if set(item) != {"when", "body"}:
+                    raise self.err(item.line, f"{where}.when", "a when block has exactly the keys when and body")
+                if self.eval(item["when"], env, item.line, f"{where}.when"):
+                    out.extend(self.block(item["body"], scope, env, weights, f"{where}.when"))
+            else:
+                raise self.err(getattr(item, "line", 0), where, "expected a statement 'x = op(...)', a repeat block or a when block")
+        return out
+
+    def repeat(self, item, scope, env, weights) -> Repeat:
+        spec, line = item["repeat"], item.line
+        if set(item) - {"repeat", "weights", "body"} or not isinstance(spec, dict):
+            raise self.err(line, "repeat", "expected {repeat: {count, index, name, hf_prefix}, weights: {...}, body: [...]}")
+        count = self.eval(spec.get("count"), env, line, "repeat.count")
+        index = str(spec.get("index", "i"))
+        if not isinstance(count, int) or count <= 0:
+            raise self.err(line, "repeat.count", f"expected a positive integer, got {count!r}")
+        inner_env = dict(env, **{index: Sym(index)})
+        local = self.read_weights(item.get("weights") or LDict(), env, str(spec.get("name", "")),
+                                  str(spec.get("hf_prefix", "")), "repeat.weights")
+        inner_scope = dict(scope)
+        body = self.block(item.get("body"), inner_scope, inner_env, {**weights, **local}, "repeat.body")
+        carry = {scope[k]: v for k, v in inner_scope.items() if k in scope and v != scope[k]}
+        return Repeat(count=count, index=index, weights=local, body=tuple(body), carry=carry, loc=f"{self.path.name}:{line}")
+
+    def statement(self, text, scope, env, weights) -> list[Node]:
+        line = getattr(text, "line", 0)
+        try:
+            targets, call = parse_statement(text)
+        except StatementError as e:
+            raise self.err(line, "graph", f"{e} in {str(text)!r}") from None
+        nodes: list[Node] = []
+        outs = self.emit(call, targets, scope, env, weights, nodes, line)
+        for t, o in zip(targets, outs):
+            scope[t] = o
+        return nodes
+
+    def emit(self, call: Call, targets, scope, env, weights, nodes, line) -> list[str]:
+        loc = f"{self.path.name}:{line}"
+        if call.op not in OPS:
+            raise self.err(line, "graph", f"unknown op {call.op!r}; known ops: {', '.join(sorted(OPS))}")
+        ins = []
+        for a in call.args:
+            if isinstance(a, Call):
+                ins.append(self.emit(a, None, scope, env, weights, nodes, line)[0])
+            elif a is None or a in self.disabled:
+                ins.append(None)
+            elif a in scope:
+                ins.append(scope[a])
+            elif a in weights or a in self.aliases:
+                ins.append(self.aliases.get(a, a))
+            else:
+                raise self.err(line, "graph", f"{call.op}: unknown name {a!r} (not a value defined above, an input or a weight)")
+        attrs = {k: self.eval(v, env, line, f"{call.op}.{k}") for k, v in call.kwargs.items()}
+        n = n_outputs(call.op, attrs)
+        if targets is not None and len(targets) != n:
+            raise self.err(line, "graph", f"{call.op} has {n} output(s), but {len(targets)} name(s) are assigned")
+        while ins and ins[-1] is None:
+            ins.pop()
+        outs = [self.fresh(t) for t in targets] if targets else [self.fresh(f"t_{call.op}")]
+        nodes.append(Node(call.op, tuple(outs), tuple(ins), attrs, loc))
+        return outs

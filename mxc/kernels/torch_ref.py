@@ -1,0 +1,109 @@
+"""Torch reference implementations: one function per IR op.
+
+These are the oracle for every other kernel and the CPU target's code path.
+They are written for clarity and numerical fidelity with Hugging Face
+transformers (reductions in float32, results cast back), not for speed.
+Generated forward programs call them as ``torch_ref.<op>(inputs..., attrs...)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mxc.kernels import rope as rope_ref
+from mxc.kernels.context import ForwardContext
+
+
+def embedding(ids, table):
+    return F.embedding(ids, table)
+
+
+def gather_rows(x, rows):
+    return x.index_select(0, rows)
+
+
+def add(a, b):
+    return a + b
+
+
+def mul(a, b):
+    return a * b
+
+
+def silu(x):
+    return F.silu(x)
+
+
+def silu_mul(x):
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rms_norm(x, weight, eps):
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def linear(x, weight, bias=None):
+    return F.linear(x, weight, bias)
+
+
+def heads(x, size):
+    return x.view(x.shape[0], -1, size)
+
+
+def flatten_heads(x):
+    return x.reshape(x.shape[0], -1)
+
+
+def split(x, sizes):
+    return tuple(x.split(list(sizes), dim=-1))
+
+
+def rope(q, k, positions, ctx: ForwardContext, spec):
+    key = ("rope", id(spec))
+    if key not in ctx.memo:  # one cos/sin table per call, shared by all layers
+        ctx.memo[key] = rope_ref.cos_sin(spec, positions, q.dtype)
+    cos, sin = ctx.memo[key]
+    return rope_ref.apply_rope(q, cos, sin), rope_ref.apply_rope(k, cos, sin)
+
+
+def attention(q, k, v, ctx: ForwardContext, scale, layer, causal=True, sliding_window=None):
+    """Causal GQA attention per sequence of the flattened batch, through the KV cache if any.
+
+    q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]. Token j of sequence b sits at
+    position past_lens[b] + j and sees keys at positions p with p <= its own
+    and (with a sliding window w) p > its own - w.
+    """
+    out = torch.empty_like(q)
+    start = 0
+    for b, n in enumerate(ctx.seq_lens):
+        past = ctx.past_lens[b]
+        qb, kb, vb = q[start:start + n], k[start:start + n], v[start:start + n]
+        if ctx.k_cache is not None:
+            slot = ctx.slots[b]
+            ctx.k_cache[layer][slot, past:past + n] = kb
+            ctx.v_cache[layer][slot, past:past + n] = vb
+            kb, vb = ctx.k_cache[layer][slot, :past + n], ctx.v_cache[layer][slot, :past + n]
+        out[start:start + n] = _attend(qb, kb, vb, past, scale, causal, sliding_window)
+        start += n
+    return out
+
+
+def _attend(q, k, v, past, scale, causal, sliding_window):
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    qpos = past + torch.arange(q.shape[0]).unsqueeze(1)
+    kpos = torch.arange(k.shape[0]).unsqueeze(0)
+    allowed = torch.ones_like(scores[0], dtype=torch.bool)
+    if causal:
+        allowed &= kpos <= qpos
+    if sliding_window is not None:
+        allowed &= kpos > qpos - sliding_window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.einsum("hqk,khd->qhd", probs, v)

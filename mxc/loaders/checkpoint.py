@@ -1,0 +1,212 @@
+"""Reading Hugging Face checkpoints one tensor at a time.
+
+This module owns finding the weight files in a checkpoint directory (sharded
+or single-file safetensors, sharded or single-file ``pytorch_model.bin``) and
+handing out tensors one by one, with shape and dtype available without reading
+any tensor data. Safetensors files are memory-mapped through ``safe_open``;
+``.bin`` files are loaded with ``weights_only=True`` (never plain unpickling),
+memory-mapped when possible, and only one ``.bin`` shard is held at a time. Every
+problem a user can cause (missing, truncated or unsafe files, bad index, unknown
+tensor name) becomes a one-line ``MxcError`` naming the file or tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from mxc.errors import MxcError
+
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+    "BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+_EXPECTED = ("model.safetensors.index.json, model.safetensors, *.safetensors, "
+             "pytorch_model.bin.index.json or pytorch_model.bin")
+
+
+def _short(exc: BaseException) -> str:
+    """The first line of an exception message, for embedding in a one-line error."""
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _open_safetensors(path: Path):
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise MxcError(f"{path}: not a valid safetensors file (truncated or corrupt?): {_short(e)}") from None
+
+
+def _load_bin(path: Path) -> dict[str, torch.Tensor]:
+    """Load a ``.bin`` state dict with ``weights_only=True``, memory-mapped when possible."""
+    try:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except pickle.UnpicklingError:
+            raise
+        except Exception:  # e.g. legacy (non-zip) format, which cannot be memory-mapped
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        reason = re.search(r"WeightsUnpickler error:\s*(.+?)(?: was not|\n|$)", str(e))
+        reason = reason.group(1).strip() if reason else _short(e)
+        if "Unsupported global" in reason:
+            raise MxcError(f"{path}: contains non-tensor pickled objects ({reason}); "
+                           "refused for safety (only weights_only loading is allowed)") from None
+        raise MxcError(f"{path}: not a valid PyTorch checkpoint: {reason}") from None
+    except Exception as e:  # torch.load reports malformed files with many exception types
+        raise MxcError(f"{path}: not a valid PyTorch checkpoint: {_short(e)}") from None
+    if not isinstance(state, dict):
+        raise MxcError(f"{path}: expected a dict of tensors, found {type(state).__name__}")
+    for name, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise MxcError(f"{path}: entry {name!r} is a {type(value).__name__}, expected a tensor")
+    return state
+
+
+def _read_index(path: Path) -> dict[str, Path]:
+    """Parse a sharded-checkpoint index into name -> shard path, checking every shard exists."""
+    try:
+        weight_map = json.loads(path.read_text())["weight_map"]
+    except json.JSONDecodeError as e:
+        raise MxcError(f"{path}: not valid JSON: {e}") from None
+    except (KeyError, TypeError):
+        raise MxcError(f"{path}: expected a JSON object with a 'weight_map' field") from None
+    if not isinstance(weight_map, dict):
+        raise MxcError(f"{path}: 'weight_map' must map tensor names to file names")
+    result = {}
+    for name, file in weight_map.items():
+        shard = path.parent / str(file)
+        if not shard.is_file():
+            raise MxcError(f"{path}: weight_map entry {name!r} points at missing file {shard}")
+        result[name] = shard
+    return result
+
+
+class Checkpoint:
+    """The tensors of one checkpoint directory, read lazily one at a time."""
+
+    def __init__(self, directory: Path, name_to_file: dict[str, Path]):
+        self.directory = directory
+        self._where = name_to_file
+        self.files: list[Path] = sorted(set(name_to_file.values()))
+        self._handles: dict[Path, object] = {}
+        self._bin: tuple[Path, dict[str, torch.Tensor]] | None = None
+
+    # -- internals ---------------------------------------------------------
+    def _file(self, name: str) -> Path:
+        try:
+            return self._where[name]
+        except KeyError:
+            raise MxcError(f"tensor {name!r} not found in checkpoint {self.directory}") from None
+
+    def _handle(self, path: Path):
+        if path not in self._handles:
+            self._handles[path] = _open_safetensors(path)
+        return self._handles[path]
+
+    def _bin_state(self, path: Path) -> dict[str, torch.Tensor]:
+        if self._bin is None or self._bin[0] != path:
+            self._bin = None  # drop the previous shard before loading the next
+            self._bin = (path, _load_bin(path))
+        return self._bin[1]
+
+    def _bin_tensor(self, name: str, path: Path) -> torch.Tensor:
+        state = self._bin_state(path)
+        if name not in state:
+            raise MxcError(f"{path}: tensor {name!r} listed in the index is not in the file")
+        return state[name]
+
+    # -- public API --------------------------------------------------------
+    def names(self) -> list[str]:
+        return sorted(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        path = self._file(name)
+        if path.suffix == ".safetensors":
+            return tuple(self._handle(path).get_slice(name).get_shape())
+        return tuple(self._bin_tensor(name, path).shape)
+
+    def dtype(self, name: str) -> torch.dtype:
+        path = self._file(name)
+        if path.suffix == ".safetensors":
+            code = self._handle(path).get_slice(name).get_dtype()
+            if code not in SAFETENSORS_DTYPES:
+                raise MxcError(f"{path}: tensor {name!r} has unsupported dtype {code}")
+            return SAFETENSORS_DTYPES[code]
+        return self._bin_tensor(name, path).dtype
+
+    def get(self, name: str) -> torch.Tensor:
+        path = self._file(name)
+        if path.suffix == ".safetensors":
+            try:
+                return self._handle(path).get_tensor(name)
+            except (SafetensorError, OSError, ValueError) as e:
+                raise MxcError(f"{path}: cannot read tensor {name!r}: {_short(e)}") from None
+        return self._bin_tensor(name, path)
+
+    def close(self) -> None:
+        self._handles.clear()
+        self._bin = None
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _safetensors_checkpoint(directory: Path, files: list[Path], index: Path | None = None) -> Checkpoint:
+    """Open every safetensors file up front (header only) so corrupt shards fail early."""
+    if index is not None:
+        where = _read_index(index)
+        handles = {path: _open_safetensors(path) for path in sorted(set(where.values()))}
+        present = {path: set(handle.keys()) for path, handle in handles.items()}
+        for name, path in where.items():
+            if name not in present[path]:
+                raise MxcError(f"{path}: tensor {name!r} listed in {index.name} is not in the file")
+    else:
+        where = {}
+        handles = {path: _open_safetensors(path) for path in files}
+        for path, handle in handles.items():
+            for name in handle.keys():
+                if name in where:
+                    raise MxcError(f"{path}: tensor {name!r} also appears in {where[name]}")
+                where[name] = path
+    ckpt = Checkpoint(directory, where)
+    ckpt._handles.update(handles)
+    return ckpt
+
+
+def open_checkpoint(directory) -> Checkpoint:
+    """Find the weight files in ``directory`` and return a lazily-reading ``Checkpoint``."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise MxcError(f"{directory}: checkpoint directory does not exist")
+    st_index = directory / "model.safetensors.index.json"
+    bin_index = directory / "pytorch_model.bin.index.json"
+    single_bin = directory / "pytorch_model.bin"
+    if st_index.is_file():
+        return _safetensors_checkpoint(directory, [], index=st_index)
+    if (directory / "model.safetensors").is_file():
+        return _safetensors_checkpoint(directory, [directory / "model.safetensors"])
+    others = sorted(p for p in directory.glob("*.safetensors") if p.is_file())
+    if others:
+        return _safetensors_checkpoint(directory, others)
+    if bin_index.is_file():
+        return Checkpoint(directory, _read_index(bin_index))
+    if single_bin.is_file():
+        state = _load_bin(single_bin)
+        ckpt = Checkpoint(directory, {name: single_bin for name in state})
+        ckpt._bin = (single_bin, state)
+        return ckpt
+    raise MxcError(f"{directory}: no checkpoint found; expected one of {_EXPECTED}")

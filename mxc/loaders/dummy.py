@@ -1,0 +1,50 @@
+"""Deterministic random weights, for the built-in default model and benchmarks.
+
+``DummyCheckpoint`` answers the same questions as a real ``Checkpoint`` for
+exactly the tensors a graph asks for. Each tensor's values depend only on its
+name, shape and init (``normal``: N(0, 0.02); ``ones``: 1 + N(0, 0.02) for
+norm scales), never on the order tensors are read in, so builds are
+reproducible bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from mxc.ir import Graph
+
+
+class DummyCheckpoint:
+    def __init__(self, graph: Graph):
+        self.directory = "<dummy weights>"
+        self._specs: dict[str, tuple[tuple[int, ...], str]] = {}
+        for w in graph.all_weights():
+            rows = w.segments or (w.shape[0],)
+            for hf, r in zip(w.hf, rows):
+                self._specs[hf] = ((r,) + w.shape[1:], w.init)
+
+    def names(self) -> list[str]:
+        return sorted(self._specs)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._specs[name][0]
+
+    def dtype(self, name: str) -> torch.dtype:
+        return torch.float32
+
+    def get(self, name: str) -> torch.Tensor:
+        shape, init = self._specs[name]
+        seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") & (2**63 - 1)
+        t = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 0.02
+        return t + 1.0 if init == "ones" else t
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,108 @@
+"""A streaming safetensors writer whose peak memory is one tensor.
+
+The model builder knows the final dtype and shape of every output tensor before
+it reads any weight data, so this module owns writing the safetensors header
+first (offsets laid out in the order the specs are given, data starting 8-byte
+aligned) and then each tensor's bytes at its precomputed offset, one tensor at
+a time and in any order. It checks every tensor against its spec and refuses to
+close a file with tensors missing, raising one-line ``MxcError``s that name the
+file and tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import torch
+
+from mxc.errors import MxcError
+
+DTYPE_CODES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+
+
+class SafetensorsWriter:
+    """Write a safetensors file tensor by tensor against a header fixed up front."""
+
+    def __init__(self, path, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None):
+        self.path = Path(path)
+        self._specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        self._offsets: dict[str, int] = {}
+        header: dict[str, object] = {}
+        if metadata:
+            if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+                raise MxcError(f"{self.path}: safetensors metadata must map str to str")
+            header["__metadata__"] = dict(metadata)
+        offset = 0
+        for name, (dtype, shape) in specs.items():
+            if dtype not in DTYPE_CODES:
+                raise MxcError(f"{self.path}: tensor {name!r} has unsupported dtype {dtype}")
+            shape = tuple(int(d) for d in shape)
+            size = dtype.itemsize
+            for d in shape:
+                size *= d
+            header[name] = {"dtype": DTYPE_CODES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + size]}
+            self._specs[name] = (dtype, shape)
+            self._offsets[name] = offset
+            offset += size
+        encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        encoded += b" " * (-(8 + len(encoded)) % 8)  # tensor data starts 8-byte aligned
+        self._data_start = 8 + len(encoded)
+        self._written: set[str] = set()
+        self._file = open(self.path, "wb")
+        self._file.write(struct.pack("<Q", len(encoded)))
+        self._file.write(encoded)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write one tensor's bytes at its offset; it must match its spec exactly."""
+        if name not in self._specs:
+            raise MxcError(f"{self.path}: tensor {name!r} is not in the header specs")
+        if name in self._written:
+            raise MxcError(f"{self.path}: tensor {name!r} was already written")
+        dtype, shape = self._specs[name]
+        if tensor.dtype != dtype:
+            raise MxcError(f"{self.path}: tensor {name!r} expected dtype {dtype}, got {tensor.dtype}")
+        if tuple(tensor.shape) != shape:
+            raise MxcError(f"{self.path}: tensor {name!r} expected shape {list(shape)}, "
+                           f"got {list(tensor.shape)}")
+        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        self._file.seek(self._data_start + self._offsets[name])
+        if data.numel():
+            self._file.write(memoryview(data.numpy()))
+        self._written.add(name)
+
+    def missing(self) -> list[str]:
+        """Names from the specs not yet written, in header order."""
+        return [name for name in self._specs if name not in self._written]
+
+    def close(self) -> None:
+        """Close the file; raise if any tensor was never written."""
+        if self._file.closed:
+            return
+        self._file.close()
+        missing = self.missing()
+        if missing:
+            shown = ", ".join(repr(n) for n in missing[:3])
+            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+            raise MxcError(f"{self.path}: {len(missing)} tensor(s) never written: {shown}{more}")
+
+    def abort(self) -> None:
+        """Close the file without the completeness check (the caller deletes it)."""
+        self._file.close()
+
+    def __enter__(self) -> SafetensorsWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+        else:
+            self.close()

@@ -1,0 +1,5 @@
+"""Model definitions (one YAML per architecture family), the registry, bundled tiny configs."""
+
+from mxc.models.registry import MODELS_DIR, Entry, architecture_of, bind_model, lookup, model_files, registry
+
+__all__ = ["MODELS_DIR", "Entry", "architecture_of", "bind_model", "lookup", "model_files", "registry"]

@@ -1,0 +1,82 @@
+"""The model registry: HF ``architectures`` strings -> model definition files.
+
+``registry.yaml`` maps each architecture to a model file in this folder, the
+params it sets (``set``, values are literals or expressions over config.json
+fields) and config values it cannot serve (``refuse_if``). ``bind_model``
+binds a definition to a config, with the resolvers model files may name
+(``rope``). An unknown architecture fails naming it and listing the known ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from mxc.errors import MxcError
+from mxc.ir import Graph, bind
+from mxc.ir.expr import ExprError, evaluate
+from mxc.models.rope_config import normalize_rope
+
+MODELS_DIR = Path(__file__).parent
+
+
+@dataclass(frozen=True)
+class Entry:
+    architecture: str
+    model: str
+    set: dict = field(default_factory=dict)
+    refuse_if: dict = field(default_factory=dict)
+    tested: bool = True
+
+    @property
+    def path(self) -> Path:
+        return MODELS_DIR / self.model
+
+
+def registry() -> dict[str, Entry]:
+    data = yaml.safe_load((MODELS_DIR / "registry.yaml").read_text())
+    return {arch: Entry(arch, **spec) for arch, spec in data.items()}
+
+
+def model_files() -> list[str]:
+    return sorted(p.name for p in MODELS_DIR.glob("*.yaml") if p.name != "registry.yaml")
+
+
+def lookup(architecture: str, config_path: str = "config.json") -> Entry:
+    reg = registry()
+    if architecture not in reg:
+        raise MxcError(f"{config_path}: architecture {architecture!r} is not supported; "
+                       f"supported: {', '.join(sorted(reg))}")
+    return reg[architecture]
+
+
+def architecture_of(config: dict, config_path: str = "config.json") -> str:
+    archs = config.get("architectures") or []
+    if not isinstance(archs, list) or len(archs) != 1:
+        raise MxcError(f"{config_path}: field 'architectures' must list exactly one architecture, got {archs!r}")
+    return archs[0]
+
+
+def _resolve_rope(config: dict, params: dict) -> dict:
+    return normalize_rope(config, params["head_dim"])
+
+
+RESOLVERS = {"rope": _resolve_rope}
+
+
+def bind_model(model_file: Path, config: dict, dtype: str, entry: Entry | None,
+               config_path: str = "config.json") -> Graph:
+    """Bind ``model_file`` to ``config`` with the registry entry's settings."""
+    overrides = {}
+    if entry is not None:
+        for key, want in entry.refuse_if.items():
+            if config.get(key) == want:
+                raise MxcError(f"{config_path}: {key}={want!r} is not supported for {entry.architecture}")
+        for key, value in entry.set.items():
+            try:
+                overrides[key] = evaluate(value, config) if isinstance(value, str) else value
+            except ExprError as e:
+                raise MxcError(f"{config_path}: {entry.architecture} needs {e}") from None
+    return bind(model_file, config, dtype=dtype, overrides=overrides, resolvers=RESOLVERS)

@@ -1,0 +1,96 @@
+"""Loading an artifact: verify the manifest and every file, then build a Model.
+
+``load(path, device)`` refuses, with a one-line message, an artifact whose
+schema or mxc version this runtime cannot read, whose files were modified,
+added or removed (sha256 from the manifest), or whose rank count does not
+match. The generated program is executed from the verified bytes (an artifact
+is code plus data: load only artifacts you trust, as with any model format
+that carries code). No compilation happens here.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as load_safetensors_bytes
+from safetensors import safe_open
+
+import mxc
+from mxc.artifact_format import SCHEMA_VERSION, file_digests, sha256_file
+from mxc.errors import MxcError
+from mxc.runtime.model import Model
+
+
+def _compatible(version: str) -> bool:
+    return version.split(".")[:2] == mxc.__version__.split(".")[:2]
+
+
+def read_manifest(path: Path) -> dict:
+    mpath = path / "manifest.json"
+    if not mpath.is_file():
+        raise MxcError(f"{path}: not an mxc artifact (no manifest.json); build one with `mxc build`")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except json.JSONDecodeError as e:
+        raise MxcError(f"{mpath}: corrupt (not valid JSON: {e.msg} at line {e.lineno}); rebuild the artifact") from None
+    if manifest.get("schema_version") != SCHEMA_VERSION:
+        raise MxcError(f"{mpath}: artifact schema {manifest.get('schema_version')} is not readable by this mxc "
+                       f"(schema {SCHEMA_VERSION}); rebuild it with mxc {mxc.__version__}")
+    if not _compatible(str(manifest.get("mxc_version", ""))):
+        raise MxcError(f"{mpath}: built by mxc {manifest.get('mxc_version')}, incompatible with mxc "
+                       f"{mxc.__version__}; rebuild it, or load it with mxc {manifest.get('mxc_version')}")
+    return manifest
+
+
+def verify_files(path: Path, manifest: dict) -> None:
+    expected = manifest.get("files", {})
+    present = file_digests_names(path)
+    extra = sorted(present - set(expected))
+    if extra:
+        raise MxcError(f"{path}: file {extra[0]} is not part of the artifact (not in manifest.json); "
+                       f"remove it or rebuild")
+    for rel, digest in expected.items():
+        f = path / rel
+        if not f.is_file():
+            raise MxcError(f"{path}: {rel} is missing; the artifact is incomplete, rebuild it")
+        if sha256_file(f) != digest:
+            raise MxcError(f"{path}: {rel} was modified since the build (sha256 mismatch); rebuild the artifact")
+
+
+def file_digests_names(path: Path) -> set[str]:
+    return {p.relative_to(path).as_posix() for p in path.rglob("*")
+            if p.is_file() and p.name != "manifest.json" and "__pycache__" not in p.parts}
+
+
+def _exec_program(path: Path, digest: str) -> types.ModuleType:
+    source = path.read_bytes()
+    import hashlib
+
+    if hashlib.sha256(source).hexdigest() != digest:  # re-check the bytes we execute
+        raise MxcError(f"{path}: modified while loading; rebuild the artifact")
+    module = types.ModuleType(f"mxc_artifact_{digest[:12]}")
+    module.__file__ = str(path)
+    exec(compile(source, str(path), "exec"), module.__dict__)
+    return module
+
+
+def load(path, device: str = "cpu", rank: int = 0, world_size: int = 1, verify: bool = True) -> Model:
+    """Load the artifact at ``path`` onto ``device``."""
+    path = Path(path)
+    if not path.is_dir():
+        raise MxcError(f"{path}: no such artifact directory")
+    manifest = read_manifest(path)
+    tp = manifest.get("tp", 1)
+    if world_size != tp:
+        raise MxcError(f"{path}: built for tp={tp}, but loaded with world_size={world_size}")
+    if verify:
+        verify_files(path, manifest)
+    program = _exec_program(path / "code" / "forward.py", manifest["files"]["code/forward.py"])
+    weights = {}
+    with safe_open(path / "weights" / f"rank{rank}.safetensors", framework="pt", device=str(device)) as f:
+        for name in f.keys():
+            weights[name] = f.get_tensor(name)
+    return Model(program.forward, weights, manifest, torch.device(device), path)

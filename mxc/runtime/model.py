@@ -1,0 +1,121 @@
+"""A loaded model: full-sequence logits and KV-cached generation.
+
+``Model`` wraps the artifact's generated ``forward`` with the runtime's side
+of the contract: flattening a ``[batch, seq]`` batch into the IR's token
+list, building the ``ForwardContext`` (sequence lengths, KV cache) and
+choosing which rows need logits. ``generate`` prefills the prompt, then
+decodes one token per step over a preallocated KV cache.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mxc.errors import MxcError
+from mxc.kernels.context import ForwardContext
+from mxc.runtime.sampling import sample
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Model:
+    def __init__(self, forward, weights: dict[str, torch.Tensor], manifest: dict, device: torch.device, path: Path):
+        self._forward = forward
+        self.manifest = manifest
+        self.device = device
+        self.path = path
+        info = manifest["runtime"]
+        self.vocab_size: int = info["vocab_size"]
+        self.dtype = DTYPES[info["dtype"]]
+        self.eos_token_ids: list[int] = info["eos_token_id"]
+        self._kv = info["kv_cache"]
+        self._top, self._layers = _split_layers(weights, info.get("layers"))
+
+    # --- input checks -------------------------------------------------------------
+    def _ids(self, input_ids) -> torch.Tensor:
+        ids = torch.as_tensor(input_ids)
+        if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32) or ids.shape[1] == 0:
+            raise MxcError(f"input_ids must be a [batch, seq] integer tensor with seq >= 1, got "
+                           f"{list(ids.shape)} {ids.dtype}")
+        bad = (ids < 0) | (ids >= self.vocab_size)
+        if bad.any():
+            where = bad.nonzero()[0].tolist()
+            raise MxcError(f"token id {int(ids[tuple(where)])} at {where} is outside the vocabulary "
+                           f"(0..{self.vocab_size - 1})")
+        return ids.to(self.device, torch.int64)
+
+    def _run(self, ctx: ForwardContext, tokens, positions, logit_rows) -> torch.Tensor:
+        with torch.inference_mode():
+            return self._forward(self._top, self._layers, ctx, tokens, positions, logit_rows)
+
+    # --- API ----------------------------------------------------------------------
+    def logits(self, input_ids) -> torch.Tensor:
+        """[batch, seq] token ids -> [batch, seq, vocab] float32 logits (causal, no cache)."""
+        ids = self._ids(input_ids)
+        b, s = ids.shape
+        positions = torch.arange(s, device=self.device).repeat(b)
+        rows = torch.arange(b * s, device=self.device)
+        out = self._run(ForwardContext.no_cache([s] * b), ids.reshape(-1), positions, rows)
+        return out.float().reshape(b, s, -1)
+
+    def new_cache(self, batch: int, max_len: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        kv = self._kv
+        shape = (batch, max_len, kv["kv_heads"], kv["head_dim"])
+        make = lambda: [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(kv["layers"])]
+        return make(), make()
+
+    def generate(self, input_ids, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
+                 top_p: float | None = None, seed: int | None = None, stop_at_eos: bool = False) -> torch.Tensor:
+        """Prefill, then decode one token per step over a KV cache. Returns the new ids [batch, <=max_new_tokens].
+
+        With ``stop_at_eos``, a sequence that produced an end-of-sequence token
+        keeps producing it, and generation ends when every sequence has.
+        """
+        ids = self._ids(input_ids)
+        if max_new_tokens < 1:
+            raise MxcError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if temperature < 0 or (top_p is not None and not 0 < top_p <= 1) or (top_k is not None and top_k < 1):
+            raise MxcError("sampling needs temperature >= 0, 0 < top_p <= 1 and top_k >= 1")
+        gen = torch.Generator(self.device).manual_seed(seed) if seed is not None else None
+        b, s = ids.shape
+        k_cache, v_cache = self.new_cache(b, s + max_new_tokens)
+        slots = list(range(b))
+        eos = torch.tensor(self.eos_token_ids or [-1], device=self.device)
+        done = torch.zeros(b, dtype=torch.bool, device=self.device)
+
+        ctx = ForwardContext([s] * b, [0] * b, slots, k_cache, v_cache)
+        positions = torch.arange(s, device=self.device).repeat(b)
+        rows = torch.arange(b, device=self.device) * s + (s - 1)
+        logits = self._run(ctx, ids.reshape(-1), positions, rows)
+        out = []
+        for step in range(max_new_tokens):
+            nxt = sample(logits, temperature, top_k, top_p, gen)
+            if stop_at_eos:
+                nxt = torch.where(done, eos[0], nxt)
+                done |= torch.isin(nxt, eos)
+            out.append(nxt)
+            if step == max_new_tokens - 1 or (stop_at_eos and bool(done.all())):
+                break
+            pos = s + step
+            ctx = ForwardContext([1] * b, [pos] * b, slots, k_cache, v_cache)
+            logits = self._run(ctx, nxt, torch.full((b,), pos, device=self.device), torch.arange(b, device=self.device))
+        return torch.stack(out, dim=1).cpu()
+
+
+def _split_layers(weights: dict, layers: dict | None):
+    """Split flat tensor names into top-level weights and per-layer dicts by local name."""
+    if not layers:
+        return weights, []
+    prefix = layers["prefix"]
+    head, _, tail = prefix.partition("{" + layers["index"] + "}")
+    per_layer = [{} for _ in range(layers["count"])]
+    top = {}
+    for name, t in weights.items():
+        if name.startswith(head) and name[len(head):].split(".")[0].isdigit():
+            idx, _, local = name[len(head):].partition(tail if tail else ".")
+            per_layer[int(idx)][local] = t
+        else:
+            top[name] = t
+    return top, per_layer

@@ -1,0 +1,49 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints made in the test, no downloads."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(min(4, torch.get_num_threads()))
+
+TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, eos_token_id=None,
+            bos_token_id=None, pad_token_id=None)
+
+CONFIG_CLASSES = {
+    "LlamaForCausalLM": "LlamaConfig", "MistralForCausalLM": "MistralConfig",
+    "Qwen2ForCausalLM": "Qwen2Config", "Qwen3ForCausalLM": "Qwen3Config",
+}
+
+
+def make_hf_model(arch: str, seed: int = 0, dtype=torch.float32, **overrides):
+    """A tiny random HF model of ``arch`` (non-trivial norm weights and biases)."""
+    import transformers
+
+    config = getattr(transformers, CONFIG_CLASSES[arch])(**{**TINY, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(config).to(dtype).eval()
+    with torch.no_grad():  # HF initialises norms to 1 and biases to 0: perturb so they are tested
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+@pytest.fixture
+def hf_checkpoint(tmp_path):
+    """Factory: save a tiny random HF model; returns (directory, model)."""
+
+    def make(arch="LlamaForCausalLM", name="ckpt", seed=0, **overrides):
+        model = make_hf_model(arch, seed=seed, **overrides)
+        path = tmp_path / name
+        model.save_pretrained(path, safe_serialization=True)
+        return path, model
+
+    return make
