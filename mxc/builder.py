@@ -98,9 +98,12 @@ def _runtime_info(graph: Graph, config: dict) -> dict:
     types = verify(graph)
     layers, kv = 0, None
     for node, rep in graph.nodes():
-        if node.op == "attention":
+        if node.op == "attention":  # unfused: k is [T, kv_heads, head_dim]
             layers += rep.count if rep else 1
             kv = types[node.ins[1]].shape[1:]
+        elif node.op == "qkv_rope_cache":
+            layers += rep.count if rep else 1
+            kv = (node.attrs["kv_heads"], node.attrs["head_dim"])
     reps = graph.repeats()
     if len(reps) > 1:
         raise NotImplementedError("the runtime's weight layout supports one repeated block")

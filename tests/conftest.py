@@ -7,6 +7,20 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Without a GPU, Triton kernels run in Triton's interpreter. This must be set
+# before any module defining a kernel is imported (the decorator reads it).
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # pragma: no cover
+        return False
+
+
+if not _has_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

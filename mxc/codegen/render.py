@@ -55,7 +55,8 @@ class _Renderer:
         module, _, fn = n.attrs["kernel"].partition(".")
         self.modules.add(module)
         args = []
-        for v in n.ins:
+        n_inputs = len(OPS[n.op].inputs)
+        for v in list(n.ins) + [None] * (n_inputs - len(n.ins)):
             if v is None:
                 args.append("None")
             elif v in local_weights:

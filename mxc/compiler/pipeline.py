@@ -10,13 +10,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from mxc.compiler.options import BuildOptions
-from mxc.compiler.passes import eliminate_dead_code, merge_gate_up, merge_qkv, select_kernels
+from mxc.compiler.passes import (eliminate_dead_code, fuse_add_rms_norm, fuse_rope_cache, merge_gate_up, merge_qkv,
+                                  select_kernels)
 from mxc.ir import Graph, dump_graph, verify
 
 PIPELINE = [
     # fusion: fewer, larger GEMMs
     ("merge_qkv", merge_qkv.run),
     ("merge_gate_up", merge_gate_up.run),
+    # fusion: fewer kernels and round trips through memory
+    ("fuse_rope_cache", fuse_rope_cache.run),
+    ("fuse_add_rms_norm", fuse_add_rms_norm.run),
     # cleanup
     ("eliminate_dead_code", eliminate_dead_code.run),
     # lowering: every node claimed by a kernel for the target

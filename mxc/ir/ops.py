@@ -82,6 +82,21 @@ def _attention(q, k, v, **attrs):
     return (q,)
 
 
+def _qkv_rope_cache(qkv, positions, q_norm=None, k_norm=None, *, heads, kv_heads, head_dim, **_):
+    width = (heads + 2 * kv_heads) * head_dim
+    _need(len(qkv.shape) == 2 and qkv.shape[1] == width, lambda: f"qkv {qkv} must be [T, {width}] for {heads}+2*{kv_heads} heads of {head_dim}")
+    _need(positions.dtype == "int64" and positions.shape == (qkv.shape[0],), lambda: f"positions {positions} must be [T] int64")
+    for norm in (q_norm, k_norm):
+        _need(norm is None or norm.shape == (head_dim,), lambda: f"q/k norm weight {norm} must be [{head_dim}]")
+    _need((q_norm is None) == (k_norm is None), lambda: "q_norm and k_norm come together")
+    return (TensorType((qkv.shape[0], heads, head_dim), qkv.dtype),)
+
+
+def _add_rms_norm(a, b, w, eps, **_):
+    _need(a == b, lambda: f"inputs differ: {a} vs {b}")
+    return (a,) + _rms_norm(a, w, eps)
+
+
 def _same2(a, b, **_):
     _need(a == b, lambda: f"inputs differ: {a} vs {b}")
     return (a,)
@@ -132,13 +147,24 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
           optional_attrs=("causal", "sliding_window"),
           doc="causal GQA attention per sequence; reads and appends KV cache slot `layer`",
           uses_context=True),
+    # fused (made by compiler passes)
+    OpDef("add_rms_norm", ("a", "b", "weight"), _add_rms_norm, attrs=("eps",),
+          doc="s = a + b; (s, rms_norm(s)) -- fuse_add_rms_norm"),
+    OpDef("qkv_rope_cache", ("qkv", "positions", "q_norm?", "k_norm?"), _qkv_rope_cache,
+          attrs=("heads", "kv_heads", "head_dim", "spec", "layer"), optional_attrs=("eps",),
+          doc="split merged qkv, optional per-head q/k RMSNorm, rotate q and k, write k and v to KV cache "
+              "slot `layer`; returns q -- fuse_rope_cache", uses_context=True),
+    OpDef("cached_attention", ("q",), lambda q, **_: (q,), attrs=("scale", "layer"),
+          optional_attrs=("causal", "sliding_window"),
+          doc="attention over KV cache slot `layer`, which the preceding qkv_rope_cache filled -- fuse_rope_cache",
+          uses_context=True),
 ]}
 
 
 def n_outputs(op: str, attrs: dict) -> int:
     if op == "split":
         return len(attrs.get("sizes", ()))
-    return 2 if op == "rope" else 1
+    return 2 if op in ("rope", "add_rms_norm") else 1
 
 
 def infer(op: str, in_types: list, attrs: dict) -> tuple[TensorType, ...]:

@@ -1,13 +1,20 @@
 """What a forward call knows besides its tensors: sequences and the KV cache.
 
 The IR's tokens are all sequences flattened into one ``[T]`` batch.
-``ForwardContext`` says how they split (``seq_lens``), how many tokens each
-sequence already has in the cache (``past_lens``), and holds the per-layer
-cache tensors ``k_cache[layer]``/``v_cache[layer]`` of shape
-``[slots, max_len, kv_heads, head_dim]`` (``slots[b]`` = the row of sequence b).
-With no cache, attention is over the call's own tokens only. Kernels read it;
-the runtime builds it. ``memo`` holds values shared by every layer of one call
-(the RoPE cos/sin tables).
+``ForwardContext`` says how they split and where their keys and values live:
+
+- host lists (read by the torch reference): ``seq_lens[b]`` new tokens of
+  sequence b, ``past_lens[b]`` tokens already cached, ``slots[b]`` its cache row;
+- the same on the device (read by GPU kernels, fixed addresses under CUDA
+  graphs): ``cache_loc [T] int64`` = slot * max_len + position of each token,
+  ``kv_lens [B] int32`` = past + new, ``slots_t [B] int32``, ``q_start [B+1]
+  int32`` (prefix sums of seq_lens), ``max_q_len`` and ``decode`` (every
+  sequence has exactly one new token);
+- ``k_cache[layer]``/``v_cache[layer]``: ``[slots, max_len, kv_heads, head_dim]``;
+- ``rope_tables``: RoPE cos/sin tables prepared at load, by spec;
+- ``memo``: values shared by every layer of one call.
+
+Kernels read it; the runtime builds it.
 """
 
 from __future__ import annotations
@@ -24,8 +31,31 @@ class ForwardContext:
     slots: list[int]
     k_cache: list[torch.Tensor] | None = None
     v_cache: list[torch.Tensor] | None = None
+    cache_loc: torch.Tensor | None = None
+    kv_lens: torch.Tensor | None = None
+    slots_t: torch.Tensor | None = None
+    q_start: torch.Tensor | None = None
+    max_q_len: int = 0
+    decode: bool = False
+    rope_tables: dict = field(default_factory=dict)
     memo: dict = field(default_factory=dict)
 
     @classmethod
     def no_cache(cls, seq_lens: list[int]) -> "ForwardContext":
         return cls(list(seq_lens), [0] * len(seq_lens), list(range(len(seq_lens))))
+
+    @classmethod
+    def build(cls, seq_lens: list[int], past_lens: list[int], slots: list[int], k_cache, v_cache,
+              device) -> "ForwardContext":
+        """A context with both the host lists and their device tensors."""
+        max_len = k_cache[0].shape[1] if k_cache else 0
+        loc = [s * max_len + p + j for s, p, n in zip(slots, past_lens, seq_lens) for j in range(n)]
+        starts = [0]
+        for n in seq_lens:
+            starts.append(starts[-1] + n)
+        i32 = dict(dtype=torch.int32, device=device)
+        return cls(list(seq_lens), list(past_lens), list(slots), k_cache, v_cache,
+                   cache_loc=torch.tensor(loc, dtype=torch.int64, device=device),
+                   kv_lens=torch.tensor([p + n for p, n in zip(past_lens, seq_lens)], **i32),
+                   slots_t=torch.tensor(slots, **i32), q_start=torch.tensor(starts, **i32),
+                   max_q_len=max(seq_lens), decode=all(n == 1 for n in seq_lens))

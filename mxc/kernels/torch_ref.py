@@ -107,3 +107,39 @@ def _attend(q, k, v, past, scale, causal, sliding_window):
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+# --- fused ops (made by compiler passes) ----------------------------------------
+
+def add_rms_norm(a, b, weight, eps):
+    s = a + b
+    return s, rms_norm(s, weight, eps)
+
+
+def qkv_rope_cache(qkv, positions, q_norm=None, k_norm=None, ctx: ForwardContext = None, *, heads, kv_heads,
+                   head_dim, spec, layer, eps=None):
+    """split + heads + optional q/k RMSNorm + RoPE, then k and v into KV-cache slot ``layer``; returns q."""
+    q, k, v = (t.view(t.shape[0], -1, head_dim) for t in qkv.split(
+        [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1))
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    q, k = rope(q, k, positions, ctx, spec)
+    start = 0
+    for b, n in enumerate(ctx.seq_lens):
+        slot, past = ctx.slots[b], ctx.past_lens[b]
+        ctx.k_cache[layer][slot, past:past + n] = k[start:start + n]
+        ctx.v_cache[layer][slot, past:past + n] = v[start:start + n]
+        start += n
+    return q
+
+
+def cached_attention(q, ctx: ForwardContext, scale, layer, causal=True, sliding_window=None):
+    """Attention of q over KV-cache slot ``layer`` (already holding this call's keys and values)."""
+    out = torch.empty_like(q)
+    start = 0
+    for b, n in enumerate(ctx.seq_lens):
+        slot, past = ctx.slots[b], ctx.past_lens[b]
+        kb, vb = ctx.k_cache[layer][slot, :past + n], ctx.v_cache[layer][slot, :past + n]
+        out[start:start + n] = _attend(q[start:start + n], kb, vb, past, scale, causal, sliding_window)
+        start += n
+    return out

@@ -57,7 +57,9 @@ class Model:
         b, s = ids.shape
         positions = torch.arange(s, device=self.device).repeat(b)
         rows = torch.arange(b * s, device=self.device)
-        out = self._run(ForwardContext.no_cache([s] * b), ids.reshape(-1), positions, rows)
+        k_cache, v_cache = self.new_cache(b, s)
+        ctx = ForwardContext.build([s] * b, [0] * b, list(range(b)), k_cache, v_cache, self.device)
+        out = self._run(ctx, ids.reshape(-1), positions, rows)
         return out.float().reshape(b, s, -1)
 
     def new_cache(self, batch: int, max_len: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -85,7 +87,7 @@ class Model:
         eos = torch.tensor(self.eos_token_ids or [-1], device=self.device)
         done = torch.zeros(b, dtype=torch.bool, device=self.device)
 
-        ctx = ForwardContext([s] * b, [0] * b, slots, k_cache, v_cache)
+        ctx = ForwardContext.build([s] * b, [0] * b, slots, k_cache, v_cache, self.device)
         positions = torch.arange(s, device=self.device).repeat(b)
         rows = torch.arange(b, device=self.device) * s + (s - 1)
         logits = self._run(ctx, ids.reshape(-1), positions, rows)
@@ -99,7 +101,7 @@ class Model:
             if step == max_new_tokens - 1 or (stop_at_eos and bool(done.all())):
                 break
             pos = s + step
-            ctx = ForwardContext([1] * b, [pos] * b, slots, k_cache, v_cache)
+            ctx = ForwardContext.build([1] * b, [pos] * b, slots, k_cache, v_cache, self.device)
             logits = self._run(ctx, nxt, torch.full((b,), pos, device=self.device), torch.arange(b, device=self.device))
         return torch.stack(out, dim=1).cpu()
 

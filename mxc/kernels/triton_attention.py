@@ -1,0 +1,301 @@
+"""Causal GQA attention through the paged-by-slot KV cache: decode and prefill, in Triton.
+
+Owns the two Triton paths of the ``attention`` op (reference:
+``torch_ref.attention``). Both read keys/values from the cache, which already
+holds this call's keys/values (a separate kernel writes them first):
+
+    k_cache, v_cache [S, L, HKV, D]   S slots, L rows per slot, contiguous
+    slots   [B] int32                 cache row of sequence b
+    kv_lens [B] int32                 valid cache rows of sequence b (this call's tokens included)
+
+Key position p is visible to query position t iff p <= t and, with a sliding
+window w, p > t - w. Query heads h use kv head h // (HQ // HKV).
+
+Versions:
+- ``decode_attention``: one new token per sequence (position kv_lens[b] - 1).
+  Flash-decoding: grid (B, HKV, NUM_SPLITS); a program takes all GROUP query
+  heads of one kv head (K/V rows are read once per group; the group is padded
+  to >= 16 rows for tl.dot) over a fixed chunk of the cache, ceil(L / NUM_SPLITS)
+  rows rounded up to BLOCK_N. The chunk depends on L only, so the grid is static
+  (ahead-of-time builds, CUDA graphs); rows beyond kv_lens[b] are skipped by the
+  loop bounds. Each split writes an unnormalised-by-others partial output and
+  its log-sum-exp (base 2) to fp32 scratch; ``_decode_reduce_kernel`` merges the
+  splits (a split with no visible row has lse = -inf and weight 0). With
+  NUM_SPLITS == 1 the split kernel writes the output directly (one launch).
+- ``prefill_attention``: variable-length batch of query tokens, sequence b's
+  tokens q[q_start[b]:q_start[b+1]] at positions kv_lens[b] - n_b .. kv_lens[b] - 1
+  (a cached prefix, as in chunked prefill, works the same). FlashAttention-2:
+  grid (cdiv(max_q_len, BLOCK_M), B, HQ), programs past a sequence's end exit;
+  each loops over key blocks between the window start of its first query and the
+  causal limit of its last, with an online softmax.
+
+Numerics: scores, softmax statistics and accumulators in fp32; tl.dot operands
+in the model dtype (fp32 models use exact fp32 dots, ``input_precision="ieee"``).
+The probabilities are cast to the value dtype before P @ V, as the reference does.
+Not done yet (tune on the GPU): separate unmasked/masked key loops in prefill,
+num_stages/num_warps per head size, split counts from the SM count and batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mxc.kernels.launch import launch
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, kv_lens_ptr, out_ptr, part_out_ptr,
+                         part_lse_ptr, scale,  #
+                         HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, L: tl.constexpr,  #
+                         HAS_WINDOW: tl.constexpr, WINDOW: tl.constexpr,  #
+                         NUM_SPLITS: tl.constexpr, SPLIT_SIZE: tl.constexpr,  #
+                         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    GROUP: tl.constexpr = HQ // HKV
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    slot = tl.load(slots_ptr + b).to(tl.int64)  # int64: S * L * HKV * D may pass 2^31
+    kv_len = tl.load(kv_lens_ptr + b)
+    # rows of this split that the new token (position kv_len - 1) sees
+    lo = split * SPLIT_SIZE
+    hi = tl.minimum(lo + SPLIT_SIZE, kv_len)
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, kv_len - WINDOW)
+
+    offs_g = tl.arange(0, BLOCK_G)  # query heads of the group, padded
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + offs_g
+    mask_g = offs_g < GROUP
+    mask_d = offs_d < HEAD_DIM
+
+    # q [BLOCK_G, BLOCK_D] of q [B, HQ, D]
+    q = tl.load(q_ptr + (b * HQ + heads[:, None]) * HEAD_DIM + offs_d[None, :],
+                mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+    # k^T [BLOCK_D, BLOCK_N] and v [BLOCK_N, BLOCK_D] of cache[slot, n, kvh, :]
+    kv_base = slot * (L * HKV * HEAD_DIM) + kvh * HEAD_DIM
+    kt_ptrs = k_cache_ptr + kv_base + offs_n[None, :] * (HKV * HEAD_DIM) + offs_d[:, None]
+    v_ptrs = v_cache_ptr + kv_base + offs_n[:, None] * (HKV * HEAD_DIM) + offs_d[None, :]
+
+    qk_scale = scale * 1.4426950408889634  # exp(x) = exp2(x * log2(e))
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    # every block holds at least one visible row, so m_i is finite after the first one
+    for start_n in range(lo, hi, BLOCK_N):
+        mask_n = start_n + offs_n < hi
+        kt = tl.load(kt_ptrs + start_n * (HKV * HEAD_DIM), mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+        s = tl.dot(q, kt, input_precision="ieee") * qk_scale  # [BLOCK_G, BLOCK_N] fp32
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptrs + start_n * (HKV * HEAD_DIM), mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + (b * HQ + heads[:, None]) * HEAD_DIM + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+    else:
+        # part_out [B, HQ, NUM_SPLITS, D], part_lse [B, HQ, NUM_SPLITS]: normalised partial
+        # output and log2-sum-exp2 of this split (-inf when it saw no row)
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        row = (b * HQ + heads) * NUM_SPLITS + split
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out,
+                 mask=mask_g[:, None] & mask_d[None, :])
+        tl.store(part_lse_ptr + row, lse, mask=mask_g)
+
+
+@triton.jit
+def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr,  #
+                          HQ: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,  #
+                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < NUM_SPLITS
+    mask_d = offs_d < HEAD_DIM
+    row = (b * HQ + h) * NUM_SPLITS + offs_s
+    lse = tl.load(part_lse_ptr + row, mask=mask_s, other=float("-inf"))  # [BLOCK_S]
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # no visible row at all: every weight is 0
+    w = tl.exp2(lse - m)  # empty splits: exp2(-inf) = 0
+    part = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+                   mask=mask_s[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
+    part = tl.where(w[:, None] > 0, part, 0.0)
+    denom = tl.sum(w, 0)
+    out = tl.sum(part * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + (b * HQ + h) * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty), mask=mask_d)
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, kv_lens_ptr, q_start_ptr, out_ptr, scale,  #
+                    HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, L: tl.constexpr,  #
+                    HAS_WINDOW: tl.constexpr, WINDOW: tl.constexpr,  #
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    GROUP: tl.constexpr = HQ // HKV
+    pid_m = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    kvh = h // GROUP
+
+    tok0 = tl.load(q_start_ptr + b)
+    n_q = tl.load(q_start_ptr + b + 1) - tok0
+    start_m = pid_m * BLOCK_M
+    if start_m >= n_q:  # the grid covers the longest sequence
+        return
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    kv_len = tl.load(kv_lens_ptr + b)
+    past = kv_len - n_q  # position of the sequence's first query token
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < n_q
+    mask_d = offs_d < HEAD_DIM
+    pos_m = past + offs_m  # [BLOCK_M] query positions
+
+    # q [BLOCK_M, BLOCK_D] of q [T, HQ, D]
+    q_offs = ((tok0 + offs_m[:, None]) * HQ + h) * HEAD_DIM + offs_d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    kv_base = slot * (L * HKV * HEAD_DIM) + kvh * HEAD_DIM
+    kt_ptrs = k_cache_ptr + kv_base + offs_n[None, :] * (HKV * HEAD_DIM) + offs_d[:, None]
+    v_ptrs = v_cache_ptr + kv_base + offs_n[:, None] * (HKV * HEAD_DIM) + offs_d[None, :]
+
+    # keys from the window start of the block's first query to the causal limit of its last
+    hi = tl.minimum(kv_len, past + start_m + BLOCK_M)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(0, past + start_m - WINDOW + 1)
+
+    qk_scale = scale * 1.4426950408889634  # exp(x) = exp2(x * log2(e))
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        pos_n = start_n + offs_n
+        mask_n = pos_n < hi
+        kt = tl.load(kt_ptrs + start_n * (HKV * HEAD_DIM), mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+        s = tl.dot(q, kt, input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N] fp32
+        visible = mask_n[None, :] & (pos_n[None, :] <= pos_m[:, None])
+        if HAS_WINDOW:
+            visible = visible & (pos_n[None, :] > pos_m[:, None] - WINDOW)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # a row may see nothing in this block and nothing before (window, causal edge):
+        # shift by 0 then, so its p and alpha are exp2(-inf) = 0, not NaN
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_shift)
+        p = tl.exp2(s - m_shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptrs + start_n * (HKV * HEAD_DIM), mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + q_offs, out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# wrappers: check, allocate, launch (pure functions of shapes, dtypes and static arguments)
+
+
+def default_splits(L: int) -> int:
+    """Decode splits for a cache of L rows: each split covers >= 256 rows, at most 16 splits."""
+    return max(1, min(16, L // 256))
+
+
+def _block_d(D: int) -> int:
+    return max(16, triton.next_power_of_2(D))
+
+
+def _block_n(D: int) -> int:
+    # toy head sizes (tests) get small blocks so loops, edges and splits are exercised
+    return 16 if D <= 32 else (64 if D <= 128 else 32)
+
+
+def _check_cache(q, k_cache, v_cache, slots, kv_lens, HQ, D):
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (
+        f"k_cache/v_cache must be [S, L, HKV, D] alike, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    HKV = k_cache.shape[2]
+    assert k_cache.shape[3] == D, f"head_dim mismatch: q {D}, cache {k_cache.shape[3]}"
+    assert HQ % HKV == 0, f"query heads {HQ} not a multiple of kv heads {HKV}"
+    assert q.dtype == k_cache.dtype == v_cache.dtype, f"dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+    assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"unsupported dtype {q.dtype}"
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        assert t.is_contiguous(), f"{name} must be contiguous"
+    B = slots.shape[0]
+    assert slots.dtype == kv_lens.dtype == torch.int32, "slots and kv_lens must be int32"
+    assert slots.shape == kv_lens.shape == (B,), f"slots {tuple(slots.shape)} / kv_lens {tuple(kv_lens.shape)}"
+    return B, HKV
+
+
+def _window(sliding_window):
+    assert sliding_window is None or sliding_window >= 1, f"sliding_window must be >= 1, got {sliding_window}"
+    return dict(HAS_WINDOW=sliding_window is not None, WINDOW=sliding_window or 0)
+
+
+def decode_attention(q, k_cache, v_cache, slots, kv_lens, scale: float, sliding_window: int | None = None,
+                     num_splits: int | None = None):
+    """q [B, HQ, D] (the token at position kv_lens[b] - 1) -> out [B, HQ, D]."""
+    assert q.dim() == 3, f"q must be [B, HQ, D], got {tuple(q.shape)}"
+    B, HQ, D = q.shape
+    Bc, HKV = _check_cache(q, k_cache, v_cache, slots, kv_lens, HQ, D)
+    assert Bc == B, f"{B} query rows but {Bc} sequences"
+    L = k_cache.shape[1]
+    NUM_SPLITS = default_splits(L) if num_splits is None else num_splits
+    assert 1 <= NUM_SPLITS <= L, f"num_splits must be in [1, {L}], got {NUM_SPLITS}"
+    BLOCK_N = _block_n(D)
+    SPLIT_SIZE = triton.cdiv(triton.cdiv(L, NUM_SPLITS), BLOCK_N) * BLOCK_N  # block-aligned chunks
+
+    out = torch.empty((B, HQ, D), dtype=q.dtype, device=q.device)
+    if NUM_SPLITS > 1:
+        part_out = torch.empty((B, HQ, NUM_SPLITS, D), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((B, HQ, NUM_SPLITS), dtype=torch.float32, device=q.device)
+    else:  # the split kernel writes out directly; scratch pointers are unused
+        part_out = part_lse = out
+    BLOCK_D = _block_d(D)
+    launch(_decode_split_kernel, (B, HKV, NUM_SPLITS),
+           [q, k_cache, v_cache, slots, kv_lens, out, part_out, part_lse, float(scale)],
+           dict(HQ=HQ, HKV=HKV, HEAD_DIM=D, L=L, **_window(sliding_window), NUM_SPLITS=NUM_SPLITS,
+                SPLIT_SIZE=SPLIT_SIZE, BLOCK_G=max(16, triton.next_power_of_2(HQ // HKV)), BLOCK_N=BLOCK_N,
+                BLOCK_D=BLOCK_D), num_warps=4, num_stages=2)
+    if NUM_SPLITS > 1:
+        launch(_decode_reduce_kernel, (B, HQ), [part_out, part_lse, out],
+               dict(HQ=HQ, HEAD_DIM=D, NUM_SPLITS=NUM_SPLITS, BLOCK_S=triton.next_power_of_2(NUM_SPLITS),
+                    BLOCK_D=BLOCK_D), num_warps=1, num_stages=1)
+    return out
+
+
+def prefill_attention(q, k_cache, v_cache, slots, kv_lens, q_start, max_q_len: int, scale: float,
+                      sliding_window: int | None = None):
+    """q [T, HQ, D], sequence b's tokens q[q_start[b]:q_start[b+1]] -> out [T, HQ, D].
+
+    ``max_q_len`` bounds every sequence's token count (it sizes the grid).
+    """
+    assert q.dim() == 3, f"q must be [T, HQ, D], got {tuple(q.shape)}"
+    T, HQ, D = q.shape
+    B, HKV = _check_cache(q, k_cache, v_cache, slots, kv_lens, HQ, D)
+    assert q_start.dtype == torch.int32 and q_start.shape == (B + 1,), (
+        f"q_start must be int32 [B + 1] = [{B + 1}], got {q_start.dtype} {tuple(q_start.shape)}")
+    assert max_q_len >= 1, f"max_q_len must be >= 1, got {max_q_len}"
+    L = k_cache.shape[1]
+    BLOCK_N = _block_n(D)
+    BLOCK_M = min(BLOCK_N, max(16, triton.next_power_of_2(max_q_len)))
+
+    out = torch.empty((T, HQ, D), dtype=q.dtype, device=q.device)
+    launch(_prefill_kernel, (triton.cdiv(max_q_len, BLOCK_M), B, HQ),
+           [q, k_cache, v_cache, slots, kv_lens, q_start, out, float(scale)],
+           dict(HQ=HQ, HKV=HKV, HEAD_DIM=D, L=L, **_window(sliding_window), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                BLOCK_D=_block_d(D)), num_warps=4 if D <= 64 else 8, num_stages=2)
+    return out
