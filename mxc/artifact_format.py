@@ -25,4 +25,8 @@ def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
 def file_digests(root: Path) -> dict[str, str]:
     """sha256 of every file under ``root`` except the manifest, by relative path."""
     return {p.relative_to(root).as_posix(): sha256_file(p) for p in sorted(root.rglob("*"))
-            if p.is_file() and p.name != "manifest.json" and "__pycache__" not in p.parts}
+            if p.is_file() and is_listed_file(p.relative_to(root).as_posix())}
+
+
+def is_listed_file(rel: str) -> bool:
+    return rel != "manifest.json" and "__pycache__" not in rel.split("/")

@@ -55,8 +55,14 @@ def _read_config(path: Path) -> dict:
     return config
 
 
-def resolve_source(source: str, checkpoint: str | None) -> Source:
-    """Work out the model file, config and checkpoint from the command line."""
+def resolve_source(source: str, checkpoint: str | None, config: str | None = None) -> Source:
+    """Work out the model file, config and checkpoint from the command line.
+
+    ``config`` (a config.json path, no checkpoint) builds that configuration
+    with deterministic random weights: benchmarks at real shapes without a download.
+    """
+    if config is not None and checkpoint is not None:
+        raise MxcError("--config is for random weights; a --checkpoint brings its own config.json")
     src = Path(source)
     if src.is_dir():
         if checkpoint is not None:
@@ -84,10 +90,13 @@ def resolve_source(source: str, checkpoint: str | None) -> Source:
         return Source(src, config, str(config_path), ckpt, None)  # a user's own definition: no registry settings
 
     model_file = MODELS_DIR / src.with_suffix(".yaml").name if bundled else src
-    tiny = read_model_file(model_file).get("tiny_config")
-    if tiny is None:
-        raise MxcError(f"{model_file}: no --checkpoint given and the definition names no tiny_config to build with")
-    config_path = model_file.parent / str(tiny)
+    if config is not None:
+        config_path = Path(config)
+    else:
+        tiny = read_model_file(model_file).get("tiny_config")
+        if tiny is None:
+            raise MxcError(f"{model_file}: no --checkpoint given and the definition names no tiny_config")
+        config_path = model_file.parent / str(tiny)
     config = _read_config(config_path)
     entry = lookup(architecture_of(config, str(config_path)), str(config_path)) if bundled else None
     return Source(model_file, config, str(config_path), None, entry)
@@ -128,26 +137,37 @@ def _kernel_table(graph: Graph) -> list[dict]:
     return rows
 
 
-def _target_info(options: BuildOptions) -> dict:
+def _target_info(options: BuildOptions, arch: int | None) -> dict:
     import torch
 
-    return {"name": options.target, "torch": torch.__version__.split("+")[0]}
+    info = {"name": options.target, "torch": torch.__version__.split("+")[0]}
+    if options.target == "cuda":
+        from mxc.codegen.aot import triton_version
+
+        info.update(arch=f"sm_{arch}", triton=triton_version(), cuda=torch.version.cuda)
+    return info
 
 
 def _log(msg: str) -> None:
     print(f"mxc: {msg}", file=sys.stderr)
 
 
-def build(source: str, *, out: str | Path | None = None, checkpoint: str | None = None,
+def build(source: str, *, out: str | Path | None = None, checkpoint: str | None = None, config: str | None = None,
           dtype: str | None = None, target: str = "cpu", dump_ir: str | Path | None = None,
+          max_batch: int = 32, max_seq_len: int | None = None, arch: int = 90,
           progress: bool = True, log=_log) -> Path:
     """Build an artifact and return its directory."""
     if target not in ("cpu", "cuda"):
         raise MxcError(f"--target {target}: expected cpu or cuda")
     if dtype not in (None, "float32", "bfloat16", "float16"):
         raise MxcError(f"--dtype {dtype}: expected float32, bfloat16 or float16")
-    options = BuildOptions(target=target, dtype=dtype or ("float32" if target == "cpu" else "bfloat16"))
-    src = resolve_source(source, checkpoint)
+    src = resolve_source(source, checkpoint, config)
+    if max_seq_len is None:
+        max_seq_len = min(4096, int(src.config.get("max_position_embeddings") or 4096))
+    if max_batch < 1 or max_seq_len < 1:
+        raise MxcError(f"--max-batch {max_batch} / --max-seq-len {max_seq_len}: expected positive integers")
+    options = BuildOptions(target=target, dtype=dtype or ("float32" if target == "cpu" else "bfloat16"),
+                           max_batch=max_batch, max_seq_len=max_seq_len)
     out = Path(out) if out else Path("build") / src.model_file.stem
     if out.exists() and not (out / "manifest.json").is_file():
         raise MxcError(f"--out {out}: exists and is not an mxc artifact; choose another path or remove it")
@@ -158,10 +178,11 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     graph = compile_graph(graph, options, Path(dump_ir) if dump_ir else None)
 
     out.parent.mkdir(parents=True, exist_ok=True)
+    _recover(out)
     tmp = out.parent / f".{out.name}.building-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        _write(tmp, graph, src, options, progress, log)
+        _write(tmp, graph, src, options, arch, progress, log)
         _replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -170,7 +191,7 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     return out
 
 
-def _write(tmp: Path, graph: Graph, src: Source, options: BuildOptions, progress: bool, log) -> None:
+def _write(tmp: Path, graph: Graph, src: Source, options: BuildOptions, arch: int, progress: bool, log) -> None:
     (tmp / "code").mkdir(parents=True)
     (tmp / "weights").mkdir()
     ir_text = dump_graph(graph)
@@ -178,7 +199,10 @@ def _write(tmp: Path, graph: Graph, src: Source, options: BuildOptions, progress
     import hashlib
 
     ir_hash = hashlib.sha256(ir_text.encode()).hexdigest()
-    (tmp / "code" / "forward.py").write_text(render_forward(graph, ir_hash))
+    program_text = render_forward(graph, ir_hash)
+    (tmp / "code" / "forward.py").write_text(program_text)
+    if options.target == "cuda":
+        _compile_kernels(graph, program_text, tmp / "code" / "kernels", options, arch, progress, log)
     log("writing weights" + (f" from {src.checkpoint}" if src.checkpoint else " (deterministic random: no --checkpoint)"))
     ckpt = open_checkpoint(src.checkpoint) if src.checkpoint else DummyCheckpoint(graph)
     with ckpt:
@@ -198,7 +222,7 @@ def _write(tmp: Path, graph: Graph, src: Source, options: BuildOptions, progress
         "config": graph.config,
         "hf_config": src.config,
         "options": options.to_dict(),
-        "target": _target_info(options),
+        "target": _target_info(options, arch),
         "ir_sha256": ir_hash,
         "runtime": _runtime_info(graph, src.config),
         "kernels": _kernel_table(graph),
@@ -208,6 +232,42 @@ def _write(tmp: Path, graph: Graph, src: Source, options: BuildOptions, progress
         "files": file_digests(tmp),
     }
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def _compile_kernels(graph, program_text, out_dir, options, arch, progress, log) -> None:
+    """Record the launches of the generated program and compile each kernel for sm_<arch>."""
+    import types
+
+    from mxc.codegen import aot
+
+    program = types.ModuleType("mxc_build_program")
+    exec(compile(program_text, "forward.py", "exec"), program.__dict__)
+    specs = aot.record(program, graph, options.max_batch, options.max_seq_len)
+    log(f"compiling {len(specs)} kernels for sm_{arch} (Triton {aot.triton_version()})")
+    aot.compile_specs(specs, out_dir, arch=arch, progress=progress)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _recover(out: Path) -> None:
+    """Clean up after builds that were killed: drop their partial output; if one died between
+    its two renames, put the previous artifact back."""
+    for leftover in out.parent.glob(f".{out.name}.*-*"):
+        kind, _, pid = leftover.name.rpartition("-")
+        if not pid.isdigit() or _pid_alive(int(pid)):
+            continue
+        if kind.endswith(".old") and not out.exists():
+            os.replace(leftover, out)
+        else:
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _replace(tmp: Path, out: Path) -> None:

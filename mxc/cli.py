@@ -28,8 +28,8 @@ def _ids(text: str) -> list[int]:
 def cmd_build(args) -> None:
     from mxc.builder import build
 
-    build(args.source, out=args.out, checkpoint=args.checkpoint, dtype=args.dtype, target=args.target,
-          dump_ir=args.dump_ir)
+    build(args.source, out=args.out, checkpoint=args.checkpoint, config=args.config, dtype=args.dtype, target=args.target,
+          dump_ir=args.dump_ir, max_batch=args.max_batch, max_seq_len=args.max_seq_len)
 
 
 def cmd_generate(args) -> None:
@@ -74,11 +74,15 @@ def parser() -> argparse.ArgumentParser:
     b = sub.add_parser("build", help="build an artifact from a model definition and a checkpoint")
     b.add_argument("source", help="bundled definition (llama.yaml), a YAML path, or an HF checkpoint directory")
     b.add_argument("--checkpoint", help="HF checkpoint directory (default: bundled tiny config, random weights)")
+    b.add_argument("--config", help="a config.json to build with deterministic random weights (no checkpoint)")
     b.add_argument("--out", help="artifact directory (default: build/<definition>)")
     b.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="weight/activation dtype (default: float32 on cpu, bfloat16 on cuda)")
     b.add_argument("--target", choices=["cpu", "cuda"], default="cpu")
     b.add_argument("--dump-ir", metavar="DIR", help="write the IR after every pass into DIR")
+    b.add_argument("--max-batch", type=int, default=32, help="cuda: sequences decoded together (default 32)")
+    b.add_argument("--max-seq-len", type=int,
+                   help="cuda: KV-cache length per sequence (default: min(4096, max_position_embeddings))")
     b.set_defaults(fn=cmd_build)
 
     g = sub.add_parser("generate", help="generate tokens with a built artifact")

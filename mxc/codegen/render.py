@@ -51,9 +51,12 @@ class _Renderer:
             return self.constants[text]
         return text
 
-    def node(self, n: Node, local_weights: dict) -> dict:
-        module, _, fn = n.attrs["kernel"].partition(".")
+    def call(self, kernel: str, args: list[str]) -> str:
+        module, _, fn = kernel.partition(".")
         self.modules.add(module)
+        return f"{module}.{fn}({', '.join(args)})"
+
+    def node(self, n: Node, local_weights: dict) -> dict:
         args = []
         n_inputs = len(OPS[n.op].inputs)
         for v in list(n.ins) + [None] * (n_inputs - len(n.ins)):
@@ -68,10 +71,19 @@ class _Renderer:
         if OPS[n.op].uses_context:
             args.append("ctx")
         args += [f"{k}={self.attr(v)}" for k, v in n.attrs.items() if k not in ("kernel", "kernel_reason")]
+        kernel = n.attrs["kernel"]
+        if isinstance(kernel, str):
+            expr = self.call(kernel, args)
+        else:  # per token-count bucket: dispatch on the first input's rows
+            rows = f"{args[0]}.shape[0]"
+            *bounded, (_, last) = kernel
+            expr = self.call(last, args)
+            for hi, name in reversed(bounded):
+                expr = f"{self.call(name, args)} if {rows} <= {hi} else {expr}"
         outs = ", ".join(self.value(o) for o in n.outs)
         ir_attrs = {k: v for k, v in n.attrs.items() if k not in ("kernel_reason",) and not isinstance(v, dict)}
         return {"kind": "node", "loc": n.loc, "ir": format_statement(n.outs, n.op, n.ins, ir_attrs),
-                "code": f"{outs} = {module}.{fn}({', '.join(args)})"}
+                "code": f"{outs} = {expr}"}
 
     def render(self, ir_hash: str) -> str:
         body = []

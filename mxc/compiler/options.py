@@ -14,6 +14,8 @@ class BuildOptions:
     dtype: str = "float32"
     tp: int = 1
     quant: str | None = None
+    max_batch: int = 32  # cuda: sequences decoded together (KV-cache slots, CUDA-graph buckets)
+    max_seq_len: int = 4096  # cuda: KV-cache length per sequence
 
     def __post_init__(self):
         if self.target not in TARGETS:

@@ -63,9 +63,13 @@ def _eval(n: ast.expr, env: dict):
             return +v
         if isinstance(n.op, ast.Not):
             return not v
-    if isinstance(n, ast.BoolOp):
-        vals = (_eval(v, env) for v in n.values)
-        return all(vals) if isinstance(n.op, ast.And) else any(vals)
+    if isinstance(n, ast.BoolOp):  # Python semantics: the deciding operand, short-circuited
+        value = None
+        for v in n.values:
+            value = _eval(v, env)
+            if bool(value) != isinstance(n.op, ast.And):
+                return value
+        return value
     if isinstance(n, ast.Compare) and all(type(o) in _CMP for o in n.ops):
         left = _eval(n.left, env)
         for op, right_node in zip(n.ops, n.comparators):
@@ -79,5 +83,7 @@ def _eval(n: ast.expr, env: dict):
     if isinstance(n, (ast.List, ast.Tuple)):
         return [_eval(e, env) for e in n.elts]
     if isinstance(n, ast.Dict):
+        if any(k is None for k in n.keys):
+            raise ExprError("dict unpacking is not allowed")
         return {_eval(k, env): _eval(v, env) for k, v in zip(n.keys, n.values)}
     raise ExprError(f"unsupported expression {ast.unparse(n)!r}")

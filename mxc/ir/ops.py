@@ -58,7 +58,12 @@ def _linear(x, w, bias=None, **_):
     return (TensorType((x.shape[0], w.shape[0]), x.dtype),)
 
 
+def _positive_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
 def _heads(x, size, **_):
+    _need(_positive_int(size), lambda: f"size must be a positive integer, got {size!r}")
     _need(len(x.shape) == 2 and x.shape[1] % size == 0, lambda: f"cannot split {x} into heads of {size}")
     return (TensorType((x.shape[0], x.shape[1] // size, size), x.dtype),)
 
@@ -112,6 +117,7 @@ def _silu_mul(x, **_):
 
 
 def _split(x, sizes, **_):
+    _need(all(_positive_int(s) for s in sizes), lambda: f"sizes must be positive integers, got {list(sizes)}")
     _need(sum(sizes) == x.shape[-1], lambda: f"sizes {list(sizes)} do not add up to the last dim of {x}")
     return tuple(TensorType(x.shape[:-1] + (s,), x.dtype) for s in sizes)
 

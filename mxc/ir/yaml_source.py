@@ -32,6 +32,12 @@ class LDict(dict):
         return getattr(self, "key_lines", {}).get(key, self.line)
 
 
+class _DuplicateKey(ValueError):
+    def __init__(self, line: int, key):
+        super().__init__(f"duplicate key {key!r}")
+        self.line = line
+
+
 def _convert(node: yaml.Node):
     line = node.start_mark.line + 1
     if isinstance(node, yaml.MappingNode):
@@ -41,7 +47,7 @@ def _convert(node: yaml.Node):
             key = _convert(k)
             key = str(key) if isinstance(key, LStr) else key
             if key in out:
-                raise ValueError(f"line {k.start_mark.line + 1}: duplicate key {key!r}")
+                raise _DuplicateKey(k.start_mark.line + 1, key)
             out[key] = _convert(v)
             out.key_lines[key] = k.start_mark.line + 1
         return out
@@ -81,8 +87,8 @@ def load_yaml(path: Path | str, text: str | None = None):
         raise MxcError(f"{path}: the file is empty")
     try:
         return _convert(node)
-    except ValueError as e:
-        raise MxcError(f"{path}:{str(e)}") from None
+    except _DuplicateKey as e:
+        raise MxcError(f"{path}:{e.line}: {e}") from None
 
 
 class SourceError:

@@ -1,11 +1,12 @@
-"""Kernel candidates: who can run each IR op, for which target, and why not.
+"""Kernel candidates: who can run each IR op, for which target and token counts, and why not.
 
-Pure data and small checks; no torch import. The ``select_kernels`` pass
-walks ``CANDIDATES`` in order for every node; the first candidate whose
-``why_not`` returns ``None`` claims it, and the node records the kernel and the
-reason. When none claims a node, the build fails listing every rejection.
-Later candidates (generated Triton, cuBLAS/fp8 GEMMs per token-count bucket,
-an autotune cache) are added here, ahead of the torch reference.
+Pure data and small checks; no torch or triton import. The ``select_kernels``
+pass walks ``CANDIDATES[op]`` in order for every node: a candidate claims the
+token-count range it serves (``tokens=(lo, hi)``, ``hi=None`` = unbounded)
+unless ``why_not`` gives a reason; the first claims win until every token
+count from 1 up is covered. The node records each choice and its reason. When
+some range stays unclaimed, the build fails listing every rejection.
+A tuning cache plugs in here later: a candidate's reason becomes "measured".
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Callable
 
 from mxc.ir.ops import OPS
 
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -22,18 +25,65 @@ class Candidate:
     op: str
     targets: tuple[str, ...]
     reason: str  # why it is chosen when it claims a node
-    check: Callable | None = None  # (node, in_types, options) -> str reason it cannot, or None
+    tokens: tuple[int, int | None] = (1, None)  # token counts (rows of the op's first input) it serves
+    check: Callable | None = None  # (node, in_types, options) -> reason it cannot, or None
 
     def why_not(self, node, in_types, options) -> str | None:
         if options.target not in self.targets:
             return f"{self.name}: runs on {', '.join(self.targets)}, not {options.target}"
         if self.check is not None:
-            return self.check(node, in_types, options)
+            why = self.check(node, in_types, options)
+            return f"{self.name}: {why}" if why else None
         return None
 
 
+def _dtype_ok(node, in_types, options):
+    dtype = in_types[0].dtype
+    return None if dtype in FLOAT_DTYPES else f"dtype {dtype} is not one of {FLOAT_DTYPES}"
+
+
+def _rope_ok(node, in_types, options):
+    spec = node.attrs["spec"]
+    if spec["type"] == "dynamic":
+        return "dynamic-NTK RoPE needs per-call frequency tables (not in the Triton kernel yet)"
+    if spec["rotary_dim"] % 2:
+        return f"odd rotary dim {spec['rotary_dim']}"
+    return _dtype_ok(node, in_types, options)
+
+
+def _attention_ok(node, in_types, options):
+    d = in_types[0].shape[-1]
+    if d not in (16, 32, 64, 128, 256):
+        return f"head_dim {d} is not a power of two in 16..256"
+    return _dtype_ok(node, in_types, options)
+
+
 def _torch_ref(op: str) -> Candidate:
-    return Candidate(f"torch_ref.{op}", op, ("cpu", "cuda"), "torch reference (the only candidate for this op yet)")
+    return Candidate(f"torch_ref.{op}", op, ("cpu", "cuda"), "torch reference")
 
 
-CANDIDATES: dict[str, list[Candidate]] = {op: [_torch_ref(op)] for op in OPS}
+GPU = ("cuda",)
+GEMV_MAX_TOKENS = 32
+
+_TRITON = [
+    Candidate("triton_elementwise.embedding", "embedding", GPU, "Triton row gather"),
+    Candidate("triton_norm.rms_norm", "rms_norm", GPU, "Triton one-pass RMSNorm", check=_dtype_ok),
+    Candidate("triton_norm.add_rms_norm", "add_rms_norm", GPU, "Triton residual add fused with RMSNorm",
+              check=_dtype_ok),
+    Candidate("triton_elementwise.silu_mul", "silu_mul", GPU, "Triton fused SiLU-and-mul", check=_dtype_ok),
+    Candidate("triton_elementwise.add", "add", GPU, "Triton elementwise add", check=_dtype_ok),
+    Candidate("cuda_ops.qkv_rope_cache", "qkv_rope_cache", GPU,
+              "Triton split + q/k norm + RoPE + KV-cache write in one pass", check=_rope_ok),
+    Candidate("cuda_ops.cached_attention", "cached_attention", GPU,
+              "Triton flash attention (prefill, varlen) / split-KV flash decoding", check=_attention_ok),
+    Candidate("triton_gemv.linear_small_m", "linear", GPU,
+              f"Triton GEMV/split-K: bandwidth-bound at <= {GEMV_MAX_TOKENS} tokens", tokens=(1, GEMV_MAX_TOKENS),
+              check=_dtype_ok),
+    Candidate("cublas.linear", "linear", GPU, "cuBLAS through torch: compute-bound GEMM at larger token counts"),
+]
+
+CANDIDATES: dict[str, list[Candidate]] = {op: [] for op in OPS}
+for _c in _TRITON:
+    CANDIDATES[_c.op].append(_c)
+for _op in OPS:
+    CANDIDATES[_op].append(_torch_ref(_op))

@@ -24,11 +24,11 @@ from typing import Callable
 Launcher = Callable[..., None]
 
 
-def _jit_launch(kernel, grid, args, constexprs, num_warps, num_stages):
+def jit_launch(kernel, grid, args, constexprs, num_warps, num_stages):
     kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
 
 
-_launcher: Launcher = _jit_launch
+_launcher: Launcher = jit_launch
 
 
 def launch(kernel, grid: tuple[int, ...], args: list, constexprs: dict, *, num_warps: int = 4,
@@ -50,3 +50,74 @@ def using(launcher: Launcher):
 def install(launcher: Launcher) -> None:
     global _launcher
     _launcher = launcher
+
+
+# --- what identifies one compiled binary ------------------------------------------
+
+TRITON_DTYPES = {
+    "torch.float32": "fp32", "torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float8_e4m3fn": "fp8e4nv",
+    "torch.float8_e5m2": "fp8e5", "torch.int64": "i64", "torch.int32": "i32", "torch.int16": "i16",
+    "torch.int8": "i8", "torch.uint8": "u8", "torch.bool": "i1",
+}
+
+
+def _arg_type(value) -> str:
+    if value is None:
+        return "constexpr"  # an absent optional pointer: Triton specialises it away
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32"  # dynamic sizes; kernels widen to int64 before forming offsets
+    if isinstance(value, float):
+        return "fp32"
+    dtype = getattr(value, "dtype", None)
+    if dtype is None:
+        raise TypeError(f"unsupported kernel argument {value!r}")
+    return "*" + TRITON_DTYPES[str(dtype)]
+
+
+def kernel_id(kernel) -> str:
+    fn = getattr(kernel, "fn", kernel)
+    return f"{fn.__module__}:{fn.__name__}"
+
+
+def runtime_params(kernel) -> list[str]:
+    """Names of a kernel's non-constexpr parameters (JIT or interpreted function)."""
+    if hasattr(kernel, "params"):
+        return [p.name for p in kernel.params if not p.is_constexpr]
+    import inspect
+
+    sig = inspect.signature(kernel.fn)
+    return [n for n, p in sig.parameters.items() if "constexpr" not in str(p.annotation)]
+
+
+def spec_of(kernel, args: list, constexprs: dict, num_warps: int, num_stages: int) -> dict:
+    """The identity of the binary this launch needs: kernel, argument types, constexprs, warps, stages."""
+    names = runtime_params(kernel)
+    if len(names) != len(args):
+        raise TypeError(f"{kernel_id(kernel)} takes {len(names)} runtime arguments ({', '.join(names)}), "
+                        f"got {len(args)}")
+    signature = {n: _arg_type(a) for n, a in zip(names, args)}
+    consts = {n: a for n, a in zip(names, args) if a is None}
+    consts.update(constexprs)
+    signature.update({n: "constexpr" for n in constexprs})
+    return {"kernel": kernel_id(kernel), "signature": signature, "constexprs": consts,
+            "num_warps": num_warps, "num_stages": num_stages}
+
+
+def spec_key(spec: dict) -> str:
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:24]
+
+
+class Recorder:
+    """A launcher that runs nothing and remembers the spec of every launch (tensors may be on ``meta``)."""
+
+    def __init__(self):
+        self.specs: dict[str, dict] = {}
+
+    def __call__(self, kernel, grid, args, constexprs, num_warps, num_stages):
+        spec = spec_of(kernel, args, constexprs, num_warps, num_stages)
+        self.specs.setdefault(spec_key(spec), spec)

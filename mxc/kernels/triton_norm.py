@@ -51,7 +51,7 @@ def _config(H: int) -> tuple[dict, int]:
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
-    assert x.dim() >= 1, "rms_norm: x must have at least one dim"
+    assert x.dim() >= 1 and x.shape[-1] > 0, "rms_norm: x must have a non-empty last dim"
     assert x.is_contiguous(), "rms_norm: x must be contiguous (kernels take no strides)"
     assert weight.is_contiguous() and weight.dim() == 1, "rms_norm: weight must be a contiguous 1-D tensor"
     assert weight.shape[0] == x.shape[-1], (

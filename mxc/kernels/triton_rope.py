@@ -94,17 +94,17 @@ def rope_qkv_write_kernel(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_norm_ptr, 
 def rope_tables(spec: dict, max_positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 (cos, sin) [max_positions, rotary_dim // 2] for a normalised rope ``spec``, attention scaling included.
 
-    Computed on the CPU exactly as ``rope.cos_sin`` does (then moved), so a kernel reading them
-    sees the reference's fp32 values. ``dynamic`` frequencies depend on the batch's longest
-    position, so no fixed table exists for them.
+    Computed on ``device`` with the same ops as ``rope.cos_sin`` (``position * inv_freq``, cos/sin,
+    times the scaling), so the kernel reads exactly the reference's fp32 values on that device.
+    ``dynamic`` frequencies depend on the batch's longest position: no fixed table exists for them.
     """
     if spec["type"] == "dynamic":
         raise ValueError("rope_tables: 'dynamic' rope frequencies change with the sequence length; "
                          "no fixed cos/sin table exists")
     inv, scaling = rope_ref.inv_freq(spec)
-    freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv.float()[None, :]
-    cos, sin = freqs.cos() * scaling, freqs.sin() * scaling
-    return cos.to(device=device).contiguous(), sin.to(device=device).contiguous()
+    positions = torch.arange(max_positions, dtype=torch.int64, device=device)
+    freqs = positions[:, None].float() * inv.to(device=device, dtype=torch.float)[None, :]  # [P, R/2]
+    return (freqs.cos() * scaling).contiguous(), (freqs.sin() * scaling).contiguous()
 
 
 def rope_qkv_write(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

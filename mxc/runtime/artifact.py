@@ -15,11 +15,10 @@ import types
 from pathlib import Path
 
 import torch
-from safetensors.torch import load as load_safetensors_bytes
 from safetensors import safe_open
 
 import mxc
-from mxc.artifact_format import SCHEMA_VERSION, file_digests, sha256_file
+from mxc.artifact_format import SCHEMA_VERSION, is_listed_file, sha256_file
 from mxc.errors import MxcError
 from mxc.runtime.model import Model
 
@@ -61,8 +60,7 @@ def verify_files(path: Path, manifest: dict) -> None:
 
 
 def file_digests_names(path: Path) -> set[str]:
-    return {p.relative_to(path).as_posix() for p in path.rglob("*")
-            if p.is_file() and p.name != "manifest.json" and "__pycache__" not in p.parts}
+    return {rel for p in path.rglob("*") if p.is_file() and is_listed_file(rel := p.relative_to(path).as_posix())}
 
 
 def _exec_program(path: Path, digest: str) -> types.ModuleType:
@@ -77,8 +75,35 @@ def _exec_program(path: Path, digest: str) -> types.ModuleType:
     return module
 
 
-def load(path, device: str = "cpu", rank: int = 0, world_size: int = 1, verify: bool = True) -> Model:
-    """Load the artifact at ``path`` onto ``device``."""
+def _kernel_launcher(path: Path, manifest: dict, device: torch.device, rebuild_kernels: bool):
+    """The launcher for a cuda artifact: its precompiled cubins, or Triton's JIT when asked to rebuild."""
+    target = manifest["target"]
+    if target["name"] != "cuda":
+        return None
+    if device.type != "cuda":
+        raise MxcError(f"{path}: built for --target cuda; load it with device='cuda' (or rebuild with --target cpu)")
+    major, minor = torch.cuda.get_device_capability(device)
+    here = f"sm_{major}{minor}"
+    if rebuild_kernels:
+        from mxc.kernels.launch import jit_launch
+
+        return jit_launch
+    if here != target["arch"]:
+        raise MxcError(f"{path}: kernels were compiled for {target['arch']}, this GPU is {here}; rebuild with "
+                       f"`mxc build --target cuda` for it, or load with rebuild_kernels=True to JIT them here")
+    from mxc.runtime.cuda_launch import CubinLauncher
+
+    return CubinLauncher(path / "code" / "kernels")
+
+
+def load(path, device: str = "cpu", rank: int = 0, world_size: int = 1, verify: bool = True,
+         rebuild_kernels: bool = False) -> Model:
+    """Load the artifact at ``path`` onto ``device``.
+
+    A cuda artifact runs its precompiled kernels (nothing is compiled at load);
+    ``rebuild_kernels=True`` JIT-compiles them with the local Triton instead,
+    e.g. on a GPU of another architecture.
+    """
     path = Path(path)
     if not path.is_dir():
         raise MxcError(f"{path}: no such artifact directory")
@@ -86,6 +111,8 @@ def load(path, device: str = "cpu", rank: int = 0, world_size: int = 1, verify: 
     tp = manifest.get("tp", 1)
     if world_size != tp:
         raise MxcError(f"{path}: built for tp={tp}, but loaded with world_size={world_size}")
+    if not 0 <= rank < world_size:
+        raise MxcError(f"{path}: rank {rank} is out of range for world_size={world_size}")
     if verify:
         verify_files(path, manifest)
     program = _exec_program(path / "code" / "forward.py", manifest["files"]["code/forward.py"])
@@ -93,4 +120,6 @@ def load(path, device: str = "cpu", rank: int = 0, world_size: int = 1, verify: 
     with safe_open(path / "weights" / f"rank{rank}.safetensors", framework="pt", device=str(device)) as f:
         for name in f.keys():
             weights[name] = f.get_tensor(name)
-    return Model(program.forward, weights, manifest, torch.device(device), path)
+    device = torch.device(device)
+    launcher = _kernel_launcher(path, manifest, device, rebuild_kernels)
+    return Model(program.forward, weights, manifest, device, path, launcher)

@@ -21,8 +21,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class Model:
-    def __init__(self, forward, weights: dict[str, torch.Tensor], manifest: dict, device: torch.device, path: Path):
+    def __init__(self, forward, weights: dict[str, torch.Tensor], manifest: dict, device: torch.device, path: Path,
+                 launcher=None):
         self._forward = forward
+        self._launcher = launcher  # precompiled-kernel launcher (cuda artifacts), else Triton's JIT
         self.manifest = manifest
         self.device = device
         self.path = path
@@ -32,6 +34,16 @@ class Model:
         self.eos_token_ids: list[int] = info["eos_token_id"]
         self._kv = info["kv_cache"]
         self._top, self._layers = _split_layers(weights, info.get("layers"))
+        options = manifest["options"]
+        self._decoder = None
+        if options["target"] == "cuda" and self.device.type == "cuda":
+            from mxc.runtime.decode_graphs import CudaDecoder
+
+            self._decoder = CudaDecoder(self._bound_forward, launcher, self._kv, self.dtype, self.device,
+                                        options["max_batch"], options["max_seq_len"])
+
+    def _bound_forward(self, ctx, tokens, positions, rows):
+        return self._forward(self._top, self._layers, ctx, tokens, positions, rows)
 
     # --- input checks -------------------------------------------------------------
     def _ids(self, input_ids) -> torch.Tensor:
@@ -47,17 +59,25 @@ class Model:
         return ids.to(self.device, torch.int64)
 
     def _run(self, ctx: ForwardContext, tokens, positions, logit_rows) -> torch.Tensor:
-        with torch.inference_mode():
+        from mxc.kernels import launch
+
+        with torch.inference_mode(), launch.using(self._launcher or launch.jit_launch):
             return self._forward(self._top, self._layers, ctx, tokens, positions, logit_rows)
+
+    def _check_capacity(self, b: int, total: int) -> None:
+        if self._decoder is not None and (b > self._decoder.max_batch or total > self._decoder.max_len):
+            raise MxcError(f"batch {b} x {total} tokens exceeds what the artifact was built for "
+                           f"(--max-batch {self._decoder.max_batch}, --max-seq-len {self._decoder.max_len})")
 
     # --- API ----------------------------------------------------------------------
     def logits(self, input_ids) -> torch.Tensor:
         """[batch, seq] token ids -> [batch, seq, vocab] float32 logits (causal, no cache)."""
         ids = self._ids(input_ids)
         b, s = ids.shape
+        self._check_capacity(b, s)
         positions = torch.arange(s, device=self.device).repeat(b)
         rows = torch.arange(b * s, device=self.device)
-        k_cache, v_cache = self.new_cache(b, s)
+        k_cache, v_cache = (self._decoder.k_cache, self._decoder.v_cache) if self._decoder else self.new_cache(b, s)
         ctx = ForwardContext.build([s] * b, [0] * b, list(range(b)), k_cache, v_cache, self.device)
         out = self._run(ctx, ids.reshape(-1), positions, rows)
         return out.float().reshape(b, s, -1)
@@ -82,6 +102,12 @@ class Model:
             raise MxcError("sampling needs temperature >= 0, 0 < top_p <= 1 and top_k >= 1")
         gen = torch.Generator(self.device).manual_seed(seed) if seed is not None else None
         b, s = ids.shape
+        self._check_capacity(b, s + max_new_tokens)
+        if self._decoder is not None:
+            sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+            with torch.inference_mode():
+                out = self._decoder.generate(ids, max_new_tokens, sampling, gen).cpu()
+            return _stop_at_eos(out, self.eos_token_ids) if stop_at_eos else out
         k_cache, v_cache = self.new_cache(b, s + max_new_tokens)
         slots = list(range(b))
         eos = torch.tensor(self.eos_token_ids or [-1], device=self.device)
@@ -104,6 +130,20 @@ class Model:
             ctx = ForwardContext.build([1] * b, [pos] * b, slots, k_cache, v_cache, self.device)
             logits = self._run(ctx, nxt, torch.full((b,), pos, device=self.device), torch.arange(b, device=self.device))
         return torch.stack(out, dim=1).cpu()
+
+
+def _stop_at_eos(out: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
+    """Replace everything after each row's first end-of-sequence token with that token; trim shared padding."""
+    if not eos_ids:
+        return out
+    is_eos = torch.isin(out, torch.tensor(eos_ids))
+    seen = is_eos.cumsum(dim=1) > 0
+    first = torch.where(is_eos.any(1), is_eos.float().argmax(1), torch.full((out.shape[0],), -1))
+    fill = out.gather(1, first.clamp(min=0).unsqueeze(1)).expand_as(out)
+    out = torch.where(seen, fill, out)
+    if bool(seen.all(0).any()):
+        out = out[:, : int(seen.all(0).float().argmax()) + 1]
+    return out
 
 
 def _split_layers(weights: dict, layers: dict | None):

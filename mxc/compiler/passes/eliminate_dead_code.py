@@ -29,6 +29,7 @@ def run(graph: Graph, options) -> Graph:
             items.extend(_sweep([item], live))
             continue
         live.update(item.carry.values())
+        live.update(item.carry)  # the loop reads its carried values on the first iteration
         inner = set(live)
         body = _sweep(item.body, inner)
         body = _sweep(item.body, inner | set(item.carry.values()))  # second sweep: loop-carried reads

@@ -1,38 +1,60 @@
-"""select_kernels: every node is claimed by a kernel candidate, or the build fails.
+"""select_kernels: every node is claimed by kernel candidates, or the build fails.
 
-Matches: every node. Rewrites to: the same node with ``kernel`` (the
-candidate's ``module.function``) and ``kernel_reason`` attributes, e.g.
-``linear(h, wqkv, kernel='torch_ref.linear', kernel_reason='...')``. With no
-claim, raises ``MxcError`` listing each candidate's reason for declining.
+Matches: every node. Rewrites to: the same node with ``kernel`` and
+``kernel_reason`` attributes. When one candidate serves every token count,
+``kernel`` is its ``module.function``; when candidates split the range,
+``kernel`` is a list of ``[max_tokens, name]`` (``None`` = no upper bound) and
+the generated code dispatches on the input's row count, e.g. a Triton GEMV up
+to 32 tokens and cuBLAS above. With a range left unclaimed, raises
+``MxcError`` listing every candidate's reason for declining.
 Preserves: the graph's structure and math; only adds attributes.
 """
 
 from __future__ import annotations
 
 from mxc.errors import MxcError
-from mxc.ir import Graph, Node, TensorType, map_bodies, verify
+from mxc.ir import Graph, TensorType, map_bodies, verify
 from mxc.kernels.candidates import CANDIDATES
+
+
+def _choose(node, in_types, options):
+    """[(hi, candidate)] covering token counts 1..inf in order, or raise."""
+    chosen, covered, rejections = [], 0, []  # covered: every count <= covered is served
+    for cand in CANDIDATES.get(node.op, []):
+        lo, hi = cand.tokens
+        if lo > covered + 1 or (hi is not None and hi <= covered):
+            continue  # would leave a gap, or adds nothing
+        why = cand.why_not(node, in_types, options)
+        if why is not None:
+            rejections.append(why)
+            continue
+        chosen.append((hi, cand))
+        if hi is None:
+            return chosen
+        covered = hi
+    listed = "; ".join(rejections) or "no candidates registered"
+    raise MxcError(f"no kernel for {node.op} -> {', '.join(node.outs)} ({node.loc}) on target {options.target}"
+                   + (f" above {covered} tokens" if covered else "") + f": {listed}")
 
 
 def run(graph: Graph, options) -> Graph:
     types = verify(graph)
 
+    def wtype(v, weights):
+        w = weights.get(v) or graph.weights[v]
+        return TensorType(w.shape, w.dtype)
+
     def select(nodes, weights):
         out = []
         for n in nodes:
-            in_types = [types.get(v) or (TensorType(weights[v].shape, weights[v].dtype) if v in weights else
-                        TensorType(graph.weights[v].shape, graph.weights[v].dtype)) if v else None for v in n.ins]
-            rejections = []
-            for cand in CANDIDATES.get(n.op, []):
-                why = cand.why_not(n, in_types, options)
-                if why is None:
-                    out.append(n.replace(attrs={**n.attrs, "kernel": cand.name, "kernel_reason": cand.reason}))
-                    break
-                rejections.append(why)
+            in_types = [None if v is None else types[v] if v in types else wtype(v, weights) for v in n.ins]
+            chosen = _choose(n, in_types, options)
+            if len(chosen) == 1:
+                kernel, reason = chosen[0][1].name, chosen[0][1].reason
             else:
-                listed = "; ".join(rejections) or "no candidates registered"
-                raise MxcError(f"no kernel for {n.op} -> {', '.join(n.outs)} ({n.loc}) on target "
-                               f"{options.target}: {listed}")
+                kernel = [[hi, c.name] for hi, c in chosen]
+                reason = "; ".join(f"<= {hi} tokens: {c.reason}" if hi else f"above: {c.reason}" for hi, c in chosen)
+            out.append(n.replace(attrs={**n.attrs, "kernel": kernel, "kernel_reason": reason}))
         return tuple(out), weights
 
     return map_bodies(graph, select)

@@ -1,0 +1,183 @@
+"""Decode and prefill benchmark on one GPU: mxc vs the bandwidth/compute floor and vs Hugging Face.
+
+Builds a Llama-3-8B-shaped artifact with deterministic random bf16 weights
+(``bench/llama3_8b.json``, no download), then in the same run measures:
+  - the copy bandwidth and the cuBLAS bf16 GEMM rate (the ceilings),
+  - mxc decode (prompt 128, 128 new tokens) at batch 1, 8, 32: ms/token,
+    weight GB/s and the fraction of the measured copy bandwidth,
+  - mxc prefill of 2048 tokens: ms and TFLOP/s against the measured GEMM rate,
+  - Hugging Face transformers with a static cache + torch.compile at the same
+    shapes (``--hf-batches``), for the ratio,
+  - cold kernel-build time and artifact load -> first token time.
+Prints a table last. Usage: python bench/decode.py --out DIR [--config FILE] [--hf-batches 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mxc  # noqa: E402
+
+HERE = Path(__file__).parent
+
+
+def cuda_time(fn, warmup=1, reps=3) -> float:
+    """Median seconds of fn() timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(2 * 1024**3 // 2, dtype=torch.bfloat16, device="cuda").uniform_()
+    y = torch.empty_like(x)
+    t = cuda_time(lambda: y.copy_(x), warmup=3, reps=10)
+    return 2 * x.numel() * 2 / t
+
+
+def gemm_rate(n=8192) -> float:
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    t = cuda_time(lambda: a @ b, warmup=3, reps=10)
+    return 2 * n**3 / t
+
+
+def weight_bytes(manifest: dict, art: Path) -> tuple[int, int]:
+    """(bytes read per decode step = all weights but the embedding table, linear params for FLOPs)."""
+    from safetensors import safe_open
+
+    total, linear = 0, 0
+    with safe_open(art / "weights" / "rank0.safetensors", "pt") as f:
+        for name in f.keys():
+            shape = f.get_slice(name).get_shape()
+            n = 1
+            for d in shape:
+                n *= d
+            if name == "embed":
+                continue
+            total += n * 2
+            if len(shape) == 2:
+                linear += n
+    return total, linear
+
+
+def bench_generate(gen, batch, prompt, new) -> float:
+    """Seconds per decode step: (t(new) - t(1)) / (new - 1)."""
+    ids = torch.randint(0, 1000, (batch, prompt))
+    t_new = cuda_time(lambda: gen(ids, new))
+    t_one = cuda_time(lambda: gen(ids, 1))
+    return (t_new - t_one) / (new - 1)
+
+
+def hf_model(config_path: Path):
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(config_path.parent if config_path.name == "config.json"
+                                                     else _as_dir(config_path))
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    return model
+
+
+def _as_dir(config_path: Path) -> Path:
+    d = Path("/tmp/mxc_bench_cfg")
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(config_path.read_text())
+    return d
+
+
+def hf_generate(model):
+    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+
+    def gen(ids, new):
+        with torch.no_grad():
+            return model.generate(ids.cuda(), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                  cache_implementation="static", pad_token_id=0)
+    return gen
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="build/bench-llama3-8b")
+    p.add_argument("--config", default=str(HERE / "llama3_8b.json"))
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--hf-batches", default="1", help="batches to measure HF compiled at ('' to skip)")
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--prefill", type=int, default=2048)
+    p.add_argument("--reuse", action="store_true", help="reuse an existing artifact at --out")
+    args = p.parse_args()
+    out = Path(args.out)
+    rows = []
+
+    bw, gemm = copy_bandwidth(), gemm_rate()
+    rows.append(("copy bandwidth (measured)", f"{bw / 1e12:.2f} TB/s"))
+    rows.append(("bf16 GEMM 8192^3 cuBLAS (measured)", f"{gemm / 1e12:.0f} TFLOP/s"))
+
+    if not (args.reuse and (out / "manifest.json").exists()):
+        t0 = time.perf_counter()
+        mxc.build("llama.yaml", config=args.config, out=out, target="cuda", dtype="bfloat16", max_batch=32,
+                  max_seq_len=max(args.prefill, args.prompt + args.new), progress=False)
+        rows.append(("build (random weights + kernels)", f"{time.perf_counter() - t0:.1f} s"))
+    manifest = json.loads((out / "manifest.json").read_text())
+    t0 = time.perf_counter()
+    model = mxc.load(out, device="cuda", verify=False)
+    model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=1)
+    torch.cuda.synchronize()
+    rows.append(("load -> first token (no sha256 check)", f"{time.perf_counter() - t0:.1f} s"))
+
+    nbytes, nlinear = weight_bytes(manifest, out)
+    floor = nbytes / bw
+    rows.append(("weights read per step", f"{nbytes / 1e9:.2f} GB  (floor {floor * 1e3:.2f} ms at measured copy BW)"))
+    mxc_gen = lambda ids, new: model.generate(ids, max_new_tokens=new)  # noqa: E731
+    results = {}
+    for b in [int(x) for x in args.batches.split(",") if x]:
+        step = bench_generate(mxc_gen, b, args.prompt, args.new)
+        results[b] = step
+        rows.append((f"mxc decode batch {b}", f"{step * 1e3:.2f} ms/step  {nbytes / step / 1e12:.2f} TB/s  "
+                     f"{nbytes / step / bw * 100:.0f}% of copy BW"))
+
+    ids = torch.randint(0, 1000, (1, args.prefill))
+    t_pre = cuda_time(lambda: model.generate(ids, max_new_tokens=1))
+    flops = 2 * nlinear * args.prefill
+    rows.append((f"mxc prefill {args.prefill} tokens", f"{t_pre * 1e3:.1f} ms  {flops / t_pre / 1e12:.0f} TFLOP/s  "
+                 f"{flops / t_pre / gemm * 100:.0f}% of cuBLAS rate"))
+
+    hf_batches = [int(x) for x in args.hf_batches.split(",") if x]
+    if hf_batches:
+        del model
+        torch.cuda.empty_cache()
+        hf = hf_model(Path(args.config))
+        gen = hf_generate(hf)
+        for b in hf_batches:
+            t0 = time.perf_counter()
+            gen(torch.randint(0, 1000, (b, args.prompt)), 2)
+            warm = time.perf_counter() - t0
+            step = bench_generate(gen, b, args.prompt, args.new)
+            rows.append((f"HF static+compile decode batch {b}", f"{step * 1e3:.2f} ms/step (warm-up {warm:.0f} s)"))
+            if b in results:
+                rows.append((f"ratio mxc / HF batch {b}", f"{step / results[b]:.2f}x faster"))
+    for b, step in results.items():
+        rows.append((f"ratio floor / mxc batch {b}", f"{floor / step * 100:.0f}% of the bandwidth floor"))
+
+    print("\n" + "\n".join(f"{k:42s} {v}" for k, v in rows))
+
+
+if __name__ == "__main__":
+    main()

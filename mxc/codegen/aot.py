@@ -1,0 +1,130 @@
+"""Ahead-of-time compilation: the kernels a forward program launches -> cubins in the artifact.
+
+``record(program, ...)`` runs the generated forward on ``meta`` tensors under
+a recording launcher, once per token-count bucket the runtime will use, and
+returns the set of launch specs (kernel, argument types, constexprs, warps,
+stages). ``compile_specs`` compiles each with ``triton.compile`` for the
+target (sm_90 by default; this works on a machine without a GPU, Triton ships
+ptxas) and writes ``code/kernels/<key>.cubin`` plus ``index.json`` with what
+the runtime's launcher needs: the entry name, shared memory, warps and the
+exact parameter list read from the PTX (Triton appends scratch pointers whose
+number depends on its version). Pointer arguments are compiled as 16-byte
+aligned; the runtime checks that before each launch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+from pathlib import Path
+
+from tqdm import tqdm
+
+from mxc.errors import MxcError
+
+_PARAM_KINDS = [(r"\.u64\s+\.ptr", "ptr"), (r"\.(u|s|b)64", "i64"), (r"\.(u|s|b)32", "i32"), (r"\.f32", "f32"),
+                (r"\.f64", "f64"), (r"\.(u|s|b)8", "i8"), (r"\.(u|s|b)16", "i16")]
+
+
+def ptx_params(ptx: str, name: str) -> list[str]:
+    """Kinds of the entry's parameters, in order, from its PTX declaration."""
+    m = re.search(r"\.entry\s+" + re.escape(name) + r"\s*\((.*?)\)", ptx, re.S)
+    if m is None:
+        raise RuntimeError(f"entry {name} not found in PTX")
+    kinds = []
+    for decl in [d for d in m.group(1).split(",") if d.strip()]:
+        for pattern, kind in _PARAM_KINDS:
+            if re.search(r"\.param\s+" + pattern, decl):
+                kinds.append(kind)
+                break
+        else:
+            raise RuntimeError(f"unrecognised PTX parameter {decl.strip()!r} in {name}")
+    return kinds
+
+
+def _jit_function(kernel: str):
+    module, _, name = kernel.partition(":")
+    fn = getattr(importlib.import_module(module), name)
+    if not hasattr(fn, "params"):
+        raise MxcError("cannot compile kernels ahead of time under TRITON_INTERPRET=1; unset it and rebuild")
+    return fn
+
+
+def compile_specs(specs: dict[str, dict], out_dir: Path, arch: int = 90, progress: bool = True) -> dict:
+    """Compile every spec for sm_<arch>; write cubins and index.json into ``out_dir``; return the index."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    index = {}
+    for key, spec in tqdm(sorted(specs.items()), desc=f"compiling kernels for sm_{arch}", unit="kernel",
+                          disable=not progress, leave=False):
+        fn = _jit_function(spec["kernel"])
+        aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
+                   for n, t in spec["signature"].items() if t.startswith("*")}
+        src = ASTSource(fn, signature=spec["signature"], constexprs=spec["constexprs"], attrs=aligned)
+        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                                  options={"num_warps": spec["num_warps"], "num_stages": spec["num_stages"],
+                                           "enable_fp_fusion": True})
+        md = compiled.metadata
+        if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
+            raise MxcError(f"kernel {spec['kernel']} needs Triton scratch memory, which the AOT launcher "
+                           f"does not provide")
+        (out_dir / f"{key}.cubin").write_bytes(compiled.asm["cubin"])
+        index[key] = {"kernel": spec["kernel"], "entry": md.name, "file": f"{key}.cubin", "shared": md.shared,
+                      "num_warps": md.num_warps, "params": ptx_params(compiled.asm["ptx"], md.name),
+                      "args": [t for t in spec["signature"].values() if t != "constexpr"]}
+    (out_dir / "index.json").write_text(json.dumps(index, indent=1, sort_keys=True) + "\n")
+    return index
+
+
+def triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
+def scenarios(max_batch: int) -> list[tuple[int, int]]:
+    """(sequences, tokens per sequence) the runtime will run: decode per batch bucket, prefills per GEMV bucket."""
+    from mxc.runtime_buckets import BATCH_BUCKETS
+
+    decode = [(b, 1) for b in BATCH_BUCKETS if b <= max_batch]
+    prefill = [(1, t) for t in (2, 3, 5, 9, 17, 33, 128)]
+    return decode + prefill
+
+
+def record(program, graph, max_batch: int, max_seq_len: int) -> dict[str, dict]:
+    """Every kernel launch the forward program makes in the runtime's scenarios, as specs.
+
+    The KV cache has ``max_batch + 1`` slots: the last one absorbs the rows that
+    pad a batch up to its bucket.
+    """
+    import torch
+
+    from mxc.kernels import launch
+    from mxc.kernels.context import ForwardContext
+    from mxc.loaders.convert import DTYPES
+
+    meta = lambda shape, dtype: torch.empty(shape, dtype=dtype, device="meta")  # noqa: E731
+    w = {k: meta(v.shape, DTYPES[v.dtype]) for k, v in graph.weights.items()}
+    layers, kv = [], None
+    for rep in graph.repeats():
+        layers = [{k: meta(v.shape, DTYPES[v.dtype]) for k, v in rep.weights.items()} for _ in range(rep.count)]
+    for node, rep in graph.nodes():
+        if node.op == "qkv_rope_cache":
+            kv = (rep.count if rep else 1, node.attrs["kv_heads"], node.attrs["head_dim"])
+    recorder = launch.Recorder()
+    dtype = DTYPES[graph.dtype]
+    with launch.using(recorder):
+        for b, t in scenarios(max_batch):
+            caches = [[meta((max_batch + 1, max_seq_len, kv[1], kv[2]), dtype) for _ in range(kv[0])]
+                      for _ in range(2)] if kv else [None, None]
+            ctx = ForwardContext([t] * b, [0] * b, list(range(b)), caches[0], caches[1],
+                                 cache_loc=meta((b * t,), torch.int64), kv_lens=meta((b,), torch.int32),
+                                 slots_t=meta((b,), torch.int32), q_start=meta((b + 1,), torch.int32),
+                                 max_q_len=t, decode=t == 1)
+            tokens, positions = meta((b * t,), torch.int64), meta((b * t,), torch.int64)
+            program.forward(w, layers, ctx, tokens, positions, meta((b,), torch.int64))
+    return recorder.specs

@@ -1,0 +1,39 @@
+"""Adapters between IR ops that read the forward context and the GPU kernels.
+
+The generated program calls ``cuda_ops.<op>(inputs..., ctx, attrs...)`` with
+the IR's calling convention; these functions pick the context's device
+tensors (KV cache of the layer, cache locations, sequence tables, RoPE
+tables) and call the Triton wrappers. Nothing here reads device values on the
+host, so a decode step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import json
+
+from mxc.kernels import triton_attention, triton_rope
+from mxc.kernels.context import ForwardContext
+
+
+def _tables(ctx: ForwardContext, spec: dict):
+    key = json.dumps(spec, sort_keys=True)
+    if key not in ctx.rope_tables:  # filled by the first (eager) call, reused by every later one
+        max_len = ctx.k_cache[0].shape[1]
+        ctx.rope_tables[key] = triton_rope.rope_tables(spec, max_len, ctx.k_cache[0].device)
+    return ctx.rope_tables[key]
+
+
+def qkv_rope_cache(qkv, positions, q_norm=None, k_norm=None, ctx: ForwardContext = None, *, heads, kv_heads,
+                   head_dim, spec, layer, eps=None):
+    cos, sin = _tables(ctx, spec)
+    return triton_rope.rope_qkv_write(qkv, positions, cos, sin, ctx.k_cache[layer], ctx.v_cache[layer],
+                                      ctx.cache_loc, q_norm, k_norm, eps if eps is not None else 1e-6)
+
+
+def cached_attention(q, ctx: ForwardContext, scale, layer, causal=True, sliding_window=None):
+    k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
+    if ctx.decode:
+        return triton_attention.decode_attention(q, k_cache, v_cache, ctx.slots_t, ctx.kv_lens, scale,
+                                                 sliding_window)
+    return triton_attention.prefill_attention(q, k_cache, v_cache, ctx.slots_t, ctx.kv_lens, ctx.q_start,
+                                              ctx.max_q_len, scale, sliding_window)

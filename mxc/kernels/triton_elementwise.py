@@ -1,0 +1,119 @@
+"""Triton elementwise and gather kernels: ``silu_mul``, ``embedding``, ``add``.
+
+Shapes: ``silu_mul`` x [..., 2I] (gate then up halves, as ``torch_ref.silu_mul``
+chunks it) -> [..., I]; ``embedding`` ids [T] int64, table [V, H] -> [T, H];
+``add`` a, b [..., N] (same shape and dtype, no broadcasting) -> [..., N].
+Every kernel runs on a 2-D grid of (rows, column blocks of ``BLOCK_N``), the row
+width a constexpr; values are computed in fp32 and rounded once at the store,
+except where the torch reference rounds in between (``silu`` before the
+multiply).
+
+Versions:
+- ``silu_mul_kernel``: reads gate and up of one row block, writes silu(gate) * up.
+- ``embedding_kernel``: copies row ``ids[t]`` of the table.
+- ``add_kernel``: a + b.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mxc.kernels.launch import launch
+
+MAX_BLOCK_N = 1024
+
+
+@triton.jit
+def silu_mul_kernel(x_ptr, out_ptr, I: tl.constexpr, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = offs_n < I
+    gate = tl.load(x_ptr + row * (2 * I) + offs_n, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * (2 * I) + I + offs_n, mask=mask, other=0.0).to(tl.float32)
+    # torch_ref: F.silu(gate) = gate / (1 + exp(-gate)) rounded to the model dtype, then the multiply.
+    act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * I + offs_n, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def embedding_kernel(ids_ptr, table_ptr, out_ptr, H: tl.constexpr, BLOCK_N: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = offs_n < H
+    idx = tl.load(ids_ptr + t).to(tl.int64)
+    row = tl.load(table_ptr + idx * H + offs_n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * H + offs_n, row.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def add_kernel(a_ptr, b_ptr, out_ptr, N: tl.constexpr, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = offs_n < N
+    a = tl.load(a_ptr + row * N + offs_n, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + row * N + offs_n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * N + offs_n, (a + b).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _config(n: int) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) for rows of ``n`` elements."""
+    block_n = min(triton.next_power_of_2(n), MAX_BLOCK_N)
+    return block_n, max(1, min(4, block_n // 256))
+
+
+def _check_out(name: str, out: torch.Tensor, shape, dtype, device) -> None:
+    assert out.shape == tuple(shape) and out.dtype == dtype and out.is_contiguous() and out.device == device, (
+        f"{name}: out must be contiguous {dtype} {tuple(shape)} on {device}, "
+        f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+
+
+def silu_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up for ``x`` [..., 2I] = [gate | up] -> [..., I]."""
+    assert x.dim() >= 1 and x.is_contiguous(), "silu_mul: x must be contiguous (kernels take no strides)"
+    assert x.shape[-1] % 2 == 0, f"silu_mul: last dim {x.shape[-1]} must be even (gate and up halves)"
+    I = x.shape[-1] // 2
+    assert I > 0, "silu_mul: x's last dim is empty"
+    shape = (*x.shape[:-1], I)
+    if out is None:
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    _check_out("silu_mul", out, shape, x.dtype, x.device)
+    block_n, num_warps = _config(I)
+    launch(silu_mul_kernel, (x.numel() // (2 * I), triton.cdiv(I, block_n)), [x, out],
+           dict(I=I, BLOCK_N=block_n), num_warps=num_warps, num_stages=1)
+    return out
+
+
+def embedding(ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``table[ids]``: ids [T] int64, table [V, H] -> [T, H]. Ids must lie in [0, V) (not checked)."""
+    assert ids.dim() == 1 and ids.dtype == torch.int64 and ids.is_contiguous(), (
+        f"embedding: ids must be a contiguous int64 [T], got {ids.dtype} {tuple(ids.shape)}")
+    assert table.dim() == 2 and table.is_contiguous(), "embedding: table must be a contiguous [V, H]"
+    assert ids.device == table.device, f"embedding: ids on {ids.device}, table on {table.device}"
+    T, H = ids.shape[0], table.shape[1]
+    assert H > 0, "embedding: table rows are empty"
+    if out is None:
+        out = torch.empty((T, H), dtype=table.dtype, device=table.device)
+    _check_out("embedding", out, (T, H), table.dtype, table.device)
+    block_n, num_warps = _config(H)
+    launch(embedding_kernel, (T, triton.cdiv(H, block_n)), [ids, table, out],
+           dict(H=H, BLOCK_N=block_n), num_warps=num_warps, num_stages=1)
+    return out
+
+
+def add(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """a + b for same-shape, same-dtype contiguous tensors (``out`` may alias ``a`` or ``b``)."""
+    assert a.shape == b.shape and a.dtype == b.dtype and a.device == b.device, (
+        f"add: a and b must match in shape, dtype and device, got {a.dtype} {tuple(a.shape)} on {a.device} "
+        f"and {b.dtype} {tuple(b.shape)} on {b.device}")
+    assert a.is_contiguous() and b.is_contiguous(), "add: a and b must be contiguous (kernels take no strides)"
+    if out is None:
+        out = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+    _check_out("add", out, a.shape, a.dtype, a.device)
+    N = a.shape[-1] if a.dim() else 1
+    assert N > 0, "add: last dim is empty"
+    block_n, num_warps = _config(N)
+    launch(add_kernel, (a.numel() // N, triton.cdiv(N, block_n)), [a, b, out],
+           dict(N=N, BLOCK_N=block_n), num_warps=num_warps, num_stages=1)
+    return out

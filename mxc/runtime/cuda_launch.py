@@ -1,0 +1,101 @@
+"""Launching the artifact's precompiled kernels through the CUDA driver: no Triton compile at load.
+
+``CubinLauncher`` reads ``code/kernels/index.json``, loads every cubin with
+``cuModuleLoadData`` and, installed as the ``mxc.kernels.launch`` launcher,
+turns each wrapper's launch into a ``cuLaunchKernel`` on the current torch
+stream (so launches are captured by CUDA graphs). Arguments are packed from
+the parameter kinds recorded at build time; Triton's trailing scratch
+pointers get NULL (the build refuses kernels that need scratch memory).
+A launch whose binary is not in the artifact fails with the kernel and its
+constexprs: the artifact was built for other shapes or buckets.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from pathlib import Path
+
+import torch
+
+from mxc.errors import MxcError
+from mxc.kernels.launch import spec_key, spec_of
+
+_CTYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "i64": ctypes.c_int64, "f32": ctypes.c_float,
+           "f64": ctypes.c_double, "i8": ctypes.c_int8, "i16": ctypes.c_int16}
+_MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+
+
+def _driver():
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuModuleLoadData.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+    lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_char_p]
+    lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p,
+                                                                             ctypes.POINTER(ctypes.c_void_p),
+                                                                             ctypes.c_void_p]
+    return lib
+
+
+def _check(code: int, what: str) -> None:
+    if code != 0:
+        raise RuntimeError(f"CUDA driver error {code} in {what}")
+
+
+class _Binary:
+    def __init__(self, lib, data: bytes, entry: dict):
+        self.lib, self.entry = lib, entry
+        self.module, self.func = ctypes.c_void_p(), ctypes.c_void_p()
+        self._data = data  # keep the image alive while the module is loaded
+        _check(lib.cuModuleLoadData(ctypes.byref(self.module), data), f"loading {entry['kernel']}")
+        _check(lib.cuModuleGetFunction(ctypes.byref(self.func), self.module, entry["entry"].encode()),
+               f"finding {entry['entry']}")
+        if entry["shared"] > 48 * 1024:
+            _check(lib.cuFuncSetAttribute(self.func, _MAX_DYNAMIC_SHARED, entry["shared"]), "shared memory")
+        self.threads = 32 * entry["num_warps"]
+        self.kinds = entry["params"]
+        self.n_args = len(entry["args"])
+
+    def launch(self, grid, args) -> None:
+        values = []
+        for kind, arg in zip(self.kinds, list(args) + [None] * (len(self.kinds) - len(args))):
+            if isinstance(arg, torch.Tensor):
+                ptr = arg.data_ptr()
+                if ptr % 16:
+                    raise MxcError(f"{self.entry['kernel']}: a tensor argument is not 16-byte aligned "
+                                   f"(a view with an offset?); the kernel was compiled assuming alignment")
+                values.append(ctypes.c_void_p(ptr))
+            else:
+                values.append(_CTYPES[kind](0 if arg is None else arg))
+        params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
+        g = tuple(grid) + (1,) * (3 - len(grid))
+        stream = torch.cuda.current_stream().cuda_stream
+        _check(self.lib.cuLaunchKernel(self.func, g[0], g[1], g[2], self.threads, 1, 1, self.entry["shared"],
+                                       stream, params, None), f"launching {self.entry['kernel']}")
+
+
+class CubinLauncher:
+    """A ``mxc.kernels.launch`` launcher over an artifact's precompiled kernels."""
+
+    def __init__(self, kernels_dir: Path):
+        torch.cuda.init()
+        torch.empty(1, device="cuda")  # make the primary context current on this thread
+        self.lib = _driver()
+        index = json.loads((kernels_dir / "index.json").read_text())
+        self.binaries = {key: _Binary(self.lib, (kernels_dir / e["file"]).read_bytes(), e)
+                         for key, e in index.items()}
+        self._fast: dict[tuple, _Binary] = {}
+
+    def __call__(self, kernel, grid, args, constexprs, num_warps, num_stages):
+        fast_key = (id(kernel), tuple(getattr(a, "dtype", type(a)) for a in args),
+                    tuple(sorted(constexprs.items())), num_warps, num_stages)
+        binary = self._fast.get(fast_key)
+        if binary is None:
+            spec = spec_of(kernel, args, constexprs, num_warps, num_stages)
+            binary = self.binaries.get(spec_key(spec))
+            if binary is None:
+                raise MxcError(f"kernel {spec['kernel']} with constexprs {spec['constexprs']} is not in the "
+                               f"artifact (built for other shapes or batch sizes); rebuild it, or load with "
+                               f"rebuild_kernels=True")
+            self._fast[fast_key] = binary
+        binary.launch(grid, [a for a in args if a is not None])

@@ -1,0 +1,104 @@
+"""GPU decoding: a static KV cache and one CUDA graph per batch-size bucket.
+
+``CudaDecoder`` owns the preallocated cache (``max_batch + 1`` slots of
+``max_seq_len`` rows per layer; the last slot absorbs padding rows) and, per
+bucket, static input buffers and a captured decode step. A step copies the
+new tokens, positions and cache locations into the bucket's buffers with
+device-side ops and replays the graph: no host synchronisation inside the
+decode loop; tokens are gathered on the device and copied out once at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mxc.kernels import launch
+from mxc.kernels.context import ForwardContext
+from mxc.runtime_buckets import BATCH_BUCKETS, batch_bucket
+from mxc.runtime.sampling import sample
+
+
+class _Bucket:
+    def __init__(self, dec: "CudaDecoder", size: int):
+        dev = dec.device
+        self.size = size
+        scratch = dec.scratch_slot
+        self.tokens = torch.zeros(size, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(size, dtype=torch.int64, device=dev)
+        self.rows = torch.arange(size, device=dev)
+        self.cache_loc = torch.full((size,), scratch * dec.max_len, dtype=torch.int64, device=dev)
+        self.kv_lens = torch.ones(size, dtype=torch.int32, device=dev)
+        self.slots = torch.full((size,), scratch, dtype=torch.int32, device=dev)
+        self.q_start = torch.arange(size + 1, dtype=torch.int32, device=dev)
+        self.ctx = ForwardContext([1] * size, [0] * size, [scratch] * size, dec.k_cache, dec.v_cache,
+                                  cache_loc=self.cache_loc, kv_lens=self.kv_lens, slots_t=self.slots,
+                                  q_start=self.q_start, max_q_len=1, decode=True, rope_tables=dec.rope_tables)
+        self.graph = None
+        self.logits = None
+
+    def step(self, dec: "CudaDecoder") -> torch.Tensor:
+        if self.graph is None:
+            self._capture(dec)
+        self.graph.replay()
+        return self.logits
+
+    def _capture(self, dec: "CudaDecoder") -> None:
+        run = lambda: dec.forward(self.ctx, self.tokens, self.positions, self.rows)  # noqa: E731
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), launch.using(dec.launcher):
+            for _ in range(2):  # warm up allocations outside the graph (writes go to the scratch slot)
+                run()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=dec.pool), launch.using(dec.launcher):
+            self.logits = run()
+
+
+class CudaDecoder:
+    def __init__(self, forward_fn, launcher, kv: dict, dtype, device, max_batch: int, max_len: int):
+        self.forward_fn, self.launcher, self.device = forward_fn, launcher, device
+        self.max_batch, self.max_len = max_batch, max_len
+        self.scratch_slot = max_batch
+        shape = (max_batch + 1, max_len, kv["kv_heads"], kv["head_dim"])
+        self.k_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(kv["layers"])]
+        self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(kv["layers"])]
+        self.rope_tables: dict = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.buckets = {b: _Bucket(self, b) for b in BATCH_BUCKETS if b <= max_batch}
+
+    def forward(self, ctx, tokens, positions, rows):
+        return self.forward_fn(ctx, tokens, positions, rows)
+
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """Run the prompts [B, S] into slots 0..B-1; returns the last position's logits [B, V]."""
+        b, s = ids.shape
+        ctx = ForwardContext.build([s] * b, [0] * b, list(range(b)), self.k_cache, self.v_cache, self.device)
+        ctx.rope_tables = self.rope_tables
+        positions = torch.arange(s, device=self.device).repeat(b)
+        rows = torch.arange(b, device=self.device) * s + (s - 1)
+        with launch.using(self.launcher):
+            return self.forward(ctx, ids.reshape(-1), positions, rows)
+
+    def generate(self, ids: torch.Tensor, max_new_tokens: int, sampling: dict, generator) -> torch.Tensor:
+        b, s = ids.shape
+        bucket = self.buckets[batch_bucket(b)]
+        out = torch.empty((b, max_new_tokens), dtype=torch.int64, device=self.device)
+        nxt = sample(self.prefill(ids), generator=generator, **sampling)
+        out[:, 0] = nxt
+        slots = torch.arange(b, dtype=torch.int32, device=self.device)
+        bucket.slots[:b].copy_(slots)
+        bucket.slots[b:].fill_(self.scratch_slot)  # padding rows write only to the scratch slot
+        bucket.cache_loc[b:].fill_(self.scratch_slot * self.max_len)
+        bucket.kv_lens[b:].fill_(1)
+        pos = torch.full((b,), s, dtype=torch.int64, device=self.device)
+        for step in range(1, max_new_tokens):
+            bucket.tokens[:b].copy_(nxt)
+            bucket.positions[:b].copy_(pos)
+            bucket.cache_loc[:b].copy_(slots.to(torch.int64) * self.max_len + pos)
+            bucket.kv_lens[:b].copy_(pos + 1)
+            logits = bucket.step(self)[:b]
+            nxt = sample(logits, generator=generator, **sampling)
+            out[:, step] = nxt
+            pos += 1
+        return out

@@ -1,0 +1,194 @@
+"""Bad inputs fail with a one-line MxcError naming the culprit; a failed build keeps the old artifact."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import mxc
+from mxc.errors import MxcError
+
+DROPPED = "model.layers.1.mlp.up_proj.weight"
+
+
+def _build(source, out, **kw):
+    return mxc.build(str(source), out=out, progress=False, log=lambda m: None, **kw)
+
+
+def _edit_tensors(ckpt, edit):
+    path = ckpt / "model.safetensors"
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def _edit_config(ckpt, **changes):
+    path = ckpt / "config.json"
+    config = json.loads(path.read_text())
+    config.update(changes)
+    path.write_text(json.dumps(config))
+
+
+def _one_line(excinfo):
+    msg = str(excinfo.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
+@pytest.fixture
+def ckpt(hf_checkpoint):
+    return hf_checkpoint("LlamaForCausalLM")[0]
+
+
+def test_unknown_architecture(ckpt, tmp_path):
+    _edit_config(ckpt, architectures=["FooForCausalLM"])
+    with pytest.raises(MxcError, match="FooForCausalLM") as e:
+        _build(ckpt, tmp_path / "art")
+    msg = _one_line(e)
+    assert "config.json" in msg
+    for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        assert arch in msg
+
+
+def test_architectures_field_missing(ckpt, tmp_path):
+    _edit_config(ckpt, architectures=None)
+    with pytest.raises(MxcError, match="architectures"):
+        _build(ckpt, tmp_path / "art")
+
+
+def test_config_not_json(ckpt, tmp_path):
+    (ckpt / "config.json").write_text('{"architectures": ["LlamaForCausalLM"],')
+    with pytest.raises(MxcError, match=r"config\.json: not valid JSON") as e:
+        _build(ckpt, tmp_path / "art")
+    _one_line(e)
+
+
+def test_config_missing(ckpt, tmp_path):
+    (ckpt / "config.json").unlink()
+    with pytest.raises(MxcError, match=r"config\.json: not found"):
+        _build(ckpt, tmp_path / "art")
+
+
+def test_missing_tensor(ckpt, tmp_path):
+    _edit_tensors(ckpt, lambda t: t.pop(DROPPED))
+    with pytest.raises(MxcError, match=r"missing tensor 'model\.layers\.1\.mlp\.up_proj\.weight' "
+                                        r"\(expected shape \[96, 64\]") as e:
+        _build(ckpt, tmp_path / "art")
+    _one_line(e)
+    assert not (tmp_path / "art").exists()
+
+
+def test_unexpected_tensor(ckpt, tmp_path):
+    _edit_tensors(ckpt, lambda t: t.__setitem__("model.layers.0.mlp.extra_proj.weight", torch.zeros(4, 4)))
+    with pytest.raises(MxcError, match=r"unexpected tensor 'model\.layers\.0\.mlp\.extra_proj\.weight'"):
+        _build(ckpt, tmp_path / "art")
+
+
+def test_ignored_tensor_is_accepted(ckpt, tmp_path):
+    _edit_tensors(ckpt, lambda t: t.__setitem__("model.layers.0.self_attn.rotary_emb.inv_freq", torch.ones(8)))
+    mxc.load(_build(ckpt, tmp_path / "art"))
+
+
+def test_misshaped_tensor(ckpt, tmp_path):
+    _edit_tensors(ckpt, lambda t: t.__setitem__(DROPPED, torch.zeros(95, 64)))
+    with pytest.raises(MxcError, match=r"'model\.layers\.1\.mlp\.up_proj\.weight' has shape \[95, 64\], "
+                                        r"expected \[96, 64\]"):
+        _build(ckpt, tmp_path / "art")
+
+
+def test_truncated_safetensors(ckpt, tmp_path):
+    path = ckpt / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(MxcError, match=r"model\.safetensors: not a valid safetensors file") as e:
+        _build(ckpt, tmp_path / "art")
+    assert str(path) in _one_line(e)
+
+
+def test_garbage_safetensors(ckpt, tmp_path):
+    path = ckpt / "model.safetensors"
+    path.write_bytes(bytes(range(256)) * 40)
+    with pytest.raises(MxcError, match=r"model\.safetensors: not a valid safetensors file") as e:
+        _build(ckpt, tmp_path / "art")
+    _one_line(e)
+
+
+def test_no_weights_in_checkpoint(ckpt, tmp_path):
+    (ckpt / "model.safetensors").unlink()
+    with pytest.raises(MxcError, match="no checkpoint found"):
+        _build(ckpt, tmp_path / "art")
+
+
+def test_garbage_bin(ckpt, tmp_path):
+    (ckpt / "model.safetensors").unlink()
+    (ckpt / "pytorch_model.bin").write_bytes(b"not a zip file at all" * 50)
+    with pytest.raises(MxcError, match=r"pytorch_model\.bin: not a valid PyTorch checkpoint"):
+        _build(ckpt, tmp_path / "art")
+
+
+def test_unknown_source_file(tmp_path):
+    with pytest.raises(MxcError, match=r"nosuch\.yaml: no such file, and not a bundled definition \(llama\.yaml"):
+        _build(tmp_path / "nosuch.yaml", tmp_path / "art")
+    with pytest.raises(MxcError, match=r"nosuch\.yaml: no such file"):
+        _build("nosuch.yaml", tmp_path / "art")
+
+
+def test_checkpoint_not_a_directory(tmp_path):
+    with pytest.raises(MxcError, match="--checkpoint .*: not a directory"):
+        _build("llama.yaml", tmp_path / "art", checkpoint=str(tmp_path / "missing"))
+
+
+def test_bundled_definition_for_another_arch():
+    pytest.skip("only llama.yaml is bundled: no definition exists that does not serve a checkpoint's arch")
+
+
+def test_out_is_not_an_artifact(tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    with pytest.raises(MxcError, match=r"--out .*mine: exists and is not an mxc artifact"):
+        _build("llama.yaml", out)
+    assert sorted(p.name for p in out.iterdir()) == ["precious.txt"]
+    assert (out / "precious.txt").read_text() == "keep me"
+
+
+def test_out_is_a_file(tmp_path):
+    out = tmp_path / "file"
+    out.write_text("x")
+    with pytest.raises(MxcError, match="exists and is not an mxc artifact"):
+        _build("llama.yaml", out)
+    assert out.read_text() == "x"
+
+
+def test_unsupported_config_qwen2_sliding_window(hf_checkpoint, tmp_path):
+    ckpt, _ = hf_checkpoint("Qwen2ForCausalLM", use_sliding_window=True)
+    assert json.loads((ckpt / "config.json").read_text())["use_sliding_window"] is True
+    with pytest.raises(MxcError, match=r"use_sliding_window=True is not supported for Qwen2ForCausalLM"):
+        _build(ckpt, tmp_path / "art")
+
+
+def test_bad_dtype_and_target(tmp_path):
+    with pytest.raises(MxcError, match="--dtype float64"):
+        _build("llama.yaml", tmp_path / "art", dtype="float64")
+    with pytest.raises(MxcError, match="--target tpu"):
+        _build("llama.yaml", tmp_path / "art", target="tpu")
+
+
+def test_failed_build_keeps_previous_artifact(ckpt, tmp_path):
+    out = tmp_path / "art"
+    _build(ckpt, out)
+    before = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    logits = mxc.load(out).logits([[1, 2, 3]])
+
+    _edit_tensors(ckpt, lambda t: t.pop(DROPPED))
+    with pytest.raises(MxcError, match="missing tensor"):
+        _build(ckpt, out)
+
+    after = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert after == before
+    assert torch.equal(mxc.load(out).logits([[1, 2, 3]]), logits)  # loads and verifies every file
+    assert not list(tmp_path.glob(".*.building-*"))
+    assert not list(tmp_path.glob(".*.old-*"))

@@ -1,0 +1,150 @@
+"""The ``mxc`` command line: build / generate / inspect / models, one-line user errors, --prompt."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import mxc
+from mxc.cli import main
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+
+def _run(*args, exe=None):
+    cmd = [exe] if exe else [sys.executable, "-m", "mxc"]
+    return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, env=ENV, timeout=120)
+
+
+def _assert_user_error(code, err, pattern=""):
+    assert code == 2, err
+    assert "Traceback" not in err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("mxc: error: "), err
+    assert pattern in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    return mxc.build("llama.yaml", out=tmp_path_factory.mktemp("cli") / "art", progress=False, log=lambda m: None)
+
+
+def test_build_and_generate_subprocess(tmp_path):
+    out = tmp_path / "art"
+    r = _run("build", "llama.yaml", "--out", out)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == ""
+    assert (out / "manifest.json").is_file()
+
+    r = _run("generate", out, "--ids", "1,2,3", "--max-new-tokens", "5")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 1, r.stdout
+    result = json.loads(lines[0])
+    assert list(result) == ["ids"]
+    assert len(result["ids"]) == 5 and all(isinstance(t, int) for t in result["ids"])
+    assert result["ids"] == mxc.load(out).generate([[1, 2, 3]], max_new_tokens=5)[0].tolist()
+
+
+def test_user_error_from_console_script(tmp_path):
+    exe = shutil.which("mxc", path=str(Path(sys.executable).parent))
+    if exe is None:
+        pytest.skip("the mxc console script is not installed next to this python")
+    (tmp_path / "plain").mkdir()
+    r = _run("generate", tmp_path / "plain", "--ids", "1,2", exe=exe)
+    _assert_user_error(r.returncode, r.stderr, "not an mxc artifact")
+    assert r.stdout == ""
+
+
+def test_models(capsys):
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        line = next(ln for ln in out.splitlines() if ln.split()[0] == arch)
+        assert "llama.yaml" in line and "not parity-tested" not in line
+
+
+def test_inspect(artifact, capsys):
+    assert main(["inspect", str(artifact)]) == 0
+    out = capsys.readouterr().out
+    assert "LlamaForCausalLM" in out
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    for rel in manifest["files"]:
+        assert rel in out
+    assert manifest["ir_sha256"][:16] in out
+
+
+def test_generate_in_process_matches_library(artifact, capsys):
+    assert main(["generate", str(artifact), "--ids", "4,5,6", "--max-new-tokens", "6", "--temperature", "0.9",
+                 "--top-k", "40", "--top-p", "0.95", "--seed", "11"]) == 0
+    got = json.loads(capsys.readouterr().out)["ids"]
+    want = mxc.load(artifact).generate([[4, 5, 6]], max_new_tokens=6, temperature=0.9, top_k=40, top_p=0.95, seed=11)
+    assert got == want[0].tolist()
+
+
+def _error(capsys, argv, pattern):
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    _assert_user_error(code, captured.err, pattern)
+    assert captured.out == ""
+
+
+def test_user_errors(artifact, hf_checkpoint, tmp_path, capsys):
+    _error(capsys, ["build", tmp_path / "nosuch.yaml", "--out", tmp_path / "o1"], "nosuch.yaml: no such file")
+    _error(capsys, ["generate", artifact, "--ids", "1,x"], "--ids '1,x': expected comma-separated integers")
+    _error(capsys, ["generate", artifact, "--ids", ","], "--ids: give at least one token id")
+    _error(capsys, ["generate", artifact, "--ids", "1,256"], "token id 256")
+    _error(capsys, ["generate", artifact, "--ids", "1,-3"], "token id -3")
+    _error(capsys, ["generate", artifact], "give exactly one of --ids or --prompt")
+    _error(capsys, ["generate", artifact, "--ids", "1", "--max-new-tokens", "0"], "max_new_tokens must be >= 1")
+    (tmp_path / "plain").mkdir()
+    _error(capsys, ["generate", tmp_path / "plain", "--ids", "1"], "not an mxc artifact")
+    _error(capsys, ["inspect", tmp_path / "plain"], "not an mxc artifact")
+    _error(capsys, ["build", "llama.yaml", "--out", tmp_path / "plain"], "exists and is not an mxc artifact")
+
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM")
+    config = json.loads((ckpt / "config.json").read_text())
+    config["architectures"] = ["FooForCausalLM"]
+    (ckpt / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()  # drop transformers' save progress bar
+    _error(capsys, ["build", ckpt, "--out", tmp_path / "o2"], "'FooForCausalLM' is not supported")
+    assert not (tmp_path / "o2").exists()
+
+
+WORDS = ["[UNK]", "hello", "world"] + [f"w{i}" for i in range(197)]  # 200 words < vocab_size 256
+
+
+def _save_tokenizer(directory: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(directory / "tokenizer.json"))
+
+
+def test_generate_with_prompt(artifact, hf_checkpoint, tmp_path, capsys):
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM")
+    _save_tokenizer(ckpt)
+    out = tmp_path / "art"
+    assert main(["build", str(ckpt), "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert (out / "tokenizer" / "tokenizer.json").is_file()
+    assert "tokenizer/tokenizer.json" in json.loads((out / "manifest.json").read_text())["files"]
+
+    assert main(["generate", str(out), "--prompt", "hello world", "--max-new-tokens", "4"]) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert len(lines) == 1, captured.out
+    result = json.loads(lines[0])
+    assert set(result) == {"ids", "text"}
+    assert result["ids"] == mxc.load(out).generate([[1, 2]], max_new_tokens=4)[0].tolist()
+    known = [WORDS[i] for i in result["ids"] if i < len(WORDS)]  # ids past the tokenizer's vocab decode to nothing
+    assert result["text"].split() == known
+
+    _error(capsys, ["generate", artifact, "--prompt", "hello world"], "--prompt needs a tokenizer")

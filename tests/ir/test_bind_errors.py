@@ -1,0 +1,193 @@
+"""Every binder error names file:line: field: message, pointing at the line that is wrong.
+
+Each case copies llama.yaml, corrupts one line, and checks the exact line number
+(computed from the corrupted text) and the field appear in the MxcError.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mxc.errors import MxcError
+from mxc.ir.ops import OPS
+from mxc.models.registry import bind_model, lookup
+
+
+def line_of(text: str, needle: str) -> int:
+    """1-based number of the first line of ``text`` containing ``needle``."""
+    (n,) = [i for i, ln in enumerate(text.splitlines(), start=1) if needle in ln][:1]
+    return n
+
+
+@pytest.fixture
+def bind_bad(tmp_path, llama_text, bind_arch):
+    """Factory: replace ``old`` by ``new`` in llama.yaml, bind it; returns (error message, line of ``mark``)."""
+
+    def run(old: str, new: str, mark: str | None = None, arch: str = "LlamaForCausalLM", **fields) -> tuple[str, int]:
+        assert llama_text.count(old) == 1, old
+        text = llama_text.replace(old, new)
+        path = tmp_path / "bad.yaml"
+        path.write_text(text)
+        with pytest.raises(MxcError) as e:
+            bind_arch(arch, model_file=path, **fields)
+        return str(e.value), line_of(text, mark or new.splitlines()[-1])
+
+    return run
+
+
+def where(line: int, field: str) -> str:
+    return f"bad.yaml:{line}: {field}: "
+
+
+def test_malformed_yaml_unbalanced_bracket(bind_bad):
+    msg, line = bind_bad("ln1:    {shape: [hidden_size], hf", "ln1:    {shape: [hidden_size, hf")
+    assert f"bad.yaml:{line}: malformed YAML" in msg
+
+
+def test_malformed_yaml_extra_bracket(bind_bad):
+    msg, line = bind_bad("wo:     {shape: [hidden_size, num_attention_heads*head_dim]",
+                         "wo:     {shape: [hidden_size, num_attention_heads*head_dim]]")
+    assert f"bad.yaml:{line}: malformed YAML" in msg
+
+
+def test_unknown_op(bind_bad):
+    msg, line = bind_bad("- h = rms_norm(x, ln1, eps=rms_norm_eps)\n", "- h = foo(x)\n")
+    assert where(line, "graph") + "unknown op 'foo'" in msg
+    assert "known ops: " + ", ".join(sorted(OPS)) in msg
+
+
+def test_unknown_op_nested(bind_bad):
+    msg, line = bind_bad("linear(flatten_heads(a), wo, bo)", "linear(unheads(a), wo, bo)")
+    assert where(line, "graph") + "unknown op 'unheads'" in msg
+
+
+def test_unknown_name_in_statement(bind_bad):
+    msg, line = bind_bad("- h = rms_norm(x, ln2, eps=rms_norm_eps)", "- h = rms_norm(x, ln3, eps=rms_norm_eps)")
+    assert where(line, "graph") + "rms_norm: unknown name 'ln3'" in msg
+
+
+def test_value_used_before_defined(bind_bad):
+    msg, line = bind_bad("- h = rms_norm(x, ln1, eps=rms_norm_eps)", "- h = rms_norm(a, ln1, eps=rms_norm_eps)")
+    assert where(line, "graph") + "rms_norm: unknown name 'a'" in msg
+
+
+def test_unknown_name_in_attribute(bind_bad):
+    msg, line = bind_bad("- h = rms_norm(x, ln1, eps=rms_norm_eps)", "- h = rms_norm(x, ln1, eps=rms_eps)")
+    assert where(line, "rms_norm.eps") + "unknown name 'rms_eps'" in msg
+
+
+def test_unparsable_statement(bind_bad):
+    msg, line = bind_bad("- x = embedding(tokens, embed)", "- x = embedding(tokens, embed")
+    assert where(line, "graph") + "cannot parse statement" in msg
+
+
+def test_statement_that_is_not_a_call(bind_bad):
+    msg, line = bind_bad("- x = embedding(tokens, embed)", "- x = embedding(tokens, embed) + 1")
+    assert where(line, "graph") + "expected an op call" in msg
+
+
+def test_weight_with_unknown_key(bind_bad):
+    msg, line = bind_bad("hf: self_attn.q_proj.weight, shard: column}",
+                         "hf: self_attn.q_proj.weight, shard: column, shardd: row}")
+    assert where(line, "repeat.weights.wq") + "unknown key(s) ['shardd']" in msg
+
+
+def test_top_level_weight_with_unknown_key(bind_bad):
+    msg, line = bind_bad("norm_f:  {shape: [hidden_size], hf: model.norm.weight, init: ones}",
+                         "norm_f:  {shape: [hidden_size], hf: model.norm.weight, init: ones, dtype: float32}")
+    assert where(line, "weights.norm_f") + "unknown key(s) ['dtype']" in msg
+
+
+def test_weight_missing_hf(bind_bad):
+    msg, line = bind_bad("ln2:    {shape: [hidden_size], hf: post_attention_layernorm.weight, init: ones}",
+                         "ln2:    {shape: [hidden_size], init: ones}")
+    assert where(line, "repeat.weights.ln2") + "missing 'hf'" in msg
+
+
+def test_shape_names_unknown_param(bind_bad):
+    msg, line = bind_bad("wq:     {shape: [num_attention_heads*head_dim,", "wq:     {shape: [num_heads*head_dim,")
+    assert where(line, "repeat.weights.wq.shape") + "unknown name 'num_heads'" in msg
+
+
+def test_shape_not_positive(bind_bad):
+    msg, line = bind_bad("w_up:   {shape: [intermediate_size, hidden_size]",
+                         "w_up:   {shape: [intermediate_size - intermediate_size, hidden_size]")
+    assert where(line, "repeat.weights.w_up.shape") + "'intermediate_size - intermediate_size' evaluates to 0; expected a positive integer" in msg
+
+
+def test_bad_shard_and_init(bind_bad):
+    msg, line = bind_bad("hf: model.embed_tokens.weight, shard: vocab}", "hf: model.embed_tokens.weight, shard: vocabb}")
+    assert where(line, "weights.embed.shard") + "expected one of column, row, vocab, replicated" in msg
+    msg, line = bind_bad("hf: model.norm.weight, init: ones}", "hf: model.norm.weight, init: zeros}")
+    assert where(line, "weights.norm_f.init") + "expected 'normal' or 'ones'" in msg
+
+
+def test_missing_config_field(llama_text, tmp_path):
+    path = tmp_path / "llama.yaml"
+    path.write_text(llama_text)
+    config = {"num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 96, "vocab_size": 256}
+    with pytest.raises(MxcError) as e:
+        bind_model(path, config, "float32", lookup("LlamaForCausalLM"))
+    line = line_of(llama_text, "hidden_size: {}")
+    assert (f"llama.yaml:{line}: params.hidden_size: config.json has no field 'hidden_size' "
+            "and the model file gives no default") in str(e.value)
+
+
+def test_wrong_number_of_outputs(bind_bad):
+    msg, line = bind_bad("- q, k = rope(q, k, positions, spec=rope)", "- q = rope(q, k, positions, spec=rope)")
+    assert where(line, "graph") + "rope has 2 output(s), but 1 name(s) are assigned" in msg
+    msg, line = bind_bad("- h = rms_norm(x, ln1, eps=rms_norm_eps)", "- h, h2 = rms_norm(x, ln1, eps=rms_norm_eps)")
+    assert where(line, "graph") + "rms_norm has 1 output(s), but 2 name(s) are assigned" in msg
+
+
+def test_unknown_top_level_section(bind_bad):
+    msg, line = bind_bad("tiny_config: configs/tiny-llama.json", "tiny_config: configs/tiny-llama.json\nlayers: 3")
+    assert f"bad.yaml:{line}: layers: unknown section; expected one of " in msg
+    assert "family, graph, ignore, inputs, outputs, params" in msg
+
+
+def test_missing_section(bind_bad):
+    msg, _ = bind_bad("outputs: [logits]\n", "\n")
+    assert "outputs: missing required section" in msg
+
+
+def test_unknown_output(bind_bad):
+    msg, line = bind_bad("outputs: [logits]", "outputs: [logitz]")
+    assert where(line, "outputs") + "'logitz' is not a value defined in the graph" in msg
+
+
+def test_when_block_with_extra_key(bind_bad):
+    msg, line = bind_bad("      - when: qk_norm\n        body:", "      - when: qk_norm\n        else: []\n        body:",
+                         mark="- when: qk_norm")
+    assert where(line, "repeat.body.when") + "a when block has exactly the keys when and body" in msg
+
+
+def test_param_with_unknown_key(bind_bad):
+    msg, line = bind_bad("  rms_norm_eps: {default: 1e-6}", "  rms_norm_eps: {defalt: 1e-6}")
+    assert where(line, "params.rms_norm_eps") + "expected a mapping with keys among" in msg
+
+
+def test_unknown_resolver(bind_bad):
+    msg, line = bind_bad("rope: {resolve: rope}", "rope: {resolve: ropee}")
+    assert where(line, "params.rope.resolve") + "unknown resolver 'ropee'" in msg
+
+
+def test_bad_repeat_count(bind_bad):
+    msg, line = bind_bad("count: num_hidden_layers,", "count: num_hidden_layers - 2,")
+    assert where(line, "repeat.count") + "expected a positive integer, got 0" in msg
+
+
+def test_tied_to_unknown_weight(bind_bad):
+    msg, line = bind_bad("tied_to: embed,", "tied_to: embedd,", mark="lm_head:", tie_word_embeddings=True)
+    assert where(line, "weights.lm_head.tied_to") + "'embedd' is not a weight declared above it" in msg
+
+
+def test_tied_shape_mismatch(bind_bad):
+    msg, line = bind_bad("lm_head: {shape: [vocab_size, hidden_size]", "lm_head: {shape: [vocab_size, 2*hidden_size]",
+                         tie_word_embeddings=True)
+    assert where(line, "weights.lm_head.tied_to") + "shape [256, 128] differs from embed [256, 64]" in msg
+
+
+def test_duplicate_key(bind_bad):
+    msg, line = bind_bad("  vocab_size: {}", "  vocab_size: {}\n  hidden_size: {}", mark="  vocab_size: {}")
+    assert f"bad.yaml:{line + 1}: duplicate key 'hidden_size'" in msg

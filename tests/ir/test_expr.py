@@ -1,0 +1,114 @@
+"""The model-file expression language: arithmetic, logic, comparisons, conditionals; nothing else."""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+
+from mxc.ir.expr import ExprError, evaluate, parse_expr
+
+ENV = {"hidden_size": 64, "heads": 4, "head_dim": 16, "bias": True, "window": None, "eps": 1e-5}
+
+
+@pytest.mark.parametrize("text, want", [
+    ("heads*head_dim", 64),
+    ("hidden_size // heads", 16),
+    ("hidden_size // 3", 21),
+    ("hidden_size / 128", 0.5),
+    ("hidden_size % 7", 1),
+    ("head_dim**-0.5", 0.25),
+    ("2**10", 1024),
+    ("-heads + 1", -3),
+    ("+heads", 4),
+    ("(hidden_size - 4) * 2", 120),
+    ("heads == 4", True),
+    ("heads != 4", False),
+    ("1 < heads <= 4", True),
+    ("1 < heads < 4", False),
+    ("head_dim >= 16 > heads", True),
+    ("window is None", True),
+    ("window is not None", False),
+    ("bias and heads > 2", True),
+    ("not bias", False),
+    ("window or false", False),
+    ("true and not false", True),
+    ("null", None),
+    ("hidden_size if bias else 0", 64),
+    ("hidden_size if window else head_dim", 16),
+    ("[heads, head_dim * 2]", [4, 32]),
+    ("{'a': heads, 'b': [1, 2]}", {"a": 4, "b": [1, 2]}),
+    ("'column'", "column"),
+    ("1e-6", 1e-6),
+])
+def test_evaluates(text, want):
+    got = evaluate(text, ENV)
+    assert got == want and type(got) is type(want)
+
+
+def test_literals_and_trees_pass_through():
+    assert evaluate(None, {}) is None
+    assert evaluate(3, {}) == 3 and evaluate(True, {}) is True and evaluate(0.5, {}) == 0.5
+    assert evaluate(parse_expr("heads*2"), ENV) == 8
+
+
+def test_short_circuit():
+    """The right side of `and`/`or` and the unused branch of `if` are not evaluated."""
+    assert evaluate("window is not None and window > 4", ENV) is False
+    assert evaluate("window is None or window > 4", ENV) is True
+    assert evaluate("hidden_size if bias else undefined_name", ENV) == 64
+
+
+@pytest.mark.parametrize("text, want", [("window or 4096", 4096), ("bias and head_dim", 16), ("0 or heads", 4)])
+def test_boolean_operators_return_operands(text, want):
+    assert evaluate(text, ENV) == want
+
+
+@pytest.mark.parametrize("text", [
+    "__import__('os')",
+    "open('/etc/passwd')",
+    "len([1])",
+    "hidden_size.bit_length",
+    "a.b",
+    "().__class__",
+    "[1, 2][0]",
+    "lambda: 1",
+    "[x for x in [1]]",
+    "1 in [1]",
+    "~heads",
+    "heads if (y := 1) else 0",
+    "f'{heads}'",
+    "[*[1]]",
+])
+def test_refuses(text):
+    with pytest.raises(ExprError):
+        evaluate(text, {**ENV, "a": object()})
+
+
+def test_refuses_dict_unpacking():
+    with pytest.raises(ExprError):
+        evaluate("{**a}", {"a": {}})
+
+
+def test_unknown_name_and_syntax_error():
+    with pytest.raises(ExprError, match="unknown name 'num_heads'"):
+        evaluate("num_heads * 2", ENV)
+    with pytest.raises(ExprError, match="cannot parse expression"):
+        evaluate("heads *", ENV)
+    with pytest.raises(ExprError, match="cannot parse expression"):
+        evaluate("x = 1", ENV)
+
+
+def test_never_calls_eval(monkeypatch):
+    import builtins
+
+    def boom(*a, **k):
+        raise AssertionError("eval/exec used")
+
+    monkeypatch.setattr(builtins, "eval", boom)
+    monkeypatch.setattr(builtins, "exec", boom)
+    assert evaluate("heads * head_dim if bias else 0", ENV) == 64
+
+
+def test_parse_expr_returns_a_tree():
+    assert isinstance(parse_expr(" hidden_size // heads "), ast.BinOp)

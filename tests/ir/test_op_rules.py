@@ -1,0 +1,197 @@
+"""The op table: every op has a rule, a torch reference and a kernel candidate; every rule
+accepts a valid example, rejects a bad one with RuleError, and agrees with the reference on shapes."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from mxc.ir.graph import TensorType
+from mxc.ir.ops import OPS, RuleError, infer, n_outputs
+from mxc.kernels import torch_ref
+from mxc.kernels.candidates import CANDIDATES
+from mxc.kernels.context import ForwardContext
+from mxc.models.rope_config import normalize_rope
+
+
+def tt(*shape, dtype="float32"):
+    return TensorType(tuple(shape), dtype)
+
+
+ROPE = normalize_rope({"rope_theta": 10000.0, "max_position_embeddings": 64}, 16)
+QKV_ATTRS = {"heads": 4, "kv_heads": 2, "head_dim": 16, "spec": ROPE, "layer": 0}
+
+# op -> (valid (inputs, attrs), expected output types, bad examples (inputs, attrs, message fragment))
+EXAMPLES = {
+    "embedding": (([tt("T", dtype="int64"), tt(256, 64)], {}), [tt("T", 64)], [
+        ([tt("T"), tt(256, 64)], {}, "ids must be [T] int64"),
+        ([tt("T", dtype="int64"), tt(256)], {}, "table must be [vocab, hidden]"),
+    ]),
+    "gather_rows": (([tt("T", 64), tt("R", dtype="int64")], {}), [tt("R", 64)], [
+        ([tt("T", 64), tt("R")], {}, "rows must be [R] int64"),
+    ]),
+    "add": (([tt("T", 64), tt("T", 64)], {}), [tt("T", 64)], [
+        ([tt("T", 64), tt("T", 32)], {}, "inputs differ"),
+        ([tt("T", 64), tt("T", 64, dtype="bfloat16")], {}, "inputs differ"),
+    ]),
+    "mul": (([tt("T", 96), tt("T", 96)], {}), [tt("T", 96)], [
+        ([tt("T", 96), tt("R", 96)], {}, "inputs differ"),
+    ]),
+    "silu": (([tt("T", 96)], {}), [tt("T", 96)], [
+        ([tt("T", 96), tt("T", 96)], {}, "takes at most 1 inputs"),
+        ([tt("T", 96)], {"alpha": 1.0}, "unknown attribute(s) alpha"),
+    ]),
+    "silu_mul": (([tt("T", 192)], {}), [tt("T", 96)], [
+        ([tt("T", 191)], {}, "expects [T, 2*I]"),
+        ([tt("T", 4, 48)], {}, "expects [T, 2*I]"),
+    ]),
+    "rms_norm": (([tt("T", 64), tt(64)], {"eps": 1e-5}), [tt("T", 64)], [
+        ([tt("T", 64), tt(32)], {"eps": 1e-5}, "does not match the last dim"),
+        ([tt("T", 64), tt(64)], {"eps": 0.0}, "eps must be > 0"),
+        ([tt("T", 64), tt(64)], {}, "missing attribute(s) eps"),
+    ]),
+    "linear": (([tt("T", 64), tt(128, 64), tt(128)], {}), [tt("T", 128)], [
+        ([tt("T", 64), tt(128, 48)], {}, "disagree on K"),
+        ([tt("T", 64), tt(128, 64), tt(64)], {}, "bias [64] float32 must be [128]"),
+        ([tt("T", 4, 16), tt(128, 64)], {}, "expects x [T, K] and w [N, K]"),
+        ([tt("T", 64), None], {}, "input 'weight' is required"),
+    ]),
+    "heads": (([tt("T", 64)], {"size": 16}), [tt("T", 4, 16)], [
+        ([tt("T", 64)], {"size": 24}, "cannot split"),
+        ([tt("T", 4, 16)], {"size": 16}, "cannot split"),
+    ]),
+    "flatten_heads": (([tt("T", 4, 16)], {}), [tt("T", 64)], [
+        ([tt("T", 64)], {}, "expects [T, heads, head_dim]"),
+    ]),
+    "split": (([tt("T", 128)], {"sizes": [64, 32, 32]}), [tt("T", 64), tt("T", 32), tt("T", 32)], [
+        ([tt("T", 128)], {"sizes": [64, 32]}, "do not add up"),
+    ]),
+    "rope": (([tt("T", 4, 16), tt("T", 2, 16), tt("T", dtype="int64")], {"spec": ROPE}),
+             [tt("T", 4, 16), tt("T", 2, 16)], [
+        ([tt("T", 4, 16), tt("T", 2, 8), tt("T", dtype="int64")], {"spec": ROPE}, "must be [T, heads, head_dim]"),
+        ([tt("T", 4, 16), tt("T", 2, 16), tt("T", dtype="int32")], {"spec": ROPE}, "must be [T] int64"),
+        ([tt("T", 4, 16), tt("T", 2, 16), tt("T", dtype="int64")], {"spec": {**ROPE, "rotary_dim": 32}},
+         "rotary_dim 32 exceeds head_dim 16"),
+    ]),
+    "attention": (([tt("T", 4, 16), tt("T", 2, 16), tt("T", 2, 16)], {"scale": 0.25, "layer": 0}),
+                  [tt("T", 4, 16)], [
+        ([tt("T", 3, 16), tt("T", 2, 16), tt("T", 2, 16)], {"scale": 0.25, "layer": 0}, "not a multiple"),
+        ([tt("T", 4, 16), tt("T", 2, 16), tt("T", 2, 8)], {"scale": 0.25, "layer": 0}, "expects q, k, v"),
+        ([tt("T", 4, 8), tt("T", 2, 16), tt("T", 2, 16)], {"scale": 0.25, "layer": 0}, "disagree"),
+        ([tt("T", 4, 16), tt("T", 2, 16), tt("T", 2, 16)], {"scale": 0.25}, "missing attribute(s) layer"),
+    ]),
+    # fused ops
+    "add_rms_norm": (([tt("T", 64), tt("T", 64), tt(64)], {"eps": 1e-5}), [tt("T", 64), tt("T", 64)], [
+        ([tt("T", 64), tt("T", 32), tt(64)], {"eps": 1e-5}, "inputs differ"),
+        ([tt("T", 64), tt("T", 64), tt(32)], {"eps": 1e-5}, "does not match the last dim"),
+        ([tt("T", 64), tt("T", 64), tt(64)], {"eps": -1.0}, "eps must be > 0"),
+    ]),
+    "qkv_rope_cache": (([tt("T", 128), tt("T", dtype="int64"), tt(16), tt(16)], QKV_ATTRS | {"eps": 1e-5}),
+                       [tt("T", 4, 16)], [
+        ([tt("T", 120), tt("T", dtype="int64")], QKV_ATTRS, "must be [T, 128] for 4+2*2 heads of 16"),
+        ([tt("T", 128), tt("T", dtype="int32")], QKV_ATTRS, "must be [T] int64"),
+        ([tt("T", 128), tt("T", dtype="int64"), tt(32), tt(32)], QKV_ATTRS, "must be [16]"),
+        ([tt("T", 128), tt("T", dtype="int64"), tt(16)], QKV_ATTRS, "q_norm and k_norm come together"),
+        ([tt("T", 128), tt("T", dtype="int64")], {**QKV_ATTRS, "sizes": [1]}, "unknown attribute(s) sizes"),
+    ]),
+    "cached_attention": (([tt("T", 4, 16)], {"scale": 0.25, "layer": 0}), [tt("T", 4, 16)], [
+        ([tt("T", 4, 16), tt("T", 2, 16)], {"scale": 0.25, "layer": 0}, "takes at most 1 inputs"),
+        ([tt("T", 4, 16)], {"layer": 0}, "missing attribute(s) scale"),
+    ]),
+}
+
+BAD = [pytest.param(op, ins, attrs, msg, id=f"{op}-{k}")
+       for op, (_, _, bads) in EXAMPLES.items() for k, (ins, attrs, msg) in enumerate(bads)]
+
+
+def test_every_op_has_examples():
+    assert set(EXAMPLES) == set(OPS)
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_op_is_complete(op):
+    """Adding an op = an OpDef with a rule, a torch reference, and a candidate (ops.py docstring)."""
+    d = OPS[op]
+    assert d.name == op and callable(d.rule)
+    assert callable(getattr(torch_ref, op, None)), f"torch_ref has no function {op}"
+    assert CANDIDATES.get(op), f"no kernel candidate claims {op}"
+    assert all(c.op == op for c in CANDIDATES[op])
+    assert any(c.name == f"torch_ref.{op}" for c in CANDIDATES[op])
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_torch_ref_signature_matches_codegen_calls(op):
+    """Generated code calls ``torch_ref.op(inputs..., [ctx,] attr=...)``: parameter names must line up."""
+    d = OPS[op]
+    params = list(inspect.signature(getattr(torch_ref, op)).parameters)
+    want = [n.rstrip("?") for n in d.inputs] + (["ctx"] if d.uses_context else [])
+    assert params[:len(want)] == want
+    assert set(params[len(want):]) == set(d.attrs) | set(d.optional_attrs)
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_rule_accepts_valid_example(op):
+    (ins, attrs), want, _ = EXAMPLES[op]
+    outs = infer(op, ins, attrs)
+    assert list(outs) == want
+    assert len(outs) == n_outputs(op, attrs)
+
+
+@pytest.mark.parametrize("op, ins, attrs, msg", BAD)
+def test_rule_rejects_bad_example(op, ins, attrs, msg):
+    with pytest.raises(RuleError) as e:
+        infer(op, ins, attrs)
+    assert msg in str(e.value)
+
+
+def test_kernel_attrs_are_always_allowed():
+    (ins, attrs), want, _ = EXAMPLES["linear"]
+    assert list(infer("linear", ins, {"kernel": "torch_ref.linear", "kernel_reason": "r"})) == want
+
+
+def test_optional_input_may_be_absent():
+    assert infer("linear", [tt("T", 64), tt(128, 64), None], {}) == (tt("T", 128),)
+    assert infer("linear", [tt("T", 64), tt(128, 64)], {}) == (tt("T", 128),)
+
+
+@pytest.mark.parametrize("op, ins, attrs", [
+    ("heads", [tt("T", 64)], {"size": 0}),
+    ("heads", [tt("T", 64)], {"size": 16.0}),
+    ("split", [tt("T", 64)], {"sizes": [96, -32]}),
+], ids=["heads-size0", "heads-float", "split-negative"])
+def test_rule_rejects_non_positive_int_sizes(op, ins, attrs):
+    with pytest.raises(RuleError):
+        infer(op, ins, attrs)
+
+
+# --- the rule and the torch reference agree on output shapes and dtypes ----------------
+
+SIZES = {"T": 5, "R": 3}
+DTYPES = {"float32": torch.float32, "int64": torch.int64}
+
+
+def _tensor(t: TensorType, role: str, gen) -> torch.Tensor:
+    shape = [SIZES.get(d, d) for d in t.shape]
+    if t.dtype == "int64":
+        hi = {"ids": 256, "rows": SIZES["T"], "positions": 8}[role]
+        return torch.randint(0, hi, shape, generator=gen)
+    return torch.randn(shape, generator=gen)
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_torch_ref_matches_rule(op):
+    (ins, attrs), _, _ = EXAMPLES[op]
+    gen = torch.Generator().manual_seed(0)
+    names = [n.rstrip("?") for n in OPS[op].inputs]
+    args = [_tensor(t, n, gen) for t, n in zip(ins, names)]
+    args += [None] * (len(names) - len(args))  # absent optional inputs, as generated code passes them
+    if OPS[op].uses_context:  # one sequence, an empty KV cache of 2 kv heads of 16 for layer 0
+        cache = lambda: [torch.zeros(1, 8, 2, 16)]
+        args.append(ForwardContext.build([SIZES["T"]], [0], [0], cache(), cache(), torch.device("cpu")))
+    got = getattr(torch_ref, op)(*args, **attrs)
+    got = got if isinstance(got, tuple) else (got,)
+    want = infer(op, ins, attrs)
+    assert [tuple(g.shape) for g in got] == [tuple(SIZES.get(d, d) for d in w.shape) for w in want]
+    assert [g.dtype for g in got] == [DTYPES[w.dtype] for w in want]

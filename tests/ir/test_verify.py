@@ -1,0 +1,162 @@
+"""The verifier: values defined once before use, every op's rule, carries keep their type,
+and each error names the node and its model-file location."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from mxc.ir import Graph, Node, Repeat, TensorType, Weight, VerifyError, verify
+
+
+def tt(*shape, dtype="float32"):
+    return TensorType(tuple(shape), dtype)
+
+
+def edit_layer(graph: Graph, fn) -> Graph:
+    """``graph`` with its (single) repeat body replaced by ``fn(list of nodes)``; returns the new graph."""
+    (i, rep), = [(i, it) for i, it in enumerate(graph.body) if isinstance(it, Repeat)]
+    body = list(graph.body)
+    body[i] = rep.replace(body=tuple(fn(list(rep.body))))
+    return graph.replace(body=tuple(body))
+
+
+def find(nodes, out: str) -> int:
+    return next(i for i, n in enumerate(nodes) if out in n.outs)
+
+
+def test_bound_graph_types(bind_arch):
+    types = verify(bind_arch())
+    assert types["x"] == tt("T", 64)
+    assert types["q_1"] == tt("T", 4, 16) and types["k_1"] == tt("T", 2, 16)
+    assert types["m"] == tt("T", 96)
+    assert types["logits"] == tt("R", 256)
+
+
+def test_undefined_input(bind_arch):
+    def edit(nodes):
+        i = find(nodes, "h")
+        nodes[i] = nodes[i].replace(ins=("nowhere", "ln1"))
+        return nodes
+
+    with pytest.raises(VerifyError, match=re.escape("llama.yaml:61: rms_norm -> h: input 'nowhere' is not defined")):
+        verify(edit_layer(bind_arch(), edit))
+
+
+def test_use_before_definition(bind_arch):
+    def edit(nodes):  # move `m = mul(...)` above the linears it reads
+        i = find(nodes, "m")
+        return [nodes[i]] + nodes[:i] + nodes[i + 1:]
+
+    with pytest.raises(VerifyError, match=r"llama\.yaml:73: mul -> m: input 't_silu' is not defined"):
+        verify(edit_layer(bind_arch(), edit))
+
+
+def test_redefined_value(bind_arch):
+    def edit(nodes):  # the down projection writes `h` again
+        i = find(nodes, "t_linear_6")
+        nodes[i] = nodes[i].replace(outs=("h",))
+        return nodes
+
+    with pytest.raises(VerifyError, match=re.escape("llama.yaml:74: linear -> h: 'h' is defined twice")):
+        verify(edit_layer(bind_arch(), edit))
+
+
+def test_value_shadowing_a_weight(bind_arch):
+    def edit(nodes):
+        i = find(nodes, "h")
+        nodes[i] = nodes[i].replace(outs=("wq",))
+        return nodes
+
+    with pytest.raises(VerifyError, match="'wq' is defined twice"):
+        verify(edit_layer(bind_arch(), edit))
+
+
+def test_linear_weight_k_mismatch(bind_arch):
+    g = bind_arch()
+    rep = g.repeats()[0]
+    wo = rep.weights["wo"]
+    bad_rep = rep.replace(weights={**rep.weights, "wo": Weight(wo.name, (64, 48), wo.dtype, wo.hf, shard=wo.shard)})
+    g = g.replace(body=tuple(bad_rep if it is rep else it for it in g.body))
+    with pytest.raises(VerifyError) as e:
+        verify(g)
+    msg = str(e.value)
+    assert msg.startswith("llama.yaml:71: linear -> t_linear_3: ")
+    assert "disagree on K" in msg and "[64, 48] float32" in msg
+
+
+def test_top_level_shape_mismatch():
+    g = Graph("toy", "float32", {}, {"x": tt("T", 8)}, {"w": Weight("w", (4, 6), "float32", ("w",))},
+              (Node("linear", ("y",), ("x", "w"), {}, "toy.yaml:7"),), ("y",))
+    with pytest.raises(VerifyError, match=r"^toy\.yaml:7: linear -> y: x \[T, 8\] float32 and weight \[4, 6\] "):
+        verify(g)
+
+
+def test_carry_changing_type(bind_arch):
+    g = bind_arch()
+    rep = g.repeats()[0]
+    g = g.replace(body=tuple(rep.replace(carry={"x": "a"}) if it is rep else it for it in g.body))
+    with pytest.raises(VerifyError, match=re.escape("llama.yaml:40: carry x [T, 64] float32 <- a [T, 4, 16] "
+                                                    "float32 changes type")):
+        verify(g)
+
+
+def test_carry_of_undefined_value(bind_arch):
+    g = bind_arch()
+    rep = g.repeats()[0]
+    g = g.replace(body=tuple(rep.replace(carry={"x": "x_9"}) if it is rep else it for it in g.body))
+    with pytest.raises(VerifyError, match=re.escape("llama.yaml:40: carry x <- x_9 names an undefined value")):
+        verify(g)
+
+
+def test_unknown_op_and_wrong_output_count(bind_arch):
+    def unknown(nodes):
+        i = find(nodes, "t_silu")
+        nodes[i] = nodes[i].replace(op="gelu")
+        return nodes
+
+    with pytest.raises(VerifyError, match=re.escape("llama.yaml:73: gelu -> t_silu: unknown op 'gelu'")):
+        verify(edit_layer(bind_arch(), unknown))
+
+    def one_out(nodes):
+        i = find(nodes, "q_1")
+        nodes[i] = nodes[i].replace(outs=("q_1",))
+        return nodes
+
+    with pytest.raises(VerifyError, match=re.escape("llama.yaml:69: rope -> q_1: op gives 2 outputs, node names 1")):
+        verify(edit_layer(bind_arch(), one_out))
+
+
+def test_rule_attribute_errors_name_the_node(bind_arch):
+    def edit(nodes):
+        i = find(nodes, "h")
+        nodes[i] = nodes[i].replace(attrs={"eps": 1e-5, "epsilon": 1e-5})
+        return nodes
+
+    with pytest.raises(VerifyError, match=r"llama\.yaml:61: rms_norm -> h: unknown attribute\(s\) epsilon"):
+        verify(edit_layer(bind_arch(), edit))
+
+
+def test_undefined_output(bind_arch):
+    with pytest.raises(VerifyError, match="output 'logitz' is not defined"):
+        verify(bind_arch().replace(outputs=("logitz",)))
+
+
+def test_weight_table_checks(bind_arch):
+    g = bind_arch()
+    rep = g.repeats()[0]
+
+    def with_weights(**ws):
+        r = rep.replace(weights={**rep.weights, **ws})
+        return g.replace(body=tuple(r if it is rep else it for it in g.body))
+
+    wq = rep.weights["wq"]
+    with pytest.raises(VerifyError, match=r"two weights are stored as 'layers\.0\.wq'"):
+        verify(with_weights(wq2=wq))
+    with pytest.raises(VerifyError, match=r"segments \[60, 2\] do not add up to 64 rows"):
+        verify(with_weights(wq=Weight(wq.name, wq.shape, wq.dtype, ("a", "b"), segments=(60, 2))))
+    with pytest.raises(VerifyError, match="2 sources but 0 segments"):
+        verify(with_weights(wq=Weight(wq.name, wq.shape, wq.dtype, ("a", "b"))))
+    with pytest.raises(VerifyError, match=re.escape("llama.yaml:40: repeat weight(s) ['embed'] shadow top-level")):
+        verify(with_weights(embed=Weight("layers.{i}.embed", (4,), "float32", ("e",))))

@@ -1,0 +1,50 @@
+"""The pipeline: one dump per pass, each loadable and verify()-clean; the whole build keeps the numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from mxc.compiler.options import BuildOptions
+from mxc.compiler.pipeline import PIPELINE, compile_graph
+from mxc.ir import load_graph, verify
+
+
+@pytest.mark.parametrize("arch, fields", [("LlamaForCausalLM", {}), ("Qwen2ForCausalLM", {}),
+                                          ("Qwen3ForCausalLM", {"tie_word_embeddings": True})],
+                         ids=["llama", "qwen2", "qwen3_tied"])
+def test_dumps_one_file_per_pass(bind_arch, tmp_path, arch, fields):
+    bound = bind_arch(arch, **fields)
+    final = compile_graph(bound, BuildOptions(), dump_dir=tmp_path / "ir")
+    names = ["00-bound.yaml"] + [f"{i:02d}-{name}.yaml" for i, (name, _) in enumerate(PIPELINE, start=1)]
+    assert names[1:3] == ["01-merge_qkv.yaml", "02-merge_gate_up.yaml"]
+    assert names[-1].endswith("-select_kernels.yaml")
+    assert sorted(p.name for p in (tmp_path / "ir").iterdir()) == names
+    graph = bound
+    for i, name in enumerate(names):
+        if i:
+            graph = PIPELINE[i - 1][1](graph, BuildOptions())
+        loaded = load_graph((tmp_path / "ir" / name).read_text())
+        verify(loaded)
+        assert loaded == graph, name
+    assert graph == final
+
+
+def test_compiled_layer(bind_arch):
+    g = compile_graph(bind_arch("Qwen2ForCausalLM"), BuildOptions())
+    (rep,) = g.repeats()
+    assert sorted(rep.weights) == ["bqkv", "ln1", "ln2", "w_down", "w_gate_up", "wo", "wqkv"]
+    assert [n.op for n in rep.body].count("linear") == 4
+    assert all("kernel" in n.attrs for n, _ in g.nodes())
+
+
+def test_no_dump_dir_writes_nothing(bind_arch, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    compile_graph(bind_arch(), BuildOptions())
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("arch, fields", [("LlamaForCausalLM", {}), ("Qwen2ForCausalLM", {"mlp_bias": True}),
+                                          ("Qwen3ForCausalLM", {"head_dim": 32})], ids=["llama", "qwen2", "qwen3"])
+def test_compiled_graph_numerics(bind_arch, assert_same_logits, arch, fields):
+    bound = bind_arch(arch, **fields)
+    assert_same_logits(bound, compile_graph(bound, BuildOptions()))

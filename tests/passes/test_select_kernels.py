@@ -1,0 +1,90 @@
+"""select_kernels: every node is claimed by the first willing candidate, or the build fails listing why not."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from mxc.compiler.options import BuildOptions
+from mxc.compiler.passes import select_kernels
+from mxc.compiler.pipeline import compile_graph
+from mxc.errors import MxcError
+from mxc.ir import Graph, Repeat, verify
+from mxc.kernels.candidates import CANDIDATES, Candidate
+
+
+def strip_kernels(graph: Graph) -> Graph:
+    def strip(n):
+        return n.replace(attrs={k: v for k, v in n.attrs.items() if k not in ("kernel", "kernel_reason")})
+
+    return graph.replace(body=tuple(it.replace(body=tuple(map(strip, it.body))) if isinstance(it, Repeat) else strip(it)
+                                    for it in graph.body))
+
+
+def test_every_node_gets_a_kernel_cpu(bind_arch):
+    g = bind_arch("Qwen2ForCausalLM")
+    out = select_kernels.run(g, BuildOptions(target="cpu"))
+    verify(out)
+    torch_ref = {c.op: c for cands in CANDIDATES.values() for c in cands if c.name.startswith("torch_ref.")}
+    for n, _ in out.nodes():
+        assert n.attrs["kernel"] == f"torch_ref.{n.op}"
+        assert n.attrs["kernel_reason"] == torch_ref[n.op].reason
+    assert strip_kernels(out) == g  # only attributes were added
+
+
+def test_every_node_gets_a_kernel_cuda(bind_arch):
+    """On cuda a node records one kernel, or [max_tokens, kernel] buckets ending unbounded (None)."""
+    g = compile_graph(bind_arch("Qwen3ForCausalLM"), BuildOptions(target="cuda"))
+    for n, _ in g.nodes():
+        kernel, reason = n.attrs["kernel"], n.attrs["kernel_reason"]
+        names = [kernel] if isinstance(kernel, str) else [name for _, name in kernel]
+        if not isinstance(kernel, str):
+            his = [hi for hi, _ in kernel]
+            assert his[-1] is None and his[:-1] == sorted(his[:-1])
+        assert all(name in {c.name for c in CANDIDATES[n.op]} for name in names), n
+        assert isinstance(reason, str) and reason
+
+
+def test_first_willing_candidate_wins(bind_arch, monkeypatch):
+    """A candidate that checks the weight's K sees the right input types, local and top-level."""
+    seen = []
+
+    def k_is_64(node, in_types, options):
+        seen.append((node.outs[0], in_types[1].shape))
+        return None if in_types[1].shape[1] == 64 else f"K={in_types[1].shape[1]} is not 64"
+
+    picky = Candidate("gemm64.linear", "linear", ("cpu",), "K=64 GEMM", check=k_is_64)
+    cuda = Candidate("cublas.linear", "linear", ("cuda",), "cuBLAS")
+    monkeypatch.setitem(CANDIDATES, "linear", [cuda, picky, *CANDIDATES["linear"]])
+    out = select_kernels.run(bind_arch(), BuildOptions())
+    chosen = {n.outs[0]: (n.attrs["kernel"], n.attrs["kernel_reason"]) for n, _ in out.nodes() if n.op == "linear"}
+    assert chosen.pop("t_linear_6") == ("torch_ref.linear", CANDIDATES["linear"][-1].reason)  # w_down: K = 96
+    assert set(chosen.values()) == {("gemm64.linear", "K=64 GEMM")}
+    assert ("logits", (256, 64)) in seen and ("t_linear_6", (64, 96)) in seen
+
+
+def test_no_kernel_lists_every_rejection(bind_arch, monkeypatch):
+    monkeypatch.setitem(CANDIDATES, "silu_mul", [
+        Candidate("triton_mlp.silu_mul", "silu_mul", ("cuda",), "fused"),
+        Candidate("cpu_mlp.silu_mul", "silu_mul", ("cpu",), "vectorised",
+                  check=lambda node, in_types, options: f"needs I % 128 == 0, got {in_types[0].shape[1] // 2}"),
+    ])
+    with pytest.raises(MxcError) as e:
+        compile_graph(bind_arch(), BuildOptions())
+    msg = str(e.value)
+    assert msg.startswith("no kernel for silu_mul -> m (llama.yaml:73) on target cpu: ")
+    assert "triton_mlp.silu_mul: runs on cuda, not cpu" in msg
+    assert "needs I % 128 == 0, got 96" in msg and "cpu_mlp.silu_mul" in msg
+
+
+def test_no_candidates_registered(bind_arch, monkeypatch):
+    monkeypatch.setitem(CANDIDATES, "rope", [])
+    with pytest.raises(MxcError, match=re.escape("no kernel for rope -> q_1, k_1 (llama.yaml:69) on target cpu: "
+                                                 "no candidates registered")):
+        select_kernels.run(bind_arch(), BuildOptions())
+
+
+def test_reselecting_is_stable(bind_arch):
+    once = select_kernels.run(bind_arch(), BuildOptions())
+    assert select_kernels.run(once, BuildOptions()) == once

@@ -1,0 +1,112 @@
+"""Loading refuses tampered, incomplete, foreign or incompatible artifacts with a one-line MxcError."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+import mxc
+from mxc.errors import MxcError
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    return mxc.build("llama.yaml", out=tmp_path_factory.mktemp("pristine") / "art", progress=False,
+                     log=lambda m: None)
+
+
+@pytest.fixture
+def art(pristine, tmp_path):
+    copy = tmp_path / "art"
+    shutil.copytree(pristine, copy)
+    return copy
+
+
+def _refused(path, pattern, **kw):
+    with pytest.raises(MxcError, match=pattern) as e:
+        mxc.load(path, **kw)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def _edit_manifest(art, **changes):
+    path = art / "manifest.json"
+    m = json.loads(path.read_text())
+    m.update(changes)
+    path.write_text(json.dumps(m))
+
+
+def test_pristine_copy_loads(art):
+    assert mxc.load(art).logits([[1, 2]]).shape == (1, 2, 256)
+
+
+def test_flipped_weight_byte(art):
+    path = art / "weights" / "rank0.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x01
+    path.write_bytes(bytes(data))
+    _refused(art, r"weights/rank0\.safetensors was modified")
+
+
+def test_edited_forward_py(art):
+    path = art / "code" / "forward.py"
+    path.write_text(path.read_text() + "\nimport os  # sneaky\n")
+    _refused(art, r"code/forward\.py was modified")
+
+
+def test_edited_graph_yaml(art):
+    path = art / "graph.yaml"
+    path.write_text(path.read_text().replace("dtype: float32", "dtype: float16", 1))
+    _refused(art, r"graph\.yaml was modified")
+
+
+def test_missing_graph_yaml(art):
+    (art / "graph.yaml").unlink()
+    _refused(art, r"graph\.yaml is missing")
+
+
+def test_missing_weights(art):
+    (art / "weights" / "rank0.safetensors").unlink()
+    _refused(art, r"weights/rank0\.safetensors is missing")
+
+
+def test_stray_file(art):
+    (art / "weights" / "extra.safetensors").write_bytes(b"x")
+    _refused(art, r"file weights/extra\.safetensors is not part of the artifact")
+
+
+def test_stray_file_named_manifest_in_subdir(art):
+    (art / "code" / "manifest.json").write_text("{}")
+    _refused(art, r"code/manifest\.json is not part of the artifact")
+
+
+def test_newer_mxc_version(art):
+    _edit_manifest(art, mxc_version="9.9.0")
+    msg = _refused(art, r"built by mxc 9\.9\.0, incompatible with mxc")
+    assert mxc.__version__ in msg
+
+
+def test_schema_version(art):
+    _edit_manifest(art, schema_version=99)
+    _refused(art, r"artifact schema 99 is not readable")
+
+
+def test_corrupt_manifest(art):
+    (art / "manifest.json").write_text("{not json")
+    _refused(art, r"manifest\.json: corrupt")
+
+
+def test_not_an_artifact(tmp_path):
+    (tmp_path / "plain").mkdir()
+    _refused(tmp_path / "plain", r"not an mxc artifact \(no manifest\.json\)")
+    _refused(tmp_path / "missing", r"no such artifact directory")
+
+
+def test_world_size_must_match_tp(art):
+    _refused(art, r"built for tp=1, but loaded with world_size=2", world_size=2)
+
+
+def test_rank_out_of_range(art):
+    _refused(art, r"rank", rank=1)

@@ -1,0 +1,86 @@
+"""Generation: batching, stopping at EOS, and KV-cache consistency with full-sequence logits."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+import mxc
+
+
+def _build(source, out):
+    return mxc.build(str(source), out=out, progress=False, log=lambda m: None)
+
+
+def test_batch_equals_separate_prompts(hf_checkpoint, tmp_path):
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM")
+    model = mxc.load(_build(ckpt, tmp_path / "art"))
+    prompts = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(5))
+    both = model.generate(prompts, max_new_tokens=12)
+    assert both.shape == (2, 12)
+    for row in range(2):
+        assert torch.equal(model.generate(prompts[row:row + 1], max_new_tokens=12), both[row:row + 1])
+
+
+def _expected_with_eos(greedy: list[list[int]], eos: list[int], max_new: int) -> list[list[int]]:
+    """What stop_at_eos must give, derived from a run without it: stop at the first eos, pad with eos[0]."""
+    stops = [next((i for i, t in enumerate(row) if t in eos), None) for row in greedy]
+    length = max_new if None in stops else max(stops) + 1
+    return [row[:length] if stop is None else row[:stop + 1] + [eos[0]] * (length - stop - 1)
+            for row, stop in zip(greedy, stops)]
+
+
+def _set_eos(ckpt, eos):
+    config = json.loads((ckpt / "config.json").read_text())
+    config["eos_token_id"] = eos
+    (ckpt / "config.json").write_text(json.dumps(config))
+
+
+def test_stop_at_eos(hf_checkpoint, tmp_path):
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM")
+    prompts = torch.tensor([[10, 20, 30, 40], [200, 150, 100, 50]])
+    plain = mxc.load(_build(ckpt, tmp_path / "plain"))
+    assert plain.eos_token_ids == []
+    greedy = plain.generate(prompts, max_new_tokens=10).tolist()
+    eos = greedy[0][2]  # the token row 0 produces at step 3
+
+    _set_eos(ckpt, eos)
+    model = mxc.load(_build(ckpt, tmp_path / "eos"))
+    assert model.eos_token_ids == [eos]
+    # eos is ignored unless stop_at_eos is asked for
+    assert model.generate(prompts, max_new_tokens=10).tolist() == greedy
+
+    single = model.generate(prompts[:1], max_new_tokens=10, stop_at_eos=True)[0].tolist()
+    first = greedy[0].index(eos)
+    assert first <= 2 and single == greedy[0][:first + 1] and single[-1] == eos
+
+    batch = model.generate(prompts, max_new_tokens=10, stop_at_eos=True).tolist()
+    assert batch == _expected_with_eos(greedy, [eos], 10)
+
+
+def test_stop_at_eos_pads_finished_rows(hf_checkpoint, tmp_path):
+    """Row 1 stops at once (its first token is an eos id) and is padded while row 0 runs on."""
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM")
+    prompts = torch.tensor([[10, 20, 30, 40], [200, 150, 100, 50]])
+    greedy = mxc.load(_build(ckpt, tmp_path / "plain")).generate(prompts, max_new_tokens=10).tolist()
+    eos = [t for t in range(256) if t not in greedy[0]][:1] + [greedy[1][0]]  # eos[0] never produced by row 0
+    _set_eos(ckpt, eos)
+    model = mxc.load(_build(ckpt, tmp_path / "eos"))
+    assert model.eos_token_ids == eos
+    out = model.generate(prompts, max_new_tokens=10, stop_at_eos=True).tolist()
+    assert out == _expected_with_eos(greedy, eos, 10)
+    assert len(out[0]) == 10 and out[1] == [eos[1]] + [eos[0]] * 9
+
+
+def test_kv_cache_matches_full_logits_qwen3(hf_checkpoint, tmp_path):
+    ckpt, hf = hf_checkpoint("Qwen3ForCausalLM", head_dim=32)
+    model = mxc.load(_build(ckpt, tmp_path / "art"))
+    prompts = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(9))
+    gen = model.generate(prompts, max_new_tokens=12)
+    full = torch.cat([prompts, gen[:, :-1]], dim=1)
+    logits = model.logits(full)
+    assert torch.equal(logits[:, prompts.shape[1] - 1:].argmax(-1), gen)
+    with torch.no_grad():
+        ref = hf(full).logits
+    assert float((logits - ref).abs().max() / ref.abs().max()) <= 1e-4

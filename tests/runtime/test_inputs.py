@@ -1,0 +1,49 @@
+"""Input checks of ``Model.logits`` / ``Model.generate``: one-line MxcErrors naming the bad value."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mxc
+from mxc.errors import MxcError
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    art = mxc.build("llama.yaml", out=tmp_path_factory.mktemp("inputs") / "art", progress=False, log=lambda m: None)
+    return mxc.load(art)
+
+
+@pytest.mark.parametrize("bad", [-1, 256, 10_000])
+def test_token_outside_vocab(model, bad):
+    assert model.vocab_size == 256
+    ids = [[1, 2, bad, 3]]
+    with pytest.raises(MxcError, match=rf"token id {bad} at \[0, 2\] is outside the vocabulary \(0\.\.255\)"):
+        model.logits(ids)
+    with pytest.raises(MxcError, match=rf"token id {bad} at \[0, 2\] is outside the vocabulary"):
+        model.generate(ids, max_new_tokens=2)
+    with pytest.raises(MxcError, match=rf"token id {bad} "):
+        model.generate(torch.tensor(ids), max_new_tokens=2, temperature=0.7, seed=0)
+
+
+@pytest.mark.parametrize("ids", [[1, 2, 3], torch.tensor([1, 2, 3]), [[]], torch.ones(1, 2, 3, dtype=torch.long),
+                                 torch.ones(1, 3)])
+def test_shape_and_dtype_refused(model, ids):
+    with pytest.raises(MxcError, match=r"input_ids must be a \[batch, seq\] integer tensor"):
+        model.logits(ids)
+    with pytest.raises(MxcError, match=r"input_ids must be a \[batch, seq\] integer tensor"):
+        model.generate(ids, max_new_tokens=2)
+
+
+def test_edge_ids_accepted(model):
+    assert model.logits([[0, 255]]).shape == (1, 2, 256)
+    assert model.logits(torch.tensor([[0, 255]], dtype=torch.int32)).shape == (1, 2, 256)
+
+
+@pytest.mark.parametrize("kw", [dict(max_new_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5),
+                                dict(top_k=0)])
+def test_bad_generation_settings(model, kw):
+    args = {"max_new_tokens": 2, **kw}
+    with pytest.raises(MxcError):
+        model.generate([[1, 2]], **args)
