@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mxc  # noqa: E402
 
@@ -112,6 +113,14 @@ def hf_generate(model):
     return gen
 
 
+class _Rows(list):
+    """Table rows, each also printed as it is measured (a crash keeps what was measured)."""
+
+    def append(self, row):
+        print(f"  {row[0]:42s} {row[1]}", flush=True)
+        super().append(row)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="build/bench-llama3-8b")
@@ -122,9 +131,10 @@ def main() -> None:
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--prefill", type=int, default=2048)
     p.add_argument("--reuse", action="store_true", help="reuse an existing artifact at --out")
+    p.add_argument("--profile", action="store_true", help="print a per-kernel breakdown of a batch-1 step")
     args = p.parse_args()
     out = Path(args.out)
-    rows = []
+    rows = _Rows()
 
     bw, gemm = copy_bandwidth(), gemm_rate()
     rows.append(("copy bandwidth (measured)", f"{bw / 1e12:.2f} TB/s"))
@@ -133,7 +143,7 @@ def main() -> None:
     if not (args.reuse and (out / "manifest.json").exists()):
         t0 = time.perf_counter()
         mxc.build("llama.yaml", config=args.config, out=out, target="cuda", dtype="bfloat16", max_batch=32,
-                  max_seq_len=max(args.prefill, args.prompt + args.new), progress=False)
+                  max_seq_len=max(args.prefill + 1, args.prompt + args.new), progress=False)
         rows.append(("build (random weights + kernels)", f"{time.perf_counter() - t0:.1f} s"))
     manifest = json.loads((out / "manifest.json").read_text())
     t0 = time.perf_counter()
@@ -158,6 +168,11 @@ def main() -> None:
     flops = 2 * nlinear * args.prefill
     rows.append((f"mxc prefill {args.prefill} tokens", f"{t_pre * 1e3:.1f} ms  {flops / t_pre / 1e12:.0f} TFLOP/s  "
                  f"{flops / t_pre / gemm * 100:.0f}% of cuBLAS rate"))
+
+    if args.profile:
+        from profile_step import profile_decode
+
+        print("\nper-kernel breakdown of one batch-1 decode step:\n" + profile_decode(model) + "\n", flush=True)
 
     hf_batches = [int(x) for x in args.hf_batches.split(",") if x]
     if hf_batches:

@@ -51,31 +51,45 @@ def _jit_function(kernel: str):
     return fn
 
 
-def compile_specs(specs: dict[str, dict], out_dir: Path, arch: int = 90, progress: bool = True) -> dict:
-    """Compile every spec for sm_<arch>; write cubins and index.json into ``out_dir``; return the index."""
+def _compile_one(key: str, spec: dict, arch: int) -> tuple[str, bytes, dict]:
+    """Compile one spec (runs in a worker process)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    fn = _jit_function(spec["kernel"])
+    aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
+               for n, t in spec["signature"].items() if t.startswith("*")}
+    src = ASTSource(fn, signature=spec["signature"], constexprs=spec["constexprs"], attrs=aligned)
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": spec["num_warps"], "num_stages": spec["num_stages"],
+                                       "enable_fp_fusion": True})
+    md = compiled.metadata
+    if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
+        raise MxcError(f"kernel {spec['kernel']} needs Triton scratch memory, which the AOT launcher does not provide")
+    entry = {"kernel": spec["kernel"], "entry": md.name, "file": f"{key}.cubin", "shared": md.shared,
+             "num_warps": md.num_warps, "params": ptx_params(compiled.asm["ptx"], md.name),
+             "args": [t for t in spec["signature"].values() if t != "constexpr"]}
+    return key, compiled.asm["cubin"], entry
+
+
+def compile_specs(specs: dict[str, dict], out_dir: Path, arch: int = 90, progress: bool = True,
+                  workers: int | None = None) -> dict:
+    """Compile every spec for sm_<arch> (in parallel processes); write cubins and index.json; return the index."""
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
     out_dir.mkdir(parents=True, exist_ok=True)
+    workers = workers or min(len(specs), os.cpu_count() or 1)
     index = {}
-    for key, spec in tqdm(sorted(specs.items()), desc=f"compiling kernels for sm_{arch}", unit="kernel",
-                          disable=not progress, leave=False):
-        fn = _jit_function(spec["kernel"])
-        aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
-                   for n, t in spec["signature"].items() if t.startswith("*")}
-        src = ASTSource(fn, signature=spec["signature"], constexprs=spec["constexprs"], attrs=aligned)
-        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                                  options={"num_warps": spec["num_warps"], "num_stages": spec["num_stages"],
-                                           "enable_fp_fusion": True})
-        md = compiled.metadata
-        if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
-            raise MxcError(f"kernel {spec['kernel']} needs Triton scratch memory, which the AOT launcher "
-                           f"does not provide")
-        (out_dir / f"{key}.cubin").write_bytes(compiled.asm["cubin"])
-        index[key] = {"kernel": spec["kernel"], "entry": md.name, "file": f"{key}.cubin", "shared": md.shared,
-                      "num_warps": md.num_warps, "params": ptx_params(compiled.asm["ptx"], md.name),
-                      "args": [t for t in spec["signature"].values() if t != "constexpr"]}
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        jobs = [pool.submit(_compile_one, key, spec, arch) for key, spec in sorted(specs.items())]
+        for job in tqdm(jobs, desc=f"compiling kernels for sm_{arch}", unit="kernel", disable=not progress,
+                        leave=False):
+            key, cubin, entry = job.result()
+            (out_dir / f"{key}.cubin").write_bytes(cubin)
+            index[key] = entry
     (out_dir / "index.json").write_text(json.dumps(index, indent=1, sort_keys=True) + "\n")
     return index
 

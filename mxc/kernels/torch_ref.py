@@ -97,8 +97,8 @@ def _attend(q, k, v, past, scale, causal, sliding_window):
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
-    qpos = past + torch.arange(q.shape[0]).unsqueeze(1)
-    kpos = torch.arange(k.shape[0]).unsqueeze(0)
+    qpos = past + torch.arange(q.shape[0], device=q.device).unsqueeze(1)
+    kpos = torch.arange(k.shape[0], device=q.device).unsqueeze(0)
     allowed = torch.ones_like(scores[0], dtype=torch.bool)
     if causal:
         allowed &= kpos <= qpos

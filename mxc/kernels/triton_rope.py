@@ -14,7 +14,9 @@ Numerics reproduce ``torch_ref`` (``split``/``heads``/``rms_norm``/``rope``) op
 for op in the model dtype: the normalised head is rounded before and after the
 weight multiply, cos/sin are rounded to the model dtype as ``rope.cos_sin``
 returns them, and ``x*cos``, ``rotate_half(x)*sin`` and their sum are each
-rounded, all computed in fp32.
+rounded, all computed in fp32. (The interpreter matches the reference bit for bit;
+on the GPU, Triton's default fp fusion contracts ``round(x*cos) + round(...)`` into
+one fma, which can differ from eager torch by an ulp of the larger product.)
 
 Versions:
 - ``rope_qkv_write_kernel``: one token per program; ``HAS_QK_NORM`` adds the

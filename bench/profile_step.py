@@ -1,0 +1,50 @@
+"""Where a decode step's time goes: per-kernel GPU time of one batch-1 step, and the gaps between kernels.
+
+``profile_decode(model)`` replays the captured batch-1 decode graph under
+torch.profiler and returns a table: kernel name, calls per step, microseconds
+per step, share of the step; the last lines compare the sum of kernel time
+with the step's wall time (the difference is launch gaps inside the graph).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+
+def profile_decode(model, steps: int = 10, prompt: int = 128) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    dec = model._decoder
+    model.generate(torch.randint(0, 1000, (1, prompt)), max_new_tokens=4)  # fills the cache, captures bucket 1
+    bucket = dec.buckets[1]
+    for _ in range(3):
+        bucket.step(dec)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        bucket.step(dec)
+    end.record()
+    torch.cuda.synchronize()
+    step_us = start.elapsed_time(end) * 1e3 / steps
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            bucket.step(dec)
+        torch.cuda.synchronize()
+    per_kernel = defaultdict(lambda: [0, 0.0])
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[evt.name][0] += 1
+            per_kernel[evt.name][1] += evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
+    rows = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])
+    total = sum(v[1] for _, v in rows) / steps
+    lines = [f"{'kernel':60s} {'calls':>6s} {'us/step':>9s} {'share':>6s}"]
+    for name, (calls, us) in rows[:20]:
+        lines.append(f"{name[:60]:60s} {calls // steps:6d} {us / steps:9.1f} {us / steps / step_us * 100:5.1f}%")
+    lines.append(f"{'sum of kernel time':60s} {'':6s} {total:9.1f} {total / step_us * 100:5.1f}%")
+    lines.append(f"{'step (graph replay, CUDA events)':60s} {'':6s} {step_us:9.1f} 100.0%")
+    lines.append(f"{'gaps between kernels':60s} {'':6s} {step_us - total:9.1f} {(step_us - total) / step_us * 100:5.1f}%")
+    return "\n".join(lines)

@@ -1,0 +1,70 @@
+"""The Triton kernels at real shapes in bf16 on the GPU, against their torch references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mxc.kernels import torch_ref, triton_attention, triton_elementwise, triton_gemv, triton_norm
+from mxc.kernels.context import ForwardContext
+
+BF16 = torch.bfloat16
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-6))
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 17, 32])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)])
+def test_gemv_llama8b_shapes(m, n, k):
+    x = torch.randn(m, k, device="cuda", dtype=BF16)
+    w = torch.randn(n, k, device="cuda", dtype=BF16) * 0.02
+    ref = F.linear(x.float(), w.float())
+    assert _rel(triton_gemv.linear_small_m(x, w), ref) < 1e-2
+
+
+@pytest.mark.parametrize("t", [1, 7, 256])
+def test_norms(t):
+    x = torch.randn(t, 4096, device="cuda", dtype=BF16)
+    r = torch.randn(t, 4096, device="cuda", dtype=BF16)
+    w = torch.randn(4096, device="cuda", dtype=BF16)
+    assert _rel(triton_norm.rms_norm(x, w, 1e-5), torch_ref.rms_norm(x, w, 1e-5)) < 2e-2
+    s, h = triton_norm.add_rms_norm(x, r, w, 1e-5)
+    s_ref, h_ref = torch_ref.add_rms_norm(x, r, w, 1e-5)
+    assert _rel(s, s_ref) < 1e-2 and _rel(h, h_ref) < 2e-2
+
+
+def test_silu_mul_embedding():
+    x = torch.randn(9, 2 * 14336, device="cuda", dtype=BF16)
+    assert _rel(triton_elementwise.silu_mul(x), torch_ref.silu_mul(x)) < 1e-2
+    table = torch.randn(128256, 4096, device="cuda", dtype=BF16)
+    ids = torch.randint(0, 128256, (33,), device="cuda")
+    assert torch.equal(triton_elementwise.embedding(ids, table), table[ids])
+
+
+@pytest.mark.parametrize("lens", [[1, 300, 2048], [4096]])
+def test_attention_llama8b_heads(lens):
+    hq, hkv, d, L = 32, 8, 128, 4096
+    b = len(lens)
+    k_cache = torch.randn(b + 1, L, hkv, d, device="cuda", dtype=BF16)
+    v_cache = torch.randn(b + 1, L, hkv, d, device="cuda", dtype=BF16)
+    slots = list(range(1, b + 1))
+    # decode: one new token per sequence
+    q = torch.randn(b, hq, d, device="cuda", dtype=BF16)
+    ctx = ForwardContext([1] * b, [n - 1 for n in lens], slots, [k_cache], [v_cache])
+    ref = torch_ref.cached_attention(q, ctx, scale=d ** -0.5, layer=0)
+    out = triton_attention.decode_attention(q, k_cache, v_cache, torch.tensor(slots, dtype=torch.int32, device="cuda"),
+                                            torch.tensor(lens, dtype=torch.int32, device="cuda"), d ** -0.5, None)
+    assert _rel(out, ref) < 2e-2
+    # prefill of the last 64 tokens of each sequence (chunked: the rest is cached)
+    n = [min(64, x) for x in lens]
+    qp = torch.randn(sum(n), hq, d, device="cuda", dtype=BF16)
+    ctx = ForwardContext(n, [x - m for x, m in zip(lens, n)], slots, [k_cache], [v_cache])
+    ref = torch_ref.cached_attention(qp, ctx, scale=d ** -0.5, layer=0)
+    starts = torch.tensor([0] + list(torch.tensor(n).cumsum(0)), dtype=torch.int32, device="cuda")
+    out = triton_attention.prefill_attention(qp, k_cache, v_cache, torch.tensor(slots, dtype=torch.int32, device="cuda"),
+                                             torch.tensor(lens, dtype=torch.int32, device="cuda"), starts, max(n),
+                                             d ** -0.5, None)
+    assert _rel(out, ref) < 2e-2

@@ -1,0 +1,72 @@
+"""Make Triton's interpreter convert floats the way the GPU does (applied at import).
+
+Under ``TRITON_INTERPRET=1`` (set by the root ``tests/conftest.py`` when there is
+no CUDA) Triton 3.9's interpreter converts floats bit by bit in
+``interpreter._convert_float``: downcasts truncate instead of rounding to
+nearest even, and fp8 does not saturate. bf16/fp8 values are held as raw
+integer bits, so ``create_dot`` multiplies bf16 bit patterns as integers. Here
+``_convert_float`` goes through torch's casts (round to nearest even; fp8
+saturates to its largest finite value, like the GPU's ``satfinite``
+conversions), and ``create_dot`` upcasts bf16 operands to fp32 first. With both
+in place, kernels that cast after loading match the GPU bit for bit on
+bf16/fp16/fp8 conversions. Nothing is changed when kernels run on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+# Triton dtype name -> torch dtype; fp8e4b15 has no torch counterpart and keeps the original conversion.
+_TORCH_FLOATS = {
+    "fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64,
+    "fp8e4nv": torch.float8_e4m3fn, "fp8e5": torch.float8_e5m2,
+    "fp8e4b8": torch.float8_e4m3fnuz, "fp8e5b16": torch.float8_e5m2fnuz,
+}
+# Same-width signed integer dtypes to move raw bits between numpy and torch.
+_BITS = {8: (np.int8, torch.int8), 16: (np.int16, torch.int16), 32: (np.int32, torch.int32),
+         64: (np.int64, torch.int64)}
+
+
+def _patch_interpreter() -> None:
+    import triton.language as tl
+    from triton._C.libtriton import ir
+    from triton.runtime import interpreter
+
+    original_convert_float = interpreter._convert_float
+    original_create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def _convert_float(input, input_dtype, output_dtype, rounding_mode):
+        """``input``: numpy array holding ``input_dtype`` bits -> numpy uint array of ``output_dtype`` bits."""
+        src, dst = _TORCH_FLOATS.get(input_dtype.name), _TORCH_FLOATS.get(output_dtype.name)
+        if src is None or dst is None or rounding_mode == ir.ROUNDING_MODE.RTZ:
+            return original_convert_float(input, input_dtype, output_dtype, rounding_mode)
+        np_in, torch_in = _BITS[input_dtype.primitive_bitwidth]
+        np_out, torch_out = _BITS[output_dtype.primitive_bitwidth]
+        shape = np.shape(input)
+        bits = np.ascontiguousarray(input).reshape(-1).view(np_in)
+        value = torch.from_numpy(bits.copy()).view(src)
+        if dst.itemsize == 1:  # fp8 saturates (NaN stays NaN, inf becomes the largest finite value)
+            top = torch.finfo(dst).max
+            value = value.to(torch.float32).clamp(-top, top)
+        out = value.to(dst).view(torch_out).numpy()
+        return out.view(getattr(np, f"uint{output_dtype.primitive_bitwidth}")).reshape(shape)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return original_create_dot(self, _upcast_bf16(a), _upcast_bf16(b), d, input_precision,
+                                   max_num_imprecise_acc)
+
+    def _upcast_bf16(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        data = _convert_float(handle.data, tl.bfloat16, tl.float32, None).view(np.float32)
+        return interpreter.TensorHandle(data, tl.float32)
+
+    interpreter._convert_float = _convert_float
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_interpreter()

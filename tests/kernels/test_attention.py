@@ -1,0 +1,185 @@
+"""Triton decode/prefill attention against ``torch_ref.attention`` (under TRITON_INTERPRET=1 on the CPU).
+
+Each case builds a ForwardContext (python lists + caches) for the reference, lets
+the reference write this call's keys/values into the cache, then runs the kernel
+on that cache with the tensor arguments. Cache rows no sequence may read are NaN,
+so a kernel that reads past kv_lens or into another slot fails. Shapes are tiny
+and ragged (the interpreter costs ~0.4 ms per Triton op per program).
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+from mxc.kernels import launch as launch_mod
+from mxc.kernels import torch_ref
+from mxc.kernels import triton_attention as ta
+from mxc.kernels.context import ForwardContext
+
+# bf16 needs the interpreter's float conversions fixed (tests/kernels/conftest.py) off the GPU
+_BF16_OK = torch.cuda.is_available() or Path(__file__).with_name("conftest.py").exists()
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if _BF16_OK else [])
+TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+GQA, MQA, MHA = (4, 2), (4, 1), (2, 2)
+
+
+def _run_reference(seq_lens, past_lens, slots, HQ, HKV, D, L, dtype, window, seed):
+    """q [T, HQ, D], the caches after the reference wrote this call's k/v, and its output."""
+    g = torch.Generator().manual_seed(seed)
+    T, S = sum(seq_lens), max(slots) + 2  # one slot no sequence uses
+    randn = lambda *shape: torch.randn(*shape, generator=g).to(dtype)  # noqa: E731
+    q, k, v = randn(T, HQ, D), randn(T, HKV, D), randn(T, HKV, D)
+    k_cache = torch.full((S, L, HKV, D), float("nan"), dtype=dtype)
+    v_cache = torch.full((S, L, HKV, D), float("nan"), dtype=dtype)
+    for slot, past in zip(slots, past_lens):  # the cached prefix; rows past it stay NaN
+        k_cache[slot, :past], v_cache[slot, :past] = randn(past, HKV, D), randn(past, HKV, D)
+    ctx = ForwardContext(list(seq_lens), list(past_lens), list(slots), [k_cache], [v_cache])
+    scale = D ** -0.5
+    ref = torch_ref.attention(q, k, v, ctx, scale, layer=0, sliding_window=window)
+    assert not ref.isnan().any()
+    kv_lens = torch.tensor([p + n for p, n in zip(past_lens, seq_lens)], dtype=torch.int32)
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    return dev(q), dev(k_cache), dev(v_cache), dev(torch.tensor(slots, dtype=torch.int32)), dev(kv_lens), scale, ref
+
+
+def _check(out, ref, dtype):
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    torch.testing.assert_close(out.cpu(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+# ---------------------------------------------------------------------------------------------
+# decode: kv lens [1, 13, 29] in a cache of 29 rows, slots permuted; splits that are empty,
+# partial, and (D=64, L=130) splits that each hold a part of a long sequence.
+
+def _sweep(*last):
+    """Every (heads, window, last) at D=16; four of them, still covering each value, at D=32 and 64."""
+    full = list(itertools.product((GQA, MQA, MHA), (None, 4), last))
+    some = [(GQA, None, last[0]), (MQA, 4, last[1]), (MHA, 4, last[0]), (GQA, 4, last[1])]
+    for dtype in DTYPES:
+        for D, variants in ((16, full), (32, some), (64, some)):
+            for heads, window, x in variants:
+                yield dtype, D, heads, window, x
+
+
+def _decode_cases():
+    for dtype, D, heads, window, splits in _sweep(1, 3):
+        yield pytest.param(dtype, D, heads, window, splits, 29, [1, 13, 29],
+                           id=f"{str(dtype)[6:]}-D{D}-h{heads[0]}/{heads[1]}-w{window}-s{splits}")
+    for window, splits in ((None, 2), (80, 2), (None, 3)):
+        yield pytest.param(torch.float16, 64, GQA, window, splits, 130, [1, 70, 130],
+                           id=f"long-w{window}-s{splits}")
+
+
+@pytest.mark.parametrize("dtype, D, heads, window, splits, L, kv_lens", list(_decode_cases()))
+def test_decode_attention(dtype, D, heads, window, splits, L, kv_lens):
+    HQ, HKV = heads
+    slots = [2, 0, 3]
+    q, kc, vc, slots_t, kv_lens_t, scale, ref = _run_reference(
+        [1] * len(kv_lens), [n - 1 for n in kv_lens], slots, HQ, HKV, D, L, dtype, window, seed=D + splits)
+    out = ta.decode_attention(q, kc, vc, slots_t, kv_lens_t, scale, window, num_splits=splits)
+    _check(out, ref, dtype)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_empty_sequence_gives_zeros(splits):
+    """A padding row of a CUDA-graph batch (kv_len 0) yields 0, not NaN, and leaves the others alone."""
+    q, kc, vc, slots_t, kv_lens_t, scale, ref = _run_reference(
+        [1], [4], [1], 4, 2, 16, 29, torch.float32, None, seed=0)
+    q2 = torch.cat([torch.randn_like(q), q])  # sequence 0 is padding: kv_len 0, a NaN-only slot
+    out = ta.decode_attention(q2, kc, vc, torch.tensor([2, 1], dtype=torch.int32, device=DEVICE),
+                              torch.tensor([0, 5], dtype=torch.int32, device=DEVICE), scale, None, splits)
+    assert (out[0] == 0).all()
+    _check(out[1:], ref, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# prefill: ragged query counts, with no cache prefix and with one (chunked prefill)
+
+PREFILL_SHAPES = {  # name: (seq_lens, past_lens, max_q_len)
+    "fresh": ([1, 5, 9], [0, 0, 0], 9),
+    "chunked": ([4, 1, 7], [9, 12, 0], 7),
+    "bigger-grid": ([3, 0, 6], [5, 2, 0], 24),  # an empty sequence; max_q_len above every length
+    "multi-m-block": ([2, 18], [0, 6], 18),  # two M blocks for sequence 1 (BLOCK_M = 16 at D=16)
+    "long-prefix": ([16, 3], [40, 50], 16),  # unmasked key blocks between the window edge and the diagonal
+}
+
+
+def _prefill_cases():
+    for dtype, D, heads, window, shape in _sweep("fresh", "chunked"):
+        yield pytest.param(dtype, D, heads, window, shape,
+                           id=f"{str(dtype)[6:]}-D{D}-h{heads[0]}/{heads[1]}-w{window}-{shape}")
+    for window in (None, 4):
+        yield pytest.param(torch.float32, 16, GQA, window, "bigger-grid", id=f"bigger-grid-w{window}")
+        yield pytest.param(torch.float16, 16, MQA, window, "multi-m-block", id=f"multi-m-block-w{window}")
+    for window in (None, 4, 40):
+        yield pytest.param(torch.float32, 16, GQA, window, "long-prefix", id=f"long-prefix-w{window}")
+
+
+@pytest.mark.parametrize("dtype, D, heads, window, shape", list(_prefill_cases()))
+def test_prefill_attention(dtype, D, heads, window, shape):
+    HQ, HKV = heads
+    seq_lens, past_lens, max_q_len = PREFILL_SHAPES[shape]
+    slots = [3, 1, 0][:len(seq_lens)]
+    L = max(p + n for p, n in zip(past_lens, seq_lens)) + 3
+    q, kc, vc, slots_t, kv_lens_t, scale, ref = _run_reference(
+        seq_lens, past_lens, slots, HQ, HKV, D, L, dtype, window, seed=D)
+    q_start = torch.tensor([0] + list(torch.tensor(seq_lens).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    out = ta.prefill_attention(q, kc, vc, slots_t, kv_lens_t, q_start, max_q_len, scale, window)
+    _check(out, ref, dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# build time: wrappers run on the meta device, and launches depend on shapes only
+
+def _record(fn):
+    calls = []
+    rec = lambda kernel, grid, args, constexprs, nw, ns: calls.append(  # noqa: E731
+        (kernel.fn.__name__, grid, constexprs, nw, ns, [getattr(a, "dtype", type(a)) for a in args]))
+    with launch_mod.using(rec):
+        fn()
+    return calls
+
+
+def _decode_args(device, kv_lens, B=3, HQ=8, HKV=2, D=128, L=1000, S=5, dtype=torch.bfloat16):
+    q = torch.empty(B, HQ, D, dtype=dtype, device=device)
+    cache = torch.empty(S, L, HKV, D, dtype=dtype, device=device)
+    slots = torch.zeros(B, dtype=torch.int32, device=device)
+    return q, cache, cache, slots, torch.tensor(kv_lens, dtype=torch.int32, device=device)
+
+
+def test_decode_launches_are_static():
+    meta = _record(lambda: ta.decode_attention(*_decode_args("meta", [1, 1, 1]), 0.1, None))
+    assert [(c[0], c[1]) for c in meta] == [("_decode_split_kernel", (3, 2, 4)), ("_decode_reduce_kernel", (3, 8))]
+    assert meta[0][2]["NUM_SPLITS"] == ta.default_splits(1000, 3 * 2) == 4 and meta[0][2]["BLOCK_G"] == 16
+    # with real tensors, different lengths give the same launches (CUDA graphs replay them)
+    short = _record(lambda: ta.decode_attention(*_decode_args("cpu", [1, 2, 3]), 0.1, 64))
+    long = _record(lambda: ta.decode_attention(*_decode_args("cpu", [900, 1000, 7]), 0.1, 64))
+    assert short == long and [c[1] for c in short] == [c[1] for c in meta]
+    one = _record(lambda: ta.decode_attention(*_decode_args("meta", [1, 1, 1]), 0.1, None, num_splits=1))
+    assert [(c[0], c[1]) for c in one] == [("_decode_split_kernel", (3, 2, 1))]
+
+
+def test_prefill_launches_are_static():
+    def run(device, seq_lens, past_lens):
+        q = torch.empty(sum(seq_lens), 8, 128, dtype=torch.float16, device=device)
+        cache = torch.empty(4, 512, 2, 128, dtype=torch.float16, device=device)
+        i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+        kv_lens = i32([p + n for p, n in zip(past_lens, seq_lens)])
+        q_start = i32([0] + list(torch.tensor(seq_lens).cumsum(0)))
+        return _record(lambda: ta.prefill_attention(q, cache, cache, i32([1, 0]), kv_lens, q_start, 300, 0.1, None))
+
+    meta = run("meta", [100, 200], [0, 0])
+    assert [(c[0], c[1]) for c in meta] == [("_prefill_kernel", (5, 2, 8))]
+    assert meta[0][2]["BLOCK_M"] == meta[0][2]["BLOCK_N"] == 64
+    assert run("cpu", [100, 200], [0, 0]) == run("cpu", [300, 0], [10, 50]) == meta
+
+
+def test_default_splits():
+    assert [ta.default_splits(L) for L in (32, 255, 256, 1000, 2048, 4096, 131072)] == [1, 1, 2, 4, 16, 32, 32]
+    assert [ta.default_splits(4096, B * 8) for B in (1, 8, 32, 128)] == [32, 8, 2, 1]

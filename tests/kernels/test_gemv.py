@@ -1,0 +1,211 @@
+"""Triton small-M linear (``triton_gemv.linear_small_m``) against ``F.linear`` in fp32, then cast.
+
+Runs under TRITON_INTERPRET=1 on the CPU (the interpreter costs ~0.4 ms per Triton op per
+program), so the cases pass small explicit configs: ragged N and K (not block multiples),
+every kernel version (v1 M = 1, v2 M = 2..8, v3 tl.dot), SPLIT_K 1 and ragged SPLIT_K > 1,
+with and without bias, fp32/fp16/bf16. One case writes into a view of a NaN-filled buffer to
+catch stores outside y; a meta-device test checks that grids and constexprs depend only on
+the M bucket.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mxc.kernels import launch as launch_mod
+from mxc.kernels import triton_gemv as tg
+from mxc.kernels.triton_gemv import GemvConfig
+
+# bf16 needs the interpreter's float conversions fixed (tests/kernels/conftest.py) off the GPU
+_BF16_OK = torch.cuda.is_available() or Path(__file__).with_name("conftest.py").exists()
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if _BF16_OK else [])
+TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _inputs(M, N, K, dtype, bias, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    w = (torch.randn(N, K, generator=g) * K ** -0.5).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    return x, w, b
+
+
+def _reference(x, w, b):
+    return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
+
+
+def _check(y, ref, dtype):
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    assert not y.isnan().any()
+    torch.testing.assert_close(y.cpu(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def _run(M, N, K, dtype, bias, cfg, seed=0):
+    x, w, b = _inputs(M, N, K, dtype, bias, seed)
+    dev = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    y = tg.linear_small_m(dev(x), dev(w), dev(b), config=cfg)
+    _check(y, _reference(x, w, b), dtype)
+
+
+FMA = GemvConfig(BLOCK_N=16, BLOCK_K=32)
+DOT = GemvConfig(BLOCK_N=16, BLOCK_K=32, USE_DOT=True)
+# (N, K, bias, SPLIT_K): N=40, K=72 -> 3 N tiles (last ragged), 3 K steps (last ragged);
+# N=96, K=200, SPLIT_K=3 -> slices of 96: 0-96, 96-192, 192-200 (partial).
+SHAPES = [(40, 72, False, 1), (96, 200, True, 3)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N,K,bias,split", SHAPES, ids=["40x72", "96x200-bias-split3"])
+@pytest.mark.parametrize("M", [1, 2, 3, 5, 16, 17])
+def test_linear_small_m(M, N, K, bias, split, dtype):
+    base = DOT if tg.bucket(M) >= 16 else FMA  # v1 at M=1, v2 at 2..8, v3 at 16, 32
+    from dataclasses import replace
+
+    _run(M, N, K, dtype, bias, replace(base, SPLIT_K=split), seed=M)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("M,split,bias", [(1, 2, True), (3, 1, True), (5, 2, False)])
+def test_dot_on_small_buckets(M, split, bias, dtype):
+    """v3 padded to a 16-row tile for buckets below 16 (tune may pick it)."""
+    _run(M, 40, 72, dtype, bias, GemvConfig(BLOCK_N=16, BLOCK_K=32, SPLIT_K=split, USE_DOT=True), seed=7)
+
+
+@pytest.mark.parametrize("M", [1, 4, 32])
+def test_default_config(M):
+    """config_for's choice runs (its large tiles), with the split K it picks for a small N."""
+    cfg = tg.config_for(tg.bucket(M), 24, 2100, torch.float16)
+    assert cfg == tg.config_for(tg.bucket(M), 24, 2100, torch.float16) and cfg.SPLIT_K > 1
+    _run(M, 24, 2100, torch.float16, True, None, seed=3)
+
+
+def test_writes_only_inside_out():
+    """Through ``out=``: a contiguous view inside a NaN buffer; nothing around it is touched."""
+    M, N, K, dtype = 3, 40, 72, torch.float16
+    x, w, b = _inputs(M, N, K, dtype, bias=True, seed=11)
+    for split in (1, 2):
+        buf = torch.full((M * N + 64,), float("nan"), dtype=dtype, device=DEVICE)
+        out = buf[32:32 + M * N].view(M, N)
+        y = tg.linear_small_m(x.to(DEVICE), w.to(DEVICE), b.to(DEVICE), out=out,
+                              config=GemvConfig(BLOCK_N=16, BLOCK_K=32, SPLIT_K=split))
+        assert y.data_ptr() == out.data_ptr()
+        _check(y, _reference(x, w, b), dtype)
+        assert buf[:32].isnan().all() and buf[32 + M * N:].isnan().all()
+
+
+def test_config_table():
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for mb in tg.M_BUCKETS:
+            for n, k in tg.LLAMA3_8B_SHAPES.values():
+                cfg = tg.config_for(mb, n, k, dtype)
+                assert cfg.BLOCK_K * torch.empty((), dtype=dtype).element_size() % 512 == 0  # whole warps of 16 B
+                assert cfg.USE_DOT or mb < 16  # M >= 16 needs tensor cores
+                assert cfg.SPLIT_K == 1  # 4096+ rows fill 132 SMs without splitting K
+    small = tg.config_for(1, 512, 4096, torch.bfloat16)  # a TP shard: 32 tiles -> split K
+    assert small.BLOCK_N == 8 and small.SPLIT_K > 1
+    assert triton_cdiv(512, small.BLOCK_N) * small.SPLIT_K >= tg.NUM_SMS
+    assert [tg.bucket(m) for m in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32)] == [1, 2, 4, 4, 8, 8, 16, 16, 32, 32]
+    with pytest.raises(ValueError):
+        tg.bucket(33)
+    assert all(c.USE_DOT for c in tg.candidates(32, torch.bfloat16))
+    assert {c.USE_DOT for c in tg.candidates(4, torch.bfloat16)} == {False, True}
+
+
+def triton_cdiv(a, b):
+    return -(-a // b)
+
+
+def test_rejects_bad_inputs():
+    x, w, b = _inputs(2, 8, 16, torch.float16, bias=True)
+    with pytest.raises(ValueError):
+        tg.linear_small_m(x, w.float())
+    with pytest.raises(ValueError):
+        tg.linear_small_m(x, w[:, :8])
+    with pytest.raises(ValueError):
+        tg.linear_small_m(x, w, b[:4])
+    with pytest.raises(ValueError):
+        tg.linear_small_m(torch.randn(40, 16).half(), w)
+    with pytest.raises(ValueError):
+        tg.linear_small_m(x.t().contiguous().t(), w)
+
+
+def test_meta_recording():
+    """On meta tensors: nothing runs; grids depend on the bucket only; M=3 and M=4 share bucket 4's
+    binary (same constexprs, M passed as a dynamic argument)."""
+    launches = []
+
+    def record(kernel, grid, args, constexprs, num_warps, num_stages):
+        launches.append((kernel, grid, args, constexprs, num_warps, num_stages))
+
+    N, K, dtype = 4096, 4096, torch.bfloat16
+    w = torch.empty(N, K, dtype=dtype, device="meta")
+    b = torch.empty(N, dtype=dtype, device="meta")
+    seen = {}
+    with launch_mod.using(record):
+        for M in (1, 2, 3, 4, 5, 8, 17, 32):
+            launches.clear()
+            y = tg.linear_small_m(torch.empty(M, K, dtype=dtype, device="meta"), w, b)
+            assert y.shape == (M, N) and y.device.type == "meta"
+            (kernel, grid, args, consts, nw, ns), = launches
+            assert args[-1] == M and consts["BLOCK_M"] >= tg.bucket(M)
+            seen[M] = (grid, consts, nw, ns)
+        # split K (a small N): two launches, same grids for every M of a bucket
+        w_small = torch.empty(256, K, dtype=dtype, device="meta")
+        grids = []
+        for M in (3, 4):
+            launches.clear()
+            tg.linear_small_m(torch.empty(M, K, dtype=dtype, device="meta"), w_small)
+            assert len(launches) == 2
+            grids.append([(grid, consts) for _, grid, _, consts, _, _ in launches])
+    assert seen[3] == seen[4] and seen[5] == seen[8] and seen[17] == seen[32]
+    assert seen[1] != seen[2]
+    assert grids[0] == grids[1]
+
+
+_COMPILE_SCRIPT = textwrap.dedent("""
+    import torch, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from mxc.kernels import launch as L, triton_gemv as tg
+
+    specs = []
+    def record(kernel, grid, args, constexprs, num_warps, num_stages):
+        specs.append((kernel, L.spec_of(kernel, args, constexprs, num_warps, num_stages)))
+    with L.using(record):
+        for M, dtype in [(1, torch.bfloat16), (2, torch.bfloat16), (8, torch.bfloat16),
+                         (32, torch.bfloat16), (32, torch.float32)]:
+            x = torch.empty(M, 4096, dtype=dtype, device="meta")
+            w = torch.empty(4096, 4096, dtype=dtype, device="meta")
+            tg.linear_small_m(x, w, torch.empty(4096, dtype=dtype, device="meta"))
+        x = torch.empty(1, 4096, dtype=torch.bfloat16, device="meta")
+        tg.linear_small_m(x, torch.empty(512, 4096, dtype=torch.bfloat16, device="meta"))  # split K
+    for fn, spec in specs:
+        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
+                 for n, t in spec["signature"].items() if t.startswith("*")}
+        src = ASTSource(fn, signature=spec["signature"], constexprs=spec["constexprs"], attrs=attrs)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": spec["num_warps"], "num_stages": spec["num_stages"]})
+        ptx = k.asm["ptx"]
+        assert "ld.global.v4" in ptx or "cp.async.cg.shared.global" in ptx, "no 16-byte weight loads"
+        print(fn.__name__, spec["constexprs"].get("BLOCK_M"), "smem", k.metadata.shared, "ok")
+""")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compile check is for machines without a GPU")
+def test_compiles_for_sm90():
+    """The default configs compile for Hopper (sm_90) and load weights 16 bytes at a time."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count(" ok") == 7, r.stdout
