@@ -242,9 +242,13 @@ def _compile_kernels(graph, program_text, out_dir, options, arch, progress, log)
 
     program = types.ModuleType("mxc_build_program")
     exec(compile(program_text, "forward.py", "exec"), program.__dict__)
+    import time
+
     specs = aot.record(program, graph, options.max_batch, options.max_seq_len)
     log(f"compiling {len(specs)} kernels for sm_{arch} (Triton {aot.triton_version()})")
+    start = time.perf_counter()
     aot.compile_specs(specs, out_dir, arch=arch, progress=progress)
+    log(f"compiled {len(specs)} kernels in {time.perf_counter() - start:.1f} s")
 
 
 def _pid_alive(pid: int) -> bool:
