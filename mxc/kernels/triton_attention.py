@@ -40,7 +40,7 @@ H200 (Triton 3.6, bf16, HQ/HKV = 32/8, D = 128): decode reads the cache at
 3.5-4.4 TB/s from B=1 L=32768 to B=32 L=4096 (copy ceiling 4.23); causal prefill
 of 4096 tokens runs at 390 TFLOP/s for D = 128 (74% of torch SDPA's 524) and
 330 for D = 64 (88% of 375). Not done yet: warp specialisation / TMA for
-prefill (SDPA's remaining lead), configs for D > 128, fp8 KV.
+prefill (SDPA's remaining lead; 63% of it at D = 256), fp8 KV.
 """
 
 from __future__ import annotations
@@ -253,13 +253,13 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, kv_lens_ptr, q_s
 def default_splits(L: int, batch_kv_heads: int = 1) -> int:
     """Decode splits for a cache of L rows and B * HKV (batch_kv_heads) programs per split.
 
-    Doubles the splits while each keeps >= 128 rows, the grid has < 512 programs (~4 per SM
-    of an H200) and there are fewer than 32. Measured on the H200 (bf16, HQ/HKV/D = 32/8/128,
-    CUDA graphs): B=1 L=32768 with 32 splits reads the cache at 3.5 TB/s (1 split: 0.2 TB/s);
-    B=8 L=4096 is best at 8 splits (3.65 TB/s), B=32 L=4096 at 1-2 (4.3 TB/s).
+    Doubles the splits while each keeps >= 128 rows, the grid stays within 256 programs (~2 per
+    SM of an H200) and there are at most 32. Measured on the H200 (bf16, HQ/HKV/D = 32/8/128,
+    CUDA graphs): B=1 L=32768 with 32 splits reads the cache at 3.6 TB/s (1 split: 0.2 TB/s);
+    B=8 L=4096 at 4-8 splits 3.5-3.65 TB/s; B=32 L=4096 is best at 1 split (4.4 TB/s).
     """
     splits = 1
-    while splits < 32 and L // (2 * splits) >= 128 and batch_kv_heads * splits < 512:
+    while splits < 32 and L // (2 * splits) >= 128 and batch_kv_heads * splits * 2 <= 256:
         splits *= 2
     return splits
 
@@ -276,14 +276,14 @@ def _decode_config(D: int) -> tuple[int, int, int]:
 
 
 def _prefill_config(D: int, max_q_len: int) -> tuple[int, int, int, int]:
-    """BLOCK_M, BLOCK_N, num_warps, num_stages. 64/64/4/3 was the best of nine configs on the
-    H200 for D = 64 and 128 (causal, 4096 tokens, bf16); D > 128 is not measured yet."""
+    """BLOCK_M, BLOCK_N, num_warps, num_stages: the best of seven to nine configs measured on the
+    H200 (causal, 4096 tokens, bf16, D = 64, 128 and 256)."""
     if D <= 32:  # toy head sizes (tests), as in decode
         bm, bn, nw, ns = 16, 16, 4, 2
     elif D <= 128:
         bm, bn, nw, ns = 64, 64, 4, 3
-    else:
-        bm, bn, nw, ns = 64, 32, 8, 2
+    else:  # D = 256: 364 TFLOP/s (SDPA 579); 8 warps halve that
+        bm, bn, nw, ns = 64, 32, 4, 2
     return min(bm, max(16, triton.next_power_of_2(max_q_len))), bn, nw, ns
 
 

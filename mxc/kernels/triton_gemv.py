@@ -15,20 +15,24 @@ masked, so one compiled binary serves every M in a bucket and the grid depends
 only on (bucket, N, K).
 
 Versions (one kernel, chosen by constexprs; the reference is
-``torch.nn.functional.linear`` computed in fp32, see tests/kernels/test_gemv.py):
-  v1 FMA, BLOCK_M == 1 (batch-1 decode): weights cast to fp32 right after the
-     load, ``acc[BLOCK_N, BLOCK_K] += w * x`` with no reduction in the loop; one
-     reduction over K at the end. The cheapest inner loop (1 convert + 1 FMA per
-     weight element), so it is limited by bytes in flight only.
+``torch.nn.functional.linear`` computed in fp32, see tests/kernels/test_gemv.py).
+Measured on one H200 (Triton 3.6, bf16, CUDA graph of back-to-back calls,
+weights from HBM, copy ceiling 4.22 TB/s); numbers in ``config_for``:
+  v1 FMA, BLOCK_M == 1 (batch-1 decode; the default there): weights cast to fp32
+     right after the load, ``acc[BLOCK_N, BLOCK_K] += w * x`` with no reduction
+     in the loop; one reduction over K at the end. 1 convert + 1 FMA per weight
+     element. 74-105% of the copy ceiling on Llama-3-8B shapes, ahead of cuBLAS.
   v2 FMA, BLOCK_M in {2, 4, 8}: for each of the BLOCK_M rows (a static loop)
-     ``sum(w * x_m, axis=1)``, reduced every step. w is loaded once per step and
-     shared by the rows. Each weight element costs BLOCK_M FMAs plus a
-     reduction, so CUDA-core issue becomes the limit around M = 4-8 (bf16).
-  v3 DOT (``USE_DOT``), BLOCK_M >= 16 (and optionally smaller buckets padded to
-     a 16-row tile): ``tl.dot(x, w^T)`` on tensor cores (mma, native bf16/fp16
-     operands with fp32 accumulation; fp32 weights use input_precision="ieee"
-     so results stay fp32-accurate). Tensor cores take the FLOPs off the CUDA
-     cores, which v2 cannot do at M = 16-32.
+     ``sum(w * x_m, axis=1)``, reduced every step, w loaded once per step. Kept
+     for ``tune`` and as the CUDA-core reference; no default uses it: at M = 2 it
+     measured 1.5-2x slower than v3 (a per-row reduction and a move of x through
+     shared memory every step, no load pipelining).
+  v3 DOT (``USE_DOT``; the default for M >= 2): ``tl.dot(x, w^T)`` on tensor
+     cores with x padded to a 16-row tile (mma, native bf16/fp16 operands, fp32
+     accumulation; fp32 weights use input_precision="tf32x3" to stay
+     fp32-accurate: "ieee" measured 10% of bandwidth). Its cp.async pipeline
+     (num_stages=4) keeps the bytes in flight, and the FLOPs (up to 32 per
+     weight element) leave the CUDA cores.
   SPLIT_K > 1: when N / BLOCK_N programs cannot fill the GPU (small N, e.g.
      tensor-parallel shards), K is split over SPLIT_K programs that write fp32
      partials to a scratch [SPLIT_K, M, N]; a second tiny kernel sums them in
@@ -107,7 +111,9 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M,
                 w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
                 x = tl.load(x_ptrs, mask=x_row_ok[:, None] & k_ok[None, :], other=0.0)
             if w_ptr.dtype.element_ty == tl.float32:
-                acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+                # three tf32 products (hi*hi + hi*lo + lo*hi): ~fp32 accuracy on tensor cores;
+                # "ieee" runs on CUDA cores and measured 6x slower than cuBLAS at M = 2
+                acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32x3")
             else:
                 acc = tl.dot(x, tl.trans(w), acc)
             w_ptrs += BLOCK_K
@@ -202,20 +208,22 @@ def _vec(dtype: torch.dtype) -> int:
 
 
 def _fill(cfg: GemvConfig, n: int, k: int) -> GemvConfig:
-    """Give the GPU enough programs (~2 per SM): halve BLOCK_N down to 8 (16 for tl.dot), then,
-    only if fewer than one program per SM remain, split K in powers of two (a split costs a
-    second launch, ~2 us) keeping >= 2 BLOCK_K steps per slice."""
-    min_bn = 16 if cfg.USE_DOT else 8
-    while triton.cdiv(n, cfg.BLOCK_N) < 2 * NUM_SMS and cfg.BLOCK_N > min_bn:
+    """Give the GPU enough programs. v1 (no pipelining: bytes in flight come from programs
+    resident at once) wants >= 1 program per SM: halve BLOCK_N down to 8. v3 keeps
+    num_stages tiles in flight per program and measured best with 128 programs on 132 SMs
+    (o_proj), so it only halves (down to 16) below 64 programs. Then, if still short, split K
+    in powers of two up to ~1 program per SM (a split costs a second launch: o_proj measured
+    slower split 4 ways), keeping >= 2 BLOCK_K steps per slice."""
+    min_bn, want = (16, NUM_SMS // 2) if cfg.USE_DOT else (8, NUM_SMS)
+    while triton.cdiv(n, cfg.BLOCK_N) < want and cfg.BLOCK_N > min_bn:
         cfg = replace(cfg, BLOCK_N=cfg.BLOCK_N // 2)
-    return replace(cfg, SPLIT_K=_split_k(triton.cdiv(n, cfg.BLOCK_N), k, cfg.BLOCK_K))
+    programs = triton.cdiv(n, cfg.BLOCK_N)
+    return replace(cfg, SPLIT_K=_split_k(programs, k, cfg.BLOCK_K) if programs < want else 1)
 
 
 def _split_k(n_programs: int, k: int, block_k: int) -> int:
     split = 1
-    if n_programs >= NUM_SMS:
-        return split
-    while n_programs * split < 2 * NUM_SMS and k >= 2 * (2 * split) * block_k:
+    while n_programs * split < NUM_SMS and k >= 2 * (2 * split) * block_k:
         split *= 2
     return split
 
@@ -223,36 +231,34 @@ def _split_k(n_programs: int, k: int, block_k: int) -> int:
 def config_for(m_bucket: int, n: int, k: int, dtype: torch.dtype) -> GemvConfig:
     """Default H200 config for a (bucket, N, K, dtype); a pure function of its arguments.
 
-    Reasoning (bf16; fp32 has half the elements per byte, so BLOCK_K halves for the same bytes):
-    - one load is 16 B per thread (VEC elements); a warp spans 32 * VEC = 256 bf16 of a row.
-    - M = 1 (v1): [16, 512] tiles = 16 KB per step, 8 x 16-B loads in flight per thread;
-      acc2 costs BLOCK_N * BLOCK_K / 128 = 64 fp32 registers. gate_up: 1792 programs,
-      lm_head 8016; o_proj (4096 rows) gets BLOCK_N = 8 -> 512 programs (see below).
-    - M = 2 (v2): BLOCK_K = one warp's span (256) so every per-step reduction stays in a warp
-      (shuffles, no shared memory); BLOCK_N = 32 keeps 16 KB per step.
-    - M >= 4, 16-bit: tensor cores (v3) with a 16- or 32-row tile: [32, 256] bf16 steps,
-      software-pipelined 3 deep (cp.async), 48 KB of shared memory. Issue on CUDA cores at
-      M = 4-8 (M FMAs + a reduction per weight element) would otherwise cap bandwidth.
-    - fp32 weights: v1/v2 up to M = 8 (4 bytes per element halves the FMA rate needed),
-      v3 with input_precision="ieee" (FMA, fp32-exact) at 16 and 32.
-    - fewer than 264 programs (2 per SM): BLOCK_N shrinks first, SPLIT_K only when even the
-      smallest tiles leave SMs idle (N < ~1-2K rows, e.g. tensor-parallel shards); see ``_fill``.
-    ``tune`` measures candidates on a real GPU; its winners can replace rows here.
+    Sizes are in bytes of a weight row so that fp32 (4 B) gets half the elements of bf16/fp16.
+    One load is 16 B per thread; a warp spans 512 B of a row. Measured on one H200 (Triton 3.6,
+    bf16, back-to-back calls in a CUDA graph, weights from HBM; copy ceiling 4.22 TB/s):
+    - M = 1, v1: [16 rows, 2 KB] steps, 8 warps (acc2: 16 * 1024 / 256 = 64 fp32 registers a
+      thread; 8 x 16-B loads in flight a thread). o 10.7 us (3.13 TB/s), down 29.0 us
+      (4.05 TB/s), vs cuBLAS 13.3 and 31.8. num_stages has no effect (Triton does not pipeline
+      loads that feed no tl.dot), nor does BLOCK_N 8-32 much; [8, 512 B] steps were 4-5% slower.
+    - M >= 2, v3 (tensor cores, cp.async pipeline): [32 rows, 512 B] steps, 4 warps, 4 stages
+      (16 KB of w a stage, 64-128 KB of shared memory with x). 4 stages beat 2-3 by 10-40%:
+      the pipeline is what keeps bytes in flight. M = 2: o 11.4 us, down 30.8 us (cuBLAS 13.2,
+      31.9); M = 32: gate_up 67.6 us, 3.47 TB/s (cuBLAS 58.7: the one shape class behind).
+      v2 (CUDA cores) measured 1.5-2x slower than v3 at M = 2 (per-row reductions and a
+      layout change of x through shared memory every step), so no default uses it.
+    - fp32 weights (rare at decode; not tuned): M = 1 v1 o 17.3 us (3.87 TB/s, cuBLAS 22.5);
+      M >= 2 v3 with input_precision="tf32x3": o 34.6 us at M = 2, 111.8 us at M = 32 vs
+      cuBLAS 26.4 and 47.3 ("ieee", on CUDA cores, was 148 us at M = 2).
+    - few rows (N < ~4K): see ``_fill``.
+    ``tune`` times ``candidates`` on a real GPU; its winners can replace rows here.
     """
     if m_bucket not in M_BUCKETS:
         raise ValueError(f"m_bucket must be one of {M_BUCKETS}, got {m_bucket}")
     if dtype not in _DTYPES:
         raise ValueError(f"unsupported dtype {dtype}")
-    vec = _vec(dtype)
-    warp_k = 32 * vec  # 256 for 16-bit, 128 for fp32
+    row = 512 // torch.empty((), dtype=dtype).element_size()  # elements in 512 B: one warp's span
     if m_bucket == 1:
-        cfg = GemvConfig(BLOCK_N=16, BLOCK_K=2 * warp_k, num_warps=4, num_stages=1)
-    elif dtype == torch.float32 and m_bucket <= 8:
-        cfg = GemvConfig(BLOCK_N=32, BLOCK_K=warp_k, num_warps=4, num_stages=1)
-    elif m_bucket == 2:
-        cfg = GemvConfig(BLOCK_N=32, BLOCK_K=warp_k, num_warps=4, num_stages=1)
+        cfg = GemvConfig(BLOCK_N=16, BLOCK_K=4 * row, num_warps=8, num_stages=1)
     else:
-        cfg = GemvConfig(BLOCK_N=32, BLOCK_K=warp_k, USE_DOT=True, num_warps=4, num_stages=3)
+        cfg = GemvConfig(BLOCK_N=32, BLOCK_K=row, USE_DOT=True, num_warps=4, num_stages=4)
     return _fill(cfg, n, k)
 
 
@@ -322,12 +328,12 @@ def candidates(m_bucket: int, dtype: torch.dtype) -> list[GemvConfig]:
     v3 between. v1 keeps acc2 (BLOCK_N * BLOCK_K fp32 per program) within 128 registers a thread."""
     vec = _vec(dtype)
     paths = (False,) if m_bucket == 1 else (True,) if m_bucket >= 16 else (False, True)
-    v1 = [GemvConfig(bn, steps * 32 * vec, 1, False, nw, ns)
-          for bn in (8, 16, 32) for steps in (1, 2, 4) for nw in (4, 8) for ns in (1, 3)
+    v1 = [GemvConfig(bn, steps * 32 * vec, 1, False, nw, 1)  # num_stages: no effect measured
+          for bn in (8, 16, 32) for steps in (1, 2, 4) for nw in (4, 8)
           if bn * steps * 32 * vec <= 128 * 32 * nw]
     v2 = [GemvConfig(bn, steps * 32 * vec, 1, False, 4, 1) for bn in (16, 32) for steps in (1, 2)]
     v3 = [GemvConfig(bn, steps * 32 * vec, 1, True, nw, ns)
-          for bn in (16, 32, 64) for steps in (1, 2) for nw in (4, 8) for ns in (2, 4)]
+          for bn in (16, 32, 64) for steps in (1, 2) for nw in (4, 8) for ns in (3, 4, 5)]
     return [c for dot in paths for c in (v3 if dot else v1 if m_bucket == 1 else v2)]
 
 

@@ -182,4 +182,4 @@ def test_prefill_launches_are_static():
 
 def test_default_splits():
     assert [ta.default_splits(L) for L in (32, 255, 256, 1000, 2048, 4096, 131072)] == [1, 1, 2, 4, 16, 32, 32]
-    assert [ta.default_splits(4096, B * 8) for B in (1, 8, 32, 128)] == [32, 8, 2, 1]
+    assert [ta.default_splits(4096, B * 8) for B in (1, 4, 8, 32, 128)] == [32, 8, 4, 1, 1]

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -68,8 +69,6 @@ SHAPES = [(40, 72, False, 1), (96, 200, True, 3)]
 @pytest.mark.parametrize("M", [1, 2, 3, 5, 16, 17])
 def test_linear_small_m(M, N, K, bias, split, dtype):
     base = DOT if tg.bucket(M) >= 16 else FMA  # v1 at M=1, v2 at 2..8, v3 at 16, 32
-    from dataclasses import replace
-
     _run(M, N, K, dtype, bias, replace(base, SPLIT_K=split), seed=M)
 
 
@@ -83,9 +82,9 @@ def test_dot_on_small_buckets(M, split, bias, dtype):
 @pytest.mark.parametrize("M", [1, 4, 32])
 def test_default_config(M):
     """config_for's choice runs (its large tiles), with the split K it picks for a small N."""
-    cfg = tg.config_for(tg.bucket(M), 24, 2100, torch.float16)
-    assert cfg == tg.config_for(tg.bucket(M), 24, 2100, torch.float16) and cfg.SPLIT_K > 1
-    _run(M, 24, 2100, torch.float16, True, None, seed=3)
+    cfg = tg.config_for(tg.bucket(M), 24, 4200, torch.float16)
+    assert cfg == tg.config_for(tg.bucket(M), 24, 4200, torch.float16) and cfg.SPLIT_K > 1
+    _run(M, 24, 4200, torch.float16, True, None, seed=3)
 
 
 def test_writes_only_inside_out():
@@ -108,20 +107,16 @@ def test_config_table():
             for n, k in tg.LLAMA3_8B_SHAPES.values():
                 cfg = tg.config_for(mb, n, k, dtype)
                 assert cfg.BLOCK_K * torch.empty((), dtype=dtype).element_size() % 512 == 0  # whole warps of 16 B
-                assert cfg.USE_DOT or mb < 16  # M >= 16 needs tensor cores
+                assert cfg.USE_DOT == (mb > 1)  # v1 at M = 1, tensor cores from 2 (measured on H200)
                 assert cfg.SPLIT_K == 1  # 4096+ rows fill 132 SMs without splitting K
     small = tg.config_for(1, 512, 4096, torch.bfloat16)  # a TP shard: 32 tiles -> split K
     assert small.BLOCK_N == 8 and small.SPLIT_K > 1
-    assert triton_cdiv(512, small.BLOCK_N) * small.SPLIT_K >= tg.NUM_SMS
+    assert -(-512 // small.BLOCK_N) * small.SPLIT_K >= tg.NUM_SMS // 2
     assert [tg.bucket(m) for m in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32)] == [1, 2, 4, 4, 8, 8, 16, 16, 32, 32]
     with pytest.raises(ValueError):
         tg.bucket(33)
     assert all(c.USE_DOT for c in tg.candidates(32, torch.bfloat16))
     assert {c.USE_DOT for c in tg.candidates(4, torch.bfloat16)} == {False, True}
-
-
-def triton_cdiv(a, b):
-    return -(-a // b)
 
 
 def test_rejects_bad_inputs():
