@@ -67,9 +67,16 @@ def cmd_models(args) -> None:
         print(f"{arch:28s} {entry.model}{note}")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the project's one-line error format (``mxc: error: ...``, exit 2)."""
+
+    def error(self, message):
+        self.exit(2, f"mxc: error: {message} (see `{self.prog} --help`)\n")
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mxc", description="Ahead-of-time model builder for LLM inference.")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = _Parser(prog="mxc", description="Ahead-of-time model builder for LLM inference.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     b = sub.add_parser("build", help="build an artifact from a model definition and a checkpoint")
     b.add_argument("source", help="bundled definition (llama.yaml), a YAML path, or an HF checkpoint directory")

@@ -148,3 +148,13 @@ def test_generate_with_prompt(artifact, hf_checkpoint, tmp_path, capsys):
     assert result["text"].split() == known
 
     _error(capsys, ["generate", artifact, "--prompt", "hello world"], "--prompt needs a tokenizer")
+
+
+def test_argparse_errors_are_one_line(capsys):
+    from mxc.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["build", "--dtype", "float8", "llama.yaml"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mxc: error:") and "--dtype" in err[0]
