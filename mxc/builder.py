@@ -154,7 +154,7 @@ def _log(msg: str) -> None:
 
 def build(source: str, *, out: str | Path | None = None, checkpoint: str | None = None, config: str | None = None,
           dtype: str | None = None, target: str = "cpu", dump_ir: str | Path | None = None,
-          max_batch: int = 32, max_seq_len: int | None = None, arch: int = 90,
+          max_batch: int = 32, max_seq_len: int | None = None, arch: int = 90, tp: int = 1,
           progress: bool = True, log=_log) -> Path:
     """Build an artifact and return its directory."""
     if target not in ("cpu", "cuda"):
@@ -164,10 +164,12 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     src = resolve_source(source, checkpoint, config)
     if max_seq_len is None:
         max_seq_len = min(4096, int(src.config.get("max_position_embeddings") or 4096))
+    if not isinstance(tp, int) or tp < 1:
+        raise MxcError(f"--tp {tp}: expected a positive integer")
     if max_batch < 1 or max_seq_len < 1:
         raise MxcError(f"--max-batch {max_batch} / --max-seq-len {max_seq_len}: expected positive integers")
     options = BuildOptions(target=target, dtype=dtype or ("float32" if target == "cpu" else "bfloat16"),
-                           max_batch=max_batch, max_seq_len=max_seq_len)
+                           max_batch=max_batch, max_seq_len=max_seq_len, tp=tp)
     out = Path(out) if out else Path("build") / src.model_file.stem
     if out.exists() and not (out / "manifest.json").is_file():
         raise MxcError(f"--out {out}: exists and is not an mxc artifact; choose another path or remove it")
@@ -206,7 +208,8 @@ def _write(tmp: Path, graph: Graph, src: Source, options: BuildOptions, arch: in
     log("writing weights" + (f" from {src.checkpoint}" if src.checkpoint else " (deterministic random: no --checkpoint)"))
     ckpt = open_checkpoint(src.checkpoint) if src.checkpoint else DummyCheckpoint(graph)
     with ckpt:
-        write_weights(graph, ckpt, tmp / "weights" / "rank0.safetensors", progress=progress)
+        write_weights(graph, ckpt, [tmp / "weights" / f"rank{r}.safetensors" for r in range(options.tp)],
+                      progress=progress)
     if src.checkpoint:
         present = [f for f in TOKENIZER_FILES if (src.checkpoint / f).is_file()]
         if present:

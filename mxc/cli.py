@@ -29,28 +29,53 @@ def cmd_build(args) -> None:
     from mxc.builder import build
 
     build(args.source, out=args.out, checkpoint=args.checkpoint, config=args.config, dtype=args.dtype, target=args.target,
-          dump_ir=args.dump_ir, max_batch=args.max_batch, max_seq_len=args.max_seq_len)
+          dump_ir=args.dump_ir, max_batch=args.max_batch, max_seq_len=args.max_seq_len, tp=args.tp)
+
+
+def _generate_and_print(rank: int, world_size: int, device: str, args, ids: list[int]) -> None:
+    import mxc
+    from mxc.runtime.tokenizer import load_tokenizer
+
+    model = mxc.load(args.artifact, device=device, rank=rank, world_size=world_size)
+    tokenizer = load_tokenizer(model.path) if args.prompt is not None else None
+    new = model.generate([ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                         top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                         stop_at_eos=tokenizer is not None)[0].tolist()
+    if rank == 0:
+        result = {"ids": new}
+        if tokenizer is not None:
+            result["text"] = tokenizer.decode(new)
+        print(json.dumps(result), flush=True)
 
 
 def cmd_generate(args) -> None:
-    import mxc
+    from pathlib import Path
+
+    from mxc.runtime.artifact import read_manifest
     from mxc.runtime.tokenizer import load_tokenizer
 
     if (args.ids is None) == (args.prompt is None):
         raise MxcError("give exactly one of --ids or --prompt")
-    model = mxc.load(args.artifact, device=args.device)
-    tokenizer = load_tokenizer(model.path) if args.prompt is not None else None
+    path = Path(args.artifact)
+    if not path.is_dir():
+        raise MxcError(f"{path}: no such artifact directory")
+    manifest = read_manifest(path)
+    tokenizer = load_tokenizer(path) if args.prompt is not None else None
     if args.prompt is not None and tokenizer is None:
         raise MxcError(f"{args.artifact}: --prompt needs a tokenizer, and the checkpoint it was built from had none; "
                        f"use --ids")
     ids = _ids(args.ids) if args.ids is not None else tokenizer.encode(args.prompt)
-    new = model.generate([ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                         top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                         stop_at_eos=tokenizer is not None)[0].tolist()
-    result = {"ids": new}
-    if tokenizer is not None:
-        result["text"] = tokenizer.decode(new)
-    print(json.dumps(result))
+    vocab = manifest["runtime"]["vocab_size"]
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise MxcError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+    tp = manifest.get("tp", 1)
+    if tp == 1:
+        _generate_and_print(0, 1, args.device, args, ids)
+    else:  # one command starts every rank; rank 0 prints
+        from mxc.runtime.ranks import run_ranks
+
+        run_ranks(_generate_and_print, tp, args.device, args, ids)
 
 
 def cmd_inspect(args) -> None:
@@ -86,6 +111,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="weight/activation dtype (default: float32 on cpu, bfloat16 on cuda)")
     b.add_argument("--target", choices=["cpu", "cuda"], default="cpu")
+    b.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: writes weights/rank{r}.safetensors")
     b.add_argument("--dump-ir", metavar="DIR", help="write the IR after every pass into DIR")
     b.add_argument("--max-batch", type=int, default=32, help="cuda: sequences decoded together (default 32)")
     b.add_argument("--max-seq-len", type=int,

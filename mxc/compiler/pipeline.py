@@ -11,13 +11,15 @@ from pathlib import Path
 
 from mxc.compiler.options import BuildOptions
 from mxc.compiler.passes import (eliminate_dead_code, fuse_add_rms_norm, fuse_rope_cache, merge_gate_up, merge_qkv,
-                                  select_kernels)
+                                  select_kernels, shard_tp)
 from mxc.ir import Graph, dump_graph, verify
 
 PIPELINE = [
     # fusion: fewer, larger GEMMs
     ("merge_qkv", merge_qkv.run),
     ("merge_gate_up", merge_gate_up.run),
+    # parallelism: per-rank shapes, explicit all-reduce / all-gather (identity at tp=1)
+    ("shard_tp", shard_tp.run),
     # fusion: fewer kernels and round trips through memory
     ("fuse_rope_cache", fuse_rope_cache.run),
     ("fuse_add_rms_norm", fuse_add_rms_norm.run),

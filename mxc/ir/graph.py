@@ -43,14 +43,24 @@ class ShardSpec:
 
     kind: ``column`` (split output rows, dim 0), ``row`` (split input columns,
     dim 1), ``vocab`` (split the vocabulary, dim 0) or ``replicated``.
-    ``segments`` are the row counts of merged parts (q, k, v), each split
-    separately; empty for an unmerged weight.
+    ``segments`` are the sizes of merged parts (q, k, v) along the split dim,
+    each split separately; empty for an unmerged weight. ``unit`` is how many
+    rows stay together (a head: ``head_dim``). A part with fewer units than
+    ranks is replicated: rank r takes unit ``r * units // tp`` (KV heads when
+    there are fewer than ranks). ``exprs`` are the model file's expressions
+    for each part's size, for error messages.
     """
 
     kind: str
     segments: tuple[int, ...] = ()
+    unit: int = 1
+    exprs: tuple[str, ...] = ()
 
     KINDS = ("column", "row", "vocab", "replicated")
+
+    @property
+    def dim(self) -> int:
+        return 1 if self.kind == "row" else 0
 
 
 @dataclass(frozen=True)

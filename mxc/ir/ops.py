@@ -102,6 +102,17 @@ def _add_rms_norm(a, b, w, eps, **_):
     return (a,) + _rms_norm(a, w, eps)
 
 
+def _all_reduce(x, bias=None, **_):
+    if bias is not None:
+        _need(bias.shape == (x.shape[-1],), lambda: f"bias {bias} must match the last dim of {x}")
+    return (x,)
+
+
+def _all_gather(x, world, **_):
+    _need(_positive_int(world), lambda: f"world must be a positive integer, got {world!r}")
+    return (TensorType(x.shape[:-1] + (x.shape[-1] * world,), x.dtype),)
+
+
 def _same2(a, b, **_):
     _need(a == b, lambda: f"inputs differ: {a} vs {b}")
     return (a,)
@@ -153,6 +164,13 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
           optional_attrs=("causal", "sliding_window"),
           doc="causal GQA attention per sequence; reads and appends KV cache slot `layer`",
           uses_context=True),
+    # tensor parallelism (made by shard_tp)
+    OpDef("vocab_embedding", ("ids", "table"), _embedding, uses_context=True,
+          doc="rows of this rank's vocabulary slice (rank * rows ...), zeros elsewhere; all_reduce completes it"),
+    OpDef("all_reduce", ("x", "bias?"), _all_reduce, uses_context=True,
+          doc="sum over the tensor-parallel ranks, then + bias (the bias of a row-parallel linear)"),
+    OpDef("all_gather", ("x",), _all_gather, attrs=("world",), uses_context=True,
+          doc="concatenate the ranks' slices along the last dim (vocab-parallel logits)"),
     # fused (made by compiler passes)
     OpDef("add_rms_norm", ("a", "b", "weight"), _add_rms_norm, attrs=("eps",),
           doc="s = a + b; (s, rms_norm(s)) -- fuse_add_rms_norm"),

@@ -25,7 +25,9 @@ def _weight_dict(w: Weight) -> dict:
     if w.init != "normal":
         d["init"] = w.init
     if w.shard:
-        d["shard"] = {"kind": w.shard.kind, **({"segments": list(w.shard.segments)} if w.shard.segments else {})}
+        d["shard"] = {"kind": w.shard.kind, **({"segments": list(w.shard.segments)} if w.shard.segments else {}),
+                      **({"unit": w.shard.unit} if w.shard.unit != 1 else {}),
+                      **({"exprs": list(w.shard.exprs)} if w.shard.exprs else {})}
     if w.quant:
         d["quant"] = {"scheme": w.quant.scheme, "granularity": w.quant.granularity}
     return d
@@ -78,7 +80,8 @@ def _weight(d: dict) -> Weight:
     quant = d.get("quant")
     return Weight(name=d["name"], shape=tuple(d["shape"]), dtype=d["dtype"], hf=tuple(d["hf"]),
                   segments=tuple(d.get("segments", ())), init=d.get("init", "normal"),
-                  shard=ShardSpec(shard["kind"], tuple(shard.get("segments", ()))) if shard else None,
+                  shard=ShardSpec(shard["kind"], tuple(shard.get("segments", ())), shard.get("unit", 1),
+                                  tuple(shard.get("exprs", ()))) if shard else None,
                   quant=QuantSpec(quant["scheme"], quant["granularity"]) if quant else None)
 
 

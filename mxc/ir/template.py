@@ -151,9 +151,7 @@ class _Binder:
                 self.disabled.add(name)
                 continue
             shape = self.eval_shape(w["shape"], env, line, f"{field}.shape")
-            shard = w.get("shard")
-            if shard is not None and shard not in ShardSpec.KINDS:
-                raise self.err(line, f"{field}.shard", f"expected one of {', '.join(ShardSpec.KINDS)}, got {shard!r}")
+            shard = self.shard_spec(w.get("shard"), w["shape"], env, line, f"{field}.shard")
             init = str(w.get("init", "normal"))
             if init not in ("normal", "ones"):
                 raise self.err(line, f"{field}.init", f"expected 'normal' or 'ones', got {init!r}")
@@ -168,8 +166,24 @@ class _Binder:
                 self.tied_hf[name] = hf
                 continue
             out[str(name)] = Weight(name=f"{prefix}{name}", shape=shape, dtype=self.dtype, hf=(hf,), init=init,
-                                    shard=ShardSpec(str(shard)) if shard else None)
+                                    shard=shard)
         return out
+
+    def shard_spec(self, spec, shape_exprs, env, line, field) -> ShardSpec | None:
+        """``column`` or ``{kind: column, unit: head_dim}`` -> ShardSpec (None when absent)."""
+        if spec is None:
+            return None
+        kind, unit = (spec, 1) if isinstance(spec, str) else (spec.get("kind"), spec.get("unit", 1))
+        if isinstance(spec, dict) and set(spec) - {"kind", "unit"}:
+            raise self.err(line, field, "expected a kind, or {kind: ..., unit: expr}")
+        if kind not in ShardSpec.KINDS:
+            raise self.err(line, field, f"expected one of {', '.join(ShardSpec.KINDS)}, got {kind!r}")
+        unit = self.eval(unit, env, line, f"{field}.unit")
+        if not isinstance(unit, int) or unit < 1:
+            raise self.err(line, f"{field}.unit", f"expected a positive integer, got {unit!r}")
+        dim = 1 if kind == "row" else 0
+        expr = str(shape_exprs[dim]) if kind != "replicated" and dim < len(shape_exprs) else ""
+        return ShardSpec(str(kind), unit=unit, exprs=(expr,) if expr else ())
 
     def eval_shape(self, spec, env, line, field) -> tuple[int, ...]:
         if not isinstance(spec, list):

@@ -78,7 +78,10 @@ def _check_weight_names(graph: Graph) -> None:
         if w.name in seen:
             raise VerifyError(f"two weights are stored as {w.name!r}")
         seen[w.name] = w.name
-        if w.segments and sum(w.segments) != w.shape[0]:
-            raise VerifyError(f"weight {w.name}: segments {list(w.segments)} do not add up to {w.shape[0]} rows")
+        rows = w.shape[0]  # checkpoint parts concatenate along dim 0, before any sharding of it
+        if w.shard and w.shard.segments and w.shard.dim == 0:
+            rows = sum(w.shard.segments)
+        if w.segments and sum(w.segments) != rows:
+            raise VerifyError(f"weight {w.name}: segments {list(w.segments)} do not add up to {rows} rows")
         if len(w.hf) > 1 and len(w.segments) != len(w.hf):
             raise VerifyError(f"weight {w.name}: {len(w.hf)} sources but {len(w.segments)} segments")

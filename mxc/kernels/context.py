@@ -12,7 +12,8 @@ The IR's tokens are all sequences flattened into one ``[T]`` batch.
   sequence has exactly one new token);
 - ``k_cache[layer]``/``v_cache[layer]``: ``[slots, max_len, kv_heads, head_dim]``;
 - ``rope_tables``: RoPE cos/sin tables prepared at load, by spec;
-- ``memo``: values shared by every layer of one call.
+- ``memo``: values shared by every layer of one call;
+- ``rank``, ``world_size``, ``group``: the tensor-parallel process group.
 
 Kernels read it; the runtime builds it.
 """
@@ -39,6 +40,9 @@ class ForwardContext:
     decode: bool = False
     rope_tables: dict = field(default_factory=dict)
     memo: dict = field(default_factory=dict)
+    rank: int = 0  # tensor parallelism: this process's rank, the world size, the process group
+    world_size: int = 1
+    group: object = None
 
     @classmethod
     def no_cache(cls, seq_lens: list[int]) -> "ForwardContext":
@@ -46,7 +50,7 @@ class ForwardContext:
 
     @classmethod
     def build(cls, seq_lens: list[int], past_lens: list[int], slots: list[int], k_cache, v_cache,
-              device) -> "ForwardContext":
+              device, **extra) -> "ForwardContext":
         """A context with both the host lists and their device tensors."""
         max_len = k_cache[0].shape[1] if k_cache else 0
         loc = [s * max_len + p + j for s, p, n in zip(slots, past_lens, seq_lens) for j in range(n)]
@@ -58,4 +62,4 @@ class ForwardContext:
                    cache_loc=torch.tensor(loc, dtype=torch.int64, device=device),
                    kv_lens=torch.tensor([p + n for p, n in zip(past_lens, seq_lens)], **i32),
                    slots_t=torch.tensor(slots, **i32), q_start=torch.tensor(starts, **i32),
-                   max_q_len=max(seq_lens), decode=all(n == 1 for n in seq_lens))
+                   max_q_len=max(seq_lens), decode=all(n == 1 for n in seq_lens), **extra)

@@ -143,3 +143,33 @@ def cached_attention(q, ctx: ForwardContext, scale, layer, causal=True, sliding_
         out[start:start + n] = _attend(q[start:start + n], kb, vb, past, scale, causal, sliding_window)
         start += n
     return out
+
+
+# --- tensor parallelism (made by shard_tp) ---------------------------------------
+
+def vocab_embedding(ids, table, ctx: ForwardContext):
+    """This rank's vocabulary slice starts at rank * rows; other ids give zero rows."""
+    rows = table.shape[0]
+    local = ids - ctx.rank * rows
+    mine = (local >= 0) & (local < rows)
+    out = F.embedding(local.clamp(0, rows - 1), table)
+    return out * mine.unsqueeze(-1).to(out.dtype)
+
+
+def all_reduce(x, bias=None, ctx: ForwardContext = None):
+    if ctx.world_size > 1:
+        import torch.distributed as dist
+
+        x = x.contiguous()
+        dist.all_reduce(x, group=ctx.group)
+    return x if bias is None else x + bias
+
+
+def all_gather(x, ctx: ForwardContext, world):
+    if world == 1:
+        return x
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous(), group=ctx.group)
+    return torch.cat(parts, dim=-1)

@@ -3,8 +3,9 @@
 For every weight of the final graph (layers expanded), reads its checkpoint
 parts one at a time, checks their shapes, applies the transforms the passes
 declared (concatenate ``segments`` along dim 0, cast to the weight's dtype)
-and writes it straight into a ``SafetensorsWriter`` whose header was computed
-from the IR. Peak memory is about one weight. Before any data moves, the
+and writes each tensor-parallel rank's slice (the shard spec) straight into
+that rank's ``SafetensorsWriter``, whose header was computed from the IR.
+Peak memory is about one weight. Before any data moves, the
 checkpoint's names are checked against the graph: a missing, unexpected or
 mis-shaped tensor fails with its name and the shapes.
 """
@@ -19,14 +20,25 @@ from tqdm import tqdm
 
 from mxc.errors import MxcError
 from mxc.ir import Graph, Weight
+from mxc.ir.sharding import rank_slices
 from mxc.loaders.safetensors_writer import SafetensorsWriter
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def full_shape(w: Weight) -> tuple[int, ...]:
+    """The weight's shape before tensor-parallel sharding (the shard spec keeps the global sizes)."""
+    if w.shard is None or not w.shard.segments:
+        return w.shape
+    shape = list(w.shape)
+    shape[w.shard.dim] = sum(w.shard.segments)
+    return tuple(shape)
+
+
 def _parts(w: Weight) -> list[tuple[str, tuple[int, ...]]]:
-    rows = w.segments or (w.shape[0],)
-    return [(hf, (r,) + w.shape[1:]) for hf, r in zip(w.hf, rows)]
+    shape = full_shape(w)
+    rows = w.segments or (shape[0],)
+    return [(hf, (r,) + shape[1:]) for hf, r in zip(w.hf, rows)]
 
 
 def _ignored(patterns: tuple[str, ...]) -> re.Pattern:
@@ -61,15 +73,37 @@ def check_names(graph: Graph, ckpt) -> None:
                            f"(for weight {used_by}; does config.json match the weights?)")
 
 
-def write_weights(graph: Graph, ckpt, path: Path, metadata: dict[str, str] | None = None,
+def rank_slice(tensor: torch.Tensor, w: Weight, tp: int, rank: int) -> torch.Tensor:
+    """The part of a full (merged) weight that ``rank`` holds, by its shard spec."""
+    if tp == 1 or w.shard is None or w.shard.kind == "replicated":
+        return tensor
+    dim = w.shard.dim
+    pieces = [tensor.narrow(dim, start, length) for start, length in rank_slices(w.shard, tensor.shape[dim], tp, rank)]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+
+
+def write_weights(graph: Graph, ckpt, paths: list[Path], metadata: dict[str, str] | None = None,
                   progress: bool = True) -> None:
-    """Write every weight of ``graph`` into the safetensors file ``path``, one tensor at a time."""
+    """Write every weight of ``graph`` into one safetensors file per rank (``paths[r]``), one tensor at a time.
+
+    Each checkpoint tensor is read once, merged and cast, then each rank's
+    slice is written to that rank's file: peak memory is about one full weight.
+    """
     check_names(graph, ckpt)
+    tp = len(paths)
     weights = list(graph.all_weights())
     specs = {w.name: (DTYPES[w.dtype], w.shape) for w in weights}
-    with SafetensorsWriter(path, specs, metadata) as out:
+    writers = [SafetensorsWriter(p, specs, metadata) for p in paths]
+    try:
         for w in tqdm(weights, desc="converting weights", unit="tensor", disable=not progress, leave=False):
             parts = [ckpt.get(hf) for hf, _ in _parts(w)]
-            tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-            out.write(w.name, tensor.to(DTYPES[w.dtype]).contiguous())
+            tensor = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)).to(DTYPES[w.dtype])
+            for rank, out in enumerate(writers):
+                out.write(w.name, rank_slice(tensor, w, tp, rank).contiguous())
             del parts, tensor
+    except BaseException:
+        for out in writers:
+            out.abort()
+        raise
+    for out in writers:
+        out.close()

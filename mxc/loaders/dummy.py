@@ -26,10 +26,13 @@ class DummyCheckpoint:
     def __init__(self, graph: Graph):
         self.directory = "<dummy weights>"
         self._specs: dict[str, tuple[tuple[int, ...], str]] = {}
+        from mxc.loaders.convert import full_shape
+
         for w in graph.all_weights():
-            rows = w.segments or (w.shape[0],)
+            shape = full_shape(w)
+            rows = w.segments or (shape[0],)
             for hf, r in zip(w.hf, rows):
-                self._specs[hf] = ((r,) + w.shape[1:], w.init)
+                self._specs[hf] = ((r,) + shape[1:], w.init)
 
     def names(self) -> list[str]:
         return sorted(self._specs)

@@ -113,6 +113,12 @@ def load(path, device: str = "cpu", rank: int = 0, world_size: int = 1, verify: 
         raise MxcError(f"{path}: built for tp={tp}, but loaded with world_size={world_size}")
     if not 0 <= rank < world_size:
         raise MxcError(f"{path}: rank {rank} is out of range for world_size={world_size}")
+    if world_size > 1:
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or dist.get_world_size() != world_size:
+            raise MxcError(f"{path}: a tp={tp} artifact needs torch.distributed initialised with {tp} ranks in "
+                           f"every process (or use `mxc generate`, which starts them)")
     if verify:
         verify_files(path, manifest)
     program = _exec_program(path / "code" / "forward.py", manifest["files"]["code/forward.py"])
@@ -122,4 +128,4 @@ def load(path, device: str = "cpu", rank: int = 0, world_size: int = 1, verify: 
             weights[name] = f.get_tensor(name)
     device = torch.device(device)
     launcher = _kernel_launcher(path, manifest, device, rebuild_kernels)
-    return Model(program.forward, weights, manifest, device, path, launcher)
+    return Model(program.forward, weights, manifest, device, path, launcher, rank=rank, world_size=world_size)

@@ -32,7 +32,8 @@ class _Bucket:
         self.q_start = torch.arange(size + 1, dtype=torch.int32, device=dev)
         self.ctx = ForwardContext([1] * size, [0] * size, [scratch] * size, dec.k_cache, dec.v_cache,
                                   cache_loc=self.cache_loc, kv_lens=self.kv_lens, slots_t=self.slots,
-                                  q_start=self.q_start, max_q_len=1, decode=True, rope_tables=dec.rope_tables)
+                                  q_start=self.q_start, max_q_len=1, decode=True, rope_tables=dec.rope_tables,
+                                  **dec.dist)
         self.graph = None
         self.logits = None
 
@@ -56,7 +57,9 @@ class _Bucket:
 
 
 class CudaDecoder:
-    def __init__(self, forward_fn, launcher, kv: dict, dtype, device, max_batch: int, max_len: int):
+    def __init__(self, forward_fn, launcher, kv: dict, dtype, device, max_batch: int, max_len: int,
+                 dist: dict | None = None):
+        self.dist = dist or {}
         self.forward_fn, self.launcher, self.device = forward_fn, launcher, device
         self.max_batch, self.max_len = max_batch, max_len
         self.scratch_slot = max_batch
@@ -73,18 +76,21 @@ class CudaDecoder:
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         """Run the prompts [B, S] into slots 0..B-1; returns the last position's logits [B, V]."""
         b, s = ids.shape
-        ctx = ForwardContext.build([s] * b, [0] * b, list(range(b)), self.k_cache, self.v_cache, self.device)
+        ctx = ForwardContext.build([s] * b, [0] * b, list(range(b)), self.k_cache, self.v_cache, self.device,
+                                   **self.dist)
         ctx.rope_tables = self.rope_tables
         positions = torch.arange(s, device=self.device).repeat(b)
         rows = torch.arange(b, device=self.device) * s + (s - 1)
         with launch.using(self.launcher):
             return self.forward(ctx, ids.reshape(-1), positions, rows)
 
-    def generate(self, ids: torch.Tensor, max_new_tokens: int, sampling: dict, generator) -> torch.Tensor:
+    def generate(self, ids: torch.Tensor, max_new_tokens: int, sampling: dict, generator,
+                 agree=lambda tokens, temperature: tokens) -> torch.Tensor:
+        """``agree`` makes tensor-parallel ranks continue with the same sampled tokens."""
         b, s = ids.shape
         bucket = self.buckets[batch_bucket(b)]
         out = torch.empty((b, max_new_tokens), dtype=torch.int64, device=self.device)
-        nxt = sample(self.prefill(ids), generator=generator, **sampling)
+        nxt = agree(sample(self.prefill(ids), generator=generator, **sampling), sampling["temperature"])
         out[:, 0] = nxt
         slots = torch.arange(b, dtype=torch.int32, device=self.device)
         bucket.slots[:b].copy_(slots)
@@ -98,7 +104,7 @@ class CudaDecoder:
             bucket.cache_loc[:b].copy_(slots.to(torch.int64) * self.max_len + pos)
             bucket.kv_lens[:b].copy_(pos + 1)
             logits = bucket.step(self)[:b]
-            nxt = sample(logits, generator=generator, **sampling)
+            nxt = agree(sample(logits, generator=generator, **sampling), sampling["temperature"])
             out[:, step] = nxt
             pos += 1
         return out

@@ -22,7 +22,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 class Model:
     def __init__(self, forward, weights: dict[str, torch.Tensor], manifest: dict, device: torch.device, path: Path,
-                 launcher=None):
+                 launcher=None, rank: int = 0, world_size: int = 1):
         self._forward = forward
         self._launcher = launcher  # precompiled-kernel launcher (cuda artifacts), else Triton's JIT
         self.manifest = manifest
@@ -34,13 +34,15 @@ class Model:
         self.eos_token_ids: list[int] = info["eos_token_id"]
         self._kv = info["kv_cache"]
         self._top, self._layers = _split_layers(weights, info.get("layers"))
+        self.rank, self.world_size = rank, world_size
+        self._dist = dict(rank=rank, world_size=world_size, group=None)  # None = the default process group
         options = manifest["options"]
         self._decoder = None
         if options["target"] == "cuda" and self.device.type == "cuda":
             from mxc.runtime.decode_graphs import CudaDecoder
 
             self._decoder = CudaDecoder(self._bound_forward, launcher, self._kv, self.dtype, self.device,
-                                        options["max_batch"], options["max_seq_len"])
+                                        options["max_batch"], options["max_seq_len"], self._dist)
 
     def _bound_forward(self, ctx, tokens, positions, rows):
         return self._forward(self._top, self._layers, ctx, tokens, positions, rows)
@@ -64,6 +66,14 @@ class Model:
         with torch.inference_mode(), launch.using(self._launcher or launch.jit_launch):
             return self._forward(self._top, self._layers, ctx, tokens, positions, logit_rows)
 
+    def _agree(self, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+        """Under tensor parallelism every rank continues with rank 0's sampled tokens."""
+        if self.world_size > 1 and temperature:
+            import torch.distributed as dist
+
+            dist.broadcast(tokens, src=0)
+        return tokens
+
     def _check_capacity(self, b: int, total: int) -> None:
         if self._decoder is not None and (b > self._decoder.max_batch or total > self._decoder.max_len):
             raise MxcError(f"batch {b} x {total} tokens exceeds what the artifact was built for "
@@ -78,7 +88,7 @@ class Model:
         positions = torch.arange(s, device=self.device).repeat(b)
         rows = torch.arange(b * s, device=self.device)
         k_cache, v_cache = (self._decoder.k_cache, self._decoder.v_cache) if self._decoder else self.new_cache(b, s)
-        ctx = ForwardContext.build([s] * b, [0] * b, list(range(b)), k_cache, v_cache, self.device)
+        ctx = ForwardContext.build([s] * b, [0] * b, list(range(b)), k_cache, v_cache, self.device, **self._dist)
         out = self._run(ctx, ids.reshape(-1), positions, rows)
         return out.float().reshape(b, s, -1)
 
@@ -106,20 +116,20 @@ class Model:
         if self._decoder is not None:
             sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
             with torch.inference_mode():
-                out = self._decoder.generate(ids, max_new_tokens, sampling, gen).cpu()
+                out = self._decoder.generate(ids, max_new_tokens, sampling, gen, self._agree).cpu()
             return _stop_at_eos(out, self.eos_token_ids) if stop_at_eos else out
         k_cache, v_cache = self.new_cache(b, s + max_new_tokens)
         slots = list(range(b))
         eos = torch.tensor(self.eos_token_ids or [-1], device=self.device)
         done = torch.zeros(b, dtype=torch.bool, device=self.device)
 
-        ctx = ForwardContext.build([s] * b, [0] * b, slots, k_cache, v_cache, self.device)
+        ctx = ForwardContext.build([s] * b, [0] * b, slots, k_cache, v_cache, self.device, **self._dist)
         positions = torch.arange(s, device=self.device).repeat(b)
         rows = torch.arange(b, device=self.device) * s + (s - 1)
         logits = self._run(ctx, ids.reshape(-1), positions, rows)
         out = []
         for step in range(max_new_tokens):
-            nxt = sample(logits, temperature, top_k, top_p, gen)
+            nxt = self._agree(sample(logits, temperature, top_k, top_p, gen), temperature)
             if stop_at_eos:
                 nxt = torch.where(done, eos[0], nxt)
                 done |= torch.isin(nxt, eos)
@@ -127,7 +137,7 @@ class Model:
             if step == max_new_tokens - 1 or (stop_at_eos and bool(done.all())):
                 break
             pos = s + step
-            ctx = ForwardContext.build([1] * b, [pos] * b, slots, k_cache, v_cache, self.device)
+            ctx = ForwardContext.build([1] * b, [pos] * b, slots, k_cache, v_cache, self.device, **self._dist)
             logits = self._run(ctx, nxt, torch.full((b,), pos, device=self.device), torch.arange(b, device=self.device))
         return torch.stack(out, dim=1).cpu()
 

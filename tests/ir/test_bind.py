@@ -20,7 +20,7 @@ def test_llama_layer_structure(bind_arch):
     assert (rep.count, rep.index, rep.carry, rep.loc) == (2, "i", {"x": "x_2"}, "llama.yaml:40")
     assert set(rep.weights) == {"ln1", "wq", "wk", "wv", "wo", "ln2", "w_gate", "w_up", "w_down"}
     assert rep.weights["wk"] == Weight("layers.{i}.wk", (32, 64), "float32",
-                                       ("model.layers.{i}.self_attn.k_proj.weight",), shard=ShardSpec("column"))
+                                       ("model.layers.{i}.self_attn.k_proj.weight",), shard=ShardSpec("column", unit=16, exprs=("num_key_value_heads*head_dim",)))
     assert rep.weights["ln1"].init == "ones"
     # trailing absent optional inputs (disabled biases) are dropped
     assert ("linear", ("h", "wq")) in ops(rep.body)
@@ -76,7 +76,7 @@ def test_tied_embeddings(bind_arch):
 def test_untied_embeddings(bind_arch):
     g = bind_arch()
     assert g.weights["lm_head"].hf == ("lm_head.weight",)
-    assert g.weights["lm_head"].shard == ShardSpec("vocab")
+    assert g.weights["lm_head"].shard == ShardSpec("vocab", exprs=("vocab_size",))
     assert "lm_head.weight" not in g.ignore
     assert g.body[-1].ins[1] == "lm_head"
 

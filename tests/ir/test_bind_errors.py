@@ -87,7 +87,7 @@ def test_statement_that_is_not_a_call(bind_bad):
 
 
 def test_weight_with_unknown_key(bind_bad):
-    msg, line = bind_bad("hf: self_attn.q_proj.weight, shard: column}",
+    msg, line = bind_bad("hf: self_attn.q_proj.weight, shard: {kind: column, unit: head_dim}}",
                          "hf: self_attn.q_proj.weight, shard: column, shardd: row}")
     assert where(line, "repeat.weights.wq") + "unknown key(s) ['shardd']" in msg
 

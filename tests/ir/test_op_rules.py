@@ -100,6 +100,17 @@ EXAMPLES = {
         ([tt("T", 4, 16), tt("T", 2, 16)], {"scale": 0.25, "layer": 0}, "takes at most 1 inputs"),
         ([tt("T", 4, 16)], {"layer": 0}, "missing attribute(s) scale"),
     ]),
+    # tensor parallelism (the single-process reference: world_size 1, rank 0)
+    "vocab_embedding": (([tt("T", dtype="int64"), tt(256, 64)], {}), [tt("T", 64)], [
+        ([tt("T"), tt(256, 64)], {}, "ids must be [T] int64"),
+    ]),
+    "all_reduce": (([tt("T", 64), tt(64)], {}), [tt("T", 64)], [
+        ([tt("T", 64), tt(32)], {}, "bias [32] float32 must match the last dim"),
+    ]),
+    "all_gather": (([tt("T", 32)], {"world": 1}), [tt("T", 32)], [
+        ([tt("T", 32)], {"world": 0}, "world must be a positive integer"),
+        ([tt("T", 32)], {}, "missing attribute(s) world"),
+    ]),
 }
 
 BAD = [pytest.param(op, ins, attrs, msg, id=f"{op}-{k}")

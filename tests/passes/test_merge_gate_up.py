@@ -60,7 +60,7 @@ AFTER_DCE = [
 ]
 W_GATE_UP = Weight("layers.{i}.w_gate_up", (192, 64), "float32",
                    ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
-                   segments=(96, 96), shard=ShardSpec("column", (96, 96)))
+                   segments=(96, 96), shard=ShardSpec("column", (96, 96), 1, ("intermediate_size",) * 2))
 
 
 def test_before_after(bind_arch):
@@ -96,7 +96,7 @@ def test_biases_merge(bind_arch):
     verify(after)
     assert "gate_up = linear(h_1, w_gate_up, b_gate_up)" in stmts(layer(after).body)
     b = layer(after).weights["b_gate_up"]
-    assert (b.shape, b.segments, b.shard) == ((192,), (96, 96), ShardSpec("column", (96, 96)))
+    assert (b.shape, b.segments, b.shard) == ((192,), (96, 96), ShardSpec("column", (96, 96), 1, ("intermediate_size",) * 2))
 
 
 def _insert_user(graph: Graph, of: str) -> Graph:

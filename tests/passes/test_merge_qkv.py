@@ -62,6 +62,9 @@ AFTER = [
 ]
 
 
+QKV_EXPRS = ("num_attention_heads*head_dim", "num_key_value_heads*head_dim", "num_key_value_heads*head_dim")
+
+
 def test_llama_before_after(bind_arch):
     before = bind_arch()
     after = merge_qkv.run(before, None)
@@ -78,7 +81,7 @@ def test_llama_before_after(bind_arch):
         "layers.{i}.wqkv", (128, 64), "float32",
         ("model.layers.{i}.self_attn.q_proj.weight", "model.layers.{i}.self_attn.k_proj.weight",
          "model.layers.{i}.self_attn.v_proj.weight"),
-        segments=(64, 32, 32), shard=ShardSpec("column", (64, 32, 32)))}
+        segments=(64, 32, 32), shard=ShardSpec("column", (64, 32, 32), 16, QKV_EXPRS))}
     assert [w.name for w in after.all_weights() if w.name.endswith("wqkv")] == ["layers.0.wqkv", "layers.1.wqkv"]
 
 
@@ -109,7 +112,7 @@ def test_qwen2_biases_merge(bind_arch):
         "layers.{i}.bqkv", (128,), "float32",
         ("model.layers.{i}.self_attn.q_proj.bias", "model.layers.{i}.self_attn.k_proj.bias",
          "model.layers.{i}.self_attn.v_proj.bias"),
-        segments=(64, 32, 32), shard=ShardSpec("column", (64, 32, 32)))
+        segments=(64, 32, 32), shard=ShardSpec("column", (64, 32, 32), 16, QKV_EXPRS))
     assert count(before) == 1
 
 

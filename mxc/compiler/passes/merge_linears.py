@@ -27,7 +27,10 @@ def merged_weight(local_names: list[str], weights: dict[str, Weight]) -> tuple[s
     first = parts[0]
     name = first.name[: len(first.name) - len(local_names[0])] + local
     rows = tuple(p.shape[0] for p in parts)
-    shard = ShardSpec(first.shard.kind, rows) if first.shard else None
+    shard = None
+    if first.shard:
+        exprs = tuple(e for p in parts for e in (p.shard.exprs or ("",)))
+        shard = ShardSpec(first.shard.kind, rows, first.shard.unit, exprs)
     return local, replace(first, name=name, shape=(sum(rows),) + first.shape[1:],
                           hf=tuple(h for p in parts for h in p.hf), segments=rows, shard=shard)
 
@@ -39,7 +42,7 @@ def can_merge(linears: list[Node], weights: dict[str, Weight]) -> bool:
     ws = [weights.get(n.ins[1]) for n in linears]
     if any(w is None or w.quant or w.segments for w in ws):
         return False  # not a local weight, quantized, or already merged
-    if len({(w.dtype, w.shape[1:], w.shard.kind if w.shard else None) for w in ws}) != 1:
+    if len({(w.dtype, w.shape[1:], (w.shard.kind, w.shard.unit) if w.shard else None) for w in ws}) != 1:
         return False
     has_bias = [len(n.ins) > 2 and n.ins[2] is not None for n in linears]
     if any(has_bias) and not all(has_bias):

@@ -1,0 +1,102 @@
+"""shard_tp: split the graph across ``options.tp`` tensor-parallel ranks (identity at tp=1).
+
+Every weight with a shard spec gets its per-rank shape (``ir/sharding.py``:
+merged parts split separately, whole heads, KV heads replicated when there
+are fewer than ranks); the spec keeps the global segment sizes for the loader.
+Then the communication becomes explicit nodes.
+
+Matches / rewrites to::
+
+    y = linear(x, w_row, b)          ->  y_part = linear(x, w_row)          # row-parallel: partial sums
+                                         y = all_reduce(y_part, b)
+    y = linear(x, w_vocab)           ->  y_part = linear(x, w_vocab)        # vocab-parallel logits
+                                         y = all_gather(y_part, world=tp)
+    y = embedding(ids, t_vocab)      ->  y_part = vocab_embedding(ids, t_vocab)
+                                         y = all_reduce(y_part)
+    a, b, c = split(qkv, sizes=S)    ->  a, b, c = split(qkv, sizes=S/tp)   # after a column-parallel merged linear
+
+Column-parallel linears need no communication: their outputs feed per-head
+ops (attention) or elementwise ops (silu_mul) that stay local. Requires: runs
+after the merge passes (segments exist) and before fuse_rope_cache (which
+reads head counts from split sizes). Preserves: every value name, so the
+outputs are the same; the math up to the order of the all-reduce sums.
+A split that cannot work fails naming the weight, the model-file size
+expression and the numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from mxc.compiler.rewrite import apply_rules
+from mxc.errors import MxcError
+from mxc.ir import Graph, Node, Repeat, ShardSpec, Weight
+from mxc.ir.sharding import ShardError, local_size
+
+
+def _shard_weight(w: Weight, tp: int) -> Weight:
+    spec = w.shard
+    if spec is None or spec.kind == "replicated":
+        return w
+    size = w.shape[spec.dim]
+    try:
+        local, parts = local_size(spec, size, tp)
+    except ShardError as e:
+        raise MxcError(f"cannot shard weight {w.name} ({spec.kind}) across --tp {tp}: {e}") from None
+    shape = list(w.shape)
+    shape[spec.dim] = local
+    return replace(w, shape=tuple(shape), shard=replace(spec, segments=spec.segments or (size,)))
+
+
+def _local_parts(w: Weight, tp: int) -> list[int]:
+    return list(local_size(ShardSpec(w.shard.kind, w.shard.segments, w.shard.unit), sum(w.shard.segments), tp)[1])
+
+
+def _rules(tp: int):
+    def kind(ctx, name):
+        w = ctx.weights.get(name)
+        return w.shard.kind if w is not None and w.shard else None
+
+    def linear(node: Node, ctx):
+        users = [ctx.nodes[i].op for i in ctx.users[node.outs[0]]]
+        if users in (["all_reduce"], ["all_gather"]):
+            return None  # already rewritten
+        k = kind(ctx, node.ins[1])
+        if k == "row":
+            part = ctx.fresh(f"{node.outs[0]}_part")
+            bias = node.ins[2:3]
+            return {ctx.index(node): [node.replace(outs=(part,), ins=node.ins[:2]),
+                                      Node("all_reduce", node.outs, (part, *bias), {}, node.loc)]}
+        if k == "vocab":
+            part = ctx.fresh(f"{node.outs[0]}_part")
+            return {ctx.index(node): [node.replace(outs=(part,)),
+                                      Node("all_gather", node.outs, (part,), {"world": tp}, node.loc)]}
+        return None
+
+    def embedding(node: Node, ctx):
+        if kind(ctx, node.ins[1]) != "vocab":
+            return None
+        part = ctx.fresh(f"{node.outs[0]}_part")
+        return {ctx.index(node): [Node("vocab_embedding", (part,), node.ins, {}, node.loc),
+                                  Node("all_reduce", node.outs, (part,), {}, node.loc)]}
+
+    def split(node: Node, ctx):
+        src = ctx.producing(node.ins[0])
+        if src is None or src.op != "linear" or kind(ctx, src.ins[1]) != "column":
+            return None
+        w = ctx.weights[src.ins[1]]
+        if list(node.attrs["sizes"]) != list(w.shard.segments):
+            return None  # already local (segments are global sizes)
+        return {ctx.index(node): [node.replace(attrs={**node.attrs, "sizes": _local_parts(w, tp)})]}
+
+    return [("linear", linear), ("embedding", embedding), ("split", split)]
+
+
+def run(graph: Graph, options) -> Graph:
+    tp = options.tp
+    if tp == 1:
+        return graph
+    weights = {k: _shard_weight(w, tp) for k, w in graph.weights.items()}
+    body = tuple(item.replace(weights={k: _shard_weight(w, tp) for k, w in item.weights.items()})
+                 if isinstance(item, Repeat) else item for item in graph.body)
+    return apply_rules(graph.replace(weights=weights, body=body), _rules(tp))[0]

@@ -1,0 +1,48 @@
+"""The index math of tensor-parallel sharding, shared by the shard pass and the loader.
+
+``rank_slices(spec, size, tp, rank)`` says which ranges of the split
+dimension rank ``rank`` holds: each segment (merged part) is split on its
+own, in whole units; a segment with fewer units than ranks is replicated so
+that every rank gets the unit its heads use. ``ShardError`` explains a split
+that cannot work, naming the model-file expression and the numbers.
+"""
+
+from __future__ import annotations
+
+from mxc.ir.graph import ShardSpec
+
+
+class ShardError(ValueError):
+    pass
+
+
+def _parts(spec: ShardSpec, size: int) -> list[tuple[int, str]]:
+    segments = spec.segments or (size,)
+    exprs = spec.exprs or ("",) * len(segments)
+    return list(zip(segments, exprs))
+
+
+def rank_slices(spec: ShardSpec, size: int, tp: int, rank: int) -> list[tuple[int, int]]:
+    """(start, length) ranges along the split dim held by ``rank``, in order."""
+    out, base = [], 0
+    for seg, expr in _parts(spec, size):
+        if seg % spec.unit:
+            raise ShardError(f"size {seg} ({expr or 'part'}) is not a whole number of units of {spec.unit}")
+        units = seg // spec.unit
+        if units % tp == 0:
+            per = units // tp
+            out.append((base + rank * per * spec.unit, per * spec.unit))
+        elif tp % units == 0:  # fewer units than ranks: replicate, each rank the unit its group uses
+            out.append((base + (rank * units // tp) * spec.unit, spec.unit))
+        else:
+            what = f"`{expr}` = {seg}" if expr else f"{seg}"
+            unit = f" in units of {spec.unit}" if spec.unit > 1 else ""
+            raise ShardError(f"{what}{unit} gives {units} parts, neither divisible by tp={tp} nor dividing it")
+        base += seg
+    return out
+
+
+def local_size(spec: ShardSpec, size: int, tp: int) -> tuple[int, tuple[int, ...]]:
+    """(size held by each rank, its segment sizes)."""
+    parts = tuple(length for _, length in rank_slices(spec, size, tp, 0))
+    return sum(parts), parts

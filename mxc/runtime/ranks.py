@@ -1,0 +1,45 @@
+"""Starting tensor-parallel ranks for one command: ``mxc generate`` on a tp=N artifact.
+
+``run_ranks(fn, world_size, device, *args)`` spawns ``world_size`` processes
+with torch.multiprocessing, initialises torch.distributed in each (gloo on
+CPUs, NCCL on GPUs, one GPU per rank) over a free local port, and calls
+``fn(rank, world_size, device, *args)`` in each. A multi-node user starts the
+ranks with torchrun instead and calls ``mxc.load(path, rank=..., world_size=...)``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, device: str, port: int, fn, args) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if device.startswith("cuda"):
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+        backend = "nccl"
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        backend = "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, device, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, device: str, *args) -> None:
+    import torch.multiprocessing as mp
+
+    mp.spawn(_entry, args=(world_size, device, free_port(), fn, args), nprocs=world_size, join=True)
