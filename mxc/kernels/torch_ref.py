@@ -157,7 +157,7 @@ def vocab_embedding(ids, table, ctx: ForwardContext):
 
 
 def all_reduce(x, bias=None, ctx: ForwardContext = None):
-    if ctx.world_size > 1:
+    if ctx.world_size > 1 and x.device.type != "meta":  # meta: the build's shape-only trace
         import torch.distributed as dist
 
         x = x.contiguous()
@@ -168,6 +168,8 @@ def all_reduce(x, bias=None, ctx: ForwardContext = None):
 def all_gather(x, ctx: ForwardContext, world):
     if world == 1:
         return x
+    if x.device.type == "meta":  # the build's shape-only trace
+        return torch.cat([x] * world, dim=-1)
     import torch.distributed as dist
 
     parts = [torch.empty_like(x) for _ in range(world)]

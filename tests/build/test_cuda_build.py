@@ -23,10 +23,10 @@ QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "intermediate
                              "original_max_position_embeddings": 64}}
 
 
-@pytest.mark.parametrize("config", [None, QWEN3], ids=["llama-default", "qwen3-yarn"])
-def test_cuda_build_compiles_every_kernel_for_sm90(config, tmp_path):
+@pytest.mark.parametrize("config,tp", [(None, 1), (QWEN3, 1), (None, 2)], ids=["llama-default", "qwen3-yarn", "llama-tp2"])
+def test_cuda_build_compiles_every_kernel_for_sm90(config, tp, tmp_path):
     args = [sys.executable, "-m", "mxc", "build", "llama.yaml", "--target", "cuda", "--out", str(tmp_path / "art"),
-            "--max-batch", "4", "--max-seq-len", "128"]
+            "--max-batch", "4", "--max-seq-len", "128", "--tp", str(tp)]
     if config is not None:
         (tmp_path / "config.json").write_text(json.dumps(config))
         args += ["--config", str(tmp_path / "config.json")]
@@ -48,5 +48,6 @@ def test_cuda_build_compiles_every_kernel_for_sm90(config, tmp_path):
             "ptr" if a.startswith("*") else {"i32": "i32", "fp32": "f32"}[a] for a in entry["args"]]
         assert all(p == "ptr" for p in entry["params"][len(entry["args"]):])  # Triton's scratch pointers
         assert f"code/kernels/{entry['file']}" in manifest["files"]
+    assert {f"weights/rank{r}.safetensors" for r in range(tp)} <= set(manifest["files"])
     program = (art / "code" / "forward.py").read_text()
     assert "cuda_ops.qkv_rope_cache" in program and "triton_gemv.linear_small_m" in program
