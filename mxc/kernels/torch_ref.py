@@ -46,8 +46,11 @@ def rms_norm(x, weight, eps):
     return weight * xf.to(x.dtype)
 
 
-def linear(x, weight, bias=None):
-    return F.linear(x, weight, bias)
+def linear(x, weight, bias=None, residual=None, prologue=None):
+    if prologue == "silu_mul":
+        x = silu_mul(x)
+    y = F.linear(x, weight, bias)
+    return y if residual is None else residual + y
 
 
 def heads(x, size):

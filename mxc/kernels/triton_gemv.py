@@ -1,5 +1,16 @@
 """Small-M linear for decode: ``y [M, N] = x [M, K] @ w [N, K]^T (+ bias [N])``, M <= 32.
 
+Optionally fused on both sides (``mxc.compiler.passes.fuse_linear_io``), which saves two
+small kernels and two round trips through memory per transformer layer at decode:
+  prologue "silu_mul": x is [M, 2K] (gate half, then up half) and the input row is
+     ``silu(gate) * up``, computed per BLOCK_K chunk as x is loaded (x is tiny; every
+     program recomputes it) with the rounding of the unfused ``torch_ref.silu_mul``: silu
+     in fp32 rounded to the dtype, the product in fp32 rounded to the dtype.
+  residual [M, N]: ``y = residual + linear(...)`` as the unfused ``torch_ref.add``: the
+     linear (fp32 accumulator + bias) rounded to the dtype, then the sum in fp32, rounded.
+     With SPLIT_K > 1 the reduce kernel adds it (with the bias). ``out`` may be the residual
+     itself (each element is read, then written, by the same program).
+
 At decode a linear reads the whole weight matrix to produce a handful of rows,
 so it is bound by memory bandwidth: every weight byte must be read exactly once
 per call, with 16-byte coalesced loads, and with enough bytes in flight to cover
@@ -71,16 +82,36 @@ def bucket(m: int) -> int:
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M,
+def _load_x(x_ptrs, mask, other, K: tl.constexpr, PROLOGUE_SILU_MUL: tl.constexpr):
+    """One chunk of the input rows, in x's dtype. With PROLOGUE_SILU_MUL, ``x_ptrs`` point into
+    the gate half of x [M, 2K] and the chunk is ``silu(gate) * up`` rounded as torch does it
+    unfused (``F.silu`` in the dtype, then ``*`` in the dtype); masked lanes give 0."""
+    if PROLOGUE_SILU_MUL:
+        ty = x_ptrs.dtype.element_ty
+        gate = tl.load(x_ptrs, mask=mask, other=other).to(tl.float32)
+        up = tl.load(x_ptrs + K, mask=mask, other=other).to(tl.float32)
+        # torch's silu, x / (1 + exp(-x)), with an IEEE division (a few per thread per step)
+        act = tl.div_rn(gate, 1.0 + tl.exp(-gate)).to(ty).to(tl.float32)
+        return (act * up).to(ty)
+    else:
+        return tl.load(x_ptrs, mask=mask, other=other)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M,
                  N: tl.constexpr, K: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr):
+                 SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 PROLOGUE_SILU_MUL: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False):
     """One program: rows [pid_n * BLOCK_N, +BLOCK_N) of y over K slice pid_k.
 
-    With SPLIT_K == 1, ``y_ptr`` is y [M, N] (bias added, cast to y's dtype);
-    otherwise it is the fp32 scratch [SPLIT_K, M, N] and HAS_BIAS is False.
-    ``b_ptr`` is None (specialised away) when there is no bias.
+    With SPLIT_K == 1, ``y_ptr`` is y [M, N] (bias and residual added, cast to y's dtype);
+    otherwise it is the fp32 scratch [SPLIT_K, M, N] and HAS_BIAS and HAS_RESIDUAL are False.
+    ``b_ptr`` / ``r_ptr`` are None (specialised away) when there is no bias / residual.
+    With PROLOGUE_SILU_MUL, x is [M, 2K] and the input rows are silu(x[:, :K]) * x[:, K:].
     """
+    tl.static_assert(SPLIT_K == 1 or not (HAS_BIAS or HAS_RESIDUAL))
+    X_STRIDE: tl.constexpr = 2 * K if PROLOGUE_SILU_MUL else K  # elements per row of x
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     # K slice of this program: a whole number of BLOCK_K steps (the last slices may run past K)
@@ -100,16 +131,16 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M,
 
     if USE_DOT:
         # v3: acc[BLOCK_M, BLOCK_N] on tensor cores, operands in their own dtype
-        x_ptrs = x_ptr + offs_m[:, None] * K + (k_start + offs_k)[None, :]
+        x_ptrs = x_ptr + offs_m[:, None] * X_STRIDE + (k_start + offs_k)[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, K_PER_SPLIT, BLOCK_K):
             if EVEN_K:
                 w = tl.load(w_ptrs)
-                x = tl.load(x_ptrs, mask=x_row_ok[:, None], other=0.0)
+                x = _load_x(x_ptrs, x_row_ok[:, None], 0.0, K, PROLOGUE_SILU_MUL)
             else:
                 k_ok = (k_start + k + offs_k) < K
                 w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-                x = tl.load(x_ptrs, mask=x_row_ok[:, None] & k_ok[None, :], other=0.0)
+                x = _load_x(x_ptrs, x_row_ok[:, None] & k_ok[None, :], 0.0, K, PROLOGUE_SILU_MUL)
             if w_ptr.dtype.element_ty == tl.float32:
                 # three tf32 products (hi*hi + hi*lo + lo*hi): ~fp32 accuracy on tensor cores;
                 # "ieee" runs on CUDA cores and measured 6x slower than cuBLAS at M = 2
@@ -126,11 +157,11 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M,
         for k in range(0, K_PER_SPLIT, BLOCK_K):
             if EVEN_K:
                 w = tl.load(w_ptrs).to(tl.float32)
-                x = tl.load(x_ptrs).to(tl.float32)
+                x = _load_x(x_ptrs, None, None, K, PROLOGUE_SILU_MUL).to(tl.float32)
             else:
                 k_ok = (k_start + k + offs_k) < K
                 w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
-                x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+                x = _load_x(x_ptrs, k_ok, 0.0, K, PROLOGUE_SILU_MUL).to(tl.float32)
             # x arrives in its own 1-D layout and moves to w's through shared memory
             # (BLOCK_K values per step, 1/BLOCK_N of the weight bytes); a [1, BLOCK_K] load
             # instead makes Triton move w to x's layout.
@@ -150,11 +181,11 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M,
                 w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
             for m in tl.static_range(BLOCK_M):
                 # rows past M re-read row M - 1 (no mask); their sums are never stored
-                xm_ptrs = x_ptrs + tl.minimum(M - 1, m) * K
+                xm_ptrs = x_ptrs + tl.minimum(M - 1, m) * X_STRIDE
                 if EVEN_K:
-                    xm = tl.load(xm_ptrs).to(tl.float32)
+                    xm = _load_x(xm_ptrs, None, None, K, PROLOGUE_SILU_MUL).to(tl.float32)
                 else:
-                    xm = tl.load(xm_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+                    xm = _load_x(xm_ptrs, k_ok, 0.0, K, PROLOGUE_SILU_MUL).to(tl.float32)
                 part = tl.sum(w * xm[None, :], axis=1)  # [BLOCK_N]
                 acc_t += tl.where(offs_m[None, :] == m, part[:, None], 0.0)
             w_ptrs += BLOCK_K
@@ -166,14 +197,20 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M,
         bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         acc_t += bias[:, None]
     y_ptrs = y_ptr + pid_k * M * N + offs_m[None, :] * N + offs_n[:, None]
-    tl.store(y_ptrs, acc_t.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & x_row_ok[None, :])
+    y_mask = n_ok[:, None] & x_row_ok[None, :]
+    y = acc_t.to(y_ptr.dtype.element_ty)
+    if HAS_RESIDUAL:  # torch_ref.add(residual, linear): the linear rounded, then the sum rounded
+        r = tl.load(r_ptr + offs_m[None, :] * N + offs_n[:, None], mask=y_mask, other=0.0)
+        y = (r.to(tl.float32) + y.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptrs, y, mask=y_mask)
 
 
 @triton.jit
-def _splitk_reduce_kernel(ws_ptr, b_ptr, y_ptr, M,
+def _splitk_reduce_kernel(ws_ptr, b_ptr, r_ptr, y_ptr, M,
                           N: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_R: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """y[:, cols] = sum over s (in order) of ws[s, :, cols] (+ bias), cast to y's dtype."""
+                          BLOCK_R: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr = False):
+    """y[:, cols] = sum over s (in order) of ws[s, :, cols] (+ bias), cast to y's dtype
+    (then + residual [M, N], rounded again, as ``_gemv_kernel``'s epilogue)."""
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -185,7 +222,12 @@ def _splitk_reduce_kernel(ws_ptr, b_ptr, y_ptr, M,
         acc += tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    y_ptrs = y_ptr + offs
+    y = acc.to(y_ptr.dtype.element_ty)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + offs, mask=mask, other=0.0)
+        y = (r.to(tl.float32) + y.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptrs, y, mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -271,20 +313,28 @@ def _tile_m(m_bucket: int, cfg: GemvConfig) -> int:
 # wrapper
 
 
-def linear_small_m(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
+def linear_small_m(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                   residual: torch.Tensor | None = None, *, prologue: str | None = None,
                    config: GemvConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [M, K] @ w [N, K]^T (+ bias [N])`` for 1 <= M <= 32, in x's dtype (fp32 accumulation).
+    """``residual + prologue(x) [M, K] @ w [N, K]^T (+ bias [N])`` for 1 <= M <= 32, in x's dtype
+    (fp32 accumulation); the same as ``torch_ref.linear(x, w, bias, residual, prologue)``.
 
-    ``config`` overrides ``config_for`` (tests, tuning); ``out`` (contiguous [M, N], x's dtype)
-    receives the result instead of a new tensor. Never reads tensor values on the host, so it
-    runs on ``meta`` tensors under a recording launcher.
+    ``prologue="silu_mul"``: x is [M, 2K] (gate half, then up half) and is replaced by
+    ``silu(gate) * up``; ``residual`` (contiguous [M, N], x's dtype) is added to the result
+    (``residual`` is positional after ``bias``, as the generated programs pass a linear's inputs).
+    ``config`` overrides ``config_for`` (tests, tuning; K is w's K); ``out`` (contiguous [M, N],
+    x's dtype; it may be ``residual`` itself, not x) receives the result instead of a new tensor.
+    Never reads tensor values on the host, so it runs on ``meta`` tensors under a recording launcher.
     """
     if x.dim() != 2 or w.dim() != 2:
         raise ValueError(f"expected x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
-    M, K = x.shape
-    N, Kw = w.shape
-    if Kw != K:
-        raise ValueError(f"x has K={K} but w has K={Kw}")
+    if prologue not in (None, "silu_mul"):
+        raise ValueError(f"prologue must be None or 'silu_mul', got {prologue!r}")
+    silu_mul = prologue == "silu_mul"
+    M, Kx = x.shape
+    N, K = w.shape
+    if Kx != (2 * K if silu_mul else K):
+        raise ValueError(f"x has K={Kx} but w has K={K}" + (f" (silu_mul needs x [M, {2 * K}])" if silu_mul else ""))
     if x.dtype not in _DTYPES or w.dtype != x.dtype:
         raise ValueError(f"x and w must share one of {_DTYPES}, got {x.dtype} and {w.dtype}")
     if not (x.is_contiguous() and w.is_contiguous()):
@@ -294,6 +344,9 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
     if bias is not None and (bias.shape != (N,) or bias.dtype != x.dtype or not bias.is_contiguous()
                              or bias.device != x.device):
         raise ValueError(f"bias must be contiguous [{N}] {x.dtype} on {x.device}")
+    if residual is not None and (residual.shape != (M, N) or residual.dtype != x.dtype
+                                 or not residual.is_contiguous() or residual.device != x.device):
+        raise ValueError(f"residual must be contiguous [{M}, {N}] {x.dtype} on {x.device}")
     m_bucket = bucket(M)
     cfg = config if config is not None else config_for(m_bucket, N, K, x.dtype)
     if out is None:
@@ -305,16 +358,20 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
     grid = (triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)
     consts = dict(N=N, K=K, BLOCK_M=_tile_m(m_bucket, cfg), BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
                   SPLIT_K=cfg.SPLIT_K, USE_DOT=cfg.USE_DOT)
+    has_bias, has_residual = bias is not None, residual is not None
     if cfg.SPLIT_K == 1:
-        launch(_gemv_kernel, grid, [x, w, bias, y, M], dict(consts, HAS_BIAS=bias is not None),
+        launch(_gemv_kernel, grid, [x, w, bias, residual, y, M],
+               dict(consts, HAS_BIAS=has_bias, PROLOGUE_SILU_MUL=silu_mul, HAS_RESIDUAL=has_residual),
                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return y
     ws = torch.empty((cfg.SPLIT_K, M, N), dtype=torch.float32, device=x.device)
-    launch(_gemv_kernel, grid, [x, w, None, ws, M], dict(consts, HAS_BIAS=False),
+    launch(_gemv_kernel, grid, [x, w, None, None, ws, M],
+           dict(consts, HAS_BIAS=False, PROLOGUE_SILU_MUL=silu_mul, HAS_RESIDUAL=False),
            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     block_r = max(64, 1024 // m_bucket)
-    launch(_splitk_reduce_kernel, (triton.cdiv(N, block_r),), [ws, bias, y, M],
-           dict(N=N, SPLIT_K=cfg.SPLIT_K, BLOCK_M=m_bucket, BLOCK_R=block_r, HAS_BIAS=bias is not None),
+    launch(_splitk_reduce_kernel, (triton.cdiv(N, block_r),), [ws, bias, residual, y, M],
+           dict(N=N, SPLIT_K=cfg.SPLIT_K, BLOCK_M=m_bucket, BLOCK_R=block_r, HAS_BIAS=has_bias,
+                HAS_RESIDUAL=has_residual),
            num_warps=4, num_stages=1)
     return y
 

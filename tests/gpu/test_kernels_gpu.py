@@ -25,6 +25,16 @@ def test_gemv_llama8b_shapes(m, n, k):
     assert _rel(triton_gemv.linear_small_m(x, w), ref) < 1e-2
 
 
+@pytest.mark.parametrize("m", [1, 8])
+def test_gemv_fused_silu_mul_and_residual(m):
+    k, n = 14336, 4096  # the down projection
+    gu = torch.randn(m, 2 * k, device="cuda", dtype=BF16)
+    w = torch.randn(n, k, device="cuda", dtype=BF16) * 0.02
+    r = torch.randn(m, n, device="cuda", dtype=BF16)
+    ref = torch_ref.linear(gu.float(), w.float(), None, r.float(), prologue="silu_mul")
+    assert _rel(triton_gemv.linear_small_m(gu, w, None, r, prologue="silu_mul"), ref) < 2e-2
+
+
 @pytest.mark.parametrize("t", [1, 7, 256])
 def test_norms(t):
     x = torch.randn(t, 4096, device="cuda", dtype=BF16)

@@ -65,17 +65,17 @@ def test_first_willing_candidate_wins(bind_arch, monkeypatch):
 
 
 def test_no_kernel_lists_every_rejection(bind_arch, monkeypatch):
-    monkeypatch.setitem(CANDIDATES, "silu_mul", [
-        Candidate("triton_mlp.silu_mul", "silu_mul", ("cuda",), "fused"),
-        Candidate("cpu_mlp.silu_mul", "silu_mul", ("cpu",), "vectorised",
-                  check=lambda node, in_types, options: f"needs I % 128 == 0, got {in_types[0].shape[1] // 2}"),
+    monkeypatch.setitem(CANDIDATES, "rms_norm", [
+        Candidate("triton_norm.rms_norm", "rms_norm", ("cuda",), "fused"),
+        Candidate("cpu_norm.rms_norm", "rms_norm", ("cpu",), "vectorised",
+                  check=lambda node, in_types, options: f"needs H % 128 == 0, got {in_types[0].shape[-1]}"),
     ])
     with pytest.raises(MxcError) as e:
         compile_graph(bind_arch(), BuildOptions())
     msg = str(e.value)
-    assert msg.startswith("no kernel for silu_mul -> m (llama.yaml:73) on target cpu: ")
-    assert "triton_mlp.silu_mul: runs on cuda, not cpu" in msg
-    assert "needs I % 128 == 0, got 96" in msg and "cpu_mlp.silu_mul" in msg
+    assert msg.startswith("no kernel for rms_norm -> h (llama.yaml:61) on target cpu: ")
+    assert "triton_norm.rms_norm: runs on cuda, not cpu" in msg
+    assert "needs H % 128 == 0, got 64" in msg and "cpu_norm.rms_norm" in msg
 
 
 def test_no_candidates_registered(bind_arch, monkeypatch):

@@ -1,0 +1,86 @@
+"""fuse_rope_cache, fuse_add_rms_norm and fuse_linear_io: before/after, match counts, declines, numerics."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from mxc.compiler.passes import (eliminate_dead_code, fuse_add_rms_norm, fuse_linear_io, fuse_rope_cache,
+                                 merge_gate_up, merge_qkv)
+from mxc.ir import Repeat, verify
+
+
+def layer(g):
+    return next(it for it in g.body if isinstance(it, Repeat))
+
+
+def ops(g):
+    return [n.op for n in layer(g).body]
+
+
+def merged(g):
+    g = merge_gate_up.run(merge_qkv.run(g, None), None)
+    return eliminate_dead_code.run(g, None)
+
+
+def test_fuse_rope_cache_llama(bind_arch, assert_same_logits):
+    before = merged(bind_arch())
+    after = eliminate_dead_code.run(fuse_rope_cache.run(before, None), None)
+    verify(after)
+    assert ops(after)[:4] == ["rms_norm", "linear", "qkv_rope_cache", "cached_attention"]
+    assert "rope" not in ops(after) and "split" not in ops(after) and "attention" not in ops(after)
+    fused = layer(after).body[2]
+    assert (fused.attrs["heads"], fused.attrs["kv_heads"], fused.attrs["head_dim"]) == (4, 2, 16)
+    assert "eps" not in fused.attrs and len(fused.ins) == 2
+    assert_same_logits(before, after)
+
+
+def test_fuse_rope_cache_takes_qk_norms(bind_arch, assert_same_logits):
+    before = merged(bind_arch("Qwen3ForCausalLM", head_dim=32))
+    after = eliminate_dead_code.run(fuse_rope_cache.run(before, None), None)
+    fused = next(n for n in layer(after).body if n.op == "qkv_rope_cache")
+    assert fused.ins[2:] == ("q_norm", "k_norm") and fused.attrs["eps"] == 1e-5
+    assert ops(after).count("rms_norm") == 2  # ln1, ln2; the q/k norms are inside the fused op
+    assert_same_logits(before, after)
+
+
+def test_fuse_rope_cache_declines_without_merged_qkv(bind_arch):
+    g = bind_arch()  # q, k, v from three linears, no split
+    assert fuse_rope_cache.run(g, None) == g
+
+
+def test_fuse_add_rms_norm(bind_arch, assert_same_logits):
+    before = merged(bind_arch())
+    after = fuse_add_rms_norm.run(before, None)
+    verify(after)
+    assert ops(before).count("add") == 2 and ops(after).count("add") == 1  # the layer-end add feeds the next layer
+    node = next(n for n in layer(after).body if n.op == "add_rms_norm")
+    assert node.outs == ("x_1", "h_1") and node.ins[2] == "ln2"
+    assert_same_logits(before, after)
+
+
+def test_fuse_linear_io(bind_arch, assert_same_logits):
+    before = fuse_add_rms_norm.run(merged(bind_arch(mlp_bias=True)), None)
+    after = fuse_linear_io.run(before, None)
+    verify(after)
+    assert "silu_mul" not in ops(after) and ops(after).count("add") == 0
+    down = layer(after).body[-1]
+    assert down.op == "linear" and down.outs == ("x_2",) and down.attrs["prologue"] == "silu_mul"
+    assert down.ins == ("gate_up", "w_down", "b_down", "x_1")
+    assert fuse_linear_io.run(after, None) == after  # idempotent
+    assert_same_logits(before, after)
+
+
+def test_fuse_linear_io_declines_shared_intermediates(bind_arch):
+    from mxc.ir import Node
+
+    g = fuse_add_rms_norm.run(merged(bind_arch()), None)
+    rep = layer(g)
+    body = list(rep.body)
+    m = next(n for n in body if n.op == "silu_mul").outs[0]
+    down = body[-2]
+    assert down.op == "linear" and body[-1].op == "add"
+    extra = [Node("add", ("m_twice",), (m, m)), Node("add", ("down_twice",), (down.outs[0], down.outs[0]))]
+    g2 = g.replace(body=tuple(replace(rep, body=tuple(body + extra)) if it is rep else it for it in g.body))
+    verify(g2)
+    after = fuse_linear_io.run(g2, None)
+    assert after == g2  # both intermediates have a second reader: nothing to fold
