@@ -155,6 +155,7 @@ def _log(msg: str) -> None:
 def build(source: str, *, out: str | Path | None = None, checkpoint: str | None = None, config: str | None = None,
           dtype: str | None = None, target: str = "cpu", dump_ir: str | Path | None = None,
           max_batch: int = 32, max_seq_len: int | None = None, arch: int = 90, tp: int = 1,
+          quant: str | None = None, quant_granularity: str = "channel", quant_lm_head: bool = False,
           progress: bool = True, log=_log) -> Path:
     """Build an artifact and return its directory."""
     if target not in ("cpu", "cuda"):
@@ -164,12 +165,16 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     src = resolve_source(source, checkpoint, config)
     if max_seq_len is None:
         max_seq_len = min(4096, int(src.config.get("max_position_embeddings") or 4096))
+    if quant not in (None, "fp8") or quant_granularity not in ("channel", "tensor", "block128"):
+        raise MxcError(f"--quant {quant} / --quant-granularity {quant_granularity}: expected fp8 with "
+                       f"channel, tensor or block128")
     if not isinstance(tp, int) or tp < 1:
         raise MxcError(f"--tp {tp}: expected a positive integer")
     if max_batch < 1 or max_seq_len < 1:
         raise MxcError(f"--max-batch {max_batch} / --max-seq-len {max_seq_len}: expected positive integers")
     options = BuildOptions(target=target, dtype=dtype or ("float32" if target == "cpu" else "bfloat16"),
-                           max_batch=max_batch, max_seq_len=max_seq_len, tp=tp)
+                           max_batch=max_batch, max_seq_len=max_seq_len, tp=tp, quant=quant,
+                           quant_granularity=quant_granularity, quant_lm_head=quant_lm_head)
     out = Path(out) if out else Path("build") / src.model_file.stem
     if out.exists() and not (out / "manifest.json").is_file():
         raise MxcError(f"--out {out}: exists and is not an mxc artifact; choose another path or remove it")

@@ -29,7 +29,8 @@ def cmd_build(args) -> None:
     from mxc.builder import build
 
     build(args.source, out=args.out, checkpoint=args.checkpoint, config=args.config, dtype=args.dtype, target=args.target,
-          dump_ir=args.dump_ir, max_batch=args.max_batch, max_seq_len=args.max_seq_len, tp=args.tp)
+          dump_ir=args.dump_ir, max_batch=args.max_batch, max_seq_len=args.max_seq_len, tp=args.tp,
+          quant=args.quant, quant_granularity=args.quant_granularity, quant_lm_head=args.quant_lm_head)
 
 
 def _generate_and_print(rank: int, world_size: int, device: str, args, ids: list[int]) -> None:
@@ -112,6 +113,10 @@ def parser() -> argparse.ArgumentParser:
                    help="weight/activation dtype (default: float32 on cpu, bfloat16 on cuda)")
     b.add_argument("--target", choices=["cpu", "cuda"], default="cpu")
     b.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: writes weights/rank{r}.safetensors")
+    b.add_argument("--quant", choices=["fp8"], help="fp8 e4m3 linear weights, activations quantized per token")
+    b.add_argument("--quant-granularity", choices=["channel", "tensor", "block128"], default="channel",
+                   help="fp8 weight scales: per output channel (default), per tensor, or per 128x128 block")
+    b.add_argument("--quant-lm-head", action="store_true", help="quantize the LM head too")
     b.add_argument("--dump-ir", metavar="DIR", help="write the IR after every pass into DIR")
     b.add_argument("--max-batch", type=int, default=32, help="cuda: sequences decoded together (default 32)")
     b.add_argument("--max-seq-len", type=int,

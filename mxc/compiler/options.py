@@ -13,7 +13,9 @@ class BuildOptions:
     target: str = "cpu"
     dtype: str = "float32"
     tp: int = 1
-    quant: str | None = None
+    quant: str | None = None  # "fp8"
+    quant_granularity: str = "channel"  # fp8 weight scales: "channel" | "tensor" | "block128"
+    quant_lm_head: bool = False
     max_batch: int = 32  # cuda: sequences decoded together (KV-cache slots, CUDA-graph buckets)
     max_seq_len: int = 4096  # cuda: KV-cache length per sequence
 
@@ -22,6 +24,9 @@ class BuildOptions:
             raise ValueError(f"target must be one of {TARGETS}, got {self.target!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quant not in (None, "fp8") or self.quant_granularity not in ("channel", "tensor", "block128"):
+            raise ValueError(f"quant must be None or 'fp8' with granularity channel|tensor|block128, got "
+                             f"{self.quant!r}/{self.quant_granularity!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from mxc.compiler.options import BuildOptions
 from mxc.compiler.passes import (eliminate_dead_code, fuse_add_rms_norm, fuse_rope_cache, merge_gate_up, merge_qkv,
-                                  fuse_linear_io, select_kernels, shard_tp)
+                                  fuse_linear_io, quantize, select_kernels, shard_tp)
 from mxc.ir import Graph, dump_graph, verify
 
 PIPELINE = [
@@ -24,6 +24,8 @@ PIPELINE = [
     ("fuse_rope_cache", fuse_rope_cache.run),
     ("fuse_add_rms_norm", fuse_add_rms_norm.run),
     ("fuse_linear_io", fuse_linear_io.run),
+    # quantization: fp8 weights + scales (identity without --quant)
+    ("quantize", quantize.run),
     # cleanup
     ("eliminate_dead_code", eliminate_dead_code.run),
     # lowering: every node claimed by a kernel for the target

@@ -65,10 +65,20 @@ class ShardSpec:
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """How a weight is stored quantized (filled by the quantize pass)."""
+    """How a weight is stored quantized (filled by the quantize pass).
 
-    scheme: str  # e.g. "fp8_e4m3"
+    The weight's scales live in a companion weight ``<name>_scale`` (float32):
+    ``channel`` and ``tensor`` store one scale per output row ([N]; a tensor
+    scale is repeated over its rows, so each merged part keeps its own);
+    ``block128`` stores one per 128x128 tile ([ceil(N/128), ceil(K/128)]).
+    ``prequantized``: the checkpoint already holds fp8 values and scales.
+    """
+
+    scheme: str  # "fp8_e4m3"
     granularity: str  # "channel" | "tensor" | "block128"
+    prequantized: bool = False
+
+    GRANULARITIES = ("channel", "tensor", "block128")
 
 
 @dataclass(frozen=True)
@@ -81,6 +91,7 @@ class Weight:
     init: str = "normal"  # dummy-weight initialisation: "normal" | "ones"
     shard: ShardSpec | None = None
     quant: QuantSpec | None = None
+    scale_of: str | None = None  # this is the scale tensor of that (local) weight; the loader writes both
 
     def resolve(self, index_name: str | None, i: int | None) -> "Weight":
         """The concrete weight of layer ``i``."""

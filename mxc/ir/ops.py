@@ -108,6 +108,17 @@ def _add_rms_norm(a, b, w, eps, **_):
     return (a,) + _rms_norm(a, w, eps)
 
 
+def _qlinear(x, w, scale, bias=None, residual=None, granularity=None, prologue=None, **_):
+    _need(w.dtype == "float8_e4m3fn", lambda: f"weight {w} must be float8_e4m3fn")
+    _need(scale.dtype == "float32", lambda: f"scale {scale} must be float32")
+    n, k = w.shape
+    want = (n,) if granularity in ("channel", "tensor") else (-(-n // 128), -(-k // 128))
+    _need(granularity in ("channel", "tensor", "block128"), lambda: f"unknown granularity {granularity!r}")
+    _need(scale.shape == want, lambda: f"{granularity} scale {scale} must be {list(want)} for weight {w}")
+    (out,) = _linear(x, TensorType(w.shape, x.dtype), bias, residual, prologue)
+    return (out,)
+
+
 def _all_reduce(x, bias=None, **_):
     if bias is not None:
         _need(bias.shape == (x.shape[-1],), lambda: f"bias {bias} must match the last dim of {x}")
@@ -171,6 +182,10 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
           optional_attrs=("causal", "sliding_window"),
           doc="causal GQA attention per sequence; reads and appends KV cache slot `layer`",
           uses_context=True),
+    # quantized matmul (made by quantize)
+    OpDef("qlinear", ("x", "weight", "scale", "bias?", "residual?"), _qlinear, attrs=("granularity",),
+          optional_attrs=("prologue",),
+          doc="linear over an fp8 weight with its scales; activations quantized per token on the fly"),
     # tensor parallelism (made by shard_tp)
     OpDef("vocab_embedding", ("ids", "table"), _embedding, uses_context=True,
           doc="rows of this rank's vocabulary slice (rank * rows ...), zeros elsewhere; all_reduce completes it"),

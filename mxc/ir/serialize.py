@@ -29,7 +29,10 @@ def _weight_dict(w: Weight) -> dict:
                       **({"unit": w.shard.unit} if w.shard.unit != 1 else {}),
                       **({"exprs": list(w.shard.exprs)} if w.shard.exprs else {})}
     if w.quant:
-        d["quant"] = {"scheme": w.quant.scheme, "granularity": w.quant.granularity}
+        d["quant"] = {"scheme": w.quant.scheme, "granularity": w.quant.granularity,
+                      **({"prequantized": True} if w.quant.prequantized else {})}
+    if w.scale_of:
+        d["scale_of"] = w.scale_of
     return d
 
 
@@ -82,7 +85,8 @@ def _weight(d: dict) -> Weight:
                   segments=tuple(d.get("segments", ())), init=d.get("init", "normal"),
                   shard=ShardSpec(shard["kind"], tuple(shard.get("segments", ())), shard.get("unit", 1),
                                   tuple(shard.get("exprs", ()))) if shard else None,
-                  quant=QuantSpec(quant["scheme"], quant["granularity"]) if quant else None)
+                  quant=QuantSpec(quant["scheme"], quant["granularity"], quant.get("prequantized", False))
+                  if quant else None, scale_of=d.get("scale_of"))
 
 
 def _node(text: str, loc: str, index: str | None) -> Node:

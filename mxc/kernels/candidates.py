@@ -58,6 +58,21 @@ def _attention_ok(node, in_types, options):
     return _dtype_ok(node, in_types, options)
 
 
+def _scaled_mm_ok(node, in_types, options):
+    if node.attrs["granularity"] == "block128":
+        return "torch._scaled_mm takes row-wise scales here, not 128x128 blocks"
+    n, k = in_types[1].shape
+    if n % 16 or k % 16:
+        return f"N={n} and K={k} must be multiples of 16"
+    return None if in_types[0].dtype in ("bfloat16", "float16") else f"needs a bf16/fp16 output, not {in_types[0].dtype}"
+
+
+def _cutlass_ok(node, in_types, options):
+    from mxc.kernels.fp8_gemm import cutlass_available
+
+    return cutlass_available()
+
+
 def _torch_ref(op: str) -> Candidate:
     return Candidate(f"torch_ref.{op}", op, ("cpu", "cuda"), "torch reference")
 
@@ -80,6 +95,14 @@ _TRITON = [
               f"Triton GEMV/split-K: bandwidth-bound at <= {GEMV_MAX_TOKENS} tokens", tokens=(1, GEMV_MAX_TOKENS),
               check=_dtype_ok),
     Candidate("cublas.linear", "linear", GPU, "cuBLAS through torch: compute-bound GEMM at larger token counts"),
+    # fp8 (qlinear); a tuning cache will turn these "default" reasons into measured ones
+    Candidate("triton_fp8.qlinear_small_m", "qlinear", GPU,
+              f"default: Triton fp8-weight GEMV, half the bytes of bf16, at <= {GEMV_MAX_TOKENS} tokens",
+              tokens=(1, GEMV_MAX_TOKENS), check=_dtype_ok),
+    Candidate("fp8_gemm.cutlass", "qlinear", GPU, "default: CUTLASS fp8 GEMM", check=_cutlass_ok),
+    Candidate("fp8_gemm.scaled_mm", "qlinear", GPU, "default: cuBLASLt fp8 GEMM (torch._scaled_mm), row-wise scales",
+              check=_scaled_mm_ok),
+    Candidate("triton_fp8.qlinear_gemm", "qlinear", GPU, "default: Triton fp8 GEMM (block scales)", check=_dtype_ok),
 ]
 
 CANDIDATES: dict[str, list[Candidate]] = {op: [] for op in OPS}

@@ -178,3 +178,11 @@ def all_gather(x, ctx: ForwardContext, world):
     parts = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(parts, x.contiguous(), group=ctx.group)
     return torch.cat(parts, dim=-1)
+
+
+# --- quantized matmul (made by quantize) ----------------------------------------
+
+def qlinear(x, weight, scale, bias=None, residual=None, granularity="channel", prologue=None):
+    from mxc.kernels import fp8_ref
+
+    return fp8_ref.qlinear(x, weight, scale, bias, residual, granularity, prologue)

@@ -21,9 +21,11 @@ from tqdm import tqdm
 from mxc.errors import MxcError
 from mxc.ir import Graph, Weight
 from mxc.ir.sharding import rank_slices
+from mxc.loaders.quantize import quantize_fp8
 from mxc.loaders.safetensors_writer import SafetensorsWriter
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 def full_shape(w: Weight) -> tuple[int, ...]:
@@ -52,6 +54,8 @@ def check_names(graph: Graph, ckpt) -> None:
     have = set(ckpt.names())
     wanted: dict[str, tuple[tuple[int, ...], str]] = {}
     for w in graph.all_weights():
+        if w.scale_of:
+            continue  # made from its weight's tensors
         for hf, shape in _parts(w):
             wanted[hf] = (shape, w.name)
     missing = [n for n in wanted if n not in have]
@@ -94,13 +98,21 @@ def write_weights(graph: Graph, ckpt, paths: list[Path], metadata: dict[str, str
     weights = list(graph.all_weights())
     specs = {w.name: (DTYPES[w.dtype], w.shape) for w in weights}
     writers = [SafetensorsWriter(p, specs, metadata) for p in paths]
+    scales = {w.name: w for w in weights if w.scale_of}
     try:
         for w in tqdm(weights, desc="converting weights", unit="tensor", disable=not progress, leave=False):
+            if w.scale_of:
+                continue  # written with its weight
             parts = [ckpt.get(hf) for hf, _ in _parts(w)]
-            tensor = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)).to(DTYPES[w.dtype])
-            for rank, out in enumerate(writers):
-                out.write(w.name, rank_slice(tensor, w, tp, rank).contiguous())
-            del parts, tensor
+            tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            outputs = [(w, tensor.to(DTYPES[w.dtype]))]
+            if w.quant is not None:
+                q, scale = quantize_fp8(tensor, w.quant.granularity, w.segments)
+                outputs = [(w, q), (scales[f"{w.name}_scale"], scale)]
+            for target, full in outputs:
+                for rank, out in enumerate(writers):
+                    out.write(target.name, rank_slice(full, target, tp, rank).contiguous())
+            del parts, tensor, outputs
     except BaseException:
         for out in writers:
             out.abort()

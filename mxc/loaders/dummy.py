@@ -29,6 +29,8 @@ class DummyCheckpoint:
         from mxc.loaders.convert import full_shape
 
         for w in graph.all_weights():
+            if w.scale_of:
+                continue
             shape = full_shape(w)
             rows = w.segments or (shape[0],)
             for hf, r in zip(w.hf, rows):

@@ -100,6 +100,12 @@ EXAMPLES = {
         ([tt("T", 4, 16), tt("T", 2, 16)], {"scale": 0.25, "layer": 0}, "takes at most 1 inputs"),
         ([tt("T", 4, 16)], {"layer": 0}, "missing attribute(s) scale"),
     ]),
+    "qlinear": (([tt("T", 64), tt(32, 64, dtype="float8_e4m3fn"), tt(32)], {"granularity": "channel"}),
+                [tt("T", 32)], [
+        ([tt("T", 64), tt(32, 64), tt(32)], {"granularity": "channel"}, "must be float8_e4m3fn"),
+        ([tt("T", 64), tt(32, 64, dtype="float8_e4m3fn"), tt(16)], {"granularity": "channel"}, "channel scale"),
+        ([tt("T", 64), tt(32, 64, dtype="float8_e4m3fn"), tt(32)], {"granularity": "block128"}, "block128 scale"),
+    ]),
     # tensor parallelism (the single-process reference: world_size 1, rank 0)
     "vocab_embedding": (([tt("T", dtype="int64"), tt(256, 64)], {}), [tt("T", 64)], [
         ([tt("T"), tt(256, 64)], {}, "ids must be [T] int64"),
@@ -188,6 +194,8 @@ def _tensor(t: TensorType, role: str, gen) -> torch.Tensor:
     if t.dtype == "int64":
         hi = {"ids": 256, "rows": SIZES["T"], "positions": 8}[role]
         return torch.randint(0, hi, shape, generator=gen)
+    if t.dtype == "float8_e4m3fn":
+        return torch.randn(shape, generator=gen).to(torch.float8_e4m3fn)
     return torch.randn(shape, generator=gen)
 
 

@@ -68,7 +68,7 @@ def _reassemble(shards: list[torch.Tensor], spec: ShardSpec, full_size: int) -> 
     tp = len(shards)
     shape = list(shards[0].shape)
     shape[spec.dim] = full_size
-    full = torch.full(shape, float("nan"), dtype=shards[0].dtype)
+    full = torch.full(shape, float("nan"), dtype=torch.float32).to(shards[0].dtype)
     for rank, shard in enumerate(shards):
         offset = 0
         for start, length in rank_slices(spec, full_size, tp, rank):
@@ -80,11 +80,13 @@ def _reassemble(shards: list[torch.Tensor], spec: ShardSpec, full_size: int) -> 
     return full
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_shards_reassemble_to_the_unsharded_weights(tp, hf_checkpoint, tmp_path):
+@pytest.mark.parametrize("tp,quant", [(2, None), (4, None), (2, "channel"), (4, "tensor")])
+def test_shards_reassemble_to_the_unsharded_weights(tp, quant, hf_checkpoint, tmp_path):
+    """Weights, and fp8 scales, of every rank put back together equal the tp=1 build's, bit for bit."""
     ckpt, _ = hf_checkpoint("Qwen2ForCausalLM")
-    one = mxc.build(str(ckpt), out=tmp_path / "tp1", progress=False, log=lambda m: None)
-    many = mxc.build(str(ckpt), out=tmp_path / f"tp{tp}", tp=tp, progress=False, log=lambda m: None)
+    q = dict(quant="fp8", quant_granularity=quant) if quant else {}
+    one = mxc.build(str(ckpt), out=tmp_path / "tp1", progress=False, log=lambda m: None, **q)
+    many = mxc.build(str(ckpt), out=tmp_path / f"tp{tp}", tp=tp, progress=False, log=lambda m: None, **q)
     full = load_file(one / "weights" / "rank0.safetensors")
     shards = [load_file(many / "weights" / f"rank{r}.safetensors") for r in range(tp)]
     from mxc.ir import load_graph
@@ -96,7 +98,8 @@ def test_shards_reassemble_to_the_unsharded_weights(tp, hf_checkpoint, tmp_path)
             assert all(torch.equal(p, full[w.name]) for p in parts), w.name
             continue
         rebuilt = _reassemble(parts, w.shard, full[w.name].shape[w.shard.dim])
-        assert torch.equal(rebuilt, full[w.name]), w.name
+        assert torch.equal(rebuilt.view(torch.uint8) if quant else rebuilt,
+                           full[w.name].view(torch.uint8) if quant else full[w.name]), w.name
         if w.name.endswith("wqkv") and tp == 2:  # q, k, v each split in half, then concatenated per rank
             q, k, v = full[w.name].split(list(w.shard.segments))
             assert torch.equal(parts[1], torch.cat([q.chunk(2)[1], k.chunk(2)[1], v.chunk(2)[1]]))

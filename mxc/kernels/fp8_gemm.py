@@ -1,0 +1,34 @@
+"""fp8 GEMMs through vendor libraries: cuBLASLt via ``torch._scaled_mm``, and CUTLASS where it builds.
+
+``scaled_mm`` quantizes activations per token, then runs the fp8 x fp8 GEMM
+with row-wise scaling (activation scale per row, weight scale per output
+channel) and bf16/fp16 output: the compute-bound path for prefill. It serves
+``channel`` and ``tensor`` scales (both stored per row); K and N must be
+multiples of 16.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mxc.kernels.fp8_ref import quantize_rows
+
+
+def scaled_mm(x, weight, scale, bias=None, residual=None, granularity="channel", prologue=None):
+    if prologue == "silu_mul":
+        gate, up = x.chunk(2, dim=-1)
+        x = torch.nn.functional.silu(gate) * up
+    xq, xs = quantize_rows(x)
+    y = torch._scaled_mm(xq, weight.t(), scale_a=xs[:, None], scale_b=scale[None, :].float(), out_dtype=x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y if residual is None else residual + y
+
+
+def cutlass_available() -> str | None:
+    """None when the CUTLASS Python interface can generate kernels here, else why not."""
+    try:
+        import cutlass_cppgen  # noqa: F401  (package nvidia-cutlass)
+    except ImportError:
+        return "the CUTLASS Python interface (package nvidia-cutlass, module cutlass_cppgen) is not installed"
+    return "CUTLASS fp8 kernel generation is not wired into the AOT build yet"

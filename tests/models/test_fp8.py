@@ -1,0 +1,70 @@
+"""--quant fp8 on tiny random HF checkpoints: logits close to the unquantized bf16 model, per granularity.
+
+The CPU target dequantizes weights and quantizes activations per token, as the
+GPU kernels do (W8A8). Measured on these models: L2 error 3-6% of the logits'
+L2 norm, max error 4-8% of the largest logit (each e4m3 rounding is up to
+6%, and random weights have no dominant directions to average the noise
+out). The bounds below sit just above that; the issue's 5%-of-scale target is
+met on L2 for Llama and Qwen2, not for Qwen3 (docs/perf.md). Greedy agreement
+with bf16 is printed; tiny random models have near-flat logits, so it is
+reported rather than asserted.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import mxc
+
+IDS = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(4))
+
+
+def _rel(a, b):
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def _l2(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("arch,overrides", [("LlamaForCausalLM", {}), ("Qwen2ForCausalLM", {}),
+                                            ("Qwen3ForCausalLM", {"head_dim": 32})])
+@pytest.mark.parametrize("granularity", ["channel", "tensor", "block128"])
+def test_fp8_logits_close_to_unquantized(arch, overrides, granularity, hf_checkpoint, tmp_path, capsys):
+    ckpt, hf = hf_checkpoint(arch, **overrides)
+    ref = mxc.load(mxc.build(str(ckpt), out=tmp_path / "ref", dtype="bfloat16", progress=False, log=lambda m: None))
+    art = mxc.build(str(ckpt), out=tmp_path / "fp8", dtype="bfloat16", quant="fp8", quant_granularity=granularity,
+                    progress=False, log=lambda m: None)
+    model = mxc.load(art)
+    got, want = model.logits(IDS), ref.logits(IDS)
+    assert _l2(got, want) < 0.065 and _rel(got, want) < 0.09, (_l2(got, want), _rel(got, want))
+    agree = (model.generate(IDS, max_new_tokens=16) == ref.generate(IDS, max_new_tokens=16)).float().mean()
+    with capsys.disabled():
+        print(f"\n  fp8 {granularity:8s} {arch:18s} logits L2 err {_l2(got, want):.1%}, max err "
+              f"{_rel(got, want):.1%}, greedy agreement with bf16: {agree:.0%}")
+    with safe_open(art / "weights" / "rank0.safetensors", "pt") as f:
+        assert f.get_tensor("layers.0.wqkv").dtype == torch.float8_e4m3fn
+        assert f.get_tensor("layers.0.wqkv_scale").dtype == torch.float32
+        assert f.get_tensor("lm_head" if "lm_head" in f.keys() else "embed").dtype == torch.bfloat16
+
+
+def test_quant_specs_in_ir_and_manifest(hf_checkpoint, tmp_path):
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM")
+    art = mxc.build(str(ckpt), out=tmp_path / "a", quant="fp8", quant_lm_head=True, progress=False,
+                    log=lambda m: None)
+    graph = (art / "graph.yaml").read_text()
+    assert "quant: {scheme: fp8_e4m3, granularity: channel}" in graph and "scale_of: wqkv" in graph
+    assert "logits = qlinear(" in graph  # --quant-lm-head
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert manifest["options"]["quant"] == "fp8"
+    assert all(r["kernel"] == "torch_ref.qlinear" for r in manifest["kernels"] if r["op"] == "qlinear")
+
+
+def test_tied_lm_head_is_not_quantized(hf_checkpoint, tmp_path):
+    ckpt, _ = hf_checkpoint("Qwen2ForCausalLM", tie_word_embeddings=True)
+    with pytest.raises(mxc.MxcError, match="tied to the embedding table"):
+        mxc.build(str(ckpt), out=tmp_path / "a", quant="fp8", quant_lm_head=True, progress=False, log=lambda m: None)
