@@ -102,6 +102,32 @@ def resolve_source(source: str, checkpoint: str | None, config: str | None = Non
     return Source(model_file, config, str(config_path), None, entry)
 
 
+def checkpoint_quantization(config: dict, config_path: str) -> tuple[str, str] | None:
+    """(granularity, scale-tensor suffix) when config.json says the weights are already fp8, else None."""
+    qc = config.get("quantization_config")
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    if method == "fp8":  # transformers' fine-grained fp8: weight + weight_scale_inv per 128x128 block
+        block = qc.get("weight_block_size")
+        if block not in (None, [128, 128]):
+            raise MxcError(f"{config_path}: quantization_config.weight_block_size {block} is not supported "
+                           f"(expected [128, 128])")
+        return ("block128" if block else "tensor"), "weight_scale_inv"
+    if method == "compressed-tensors":
+        groups = list((qc.get("config_groups") or {}).values())
+        weights = groups[0].get("weights", {}) if groups else {}
+        if weights.get("type") != "float" or weights.get("num_bits") != 8:
+            raise MxcError(f"{config_path}: compressed-tensors scheme {weights} is not fp8; only fp8 is supported")
+        strategy = weights.get("strategy")
+        if strategy not in ("channel", "tensor"):
+            raise MxcError(f"{config_path}: compressed-tensors fp8 strategy {strategy!r} is not supported "
+                           f"(channel or tensor)")
+        return strategy, "weight_scale"
+    raise MxcError(f"{config_path}: quantization_config.quant_method {method!r} is not supported (fp8, "
+                   f"compressed-tensors fp8)")
+
+
 def _runtime_info(graph: Graph, config: dict) -> dict:
     """What the runtime needs without reading the IR: KV cache geometry, vocabulary, stop tokens."""
     types = verify(graph)
@@ -172,9 +198,17 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
         raise MxcError(f"--tp {tp}: expected a positive integer")
     if max_batch < 1 or max_seq_len < 1:
         raise MxcError(f"--max-batch {max_batch} / --max-seq-len {max_seq_len}: expected positive integers")
+    prequant = checkpoint_quantization(src.config, src.config_path) if src.checkpoint else None
+    scale_suffix = None
+    if prequant is not None:
+        if quant_granularity != "channel" and quant_granularity != prequant[0]:
+            raise MxcError(f"{src.config_path}: the checkpoint is already fp8 ({prequant[0]} scales); "
+                           f"--quant-granularity {quant_granularity} cannot change that")
+        quant, (quant_granularity, scale_suffix) = "fp8", prequant
     options = BuildOptions(target=target, dtype=dtype or ("float32" if target == "cpu" else "bfloat16"),
                            max_batch=max_batch, max_seq_len=max_seq_len, tp=tp, quant=quant,
-                           quant_granularity=quant_granularity, quant_lm_head=quant_lm_head)
+                           quant_granularity=quant_granularity, quant_lm_head=quant_lm_head,
+                           quant_scale_suffix=scale_suffix)
     out = Path(out) if out else Path("build") / src.model_file.stem
     if out.exists() and not (out / "manifest.json").is_file():
         raise MxcError(f"--out {out}: exists and is not an mxc artifact; choose another path or remove it")

@@ -16,6 +16,7 @@ class BuildOptions:
     quant: str | None = None  # "fp8"
     quant_granularity: str = "channel"  # fp8 weight scales: "channel" | "tensor" | "block128"
     quant_lm_head: bool = False
+    quant_scale_suffix: str | None = None  # checkpoint already fp8: its scale tensors' name suffix
     max_batch: int = 32  # cuda: sequences decoded together (KV-cache slots, CUDA-graph buckets)
     max_seq_len: int = 4096  # cuda: KV-cache length per sequence
 

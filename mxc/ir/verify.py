@@ -81,7 +81,7 @@ def _check_weight_names(graph: Graph) -> None:
         rows = w.shape[0]  # checkpoint parts concatenate along dim 0, before any sharding of it
         if w.shard and w.shard.segments and w.shard.dim == 0:
             rows = sum(w.shard.segments)
-        if w.segments and sum(w.segments) != rows:
+        if w.segments and sum(w.segments) != rows and not w.scale_of:  # a scale's parts follow its weight's rows
             raise VerifyError(f"weight {w.name}: segments {list(w.segments)} do not add up to {rows} rows")
         if len(w.hf) > 1 and len(w.segments) != len(w.hf):
             raise VerifyError(f"weight {w.name}: {len(w.hf)} sources but {len(w.segments)} segments")

@@ -54,8 +54,9 @@ def check_names(graph: Graph, ckpt) -> None:
     have = set(ckpt.names())
     wanted: dict[str, tuple[tuple[int, ...], str]] = {}
     for w in graph.all_weights():
-        if w.scale_of:
-            continue  # made from its weight's tensors
+        if w.scale_of:  # made from its weight's tensors, or read from the checkpoint's scales
+            wanted.update({hf: (None, w.name) for hf in w.hf})
+            continue
         for hf, shape in _parts(w):
             wanted[hf] = (shape, w.name)
     missing = [n for n in wanted if n not in have]
@@ -72,7 +73,7 @@ def check_names(graph: Graph, ckpt) -> None:
                        f"neither maps nor ignores it (wrong architecture, or a variant mxc does not support?)")
     for name, (shape, used_by) in wanted.items():
         got = tuple(ckpt.shape(name))
-        if got != shape:
+        if shape is not None and got != shape:
             raise MxcError(f"{where}: tensor {name!r} has shape {list(got)}, expected {list(shape)} "
                            f"(for weight {used_by}; does config.json match the weights?)")
 
@@ -84,6 +85,32 @@ def rank_slice(tensor: torch.Tensor, w: Weight, tp: int, rank: int) -> torch.Ten
     dim = w.shard.dim
     pieces = [tensor.narrow(dim, start, length) for start, length in rank_slices(w.shard, tensor.shape[dim], tp, rank)]
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+
+
+def _as_fp8(tensor: torch.Tensor, w: Weight, where) -> torch.Tensor:
+    if tensor.dtype != torch.float8_e4m3fn:
+        raise MxcError(f"{where}: {w.hf[0]} is {tensor.dtype}, but config.json's quantization_config says the "
+                       f"checkpoint holds float8_e4m3fn weights")
+    return tensor
+
+
+def _checkpoint_scales(w: Weight, scale_w: Weight, ckpt) -> torch.Tensor:
+    """The checkpoint's scales of ``w``'s parts, in the layout quantize_fp8 would have made."""
+    rows = w.segments or (full_shape(w)[0],)
+    parts = []
+    for hf, n in zip(scale_w.hf, rows):
+        s = ckpt.get(hf).float()
+        if w.quant.granularity == "block128":
+            if len(rows) > 1 and n % 128:
+                raise MxcError(f"{ckpt.directory}: {hf}: merged part of {n} rows is not whole 128-row blocks")
+            parts.append(s)
+        elif w.quant.granularity == "tensor":
+            parts.append(s.reshape(-1)[:1].expand(n))
+        else:
+            if s.numel() != n:
+                raise MxcError(f"{ckpt.directory}: {hf} has {s.numel()} scales, expected one per row ({n})")
+            parts.append(s.reshape(-1))
+    return torch.cat(parts, dim=0).contiguous()
 
 
 def write_weights(graph: Graph, ckpt, paths: list[Path], metadata: dict[str, str] | None = None,
@@ -106,7 +133,10 @@ def write_weights(graph: Graph, ckpt, paths: list[Path], metadata: dict[str, str
             parts = [ckpt.get(hf) for hf, _ in _parts(w)]
             tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
             outputs = [(w, tensor.to(DTYPES[w.dtype]))]
-            if w.quant is not None:
+            if w.quant is not None and w.quant.prequantized:
+                scale_w = scales[f"{w.name}_scale"]
+                outputs = [(w, _as_fp8(tensor, w, ckpt.directory)), (scale_w, _checkpoint_scales(w, scale_w, ckpt))]
+            elif w.quant is not None:
                 q, scale = quantize_fp8(tensor, w.quant.granularity, w.segments)
                 outputs = [(w, q), (scales[f"{w.name}_scale"], scale)]
             for target, full in outputs:

@@ -11,7 +11,11 @@ Rewrites to::
 with ``w`` now ``float8_e4m3fn`` carrying ``QuantSpec('fp8_e4m3', g)`` and a
 new float32 weight ``w_scale`` (``scale_of: w``), which the loader fills when
 it quantizes ``w``: [N] for ``channel``/``tensor`` (a tensor scale per merged
-part, repeated per row), [N/128, K/128] for ``block128``. Runs after
+part, repeated per row), [N/128, K/128] for ``block128``. For a checkpoint
+that is already fp8 (``quant_scale_suffix``: ``weight_scale_inv`` for HF fp8,
+``weight_scale`` for compressed-tensors), the spec says ``prequantized`` and
+the scale weight names the checkpoint's scale tensors: nothing is
+requantized, and its static ``input_scale`` tensors are ignored. Runs after
 ``shard_tp``: shapes are per rank, and the scale's shard spec follows the
 weight's (column: split like the rows; row: per-row scales replicated,
 block scales split along K), so every rank's scales match its slice.
@@ -52,15 +56,21 @@ def scale_weight(w: Weight, local: str, granularity: str, tp: int) -> Weight:
     return Weight(f"{w.name}_scale", (n,), "float32", (), shard=shard, scale_of=local)
 
 
-def _rule(granularity: str, include: set[str] | None, tp: int):
+def _prequantized(w: Weight, scale: Weight, suffix: str) -> Weight:
+    """The checkpoint holds fp8 values: the scale comes from ``<name>.<suffix>`` beside each part."""
+    return replace(scale, hf=tuple(h[: -len("weight")] + suffix for h in w.hf), segments=w.segments)
+
+
+def _rule(granularity: str, include: set[str] | None, tp: int, suffix: str | None = None):
     def quantize(node: Node, ctx):
         local = node.ins[1]
         w = ctx.weights.get(local)
         if w is None or w.quant is not None or w.dtype == FP8 or (include is not None and local not in include):
             return None
         scale_local = f"{local}_scale"
-        ctx.weights[local] = replace(w, dtype=FP8, quant=QuantSpec("fp8_e4m3", granularity))
-        ctx.weights[scale_local] = scale_weight(w, local, granularity, tp)
+        ctx.weights[local] = replace(w, dtype=FP8, quant=QuantSpec("fp8_e4m3", granularity, suffix is not None))
+        scale = scale_weight(w, local, granularity, tp)
+        ctx.weights[scale_local] = _prequantized(w, scale, suffix) if suffix else scale
         ins = (node.ins[0], local, scale_local) + tuple(node.ins[2:])
         attrs = {k: v for k, v in node.attrs.items() if k not in ("kernel", "kernel_reason")}
         return {ctx.index(node): [Node("qlinear", node.outs, ins, {**attrs, "granularity": granularity}, node.loc)]}
@@ -79,9 +89,13 @@ def run(graph: Graph, options) -> Graph:
     for item in graph.body:
         if isinstance(item, Repeat):
             sub = graph.replace(body=(item,), weights={})
-            item = apply_rules(sub, [("linear", _rule(g, None, options.tp))])[0].body[0]
+            item = apply_rules(sub, [("linear", _rule(g, None, options.tp, options.quant_scale_suffix))])[0].body[0]
         items.append(item)
     graph = graph.replace(body=tuple(items))
+    if options.quant_scale_suffix:  # static activation scales of fp8 checkpoints: mxc quantizes per token
+        stems = {h[: -len("weight")] for rep in graph.repeats() for w in rep.weights.values() if w.quant
+                 for h in w.hf}
+        graph = graph.replace(ignore=graph.ignore + tuple(sorted(s + "input_scale" for s in stems)))
     if options.quant_lm_head:
         heads = {n.ins[1] for n, rep in graph.nodes() if rep is None and n.op == "linear"}
         tied = {n.ins[1] for n, rep in graph.nodes() if n.op in ("embedding", "vocab_embedding")}
@@ -89,7 +103,7 @@ def run(graph: Graph, options) -> Graph:
             raise MxcError("--quant-lm-head: the LM head is tied to the embedding table, which stays in the "
                            "model dtype; build without --quant-lm-head")
         top = graph.replace(body=tuple(it for it in graph.body if isinstance(it, Node)))
-        done = apply_rules(top, [("linear", _rule(g, heads, options.tp))])[0]
+        done = apply_rules(top, [("linear", _rule(g, heads, options.tp, options.quant_scale_suffix))])[0]
         it = iter(done.body)
         graph = graph.replace(weights=done.weights,
                               body=tuple(item if isinstance(item, Repeat) else next(it) for item in graph.body))

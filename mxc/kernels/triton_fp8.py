@@ -1,0 +1,694 @@
+"""fp8-weight linear (``qlinear``) in Triton: ``y = residual + prologue(x) @ dequant(w)^T (+ bias)``.
+
+Semantics are ``mxc.kernels.fp8_ref.qlinear`` (the oracle): w [N, K] float8_e4m3fn with float32
+scales (``channel``/``tensor``: one per output row, [N]; ``block128``: one per 128x128 tile,
+[ceil(N/128), ceil(K/128)], see ``mxc.loaders.quantize``); activations quantized per token on the
+fly to e4m3 with scale ``xs = max(amax(|row|) / 448, 1e-12)``, ``xq = clamp(x / xs, +-448)``
+(both divisions IEEE, ``tl.div_rn``, as torch's on the CPU; e4m3 conversion rounds to nearest
+even and saturates on the GPU, as torch's cast after the clamp); the product accumulates in
+fp32, is scaled by ``xs[m]`` and the weight scale, rounded to x's dtype, then ``+ bias``
+(rounded), then ``residual +`` (rounded) -- the reference's order, not the bf16 linear's (which
+adds the bias before rounding). Optional prologue ``silu_mul``: x is [M, 2K] and the row is
+``silu(gate) * up`` rounded as ``torch_ref.silu_mul`` (silu in fp32 rounded to the dtype, the
+product rounded to the dtype), computed before the amax, so the scale is the post-prologue one.
+The activation quantization is bit-exact to the reference (``test_quantize_rows_exact``); the
+results differ from it only by fp32 summation order (the reference rounds ``xq * xs`` and
+``w * scale`` per element and sums; here ``sum(xq * w)`` is scaled once, per 128-block of K for
+``block128``).
+
+Two wrappers (``qlinear`` picks one by M):
+
+``qlinear_small_m`` (M <= 32; decode): bandwidth-bound like ``triton_gemv``, whose layout it
+  keeps (one program owns BLOCK_N weight rows and one of SPLIT_K slices of K; M padded to the
+  bucket ``triton_gemv.bucket(M)`` so one binary serves a bucket; grid from (bucket, N, K) only),
+  reading each fp8 weight byte once: half the bytes of the bf16 GEMV. Versions (constexprs):
+  v1 FMA, BLOCK_M == 1: ``acc[BLOCK_N, BLOCK_K] += float(w) * float(xq)``, one reduction at
+     the end (``triton_gemv`` v1 with a cast of the e4m3 weights right after the load).
+  v2 FMA, BLOCK_M in 2..8: per row of x (static loop) ``sum(float(w) * float(xq_m), 1)``.
+  v3 DOT (``USE_DOT``): ``tl.dot(xq, w^T)`` with both operands e4m3 (tensor cores: fp8 mma,
+     fp32 accumulation), x padded to a 16-row tile. Default for M >= 2, as the bf16 GEMV's v3.
+  Activation quantization, two ways (``PREQUANT``):
+  fused (PREQUANT=False; default for buckets 1..4): every program first reads its x rows over
+     the whole K (from L2; x is at most 32 x K) for the row amax (after the prologue), then
+     quantizes each K chunk as it goes. One launch; the x re-reads cost, per program,
+     2 x M x K x 2 bytes (bf16; twice that under silu_mul) against BLOCK_N x K weight bytes,
+     i.e. 4M/BLOCK_N of the weight traffic (from L2), plus an IEEE division per x element
+     per program.
+  prequantized (PREQUANT=True; default for buckets 8..32, where the fused re-reads would
+     exceed the weight bytes): ``_quant_rows_kernel`` (the GEMM's first kernel) writes
+     xq [M, K] e4m3 + xs [M] once, and the GEMV reads 1 byte per x element, no divisions.
+     A second launch.
+  The bucket split and the block sizes are the bf16 GEMV's measured choices carried over by
+  byte counts, not measured for fp8 (no GPU time was available): ``tune`` times the candidates.
+  block128: a program's BLOCK_N rows lie in one 128-row block (128 % BLOCK_N == 0); FMA paths
+  multiply the quantized x chunk by the scale of each element's K block (a gathered [BLOCK_K]
+  vector from one scale row, any BLOCK_K); v3 scales each step's dot product, so there BLOCK_K
+  must divide 128 (one K block per step).
+  SPLIT_K > 1: fp32 partials (already scaled) in a scratch [SPLIT_K, M, N], summed in a fixed
+  order by ``_qgemv_reduce_kernel`` (deterministic, no atomics), which rounds, adds bias and
+  residual.
+
+``qlinear_gemm`` (any M; prefill): ``_quant_rows_kernel`` (one program per row: amax pass, then
+  quantize-and-store pass; the prologue folded in) writes xq [M, K] e4m3 and xs [M] fp32; then
+  ``_qgemm_kernel``: [BLOCK_M, BLOCK_N] tiles (grouped launch order for L2 reuse of w), a K loop
+  of ``tl.dot`` on e4m3 operands into fp32 (wgmma on sm_90 for 128-row tiles), rows scaled by
+  xs and columns by the weight scale at the end (channel/tensor); for block128 each step's
+  product is scaled by its tile's block scale before accumulating (BLOCK_K divides 128 and
+  128 % BLOCK_N == 0, so a step is one scalar scale). Default tiles 128 x 128 x 128, 8 warps,
+  3 stages (fp8 operands: 32 KB a stage); a pure function of (N, K, dtype, granularity), not M,
+  so one binary serves every M.
+
+Kernels follow ``mxc.kernels.launch``'s convention (pointers and the dynamic M only; N, K and
+all tiles are constexprs; contiguous tensors; ``None`` for absent optional pointers). Plain
+pointer arithmetic (no block pointers or tensor descriptors): compiles on Triton 3.6 and 3.9
+(``tests/kernels/test_fp8_kernels.py`` compiles every kernel for sm_90). e4m3 values are cast to
+fp32 right after loading wherever they feed arithmetic other than ``tl.dot`` (the interpreter
+holds fp8 as raw bits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from mxc.kernels.launch import launch
+from mxc.kernels.triton_gemv import M_BUCKETS, NUM_SMS, bucket
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+GRANULARITIES = ("channel", "tensor", "block128")
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+__all__ = ["qlinear", "qlinear_small_m", "qlinear_gemm", "QGemvConfig", "QGemmConfig", "config_for",
+           "gemm_config_for", "M_BUCKETS", "bucket"]
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+
+
+@triton.jit
+def _load_act(x_ptrs, mask, other, K: tl.constexpr, PROLOGUE_SILU_MUL: tl.constexpr):
+    """A chunk of the (post-prologue) activation rows as fp32 values of x's dtype. With
+    PROLOGUE_SILU_MUL, ``x_ptrs`` point into the gate half of x [M, 2K] and the chunk is
+    ``silu(gate) * up`` rounded as ``torch_ref.silu_mul``; masked lanes give 0."""
+    if PROLOGUE_SILU_MUL:
+        ty = x_ptrs.dtype.element_ty
+        gate = tl.load(x_ptrs, mask=mask, other=other).to(tl.float32)
+        up = tl.load(x_ptrs + K, mask=mask, other=other).to(tl.float32)
+        act = tl.div_rn(gate, 1.0 + tl.exp(-gate)).to(ty).to(tl.float32)
+        return (act * up).to(ty).to(tl.float32)
+    else:
+        return tl.load(x_ptrs, mask=mask, other=other).to(tl.float32)
+
+
+@triton.jit
+def _row_scale(amax):
+    """Per-token scale from the row's amax: ``max(amax / 448, 1e-12)`` (IEEE division)."""
+    return tl.maximum(tl.div_rn(amax, 448.0), 1e-12)
+
+
+@triton.jit
+def _quant(x, xs):
+    """fp32 values -> e4m3: ``clamp(x / xs, -448, 448)`` rounded to nearest even."""
+    q = tl.div_rn(x, xs)
+    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+    return q.to(tl.float8e4nv)
+
+
+@triton.jit
+def _finish(acc, y_ptr, b_ptr, r_ptr, offs, offs_n, n_ok, mask,
+            HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """The reference's epilogue on acc [rows, cols] (fp32, scaled): round to y's dtype, then
+    ``+ bias`` rounded, then ``residual +`` rounded; store."""
+    ty = y_ptr.dtype.element_ty
+    y = acc.to(ty)
+    if HAS_BIAS:
+        b = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        y = (y.to(tl.float32) + b[None, :]).to(ty)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        y = (r + y.to(tl.float32)).to(ty)
+    tl.store(y_ptr + offs, y, mask=mask)
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, xq_ptr, xs_ptr, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                       PROLOGUE_SILU_MUL: tl.constexpr):
+    """One program per row: xs[row] = max(amax(|a|) / 448, 1e-12) and xq[row] = e4m3(a / xs)
+    where a is the row of x (or silu(gate) * up of x [M, 2K]); two passes over the row."""
+    X_STRIDE: tl.constexpr = 2 * K if PROLOGUE_SILU_MUL else K
+    EVEN_K: tl.constexpr = K % BLOCK_K == 0
+    row = tl.program_id(0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + row * X_STRIDE + offs_k
+    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = _load_act(x_ptrs + k, None, None, K, PROLOGUE_SILU_MUL)
+        else:
+            a = _load_act(x_ptrs + k, (k + offs_k) < K, 0.0, K, PROLOGUE_SILU_MUL)
+        amax = tl.maximum(amax, tl.abs(a))
+    xs = _row_scale(tl.max(amax, axis=0))
+    tl.store(xs_ptr + row, xs)
+    q_ptrs = xq_ptr + row * K + offs_k
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = _load_act(x_ptrs + k, None, None, K, PROLOGUE_SILU_MUL)
+            tl.store(q_ptrs + k, _quant(a, xs))
+        else:
+            k_ok = (k + offs_k) < K
+            a = _load_act(x_ptrs + k, k_ok, 0.0, K, PROLOGUE_SILU_MUL)
+            tl.store(q_ptrs + k, _quant(a, xs), mask=k_ok)
+
+
+@triton.jit
+def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
+                  N: tl.constexpr, K: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_SCALE: tl.constexpr,
+                  PREQUANT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                  PROLOGUE_SILU_MUL: tl.constexpr):
+    """One program: columns [pid_n * BLOCK_N, +BLOCK_N) of y over K slice pid_k.
+
+    x_ptr: x [M, K] (or [M, 2K] under PROLOGUE_SILU_MUL) in its float dtype, with xs_ptr None;
+    with PREQUANT, xq [M, K] e4m3 and xs_ptr its scales [M] (from ``_quant_rows_kernel``).
+    s_ptr: the weight scales, [N] or (BLOCK_SCALE) [ceil(N/128), ceil(K/128)].
+    With SPLIT_K == 1, y_ptr is y [M, N]; otherwise the fp32 scratch [SPLIT_K, M, N] of scaled
+    partial sums, and HAS_BIAS and HAS_RESIDUAL are False.
+    """
+    tl.static_assert(SPLIT_K == 1 or not (HAS_BIAS or HAS_RESIDUAL))
+    tl.static_assert(not PREQUANT or not PROLOGUE_SILU_MUL)
+    tl.static_assert(not BLOCK_SCALE or 128 % BLOCK_N == 0)
+    tl.static_assert(not (BLOCK_SCALE and USE_DOT) or 128 % BLOCK_K == 0)
+    X_STRIDE: tl.constexpr = 2 * K if PROLOGUE_SILU_MUL else K
+    KB: tl.constexpr = (K + 127) // 128  # scale columns (block128)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    K_PER_SPLIT: tl.constexpr = (K + SPLIT_K * BLOCK_K - 1) // (SPLIT_K * BLOCK_K) * BLOCK_K
+    EVEN_K: tl.constexpr = K % (SPLIT_K * BLOCK_K) == 0
+    k_start = pid_k * K_PER_SPLIT
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    rn = offs_n % N  # rows past N re-read row n % N: weight loads need no N mask
+    if N * K > 2**31 - 1:
+        rn = rn.to(tl.int64)
+    w_ptrs = w_ptr + rn[:, None] * K + (k_start + offs_k)[None, :]
+    row_ok = offs_m < M
+    if BLOCK_SCALE:
+        s_row = s_ptr + (pid_n * BLOCK_N // 128) * KB  # the program's rows share one 128-row block
+
+    # per-token activation scales xs [BLOCK_M] (padding rows: 0 if prequantized, else 1e-12)
+    if PREQUANT:
+        xs = tl.load(xs_ptr + offs_m, mask=row_ok, other=0.0)
+    else:
+        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        a_ptrs = x_ptr + offs_m[:, None] * X_STRIDE + offs_k[None, :]
+        for k in range(0, K, BLOCK_K):
+            if K % BLOCK_K == 0:
+                a = _load_act(a_ptrs + k, row_ok[:, None], 0.0, K, PROLOGUE_SILU_MUL)
+            else:
+                a = _load_act(a_ptrs + k, row_ok[:, None] & ((k + offs_k) < K)[None, :], 0.0, K,
+                              PROLOGUE_SILU_MUL)
+            amax = tl.maximum(amax, tl.max(tl.abs(a), axis=1))
+        xs = _row_scale(amax)
+
+    if USE_DOT:
+        # v3: acc[BLOCK_M, BLOCK_N] = xq @ w^T on tensor cores, both operands e4m3
+        x_ptrs = x_ptr + offs_m[:, None] * X_STRIDE + (k_start + offs_k)[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, K_PER_SPLIT, BLOCK_K):
+            if EVEN_K:
+                w = tl.load(w_ptrs)
+                x_mask = row_ok[:, None]
+            else:
+                k_ok = (k_start + k + offs_k) < K
+                w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+                x_mask = row_ok[:, None] & k_ok[None, :]
+            if PREQUANT:
+                xq = tl.load(x_ptrs, mask=x_mask, other=0.0)
+            else:
+                xq = _quant(_load_act(x_ptrs, x_mask, 0.0, K, PROLOGUE_SILU_MUL), xs[:, None])
+            if BLOCK_SCALE:
+                kb = (k_start + k) // 128
+                if EVEN_K:
+                    sk = tl.load(s_row + kb)
+                else:  # the last slices of a split may start past K
+                    sk = tl.load(s_row + kb, mask=kb < KB, other=0.0)
+                acc += tl.dot(xq, tl.trans(w)) * sk
+            else:
+                acc = tl.dot(xq, tl.trans(w), acc)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+    elif BLOCK_M == 1:
+        # v1: per-thread partial products, one reduction at the end
+        x_ptrs = x_ptr + k_start + offs_k
+        xs0 = tl.max(xs, axis=0)
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k in range(0, K_PER_SPLIT, BLOCK_K):
+            k_ok = (k_start + k + offs_k) < K
+            if EVEN_K:
+                w = tl.load(w_ptrs).to(tl.float32)
+                if PREQUANT:
+                    xq = tl.load(x_ptrs).to(tl.float32)
+                else:
+                    xq = _quant(_load_act(x_ptrs, None, None, K, PROLOGUE_SILU_MUL), xs0).to(tl.float32)
+            else:
+                w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
+                if PREQUANT:
+                    xq = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+                else:
+                    xq = _quant(_load_act(x_ptrs, k_ok, 0.0, K, PROLOGUE_SILU_MUL), xs0).to(tl.float32)
+            if BLOCK_SCALE:  # each element times its K block's scale (a gather from one scale row)
+                xq *= tl.load(s_row + (k_start + k + offs_k) // 128, mask=k_ok, other=0.0)
+            acc2 += w * xq[None, :]
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        acc = tl.sum(acc2, axis=1)[None, :]  # [1, BLOCK_N]
+    else:
+        # v2: w loaded once per step, one reduced dot product per row of x
+        x_ptrs = x_ptr + k_start + offs_k
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, K_PER_SPLIT, BLOCK_K):
+            k_ok = (k_start + k + offs_k) < K
+            if EVEN_K:
+                w = tl.load(w_ptrs).to(tl.float32)
+            else:
+                w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
+            if BLOCK_SCALE:
+                sk = tl.load(s_row + (k_start + k + offs_k) // 128, mask=k_ok, other=0.0)
+            for m in tl.static_range(BLOCK_M):
+                # rows past M re-read row M - 1 (no mask); their sums are never stored
+                xm_ptrs = x_ptrs + tl.minimum(M - 1, m) * X_STRIDE
+                if PREQUANT:
+                    if EVEN_K:
+                        xq = tl.load(xm_ptrs).to(tl.float32)
+                    else:
+                        xq = tl.load(xm_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+                else:
+                    xs_m = tl.sum(tl.where(offs_m == m, xs, 0.0), axis=0)
+                    if EVEN_K:
+                        a = _load_act(xm_ptrs, None, None, K, PROLOGUE_SILU_MUL)
+                    else:
+                        a = _load_act(xm_ptrs, k_ok, 0.0, K, PROLOGUE_SILU_MUL)
+                    xq = _quant(a, xs_m).to(tl.float32)
+                if BLOCK_SCALE:
+                    xq = xq * sk
+                part = tl.sum(w * xq[None, :], axis=1)  # [BLOCK_N]
+                acc += tl.where(offs_m[:, None] == m, part[None, :], 0.0)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+
+    # scales, then the epilogue on acc [BLOCK_M, BLOCK_N]; y is [M, N] row-major
+    n_ok = offs_n < N
+    if BLOCK_SCALE:
+        acc = acc * xs[:, None]
+    else:
+        ws = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)
+        acc = acc * xs[:, None] * ws[None, :]
+    mask = row_ok[:, None] & n_ok[None, :]
+    offs = offs_m[:, None] * N + offs_n[None, :]
+    if SPLIT_K == 1:
+        _finish(acc, y_ptr, b_ptr, r_ptr, offs, offs_n, n_ok, mask, HAS_BIAS, HAS_RESIDUAL)
+    else:
+        tl.store(y_ptr + pid_k * M * N + offs, acc, mask=mask)
+
+
+@triton.jit
+def _qgemv_reduce_kernel(ws_ptr, b_ptr, r_ptr, y_ptr, M,
+                         N: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_R: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """y[:, cols] = sum over s (in order) of ws[s, :, cols], then ``_finish`` (round, bias, residual)."""
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    n_ok = offs_n < N
+    mask = (offs_m[:, None] < M) & n_ok[None, :]
+    offs = offs_m[:, None] * N + offs_n[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
+    _finish(acc, y_ptr, b_ptr, r_ptr, offs, offs_n, n_ok, mask, HAS_BIAS, HAS_RESIDUAL)
+
+
+@triton.jit
+def _qgemm_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
+                  N: tl.constexpr, K: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  GROUP_M: tl.constexpr, BLOCK_SCALE: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] tile of y = (xq [M, K] @ w [N, K]^T) * xs[:, None] * scale, both
+    operands e4m3, fp32 accumulation; grid: cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N) programs in
+    groups of GROUP_M row tiles (consecutive programs share w tiles in L2)."""
+    tl.static_assert(not BLOCK_SCALE or (128 % BLOCK_K == 0 and 128 % BLOCK_N == 0))
+    KB: tl.constexpr = (K + 127) // 128
+    EVEN_K: tl.constexpr = K % BLOCK_K == 0
+    GRID_N: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    group = pid // (GROUP_M * GRID_N)
+    first_m = group * GROUP_M
+    group_m = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * GRID_N)) % group_m
+    pid_n = (pid % (GROUP_M * GRID_N)) // group_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rm = (offs_m % M).to(tl.int64)  # rows past M / N re-read valid rows: loads need no M/N mask
+    rn = offs_n % N
+    if N * K > 2**31 - 1:
+        rn = rn.to(tl.int64)
+    a_ptrs = xq_ptr + rm[:, None] * K + offs_k[None, :]
+    b_ptrs = w_ptr + rn[:, None] * K + offs_k[None, :]
+    if BLOCK_SCALE:
+        s_row = s_ptr + (pid_n * BLOCK_N // 128) * KB
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = (k + offs_k) < K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
+        if BLOCK_SCALE:
+            acc += tl.dot(a, tl.trans(b)) * tl.load(s_row + k // 128)
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    xs = tl.load(xs_ptr + offs_m, mask=m_ok, other=0.0)
+    if BLOCK_SCALE:
+        acc = acc * xs[:, None]
+    else:
+        ws = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)
+        acc = acc * xs[:, None] * ws[None, :]
+    offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    _finish(acc, y_ptr, b_ptr, r_ptr, offs, offs_n, n_ok, m_ok[:, None] & n_ok[None, :], HAS_BIAS, HAS_RESIDUAL)
+
+
+# ----------------------------------------------------------------------------------------------
+# configs
+
+
+@dataclass(frozen=True)
+class QGemvConfig:
+    """``qlinear_small_m`` tiles. BLOCK_N <= 128 (a power of two); with block128 scales and
+    USE_DOT, BLOCK_K divides 128. PREQUANT: quantize x in a first kernel (see the module doc)."""
+    BLOCK_N: int
+    BLOCK_K: int
+    SPLIT_K: int = 1
+    USE_DOT: bool = False
+    PREQUANT: bool = False
+    num_warps: int = 4
+    num_stages: int = 1
+    QUANT_BLOCK_K: int = 1024  # the prequantize kernel's chunk
+
+
+@dataclass(frozen=True)
+class QGemmConfig:
+    """``qlinear_gemm`` tiles; with block128 scales BLOCK_K and BLOCK_N divide 128."""
+    BLOCK_M: int = 128
+    BLOCK_N: int = 128
+    BLOCK_K: int = 128
+    GROUP_M: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    QUANT_BLOCK_K: int = 1024
+
+
+def _quant_block(k: int) -> int:
+    return min(2048, triton.next_power_of_2(k))
+
+
+def _split_k(n_programs: int, k: int, block_k: int) -> int:
+    split = 1
+    while n_programs * split < NUM_SMS and k >= 2 * (2 * split) * block_k:
+        split *= 2
+    return split
+
+
+def _fill(cfg: QGemvConfig, n: int, k: int) -> QGemvConfig:
+    """As ``triton_gemv._fill``: halve BLOCK_N (v1 down to 8, v3 to 16) until there are enough
+    programs (v1: one per SM, v3: half as many), then split K in powers of two."""
+    min_bn, want = (16, NUM_SMS // 2) if cfg.USE_DOT else (8, NUM_SMS)
+    while triton.cdiv(n, cfg.BLOCK_N) < want and cfg.BLOCK_N > min_bn:
+        cfg = replace(cfg, BLOCK_N=cfg.BLOCK_N // 2)
+    programs = triton.cdiv(n, cfg.BLOCK_N)
+    return replace(cfg, SPLIT_K=_split_k(programs, k, cfg.BLOCK_K) if programs < want else 1)
+
+
+def config_for(m_bucket: int, n: int, k: int, dtype: torch.dtype, granularity: str) -> QGemvConfig:
+    """Default ``qlinear_small_m`` config; a pure function of its arguments (for the AOT build).
+
+    Not measured on a GPU: the bf16 GEMV's measured shapes (``triton_gemv.config_for``) carried
+    over in bytes. M = 1, v1: [16 rows, 1 KB] fp8 steps, 8 warps (acc 64 fp32 registers a
+    thread, 4 x 16-B weight loads in flight a thread). M >= 2, v3 (fp8 tensor cores):
+    [32 rows, 512 B] steps (128 B under block128: one K block a step, so 64 rows), 4 warps,
+    4 stages. x quantized in a first kernel from bucket 8 (see the module doc)."""
+    if m_bucket not in M_BUCKETS:
+        raise ValueError(f"m_bucket must be one of {M_BUCKETS}, got {m_bucket}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype}")
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    qbk = _quant_block(k)
+    if m_bucket == 1:
+        cfg = QGemvConfig(BLOCK_N=16, BLOCK_K=1024, num_warps=8, num_stages=1, QUANT_BLOCK_K=qbk)
+    elif granularity == "block128":
+        cfg = QGemvConfig(BLOCK_N=64, BLOCK_K=128, USE_DOT=True, PREQUANT=m_bucket >= 8, num_warps=4,
+                          num_stages=4, QUANT_BLOCK_K=qbk)
+    else:
+        cfg = QGemvConfig(BLOCK_N=32, BLOCK_K=512, USE_DOT=True, PREQUANT=m_bucket >= 8, num_warps=4,
+                          num_stages=4, QUANT_BLOCK_K=qbk)
+    return _fill(cfg, n, k)
+
+
+def gemm_config_for(n: int, k: int, dtype: torch.dtype, granularity: str) -> QGemmConfig:
+    """Default ``qlinear_gemm`` config (independent of M: one binary for every M). Not measured:
+    the usual Hopper fp8 tile, 128 x 128 x 128, 8 warps (two warpgroups for wgmma), 3 stages
+    (3 x 32 KB of operands in shared memory)."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype}")
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    return QGemmConfig(QUANT_BLOCK_K=_quant_block(k))
+
+
+def _tile_m(m_bucket: int, cfg: QGemvConfig) -> int:
+    """Rows of the kernel's tile: the bucket, or 16 at least for tensor cores (tl.dot)."""
+    return max(16, m_bucket) if cfg.USE_DOT else m_bucket
+
+
+def _pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
+
+
+def _check_gemv_config(cfg: QGemvConfig, block: bool) -> None:
+    if not (_pow2(cfg.BLOCK_N) and _pow2(cfg.BLOCK_K) and _pow2(cfg.QUANT_BLOCK_K) and cfg.SPLIT_K >= 1):
+        raise ValueError(f"BLOCK_N, BLOCK_K and QUANT_BLOCK_K must be powers of two, SPLIT_K >= 1: {cfg}")
+    if cfg.USE_DOT and (cfg.BLOCK_N < 16 or cfg.BLOCK_K < 32):
+        raise ValueError(f"USE_DOT (fp8 tensor cores) needs BLOCK_N >= 16 and BLOCK_K >= 32: {cfg}")
+    if block and cfg.BLOCK_N > 128:
+        raise ValueError(f"block128 scales need BLOCK_N dividing 128: {cfg}")
+    if block and cfg.USE_DOT and cfg.BLOCK_K > 128:
+        raise ValueError(f"block128 scales with USE_DOT need BLOCK_K dividing 128: {cfg}")
+
+
+def _check_gemm_config(cfg: QGemmConfig, block: bool) -> None:
+    if not all(_pow2(v) for v in (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K, cfg.QUANT_BLOCK_K)) or cfg.GROUP_M < 1:
+        raise ValueError(f"block sizes must be powers of two and GROUP_M >= 1: {cfg}")
+    if cfg.BLOCK_M < 16 or cfg.BLOCK_N < 16 or cfg.BLOCK_K < 32:
+        raise ValueError(f"fp8 tl.dot needs BLOCK_M, BLOCK_N >= 16 and BLOCK_K >= 32: {cfg}")
+    if block and (cfg.BLOCK_N > 128 or cfg.BLOCK_K > 128):
+        raise ValueError(f"block128 scales need BLOCK_N and BLOCK_K dividing 128: {cfg}")
+
+
+# ----------------------------------------------------------------------------------------------
+# wrappers
+
+
+def _check_inputs(x, w, scale, bias, residual, granularity, prologue, out):
+    """Validate; return (M, N, K, silu_mul)."""
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if prologue not in (None, "silu_mul"):
+        raise ValueError(f"prologue must be None or 'silu_mul', got {prologue!r}")
+    if x.dim() != 2 or w.dim() != 2:
+        raise ValueError(f"expected x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    silu_mul = prologue == "silu_mul"
+    M, Kx = x.shape
+    N, K = w.shape
+    if Kx != (2 * K if silu_mul else K):
+        raise ValueError(f"x has K={Kx} but w has K={K}" + (f" (silu_mul needs x [M, {2 * K}])" if silu_mul else ""))
+    if M < 1 or N < 1 or K < 1:
+        raise ValueError(f"empty linear: x {tuple(x.shape)}, w {tuple(w.shape)}")
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"x must be one of {_DTYPES}, got {x.dtype}")
+    if w.dtype != FP8:
+        raise ValueError(f"w must be {FP8}, got {w.dtype}")
+    want = (N,) if granularity in ("channel", "tensor") else (triton.cdiv(N, 128), triton.cdiv(K, 128))
+    if scale.dtype != torch.float32 or tuple(scale.shape) != want:
+        raise ValueError(f"{granularity} scale must be float32 {list(want)}, got {scale.dtype} {list(scale.shape)}")
+    for name, t in (("x", x), ("w", w), ("scale", scale)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+        if t.device != x.device:
+            raise ValueError(f"{name} on {t.device} but x on {x.device}")
+    if bias is not None and (bias.shape != (N,) or bias.dtype != x.dtype or not bias.is_contiguous()
+                             or bias.device != x.device):
+        raise ValueError(f"bias must be contiguous [{N}] {x.dtype} on {x.device}")
+    if residual is not None and (residual.shape != (M, N) or residual.dtype != x.dtype
+                                 or not residual.is_contiguous() or residual.device != x.device):
+        raise ValueError(f"residual must be contiguous [{M}, {N}] {x.dtype} on {x.device}")
+    if out is not None and (out.shape != (M, N) or out.dtype != x.dtype or not out.is_contiguous()
+                            or out.device != x.device):
+        raise ValueError(f"out must be contiguous [{M}, {N}] {x.dtype} on {x.device}")
+    return M, N, K, silu_mul
+
+
+def _prequantize(x, M, K, silu_mul, block_k):
+    """xq [M, K] e4m3 and xs [M] fp32 by ``_quant_rows_kernel`` (one program per row)."""
+    xq = torch.empty((M, K), dtype=FP8, device=x.device)
+    xs = torch.empty((M,), dtype=torch.float32, device=x.device)
+    launch(_quant_rows_kernel, (M,), [x, xq, xs],
+           dict(K=K, BLOCK_K=block_k, PROLOGUE_SILU_MUL=silu_mul), num_warps=4, num_stages=1)
+    return xq, xs
+
+
+def qlinear_small_m(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                    residual: torch.Tensor | None = None, *, granularity: str = "channel",
+                    prologue: str | None = None, config: QGemvConfig | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """``fp8_ref.qlinear(x, w, scale, bias, residual, granularity, prologue)`` for 1 <= M <= 32.
+
+    x [M, K] (``prologue="silu_mul"``: [M, 2K]) float32/float16/bfloat16; w [N, K] float8_e4m3fn;
+    scale float32 [N] (channel, tensor) or [ceil(N/128), ceil(K/128)] (block128); bias [N] and
+    residual [M, N] in x's dtype; all contiguous. ``config`` overrides ``config_for``; ``out``
+    (contiguous [M, N], x's dtype; may be ``residual`` itself, not x) receives the result.
+    Never reads tensor values on the host: runs on ``meta`` tensors under a recording launcher;
+    grids and constexprs depend on (bucket(M), N, K, dtypes, granularity, fusions) only.
+    """
+    M, N, K, silu_mul = _check_inputs(x, w, scale, bias, residual, granularity, prologue, out)
+    m_bucket = bucket(M)
+    block = granularity == "block128"
+    cfg = config if config is not None else config_for(m_bucket, N, K, x.dtype, granularity)
+    _check_gemv_config(cfg, block)
+    y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
+    xs = None
+    if cfg.PREQUANT:
+        x, xs = _prequantize(x, M, K, silu_mul, cfg.QUANT_BLOCK_K)
+    grid = (triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)
+    consts = dict(N=N, K=K, BLOCK_M=_tile_m(m_bucket, cfg), BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+                  SPLIT_K=cfg.SPLIT_K, USE_DOT=cfg.USE_DOT, BLOCK_SCALE=block, PREQUANT=cfg.PREQUANT,
+                  PROLOGUE_SILU_MUL=silu_mul and not cfg.PREQUANT)
+    has_bias, has_residual = bias is not None, residual is not None
+    if cfg.SPLIT_K == 1:
+        launch(_qgemv_kernel, grid, [x, xs, w, scale, bias, residual, y, M],
+               dict(consts, HAS_BIAS=has_bias, HAS_RESIDUAL=has_residual),
+               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return y
+    ws = torch.empty((cfg.SPLIT_K, M, N), dtype=torch.float32, device=x.device)
+    launch(_qgemv_kernel, grid, [x, xs, w, scale, None, None, ws, M],
+           dict(consts, HAS_BIAS=False, HAS_RESIDUAL=False),
+           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    block_r = max(64, 1024 // m_bucket)
+    launch(_qgemv_reduce_kernel, (triton.cdiv(N, block_r),), [ws, bias, residual, y, M],
+           dict(N=N, SPLIT_K=cfg.SPLIT_K, BLOCK_M=m_bucket, BLOCK_R=block_r, HAS_BIAS=has_bias,
+                HAS_RESIDUAL=has_residual),
+           num_warps=4, num_stages=1)
+    return y
+
+
+def qlinear_gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 residual: torch.Tensor | None = None, *, granularity: str = "channel",
+                 prologue: str | None = None, config: QGemmConfig | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """``fp8_ref.qlinear(...)`` for any M (meant for M > 32): quantize x per token
+    (``_quant_rows_kernel``, prologue folded in), then the fp8 GEMM ``_qgemm_kernel``.
+    Arguments as ``qlinear_small_m``; ``config`` overrides ``gemm_config_for``. The binaries
+    depend on (N, K, dtypes, granularity, fusions), not on M; the grid on M too (row offsets
+    are 64-bit, so M is not limited by int32 offsets)."""
+    M, N, K, silu_mul = _check_inputs(x, w, scale, bias, residual, granularity, prologue, out)
+    block = granularity == "block128"
+    cfg = config if config is not None else gemm_config_for(N, K, x.dtype, granularity)
+    _check_gemm_config(cfg, block)
+    y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
+    xq, xs = _prequantize(x, M, K, silu_mul, cfg.QUANT_BLOCK_K)
+    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
+    launch(_qgemm_kernel, grid, [xq, xs, w, scale, bias, residual, y, M],
+           dict(N=N, K=K, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+                BLOCK_SCALE=block, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None),
+           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y
+
+
+def qlinear(x, w, scale, bias=None, residual=None, *, granularity: str = "channel", prologue=None,
+            out=None) -> torch.Tensor:
+    """``qlinear_small_m`` for M <= 32 (decode), else ``qlinear_gemm``."""
+    fn = qlinear_small_m if x.dim() == 2 and 1 <= x.shape[0] <= M_BUCKETS[-1] else qlinear_gemm
+    return fn(x, w, scale, bias, residual, granularity=granularity, prologue=prologue, out=out)
+
+
+# ----------------------------------------------------------------------------------------------
+# tuning on a real GPU (not used by tests)
+
+
+def candidates(m_bucket: int, granularity: str) -> list[QGemvConfig]:
+    """Configs ``tune`` tries (SPLIT_K added per shape): v1 at M = 1, v3 from 16, v1/v2 and v3
+    between; fused and prequantized activations for each."""
+    block = granularity == "block128"
+    v1 = [QGemvConfig(bn, bk, 1, False, pq, nw, 1) for bn in (8, 16, 32) for bk in (512, 1024, 2048)
+          for nw in (4, 8) for pq in (False, True) if bn * bk <= 128 * 32 * nw]
+    v2 = [QGemvConfig(bn, bk, 1, False, pq, 4, 1) for bn in (16, 32) for bk in (512, 1024) for pq in (False, True)]
+    v3 = [QGemvConfig(bn, bk, 1, True, pq, nw, ns) for bn in (16, 32, 64, 128) for bk in (64, 128, 256, 512)
+          for nw in (4, 8) for ns in (3, 4, 5) for pq in (False, True) if not (block and bk > 128)]
+    return v1 if m_bucket == 1 else v3 if m_bucket >= 16 else v2 + v3
+
+
+def tune(n: int, k: int, dtype: torch.dtype, m_bucket: int, granularity: str = "channel", *, verbose=False):
+    """Time ``candidates`` on the current GPU (CUDA graph of back-to-back calls over weight
+    copies covering 4x the L2); return ``(best_config, best_us)``. Wrong results and compile
+    failures skip a candidate."""
+    from mxc.kernels import fp8_ref
+    from mxc.kernels.triton_gemv import _L2_BYTES, _time_us
+    from mxc.loaders.quantize import quantize_fp8
+
+    w = torch.randn(n, k) * k ** -0.5
+    q, s = quantize_fp8(w, granularity)
+    s = s.cuda()
+    ws = [q.cuda().clone() for _ in range(max(1, -(-4 * _L2_BYTES // (n * k))))]
+    x = torch.randn(m_bucket, k, device="cuda").to(dtype)
+    ref = fp8_ref.qlinear(x, ws[0], s, granularity=granularity).float()
+    best, tried = (None, float("inf")), set()
+    for base in candidates(m_bucket, granularity):
+        for split in sorted({1, _split_k(triton.cdiv(n, base.BLOCK_N), k, base.BLOCK_K)}):
+            cfg = replace(base, SPLIT_K=split, QUANT_BLOCK_K=_quant_block(k))
+            if cfg in tried:
+                continue
+            tried.add(cfg)
+            run = lambda x_, w_: qlinear_small_m(x_, w_, s, granularity=granularity, config=cfg)  # noqa: E731
+            try:
+                y = run(x, ws[0])
+                torch.cuda.synchronize()
+                if (y.float() - ref).abs().max() > 2e-2 * ref.abs().max():
+                    raise RuntimeError("wrong result")
+                us = _time_us(run, x, ws)
+            except Exception as e:  # out of resources, compile failures: skip
+                if verbose:
+                    print(f"  skip {cfg}: {type(e).__name__}: {str(e)[:80]}")
+                continue
+            if verbose:
+                print(f"  {us:8.1f} us {n * k / us / 1e6:6.2f} TB/s  {cfg}", flush=True)
+            if us < best[1]:
+                best = (cfg, us)
+    return best

@@ -1,0 +1,89 @@
+"""Already-fp8 checkpoints (HF fine-grained fp8, compressed-tensors fp8) are imported without requantizing.
+
+The test makes such checkpoints from a tiny random HF model with mxc's own
+quantizer, in each format's tensor names and config, then checks that the
+imported artifact holds exactly the checkpoint's fp8 values and scales, and
+that it equals building the original checkpoint with ``--quant fp8`` at the
+same granularity.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import mxc
+from mxc.loaders.quantize import quantize_fp8
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FORMATS = {
+    "hf-fp8-block": ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"},
+                     "block128", "weight_scale_inv"),
+    "compressed-tensors-channel": ({"quant_method": "compressed-tensors", "format": "float-quantized",
+                                    "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                                        "type": "float", "num_bits": 8, "strategy": "channel"}}},
+                                    "ignore": ["lm_head"]}, "channel", "weight_scale"),
+    "compressed-tensors-tensor": ({"quant_method": "compressed-tensors", "format": "float-quantized",
+                                   "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                                       "type": "float", "num_bits": 8, "strategy": "tensor"}}},
+                                   "ignore": ["lm_head"]}, "tensor", "weight_scale"),
+}
+SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4)
+
+
+def _prequantize(src, dst, qconfig, granularity, suffix):
+    dst.mkdir()
+    tensors = load_file(src / "model.safetensors")
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(".weight") and name.split(".")[-2] in LINEARS:
+            q, s = quantize_fp8(t, granularity)
+            out[name] = q
+            out[name[: -len("weight")] + suffix] = s if granularity != "tensor" else s[:1].reshape(())
+            if suffix == "weight_scale":
+                out[name[: -len("weight")] + "input_scale"] = torch.tensor(1.0)  # static scale mxc ignores
+        else:
+            out[name] = t
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = qconfig
+    (dst / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_prequantized_checkpoint_is_imported_as_is(fmt, hf_checkpoint, tmp_path):
+    qconfig, granularity, suffix = FORMATS[fmt]
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM", **SHAPE)
+    fp8 = _prequantize(ckpt, tmp_path / "fp8-ckpt", qconfig, granularity, suffix)
+    art = mxc.build(str(tmp_path / "fp8-ckpt"), out=tmp_path / "imported", progress=False, log=lambda m: None)
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert manifest["options"]["quant"] == "fp8" and manifest["options"]["quant_granularity"] == granularity
+    assert "prequantized: true" in (art / "graph.yaml").read_text()
+
+    weights = load_file(art / "weights" / "rank0.safetensors")
+    p = "model.layers.1.self_attn."
+    want_q = torch.cat([fp8[p + n + ".weight"] for n in ("q_proj", "k_proj", "v_proj")])
+    assert torch.equal(weights["layers.1.wqkv"].view(torch.uint8), want_q.view(torch.uint8))
+    scales = [fp8[p + n + "." + suffix].float() for n in ("q_proj", "k_proj", "v_proj")]
+    if granularity == "tensor":
+        scales = [s.reshape(1).expand(128) for s in scales]
+    assert torch.equal(weights["layers.1.wqkv_scale"], torch.cat(scales))
+
+    requantized = mxc.build(str(ckpt), out=tmp_path / "requantized", quant="fp8", quant_granularity=granularity,
+                            progress=False, log=lambda m: None)
+    ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(0))
+    if granularity != "tensor":  # per-part tensor scales of merged weights differ from one scale per checkpoint tensor
+        assert torch.equal(mxc.load(art).logits(ids), mxc.load(requantized).logits(ids))
+
+
+def test_unsupported_quantization_config_is_refused(hf_checkpoint, tmp_path):
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM")
+    config = json.loads((ckpt / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(mxc.MxcError, match="quant_method 'awq' is not supported"):
+        mxc.build(str(ckpt), out=tmp_path / "a", progress=False, log=lambda m: None)
