@@ -52,6 +52,15 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() * 2 / t
 
 
+def fp8_gemm_rate(n=8192) -> float:
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    t = cuda_time(lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                  warmup=3, reps=10)
+    return 2 * n**3 / t
+
+
 def gemm_rate(n=8192) -> float:
     a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
@@ -63,17 +72,19 @@ def weight_bytes(manifest: dict, art: Path) -> tuple[int, int]:
     """(bytes read per decode step = all weights but the embedding table, linear params for FLOPs)."""
     from safetensors import safe_open
 
+    size = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1}
     total, linear = 0, 0
     with safe_open(art / "weights" / "rank0.safetensors", "pt") as f:
         for name in f.keys():
-            shape = f.get_slice(name).get_shape()
+            sl = f.get_slice(name)
+            shape = sl.get_shape()
             n = 1
             for d in shape:
                 n *= d
             if name == "embed":
                 continue
-            total += n * 2
-            if len(shape) == 2:
+            total += n * size[sl.get_dtype()]
+            if len(shape) == 2 and not name.endswith("_scale"):
                 linear += n
     return total, linear
 
@@ -152,6 +163,7 @@ def main() -> None:
     p.add_argument("--prefill", type=int, default=2048)
     p.add_argument("--reuse", action="store_true", help="reuse an existing artifact at --out")
     p.add_argument("--profile", action="store_true", help="print a per-kernel breakdown of a batch-1 step")
+    p.add_argument("--quant", choices=["fp8"], help="also build an fp8 artifact and compare it with bf16")
     args = p.parse_args()
     out = Path(args.out)
     rows = _Rows()
@@ -193,6 +205,25 @@ def main() -> None:
         from profile_step import profile_decode
 
         print("\nper-kernel breakdown of one batch-1 decode step:\n" + profile_decode(model) + "\n", flush=True)
+
+    if args.quant:
+        del model
+        torch.cuda.empty_cache()
+        fp8_out = Path(f"{out}-fp8")
+        mxc.build("llama.yaml", config=args.config, out=fp8_out, target="cuda", dtype="bfloat16", quant="fp8",
+                  max_batch=32, max_seq_len=max(args.prefill + 1, args.prompt + args.new), progress=False)
+        model = mxc.load(fp8_out, device="cuda", verify=False)
+        fbytes, _ = weight_bytes(json.loads((fp8_out / "manifest.json").read_text()), fp8_out)
+        step = bench_generate(lambda ids, new: model.generate(ids, max_new_tokens=new), 1, args.prompt, args.new)
+        rows.append(("mxc fp8 decode batch 1", f"{step * 1e3:.2f} ms/step  {fbytes / 1e9:.2f} GB  "
+                     f"{fbytes / step / bw * 100:.0f}% of copy BW"))
+        if 1 in results:
+            rows.append(("ratio fp8 / bf16 decode batch 1", f"{results[1] / step:.2f}x faster"))
+        rate = fp8_gemm_rate()
+        t_pre = cuda_time(lambda: model.generate(ids, max_new_tokens=1))
+        rows.append(("fp8 GEMM 8192^3 torch._scaled_mm (measured)", f"{rate / 1e12:.0f} TFLOP/s"))
+        rows.append((f"mxc fp8 prefill {args.prefill} tokens", f"{t_pre * 1e3:.1f} ms  {flops / t_pre / 1e12:.0f} "
+                     f"TFLOP/s  {flops / t_pre / rate * 100:.0f}% of the _scaled_mm rate"))
 
     hf_batches = [int(x) for x in args.hf_batches.split(",") if x]
     if hf_batches:
