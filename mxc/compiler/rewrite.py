@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from mxc.ir import Graph, Node, map_bodies
+from mxc.ir.graph import fresh_name
 
 Rule = tuple[str, Callable]
 
@@ -28,12 +29,7 @@ class Context:
     taken: set[str]  # every name in the graph, for fresh names
 
     def fresh(self, base: str) -> str:
-        name, n = base, 0
-        while name in self.taken:
-            n += 1
-            name = f"{base}_{n}"
-        self.taken.add(name)
-        return name
+        return fresh_name(base, self.taken)
 
     def producing(self, value: str | None) -> Node | None:
         i = self.producer.get(value) if value is not None else None

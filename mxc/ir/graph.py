@@ -167,6 +167,16 @@ class Graph:
                     yield w.resolve(rep.index, i)
 
 
+def fresh_name(base: str, taken: set[str]) -> str:
+    """``base``, or ``base_1``, ``base_2``... : the first not in ``taken`` (which it joins)."""
+    name, n = base, 0
+    while name in taken:
+        n += 1
+        name = f"{base}_{n}"
+    taken.add(name)
+    return name
+
+
 def map_bodies(graph: Graph, fn) -> Graph:
     """Apply ``fn(nodes, weights) -> (nodes, weights)`` to the top level and every repeat body."""
     items, top_nodes = [], []

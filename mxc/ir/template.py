@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mxc.ir.expr import ExprError, evaluate
-from mxc.ir.graph import Graph, Node, Repeat, ShardSpec, Sym, TensorType, Weight
+from mxc.ir.graph import Graph, Node, Repeat, ShardSpec, Sym, TensorType, Weight, fresh_name
 from mxc.ir.ops import OPS, n_outputs
 from mxc.ir.statements import Call, StatementError, parse_statement
 from mxc.ir.yaml_source import LDict, SourceError, load_yaml
@@ -67,12 +67,7 @@ class _Binder:
             raise self.err(line, field, str(e)) from None
 
     def fresh(self, base: str) -> str:
-        name, n = base, 0
-        while name in self.used_names:
-            n += 1
-            name = f"{base}_{n}"
-        self.used_names.add(name)
-        return name
+        return fresh_name(base, self.used_names)
 
     # --- sections -------------------------------------------------------------
     def run(self) -> Graph:
