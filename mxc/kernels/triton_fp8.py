@@ -25,8 +25,11 @@ Two wrappers (``qlinear`` picks one by M):
   v1 FMA, BLOCK_M == 1: ``acc[BLOCK_N, BLOCK_K] += float(w) * float(xq)``, one reduction at
      the end (``triton_gemv`` v1 with a cast of the e4m3 weights right after the load).
   v2 FMA, BLOCK_M in 2..8: per row of x (static loop) ``sum(float(w) * float(xq_m), 1)``.
-  v3 DOT (``USE_DOT``): ``tl.dot(xq, w^T)`` with both operands e4m3 (tensor cores: fp8 mma,
-     fp32 accumulation), x padded to a 16-row tile. Default for M >= 2, as the bf16 GEMV's v3.
+  v3 DOT (``USE_DOT``): ``tl.dot(xq, w^T)`` with both operands e4m3 and fp32 accumulation, x
+     padded to a 16-row tile; weights arrive through a cp.async pipeline (num_stages). Default
+     for M >= 2, as the bf16 GEMV's v3. On sm_90 a 16- or 32-row tile is below wgmma's 64 rows
+     and Triton has no e4m3 mma.sync there, so it widens both operands to fp16 in registers
+     (exact) and issues mma.sync m16n8k16 (seen in the PTX): the weight bytes are still fp8.
   Activation quantization, two ways (``PREQUANT``):
   fused (PREQUANT=False; default for buckets 1..4): every program first reads its x rows over
      the whole K (from L2; x is at most 32 x K) for the row amax (after the prologue), then
@@ -575,8 +578,10 @@ def qlinear_small_m(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias:
     scale float32 [N] (channel, tensor) or [ceil(N/128), ceil(K/128)] (block128); bias [N] and
     residual [M, N] in x's dtype; all contiguous. ``config`` overrides ``config_for``; ``out``
     (contiguous [M, N], x's dtype; may be ``residual`` itself, not x) receives the result.
-    Never reads tensor values on the host: runs on ``meta`` tensors under a recording launcher;
-    grids and constexprs depend on (bucket(M), N, K, dtypes, granularity, fusions) only.
+    Never reads tensor values on the host: runs on ``meta`` tensors under a recording launcher.
+    The GEMV's grid and constexprs depend on (bucket(M), N, K, dtypes, granularity, fusions)
+    only (M is a dynamic argument); the prequantize kernel (``PREQUANT``) has one program per
+    row, grid (M,), and one binary for every M.
     """
     M, N, K, silu_mul = _check_inputs(x, w, scale, bias, residual, granularity, prologue, out)
     m_bucket = bucket(M)

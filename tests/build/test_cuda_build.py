@@ -23,10 +23,11 @@ QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "intermediate
                              "original_max_position_embeddings": 64}}
 
 
-@pytest.mark.parametrize("config,tp", [(None, 1), (QWEN3, 1), (None, 2)], ids=["llama-default", "qwen3-yarn", "llama-tp2"])
-def test_cuda_build_compiles_every_kernel_for_sm90(config, tp, tmp_path):
+@pytest.mark.parametrize("config,tp,quant", [(None, 1, None), (QWEN3, 1, None), (None, 2, None), (None, 1, "fp8")],
+                         ids=["llama-default", "qwen3-yarn", "llama-tp2", "llama-fp8"])
+def test_cuda_build_compiles_every_kernel_for_sm90(config, tp, quant, tmp_path):
     args = [sys.executable, "-m", "mxc", "build", "llama.yaml", "--target", "cuda", "--out", str(tmp_path / "art"),
-            "--max-batch", "4", "--max-seq-len", "128", "--tp", str(tp)]
+            "--max-batch", "4", "--max-seq-len", "128", "--tp", str(tp)] + (["--quant", quant] if quant else [])
     if config is not None:
         (tmp_path / "config.json").write_text(json.dumps(config))
         args += ["--config", str(tmp_path / "config.json")]
@@ -40,7 +41,8 @@ def test_cuda_build_compiles_every_kernel_for_sm90(config, tp, tmp_path):
     assert manifest["target"]["triton"]
     index = json.loads((art / "code" / "kernels" / "index.json").read_text())
     kernels = {e["kernel"].split(":")[0].rsplit(".", 1)[1] for e in index.values()}
-    assert {"triton_norm", "triton_rope", "triton_attention", "triton_gemv", "triton_elementwise"} <= kernels
+    assert {"triton_norm", "triton_rope", "triton_attention", "triton_elementwise"} <= kernels
+    assert ("triton_fp8" if quant else "triton_gemv") in kernels
     for key, entry in index.items():
         cubin = (art / "code" / "kernels" / entry["file"]).read_bytes()
         assert cubin[:4] == b"\x7fELF", key
@@ -50,4 +52,5 @@ def test_cuda_build_compiles_every_kernel_for_sm90(config, tp, tmp_path):
         assert f"code/kernels/{entry['file']}" in manifest["files"]
     assert {f"weights/rank{r}.safetensors" for r in range(tp)} <= set(manifest["files"])
     program = (art / "code" / "forward.py").read_text()
-    assert "cuda_ops.qkv_rope_cache" in program and "triton_gemv.linear_small_m" in program
+    assert "cuda_ops.qkv_rope_cache" in program
+    assert ("triton_fp8.qlinear_small_m" if quant else "triton_gemv.linear_small_m") in program

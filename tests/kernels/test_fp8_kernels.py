@@ -1,0 +1,416 @@
+"""Triton fp8-weight linears (``triton_fp8.qlinear_small_m`` / ``qlinear_gemm``) against ``fp8_ref.qlinear``.
+
+Runs under TRITON_INTERPRET=1 on the CPU (tests/kernels/conftest.py makes the interpreter's
+fp8/bf16 conversions round and saturate as the GPU does), with small explicit configs on ragged
+shapes: N = 150 (two 128-row scale blocks, the last tile partial), K = 200 (two 128-wide scale
+blocks, the last K step partial). Every small-M version (v1 M = 1, v2 M = 2..8, v3 tl.dot),
+fused and prequantized activations, split K, the GEMM with ragged M; channel/tensor/block128
+scales; bias, residual, silu_mul prologue; fp32/fp16/bf16. Tolerance: relative to the output's
+largest magnitude, 1e-3 (fp32) and 1e-2 (fp16/bf16); the activation quantization itself is
+checked bit for bit against ``fp8_ref.quantize_rows``. Also: no stores outside y, meta-device
+recording (grids and binaries from shapes only), and an sm_90 compile of every kernel.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mxc.kernels import fp8_ref
+from mxc.kernels import launch as launch_mod
+from mxc.kernels import triton_fp8 as tf
+from mxc.kernels.triton_fp8 import QGemmConfig, QGemvConfig
+from mxc.loaders.quantize import quantize_fp8
+
+_BF16_OK = torch.cuda.is_available() or Path(__file__).with_name("conftest.py").exists()
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if _BF16_OK else [])
+TOL = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+GRANS = ["channel", "tensor", "block128"]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+N, K = 150, 200
+# (bias, residual, prologue) combinations, cycled over the parameter grid
+FUSIONS = [(False, False, False), (True, False, True), (False, True, True), (True, True, False)]
+
+
+def _inputs(M, n, k, dtype, gran, bias, residual, prologue, seed):
+    g = torch.Generator().manual_seed(seed)
+    if prologue:  # gate half then up half; gates spread over silu's curved range
+        x = torch.cat([torch.randn(M, k, generator=g) * 3, torch.randn(M, k, generator=g)], dim=1)
+    else:
+        x = torch.randn(M, k, generator=g)
+    x[:, :7] *= 8  # a few outliers per row, as activations have
+    w = torch.randn(n, k, generator=g) * k ** -0.5
+    w[: n // 2] *= 4  # scales differing between the two 128-row blocks
+    q, s = quantize_fp8(w, gran, (n // 3, n - n // 3) if gran == "tensor" else ())
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    r = torch.randn(M, n, generator=g).to(dtype) if residual else None
+    return x.to(dtype), q, s, b, r
+
+
+def _dev(t):
+    return None if t is None else t.to(DEVICE)
+
+
+def _check(y, ref, dtype):
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    y, ref = y.cpu().float(), ref.float()
+    assert not y.isnan().any()
+    err = (y - ref).abs().max().item()
+    assert err <= TOL[dtype] * ref.abs().max().item(), f"max error {err}, output scale {ref.abs().max().item()}"
+
+
+def _run(fn, M, dtype, gran, fusion, cfg, seed, n=N, k=K):
+    bias, residual, prologue = fusion
+    x, q, s, b, r = _inputs(M, n, k, dtype, gran, bias, residual, prologue, seed)
+    pro = "silu_mul" if prologue else None
+    y = fn(_dev(x), _dev(q), _dev(s), _dev(b), _dev(r), granularity=gran, prologue=pro, config=cfg)
+    _check(y, fp8_ref.qlinear(x, q, s, b, r, gran, pro), dtype)
+    return y
+
+
+def _fusion_id(f):
+    return "+".join(n for n, on in zip(("bias", "residual", "silu_mul"), f) if on) or "plain"
+
+
+# ----------------------------------------------------------------------------------------------
+# qlinear_small_m
+
+V1 = QGemvConfig(BLOCK_N=32, BLOCK_K=64)  # M = 1
+V2 = QGemvConfig(BLOCK_N=32, BLOCK_K=64)  # M = 2..8
+DOT = QGemvConfig(BLOCK_N=32, BLOCK_K=64, USE_DOT=True)
+SMALL_M = {1: V1, 3: V2, 17: DOT}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("M", sorted(SMALL_M))
+@pytest.mark.parametrize("gran", GRANS)
+def test_small_m(gran, M, dtype):
+    fusion = FUSIONS[(GRANS.index(gran) + sorted(SMALL_M).index(M) + DTYPES.index(dtype)) % len(FUSIONS)]
+    _run(tf.qlinear_small_m, M, dtype, gran, fusion, SMALL_M[M], seed=M)
+
+
+# (M, config, granularity, dtype, fusion, K): split K (ragged slices), prequantized x, v3 at
+# small buckets, v1 with BLOCK_K spanning two scale blocks, full buckets (8, 32)
+VARIANTS = [
+    (1, replace(V1, SPLIT_K=3), "block128", torch.float16, (True, True, True), K),
+    (1, QGemvConfig(BLOCK_N=16, BLOCK_K=256), "block128", torch.float32, (False, False, True), 300),
+    (1, replace(V1, SPLIT_K=2, PREQUANT=True, QUANT_BLOCK_K=64), "channel", torch.float32, (True, True, False), K),
+    (3, replace(DOT, SPLIT_K=2), "tensor", torch.float16, (True, True, False), K),
+    (3, replace(V2, SPLIT_K=2, PREQUANT=True, QUANT_BLOCK_K=256), "block128", torch.float32, (False, True, True), K),
+    (5, replace(DOT, PREQUANT=True, QUANT_BLOCK_K=128), "channel", torch.float16, (False, False, True), K),
+    (8, V2, "tensor", torch.float32, (True, False, False), K),
+    (17, replace(DOT, SPLIT_K=3, PREQUANT=True, QUANT_BLOCK_K=64), "block128", torch.float32, (True, True, True), K),
+    (32, replace(DOT, BLOCK_K=128), "block128", torch.float16, (True, True, False), K),
+]
+
+
+def _variant_id(v):
+    M, cfg, gran, dtype, fusion, k = v
+    version = "v3" if cfg.USE_DOT else "v1" if M == 1 else "v2"
+    return "-".join([f"M{M}", f"K{k}", version, f"split{cfg.SPLIT_K}", gran, str(dtype)[6:], _fusion_id(fusion)]
+                    + ["prequant"] * cfg.PREQUANT)
+
+
+@pytest.mark.parametrize("M,cfg,gran,dtype,fusion,k", VARIANTS, ids=[_variant_id(v) for v in VARIANTS])
+def test_small_m_variants(M, cfg, gran, dtype, fusion, k):
+    _run(tf.qlinear_small_m, M, dtype, gran, fusion, cfg, seed=M + k, k=k)
+
+
+@pytest.mark.parametrize("gran", ["channel", "block128"])
+@pytest.mark.parametrize("M,cfg", [(1, V1), (3, V2), (17, DOT)], ids=["v1", "v2", "v3"])
+def test_fused_quantization_matches_prequantized(M, cfg, gran):
+    """Each program's own amax + quantization gives the same xq and xs as the quantize kernel:
+    with the same accumulation order the outputs are bit-identical."""
+    dtype = torch.bfloat16 if torch.bfloat16 in DTYPES else torch.float16
+    x, q, s, b, r = _inputs(M, N, K, dtype, gran, True, True, True, seed=21)
+    args = [_dev(t) for t in (x, q, s, b, r)]
+    kw = dict(granularity=gran, prologue="silu_mul")
+    fused = tf.qlinear_small_m(*args, **kw, config=cfg)
+    pre = tf.qlinear_small_m(*args, **kw, config=replace(cfg, PREQUANT=True, QUANT_BLOCK_K=128))
+    assert torch.equal(fused.cpu(), pre.cpu())
+
+
+@pytest.mark.parametrize("M", [1, 4, 17])
+def test_small_m_default_config(M):
+    """config_for's choice (large tiles, split K for a small N, prequantized from bucket 8) runs."""
+    n, k, dtype = 24, 300, torch.float16
+    for gran in ("channel", "block128"):
+        cfg = tf.config_for(tf.bucket(M), n, k, dtype, gran)
+        assert cfg == tf.config_for(tf.bucket(M), n, k, dtype, gran) and cfg.PREQUANT == (M >= 8)
+        _run(tf.qlinear_small_m, M, dtype, gran, (True, False, False), None, seed=M, n=n, k=k)
+
+
+def test_config_table():
+    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (512, 4096)]
+    for gran in GRANS:
+        for mb in tf.M_BUCKETS:
+            for n, k in shapes:
+                cfg = tf.config_for(mb, n, k, torch.bfloat16, gran)
+                tf._check_gemv_config(cfg, gran == "block128")
+                assert cfg.USE_DOT == (mb > 1) and cfg.PREQUANT == (mb >= 8)
+                assert cfg.BLOCK_K % 128 == 0  # whole 16-byte loads of e4m3 across a warp
+                assert (cfg.SPLIT_K > 1) == (n == 512)
+        assert all(not c.USE_DOT for c in tf.candidates(1, gran))
+        assert all(c.USE_DOT for c in tf.candidates(32, gran))
+        assert {c.USE_DOT for c in tf.candidates(4, gran)} == {False, True}
+        for c in tf.candidates(16, gran):
+            tf._check_gemv_config(c, gran == "block128")
+    small = tf.config_for(1, 512, 4096, torch.bfloat16, "channel")
+    assert small.BLOCK_N == 8 and -(-512 // small.BLOCK_N) * small.SPLIT_K >= tf.NUM_SMS // 2
+    assert tf.gemm_config_for(4096, 4096, torch.bfloat16, "block128") == QGemmConfig(QUANT_BLOCK_K=2048)
+
+
+def test_small_m_writes_only_inside_out():
+    """``out=residual`` inside a NaN buffer (each element read, then written, by one program),
+    with and without split K: right values, nothing written around it."""
+    M, dtype = 3, torch.float16
+    x, q, s, b, r = _inputs(M, N, K, dtype, "block128", True, True, True, seed=13)
+    ref = fp8_ref.qlinear(x, q, s, b, r, "block128", "silu_mul")
+    for cfg in (V2, replace(V2, SPLIT_K=2), replace(DOT, PREQUANT=True)):
+        buf = torch.full((M * N + 64,), float("nan"), dtype=dtype, device=DEVICE)
+        res = buf[32:32 + M * N].view(M, N)
+        res.copy_(r)
+        y = tf.qlinear_small_m(_dev(x), _dev(q), _dev(s), _dev(b), res, granularity="block128",
+                               prologue="silu_mul", config=cfg, out=res)
+        assert y.data_ptr() == res.data_ptr()
+        _check(y, ref, dtype)
+        assert buf[:32].isnan().all() and buf[32 + M * N:].isnan().all()
+
+
+# ----------------------------------------------------------------------------------------------
+# qlinear_gemm
+
+GEMM = QGemmConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=2, num_warps=4, num_stages=1, QUANT_BLOCK_K=256)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("M", [17, 40])
+@pytest.mark.parametrize("gran", GRANS)
+def test_gemm(gran, M, dtype):
+    fusion = FUSIONS[(GRANS.index(gran) + (M == 40) * 2 + DTYPES.index(dtype)) % len(FUSIONS)]
+    cfg = GEMM if M == 40 else replace(GEMM, BLOCK_K=128, GROUP_M=1, QUANT_BLOCK_K=64)
+    _run(tf.qlinear_gemm, M, dtype, gran, fusion, cfg, seed=M)
+
+
+def test_gemm_default_config():
+    """gemm_config_for's 128 x 128 x 128 tiles (one partial tile here), block scales and channel."""
+    for gran in ("channel", "block128"):
+        _run(tf.qlinear_gemm, 40, torch.float16, gran, (True, True, True), None, seed=4, n=24, k=300)
+
+
+def test_gemm_writes_only_inside_out():
+    M, dtype = 40, torch.bfloat16 if torch.bfloat16 in DTYPES else torch.float16
+    x, q, s, b, r = _inputs(M, N, K, dtype, "channel", True, True, False, seed=17)
+    ref = fp8_ref.qlinear(x, q, s, b, r, "channel")
+    buf = torch.full((M * N + 64,), float("nan"), dtype=dtype, device=DEVICE)
+    res = buf[32:32 + M * N].view(M, N)
+    res.copy_(r)
+    y = tf.qlinear_gemm(_dev(x), _dev(q), _dev(s), _dev(b), res, granularity="channel", config=GEMM, out=res)
+    assert y.data_ptr() == res.data_ptr()
+    _check(y, ref, dtype)
+    assert buf[:32].isnan().all() and buf[32 + M * N:].isnan().all()
+
+
+@pytest.mark.parametrize("fn,cfg", [(tf.qlinear_small_m, V2), (tf.qlinear_small_m, replace(V2, SPLIT_K=2)),
+                                    (tf.qlinear_gemm, GEMM)], ids=["small_m", "small_m-split2", "gemm"])
+def test_epilogue_rounding_order(fn, cfg):
+    """The reference's epilogue exactly: the product rounded to the dtype, then ``+ bias``
+    rounded, then ``residual +`` rounded (checked against the kernel's own unfused output)."""
+    dtype = torch.bfloat16 if torch.bfloat16 in DTYPES else torch.float16
+    M = 3 if fn is tf.qlinear_small_m else 40
+    x, q, s, b, r = _inputs(M, N, K, dtype, "block128", True, True, False, seed=5)
+    x, q, s, b, r = (_dev(t) for t in (x, q, s, b, r))
+    run = lambda *a: fn(x, q, s, *a, granularity="block128", config=cfg).cpu()  # noqa: E731
+    plain, with_bias, fused = run(), run(b), run(b, r)
+    assert torch.equal(with_bias, plain + b.cpu())
+    assert torch.equal(fused, r.cpu() + with_bias)
+
+
+# ----------------------------------------------------------------------------------------------
+# activation quantization, dispatch, input checks, recording, sm_90 compile
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("prologue", [False, True], ids=["plain", "silu_mul"])
+def test_quantize_rows_exact(dtype, prologue):
+    """The quantize kernel's xq and xs equal ``fp8_ref.quantize_rows`` bit for bit (IEEE divisions,
+    round-to-nearest-even saturating e4m3), including a zero row, a tiny row and ragged K."""
+    M, k = 6, 200
+    x, *_ = _inputs(M, 8, k, dtype, "channel", False, False, prologue, seed=9)
+    x[1] = 0
+    x[2] *= 1e-30 if dtype == torch.float32 else 1e-3
+    x = x.to(dtype)
+    a = F.silu(x[:, :k]) * x[:, k:] if prologue else x
+    ref_q, ref_s = fp8_ref.quantize_rows(a)
+    for block in (64, 256):
+        xq, xs = tf._prequantize(_dev(x), M, k, prologue, block)
+        assert torch.equal(xs.cpu(), ref_s)
+        assert torch.equal(xq.cpu().view(torch.uint8), ref_q.view(torch.uint8))
+
+
+def test_qlinear_dispatch():
+    launches = []
+    meta = lambda *shape, dtype=torch.bfloat16: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
+    w, s = meta(256, 512, dtype=tf.FP8), meta(256, dtype=torch.float32)
+    with launch_mod.using(lambda kernel, *a: launches.append(kernel)):
+        tf.qlinear(meta(32, 512), w, s)
+        assert tf._qgemm_kernel not in launches
+        launches.clear()
+        tf.qlinear(meta(33, 512), w, s)
+        assert launches == [tf._quant_rows_kernel, tf._qgemm_kernel]
+
+
+def test_rejects_bad_inputs():
+    x, q, s, b, r = _inputs(2, 8, 16, torch.float16, "channel", True, True, False, seed=1)
+    ok = dict(granularity="channel")
+    tf.qlinear_small_m(x, q, s, b, r, **ok)
+    bad = [
+        ((x, q.float(), s, b, r), ok),  # weight not fp8
+        ((x, q, s.half(), b, r), ok),  # scale not fp32
+        ((x, q, s[:4], b, r), ok),  # scale shape
+        ((x, q, s, b, r), dict(granularity="block128")),  # channel scale for block128
+        ((x, q, s, b, r), dict(granularity="row")),
+        ((x, q, s, b, r), dict(ok, prologue="silu_mul")),  # x is [M, K], not [M, 2K]
+        ((x, q, s, b, r), dict(ok, prologue="gelu_mul")),
+        ((x, q, s, b.float(), r), ok),
+        ((x, q, s, b, r[:1]), ok),
+        ((x.t().contiguous().t(), q, s, b, r), ok),
+        ((x.to(torch.float64), q, s, b, r), ok),
+        ((x, q, s, b, r), dict(ok, out=torch.empty(2, 8))),  # out dtype
+    ]
+    for fn in (tf.qlinear_small_m, tf.qlinear_gemm):
+        for args, kw in bad:
+            with pytest.raises(ValueError):
+                fn(*args, **kw)
+    with pytest.raises(ValueError):
+        tf.qlinear_small_m(torch.randn(33, 16).half(), q, s, **ok)  # past the last bucket
+    qb, sb = quantize_fp8(torch.randn(8, 16), "block128")
+    with pytest.raises(ValueError):  # v3 with block scales: one K block a step
+        tf.qlinear_small_m(x, qb, sb, granularity="block128", config=QGemvConfig(16, 256, USE_DOT=True))
+    with pytest.raises(ValueError):
+        tf.qlinear_gemm(x, qb, sb, granularity="block128", config=QGemmConfig(BLOCK_K=256))
+    with pytest.raises(ValueError):
+        tf.qlinear_small_m(x, q, s, config=QGemvConfig(16, 48), **ok)  # not a power of two
+
+
+def test_meta_recording():
+    """On meta tensors nothing runs; the small-M grids and constexprs depend on the bucket only
+    (M = 3 and 4 share a binary, M passed as the dynamic argument); the GEMM's binaries are
+    the same for every M and its grid covers M; prequantization adds the quantize launch."""
+    launches = []
+
+    def record(kernel, grid, args, constexprs, num_warps, num_stages):
+        launches.append((kernel, grid, args, constexprs, num_warps, num_stages))
+
+    meta = lambda *shape, dtype=torch.bfloat16: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
+    n, k = 4096, 4096
+    for gran in GRANS:
+        w = meta(n, k, dtype=tf.FP8)
+        s = meta(32, 32, dtype=torch.float32) if gran == "block128" else meta(n, dtype=torch.float32)
+        seen = {}
+        with launch_mod.using(record):
+            for M in (1, 2, 3, 4, 5, 8, 17, 32):
+                launches.clear()
+                y = tf.qlinear_small_m(meta(M, 2 * k), w, s, meta(n), meta(M, n), granularity=gran,
+                                       prologue="silu_mul")
+                assert y.shape == (M, n) and y.device.type == "meta"
+                kernels = [lc[0] for lc in launches]
+                pre = tf.bucket(M) >= 8
+                assert kernels == ([tf._quant_rows_kernel] if pre else []) + [tf._qgemv_kernel]
+                kernel, grid, args, consts, nw, ns = launches[-1]
+                assert args[-1] == M and consts["BLOCK_SCALE"] == (gran == "block128")
+                assert consts["PROLOGUE_SILU_MUL"] == (not pre) and consts["PREQUANT"] == pre
+                spec = launch_mod.spec_of(kernel, args, consts, nw, ns)
+                assert spec["signature"]["w_ptr"] == "*fp8e4nv"
+                assert spec["signature"]["x_ptr"] == ("*fp8e4nv" if pre else "*bf16")
+                seen[M] = [(lc[0], lc[1], lc[3], lc[4], lc[5]) for lc in launches if lc[0] is tf._qgemv_kernel]
+            gemm = {}
+            for M in (33, 100, 1000):
+                launches.clear()
+                tf.qlinear_gemm(meta(M, k), w, s, meta(n), granularity=gran)
+                (qk, qgrid, _, qconsts, _, _), (gk, ggrid, gargs, gconsts, _, _) = launches
+                assert (qk, gk) == (tf._quant_rows_kernel, tf._qgemm_kernel) and gargs[-1] == M
+                assert qgrid == (M,) and ggrid == (-(-M // 128) * (n // 128),)
+                gemm[M] = (qconsts, gconsts)
+        assert seen[3] == seen[4] and seen[5] == seen[8] and seen[17] == seen[32]
+        assert seen[1] != seen[2]
+        assert gemm[33] == gemm[100] == gemm[1000]
+    # split K (a small N): the reduce kernel rounds and adds bias and residual
+    with launch_mod.using(record):
+        launches.clear()
+        tf.qlinear_small_m(meta(1, k), meta(512, k, dtype=tf.FP8), meta(512, dtype=torch.float32), meta(512),
+                           meta(1, 512))
+    assert [lc[0] for lc in launches] == [tf._qgemv_kernel, tf._qgemv_reduce_kernel]
+    assert launches[0][3]["SPLIT_K"] > 1 and launches[0][3]["HAS_BIAS"] is False
+    assert launches[1][3]["HAS_BIAS"] is True and launches[1][3]["HAS_RESIDUAL"] is True
+
+
+_COMPILE_SCRIPT = textwrap.dedent("""
+    import torch, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from mxc.kernels import launch as L, triton_fp8 as tf
+
+    specs = {}
+    def record(kernel, grid, args, constexprs, num_warps, num_stages):
+        spec = L.spec_of(kernel, args, constexprs, num_warps, num_stages)
+        specs.setdefault(L.spec_key(spec), (kernel, spec))
+    meta = lambda *shape, dtype=torch.bfloat16: torch.empty(*shape, dtype=dtype, device="meta")
+    n, k = 4096, 4096
+    with L.using(record):
+        for gran in ("channel", "block128"):
+            w = meta(n, k, dtype=tf.FP8)
+            s = meta(32, 32, dtype=torch.float32) if gran == "block128" else meta(n, dtype=torch.float32)
+            for M in (1, 2, 32):  # v1 fused, v3 fused, v3 prequantized
+                tf.qlinear_small_m(meta(M, 2 * k), w, s, meta(n), meta(M, n), granularity=gran, prologue="silu_mul")
+            tf.qlinear_small_m(meta(4, k), w, s, granularity=gran, config=tf.QGemvConfig(32, 512))  # v2
+            s512 = meta(4, 32, dtype=torch.float32) if gran == "block128" else meta(512, dtype=torch.float32)
+            tf.qlinear_small_m(meta(1, k), meta(512, k, dtype=tf.FP8), s512, meta(512), meta(1, 512),
+                               granularity=gran)  # split K + reduce
+            tf.qlinear_gemm(meta(300, 2 * k), w, s, meta(n), meta(300, n), granularity=gran, prologue="silu_mul")
+            tf.qlinear_gemm(meta(300, k, dtype=torch.float16), w, s, granularity=gran)
+    for fn, spec in specs.values():
+        attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
+                 for a, t in spec["signature"].items() if t.startswith("*")}
+        src = ASTSource(fn, signature=spec["signature"], constexprs=spec["constexprs"], attrs=attrs)
+        c = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": spec["num_warps"], "num_stages": spec["num_stages"],
+                                    "enable_fp_fusion": True})
+        ptx, md = c.asm["ptx"], c.metadata
+        assert md.shared <= 227 * 1024, (fn.__name__, md.shared)
+        assert not getattr(md, "global_scratch_size", 0), fn.__name__
+        name = fn.__name__
+        if name != "_qgemv_reduce_kernel":
+            assert "e4m3" in ptx, name + ": no e4m3 conversion or mma"
+        if name == "_quant_rows_kernel":
+            assert "cvt.rn.satfinite.e4m3x2.f32" in ptx  # rounding, saturating quantization
+            assert "div.rn.f32" in ptx
+        # IEEE divisions for the scales and quantization, as torch's (`/` would be div.full's approximation)
+        assert "div.full" not in ptx and "div.approx" not in ptx, name
+        if name == "_qgemv_kernel":
+            assert "ld.global.v4" in ptx or "cp.async.cg.shared.global" in ptx, "no 16-byte weight loads"
+            assert "cvt.rn.f16x2.e4m3x2" in ptx  # e4m3 weights widened in registers
+        if name == "_qgemm_kernel":
+            assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx, "no fp8 wgmma"
+        print(name, spec["constexprs"].get("BLOCK_M"), "smem", md.shared, "ok")
+""")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compile check is for machines without a GPU")
+def test_compiles_for_sm90():
+    """Every kernel and version compiles for Hopper (sm_90) with the AOT build's options; the PTX
+    quantizes with saturating e4m3 conversions, widens e4m3 weights, and the GEMM uses fp8 wgmma."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count(" ok") >= 14, r.stdout
