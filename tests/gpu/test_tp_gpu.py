@@ -1,0 +1,31 @@
+"""Tensor parallelism on two GPUs (NCCL, collectives captured in the decode CUDA graphs); needs >= 2 GPUs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mxc
+from mxc.runtime.ranks import run_ranks
+
+pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+IDS = torch.randint(0, 256, (3, 9), generator=torch.Generator().manual_seed(6))
+
+
+def _worker(rank, world_size, device, art, out):
+    model = mxc.load(art, device=device, rank=rank, world_size=world_size)
+    result = (model.logits(IDS).cpu(), model.generate(IDS, max_new_tokens=12))
+    if rank == 0:
+        torch.save(result, out)
+
+
+def test_tp2_cuda_matches_tp1(hf_checkpoint, tmp_path):
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM", hidden_size=128, intermediate_size=256)
+    kw = dict(target="cuda", dtype="bfloat16", max_batch=4, max_seq_len=64, progress=False, log=lambda m: None)
+    one = mxc.load(mxc.build(str(ckpt), out=tmp_path / "tp1", **kw), device="cuda")
+    two = mxc.build(str(ckpt), out=tmp_path / "tp2", tp=2, **kw)
+    run_ranks(_worker, 2, "cuda", str(two), str(tmp_path / "out.pt"))
+    logits, tokens = torch.load(tmp_path / "out.pt", weights_only=True)
+    ref = one.logits(IDS).cpu()
+    assert float((logits - ref).abs().max() / ref.abs().max()) < 3e-2
+    assert torch.equal(tokens[:, :4], one.generate(IDS, max_new_tokens=12)[:, :4])
