@@ -33,6 +33,8 @@ TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atten
 CONFIG_CLASSES = {
     "LlamaForCausalLM": "LlamaConfig", "MistralForCausalLM": "MistralConfig",
     "Qwen2ForCausalLM": "Qwen2Config", "Qwen3ForCausalLM": "Qwen3Config",
+    "MixtralForCausalLM": "MixtralConfig", "Qwen2MoeForCausalLM": "Qwen2MoeConfig",
+    "Qwen3MoeForCausalLM": "Qwen3MoeConfig", "OlmoeForCausalLM": "OlmoeConfig",
 }
 
 

@@ -10,14 +10,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from mxc.compiler.options import BuildOptions
-from mxc.compiler.passes import (eliminate_dead_code, fuse_add_rms_norm, fuse_rope_cache, merge_gate_up, merge_qkv,
-                                  fuse_linear_io, quantize, select_kernels, shard_tp)
+from mxc.compiler.passes import (eliminate_dead_code, fuse_add_rms_norm, fuse_linear_io, fuse_moe, fuse_rope_cache,
+                                  merge_gate_up, merge_qkv, quantize, select_kernels, shard_tp)
 from mxc.ir import Graph, dump_graph, verify
 
 PIPELINE = [
     # fusion: fewer, larger GEMMs
     ("merge_qkv", merge_qkv.run),
     ("merge_gate_up", merge_gate_up.run),
+    ("fuse_moe", fuse_moe.run),
     # parallelism: per-rank shapes, explicit all-reduce / all-gather (identity at tp=1)
     ("shard_tp", shard_tp.run),
     # fusion: fewer kernels and round trips through memory

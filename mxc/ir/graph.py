@@ -89,6 +89,7 @@ class Weight:
     hf: tuple[str, ...]  # checkpoint names; several = concatenated along dim 0
     segments: tuple[int, ...] = ()  # rows per hf part when merged
     init: str = "normal"  # dummy-weight initialisation: "normal" | "ones"
+    stack: str | None = None  # experts: dim 0 enumerates this index in the hf names ("{e}")
     shard: ShardSpec | None = None
     quant: QuantSpec | None = None
     scale_of: str | None = None  # this is the scale tensor of that (local) weight; the loader writes both
@@ -97,8 +98,18 @@ class Weight:
         """The concrete weight of layer ``i``."""
         if index_name is None:
             return self
-        fmt = {index_name: i}
-        return replace(self, name=self.name.format(**fmt), hf=tuple(h.format(**fmt) for h in self.hf))
+        key = "{" + index_name + "}"
+        return replace(self, name=self.name.replace(key, str(i)), hf=tuple(h.replace(key, str(i)) for h in self.hf))
+
+    @property
+    def shard_dim(self) -> int:
+        """The dimension the shard spec splits (one further in for an expert stack)."""
+        return self.shard.dim + (1 if self.stack else 0)
+
+    def expert_hf(self, e: int) -> tuple[str, ...]:
+        """The checkpoint names of expert ``e``'s parts."""
+        key = "{" + str(self.stack) + "}"
+        return tuple(h.replace(key, str(e)) for h in self.hf)
 
 
 @dataclass(frozen=True)

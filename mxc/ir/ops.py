@@ -119,6 +119,37 @@ def _qlinear(x, w, scale, bias=None, residual=None, granularity=None, prologue=N
     return (out,)
 
 
+def _route(logits, k, scoring="softmax", renormalize=False, **_):
+    _need(len(logits.shape) == 2, lambda: f"router logits must be [T, experts], got {logits}")
+    _need(_positive_int(k) and k <= logits.shape[1], lambda: f"k={k!r} must be in 1..{logits.shape[1]}")
+    _need(scoring in ("softmax", "sigmoid"), lambda: f"scoring must be softmax or sigmoid, got {scoring!r}")
+    t = logits.shape[0]
+    return (TensorType((t, k), logits.dtype), TensorType((t, k), "int64"))
+
+
+def _moe_common(x, weights, ids, w_in, w_down, in_rows):
+    _need(len(x.shape) == 2 and weights.shape == ids.shape and ids.dtype == "int64" and weights.shape[0] == x.shape[0],
+          lambda: f"expects x [T, H], weights and ids [T, k], got {x}, {weights}, {ids}")
+    e, rows, h = w_in.shape
+    _need(h == x.shape[1] and w_down.shape[0] == e and w_down.shape[1] == h and w_down.shape[2] * in_rows == rows,
+          lambda: f"expert stacks {w_in} / {w_down} do not fit x {x}")
+    return (x,)
+
+
+def _experts(x, weights, ids, w_gate, w_up, w_down, **_):
+    _need(w_gate == w_up, lambda: f"gate {w_gate} and up {w_up} stacks differ")
+    return _moe_common(x, weights, ids, w_gate, w_down, 1)
+
+
+def _fused_moe(x, weights, ids, w_gate_up, w_down, **_):
+    return _moe_common(x, weights, ids, w_gate_up, w_down, 2)
+
+
+def _scale_rows(x, s, **_):
+    _need(s.shape == (x.shape[0], 1), lambda: f"scale {s} must be [T, 1] for {x}")
+    return (x,)
+
+
 def _all_reduce(x, bias=None, **_):
     if bias is not None:
         _need(bias.shape == (x.shape[-1],), lambda: f"bias {bias} must match the last dim of {x}")
@@ -165,6 +196,8 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
     OpDef("add", ("a", "b"), _same2),
     OpDef("mul", ("a", "b"), _same2),
     OpDef("silu", ("x",), _unary),
+    OpDef("sigmoid", ("x",), _unary),
+    OpDef("scale_rows", ("x", "s"), _scale_rows, doc="x * s, s [T, 1] (a gate per token)"),
     OpDef("silu_mul", ("x",), _silu_mul, doc="silu(x[:, :I]) * x[:, I:] (fused by merge_gate_up)"),
     # normalisation
     OpDef("rms_norm", ("x", "weight"), _rms_norm, attrs=("eps",), doc="over the last dim"),
@@ -186,6 +219,13 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
     OpDef("qlinear", ("x", "weight", "scale", "bias?", "residual?"), _qlinear, attrs=("granularity",),
           optional_attrs=("prologue",),
           doc="linear over an fp8 weight with its scales; activations quantized per token on the fly"),
+    # mixture of experts
+    OpDef("route", ("logits",), _route, attrs=("k",), optional_attrs=("scoring", "renormalize"),
+          doc="scores (softmax/sigmoid) -> top-k weights and expert ids per token"),
+    OpDef("experts", ("x", "weights", "ids", "w_gate", "w_up", "w_down"), _experts,
+          doc="sum over each token's experts of weight * down(silu(gate(x)) * up(x)); stacks [E, ...]"),
+    OpDef("fused_moe", ("x", "weights", "ids", "w_gate_up", "w_down"), _fused_moe,
+          doc="experts over a merged gate/up stack [E, 2I, H], one kernel launch family -- fuse_moe"),
     # tensor parallelism (made by shard_tp)
     OpDef("vocab_embedding", ("ids", "table"), _embedding, uses_context=True,
           doc="rows of this rank's vocabulary slice (rank * rows ...), zeros elsewhere; all_reduce completes it"),
@@ -210,7 +250,7 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
 def n_outputs(op: str, attrs: dict) -> int:
     if op == "split":
         return len(attrs.get("sizes", ()))
-    return 2 if op in ("rope", "add_rms_norm") else 1
+    return 2 if op in ("rope", "add_rms_norm", "route") else 1
 
 
 def infer(op: str, in_types: list, attrs: dict) -> tuple[TensorType, ...]:

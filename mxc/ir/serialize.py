@@ -24,6 +24,8 @@ def _weight_dict(w: Weight) -> dict:
         d["segments"] = list(w.segments)
     if w.init != "normal":
         d["init"] = w.init
+    if w.stack:
+        d["stack"] = w.stack
     if w.shard:
         d["shard"] = {"kind": w.shard.kind, **({"segments": list(w.shard.segments)} if w.shard.segments else {}),
                       **({"unit": w.shard.unit} if w.shard.unit != 1 else {}),
@@ -82,7 +84,7 @@ def _weight(d: dict) -> Weight:
     shard = d.get("shard")
     quant = d.get("quant")
     return Weight(name=d["name"], shape=tuple(d["shape"]), dtype=d["dtype"], hf=tuple(d["hf"]),
-                  segments=tuple(d.get("segments", ())), init=d.get("init", "normal"),
+                  segments=tuple(d.get("segments", ())), init=d.get("init", "normal"), stack=d.get("stack"),
                   shard=ShardSpec(shard["kind"], tuple(shard.get("segments", ())), shard.get("unit", 1),
                                   tuple(shard.get("exprs", ()))) if shard else None,
                   quant=QuantSpec(quant["scheme"], quant["granularity"], quant.get("prequantized", False))

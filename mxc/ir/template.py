@@ -12,6 +12,7 @@ Every error names the file, the line and the field.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,7 +23,7 @@ from mxc.ir.statements import Call, StatementError, parse_statement
 from mxc.ir.yaml_source import LDict, SourceError, load_yaml
 
 TOP_KEYS = {"family", "doc", "params", "inputs", "weights", "ignore", "graph", "outputs", "tiny_config"}
-WEIGHT_KEYS = {"shape", "hf", "shard", "when", "tied_to", "tied_if", "init"}
+WEIGHT_KEYS = {"shape", "hf", "shard", "when", "tied_to", "tied_if", "init", "stack"}
 PARAM_KEYS = {"default", "resolve", "doc"}
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -146,11 +147,12 @@ class _Binder:
                 self.disabled.add(name)
                 continue
             shape = self.eval_shape(w["shape"], env, line, f"{field}.shape")
-            shard = self.shard_spec(w.get("shard"), w["shape"], env, line, f"{field}.shard")
+            shard = self.shard_spec(w.get("shard"), w["shape"][1:] if "stack" in w else w["shape"], env, line,
+                                    f"{field}.shard")
             init = str(w.get("init", "normal"))
             if init not in ("normal", "ones"):
                 raise self.err(line, f"{field}.init", f"expected 'normal' or 'ones', got {init!r}")
-            hf = f"{hf_prefix}{w['hf']}"
+            hf = self.hf_name(f"{hf_prefix}{w['hf']}", env, line, f"{field}.hf")
             if "tied_to" in w and self.eval(w.get("tied_if", "true"), env, line, f"{field}.tied_if"):
                 target = w["tied_to"]
                 if target not in out:
@@ -160,9 +162,23 @@ class _Binder:
                 self.aliases[name] = target
                 self.tied_hf[name] = hf
                 continue
+            stack = str(w["stack"]) if "stack" in w else None
             out[str(name)] = Weight(name=f"{prefix}{name}", shape=shape, dtype=self.dtype, hf=(hf,), init=init,
-                                    shard=shard)
+                                    shard=shard, stack=stack)
         return out
+
+    def hf_name(self, template: str, env, line, field) -> str:
+        """Fill ``{param}`` fields of a checkpoint name from string params; index fields ({i}, {e}) stay."""
+        def sub(m):
+            key = m.group(1)
+            value = env.get(key)
+            if isinstance(value, str):
+                return value
+            if key in env and not isinstance(value, Sym):
+                raise self.err(line, field, f"{{{key}}} names a param that is not a string ({value!r})")
+            return m.group(0)
+
+        return re.sub(r"\{(\w+)\}", sub, template)
 
     def shard_spec(self, spec, shape_exprs, env, line, field) -> ShardSpec | None:
         """``column`` or ``{kind: column, unit: head_dim}`` -> ShardSpec (None when absent)."""

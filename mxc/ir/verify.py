@@ -78,8 +78,9 @@ def _check_weight_names(graph: Graph) -> None:
         if w.name in seen:
             raise VerifyError(f"two weights are stored as {w.name!r}")
         seen[w.name] = w.name
-        rows = w.shape[0]  # checkpoint parts concatenate along dim 0, before any sharding of it
-        if w.shard and w.shard.segments and w.shard.dim == 0:
+        dim = 1 if w.stack else 0  # checkpoint parts concatenate along it (per expert for a stack)
+        rows = w.shape[dim]
+        if w.shard and w.shard.segments and w.shard_dim == dim:
             rows = sum(w.shard.segments)
         if w.segments and sum(w.segments) != rows and not w.scale_of:  # a scale's parts follow its weight's rows
             raise VerifyError(f"weight {w.name}: segments {list(w.segments)} do not add up to {rows} rows")

@@ -73,7 +73,15 @@ def _cutlass_ok(node, in_types, options):
     return cutlass_available()
 
 
+# References that read sequence layout or expert ids on the host: right on the CPU, wrong inside a
+# captured CUDA graph (the values would be frozen at capture), so they do not claim nodes on cuda.
+HOST_READING = {"attention", "rope", "qkv_rope_cache", "cached_attention", "experts"}
+
+
 def _torch_ref(op: str) -> Candidate:
+    if op in HOST_READING:
+        return Candidate(f"torch_ref.{op}", op, ("cpu",),
+                         "torch reference (reads sequence/expert layout on the host: CPU only)")
     return Candidate(f"torch_ref.{op}", op, ("cpu", "cuda"), "torch reference")
 
 
@@ -103,6 +111,9 @@ _TRITON = [
     Candidate("fp8_gemm.scaled_mm", "qlinear", GPU, "default: cuBLASLt fp8 GEMM (torch._scaled_mm), row-wise scales",
               check=_scaled_mm_ok),
     Candidate("triton_fp8.qlinear_gemm", "qlinear", GPU, "default: Triton fp8 GEMM (block scales)", check=_dtype_ok),
+    # mixture of experts
+    Candidate("triton_moe.fused_moe", "fused_moe", GPU,
+              "Triton fused MoE: tokens sorted and block-aligned by expert, grouped GEMMs", check=_dtype_ok),
 ]
 
 CANDIDATES: dict[str, list[Candidate]] = {op: [] for op in OPS}

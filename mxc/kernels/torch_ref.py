@@ -186,3 +186,31 @@ def qlinear(x, weight, scale, bias=None, residual=None, granularity="channel", p
     from mxc.kernels import fp8_ref
 
     return fp8_ref.qlinear(x, weight, scale, bias, residual, granularity, prologue)
+
+
+# --- mixture of experts ------------------------------------------------------------
+
+def sigmoid(x):
+    return torch.sigmoid(x)
+
+
+def scale_rows(x, s):
+    return x * s
+
+
+def route(logits, k, scoring="softmax", renormalize=False):
+    from mxc.kernels import moe_ref
+
+    return moe_ref.route(logits, k, scoring, renormalize)
+
+
+def experts(x, weights, ids, w_gate, w_up, w_down):
+    from mxc.kernels import moe_ref
+
+    return moe_ref.experts(x, weights, ids, w_gate, w_up, w_down)
+
+
+def fused_moe(x, weights, ids, w_gate_up, w_down):
+    from mxc.kernels import moe_ref
+
+    return moe_ref.fused_moe(x, weights, ids, w_gate_up, w_down)

@@ -33,14 +33,28 @@ def full_shape(w: Weight) -> tuple[int, ...]:
     if w.shard is None or not w.shard.segments:
         return w.shape
     shape = list(w.shape)
-    shape[w.shard.dim] = sum(w.shard.segments)
+    shape[w.shard_dim] = sum(w.shard.segments)
     return tuple(shape)
 
 
-def _parts(w: Weight) -> list[tuple[str, tuple[int, ...]]]:
+def parts_of(w: Weight) -> list[tuple[str, tuple[int, ...]]]:
+    """(checkpoint name, shape) of every tensor the weight is made of (every expert's, for a stack)."""
     shape = full_shape(w)
+    if w.stack:
+        inner = shape[1:]
+        rows = w.segments or (inner[0],)
+        return [(hf, (r,) + inner[1:]) for e in range(shape[0]) for hf, r in zip(w.expert_hf(e), rows)]
     rows = w.segments or (shape[0],)
     return [(hf, (r,) + shape[1:]) for hf, r in zip(w.hf, rows)]
+
+
+def read_full(w: Weight, ckpt) -> torch.Tensor:
+    """The whole (merged, stacked) weight from the checkpoint, before sharding."""
+    if w.stack:
+        return torch.stack([torch.cat([ckpt.get(h) for h in w.expert_hf(e)], dim=0) if len(w.hf) > 1
+                            else ckpt.get(w.expert_hf(e)[0]) for e in range(full_shape(w)[0])])
+    parts = [ckpt.get(hf) for hf in w.hf]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
 def _ignored(patterns: tuple[str, ...]) -> re.Pattern:
@@ -57,7 +71,7 @@ def check_names(graph: Graph, ckpt) -> None:
         if w.scale_of:  # made from its weight's tensors, or read from the checkpoint's scales
             wanted.update({hf: (None, w.name) for hf in w.hf})
             continue
-        for hf, shape in _parts(w):
+        for hf, shape in parts_of(w):
             wanted[hf] = (shape, w.name)
     missing = [n for n in wanted if n not in have]
     if missing:
@@ -82,7 +96,7 @@ def rank_slice(tensor: torch.Tensor, w: Weight, tp: int, rank: int) -> torch.Ten
     """The part of a full (merged) weight that ``rank`` holds, by its shard spec."""
     if tp == 1 or w.shard is None or w.shard.kind == "replicated":
         return tensor
-    dim = w.shard.dim
+    dim = w.shard_dim
     pieces = [tensor.narrow(dim, start, length) for start, length in rank_slices(w.shard, tensor.shape[dim], tp, rank)]
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
@@ -130,8 +144,7 @@ def write_weights(graph: Graph, ckpt, paths: list[Path], metadata: dict[str, str
         for w in tqdm(weights, desc="converting weights", unit="tensor", disable=not progress, leave=False):
             if w.scale_of:
                 continue  # written with its weight
-            parts = [ckpt.get(hf) for hf, _ in _parts(w)]
-            tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            tensor = read_full(w, ckpt)
             outputs = [(w, tensor.to(DTYPES[w.dtype]))]
             if w.quant is not None and w.quant.prequantized:
                 scale_w = scales[f"{w.name}_scale"]
@@ -142,7 +155,7 @@ def write_weights(graph: Graph, ckpt, paths: list[Path], metadata: dict[str, str
             for target, full in outputs:
                 for rank, out in enumerate(writers):
                     out.write(target.name, rank_slice(full, target, tp, rank).contiguous())
-            del parts, tensor, outputs
+            del tensor, outputs
     except BaseException:
         for out in writers:
             out.abort()

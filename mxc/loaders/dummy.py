@@ -26,15 +26,13 @@ class DummyCheckpoint:
     def __init__(self, graph: Graph):
         self.directory = "<dummy weights>"
         self._specs: dict[str, tuple[tuple[int, ...], str]] = {}
-        from mxc.loaders.convert import full_shape
+        from mxc.loaders.convert import parts_of
 
         for w in graph.all_weights():
             if w.scale_of:
                 continue
-            shape = full_shape(w)
-            rows = w.segments or (shape[0],)
-            for hf, r in zip(w.hf, rows):
-                self._specs[hf] = ((r,) + shape[1:], w.init)
+            for hf, shape in parts_of(w):
+                self._specs[hf] = (shape, w.init)
 
     def names(self) -> list[str]:
         return sorted(self._specs)

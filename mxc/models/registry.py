@@ -2,7 +2,7 @@
 
 ``registry.yaml`` maps each architecture to a model file in this folder, the
 params it sets (``set``, values are literals or expressions over config.json
-fields) and config values it cannot serve (``refuse_if``). ``bind_model``
+fields) and the config conditions it cannot serve (``refuse_if``, expressions). ``bind_model``
 binds a definition to a config, with the resolvers model files may name
 (``rope``). An unknown architecture fails naming it and listing the known ones.
 """
@@ -27,7 +27,7 @@ class Entry:
     architecture: str
     model: str
     set: dict = field(default_factory=dict)
-    refuse_if: dict = field(default_factory=dict)
+    refuse_if: list = field(default_factory=list)
     tested: bool = True
 
     @property
@@ -59,6 +59,16 @@ def architecture_of(config: dict, config_path: str = "config.json") -> str:
     return archs[0]
 
 
+class _ConfigEnv(dict):
+    """config.json fields for refuse_if expressions; an absent field reads as None."""
+
+    def __contains__(self, key):
+        return True
+
+    def __missing__(self, key):
+        return None
+
+
 def _resolve_rope(config: dict, params: dict) -> dict:
     return normalize_rope(config, params["head_dim"])
 
@@ -71,12 +81,18 @@ def bind_model(model_file: Path, config: dict, dtype: str, entry: Entry | None,
     """Bind ``model_file`` to ``config`` with the registry entry's settings."""
     overrides = {}
     if entry is not None:
-        for key, want in entry.refuse_if.items():
-            if config.get(key) == want:
-                raise MxcError(f"{config_path}: {key}={want!r} is not supported for {entry.architecture}")
+        env = _ConfigEnv(config)
+        for cond in entry.refuse_if:
+            try:
+                hit = evaluate(cond, env)
+            except ExprError as e:
+                raise MxcError(f"{config_path}: cannot check {cond!r} for {entry.architecture}: {e}") from None
+            if hit:
+                raise MxcError(f"{config_path}: `{cond}` holds, which {entry.architecture} support in mxc does not "
+                               f"cover (see registry.yaml)")
         for key, value in entry.set.items():
             try:
-                overrides[key] = evaluate(value, config) if isinstance(value, str) else value
+                overrides[key] = evaluate(value, env) if isinstance(value, str) else value
             except ExprError as e:
                 raise MxcError(f"{config_path}: {entry.architecture} needs {e}") from None
     return bind(model_file, config, dtype=dtype, overrides=overrides, resolvers=RESOLVERS)

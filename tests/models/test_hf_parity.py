@@ -27,6 +27,15 @@ CASES = {
     "mistral-sliding": ("MistralForCausalLM", {"sliding_window": 6}),
     "qwen2": ("Qwen2ForCausalLM", {"tie_word_embeddings": True}),
     "qwen3": ("Qwen3ForCausalLM", {"head_dim": 32}),
+    # mixture of experts
+    "mixtral": ("MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2-moe-shared": ("Qwen2MoeForCausalLM", {"num_experts": 6, "num_experts_per_tok": 2,
+                                                 "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48}),
+    "qwen3-moe-renorm": ("Qwen3MoeForCausalLM", {"num_experts": 8, "num_experts_per_tok": 3,
+                                                 "moe_intermediate_size": 40, "norm_topk_prob": True}),
+    "qwen3-moe-no-renorm": ("Qwen3MoeForCausalLM", {"num_experts": 8, "num_experts_per_tok": 2,
+                                                    "moe_intermediate_size": 40, "norm_topk_prob": False}),
+    "olmoe": ("OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2}),
 }
 
 

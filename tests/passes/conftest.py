@@ -20,6 +20,7 @@ from mxc.compiler.options import BuildOptions
 from mxc.compiler.passes import select_kernels
 from mxc.ir import Graph, Repeat, Weight, verify
 from mxc.kernels.context import ForwardContext
+from mxc.loaders.convert import read_full
 from mxc.loaders.dummy import DummyCheckpoint
 from mxc.models.registry import MODELS_DIR, bind_model, lookup
 
@@ -44,7 +45,7 @@ def bind_arch():
 
 
 def _tensor(w: Weight, ckpt) -> torch.Tensor:
-    return torch.cat([ckpt.get(h) for h in w.hf], dim=0)
+    return read_full(w, ckpt)  # merged parts concatenated, expert stacks stacked, as the loader does
 
 
 def runtime_weights(graph: Graph, ckpt) -> tuple[dict, list[dict]]:

@@ -30,7 +30,7 @@ from dataclasses import replace
 
 from mxc.compiler.rewrite import apply_rules
 from mxc.errors import MxcError
-from mxc.ir import Graph, Node, Repeat, ShardSpec, Weight
+from mxc.ir import Graph, Node, Repeat, ShardSpec, VerifyError, Weight, verify
 from mxc.ir.sharding import ShardError, local_size
 
 
@@ -38,13 +38,13 @@ def _shard_weight(w: Weight, tp: int) -> Weight:
     spec = w.shard
     if spec is None or spec.kind == "replicated":
         return w
-    size = w.shape[spec.dim]
+    size = w.shape[w.shard_dim]
     try:
         local, parts = local_size(spec, size, tp)
     except ShardError as e:
         raise MxcError(f"cannot shard weight {w.name} ({spec.kind}) across --tp {tp}: {e}") from None
     shape = list(w.shape)
-    shape[spec.dim] = local
+    shape[w.shard_dim] = local
     return replace(w, shape=tuple(shape), shard=replace(spec, segments=spec.segments or (size,)))
 
 
@@ -73,6 +73,13 @@ def _rules(tp: int):
                                       Node("all_gather", node.outs, (part,), {"world": tp}, node.loc)]}
         return None
 
+    def moe(node: Node, ctx):  # experts' down projections are row-parallel: partial sums per rank
+        users = [ctx.nodes[i].op for i in ctx.users[node.outs[0]]]
+        if users == ["all_reduce"] or kind(ctx, node.ins[-1]) != "row":
+            return None
+        part = ctx.fresh(f"{node.outs[0]}_part")
+        return {ctx.index(node): [node.replace(outs=(part,)), Node("all_reduce", node.outs, (part,), {}, node.loc)]}
+
     def embedding(node: Node, ctx):
         if kind(ctx, node.ins[1]) != "vocab":
             return None
@@ -89,7 +96,7 @@ def _rules(tp: int):
             return None  # already local (segments are global sizes)
         return {ctx.index(node): [node.replace(attrs={**node.attrs, "sizes": _local_parts(w, tp)})]}
 
-    return [("linear", linear), ("embedding", embedding), ("split", split)]
+    return [("linear", linear), ("embedding", embedding), ("split", split), ("experts", moe), ("fused_moe", moe)]
 
 
 def run(graph: Graph, options) -> Graph:
@@ -99,4 +106,9 @@ def run(graph: Graph, options) -> Graph:
     weights = {k: _shard_weight(w, tp) for k, w in graph.weights.items()}
     body = tuple(item.replace(weights={k: _shard_weight(w, tp) for k, w in item.weights.items()})
                  if isinstance(item, Repeat) else item for item in graph.body)
-    return apply_rules(graph.replace(weights=weights, body=body), _rules(tp))[0]
+    graph = apply_rules(graph.replace(weights=weights, body=body), _rules(tp))[0]
+    try:
+        verify(graph)
+    except VerifyError as e:  # e.g. a norm over a whole projection that is now split across ranks
+        raise MxcError(f"--tp {tp}: this model cannot be split as its definition stands: {e}") from None
+    return graph

@@ -1,0 +1,458 @@
+"""Fused mixture-of-experts MLP in Triton: token sorting by expert, then two grouped GEMMs.
+
+Semantics are ``mxc.kernels.moe_ref.fused_moe`` (the oracle): x [T, H]; each token t was
+routed to experts ``ids[t, j]`` with weights ``weights[t, j]`` (j < k); the output row is
+``sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` with w_gate_up [E, 2I, H]
+(gate rows, then up rows) and w_down [E, H, I]. The work is E small GEMMs whose row sets are
+known only on the device; the algorithm (vLLM's ``fused_moe`` structure, written anew) makes
+them one launch each with shapes and grids that depend on shapes only, so a forward pass can be
+recorded on ``meta`` tensors, compiled ahead of time and replayed in a CUDA graph.
+
+1. ``moe_align`` groups the k*T *assignments* (index ``a = t * k + j``) by expert, each group
+   padded to a multiple of BLOCK_M with the sentinel ``T * k``, so that every block of BLOCK_M
+   consecutive entries of ``sorted_token_ids`` belongs to one expert (``expert_of_block``).
+   The padded length is data-dependent (``num_tokens_post_padded``, on the device); the buffers
+   are sized for the worst case ``P = roundup(T*k + min(E, T*k) * (BLOCK_M - 1), BLOCK_M)``
+   (at most min(E, T*k) experts are used, each wasting < BLOCK_M slots), and programs of blocks
+   past ``num_tokens_post_padded`` return at once. Three kernels, no host reads, no atomics:
+   a. ``_moe_count_kernel`` (grid cdiv(P, CHUNK)): fills ``sorted_token_ids`` with the
+      sentinel and writes per-chunk histograms ``counts [C, E]`` of CHUNK assignments each
+      (``tl.histogram``; invalid and masked lanes go to a discard bin E).
+   b. ``_moe_offsets_kernel`` (one program): expert totals, padded to BLOCK_M; their exclusive
+      prefix sum (``starts [E]``) and total (``num_tokens_post_padded``); ``expert_of_block``
+      for every block (the number of experts ending at or before the block's first slot; -1 for
+      blocks past the padded length).
+   c. ``_moe_scatter_kernel`` (grid (C, E); programs whose (chunk, expert) count is 0 return):
+      the program of (c, e) places chunk c's assignments of expert e at ``starts[e]`` + the
+      counts of e in chunks before c + their rank in the chunk (``tl.cumsum`` of the match
+      mask). Groups are in ascending assignment order: the result is deterministic.
+2. ``_moe_gemm1_kernel`` (grid (P / BLOCK_M, cdiv(I, BLOCK_N))): per block, gather the x rows
+   of its assignments (row ``a // k``), ``tl.dot`` them against the gate and the up rows of the
+   block's expert (two fp32 accumulators, one pass over H), then ``silu(gate) * up`` with the
+   reference's rounding (gate and up rounded to x's dtype as F.linear's outputs, silu in fp32
+   rounded, the product rounded), stored to ``h [T*k, I]`` at the assignments' rows.
+3. ``_moe_gemm2_kernel`` (grid (P / BLOCK_M, cdiv(H, BLOCK_N))): ``h[rows] @ w_down[e]^T``,
+   rounded, times the routing weight (rounded, as the reference's ``y * weight``), stored to
+   ``y [T*k, H]`` at the assignments' rows. With k == 1, y is the output itself.
+4. ``_moe_sum_kernel`` (k > 1; grid (T, cdiv(H, BLOCK_H))): ``out[t] = sum_j y[t*k + j]`` in
+   fp32, in j order, rounded once (deterministic; no atomics). The reference adds in its own
+   dtype in ascending expert order (``index_add_``): identical for k <= 2, within a rounding of
+   the dtype for k > 2.
+
+Why this shape: grouping turns k*T tiny GEMVs into full-width tensor-core tiles whose rows
+share one expert's weights, so each expert's weights are read once per BLOCK_M rows (once in
+total at decode, where every expert gets < BLOCK_M rows); the gather of x rows happens in the
+GEMM's loads (no permuted copy of x), and the intermediate ``h`` is indexed by assignment
+(k*T rows, not P) so its size does not grow with E * BLOCK_M padding. The grid is
+``(block, n-tile)`` with the block index fastest: concurrently running programs are mostly
+consecutive blocks of one expert on one n-tile, which share the weight tile in L2.
+
+Versions: v1 (this file). Not measured on a GPU yet (no device time was available): the
+defaults in ``config_for`` are vLLM-style heuristics (BLOCK_M 16 while experts get few rows;
+64 for prefill), checked only to compile for sm_90 within shared memory. Possible next steps,
+each to be measured: a sort that avoids the E x C scatter grid for large prefills; split-K or
+a persistent schedule for decode (T*k blocks x n-tiles may under-fill 132 SMs for small H);
+fusing the k-sum into GEMM 2.
+
+fp8 experts: w_gate_up / w_down in float8_e4m3fn with per-output-row fp32 scales
+``s_gate_up [E, 2I]`` / ``s_down [E, H]``: weight tiles are widened to x's dtype after the load
+(exact: e4m3 fits in fp16 and bf16), the accumulator columns are scaled by the row scales
+before the epilogue's rounding. Activations stay unquantized. The oracle is ``moe_ref`` on the
+dequantized weights ``(w.float() * s[..., None]).to(x.dtype)``; results differ by the rounding
+of the dequantized weights and the fp32 summation order.
+
+Kernels follow ``mxc.kernels.launch``'s convention: pointers and dynamic ints only (the
+assignment count ``numel = T*k`` and the padded length P are dynamic, so one binary serves a
+token-count bucket); E, H, I, k and every tile are constexprs; tensors are contiguous; absent
+scale pointers are None. Plain pointer arithmetic (no block pointers or tensor descriptors):
+compiles on Triton 3.6 and 3.9. Loaded bf16/fp8 values are cast before any arithmetic other
+than ``tl.dot`` (the interpreter holds them as raw bits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from mxc.kernels.launch import launch
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FP8 = torch.float8_e4m3fn
+
+__all__ = ["MoeConfig", "config_for", "token_bucket", "padded_size", "moe_align", "fused_moe"]
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels: sorting assignments by expert
+
+
+@triton.jit
+def _moe_count_kernel(ids_ptr, counts_ptr, sorted_ptr, numel, P,
+                      E: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """Program c: ``sorted[c*CHUNK : (c+1)*CHUNK] = numel`` (the sentinel; slots < P) and, for
+    chunks of assignments (c*CHUNK < numel), ``counts[c, e]`` = the chunk's assignments to e."""
+    pid = tl.program_id(0)
+    offs = pid * CHUNK + tl.arange(0, CHUNK)
+    tl.store(sorted_ptr + offs, tl.zeros((CHUNK,), dtype=tl.int32) + numel, mask=offs < P)
+    if pid * CHUNK < numel:
+        ids = tl.load(ids_ptr + offs, mask=offs < numel, other=E)
+        ok = (ids >= 0) & (ids < E)
+        bins = tl.where(ok, ids, E).to(tl.int32)  # E: the discard bin (E_PAD > E)
+        hist = tl.histogram(bins, E_PAD)
+        offs_e = tl.arange(0, E_PAD)
+        tl.store(counts_ptr + pid * E + offs_e, hist, mask=offs_e < E)
+
+
+@triton.jit
+def _moe_offsets_kernel(counts_ptr, starts_ptr, expert_ptr, ntpp_ptr, numel, P,
+                        E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                        CHUNK: tl.constexpr, C_TILE: tl.constexpr, B_TILE: tl.constexpr):
+    """One program: totals per expert, padded to BLOCK_M; ``starts`` (exclusive prefix sum),
+    ``ntpp`` (the padded total) and ``expert_of_block`` for all P / BLOCK_M blocks."""
+    offs_e = tl.arange(0, E_PAD)
+    e_ok = offs_e < E
+    n_chunks = tl.cdiv(numel, CHUNK)
+    totals = tl.zeros((E_PAD,), dtype=tl.int32)
+    for c0 in range(0, n_chunks, C_TILE):
+        offs_c = c0 + tl.arange(0, C_TILE)
+        cnt = tl.load(counts_ptr + offs_c[:, None] * E + offs_e[None, :],
+                      mask=(offs_c < n_chunks)[:, None] & e_ok[None, :], other=0)
+        totals += tl.sum(cnt, axis=0)
+    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)  # [E_PAD]; lanes >= E are 0 wide and end at ntpp
+    ntpp = tl.sum(padded, axis=0)
+    tl.store(starts_ptr + offs_e, ends - padded, mask=e_ok)
+    tl.store(ntpp_ptr, ntpp)
+    n_blocks = P // BLOCK_M
+    for b0 in range(0, n_blocks, B_TILE):
+        offs_b = b0 + tl.arange(0, B_TILE)
+        first = offs_b * BLOCK_M  # first slot of each block
+        expert = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), axis=1)
+        expert = tl.where(first < ntpp, expert, -1)
+        tl.store(expert_ptr + offs_b, expert, mask=offs_b < n_blocks)
+
+
+@triton.jit
+def _moe_scatter_kernel(ids_ptr, counts_ptr, starts_ptr, sorted_ptr, numel,
+                        E: tl.constexpr, CHUNK: tl.constexpr, C_TILE: tl.constexpr):
+    """Program (c, e): chunk c's assignments to expert e, in order, at their sorted slots."""
+    c = tl.program_id(0)
+    e = tl.program_id(1)
+    if tl.load(counts_ptr + c * E + e) == 0:
+        return
+    base = tl.load(starts_ptr + e)
+    for c0 in range(0, c, C_TILE):  # counts of e in the chunks before c
+        offs_c = c0 + tl.arange(0, C_TILE)
+        base += tl.sum(tl.load(counts_ptr + offs_c * E + e, mask=offs_c < c, other=0), axis=0)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + offs, mask=offs < numel, other=-1)
+    hit = ids == e
+    slot = base + tl.cumsum(hit.to(tl.int32), 0) - 1
+    tl.store(sorted_ptr + slot, offs, mask=hit)
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels: grouped GEMMs
+
+
+@triton.jit
+def _dot(a, b, acc):
+    """acc += a @ b in fp32; fp32 operands as three tf32 products (~fp32 accuracy on tensor cores)."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="tf32x3")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _load_w(w_ptrs, mask, other, ty: tl.constexpr):
+    """A weight tile as an operand of dtype ``ty`` (x's dtype): fp8 widened (exact), else as is.
+    ``mask`` and ``other`` are both None (unmasked) or both given."""
+    w = tl.load(w_ptrs, mask=mask, other=other)
+    if w_ptrs.dtype.element_ty == tl.float8e4nv:
+        w = w.to(tl.float32).to(ty)
+    return w
+
+
+@triton.jit
+def _block_rows(sorted_ptr, expert_ptr, numel, pid_m, BLOCK_M: tl.constexpr):
+    """Block pid_m's assignment rows (int64; the sentinel ``numel`` marks padding), their mask,
+    and its expert (int64)."""
+    rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_ok = rows < numel
+    expert = tl.load(expert_ptr + pid_m).to(tl.int64)
+    return rows, row_ok, expert
+
+
+@triton.jit
+def _moe_gemm1_kernel(x_ptr, w_ptr, s_ptr, sorted_ptr, expert_ptr, ntpp_ptr, h_ptr, numel,
+                      H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (block, n-tile): h[rows, n] = silu(x[rows // k] @ gate_e^T) * (x[rows // k] @ up_e^T)
+    for columns n of I, e the block's expert. w_ptr: w_gate_up [E, 2I, H]; s_ptr: its fp8 row
+    scales [E, 2I], or None; h_ptr: h [numel, I] in x's dtype."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(ntpp_ptr):
+        return
+    ty = x_ptr.dtype.element_ty
+    EVEN_K: tl.constexpr = H % BLOCK_K == 0
+    rows, row_ok, expert = _block_rows(sorted_ptr, expert_ptr, numel, pid_m, BLOCK_M)
+    tok = tl.where(row_ok, rows // TOP_K, 0)  # padding rows read token 0; never stored
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = offs_n % I  # columns past I re-read valid rows; only the store is masked
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tok[:, None] * H + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    g_ptrs = w_ptr + expert * (2 * I * H) + rn[None, :] * H + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+    u_ptrs = g_ptrs + I * H
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, H, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(x_ptrs)
+            g = _load_w(g_ptrs, None, None, ty)
+            u = _load_w(u_ptrs, None, None, ty)
+        else:
+            k_ok = (k + offs_k) < H
+            a = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+            g = _load_w(g_ptrs, k_ok[:, None], 0.0, ty)
+            u = _load_w(u_ptrs, k_ok[:, None], 0.0, ty)
+        acc_g = _dot(a, g, acc_g)
+        acc_u = _dot(a, u, acc_u)
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    if s_ptr is not None:
+        s_g = tl.load(s_ptr + expert * (2 * I) + rn).to(tl.float32)
+        s_u = tl.load(s_ptr + expert * (2 * I) + I + rn).to(tl.float32)
+        acc_g = acc_g * s_g[None, :]
+        acc_u = acc_u * s_u[None, :]
+    # the reference's rounding: F.linear outputs in the dtype, silu in fp32 rounded, product rounded
+    gate = acc_g.to(ty).to(tl.float32)
+    up = acc_u.to(ty).to(tl.float32)
+    act = tl.div_rn(gate, 1.0 + tl.exp(-gate)).to(ty).to(tl.float32)
+    h = (act * up).to(ty)
+    mask = row_ok[:, None] & (offs_n < I)[None, :]
+    tl.store(h_ptr + rows[:, None] * I + offs_n[None, :], h, mask=mask)
+
+
+@triton.jit
+def _moe_gemm2_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, sorted_ptr, expert_ptr, ntpp_ptr, y_ptr, numel,
+                      H: tl.constexpr, I: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (block, n-tile): y[rows, n] = (h[rows] @ down_e^T)[:, n] * weights[rows] for
+    columns n of H. w_ptr: w_down [E, H, I]; s_ptr: its fp8 row scales [E, H], or None;
+    weights_ptr: the routing weights [numel] (x's dtype); y_ptr: y [numel, H]."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(ntpp_ptr):
+        return
+    ty = h_ptr.dtype.element_ty
+    EVEN_K: tl.constexpr = I % BLOCK_K == 0
+    rows, row_ok, expert = _block_rows(sorted_ptr, expert_ptr, numel, pid_m, BLOCK_M)
+    src = tl.where(row_ok, rows, 0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = offs_n % H
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + src[:, None] * I + offs_k[None, :]
+    w_ptrs = w_ptr + expert * (H * I) + rn[None, :] * I + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, I, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            w = _load_w(w_ptrs, None, None, ty)
+        else:
+            k_ok = (k + offs_k) < I
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            w = _load_w(w_ptrs, k_ok[:, None], 0.0, ty)
+        acc = _dot(a, w, acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if s_ptr is not None:
+        acc = acc * tl.load(s_ptr + expert * H + rn).to(tl.float32)[None, :]
+    wt = tl.load(weights_ptr + src).to(tl.float32)
+    y = (acc.to(ty).to(tl.float32) * wt[:, None]).to(y_ptr.dtype.element_ty)
+    mask = row_ok[:, None] & (offs_n < H)[None, :]
+    tl.store(y_ptr + rows[:, None] * H + offs_n[None, :], y, mask=mask)
+
+
+@triton.jit
+def _moe_sum_kernel(y_ptr, out_ptr, H: tl.constexpr, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Program (t, h-tile): out[t] = sum over j (in order, fp32) of y[t*k + j], rounded once."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = offs_h < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(y_ptr + (t * TOP_K + j) * H + offs_h, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * H + offs_h, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# configs
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Tiles of both grouped GEMMs (BLOCK_M is also the alignment of the expert groups) and the
+    assignments per program of the sorting kernels (CHUNK)."""
+    BLOCK_M: int = 16
+    BLOCK_N: int = 64
+    BLOCK_K: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    CHUNK: int = 1024
+
+
+def token_bucket(t: int) -> int:
+    """The token-count bucket of ``t`` tokens: the next power of two."""
+    if t < 1:
+        raise ValueError(f"fused_moe needs at least one token, got {t}")
+    return 1 << (t - 1).bit_length()
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def config_for(t_bucket: int, num_experts: int, top_k: int, hidden: int, inter: int,
+               dtype: torch.dtype) -> MoeConfig:
+    """Default config for a (token bucket, E, k, H, I, activation dtype); a pure function.
+
+    Not measured on a GPU (see the module docstring): heuristics after vLLM's defaults. BLOCK_M
+    follows the average rows per expert ``t_bucket * k / E`` (16, the smallest tensor-core
+    tile, while that is <= 16: decode; 32 up to 64; 64 beyond). Tiles are sized in bytes so
+    that fp32 gets half the K elements; GEMM 1 holds two weight tiles (gate, up) a stage:
+    bf16 [16 x 128] x + 2 x [128 x 64] w = 36 KB a stage, 4 stages; [64 x 64] + 2 x [64 x 128]
+    = 40 KB, 3 stages (sm_90 allows 227 KB). Tiles shrink to the (power-of-two) H and I.
+    """
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype}")
+    if t_bucket != token_bucket(t_bucket):
+        raise ValueError(f"t_bucket must be a power of two, got {t_bucket}")
+    per_expert = t_bucket * top_k / num_experts
+    if per_expert <= 16:
+        bm, bn, k_bytes, warps, stages = 16, 64, 256, 4, 4
+    elif per_expert <= 64:
+        bm, bn, k_bytes, warps, stages = 32, 64, 128, 4, 4
+    else:
+        bm, bn, k_bytes, warps, stages = 64, 128, 128, 8, 3
+    bk = k_bytes // torch.empty((), dtype=dtype).element_size()  # 16-bit: 128 / 64; fp32: half
+    bn = max(16, min(bn, _pow2(max(inter, hidden))))
+    bk = max(16, min(bk, _pow2(min(inter, hidden))))
+    return MoeConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+
+
+def padded_size(numel: int, num_experts: int, block_m: int) -> int:
+    """P: the most slots the padded expert groups can take (at most min(E, numel) groups,
+    each padded by < block_m), rounded up to block_m."""
+    bound = numel + min(num_experts, numel) * (block_m - 1)
+    return -(-bound // block_m) * block_m
+
+
+# ----------------------------------------------------------------------------------------------
+# wrappers
+
+
+def moe_align(ids: torch.Tensor, num_experts: int, block_m: int, *, chunk: int = 1024):
+    """Group the assignments of ``ids [T, k]`` (int64 expert ids in [0, E)) by expert.
+
+    Returns ``(sorted_token_ids [P] int32, expert_of_block [P / block_m] int32,
+    num_tokens_post_padded [1] int32)`` with ``P = padded_size(T * k, E, block_m)``. Entries are
+    assignment indices ``t * k + j``, grouped by ascending expert, each group in ascending order
+    and padded to a multiple of block_m with the sentinel ``T * k``; slots from
+    ``num_tokens_post_padded`` to P are sentinels too, and their blocks' expert is -1. Ids
+    outside [0, E) are dropped (no out-of-bounds access; their rows are then left unwritten
+    by ``fused_moe``). Never reads device values on the host; runs on ``meta`` tensors.
+    """
+    if ids.dim() != 2 or ids.dtype != torch.int64 or not ids.is_contiguous():
+        raise ValueError(f"ids must be contiguous [T, k] int64, got {tuple(ids.shape)} {ids.dtype}")
+    if num_experts < 1 or block_m < 1 or block_m & (block_m - 1) or chunk < 16 or chunk & (chunk - 1):
+        raise ValueError(f"need E >= 1 and power-of-two block_m and chunk >= 16, got {num_experts}, "
+                         f"{block_m}, {chunk}")
+    numel = ids.numel()
+    if numel < 1:
+        raise ValueError("ids is empty")
+    P = padded_size(numel, num_experts, block_m)
+    dev = ids.device
+    sorted_ids = torch.empty(P, dtype=torch.int32, device=dev)
+    expert_of_block = torch.empty(P // block_m, dtype=torch.int32, device=dev)
+    ntpp = torch.empty(1, dtype=torch.int32, device=dev)
+    n_chunks = triton.cdiv(numel, chunk)
+    counts = torch.empty((n_chunks, num_experts), dtype=torch.int32, device=dev)
+    starts = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    e_pad = _pow2(num_experts + 1)  # room for the discard bin
+    launch(_moe_count_kernel, (triton.cdiv(P, chunk),), [ids, counts, sorted_ids, numel, P],
+           dict(E=num_experts, E_PAD=e_pad, CHUNK=chunk), num_warps=4)
+    launch(_moe_offsets_kernel, (1,), [counts, starts, expert_of_block, ntpp, numel, P],
+           dict(E=num_experts, E_PAD=e_pad, BLOCK_M=block_m, CHUNK=chunk,
+                C_TILE=max(1, 4096 // e_pad), B_TILE=max(16, 4096 // e_pad)), num_warps=4)
+    launch(_moe_scatter_kernel, (n_chunks, num_experts), [ids, counts, starts, sorted_ids, numel],
+           dict(E=num_experts, CHUNK=chunk, C_TILE=64), num_warps=4)
+    return sorted_ids, expert_of_block, ntpp
+
+
+def _check_weight(name, w, shape, scale, dtype, device):
+    if tuple(w.shape) != shape or not w.is_contiguous() or w.device != device:
+        raise ValueError(f"{name} must be contiguous {list(shape)} on {device}, got {tuple(w.shape)}")
+    if w.dtype == FP8:
+        if scale is None or scale.shape != shape[:2] or scale.dtype != torch.float32 \
+                or not scale.is_contiguous() or scale.device != device:
+            raise ValueError(f"fp8 {name} needs contiguous float32 row scales {list(shape[:2])} on {device}")
+    elif w.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype} (x's dtype) or {FP8}, got {w.dtype}")
+    elif scale is not None:
+        raise ValueError(f"a scale for {name} is only taken with fp8 weights")
+
+
+def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
+              w_down: torch.Tensor, *, s_gate_up: torch.Tensor | None = None, s_down: torch.Tensor | None = None,
+              config: MoeConfig | None = None) -> torch.Tensor:
+    """``moe_ref.fused_moe(x, weights, ids, w_gate_up, w_down)`` -> [T, H] in x's dtype.
+
+    x [T, H] (fp32/fp16/bf16); weights [T, k] (x's dtype); ids [T, k] int64 in [0, E);
+    w_gate_up [E, 2I, H] (gate rows then up rows) and w_down [E, H, I], in x's dtype or
+    float8_e4m3fn with float32 row scales ``s_gate_up [E, 2I]`` / ``s_down [E, H]``
+    (``w = q * s[..., None]``). All contiguous on one device. ``config`` overrides
+    ``config_for(token_bucket(T), E, k, H, I, x.dtype)``. Never reads device values on the
+    host: runs on ``meta`` tensors under a recording launcher; grids depend on shapes only.
+    """
+    if x.dim() != 2 or x.dtype not in _DTYPES or not x.is_contiguous():
+        raise ValueError(f"x must be contiguous [T, H] in one of {_DTYPES}, got {tuple(x.shape)} {x.dtype}")
+    T, H = x.shape
+    if ids.dim() != 2 or ids.shape[0] != T or ids.dtype != torch.int64 or not ids.is_contiguous():
+        raise ValueError(f"ids must be contiguous [{T}, k] int64, got {tuple(ids.shape)} {ids.dtype}")
+    top_k = ids.shape[1]
+    if weights.shape != ids.shape or weights.dtype != x.dtype or not weights.is_contiguous():
+        raise ValueError(f"weights must be contiguous {list(ids.shape)} {x.dtype}")
+    if w_gate_up.dim() != 3 or w_down.dim() != 3 or w_gate_up.shape[1] % 2:
+        raise ValueError(f"expected w_gate_up [E, 2I, H] and w_down [E, H, I], got "
+                         f"{tuple(w_gate_up.shape)} and {tuple(w_down.shape)}")
+    E, I = w_gate_up.shape[0], w_gate_up.shape[1] // 2
+    _check_weight("w_gate_up", w_gate_up, (E, 2 * I, H), s_gate_up, x.dtype, x.device)
+    _check_weight("w_down", w_down, (E, H, I), s_down, x.dtype, x.device)
+    if len({t.device for t in (x, weights, ids)}) != 1:
+        raise ValueError("x, weights and ids must be on one device")
+    cfg = config if config is not None else config_for(token_bucket(T), E, top_k, H, I, x.dtype)
+
+    sorted_ids, expert_of_block, ntpp = moe_align(ids, E, cfg.BLOCK_M, chunk=cfg.CHUNK)
+    numel = T * top_k
+    n_blocks = sorted_ids.numel() // cfg.BLOCK_M
+    h = torch.empty((numel, I), dtype=x.dtype, device=x.device)
+    out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    y = out if top_k == 1 else torch.empty((numel, H), dtype=x.dtype, device=x.device)
+    tiles = dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K)
+    launch(_moe_gemm1_kernel, (n_blocks, triton.cdiv(I, cfg.BLOCK_N)),
+           [x, w_gate_up, s_gate_up, sorted_ids, expert_of_block, ntpp, h, numel],
+           dict(H=H, I=I, TOP_K=top_k, **tiles), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    launch(_moe_gemm2_kernel, (n_blocks, triton.cdiv(H, cfg.BLOCK_N)),
+           [h, w_down, s_down, weights, sorted_ids, expert_of_block, ntpp, y, numel],
+           dict(H=H, I=I, **tiles), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if top_k > 1:
+        block_h = min(1024, _pow2(H))
+        launch(_moe_sum_kernel, (T, triton.cdiv(H, block_h)), [y, out],
+               dict(H=H, TOP_K=top_k, BLOCK_H=block_h), num_warps=4)
+    return out

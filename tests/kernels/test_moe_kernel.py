@@ -1,0 +1,306 @@
+"""Triton fused MoE (``triton_moe.moe_align`` / ``fused_moe``) against ``moe_ref.fused_moe``.
+
+Runs under TRITON_INTERPRET=1 on the CPU (tests/kernels/conftest.py makes the interpreter's
+bf16/fp8 conversions round as the GPU does), with small explicit configs on ragged shapes:
+H = 48 and I = 40 are not multiples of the 32-wide tiles (partial K steps and n-tiles in both
+GEMMs), CHUNK = 16 makes the sort span several chunks. ``moe_align`` is checked for its
+invariants on random and degenerate routings; ``fused_moe`` against the reference for
+T in {1, 5, 13}, E in {4, 8}, k in {1, 2}, fp32/fp16/bf16 (tolerance relative to the output's
+largest magnitude: 1e-4, 2e-3, 2e-2), tokens that all pick one expert, experts with no tokens,
+fp8 experts against the reference on dequantized weights. Also: meta-device recording (grids
+and binaries from shapes only) and an sm_90 compile of every kernel (a subprocess without
+the interpreter).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from mxc.kernels import launch as launch_mod
+from mxc.kernels import moe_ref
+from mxc.kernels import triton_moe as tm
+from mxc.kernels.triton_moe import MoeConfig
+
+# bf16 needs the interpreter's float conversions fixed (tests/kernels/conftest.py) off the GPU
+_BF16_OK = torch.cuda.is_available() or Path(__file__).with_name("conftest.py").exists()
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if _BF16_OK else [])
+TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+H, I = 48, 40
+SMALL = MoeConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, CHUNK=16)
+
+
+def _random_ids(T, k, E, g):
+    """Distinct experts per token, as top-k routing gives."""
+    return torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int64)
+
+
+def _inputs(T, k, E, dtype, seed, ids=None, h=H, i=I):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, h, generator=g).to(dtype)
+    ids = _random_ids(T, k, E, g) if ids is None else ids
+    weights = torch.rand(T, k, generator=g).to(dtype)
+    w_gate_up = (torch.randn(E, 2 * i, h, generator=g) * h ** -0.5).to(dtype)
+    w_down = (torch.randn(E, h, i, generator=g) * i ** -0.5).to(dtype)
+    return x, weights, ids, w_gate_up, w_down
+
+
+def _dev(t):
+    return None if t is None else t.to(DEVICE)
+
+
+def _check(y, ref, tol):
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    y, ref = y.cpu().float(), ref.float()
+    assert not y.isnan().any()
+    err, scale = (y - ref).abs().max().item(), ref.abs().max().item()
+    assert err <= tol * scale, f"max error {err}, output scale {scale}"
+
+
+def _run(T, k, E, dtype, seed, cfg=SMALL, ids=None, h=H, i=I):
+    x, weights, ids, w_gate_up, w_down = _inputs(T, k, E, dtype, seed, ids, h, i)
+    y = tm.fused_moe(_dev(x), _dev(weights), _dev(ids), _dev(w_gate_up), _dev(w_down), config=cfg)
+    _check(y, moe_ref.fused_moe(x, weights, ids, w_gate_up, w_down), TOL[dtype])
+    return y
+
+
+# ----------------------------------------------------------------------------------------------
+# moe_align
+
+
+def _check_align(ids, E, block_m, chunk):
+    sorted_ids, expert_of_block, ntpp = (t.cpu() for t in tm.moe_align(_dev(ids), E, block_m, chunk=chunk))
+    numel = ids.numel()
+    flat = ids.flatten()
+    P = tm.padded_size(numel, E, block_m)
+    assert sorted_ids.shape == (P,) and expert_of_block.shape == (P // block_m,) and ntpp.shape == (1,)
+    assert sorted_ids.dtype == expert_of_block.dtype == ntpp.dtype == torch.int32
+    valid = (flat >= 0) & (flat < E)
+    counts = torch.bincount(flat[valid], minlength=E)
+    padded = (counts + block_m - 1) // block_m * block_m
+    assert ntpp.item() == padded.sum().item() <= P
+    start = 0
+    for e in range(E):
+        group = sorted_ids[start:start + padded[e]]
+        expected = torch.nonzero(flat == e).flatten().to(torch.int32)  # ascending assignments
+        assert torch.equal(group[:counts[e]], expected), f"expert {e}"
+        assert (group[counts[e]:] == numel).all(), f"padding of expert {e}"
+        assert (expert_of_block[start // block_m:(start + padded[e]) // block_m] == e).all()
+        start += padded[e].item()
+    assert (sorted_ids[start:] == numel).all() and (expert_of_block[start // block_m:] == -1).all()
+    # every valid assignment exactly once; dropped ones (ids outside [0, E)) never
+    real = sorted_ids[sorted_ids < numel].long()
+    assert torch.equal(torch.sort(real).values, torch.nonzero(valid).flatten())
+
+
+@pytest.mark.parametrize("T,k,E,block_m,chunk", [
+    (1, 1, 4, 16, 1024), (1, 2, 8, 16, 16), (5, 2, 4, 16, 16), (13, 2, 8, 16, 16),
+    (40, 2, 8, 16, 16), (40, 4, 16, 4, 32), (33, 3, 5, 8, 64), (7, 8, 64, 16, 16),
+])
+def test_moe_align_random(T, k, E, block_m, chunk):
+    g = torch.Generator().manual_seed(T * 100 + E)
+    _check_align(_random_ids(T, k, E, g), E, block_m, chunk)
+
+
+def test_moe_align_degenerate():
+    # all tokens on one expert (two blocks of it), the other experts empty
+    _check_align(torch.full((20, 1), 2, dtype=torch.int64), 4, 16, 16)
+    # two experts of eight used, groups exactly block-sized (no padding)
+    _check_align(torch.tensor([[1, 6]] * 16, dtype=torch.int64), 8, 16, 16)
+    # a single expert
+    _check_align(torch.zeros((9, 1), dtype=torch.int64), 1, 4, 16)
+    # ids outside [0, E) are dropped
+    _check_align(torch.tensor([[0, -1], [5, 3], [3, 1]], dtype=torch.int64), 4, 4, 16)
+
+
+# ----------------------------------------------------------------------------------------------
+# fused_moe
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("E", [4, 8])
+@pytest.mark.parametrize("T", [1, 5, 13])
+def test_fused_moe(T, E, k, dtype):
+    _run(T, k, E, dtype, seed=T * 10 + E + k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_one_expert_for_all(dtype):
+    """20 tokens on expert 2 (two BLOCK_M blocks of one expert); the other three get none."""
+    _run(20, 1, 4, dtype, seed=3, ids=torch.full((20, 1), 2, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_empty_experts(dtype):
+    """k = 2 over 8 experts, only experts 1 and 6 used (and 6 by exactly BLOCK_M assignments)."""
+    ids = torch.tensor([[1, 6]] * 16, dtype=torch.int64)
+    ids[::3] = torch.tensor([6, 1])
+    _run(16, 2, 8, dtype, seed=4, ids=ids)
+
+
+@pytest.mark.parametrize("T,k,E,cfg,h,i,dtype", [
+    (5, 2, 4, None, H, I, torch.bfloat16),  # config_for's tiles (64 wide) on a small shape
+    (6, 3, 4, MoeConfig(BLOCK_M=32, BLOCK_N=16, BLOCK_K=16, CHUNK=16), H, I, torch.float16),  # k = 3
+    (9, 2, 8, MoeConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, CHUNK=1024), 64, 32, torch.float32),  # EVEN_K
+    (3, 4, 8, MoeConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=16, CHUNK=16), 64, 48, torch.bfloat16),
+], ids=["default", "k3-bm32", "even-k", "k4"])
+def test_variants(T, k, E, cfg, h, i, dtype):
+    _run(T, k, E, dtype, seed=T + k + E, cfg=cfg, h=h, i=i)
+
+
+def test_deterministic():
+    a = _run(13, 2, 4, torch.bfloat16, seed=1)
+    b = _run(13, 2, 4, torch.bfloat16, seed=1)
+    assert torch.equal(a, b)
+
+
+def _quantize_rows(w):
+    """float8_e4m3fn weights with one fp32 scale per output row (amax / 448)."""
+    s = (w.abs().amax(dim=-1).float() / 448.0).clamp_min(1e-12)
+    return (w.float() / s[..., None]).to(torch.float8_e4m3fn), s
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T,k,E", [(1, 2, 4), (13, 2, 8)])
+def test_fp8_experts(T, k, E, dtype):
+    x, weights, ids, w_gate_up, w_down = _inputs(T, k, E, torch.float32, seed=T + E)
+    w_gate_up[:, :I] *= 3  # gate and up rows at different scales
+    (q1, s1), (q2, s2) = _quantize_rows(w_gate_up), _quantize_rows(w_down)
+    x, weights = x.to(dtype), weights.to(dtype)
+    deq = lambda q, s: (q.float() * s[..., None]).to(dtype)  # noqa: E731
+    y = tm.fused_moe(_dev(x), _dev(weights), _dev(ids), _dev(q1), _dev(q2), s_gate_up=_dev(s1), s_down=_dev(s2),
+                     config=SMALL)
+    _check(y, moe_ref.fused_moe(x, weights, ids, deq(q1, s1), deq(q2, s2)), TOL[dtype])
+
+
+def test_rejects_bad_inputs():
+    x, weights, ids, wgu, wd = _inputs(3, 2, 4, torch.float16, seed=0)
+    ok = dict(config=SMALL)
+    with pytest.raises(ValueError):
+        tm.fused_moe(x, weights, ids.int(), wgu, wd, **ok)
+    with pytest.raises(ValueError):
+        tm.fused_moe(x, weights.float(), ids, wgu, wd, **ok)
+    with pytest.raises(ValueError):
+        tm.fused_moe(x, weights, ids, wgu.float(), wd, **ok)
+    with pytest.raises(ValueError):
+        tm.fused_moe(x, weights, ids, wgu[:, :, :40].contiguous(), wd, **ok)
+    with pytest.raises(ValueError):
+        tm.fused_moe(x, weights, ids, wgu, wd.transpose(1, 2), **ok)
+    with pytest.raises(ValueError):  # fp8 without scales
+        tm.fused_moe(x, weights, ids, wgu.to(torch.float8_e4m3fn), wd, **ok)
+    with pytest.raises(ValueError):
+        tm.moe_align(ids, 4, 12)
+    with pytest.raises(ValueError):
+        tm.moe_align(ids[:0], 4, 16)
+
+
+def test_config_table():
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for E, k in ((8, 2), (64, 8), (128, 8), (256, 8)):
+            for t in (1, 2, 8, 32, 128, 1024, 8192):
+                cfg = tm.config_for(t, E, k, 4096, 1024, dtype)
+                assert cfg == tm.config_for(t, E, k, 4096, 1024, dtype)
+                per_expert = t * k / E
+                assert cfg.BLOCK_M == (16 if per_expert <= 16 else 32 if per_expert <= 64 else 64)
+                assert cfg.BLOCK_K * torch.empty((), dtype=dtype).element_size() in (128, 256)
+    assert tm.config_for(1, 8, 2, 48, 40, torch.float16).BLOCK_N == 64  # tiles shrink to the shape
+    assert [tm.token_bucket(t) for t in (1, 2, 3, 5, 17, 4096, 4097)] == [1, 2, 4, 8, 32, 4096, 8192]
+    assert tm.padded_size(2, 128, 16) == 32 and tm.padded_size(26, 8, 16) == 160
+    with pytest.raises(ValueError):
+        tm.config_for(3, 8, 2, 64, 64, torch.float16)
+
+
+# ----------------------------------------------------------------------------------------------
+# recording and ahead-of-time compilation
+
+
+def test_meta_recording():
+    """On meta tensors nothing runs; T = 1, 3 and 4 launch the same binaries (constexprs, warps,
+    stages, argument types; T*k is a dynamic argument) with grids from shapes; k = 1 needs no
+    sum kernel."""
+    launches = []
+
+    def record(kernel, grid, args, constexprs, num_warps, num_stages):
+        launches.append((kernel, grid, launch_mod.spec_of(kernel, args, constexprs, num_warps, num_stages)))
+
+    E, k, h, i, dtype = 64, 8, 2048, 768, torch.bfloat16
+    meta = lambda *shape, dt=dtype: torch.empty(*shape, dtype=dt, device="meta")  # noqa: E731
+    w_gate_up, w_down = meta(E, 2 * i, h), meta(E, h, i)
+    specs = {}
+    with launch_mod.using(record):
+        for T in (1, 3, 4, 4096):
+            launches.clear()
+            y = tm.fused_moe(meta(T, h), meta(T, k), meta(T, k, dt=torch.int64), w_gate_up, w_down)
+            assert y.shape == (T, h) and y.device.type == "meta"
+            names = [kern.fn.__name__ if hasattr(kern, "fn") else kern.__name__ for kern, _, _ in launches]
+            assert names == ["_moe_count_kernel", "_moe_offsets_kernel", "_moe_scatter_kernel",
+                             "_moe_gemm1_kernel", "_moe_gemm2_kernel", "_moe_sum_kernel"]
+            bm = launches[3][2]["constexprs"]["BLOCK_M"]
+            P = tm.padded_size(T * k, E, bm)
+            assert launches[3][1] == (P // bm, -(-i // launches[3][2]["constexprs"]["BLOCK_N"]))
+            specs[T] = [spec for _, _, spec in launches]
+        launches.clear()
+        tm.fused_moe(meta(5, h), meta(5, 1), meta(5, 1, dt=torch.int64), w_gate_up, w_down)
+        assert len(launches) == 5
+    # T = 1..4 (<= 16 rows per expert) share binaries; the prefill bucket has its own tiles
+    assert specs[1] == specs[3] == specs[4] and specs[4] != specs[4096]
+    assert specs[1][3]["constexprs"]["BLOCK_M"] == 16 and specs[4096][3]["constexprs"]["BLOCK_M"] == 64
+
+
+_COMPILE_SCRIPT = textwrap.dedent("""
+    import torch, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from mxc.kernels import launch as L, triton_moe as tm
+
+    specs = {}
+    def record(kernel, grid, args, constexprs, num_warps, num_stages):
+        spec = L.spec_of(kernel, args, constexprs, num_warps, num_stages)
+        specs.setdefault(L.spec_key(spec), (kernel, spec))
+    meta = lambda *shape, dt: torch.empty(*shape, dtype=dt, device="meta")
+    bf16, fp8, f32 = torch.bfloat16, torch.float8_e4m3fn, torch.float32
+    # (T, E, k, H, I, activations, weights): decode and prefill buckets, every dtype, fp8 experts
+    cases = [(1, 128, 8, 2048, 768, bf16, bf16), (64, 128, 8, 2048, 768, bf16, bf16),
+             (4096, 128, 8, 2048, 768, bf16, bf16), (16, 8, 2, 4096, 14336, torch.float16, torch.float16),
+             (1, 8, 2, 1024, 512, f32, f32), (4096, 8, 1, 1024, 512, f32, f32),
+             (1, 256, 8, 7168, 2048, bf16, fp8), (4096, 256, 8, 7168, 2048, bf16, fp8)]
+    with L.using(record):
+        for T, E, k, H, I, dt, wdt in cases:
+            scales = dict(s_gate_up=meta(E, 2 * I, dt=f32), s_down=meta(E, H, dt=f32)) if wdt == fp8 else {}
+            tm.fused_moe(meta(T, H, dt=dt), meta(T, k, dt=dt), meta(T, k, dt=torch.int64),
+                         meta(E, 2 * I, H, dt=wdt), meta(E, H, I, dt=wdt), **scales)
+    for fn, spec in specs.values():
+        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
+                 for n, t in spec["signature"].items() if t.startswith("*")}
+        src = ASTSource(fn, signature=spec["signature"], constexprs=spec["constexprs"], attrs=attrs)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": spec["num_warps"], "num_stages": spec["num_stages"]})
+        md = k.metadata
+        assert md.shared <= 232448, (fn.__name__, md.shared)  # sm_90: 227 KB per block
+        assert not getattr(md, "global_scratch_size", 0), fn.__name__
+        if "gemm" in fn.__name__:
+            assert "mma" in k.asm["ptx"], "no tensor-core instructions"
+        print(fn.__name__, spec["constexprs"].get("BLOCK_M"), "smem", md.shared, "ok")
+    print("compiled", len(specs))
+""")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compile check is for machines without a GPU")
+def test_compiles_for_sm90():
+    """Every kernel, at the default configs of decode and prefill buckets, fp32/fp16/bf16 and fp8
+    experts, compiles for Hopper (sm_90) within shared memory, the GEMMs on tensor cores."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    n = int(r.stdout.split("compiled")[-1])
+    assert n >= 20 and r.stdout.count(" ok") == n, r.stdout

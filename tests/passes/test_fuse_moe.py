@@ -1,0 +1,35 @@
+"""fuse_moe: experts over separate gate/up stacks -> fused_moe over one merged stack; numerics unchanged."""
+
+from __future__ import annotations
+
+from mxc.compiler.passes import eliminate_dead_code, fuse_moe
+from mxc.ir import Repeat, ShardSpec, verify
+
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40)
+
+
+def layer(g):
+    return next(it for it in g.body if isinstance(it, Repeat))
+
+
+def test_before_after_and_numerics(bind_arch, assert_same_logits):
+    before = bind_arch("Qwen3MoeForCausalLM", **MOE)
+    after = eliminate_dead_code.run(fuse_moe.run(before, None), None)
+    verify(after)
+    ops = [n.op for n in layer(after).body]
+    assert "experts" not in ops and ops.count("fused_moe") == 1
+    node = next(n for n in layer(after).body if n.op == "fused_moe")
+    assert node.ins[3:] == ("we_gate_up", "we_down")
+    w = layer(after).weights["we_gate_up"]
+    assert w.shape == (4, 80, 64) and w.stack == "e" and w.segments == (40, 40)
+    assert w.hf == ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "model.layers.{i}.mlp.experts.{e}.up_proj.weight")
+    assert w.shard == ShardSpec("column", (40, 40), 1, ("moe_intermediate_size",) * 2)
+    assert "we_gate" not in layer(after).weights and "we_up" not in layer(after).weights
+    assert fuse_moe.run(after, None) == after
+    assert_same_logits(before, after)
+
+
+def test_mixtral_names(bind_arch):
+    g = fuse_moe.run(bind_arch("MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2), None)
+    assert layer(g).weights["we_gate_up"].hf == ("model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight",
+                                                 "model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight")
