@@ -81,6 +81,10 @@ from mxc.kernels.launch import launch
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FP8 = torch.float8_e4m3fn
+# moe_align's tiles: elements of the offsets kernel's [C_TILE, E_PAD] and [B_TILE, E_PAD] tiles,
+# and chunk counts summed per step by the scatter kernel (module names so tests can shrink them)
+_OFFSETS_TILE_ELEMS = 8192
+_SCATTER_C_TILE = 64
 
 __all__ = ["MoeConfig", "config_for", "token_bucket", "padded_size", "moe_align", "fused_moe"]
 
@@ -328,6 +332,7 @@ def config_for(t_bucket: int, num_experts: int, top_k: int, hidden: int, inter: 
     that fp32 gets half the K elements; GEMM 1 holds two weight tiles (gate, up) a stage:
     bf16 [16 x 128] x + 2 x [128 x 64] w = 36 KB a stage, 4 stages; [64 x 64] + 2 x [64 x 128]
     = 40 KB, 3 stages (sm_90 allows 227 KB). Tiles shrink to the (power-of-two) H and I.
+    The sort's CHUNK covers the bucket's T*k assignments (64..1024).
     """
     if dtype not in _DTYPES:
         raise ValueError(f"unsupported dtype {dtype}")
@@ -343,7 +348,8 @@ def config_for(t_bucket: int, num_experts: int, top_k: int, hidden: int, inter: 
     bk = k_bytes // torch.empty((), dtype=dtype).element_size()  # 16-bit: 128 / 64; fp32: half
     bn = max(16, min(bn, _pow2(max(inter, hidden))))
     bk = max(16, min(bk, _pow2(min(inter, hidden))))
-    return MoeConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    chunk = min(1024, max(64, _pow2(t_bucket * top_k)))  # the sort's assignments per program
+    return MoeConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, CHUNK=chunk)
 
 
 def padded_size(numel: int, num_experts: int, block_m: int) -> int:
@@ -389,9 +395,10 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int, *, chunk: int =
            dict(E=num_experts, E_PAD=e_pad, CHUNK=chunk), num_warps=4)
     launch(_moe_offsets_kernel, (1,), [counts, starts, expert_of_block, ntpp, numel, P],
            dict(E=num_experts, E_PAD=e_pad, BLOCK_M=block_m, CHUNK=chunk,
-                C_TILE=max(1, 4096 // e_pad), B_TILE=max(16, 4096 // e_pad)), num_warps=4)
+                C_TILE=max(1, _OFFSETS_TILE_ELEMS // e_pad), B_TILE=max(1, _OFFSETS_TILE_ELEMS // e_pad)),
+           num_warps=4)
     launch(_moe_scatter_kernel, (n_chunks, num_experts), [ids, counts, starts, sorted_ids, numel],
-           dict(E=num_experts, CHUNK=chunk, C_TILE=64), num_warps=4)
+           dict(E=num_experts, CHUNK=chunk, C_TILE=_SCATTER_C_TILE), num_warps=4)
     return sorted_ids, expert_of_block, ntpp
 
 

@@ -23,8 +23,13 @@ QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "intermediate
                              "original_max_position_embeddings": 64}}
 
 
-@pytest.mark.parametrize("config,tp,quant", [(None, 1, None), (QWEN3, 1, None), (None, 2, None), (None, 1, "fp8")],
-                         ids=["llama-default", "qwen3-yarn", "llama-tp2", "llama-fp8"])
+QWEN3_MOE = {**QWEN3, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8, "num_experts_per_tok": 2,
+             "moe_intermediate_size": 32, "norm_topk_prob": True}
+
+
+@pytest.mark.parametrize("config,tp,quant", [(None, 1, None), (QWEN3, 1, None), (None, 2, None), (None, 1, "fp8"),
+                                             (QWEN3_MOE, 2, None)],
+                         ids=["llama-default", "qwen3-yarn", "llama-tp2", "llama-fp8", "qwen3-moe-tp2"])
 def test_cuda_build_compiles_every_kernel_for_sm90(config, tp, quant, tmp_path):
     args = [sys.executable, "-m", "mxc", "build", "llama.yaml", "--target", "cuda", "--out", str(tmp_path / "art"),
             "--max-batch", "4", "--max-seq-len", "128", "--tp", str(tp)] + (["--quant", quant] if quant else [])
@@ -43,6 +48,8 @@ def test_cuda_build_compiles_every_kernel_for_sm90(config, tp, quant, tmp_path):
     kernels = {e["kernel"].split(":")[0].rsplit(".", 1)[1] for e in index.values()}
     assert {"triton_norm", "triton_rope", "triton_attention", "triton_elementwise"} <= kernels
     assert ("triton_fp8" if quant else "triton_gemv") in kernels
+    if config is QWEN3_MOE:
+        assert "triton_moe" in kernels
     for key, entry in index.items():
         cubin = (art / "code" / "kernels" / entry["file"]).read_bytes()
         assert cubin[:4] == b"\x7fELF", key

@@ -109,6 +109,14 @@ def test_moe_align_random(T, k, E, block_m, chunk):
     _check_align(_random_ids(T, k, E, g), E, block_m, chunk)
 
 
+def test_moe_align_tile_loops(monkeypatch):
+    """The sort's loops over tiles of chunks and blocks, several steps each (tiles shrunk)."""
+    monkeypatch.setattr(tm, "_OFFSETS_TILE_ELEMS", 8)  # E = 3 -> E_PAD 4 -> 2 chunks / blocks a step
+    monkeypatch.setattr(tm, "_SCATTER_C_TILE", 2)
+    g = torch.Generator().manual_seed(5)
+    _check_align(_random_ids(40, 2, 3, g), 3, 4, 16)  # 5 chunks, 23 blocks
+
+
 def test_moe_align_degenerate():
     # all tokens on one expert (two blocks of it), the other experts empty
     _check_align(torch.full((20, 1), 2, dtype=torch.int64), 4, 16, 16)
