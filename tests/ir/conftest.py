@@ -30,3 +30,19 @@ def bind_arch():
 @pytest.fixture
 def llama_text() -> str:
     return LLAMA_YAML.read_text()
+
+
+def unique_line(text: str, fragment: str) -> int:
+    """1-based number of the one line of ``text`` containing ``fragment`` (it must be on exactly one line)."""
+    lines = [i for i, ln in enumerate(text.splitlines(), start=1) if fragment in ln]
+    assert len(lines) == 1, f"{fragment!r} is on lines {lines} of the model file; expected exactly one"
+    return lines[0]
+
+
+@pytest.fixture
+def loc_of(llama_text):
+    """Factory: ``"llama.yaml:N"`` for the unique line of llama.yaml containing a statement ``fragment``.
+
+    Expected node locations are computed from the model file, so editing it elsewhere does not break them.
+    """
+    return lambda fragment: f"{LLAMA_YAML.name}:{unique_line(llama_text, fragment)}"

@@ -14,23 +14,26 @@ from mxc.models.registry import bind_model, lookup
 
 
 def line_of(text: str, needle: str) -> int:
-    """1-based number of the first line of ``text`` containing ``needle``."""
-    (n,) = [i for i, ln in enumerate(text.splitlines(), start=1) if needle in ln][:1]
-    return n
+    """1-based number of the line where ``needle`` starts; it must occur exactly once in ``text``
+    (end it with a newline to pin a line that is a prefix of others)."""
+    assert text.count(needle) == 1, f"{needle!r} occurs {text.count(needle)} times; expected exactly once"
+    return text[:text.index(needle)].count("\n") + 1
 
 
 @pytest.fixture
 def bind_bad(tmp_path, llama_text, bind_arch):
     """Factory: replace ``old`` by ``new`` in llama.yaml, bind it; returns (error message, line of ``mark``)."""
 
-    def run(old: str, new: str, mark: str | None = None, arch: str = "LlamaForCausalLM", **fields) -> tuple[str, int]:
+    def run(old: str, new: str, mark: str | None = None, arch: str = "LlamaForCausalLM",
+            **fields) -> tuple[str, int | None]:
         assert llama_text.count(old) == 1, old
         text = llama_text.replace(old, new)
         path = tmp_path / "bad.yaml"
         path.write_text(text)
         with pytest.raises(MxcError) as e:
             bind_arch(arch, model_file=path, **fields)
-        return str(e.value), line_of(text, mark or new.splitlines()[-1])
+        mark = mark or new.splitlines()[-1]
+        return str(e.value), line_of(text, mark) if mark else None  # None: the edit leaves no line to point at
 
     return run
 
@@ -158,7 +161,7 @@ def test_unknown_output(bind_bad):
 
 def test_when_block_with_extra_key(bind_bad):
     msg, line = bind_bad("      - when: qk_norm\n        body:", "      - when: qk_norm\n        else: []\n        body:",
-                         mark="- when: qk_norm")
+                         mark="- when: qk_norm\n")  # not the qk_norm_full block
     assert where(line, "repeat.body.when") + "a when block has exactly the keys when and body" in msg
 
 

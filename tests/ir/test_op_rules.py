@@ -43,6 +43,15 @@ EXAMPLES = {
         ([tt("T", 96), tt("T", 96)], {}, "takes at most 1 inputs"),
         ([tt("T", 96)], {"alpha": 1.0}, "unknown attribute(s) alpha"),
     ]),
+    "sigmoid": (([tt("T", 1)], {}), [tt("T", 1)], [
+        ([tt("T", 1), tt("T", 1)], {}, "takes at most 1 inputs"),
+        ([tt("T", 1)], {"beta": 1.0}, "unknown attribute(s) beta"),
+    ]),
+    "scale_rows": (([tt("T", 64), tt("T", 1)], {}), [tt("T", 64)], [
+        ([tt("T", 64), tt("T")], {}, "scale [T] float32 must be [T, 1]"),
+        ([tt("T", 64), tt("T", 64)], {}, "scale [T, 64] float32 must be [T, 1]"),
+        ([tt("T", 64), tt("R", 1)], {}, "scale [R, 1] float32 must be [T, 1]"),
+    ]),
     "silu_mul": (([tt("T", 192)], {}), [tt("T", 96)], [
         ([tt("T", 191)], {}, "expects [T, 2*I]"),
         ([tt("T", 4, 48)], {}, "expects [T, 2*I]"),
@@ -105,6 +114,46 @@ EXAMPLES = {
         ([tt("T", 64), tt(32, 64), tt(32)], {"granularity": "channel"}, "must be float8_e4m3fn"),
         ([tt("T", 64), tt(32, 64, dtype="float8_e4m3fn"), tt(16)], {"granularity": "channel"}, "channel scale"),
         ([tt("T", 64), tt(32, 64, dtype="float8_e4m3fn"), tt(32)], {"granularity": "block128"}, "block128 scale"),
+    ]),
+    # mixture of experts: 8 experts, top 2, hidden 64, expert intermediate 96
+    "route": (([tt("T", 8)], {"k": 2, "scoring": "softmax", "renormalize": True}),
+              [tt("T", 2), tt("T", 2, dtype="int64")], [
+        ([tt("T", 2, 4)], {"k": 2}, "router logits must be [T, experts]"),
+        ([tt("T", 8)], {"k": 0}, "k=0 must be in 1..8"),
+        ([tt("T", 8)], {"k": 9}, "k=9 must be in 1..8"),
+        ([tt("T", 8)], {"k": 2.0}, "k=2.0 must be in 1..8"),
+        ([tt("T", 8)], {"k": 2, "scoring": "tanh"}, "scoring must be softmax or sigmoid, got 'tanh'"),
+        ([tt("T", 8)], {}, "missing attribute(s) k"),
+        ([tt("T", 8)], {"k": 2, "topk": 2}, "unknown attribute(s) topk"),
+    ]),
+    "experts": (([tt("T", 64), tt("T", 2), tt("T", 2, dtype="int64"), tt(8, 96, 64), tt(8, 96, 64), tt(8, 64, 96)], {}),
+                [tt("T", 64)], [
+        ([tt("T", 64), tt("T", 2), tt("T", 2, dtype="int64"), tt(8, 96, 64), tt(8, 80, 64), tt(8, 64, 96)], {},
+         "gate [8, 96, 64] float32 and up [8, 80, 64] float32 stacks differ"),
+        ([tt("T", 64), tt("T", 2), tt("T", 2), tt(8, 96, 64), tt(8, 96, 64), tt(8, 64, 96)], {},
+         "expects x [T, H], weights and ids [T, k]"),
+        ([tt("T", 64), tt("T", 2), tt("T", 1, dtype="int64"), tt(8, 96, 64), tt(8, 96, 64), tt(8, 64, 96)], {},
+         "expects x [T, H], weights and ids [T, k]"),
+        ([tt("T", 64), tt("R", 2), tt("R", 2, dtype="int64"), tt(8, 96, 64), tt(8, 96, 64), tt(8, 64, 96)], {},
+         "expects x [T, H], weights and ids [T, k]"),
+        ([tt("T", 64), tt("T", 2), tt("T", 2, dtype="int64"), tt(8, 96, 32), tt(8, 96, 32), tt(8, 64, 96)], {},
+         "do not fit x [T, 64] float32"),
+        ([tt("T", 64), tt("T", 2), tt("T", 2, dtype="int64"), tt(8, 96, 64), tt(8, 96, 64), tt(4, 64, 96)], {},
+         "expert stacks [8, 96, 64] float32 / [4, 64, 96] float32 do not fit"),
+        ([tt("T", 64), tt("T", 2), tt("T", 2, dtype="int64"), tt(8, 96, 64), tt(8, 96, 64), tt(8, 64, 48)], {},
+         "do not fit"),
+        ([tt("T", 64), tt("T", 2), tt("T", 2, dtype="int64"), tt(8, 96, 64), tt(8, 96, 64)], {},
+         "input 'w_down' is required"),
+    ]),
+    "fused_moe": (([tt("T", 64), tt("T", 2), tt("T", 2, dtype="int64"), tt(8, 192, 64), tt(8, 64, 96)], {}),
+                  [tt("T", 64)], [
+        ([tt("T", 64), tt("T", 2), tt("T", 2, dtype="int64"), tt(8, 96, 64), tt(8, 64, 96)], {},
+         "expert stacks [8, 96, 64] float32 / [8, 64, 96] float32 do not fit x [T, 64] float32"),
+        ([tt("T", 64), tt("T", 2), tt("T", 2, dtype="int64"), tt(8, 192, 64), tt(8, 32, 96)], {}, "do not fit"),
+        ([tt("T", 64), tt("T", 2), tt("T", 2, dtype="int32"), tt(8, 192, 64), tt(8, 64, 96)], {},
+         "expects x [T, H], weights and ids [T, k]"),
+        ([tt("T", 4, 16), tt("T", 2), tt("T", 2, dtype="int64"), tt(8, 192, 64), tt(8, 64, 96)], {},
+         "expects x [T, H], weights and ids [T, k]"),
     ]),
     # tensor parallelism (the single-process reference: world_size 1, rank 0)
     "vocab_embedding": (([tt("T", dtype="int64"), tt(256, 64)], {}), [tt("T", 64)], [
@@ -173,6 +222,15 @@ def test_optional_input_may_be_absent():
     assert infer("linear", [tt("T", 64), tt(128, 64)], {}) == (tt("T", 128),)
 
 
+def test_route_weights_take_the_logits_dtype():
+    """Routing weights come back in the logits' dtype (the reference scores in float32), ids are int64."""
+    assert infer("route", [tt("T", 8, dtype="bfloat16")], {"k": 2}) == (tt("T", 2, dtype="bfloat16"),
+                                                                      tt("T", 2, dtype="int64"))
+    for scoring in ("softmax", "sigmoid"):
+        w, ids = torch_ref.route(torch.randn(5, 8, dtype=torch.bfloat16), k=2, scoring=scoring)
+        assert (w.dtype, w.shape, ids.dtype, ids.shape) == (torch.bfloat16, (5, 2), torch.int64, (5, 2))
+
+
 @pytest.mark.parametrize("op, ins, attrs", [
     ("heads", [tt("T", 64)], {"size": 0}),
     ("heads", [tt("T", 64)], {"size": 16.0}),
@@ -189,8 +247,16 @@ SIZES = {"T": 5, "R": 3}
 DTYPES = {"float32": torch.float32, "int64": torch.int64}
 
 
-def _tensor(t: TensorType, role: str, gen) -> torch.Tensor:
+MOE_OPS = ("experts", "fused_moe")  # inputs x, weights, ids, ..., w_down [E, H, I]
+
+
+def _tensor(t: TensorType, role: str, gen, n_experts: int | None = None) -> torch.Tensor:
+    """A random tensor for input ``role``; ``n_experts``: an MoE op's expert count, for valid routing inputs."""
     shape = [SIZES.get(d, d) for d in t.shape]
+    if n_experts is not None and role == "ids":  # top-k expert ids: distinct per token, each < E
+        return torch.rand(shape[0], n_experts, generator=gen).argsort(dim=-1)[:, :shape[1]]
+    if n_experts is not None and role == "weights":  # routing weights are positive
+        return torch.rand(shape, generator=gen) + 0.1
     if t.dtype == "int64":
         hi = {"ids": 256, "rows": SIZES["T"], "positions": 8}[role]
         return torch.randint(0, hi, shape, generator=gen)
@@ -204,7 +270,8 @@ def test_torch_ref_matches_rule(op):
     (ins, attrs), _, _ = EXAMPLES[op]
     gen = torch.Generator().manual_seed(0)
     names = [n.rstrip("?") for n in OPS[op].inputs]
-    args = [_tensor(t, n, gen) for t, n in zip(ins, names)]
+    n_experts = ins[names.index("w_down")].shape[0] if op in MOE_OPS else None
+    args = [_tensor(t, n, gen, n_experts) for t, n in zip(ins, names)]
     args += [None] * (len(names) - len(args))  # absent optional inputs, as generated code passes them
     if OPS[op].uses_context:  # one sequence, an empty KV cache of 2 kv heads of 16 for layer 0
         cache = lambda: [torch.zeros(1, 8, 2, 16)]

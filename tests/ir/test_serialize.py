@@ -15,6 +15,9 @@ CASES = {
     "tied_embeddings": ("LlamaForCausalLM", {"tie_word_embeddings": True}),
     "all_biases": ("LlamaForCausalLM", {"attention_bias": True, "mlp_bias": True}),
     "sliding_window": ("MistralForCausalLM", {"sliding_window": 8}),
+    "moe_shared_expert": ("Qwen2MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
+                                                  "moe_intermediate_size": 40, "shared_expert_intermediate_size": 48}),
+    "moe_qk_norm_full": ("OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2}),
 }
 
 
@@ -38,9 +41,9 @@ def test_round_trip_compiled(bound):
     assert all(n.attrs["kernel"].startswith("torch_ref.") for n, _ in back.nodes())
 
 
-def test_dump_annotates_types_and_locations(bind_arch):
+def test_dump_annotates_types_and_locations(bind_arch, loc_of):
     text = dump_graph(bind_arch())
-    assert "- x = embedding(tokens, embed)  # [T, 64] float32  <- llama.yaml:39" in text
+    assert f"- x = embedding(tokens, embed)  # [T, 64] float32  <- {loc_of('- x = embedding(tokens, embed)')}" in text
     assert "layer=i" in text  # the repeat index stays symbolic
     plain = dump_graph(bind_arch(), comments=False)
     assert "  # " not in plain and "<- " not in plain

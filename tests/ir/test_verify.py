@@ -26,6 +26,12 @@ def find(nodes, out: str) -> int:
     return next(i for i, n in enumerate(nodes) if out in n.outs)
 
 
+def find_linear(nodes, weight: str) -> int:
+    """Index of the one linear over ``weight`` (found by what it computes, not by its SSA name or position)."""
+    (i,) = [i for i, n in enumerate(nodes) if n.op == "linear" and n.ins[1] == weight]
+    return i
+
+
 def test_bound_graph_types(bind_arch):
     types = verify(bind_arch())
     assert types["x"] == tt("T", 64)
@@ -34,32 +40,35 @@ def test_bound_graph_types(bind_arch):
     assert types["logits"] == tt("R", 256)
 
 
-def test_undefined_input(bind_arch):
+def test_undefined_input(bind_arch, loc_of):
     def edit(nodes):
         i = find(nodes, "h")
         nodes[i] = nodes[i].replace(ins=("nowhere", "ln1"))
         return nodes
 
-    with pytest.raises(VerifyError, match=re.escape("llama.yaml:61: rms_norm -> h: input 'nowhere' is not defined")):
+    at = loc_of("- h = rms_norm(x, ln1, ")
+    with pytest.raises(VerifyError, match=re.escape(f"{at}: rms_norm -> h: input 'nowhere' is not defined")):
         verify(edit_layer(bind_arch(), edit))
 
 
-def test_use_before_definition(bind_arch):
+def test_use_before_definition(bind_arch, loc_of):
     def edit(nodes):  # move `m = mul(...)` above the linears it reads
         i = find(nodes, "m")
         return [nodes[i]] + nodes[:i] + nodes[i + 1:]
 
-    with pytest.raises(VerifyError, match=r"llama\.yaml:73: mul -> m: input 't_silu' is not defined"):
+    at = loc_of("- m = mul(silu(linear(h, w_gate, b_gate))")
+    with pytest.raises(VerifyError, match=re.escape(f"{at}: mul -> m: input 't_silu' is not defined")):
         verify(edit_layer(bind_arch(), edit))
 
 
-def test_redefined_value(bind_arch):
+def test_redefined_value(bind_arch, loc_of):
     def edit(nodes):  # the down projection writes `h` again
-        i = find(nodes, "t_linear_6")
+        i = find_linear(nodes, "w_down")
         nodes[i] = nodes[i].replace(outs=("h",))
         return nodes
 
-    with pytest.raises(VerifyError, match=re.escape("llama.yaml:74: linear -> h: 'h' is defined twice")):
+    at = loc_of("- x = add(x, linear(m, w_down, b_down))")
+    with pytest.raises(VerifyError, match=re.escape(f"{at}: linear -> h: 'h' is defined twice")):
         verify(edit_layer(bind_arch(), edit))
 
 
@@ -73,7 +82,7 @@ def test_value_shadowing_a_weight(bind_arch):
         verify(edit_layer(bind_arch(), edit))
 
 
-def test_linear_weight_k_mismatch(bind_arch):
+def test_linear_weight_k_mismatch(bind_arch, loc_of):
     g = bind_arch()
     rep = g.repeats()[0]
     wo = rep.weights["wo"]
@@ -82,7 +91,9 @@ def test_linear_weight_k_mismatch(bind_arch):
     with pytest.raises(VerifyError) as e:
         verify(g)
     msg = str(e.value)
-    assert msg.startswith("llama.yaml:71: linear -> t_linear_3: ")
+    assert rep.body[find_linear(list(rep.body), "wo")].outs == ("t_linear",)  # the first unnamed linear
+    at = loc_of("- x = add(x, linear(flatten_heads(a), wo, bo))")
+    assert msg.startswith(f"{at}: linear -> t_linear: ")
     assert "disagree on K" in msg and "[64, 48] float32" in msg
 
 
@@ -93,48 +104,54 @@ def test_top_level_shape_mismatch():
         verify(g)
 
 
-def test_carry_changing_type(bind_arch):
+def test_carry_changing_type(bind_arch, loc_of):
     g = bind_arch()
     rep = g.repeats()[0]
     g = g.replace(body=tuple(rep.replace(carry={"x": "a"}) if it is rep else it for it in g.body))
-    with pytest.raises(VerifyError, match=re.escape("llama.yaml:40: carry x [T, 64] float32 <- a [T, 4, 16] "
+    at = loc_of("- repeat:")
+    with pytest.raises(VerifyError, match=re.escape(f"{at}: carry x [T, 64] float32 <- a [T, 4, 16] "
                                                     "float32 changes type")):
         verify(g)
 
 
-def test_carry_of_undefined_value(bind_arch):
+def test_carry_of_undefined_value(bind_arch, loc_of):
     g = bind_arch()
     rep = g.repeats()[0]
     g = g.replace(body=tuple(rep.replace(carry={"x": "x_9"}) if it is rep else it for it in g.body))
-    with pytest.raises(VerifyError, match=re.escape("llama.yaml:40: carry x <- x_9 names an undefined value")):
+    at = loc_of("- repeat:")
+    with pytest.raises(VerifyError, match=re.escape(f"{at}: carry x <- x_9 names an undefined value")):
         verify(g)
 
 
-def test_unknown_op_and_wrong_output_count(bind_arch):
+def test_unknown_op_and_wrong_output_count(bind_arch, loc_of):
     def unknown(nodes):
         i = find(nodes, "t_silu")
         nodes[i] = nodes[i].replace(op="gelu")
         return nodes
 
-    with pytest.raises(VerifyError, match=re.escape("llama.yaml:73: gelu -> t_silu: unknown op 'gelu'")):
+    at = loc_of("- m = mul(silu(linear(h, w_gate, b_gate))")
+    with pytest.raises(VerifyError, match=re.escape(f"{at}: gelu -> t_silu: unknown op 'gelu'")):
         verify(edit_layer(bind_arch(), unknown))
 
     def one_out(nodes):
-        i = find(nodes, "q_1")
-        nodes[i] = nodes[i].replace(outs=("q_1",))
+        i = next(i for i, n in enumerate(nodes) if n.op == "rope")
+        assert nodes[i].outs == ("q_2", "k_2")
+        nodes[i] = nodes[i].replace(outs=("q_2",))
         return nodes
 
-    with pytest.raises(VerifyError, match=re.escape("llama.yaml:69: rope -> q_1: op gives 2 outputs, node names 1")):
+    at = loc_of("- q, k = rope(q, k, positions, ")
+    with pytest.raises(VerifyError, match=re.escape(f"{at}: rope -> q_2: op gives 2 outputs, node names 1")):
         verify(edit_layer(bind_arch(), one_out))
 
 
-def test_rule_attribute_errors_name_the_node(bind_arch):
+def test_rule_attribute_errors_name_the_node(bind_arch, loc_of):
     def edit(nodes):
         i = find(nodes, "h")
         nodes[i] = nodes[i].replace(attrs={"eps": 1e-5, "epsilon": 1e-5})
         return nodes
 
-    with pytest.raises(VerifyError, match=r"llama\.yaml:61: rms_norm -> h: unknown attribute\(s\) epsilon"):
+    at = loc_of("- h = rms_norm(x, ln1, ")
+    with pytest.raises(VerifyError, match=re.escape(f"{at}: rms_norm -> h: unknown attribute(s) epsilon")):
         verify(edit_layer(bind_arch(), edit))
 
 
@@ -143,7 +160,7 @@ def test_undefined_output(bind_arch):
         verify(bind_arch().replace(outputs=("logitz",)))
 
 
-def test_weight_table_checks(bind_arch):
+def test_weight_table_checks(bind_arch, loc_of):
     g = bind_arch()
     rep = g.repeats()[0]
 
@@ -158,5 +175,6 @@ def test_weight_table_checks(bind_arch):
         verify(with_weights(wq=Weight(wq.name, wq.shape, wq.dtype, ("a", "b"), segments=(60, 2))))
     with pytest.raises(VerifyError, match="2 sources but 0 segments"):
         verify(with_weights(wq=Weight(wq.name, wq.shape, wq.dtype, ("a", "b"))))
-    with pytest.raises(VerifyError, match=re.escape("llama.yaml:40: repeat weight(s) ['embed'] shadow top-level")):
+    at = loc_of("- repeat:")
+    with pytest.raises(VerifyError, match=re.escape(f"{at}: repeat weight(s) ['embed'] shadow top-level")):
         verify(with_weights(embed=Weight("layers.{i}.embed", (4,), "float32", ("e",))))

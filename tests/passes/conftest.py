@@ -44,6 +44,22 @@ def bind_arch():
     return bind
 
 
+@pytest.fixture
+def loc_of():
+    """Factory: ``"llama.yaml:N"`` for the unique line of llama.yaml containing a statement ``fragment``.
+
+    Expected node locations are computed from the model file, so editing it elsewhere does not break them.
+    """
+    lines = LLAMA_YAML.read_text().splitlines()
+
+    def loc(fragment: str) -> str:
+        found = [i for i, ln in enumerate(lines, start=1) if fragment in ln]
+        assert len(found) == 1, f"{fragment!r} is on lines {found} of llama.yaml; expected exactly one"
+        return f"{LLAMA_YAML.name}:{found[0]}"
+
+    return loc
+
+
 def _tensor(w: Weight, ckpt) -> torch.Tensor:
     return read_full(w, ckpt)  # merged parts concatenated, expert stacks stacked, as the loader does
 

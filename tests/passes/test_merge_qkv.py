@@ -41,31 +41,31 @@ def n_linears(nodes) -> int:
 
 BEFORE = [
     "h = rms_norm(x, ln1, eps=1e-05)",
-    "t_linear = linear(h, wq)",
-    "q = heads(t_linear, size=16)",
-    "t_linear_1 = linear(h, wk)",
-    "k = heads(t_linear_1, size=16)",
-    "t_linear_2 = linear(h, wv)",
-    "v = heads(t_linear_2, size=16)",
-    "q_1, k_1 = rope(q, k, positions)",
-    "a = attention(q_1, k_1, v, scale=0.25, layer=i, sliding_window=None)",
+    "q = linear(h, wq)",
+    "k = linear(h, wk)",
+    "v = linear(h, wv)",
+    "q_1 = heads(q, size=16)",
+    "k_1 = heads(k, size=16)",
+    "v_1 = heads(v, size=16)",
+    "q_2, k_2 = rope(q_1, k_1, positions)",
+    "a = attention(q_2, k_2, v_1, scale=0.25, layer=i, sliding_window=None)",
 ]
-AFTER = [
+AFTER = [  # the split keeps the projections' names: the rest of the layer reads them unchanged
     "h = rms_norm(x, ln1, eps=1e-05)",
     "qkv = linear(h, wqkv)",
-    "t_linear, t_linear_1, t_linear_2 = split(qkv, sizes=[64, 32, 32])",
-    "q = heads(t_linear, size=16)",
-    "k = heads(t_linear_1, size=16)",
-    "v = heads(t_linear_2, size=16)",
-    "q_1, k_1 = rope(q, k, positions)",
-    "a = attention(q_1, k_1, v, scale=0.25, layer=i, sliding_window=None)",
+    "q, k, v = split(qkv, sizes=[64, 32, 32])",
+    "q_1 = heads(q, size=16)",
+    "k_1 = heads(k, size=16)",
+    "v_1 = heads(v, size=16)",
+    "q_2, k_2 = rope(q_1, k_1, positions)",
+    "a = attention(q_2, k_2, v_1, scale=0.25, layer=i, sliding_window=None)",
 ]
 
 
 QKV_EXPRS = ("num_attention_heads*head_dim", "num_key_value_heads*head_dim", "num_key_value_heads*head_dim")
 
 
-def test_llama_before_after(bind_arch):
+def test_llama_before_after(bind_arch, loc_of):
     before = bind_arch()
     after = merge_qkv.run(before, None)
     verify(after)
@@ -73,7 +73,7 @@ def test_llama_before_after(bind_arch):
     assert stmts(b.body)[:len(BEFORE)] == BEFORE
     assert stmts(a.body)[:len(AFTER)] == AFTER
     assert a.body[len(AFTER):] == b.body[len(BEFORE):]  # the rest of the layer is untouched
-    assert [n.loc for n in a.body[1:3]] == ["llama.yaml:62"] * 2
+    assert [n.loc for n in a.body[1:3]] == [loc_of("- q = linear(h, wq, bq)")] * 2  # the first projection's
     assert after.body[0] == before.body[0] and after.body[2:] == before.body[2:]
     assert after.weights == before.weights and a.carry == b.carry
     # the merged weight declares its parts; the originals stay until eliminate_dead_code
@@ -106,8 +106,7 @@ def test_qwen2_biases_merge(bind_arch):
     after = merge_qkv.run(before, None)
     verify(after)
     a = layer(after)
-    assert stmts(a.body)[1:3] == ["qkv = linear(h, wqkv, bqkv)",
-                                  "t_linear, t_linear_1, t_linear_2 = split(qkv, sizes=[64, 32, 32])"]
+    assert stmts(a.body)[1:3] == ["qkv = linear(h, wqkv, bqkv)", "q, k, v = split(qkv, sizes=[64, 32, 32])"]
     assert a.weights["bqkv"] == Weight(
         "layers.{i}.bqkv", (128,), "float32",
         ("model.layers.{i}.self_attn.q_proj.bias", "model.layers.{i}.self_attn.k_proj.bias",
@@ -120,9 +119,22 @@ def test_qwen3_traces_through_qk_norm(bind_arch):
     before = bind_arch("Qwen3ForCausalLM", head_dim=32)
     after = merge_qkv.run(before, None)
     verify(after)
-    assert stmts(layer(after).body)[1:3] == ["qkv = linear(h, wqkv)",
-                                             "t_linear, t_linear_1, t_linear_2 = split(qkv, sizes=[128, 64, 64])"]
+    assert stmts(layer(after).body)[1:3] == ["qkv = linear(h, wqkv)", "q, k, v = split(qkv, sizes=[128, 64, 64])"]
     assert n_linears(layer(after).body) == 5
+    # the per-head norms after the split are untouched
+    assert "q_2 = rms_norm(q_1, q_norm, eps=1e-05)" in stmts(layer(after).body)
+
+
+def test_olmoe_traces_through_full_qk_norm(bind_arch, assert_same_logits):
+    """OLMoE normalises the whole q and k projections before heads: the trace passes those norms too."""
+    before = bind_arch("OlmoeForCausalLM", num_experts=4, num_experts_per_tok=2)
+    after = merge_qkv.run(before, None)
+    verify(after)
+    assert stmts(layer(after).body)[1:5] == ["qkv = linear(h, wqkv)", "q, k, v = split(qkv, sizes=[64, 32, 32])",
+                                             "q_1 = rms_norm(q, q_norm_full, eps=1e-05)",
+                                             "k_1 = rms_norm(k, k_norm_full, eps=1e-05)"]
+    assert count(before) == 1 and count(after) == 0
+    assert_same_logits(before, after)
 
 
 # --- declines ------------------------------------------------------------------------
@@ -132,9 +144,11 @@ def _edit_weight(graph, name, **changes):
     return with_layer(graph, weights={**rep.weights, name: replace(rep.weights[name], **changes)})
 
 
-def _edit_node(graph, out, **changes):
+def _edit_projection(graph, weight, **changes):
+    """Edit the one linear over ``weight`` (found by what it computes, not by its SSA name or position)."""
     rep = layer(graph)
-    return with_layer(graph, body=tuple(n.replace(**changes) if out in n.outs else n for n in rep.body))
+    (node,) = [n for n in rep.body if n.op == "linear" and n.ins[1] == weight]
+    return with_layer(graph, body=tuple(n.replace(**changes) if n is node else n for n in rep.body))
 
 
 @pytest.mark.parametrize("case", ["k_differs", "dtype_differs", "shard_differs", "quantized", "already_merged"])
@@ -152,14 +166,14 @@ def test_declines_unmergeable_weights(bind_arch, case):
 
 
 def test_declines_partial_bias(bind_arch):
-    g = _edit_node(bind_arch("Qwen2ForCausalLM"), "t_linear_1", ins=("h", "wk"))  # k without its bias
+    g = _edit_projection(bind_arch("Qwen2ForCausalLM"), "wk", ins=("h", "wk"))  # k without its bias
     verify(g)
     assert count(g) == 0
     assert merge_qkv.run(g, None) == g
 
 
 def test_declines_different_inputs(bind_arch):
-    g = _edit_node(bind_arch(), "t_linear_2", ins=("x", "wv"))  # v projects the residual, not h
+    g = _edit_projection(bind_arch(), "wv", ins=("x", "wv"))  # v projects the residual, not h
     verify(g)
     assert count(g) == 0
 

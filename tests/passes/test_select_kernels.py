@@ -58,13 +58,15 @@ def test_first_willing_candidate_wins(bind_arch, monkeypatch):
     cuda = Candidate("cublas.linear", "linear", ("cuda",), "cuBLAS")
     monkeypatch.setitem(CANDIDATES, "linear", [cuda, picky, *CANDIDATES["linear"]])
     out = select_kernels.run(bind_arch(), BuildOptions())
-    chosen = {n.outs[0]: (n.attrs["kernel"], n.attrs["kernel_reason"]) for n, _ in out.nodes() if n.op == "linear"}
-    assert chosen.pop("t_linear_6") == ("torch_ref.linear", CANDIDATES["linear"][-1].reason)  # w_down: K = 96
+    chosen = {n.ins[1]: (n.attrs["kernel"], n.attrs["kernel_reason"]) for n, _ in out.nodes() if n.op == "linear"}
+    assert chosen.pop("w_down") == ("torch_ref.linear", CANDIDATES["linear"][-1].reason)  # K = 96
+    assert set(chosen) == {"wq", "wk", "wv", "wo", "w_gate", "w_up", "lm_head"}
     assert set(chosen.values()) == {("gemm64.linear", "K=64 GEMM")}
-    assert ("logits", (256, 64)) in seen and ("t_linear_6", (64, 96)) in seen
+    (down,) = [n.outs[0] for n, _ in out.nodes() if n.op == "linear" and n.ins[1] == "w_down"]
+    assert ("logits", (256, 64)) in seen and (down, (64, 96)) in seen
 
 
-def test_no_kernel_lists_every_rejection(bind_arch, monkeypatch):
+def test_no_kernel_lists_every_rejection(bind_arch, monkeypatch, loc_of):
     monkeypatch.setitem(CANDIDATES, "rms_norm", [
         Candidate("triton_norm.rms_norm", "rms_norm", ("cuda",), "fused"),
         Candidate("cpu_norm.rms_norm", "rms_norm", ("cpu",), "vectorised",
@@ -73,14 +75,15 @@ def test_no_kernel_lists_every_rejection(bind_arch, monkeypatch):
     with pytest.raises(MxcError) as e:
         compile_graph(bind_arch(), BuildOptions())
     msg = str(e.value)
-    assert msg.startswith("no kernel for rms_norm -> h (llama.yaml:61) on target cpu: ")
+    assert msg.startswith(f"no kernel for rms_norm -> h ({loc_of('- h = rms_norm(x, ln1, ')}) on target cpu: ")
     assert "triton_norm.rms_norm: runs on cuda, not cpu" in msg
     assert "needs H % 128 == 0, got 64" in msg and "cpu_norm.rms_norm" in msg
 
 
-def test_no_candidates_registered(bind_arch, monkeypatch):
+def test_no_candidates_registered(bind_arch, monkeypatch, loc_of):
     monkeypatch.setitem(CANDIDATES, "rope", [])
-    with pytest.raises(MxcError, match=re.escape("no kernel for rope -> q_1, k_1 (llama.yaml:69) on target cpu: "
+    at = loc_of("- q, k = rope(q, k, positions, ")
+    with pytest.raises(MxcError, match=re.escape(f"no kernel for rope -> q_2, k_2 ({at}) on target cpu: "
                                                  "no candidates registered")):
         select_kernels.run(bind_arch(), BuildOptions())
 
