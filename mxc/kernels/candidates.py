@@ -112,7 +112,7 @@ _TRITON = [
               check=_scaled_mm_ok),
     Candidate("triton_fp8.qlinear_gemm", "qlinear", GPU, "default: Triton fp8 GEMM (block scales)", check=_dtype_ok),
     # mixture of experts
-    Candidate("triton_moe.fused_moe", "fused_moe", GPU,
+    Candidate("cuda_ops.fused_moe", "fused_moe", GPU,
               "Triton fused MoE: tokens sorted and block-aligned by expert, grouped GEMMs", check=_dtype_ok),
 ]
 

@@ -30,6 +30,12 @@ def qkv_rope_cache(qkv, positions, q_norm=None, k_norm=None, ctx: ForwardContext
                                       ctx.cache_loc, q_norm, k_norm, eps if eps is not None else 1e-6)
 
 
+def fused_moe(x, weights, ids, w_gate_up, w_down, s_gate_up=None, s_down=None):
+    from mxc.kernels import triton_moe
+
+    return triton_moe.fused_moe(x, weights, ids, w_gate_up, w_down, s_gate_up=s_gate_up, s_down=s_down)
+
+
 def cached_attention(q, ctx: ForwardContext, scale, layer, causal=True, sliding_window=None):
     k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
     if ctx.decode:

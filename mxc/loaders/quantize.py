@@ -22,6 +22,9 @@ def _q(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_fp8(w: torch.Tensor, granularity: str, segments: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    if w.dim() == 3:  # an expert stack: each expert on its own -> ([E, N, K], [E, ...] scales)
+        pairs = [quantize_fp8(e, granularity, segments) for e in w]
+        return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
     w = w.float()
     if granularity == "channel":
         scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=_TINY)

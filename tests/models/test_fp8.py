@@ -52,6 +52,20 @@ def test_fp8_logits_close_to_unquantized(arch, overrides, granularity, hf_checkp
         assert f.get_tensor("lm_head" if "lm_head" in f.keys() else "embed").dtype == torch.bfloat16
 
 
+def test_fp8_experts(hf_checkpoint, tmp_path):
+    """--quant fp8 also stores the expert stacks in fp8 with per-expert row scales."""
+    ckpt, _ = hf_checkpoint("Qwen3MoeForCausalLM", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=40,
+                            norm_topk_prob=True)
+    ref = mxc.load(mxc.build(str(ckpt), out=tmp_path / "ref", dtype="bfloat16", progress=False, log=lambda m: None))
+    art = mxc.build(str(ckpt), out=tmp_path / "fp8", dtype="bfloat16", quant="fp8", progress=False, log=lambda m: None)
+    got, want = mxc.load(art).logits(IDS), ref.logits(IDS)
+    assert _l2(got, want) < 0.065 and _rel(got, want) < 0.09, (_l2(got, want), _rel(got, want))
+    with safe_open(art / "weights" / "rank0.safetensors", "pt") as f:
+        assert f.get_tensor("layers.0.we_gate_up").dtype == torch.float8_e4m3fn
+        assert tuple(f.get_tensor("layers.0.we_gate_up_scale").shape) == (8, 80)
+        assert tuple(f.get_tensor("layers.0.we_down_scale").shape) == (8, 64)
+
+
 def test_quant_specs_in_ir_and_manifest(hf_checkpoint, tmp_path):
     ckpt, _ = hf_checkpoint("LlamaForCausalLM")
     art = mxc.build(str(ckpt), out=tmp_path / "a", quant="fp8", quant_lm_head=True, progress=False,

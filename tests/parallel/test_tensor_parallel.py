@@ -67,27 +67,31 @@ def test_tp_matches_hf_and_tp1(tp, hf_checkpoint, tmp_path):
         assert torch.equal(sampled, singles[name]), name  # same seed, same tokens as one rank
 
 
-def _reassemble(shards: list[torch.Tensor], spec: ShardSpec, full_size: int) -> torch.Tensor:
+def _reassemble(shards: list[torch.Tensor], spec: ShardSpec, full_size: int, dim: int) -> torch.Tensor:
     """Place each rank's slices back where they came from (replicated parts are written identically)."""
     tp = len(shards)
     shape = list(shards[0].shape)
-    shape[spec.dim] = full_size
+    shape[dim] = full_size
     full = torch.full(shape, float("nan"), dtype=torch.float32).to(shards[0].dtype)
     for rank, shard in enumerate(shards):
         offset = 0
         for start, length in rank_slices(spec, full_size, tp, rank):
-            piece = shard.narrow(spec.dim, offset, length)
-            target = full.narrow(spec.dim, start, length)
+            piece = shard.narrow(dim, offset, length)
+            target = full.narrow(dim, start, length)
             assert torch.isnan(target).all() or torch.equal(target, piece)  # replicas agree
             target.copy_(piece)
             offset += length
     return full
 
 
-@pytest.mark.parametrize("tp,quant", [(2, None), (4, None), (2, "channel"), (4, "tensor")])
-def test_shards_reassemble_to_the_unsharded_weights(tp, quant, hf_checkpoint, tmp_path):
+@pytest.mark.parametrize("tp,quant,arch", [(2, None, "Qwen2ForCausalLM"), (4, None, "Qwen2ForCausalLM"),
+                                           (2, "channel", "Qwen2ForCausalLM"), (4, "tensor", "Qwen2ForCausalLM"),
+                                           (2, "channel", "Qwen2MoeForCausalLM")])
+def test_shards_reassemble_to_the_unsharded_weights(tp, quant, arch, hf_checkpoint, tmp_path):
     """Weights, and fp8 scales, of every rank put back together equal the tp=1 build's, bit for bit."""
-    ckpt, _ = hf_checkpoint("Qwen2ForCausalLM")
+    moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+           "shared_expert_intermediate_size": 48} if "Moe" in arch else {}
+    ckpt, _ = hf_checkpoint(arch, **moe)
     q = dict(quant="fp8", quant_granularity=quant) if quant else {}
     one = mxc.build(str(ckpt), out=tmp_path / "tp1", progress=False, log=lambda m: None, **q)
     many = mxc.build(str(ckpt), out=tmp_path / f"tp{tp}", tp=tp, progress=False, log=lambda m: None, **q)
@@ -101,7 +105,7 @@ def test_shards_reassemble_to_the_unsharded_weights(tp, quant, hf_checkpoint, tm
         if w.shard is None or w.shard.kind == "replicated":
             assert all(torch.equal(p, full[w.name]) for p in parts), w.name
             continue
-        rebuilt = _reassemble(parts, w.shard, full[w.name].shape[w.shard.dim])
+        rebuilt = _reassemble(parts, w.shard, full[w.name].shape[w.shard_dim], w.shard_dim)
         assert torch.equal(rebuilt.view(torch.uint8) if quant else rebuilt,
                            full[w.name].view(torch.uint8) if quant else full[w.name]), w.name
         if w.name.endswith("wqkv") and tp == 2:  # q, k, v each split in half, then concatenated per rank

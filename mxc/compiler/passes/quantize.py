@@ -19,8 +19,10 @@ requantized, and its static ``input_scale`` tensors are ignored. Runs after
 ``shard_tp``: shapes are per rank, and the scale's shard spec follows the
 weight's (column: split like the rows; row: per-row scales replicated,
 block scales split along K), so every rank's scales match its slice.
-Preserves: value names; the math up to fp8 rounding (tested: logits within
-5% of the unquantized model).
+Expert stacks of ``fused_moe`` are quantized too, always with per-expert row
+scales (``[E, rows]``; the fused MoE kernel dequantizes them, activations stay
+in the model dtype). Preserves: value names; the math up to fp8 rounding
+(tested against the unquantized model).
 """
 
 from __future__ import annotations
@@ -89,7 +91,10 @@ def run(graph: Graph, options) -> Graph:
     for item in graph.body:
         if isinstance(item, Repeat):
             sub = graph.replace(body=(item,), weights={})
-            item = apply_rules(sub, [("linear", _rule(g, None, options.tp, options.quant_scale_suffix))])[0].body[0]
+            rules = [("linear", _rule(g, None, options.tp, options.quant_scale_suffix))]
+            if not options.quant_scale_suffix:  # experts of an already-fp8 checkpoint: not imported yet
+                rules.append(("fused_moe", _expert_rule(options.tp)))
+            item = apply_rules(sub, rules)[0].body[0]
         items.append(item)
     graph = graph.replace(body=tuple(items))
     if options.quant_scale_suffix:  # static activation scales of fp8 checkpoints: mxc quantizes per token
@@ -108,3 +113,24 @@ def run(graph: Graph, options) -> Graph:
         graph = graph.replace(weights=done.weights,
                               body=tuple(item if isinstance(item, Repeat) else next(it) for item in graph.body))
     return graph
+
+
+def _expert_rule(tp: int):
+    """fused_moe over bf16 stacks -> over fp8 stacks with per-expert row scales ([E, rows])."""
+
+    def quantize(node: Node, ctx):
+        if len(node.ins) > 5:
+            return None
+        ins = list(node.ins)
+        for j in (3, 4):
+            local = node.ins[j]
+            w = ctx.weights[local]
+            ctx.weights[local] = replace(w, dtype=FP8, quant=QuantSpec("fp8_e4m3", "channel"))
+            shard = w.shard if w.shard is not None and w.shard.kind == "column" and tp > 1 else None
+            ctx.weights[f"{local}_scale"] = Weight(f"{w.name}_scale", w.shape[:2], "float32", (), stack=w.stack,
+                                                   shard=shard, scale_of=local)
+            ins.append(f"{local}_scale")
+        attrs = {k: v for k, v in node.attrs.items() if k not in ("kernel", "kernel_reason")}
+        return {ctx.index(node): [node.replace(ins=tuple(ins), attrs=attrs)]}
+
+    return quantize
