@@ -10,10 +10,13 @@ leaves the previous artifact intact, or nothing.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import sys
+import time
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -237,8 +240,6 @@ def _write(tmp: Path, graph: Graph, src: Source, options: BuildOptions, arch: in
     (tmp / "weights").mkdir()
     ir_text = dump_graph(graph)
     (tmp / "graph.yaml").write_text(ir_text)
-    import hashlib
-
     ir_hash = hashlib.sha256(ir_text.encode()).hexdigest()
     program_text = render_forward(graph, ir_hash)
     (tmp / "code" / "forward.py").write_text(program_text)
@@ -278,14 +279,10 @@ def _write(tmp: Path, graph: Graph, src: Source, options: BuildOptions, arch: in
 
 def _compile_kernels(graph, program_text, out_dir, options, arch, progress, log) -> None:
     """Record the launches of the generated program and compile each kernel for sm_<arch>."""
-    import types
-
     from mxc.codegen import aot
 
     program = types.ModuleType("mxc_build_program")
     exec(compile(program_text, "forward.py", "exec"), program.__dict__)
-    import time
-
     specs = aot.record(program, graph, options.max_batch, options.max_seq_len)
     log(f"compiling {len(specs)} kernels for sm_{arch} (Triton {aot.triton_version()})")
     start = time.perf_counter()

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import importlib
 import json
+import multiprocessing
+import os
 import re
 from pathlib import Path
 
@@ -76,8 +78,6 @@ def _compile_one(key: str, spec: dict, arch: int) -> tuple[str, bytes, dict]:
 def compile_specs(specs: dict[str, dict], out_dir: Path, arch: int = 90, progress: bool = True,
                   workers: int | None = None) -> dict:
     """Compile every spec for sm_<arch> (in parallel processes); write cubins and index.json; return the index."""
-    import multiprocessing
-    import os
     from concurrent.futures import ProcessPoolExecutor
 
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,9 @@ The launcher in use decides what happens:
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import inspect
+import json
 from typing import Callable
 
 Launcher = Callable[..., None]
@@ -85,8 +88,6 @@ def runtime_params(kernel) -> list[str]:
     """Names of a kernel's non-constexpr parameters (JIT or interpreted function)."""
     if hasattr(kernel, "params"):
         return [p.name for p in kernel.params if not p.is_constexpr]
-    import inspect
-
     sig = inspect.signature(kernel.fn)
     return [n for n, p in sig.parameters.items() if "constexpr" not in str(p.annotation)]
 
@@ -106,9 +107,6 @@ def spec_of(kernel, args: list, constexprs: dict, num_warps: int, num_stages: in
 
 
 def spec_key(spec: dict) -> str:
-    import hashlib
-    import json
-
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:24]
 
 

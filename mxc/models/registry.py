@@ -88,8 +88,8 @@ def bind_model(model_file: Path, config: dict, dtype: str, entry: Entry | None,
             except ExprError as e:
                 raise MxcError(f"{config_path}: cannot check {cond!r} for {entry.architecture}: {e}") from None
             if hit:
-                raise MxcError(f"{config_path}: `{cond}` holds, which {entry.architecture} support in mxc does not "
-                               f"cover (see registry.yaml)")
+                raise MxcError(f"{config_path}: `{cond}` is true, which is not supported for {entry.architecture} "
+                               f"(registry.yaml refuse_if)")
         for key, value in entry.set.items():
             try:
                 overrides[key] = evaluate(value, env) if isinstance(value, str) else value

@@ -10,6 +10,7 @@ that carries code). No compilation happens here.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import types
 from pathlib import Path
@@ -65,8 +66,6 @@ def file_digests_names(path: Path) -> set[str]:
 
 def _exec_program(path: Path, digest: str) -> types.ModuleType:
     source = path.read_bytes()
-    import hashlib
-
     if hashlib.sha256(source).hexdigest() != digest:  # re-check the bytes we execute
         raise MxcError(f"{path}: modified while loading; rebuild the artifact")
     module = types.ModuleType(f"mxc_artifact_{digest[:12]}")

@@ -166,7 +166,7 @@ def test_out_is_a_file(tmp_path):
 def test_unsupported_config_qwen2_sliding_window(hf_checkpoint, tmp_path):
     ckpt, _ = hf_checkpoint("Qwen2ForCausalLM", use_sliding_window=True)
     assert json.loads((ckpt / "config.json").read_text())["use_sliding_window"] is True
-    with pytest.raises(MxcError, match=r"use_sliding_window=True is not supported for Qwen2ForCausalLM"):
+    with pytest.raises(MxcError, match=r"`use_sliding_window` is true, which is not supported for Qwen2ForCausalLM"):
         _build(ckpt, tmp_path / "art")
 
 
