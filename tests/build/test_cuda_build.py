@@ -28,8 +28,8 @@ QWEN3_MOE = {**QWEN3, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8
 
 
 @pytest.mark.parametrize("config,tp,quant", [(None, 1, None), (QWEN3, 1, None), (None, 2, None), (None, 1, "fp8"),
-                                             (QWEN3_MOE, 2, None)],
-                         ids=["llama-default", "qwen3-yarn", "llama-tp2", "llama-fp8", "qwen3-moe-tp2"])
+                                             (QWEN3_MOE, 2, None), (QWEN3_MOE, 1, "fp8")],
+                         ids=["llama-default", "qwen3-yarn", "llama-tp2", "llama-fp8", "qwen3-moe-tp2", "qwen3-moe-fp8"])
 def test_cuda_build_compiles_every_kernel_for_sm90(config, tp, quant, tmp_path):
     args = [sys.executable, "-m", "mxc", "build", "llama.yaml", "--target", "cuda", "--out", str(tmp_path / "art"),
             "--max-batch", "4", "--max-seq-len", "128", "--tp", str(tp)] + (["--quant", quant] if quant else [])
