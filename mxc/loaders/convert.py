@@ -145,6 +145,9 @@ def write_weights(graph: Graph, ckpt, paths: list[Path], metadata: dict[str, str
             if w.scale_of:
                 continue  # written with its weight
             tensor = read_full(w, ckpt)
+            if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and w.quant is None:
+                raise MxcError(f"{ckpt.directory}: {w.hf[0]} is stored as {tensor.dtype}, but mxc does not import "
+                               f"it as fp8 (weight {w.name}); casting without its scales would be wrong")
             outputs = [(w, tensor.to(DTYPES[w.dtype]))]
             if w.quant is not None and w.quant.prequantized:
                 scale_w = scales[f"{w.name}_scale"]

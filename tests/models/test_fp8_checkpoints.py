@@ -87,3 +87,16 @@ def test_unsupported_quantization_config_is_refused(hf_checkpoint, tmp_path):
     (ckpt / "config.json").write_text(json.dumps(config))
     with pytest.raises(mxc.MxcError, match="quant_method 'awq' is not supported"):
         mxc.build(str(ckpt), out=tmp_path / "a", progress=False, log=lambda m: None)
+
+
+def test_fp8_tensor_not_declared_fp8_is_refused(hf_checkpoint, tmp_path):
+    """An fp8 tensor where the graph expects bf16 (here: the LM head of an fp8 checkpoint) is never cast blindly."""
+    qconfig, granularity, suffix = FORMATS["compressed-tensors-channel"]
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM", **SHAPE)
+    _prequantize(ckpt, tmp_path / "fp8-ckpt", qconfig, granularity, suffix)
+    tensors = load_file(tmp_path / "fp8-ckpt" / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["lm_head.weight"].to(torch.float8_e4m3fn)
+    save_file(tensors, tmp_path / "fp8-ckpt" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(mxc.MxcError, match="lm_head.weight is stored as torch.float8_e4m3fn"):
+        mxc.build(str(tmp_path / "fp8-ckpt"), out=tmp_path / "a", progress=False, log=lambda m: None)
+    assert not (tmp_path / "a").exists()
