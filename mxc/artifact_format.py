@@ -22,10 +22,14 @@ def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
     return h.hexdigest()
 
 
+def listed_files(root: Path) -> list[str]:
+    """Relative paths of every file under ``root`` the manifest lists (all but itself and caches)."""
+    return sorted(rel for p in root.rglob("*") if p.is_file() and is_listed_file(rel := p.relative_to(root).as_posix()))
+
+
 def file_digests(root: Path) -> dict[str, str]:
-    """sha256 of every file under ``root`` except the manifest, by relative path."""
-    return {p.relative_to(root).as_posix(): sha256_file(p) for p in sorted(root.rglob("*"))
-            if p.is_file() and is_listed_file(p.relative_to(root).as_posix())}
+    """sha256 of every listed file under ``root``, by relative path."""
+    return {rel: sha256_file(root / rel) for rel in listed_files(root)}
 
 
 def is_listed_file(rel: str) -> bool:

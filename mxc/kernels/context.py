@@ -45,10 +45,6 @@ class ForwardContext:
     group: object = None
 
     @classmethod
-    def no_cache(cls, seq_lens: list[int]) -> "ForwardContext":
-        return cls(list(seq_lens), [0] * len(seq_lens), list(range(len(seq_lens))))
-
-    @classmethod
     def build(cls, seq_lens: list[int], past_lens: list[int], slots: list[int], k_cache, v_cache,
               device, **extra) -> "ForwardContext":
         """A context with both the host lists and their device tensors."""

@@ -50,11 +50,6 @@ def using(launcher: Launcher):
         _launcher = previous
 
 
-def install(launcher: Launcher) -> None:
-    global _launcher
-    _launcher = launcher
-
-
 # --- what identifies one compiled binary ------------------------------------------
 
 TRITON_DTYPES = {

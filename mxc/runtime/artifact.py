@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 import mxc
-from mxc.artifact_format import SCHEMA_VERSION, is_listed_file, sha256_file
+from mxc.artifact_format import SCHEMA_VERSION, listed_files, sha256_file
 from mxc.errors import MxcError
 from mxc.runtime.model import Model
 
@@ -47,7 +47,7 @@ def read_manifest(path: Path) -> dict:
 
 def verify_files(path: Path, manifest: dict) -> None:
     expected = manifest.get("files", {})
-    present = file_digests_names(path)
+    present = set(listed_files(path))
     extra = sorted(present - set(expected))
     if extra:
         raise MxcError(f"{path}: file {extra[0]} is not part of the artifact (not in manifest.json); "
@@ -58,10 +58,6 @@ def verify_files(path: Path, manifest: dict) -> None:
             raise MxcError(f"{path}: {rel} is missing; the artifact is incomplete, rebuild it")
         if sha256_file(f) != digest:
             raise MxcError(f"{path}: {rel} was modified since the build (sha256 mismatch); rebuild the artifact")
-
-
-def file_digests_names(path: Path) -> set[str]:
-    return {rel for p in path.rglob("*") if p.is_file() and is_listed_file(rel := p.relative_to(path).as_posix())}
 
 
 def _exec_program(path: Path, digest: str) -> types.ModuleType:

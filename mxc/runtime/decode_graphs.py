@@ -98,10 +98,11 @@ class CudaDecoder:
         bucket.cache_loc[b:].fill_(self.scratch_slot * self.max_len)
         bucket.kv_lens[b:].fill_(1)
         pos = torch.full((b,), s, dtype=torch.int64, device=self.device)
+        slot_base = slots.to(torch.int64) * self.max_len  # row of each sequence's slot in the flat cache
         for step in range(1, max_new_tokens):
             bucket.tokens[:b].copy_(nxt)
             bucket.positions[:b].copy_(pos)
-            bucket.cache_loc[:b].copy_(slots.to(torch.int64) * self.max_len + pos)
+            torch.add(slot_base, pos, out=bucket.cache_loc[:b])
             bucket.kv_lens[:b].copy_(pos + 1)
             logits = bucket.step(self)[:b]
             nxt = agree(sample(logits, generator=generator, **sampling), sampling["temperature"])
