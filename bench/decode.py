@@ -162,7 +162,8 @@ def main() -> None:
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--prefill", type=int, default=2048)
     p.add_argument("--reuse", action="store_true", help="reuse an existing artifact at --out")
-    p.add_argument("--profile", action="store_true", help="print a per-kernel breakdown of a batch-1 step")
+    p.add_argument("--profile", nargs="?", const="1", default="",
+                   help="print a per-kernel breakdown of a decode step at these batch buckets (default 1)")
     p.add_argument("--quant", choices=["fp8"], help="also build an fp8 artifact and compare it with bf16")
     args = p.parse_args()
     out = Path(args.out)
@@ -204,7 +205,9 @@ def main() -> None:
     if args.profile:
         from profile_step import profile_decode
 
-        print("\nper-kernel breakdown of one batch-1 decode step:\n" + profile_decode(model) + "\n", flush=True)
+        for b in [int(x) for x in args.profile.split(",")]:
+            print(f"\nper-kernel breakdown of one batch-{b} decode step:\n" + profile_decode(model, batch=b) + "\n",
+                  flush=True)
 
     if args.quant:
         del model

@@ -1,6 +1,6 @@
-"""Where a decode step's time goes: per-kernel GPU time of one batch-1 step, and the gaps between kernels.
+"""Where a decode step's time goes: per-kernel GPU time of one decode step (batch 1 by default), and the gaps between kernels.
 
-``profile_decode(model)`` replays the captured batch-1 decode graph under
+``profile_decode(model)`` replays the captured decode graph of a batch bucket under
 torch.profiler and returns a table: kernel name, calls per step, microseconds
 per step, share of the step; the last lines compare the sum of kernel time
 with the step's wall time (the difference is launch gaps inside the graph).
@@ -13,12 +13,12 @@ from collections import defaultdict
 import torch
 
 
-def profile_decode(model, steps: int = 10, prompt: int = 128) -> str:
+def profile_decode(model, steps: int = 10, prompt: int = 128, batch: int = 1) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     dec = model._decoder
-    model.generate(torch.randint(0, 1000, (1, prompt)), max_new_tokens=4)  # fills the cache, captures bucket 1
-    bucket = dec.buckets[1]
+    model.generate(torch.randint(0, 1000, (batch, prompt)), max_new_tokens=4)  # fills the cache, captures the bucket
+    bucket = dec.buckets[batch]
     for _ in range(3):
         bucket.step(dec)
     torch.cuda.synchronize()

@@ -140,5 +140,8 @@ def record(program, graph, max_batch: int, max_seq_len: int) -> dict[str, dict]:
                                  slots_t=meta((b,), torch.int32), q_start=meta((b + 1,), torch.int32),
                                  max_q_len=t, decode=t == 1)
             tokens, positions = meta((b * t,), torch.int64), meta((b * t,), torch.int64)
-            program.forward(w, layers, ctx, tokens, positions, meta((b,), torch.int64))
+            # a prefill asks for the logits of every row (``Model.logits``) or of each sequence's
+            # last row (generate: M = sequences, the decode scenarios' LM-head shapes)
+            rows = b * t if t > 1 else b
+            program.forward(w, layers, ctx, tokens, positions, meta((rows,), torch.int64))
     return recorder.specs

@@ -1,6 +1,7 @@
 """fp8 GEMMs through vendor libraries: cuBLASLt via ``torch._scaled_mm``, and CUTLASS where it builds.
 
-``scaled_mm`` quantizes activations per token, then runs the fp8 x fp8 GEMM
+``scaled_mm`` quantizes activations per token (on the GPU with
+``triton_fp8``'s quantize kernel, the SiLU-and-mul prologue folded in), then runs the fp8 x fp8 GEMM
 with row-wise scaling (activation scale per row, weight scale per output
 channel) and bf16/fp16 output: the compute-bound path for prefill. It serves
 ``channel`` and ``tensor`` scales (both stored per row); K and N must be
@@ -11,14 +12,19 @@ from __future__ import annotations
 
 import torch
 
+from mxc.kernels import triton_fp8
 from mxc.kernels.fp8_ref import quantize_rows
 
 
 def scaled_mm(x, weight, scale, bias=None, residual=None, granularity="channel", prologue=None):
-    if prologue == "silu_mul":
-        gate, up = x.chunk(2, dim=-1)
-        x = torch.nn.functional.silu(gate) * up
-    xq, xs = quantize_rows(x)
+    m, k = x.shape[0], weight.shape[1]
+    if x.device.type == "cpu":
+        if prologue == "silu_mul":
+            gate, up = x.chunk(2, dim=-1)
+            x = torch.nn.functional.silu(gate) * up
+        xq, xs = quantize_rows(x)
+    else:  # one Triton kernel: the prologue and the per-token quantization, the row read once
+        xq, xs = triton_fp8._prequantize(x, m, k, prologue == "silu_mul", triton_fp8._quant_block(k))
     y = torch._scaled_mm(xq, weight.t(), scale_a=xs[:, None], scale_b=scale[None, :].float(), out_dtype=x.dtype)
     if bias is not None:
         y = y + bias

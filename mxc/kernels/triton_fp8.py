@@ -31,18 +31,19 @@ Two wrappers (``qlinear`` picks one by M):
      and Triton has no e4m3 mma.sync there, so it widens both operands to fp16 in registers
      (exact) and issues mma.sync m16n8k16 (seen in the PTX): the weight bytes are still fp8.
   Activation quantization, two ways (``PREQUANT``):
-  fused (PREQUANT=False; default for buckets 1..4): every program first reads its x rows over
+  fused (PREQUANT=False; no default uses it: measured 1.2-9x slower, see ``config_for``):
+     every program first reads its x rows over
      the whole K (from L2; x is at most 32 x K) for the row amax (after the prologue), then
      quantizes each K chunk as it goes. One launch; the x re-reads cost, per program,
      2 x M x K x 2 bytes (bf16; twice that under silu_mul) against BLOCK_N x K weight bytes,
      i.e. 4M/BLOCK_N of the weight traffic (from L2), plus an IEEE division per x element
      per program.
-  prequantized (PREQUANT=True; default for buckets 8..32, where the fused re-reads would
-     exceed the weight bytes): ``_quant_rows_kernel`` (the GEMM's first kernel) writes
+  prequantized (PREQUANT=True; the default): ``_quant_rows_kernel`` (the GEMM's first
+     kernel; one program per row, the row held in registers up to 16K elements) writes
      xq [M, K] e4m3 + xs [M] once, and the GEMV reads 1 byte per x element, no divisions.
      A second launch.
-  The bucket split and the block sizes are the bf16 GEMV's measured choices carried over by
-  byte counts, not measured for fp8 (no GPU time was available): ``tune`` times the candidates.
+  The block sizes are the bf16 GEMV's measured choices carried over by byte counts; ``tune``
+  times the candidates.
   block128: a program's BLOCK_N rows lie in one 128-row block (128 % BLOCK_N == 0); FMA paths
   multiply the quantized x chunk by the scale of each element's K block (a gathered [BLOCK_K]
   vector from one scale row, any BLOCK_K); v3 scales each step's dot product, so there BLOCK_K
@@ -142,30 +143,38 @@ def _finish(acc, y_ptr, b_ptr, r_ptr, offs, offs_n, n_ok, mask,
 def _quant_rows_kernel(x_ptr, xq_ptr, xs_ptr, K: tl.constexpr, BLOCK_K: tl.constexpr,
                        PROLOGUE_SILU_MUL: tl.constexpr):
     """One program per row: xs[row] = max(amax(|a|) / 448, 1e-12) and xq[row] = e4m3(a / xs)
-    where a is the row of x (or silu(gate) * up of x [M, 2K]); two passes over the row."""
+    where a is the row of x (or silu(gate) * up of x [M, 2K]). One pass (the row held in
+    registers) when BLOCK_K >= K, else two passes over the row."""
     X_STRIDE: tl.constexpr = 2 * K if PROLOGUE_SILU_MUL else K
     EVEN_K: tl.constexpr = K % BLOCK_K == 0
     row = tl.program_id(0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + row * X_STRIDE + offs_k
-    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = _load_act(x_ptrs + k, None, None, K, PROLOGUE_SILU_MUL)
-        else:
-            a = _load_act(x_ptrs + k, (k + offs_k) < K, 0.0, K, PROLOGUE_SILU_MUL)
-        amax = tl.maximum(amax, tl.abs(a))
-    xs = _row_scale(tl.max(amax, axis=0))
-    tl.store(xs_ptr + row, xs)
-    q_ptrs = xq_ptr + row * K + offs_k
-    for k in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = _load_act(x_ptrs + k, None, None, K, PROLOGUE_SILU_MUL)
-            tl.store(q_ptrs + k, _quant(a, xs))
-        else:
-            k_ok = (k + offs_k) < K
-            a = _load_act(x_ptrs + k, k_ok, 0.0, K, PROLOGUE_SILU_MUL)
-            tl.store(q_ptrs + k, _quant(a, xs), mask=k_ok)
+    if BLOCK_K >= K:
+        k_ok = offs_k < K
+        a = _load_act(x_ptrs, k_ok, 0.0, K, PROLOGUE_SILU_MUL)
+        xs = _row_scale(tl.max(tl.abs(a), axis=0))
+        tl.store(xs_ptr + row, xs)
+        tl.store(xq_ptr + row * K + offs_k, _quant(a, xs), mask=k_ok)
+    else:
+        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            if EVEN_K:
+                a = _load_act(x_ptrs + k, None, None, K, PROLOGUE_SILU_MUL)
+            else:
+                a = _load_act(x_ptrs + k, (k + offs_k) < K, 0.0, K, PROLOGUE_SILU_MUL)
+            amax = tl.maximum(amax, tl.abs(a))
+        xs = _row_scale(tl.max(amax, axis=0))
+        tl.store(xs_ptr + row, xs)
+        q_ptrs = xq_ptr + row * K + offs_k
+        for k in range(0, K, BLOCK_K):
+            if EVEN_K:
+                a = _load_act(x_ptrs + k, None, None, K, PROLOGUE_SILU_MUL)
+                tl.store(q_ptrs + k, _quant(a, xs))
+            else:
+                k_ok = (k + offs_k) < K
+                a = _load_act(x_ptrs + k, k_ok, 0.0, K, PROLOGUE_SILU_MUL)
+                tl.store(q_ptrs + k, _quant(a, xs), mask=k_ok)
 
 
 @triton.jit
@@ -430,7 +439,13 @@ class QGemmConfig:
 
 
 def _quant_block(k: int) -> int:
-    return min(2048, triton.next_power_of_2(k))
+    """The quantize kernel's chunk: the whole row up to 16K elements (one pass, no re-read)."""
+    return min(16384, triton.next_power_of_2(k))
+
+
+def _quant_warps(block_k: int) -> int:
+    """Warps of the quantize kernel: 32 elements a thread, 4 to 16 warps."""
+    return max(4, min(16, block_k // 1024))
 
 
 def _split_k(n_programs: int, k: int, block_k: int) -> int:
@@ -453,11 +468,14 @@ def _fill(cfg: QGemvConfig, n: int, k: int) -> QGemvConfig:
 def config_for(m_bucket: int, n: int, k: int, dtype: torch.dtype, granularity: str) -> QGemvConfig:
     """Default ``qlinear_small_m`` config; a pure function of its arguments (for the AOT build).
 
-    Not measured on a GPU: the bf16 GEMV's measured shapes (``triton_gemv.config_for``) carried
-    over in bytes. M = 1, v1: [16 rows, 1 KB] fp8 steps, 8 warps (acc 64 fp32 registers a
-    thread, 4 x 16-B weight loads in flight a thread). M >= 2, v3 (fp8 tensor cores):
-    [32 rows, 512 B] steps (128 B under block128: one K block a step, so 64 rows), 4 warps,
-    4 stages. x quantized in a first kernel from bucket 8 (see the module doc)."""
+    The bf16 GEMV's measured shapes (``triton_gemv.config_for``) carried over in bytes. M = 1,
+    v1: [16 rows, 1 KB] fp8 steps, 8 warps (acc 64 fp32 registers a thread, 4 x 16-B weight
+    loads in flight a thread). M >= 2, v3 (fp8 tensor cores): [32 rows, 512 B] steps (128 B
+    under block128: one K block a step, so 64 rows), 4 warps, 4 stages. x is quantized in a
+    first kernel at every bucket: measured on one H200 (Triton 3.6, 2026-11-30, Llama-3-8B
+    shapes), the fused quantization (every program re-reading x) took 1.2-2x longer at M = 1
+    (o 13.9 us vs 9.8, gate_up 82.7 vs 40.8) and 5-9x at M = 8 and 32. ``tune`` at M = 1
+    preferred BLOCK_N 8 by under 3% (o 9.6 us, down 23.5 us)."""
     if m_bucket not in M_BUCKETS:
         raise ValueError(f"m_bucket must be one of {M_BUCKETS}, got {m_bucket}")
     if dtype not in _DTYPES:
@@ -466,12 +484,12 @@ def config_for(m_bucket: int, n: int, k: int, dtype: torch.dtype, granularity: s
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     qbk = _quant_block(k)
     if m_bucket == 1:
-        cfg = QGemvConfig(BLOCK_N=16, BLOCK_K=1024, num_warps=8, num_stages=1, QUANT_BLOCK_K=qbk)
+        cfg = QGemvConfig(BLOCK_N=16, BLOCK_K=1024, PREQUANT=True, num_warps=8, num_stages=1, QUANT_BLOCK_K=qbk)
     elif granularity == "block128":
-        cfg = QGemvConfig(BLOCK_N=64, BLOCK_K=128, USE_DOT=True, PREQUANT=m_bucket >= 8, num_warps=4,
+        cfg = QGemvConfig(BLOCK_N=64, BLOCK_K=128, USE_DOT=True, PREQUANT=True, num_warps=4,
                           num_stages=4, QUANT_BLOCK_K=qbk)
     else:
-        cfg = QGemvConfig(BLOCK_N=32, BLOCK_K=512, USE_DOT=True, PREQUANT=m_bucket >= 8, num_warps=4,
+        cfg = QGemvConfig(BLOCK_N=32, BLOCK_K=512, USE_DOT=True, PREQUANT=True, num_warps=4,
                           num_stages=4, QUANT_BLOCK_K=qbk)
     return _fill(cfg, n, k)
 
@@ -564,7 +582,7 @@ def _prequantize(x, M, K, silu_mul, block_k):
     xq = torch.empty((M, K), dtype=FP8, device=x.device)
     xs = torch.empty((M,), dtype=torch.float32, device=x.device)
     launch(_quant_rows_kernel, (M,), [x, xq, xs],
-           dict(K=K, BLOCK_K=block_k, PROLOGUE_SILU_MUL=silu_mul), num_warps=4, num_stages=1)
+           dict(K=K, BLOCK_K=block_k, PROLOGUE_SILU_MUL=silu_mul), num_warps=_quant_warps(block_k), num_stages=1)
     return xq, xs
 
 

@@ -140,11 +140,11 @@ def test_fused_quantization_matches_prequantized(M, cfg, gran):
 
 @pytest.mark.parametrize("M", [1, 4, 17])
 def test_small_m_default_config(M):
-    """config_for's choice (large tiles, split K for a small N, prequantized from bucket 8) runs."""
+    """config_for's choice (large tiles, split K for a small N, prequantized activations) runs."""
     n, k, dtype = 24, 300, torch.float16
     for gran in ("channel", "block128"):
         cfg = tf.config_for(tf.bucket(M), n, k, dtype, gran)
-        assert cfg == tf.config_for(tf.bucket(M), n, k, dtype, gran) and cfg.PREQUANT == (M >= 8)
+        assert cfg == tf.config_for(tf.bucket(M), n, k, dtype, gran) and cfg.PREQUANT
         _run(tf.qlinear_small_m, M, dtype, gran, (True, False, False), None, seed=M, n=n, k=k)
 
 
@@ -155,7 +155,7 @@ def test_config_table():
             for n, k in shapes:
                 cfg = tf.config_for(mb, n, k, torch.bfloat16, gran)
                 tf._check_gemv_config(cfg, gran == "block128")
-                assert cfg.USE_DOT == (mb > 1) and cfg.PREQUANT == (mb >= 8)
+                assert cfg.USE_DOT == (mb > 1) and cfg.PREQUANT
                 assert cfg.BLOCK_K % 128 == 0  # whole 16-byte loads of e4m3 across a warp
                 assert (cfg.SPLIT_K > 1) == (n == 512)
         assert all(not c.USE_DOT for c in tf.candidates(1, gran))
@@ -165,7 +165,7 @@ def test_config_table():
             tf._check_gemv_config(c, gran == "block128")
     small = tf.config_for(1, 512, 4096, torch.bfloat16, "channel")
     assert small.BLOCK_N == 8 and -(-512 // small.BLOCK_N) * small.SPLIT_K >= tf.NUM_SMS // 2
-    assert tf.gemm_config_for(4096, 4096, torch.bfloat16, "block128") == QGemmConfig(QUANT_BLOCK_K=2048)
+    assert tf.gemm_config_for(4096, 4096, torch.bfloat16, "block128") == QGemmConfig(QUANT_BLOCK_K=4096)
 
 
 def test_small_m_writes_only_inside_out():
@@ -323,7 +323,7 @@ def test_meta_recording():
                                        prologue="silu_mul")
                 assert y.shape == (M, n) and y.device.type == "meta"
                 kernels = [lc[0] for lc in launches]
-                pre = tf.bucket(M) >= 8
+                pre = True
                 assert kernels == ([tf._quant_rows_kernel] if pre else []) + [tf._qgemv_kernel]
                 kernel, grid, args, consts, nw, ns = launches[-1]
                 assert args[-1] == M and consts["BLOCK_SCALE"] == (gran == "block128")
@@ -348,9 +348,9 @@ def test_meta_recording():
         launches.clear()
         tf.qlinear_small_m(meta(1, k), meta(512, k, dtype=tf.FP8), meta(512, dtype=torch.float32), meta(512),
                            meta(1, 512))
-    assert [lc[0] for lc in launches] == [tf._qgemv_kernel, tf._qgemv_reduce_kernel]
-    assert launches[0][3]["SPLIT_K"] > 1 and launches[0][3]["HAS_BIAS"] is False
-    assert launches[1][3]["HAS_BIAS"] is True and launches[1][3]["HAS_RESIDUAL"] is True
+    assert [lc[0] for lc in launches] == [tf._quant_rows_kernel, tf._qgemv_kernel, tf._qgemv_reduce_kernel]
+    assert launches[1][3]["SPLIT_K"] > 1 and launches[1][3]["HAS_BIAS"] is False
+    assert launches[2][3]["HAS_BIAS"] is True and launches[2][3]["HAS_RESIDUAL"] is True
 
 
 _COMPILE_SCRIPT = textwrap.dedent("""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 from mxc.compiler.passes import (eliminate_dead_code, fuse_add_rms_norm, fuse_linear_io, fuse_rope_cache,
                                  merge_gate_up, merge_qkv)
@@ -58,15 +59,30 @@ def test_fuse_add_rms_norm(bind_arch, assert_same_logits):
     assert_same_logits(before, after)
 
 
+FP8 = SimpleNamespace(quant="fp8")
+BF16 = SimpleNamespace(quant=None)
+
+
 def test_fuse_linear_io(bind_arch, assert_same_logits):
     before = fuse_add_rms_norm.run(merged(bind_arch(mlp_bias=True)), None)
-    after = fuse_linear_io.run(before, None)
+    after = fuse_linear_io.run(before, FP8)
     verify(after)
     assert "silu_mul" not in ops(after) and ops(after).count("add") == 0
     down = layer(after).body[-1]
     assert down.op == "linear" and down.outs == ("x_2",) and down.attrs["prologue"] == "silu_mul"
     assert down.ins == ("gate_up", "w_down", "b_down", "x_1")
-    assert fuse_linear_io.run(after, None) == after  # idempotent
+    assert fuse_linear_io.run(after, FP8) == after  # idempotent
+    assert_same_logits(before, after)
+
+
+def test_fuse_linear_io_keeps_silu_mul_unquantized(bind_arch, assert_same_logits):
+    """Without fp8 only the residual is folded: a bf16 GEMV would recompute SiLU in every program."""
+    before = fuse_add_rms_norm.run(merged(bind_arch()), None)
+    after = fuse_linear_io.run(before, BF16)
+    verify(after)
+    assert ops(after).count("silu_mul") == 1 and ops(after).count("add") == 0
+    down = layer(after).body[-1]
+    assert down.op == "linear" and "prologue" not in down.attrs and down.ins[0] != "gate_up"
     assert_same_logits(before, after)
 
 
@@ -82,5 +98,5 @@ def test_fuse_linear_io_declines_shared_intermediates(bind_arch):
     extra = [Node("add", ("m_twice",), (m, m)), Node("add", ("down_twice",), (down.outs[0], down.outs[0]))]
     g2 = g.replace(body=tuple(replace(rep, body=tuple(body + extra)) if it is rep else it for it in g.body))
     verify(g2)
-    after = fuse_linear_io.run(g2, None)
+    after = fuse_linear_io.run(g2, FP8)
     assert after == g2  # both intermediates have a second reader: nothing to fold

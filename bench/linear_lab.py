@@ -1,0 +1,124 @@
+"""Decode and prefill linears of the Llama-3-8B shape, kernel by kernel, on one GPU.
+
+Times each variant as decode runs it (``triton_gemv._time_us``: a CUDA graph of back-to-back
+calls over weight copies covering 4x the L2) and prints microseconds and weight TB/s:
+  bf16 GEMV: plain, and the MLP down projection fused (SiLU-and-mul prologue + residual
+    epilogue) against unfused (silu_mul kernel, GEMV, add kernel);
+  fp8 GEMV: the default config (fused or prequantized activations) and ``--tune`` winners;
+  prefill (M = 2048): bf16 cuBLAS, fp8 ``torch._scaled_mm`` alone, with mxc's activation
+  quantization, and the Triton fp8 GEMM.
+Usage: python bench/linear_lab.py [--m 1,8,32] [--tune-fp8 o,down]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mxc.kernels import fp8_gemm, triton_elementwise, triton_fp8, triton_gemv  # noqa: E402
+from mxc.kernels.triton_gemv import LLAMA3_8B_SHAPES, _time_us, _weight_copies  # noqa: E402
+from mxc.loaders.quantize import quantize_fp8  # noqa: E402
+
+SHAPES = {k: v for k, v in LLAMA3_8B_SHAPES.items() if k != "lm_head"}
+
+
+def row(name, us, nbytes, note=""):
+    print(f"{name:44s} {us:9.1f} us {nbytes / us / 1e6:6.2f} TB/s  {note}", flush=True)
+
+
+def bf16_gemv(ms):
+    for name, (n, k) in SHAPES.items():
+        ws = _weight_copies(n, k, torch.bfloat16)
+        nbytes = n * k * 2
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            row(f"bf16 {name} M={m}", _time_us(lambda x_, w_: triton_gemv.linear_small_m(x_, w_), x, ws), nbytes,
+                str(triton_gemv.config_for(triton_gemv.bucket(m), n, k, torch.bfloat16)))
+            if name == "down":
+                x2 = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
+                r = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+                fused = lambda x_, w_: triton_gemv.linear_small_m(x_, w_, None, r, prologue="silu_mul")  # noqa: E731
+                unfused = lambda x_, w_: triton_elementwise.add(  # noqa: E731
+                    r, triton_gemv.linear_small_m(triton_elementwise.silu_mul(x_), w_))
+                row(f"bf16 down M={m} fused silu_mul+residual", _time_us(fused, x2, ws), nbytes)
+                row(f"bf16 down M={m} silu_mul, GEMV, add", _time_us(unfused, x2, ws), nbytes)
+        del ws
+
+
+def fp8_weights(n, k):
+    w = torch.randn(n, k, device="cuda") * k ** -0.5
+    q, s = quantize_fp8(w.cpu(), "channel")
+    copies = max(1, -(-4 * triton_gemv._L2_BYTES // (n * k)))
+    return [q.cuda().clone() for _ in range(copies)], s.cuda()
+
+
+def fp8_gemv(ms, tune, tune_ms):
+    for name, (n, k) in SHAPES.items():
+        ws, s = fp8_weights(n, k)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            cfg = triton_fp8.config_for(triton_gemv.bucket(m), n, k, torch.bfloat16, "channel")
+            run = lambda x_, w_: triton_fp8.qlinear_small_m(x_, w_, s, config=cfg)  # noqa: E731
+            row(f"fp8 {name} M={m} default", _time_us(run, x, ws), n * k, str(cfg))
+            alt = triton_fp8.QGemvConfig(**{**cfg.__dict__, "PREQUANT": not cfg.PREQUANT})
+            run = lambda x_, w_: triton_fp8.qlinear_small_m(x_, w_, s, config=alt)  # noqa: E731
+            row(f"fp8 {name} M={m} PREQUANT={alt.PREQUANT}", _time_us(run, x, ws), n * k)
+            if name == "down":
+                x2 = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
+                r = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+                run = lambda x_, w_: triton_fp8.qlinear_small_m(x_, w_, s, None, r, prologue="silu_mul")  # noqa: E731
+                row(f"fp8 down M={m} fused silu_mul+residual", _time_us(run, x2, ws), n * k)
+        if name in tune:
+            for m in tune_ms:
+                cfg, us = triton_fp8.tune(n, k, torch.bfloat16, triton_gemv.bucket(m))
+                row(f"fp8 {name} M={m} tuned", us, n * k, str(cfg))
+        del ws
+
+
+def prefill(m=2048):
+    from triton.testing import do_bench
+
+    for name, (n, k) in SHAPES.items():
+        flops = 2 * m * n * k
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+        q, s = quantize_fp8(w.cpu(), "channel")
+        q, s = q.cuda(), s.cuda()
+        xq, xs = triton_fp8._prequantize(x, m, k, False, triton_fp8._quant_block(k))
+        cases = {
+            "bf16 cuBLAS": lambda: torch.nn.functional.linear(x, w),
+            "fp8 _scaled_mm alone": lambda: torch._scaled_mm(xq, q.t(), scale_a=xs[:, None], scale_b=s[None, :],
+                                                             out_dtype=torch.bfloat16),
+            "fp8 quantize rows (Triton)": lambda: triton_fp8._prequantize(x, m, k, False, triton_fp8._quant_block(k)),
+            "fp8 fp8_gemm.scaled_mm (as built)": lambda: fp8_gemm.scaled_mm(x, q, s),
+            "fp8 Triton qlinear_gemm": lambda: triton_fp8.qlinear_gemm(x, q, s),
+        }
+        for case, fn in cases.items():
+            us = do_bench(fn, warmup=10, rep=50) * 1e3
+            print(f"prefill {name} M={m} {case:34s} {us:8.1f} us {flops / us / 1e6:6.0f} TFLOP/s", flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--m", default="1,8,32")
+    p.add_argument("--tune-fp8", default="", help="shapes to tune the fp8 GEMV for (comma list)")
+    p.add_argument("--tune-m", default="1", help="M buckets to tune at")
+    p.add_argument("--skip", default="", help="sections to skip: bf16,fp8,prefill")
+    a = p.parse_args()
+    ms = [int(v) for v in a.m.split(",")]
+    skip = set(a.skip.split(","))
+    if "bf16" not in skip:
+        bf16_gemv(ms)
+    if "fp8" not in skip:
+        fp8_gemv(ms, set(a.tune_fp8.split(",")) - {""}, [int(v) for v in a.tune_m.split(",")])
+    if "prefill" not in skip:
+        prefill()
+
+
+if __name__ == "__main__":
+    main()
