@@ -4,13 +4,15 @@
 with torch.multiprocessing, initialises torch.distributed in each (gloo on
 CPUs, NCCL on GPUs, one GPU per rank) over a free local port, and calls
 ``fn(rank, world_size, device, *args)`` in each. A multi-node user starts the
-ranks with torchrun instead and calls ``mxc.load(path, rank=..., world_size=...)``.
+ranks with torchrun instead and calls ``mxc.load(path, rank=..., world_size=...)``
+(with NCCL, without ``destroy_process_group()`` after decoding: see ``_entry``).
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import sys
 
 import torch
 
@@ -33,10 +35,21 @@ def _entry(rank: int, world_size: int, device: str, port: int, fn, args) -> None
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         backend = "gloo"
     dist.init_process_group(backend, rank=rank, world_size=world_size)
-    try:
-        fn(rank, world_size, device, *args)
-    finally:
-        dist.destroy_process_group()
+    if backend == "gloo":
+        try:
+            fn(rank, world_size, device, *args)
+        finally:
+            dist.destroy_process_group()
+        return
+    fn(rank, world_size, device, *args)
+    # NCCL: destroy_process_group() hangs once NCCL collectives were captured in CUDA graphs
+    # (pytorch/pytorch#115388, seen here with torch 2.11 on two H200s: both ranks stuck in it
+    # after finishing their work). The rank's work is done and its results written: finish the
+    # GPU work, flush, and leave without tearing NCCL down. Errors still raise above.
+    torch.cuda.synchronize()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn, world_size: int, device: str, *args) -> None:
