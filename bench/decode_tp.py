@@ -77,6 +77,7 @@ def main() -> None:
                              dtype="bfloat16", tp=tp, max_batch=8, max_seq_len=512, progress=False)
     single = mxc.load(arts[1], device="cuda", verify=False)
     t1 = _step_time(single)
+    print(f"tp=1 decode batch 1: {t1 * 1e3:.2f} ms/token", flush=True)
     del single
     torch.cuda.empty_cache()
     result = Path(f"{args.out}-result.json")

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mxc  # noqa: E402
-from decode import bench_generate, copy_bandwidth, cuda_time, hf_model  # noqa: E402
+from decode import _Rows, bench_generate, copy_bandwidth, cuda_time, hf_model  # noqa: E402
 
 HERE = Path(__file__).parent
 
@@ -62,7 +62,7 @@ def main() -> None:
     p.add_argument("--config", default=str(HERE / "qwen3_30b_a3b.json"))
     p.add_argument("--hf", action="store_true", help="also measure HF eager at batch 64")
     args = p.parse_args()
-    rows = []
+    rows = _Rows()  # each row also printed as measured
     bw = copy_bandwidth()
     rows.append(("copy bandwidth (measured)", f"{bw / 1e12:.2f} TB/s"))
     cfg = json.loads(Path(args.config).read_text())

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The GPU measurements of docs/perf.md, in parts that each fit one 10-minute device call.
+# Usage (repository root, on the GPU machine): bash bench/gpu_session.sh PART
+#   tests   pytest tests/gpu (the TP test runs where there are two GPUs)
+#   decode  bf16 + fp8 decode/prefill, per-kernel profiles at batch 1 and 8, HF compiled at batch 1
+#   moe     Qwen3-30B-A3B shape: batch 1 vs floor, batch 64 vs HF eager, fused vs per-expert loop
+#   tp      tp=2 vs tp=1 decode and the NCCL all-reduce time (two GPUs), then the TP GPU test
+#   lab     linear kernels one by one (bf16/fp8 GEMV variants, prefill GEMMs)
+# Logs go to $OUT (the device tool's output folder) when set, else to build/gpu-logs.
+set -u
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
+logs="${OUT:-build/gpu-logs}"
+mkdir -p "$logs"
+# large artifacts go to memory-backed storage where it is big enough (the MoE one is 61 GB)
+scratch=/tmp
+if [ -d /dev/shm ] && [ "$(df -B1G --output=avail /dev/shm | tail -1)" -gt 80 ]; then scratch=/dev/shm; fi
+
+run() {  # run LIMIT_S LOG CMD...: stop at the limit with every Python thread's stack (SIGABRT)
+  local limit=$1 log=$2; shift 2
+  echo "== $* (limit ${limit}s)"
+  timeout -s ABRT "$limit" "$@" 2>&1 | tee "$logs/$log"
+}
+
+case "${1:-}" in
+  tests)  run 540 pytest.log python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
+  decode) run 560 decode.log python3 bench/decode.py --profile 1,8 --quant fp8 --hf-batches 1 --out "$scratch/b8" ;;
+  moe)    run 560 moe.log python3 bench/moe.py --hf --out "$scratch/moe" ;;
+  tp)     run 400 tp.log python3 bench/decode_tp.py --tp 2 --out "$scratch/btp"
+          run 150 tp_test.log python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py ;;
+  lab)    run 400 lab.log python3 bench/linear_lab.py --m 1,8,32 ;;
+  *) echo "usage: bash bench/gpu_session.sh tests|decode|moe|tp|lab" >&2; exit 2 ;;
+esac
