@@ -24,7 +24,7 @@ import mxc
 from mxc.artifact_format import SCHEMA_VERSION, file_digests
 from mxc.codegen.render import render_forward
 from mxc.compiler.options import BuildOptions
-from mxc.compiler.pipeline import compile_graph
+from mxc.compiler.pipeline import check_disabled, compile_graph
 from mxc.errors import MxcError
 from mxc.ir import Graph, dump_graph, verify
 from mxc.loaders.checkpoint import open_checkpoint
@@ -185,6 +185,7 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
           dtype: str | None = None, target: str = "cpu", dump_ir: str | Path | None = None,
           max_batch: int = 32, max_seq_len: int | None = None, arch: int = 90, tp: int = 1,
           quant: str | None = None, quant_granularity: str = "channel", quant_lm_head: bool = False,
+          disable_passes: tuple[str, ...] | list[str] = (),
           progress: bool = True, log=_log) -> Path:
     """Build an artifact and return its directory."""
     if target not in ("cpu", "cuda"):
@@ -211,7 +212,7 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     options = BuildOptions(target=target, dtype=dtype or ("float32" if target == "cpu" else "bfloat16"),
                            max_batch=max_batch, max_seq_len=max_seq_len, tp=tp, quant=quant,
                            quant_granularity=quant_granularity, quant_lm_head=quant_lm_head,
-                           quant_scale_suffix=scale_suffix)
+                           quant_scale_suffix=scale_suffix, disable_passes=check_disabled(disable_passes))
     out = Path(out) if out else Path("build") / src.model_file.stem
     if out.exists() and not (out / "manifest.json").is_file():
         raise MxcError(f"--out {out}: exists and is not an mxc artifact; choose another path or remove it")

@@ -19,6 +19,7 @@ class BuildOptions:
     quant_scale_suffix: str | None = None  # checkpoint already fp8: its scale tensors' name suffix
     max_batch: int = 32  # cuda: sequences decoded together (KV-cache slots, CUDA-graph buckets)
     max_seq_len: int = 4096  # cuda: KV-cache length per sequence
+    disable_passes: tuple[str, ...] = ()  # optional passes skipped (``--disable-pass``)
 
     def __post_init__(self):
         if self.target not in TARGETS:

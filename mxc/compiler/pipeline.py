@@ -2,7 +2,8 @@
 
 Each pass is a pure ``run(graph, options) -> Graph`` in ``passes/``. The
 verifier runs after every pass; ``compile_graph`` can dump the IR after each
-(``--dump-ir DIR``: ``00-bound.yaml``, ``01-merge_qkv.yaml``, ...).
+(``--dump-ir DIR``: ``00-bound.yaml``, ``01-merge_qkv.yaml``, ...). Optional passes
+can be skipped (``--disable-pass``); the skipped ones leave no dump.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mxc.compiler.options import BuildOptions
+from mxc.errors import MxcError
 from mxc.compiler.passes import (eliminate_dead_code, fuse_add_rms_norm, fuse_linear_io, fuse_moe, fuse_rope_cache,
                                   merge_gate_up, merge_qkv, quantize, select_kernels, shard_tp)
 from mxc.ir import Graph, dump_graph, verify
@@ -33,6 +35,21 @@ PIPELINE = [
     ("select_kernels", select_kernels.run),
 ]
 
+# Passes that only make the program faster: ``--disable-pass NAME`` skips them (to measure a
+# fusion's effect, or to work around one). The others carry meaning (sharding, quantization,
+# kernel selection) and always run.
+OPTIONAL = ("merge_qkv", "merge_gate_up", "fuse_moe", "fuse_rope_cache", "fuse_add_rms_norm", "fuse_linear_io",
+            "eliminate_dead_code")
+
+
+def check_disabled(names) -> tuple[str, ...]:
+    """Validate ``--disable-pass`` names; return them as a sorted tuple."""
+    for name in names:
+        if name not in OPTIONAL:
+            why = "it is required" if name in dict(PIPELINE) else "no such pass"
+            raise MxcError(f"--disable-pass {name}: {why}; passes that can be disabled: {', '.join(OPTIONAL)}")
+    return tuple(sorted(set(names)))
+
 
 def compile_graph(graph: Graph, options: BuildOptions, dump_dir: Path | None = None) -> Graph:
     verify(graph)
@@ -41,6 +58,8 @@ def compile_graph(graph: Graph, options: BuildOptions, dump_dir: Path | None = N
         dump_dir.mkdir(parents=True, exist_ok=True)
         (dump_dir / "00-bound.yaml").write_text(dump_graph(graph))
     for i, (name, run) in enumerate(PIPELINE, start=1):
+        if name in options.disable_passes:
+            continue
         graph = run(graph, options)
         verify(graph)
         if dump_dir is not None:

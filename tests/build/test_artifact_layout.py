@@ -6,6 +6,7 @@ import hashlib
 import json
 
 import pytest
+import torch
 from safetensors import safe_open
 
 import mxc
@@ -77,3 +78,18 @@ def test_dump_ir_writes_one_file_per_pass(built):
     for name in files:
         verify(load_graph((ir / name).read_text()))
     assert (ir / files[-1]).read_text() == (art / "graph.yaml").read_text()
+
+
+def test_disable_pass_skips_it_and_keeps_the_math(built, tmp_path):
+    """--disable-pass leaves the graph unfused (no dump for the skipped passes), records the choice in
+    the manifest, and the program computes the same logits."""
+    art, _ = built
+    plain = mxc.build("llama.yaml", out=tmp_path / "plain", dump_ir=tmp_path / "ir", progress=False,
+                      log=lambda m: None, disable_passes=["merge_qkv", "merge_gate_up"])
+    assert _manifest(plain)["options"]["disable_passes"] == ["merge_gate_up", "merge_qkv"]
+    names = sorted(p.name for p in (tmp_path / "ir").iterdir())
+    assert not any("merge_qkv" in n or "merge_gate_up" in n for n in names)
+    graph = (plain / "graph.yaml").read_text()
+    assert "wqkv" not in graph and "w_gate_up" not in graph and "wqkv" in (art / "graph.yaml").read_text()
+    ids = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(mxc.load(plain).logits(ids), mxc.load(art).logits(ids), rtol=1e-5, atol=1e-5)

@@ -107,6 +107,10 @@ def test_user_errors(artifact, hf_checkpoint, tmp_path, capsys):
     _error(capsys, ["generate", tmp_path / "plain", "--ids", "1"], "not an mxc artifact")
     _error(capsys, ["inspect", tmp_path / "plain"], "not an mxc artifact")
     _error(capsys, ["build", "llama.yaml", "--out", tmp_path / "plain"], "exists and is not an mxc artifact")
+    _error(capsys, ["build", "llama.yaml", "--out", tmp_path / "o3", "--disable-pass", "shard_tp"],
+           "--disable-pass shard_tp: it is required; passes that can be disabled: merge_qkv")
+    _error(capsys, ["build", "llama.yaml", "--out", tmp_path / "o3", "--disable-pass", "fuse_everything"],
+           "--disable-pass fuse_everything: no such pass")
 
     ckpt, _ = hf_checkpoint("LlamaForCausalLM")
     config = json.loads((ckpt / "config.json").read_text())
