@@ -97,9 +97,12 @@ def _qkv_rope_cache(qkv, positions, q_norm=None, k_norm=None, *, heads, kv_heads
     width = (heads + 2 * kv_heads) * head_dim
     _need(len(qkv.shape) == 2 and qkv.shape[1] == width, lambda: f"qkv {qkv} must be [T, {width}] for {heads}+2*{kv_heads} heads of {head_dim}")
     _need(positions.dtype == "int64" and positions.shape == (qkv.shape[0],), lambda: f"positions {positions} must be [T] int64")
-    for norm in (q_norm, k_norm):
-        _need(norm is None or norm.shape == (head_dim,), lambda: f"q/k norm weight {norm} must be [{head_dim}]")
     _need((q_norm is None) == (k_norm is None), lambda: "q_norm and k_norm come together")
+    if q_norm is not None:  # per head ([head_dim] each) or over the whole projections (OLMoE)
+        per_head = q_norm.shape == (head_dim,) and k_norm.shape == (head_dim,)
+        whole = q_norm.shape == (heads * head_dim,) and k_norm.shape == (kv_heads * head_dim,)
+        _need(per_head or whole, lambda: f"q/k norm weights {q_norm}, {k_norm} must be [{head_dim}] each (per head) "
+                                         f"or [{heads * head_dim}] and [{kv_heads * head_dim}] (whole projections)")
     return (TensorType((qkv.shape[0], heads, head_dim), qkv.dtype),)
 
 
@@ -244,7 +247,8 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
           doc="s = a + b; (s, rms_norm(s)) -- fuse_add_rms_norm"),
     OpDef("qkv_rope_cache", ("qkv", "positions", "q_norm?", "k_norm?"), _qkv_rope_cache,
           attrs=("heads", "kv_heads", "head_dim", "spec", "layer"), optional_attrs=("eps",),
-          doc="split merged qkv, optional per-head q/k RMSNorm, rotate q and k, write k and v to KV cache "
+          doc="split merged qkv, optional q/k RMSNorm (per head, or over the whole projection when the weights "
+              "are that wide), rotate q and k, write k and v to KV cache "
               "slot `layer`; returns q -- fuse_rope_cache", uses_context=True),
     OpDef("cached_attention", ("q",), lambda q, **_: (q,), attrs=("scale", "layer"),
           optional_attrs=("causal", "sliding_window"),

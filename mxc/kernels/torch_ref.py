@@ -121,10 +121,14 @@ def add_rms_norm(a, b, weight, eps):
 
 def qkv_rope_cache(qkv, positions, q_norm=None, k_norm=None, ctx: ForwardContext = None, *, heads, kv_heads,
                    head_dim, spec, layer, eps=None):
-    """split + heads + optional q/k RMSNorm + RoPE, then k and v into KV-cache slot ``layer``; returns q."""
-    q, k, v = (t.view(t.shape[0], -1, head_dim) for t in qkv.split(
-        [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1))
-    if q_norm is not None:
+    """split + optional q/k RMSNorm (over the whole projections when the weights are that wide, as
+    OLMoE; else per head, as Qwen3) + heads + RoPE, then k and v into KV-cache slot ``layer``; returns q."""
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    whole = q_norm is not None and q_norm.shape[-1] != head_dim
+    if whole:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    q, k, v = (t.reshape(t.shape[0], -1, head_dim) for t in (q, k, v))
+    if q_norm is not None and not whole:
         q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
     q, k = rope(q, k, positions, ctx, spec)
     start = 0

@@ -4,7 +4,7 @@
 (q heads, then k heads, then v heads), ``positions`` [T] int64 and fp32 tables
 ``cos``/``sin`` [P, R/2] (from ``rope_tables``), and for every token:
 optionally RMS-normalises each q and k head over D (Qwen3 ``q_norm``/``k_norm``
-[D]), rotates the first R features of every q and k head with the Hugging Face
+[D]) or the whole q and k projections (OLMoE: [HQ*D] and [HKV*D]), rotates the first R features of every q and k head with the Hugging Face
 rotate-half convention (features R..D pass through), returns q [T, HQ, D] and
 writes k and the untouched v into row ``cache_loc[t]`` of the caches viewed
 as [S*L, HKV, D]. One program handles one token: all its heads at once, as
@@ -20,7 +20,8 @@ one fma, which can differ from eager torch by an ulp of the larger product.)
 
 Versions:
 - ``rope_qkv_write_kernel``: one token per program; ``HAS_QK_NORM`` adds the
-  per-head norm. The rotate-half partner of each feature is loaded a second
+  per-head norm, with ``QK_NORM_WHOLE`` the whole-projection norm (one token's
+  heads are one tile, so it is one reduction over the tile). The rotate-half partner of each feature is loaded a second
   time (same cache lines) instead of shuffling registers.
 """
 
@@ -37,8 +38,9 @@ from mxc.kernels.launch import launch
 @triton.jit
 def _norm_rope_heads(x_ptr, w_ptr, cos_ptr, sin_ptr, eps,
                      NH: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_NH: tl.constexpr,
-                     BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr):
-    """Load NH heads of D features at ``x_ptr``, norm (optional) and rotate them: [BLOCK_NH, BLOCK_D] fp32."""
+                     BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr, NORM_WHOLE: tl.constexpr):
+    """Load NH heads of D features at ``x_ptr``, norm (optional: per head with a [D] weight, or with
+    NORM_WHOLE over all NH * D features with an [NH * D] weight) and rotate them: [BLOCK_NH, BLOCK_D] fp32."""
     HALF: tl.constexpr = R // 2
     offs_h = tl.arange(0, BLOCK_NH)[:, None]
     offs_d = tl.arange(0, BLOCK_D)[None, :]
@@ -50,9 +52,14 @@ def _norm_rope_heads(x_ptr, w_ptr, cos_ptr, sin_ptr, eps,
     x = tl.load(x_ptr + offs_h * D + offs_d, mask=mask, other=0.0).to(tl.float32)
     xp = tl.load(x_ptr + offs_h * D + offs_partner, mask=mask & rot, other=0.0).to(tl.float32)
     if HAS_NORM:
-        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]  # [BLOCK_NH, 1]
-        w = tl.load(w_ptr + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-        wp = tl.load(w_ptr + offs_partner, mask=rot, other=0.0).to(tl.float32)
+        if NORM_WHOLE:  # one RMS over the token's whole projection (masked lanes hold 0)
+            rstd = tl.rsqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / (NH * D) + eps)
+            w = tl.load(w_ptr + offs_h * D + offs_d, mask=mask, other=0.0).to(tl.float32)
+            wp = tl.load(w_ptr + offs_h * D + offs_partner, mask=mask & rot, other=0.0).to(tl.float32)
+        else:
+            rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]  # [BLOCK_NH, 1]
+            w = tl.load(w_ptr + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+            wp = tl.load(w_ptr + offs_partner, mask=rot, other=0.0).to(tl.float32)
         x = ((x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * w).to(x_ptr.dtype.element_ty).to(tl.float32)
         xp = ((xp * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * wp).to(x_ptr.dtype.element_ty).to(tl.float32)
     offs_f = offs_d % HALF
@@ -68,7 +75,7 @@ def rope_qkv_write_kernel(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_norm_ptr, 
                           q_ptr, k_cache_ptr, v_cache_ptr, cache_loc_ptr, eps,
                           HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
                           BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr,
-                          HAS_QK_NORM: tl.constexpr):
+                          HAS_QK_NORM: tl.constexpr, QK_NORM_WHOLE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t)
     loc = tl.load(cache_loc_ptr + t)
@@ -76,14 +83,15 @@ def rope_qkv_write_kernel(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_norm_ptr, 
     sin_row = sin_ptr + pos * (R // 2)
     row_ptr = qkv_ptr + t * ((HQ + 2 * HKV) * D)
 
-    q = _norm_rope_heads(row_ptr, q_norm_ptr, cos_row, sin_row, eps, HQ, D, R, BLOCK_HQ, BLOCK_D, HAS_QK_NORM)
+    q = _norm_rope_heads(row_ptr, q_norm_ptr, cos_row, sin_row, eps, HQ, D, R, BLOCK_HQ, BLOCK_D, HAS_QK_NORM,
+                         QK_NORM_WHOLE)
     offs_hq = tl.arange(0, BLOCK_HQ)[:, None]
     offs_d = tl.arange(0, BLOCK_D)[None, :]
     tl.store(q_ptr + t * (HQ * D) + offs_hq * D + offs_d, q.to(q_ptr.dtype.element_ty),
              mask=(offs_hq < HQ) & (offs_d < D))
 
     k = _norm_rope_heads(row_ptr + HQ * D, k_norm_ptr, cos_row, sin_row, eps, HKV, D, R, BLOCK_HKV, BLOCK_D,
-                         HAS_QK_NORM)
+                         HAS_QK_NORM, QK_NORM_WHOLE)
     offs_hkv = tl.arange(0, BLOCK_HKV)[:, None]
     mask_kv = (offs_hkv < HKV) & (offs_d < D)
     offs_cache = loc * (HKV * D) + offs_hkv * D + offs_d  # flat row ``loc`` of [S*L, HKV, D]
@@ -139,10 +147,13 @@ def rope_qkv_write(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
         f"rope_qkv_write: caches must hold qkv's dtype {qkv.dtype}, got {k_cache.dtype}/{v_cache.dtype}")
     assert (q_norm is None) == (k_norm is None), "rope_qkv_write: give both q_norm and k_norm or neither"
     has_qk_norm = q_norm is not None
+    whole = has_qk_norm and q_norm.shape != (D,)  # over the whole projections (OLMoE), not per head
     if has_qk_norm:
-        for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
-            assert w.shape == (D,) and w.dtype == qkv.dtype and w.is_contiguous(), (
-                f"rope_qkv_write: {name} must be contiguous {qkv.dtype} [{D}], got {w.dtype} {tuple(w.shape)}")
+        for name, w, n in (("q_norm", q_norm, HQ), ("k_norm", k_norm, HKV)):
+            want = (n * D,) if whole else (D,)
+            assert w.shape == want and w.dtype == qkv.dtype and w.is_contiguous(), (
+                f"rope_qkv_write: {name} must be contiguous {qkv.dtype} {list(want)} (q_norm [{D}]: per head, "
+                f"[{HQ * D}]: whole projection), got {w.dtype} {tuple(w.shape)}")
     for name, t in (("positions", positions), ("cos", cos), ("sin", sin), ("k_cache", k_cache),
                     ("v_cache", v_cache), ("cache_loc", cache_loc)):
         assert t.is_contiguous(), f"rope_qkv_write: {name} must be contiguous (kernels take no strides)"
@@ -160,6 +171,6 @@ def rope_qkv_write(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
            [qkv, positions, cos, sin, q_norm if has_qk_norm else qkv, k_norm if has_qk_norm else qkv,
             out, k_cache, v_cache, cache_loc, float(eps)],
            dict(HQ=HQ, HKV=HKV, D=D, R=R, BLOCK_HQ=block_hq, BLOCK_HKV=block_hkv, BLOCK_D=block_d,
-                HAS_QK_NORM=has_qk_norm),
+                HAS_QK_NORM=has_qk_norm, QK_NORM_WHOLE=whole),
            num_warps=num_warps, num_stages=1)
     return out

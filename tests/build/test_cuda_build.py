@@ -27,9 +27,15 @@ QWEN3_MOE = {**QWEN3, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8
              "moe_intermediate_size": 32, "norm_topk_prob": True}
 
 
+OLMOE = {"architectures": ["OlmoeForCausalLM"], "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 256,
+         "rms_norm_eps": 1e-5, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": False}
+
+
 @pytest.mark.parametrize("config,tp,quant", [(None, 1, None), (QWEN3, 1, None), (None, 2, None), (None, 1, "fp8"),
-                                             (QWEN3_MOE, 2, None), (QWEN3_MOE, 1, "fp8")],
-                         ids=["llama-default", "qwen3-yarn", "llama-tp2", "llama-fp8", "qwen3-moe-tp2", "qwen3-moe-fp8"])
+                                             (QWEN3_MOE, 2, None), (QWEN3_MOE, 1, "fp8"), (OLMOE, 1, None)],
+                         ids=["llama-default", "qwen3-yarn", "llama-tp2", "llama-fp8", "qwen3-moe-tp2", "qwen3-moe-fp8",
+                              "olmoe"])
 def test_cuda_build_compiles_every_kernel_for_sm90(config, tp, quant, tmp_path):
     args = [sys.executable, "-m", "mxc", "build", "llama.yaml", "--target", "cuda", "--out", str(tmp_path / "art"),
             "--max-batch", "4", "--max-seq-len", "128", "--tp", str(tp)] + (["--quant", quant] if quant else [])

@@ -23,9 +23,12 @@ def test_fused_moe_qwen3_30b_shapes(t):
     assert _rel(triton_moe.fused_moe(x, w, ids, w1, w2), moe_ref.fused_moe(x, w, ids, w1, w2)) < 2e-2
 
 
-def test_qwen3_moe_cuda_matches_hf(hf_checkpoint, tmp_path):
-    ckpt, hf = hf_checkpoint("Qwen3MoeForCausalLM", hidden_size=128, num_experts=8, num_experts_per_tok=2,
-                             moe_intermediate_size=64, norm_topk_prob=True)
+@pytest.mark.parametrize("arch,overrides", [
+    ("Qwen3MoeForCausalLM", dict(moe_intermediate_size=64, norm_topk_prob=True)),
+    ("OlmoeForCausalLM", dict(intermediate_size=64)),  # q/k norm over the whole projections
+])
+def test_moe_cuda_matches_hf(arch, overrides, hf_checkpoint, tmp_path):
+    ckpt, hf = hf_checkpoint(arch, hidden_size=128, num_experts=8, num_experts_per_tok=2, **overrides)
     art = mxc.build(str(ckpt), out=tmp_path / "a", target="cuda", dtype="bfloat16", max_batch=4, max_seq_len=64,
                     progress=False, log=lambda m: None)
     model = mxc.load(art, device="cuda")

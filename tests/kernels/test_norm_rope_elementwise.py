@@ -245,14 +245,21 @@ def rope_spec(kind: str, head_dim: int, partial: bool) -> dict:
 ROPE_CASES = [
     (kind, dtype, (7, 3, 1, 5)[i % 4], (16, 48, 64, 32)[(i // 2 + i // 8) % 4], (i // 2 + i // 8) % 2 == 1,
      ((4, 2), (4, 1), (6, 3))[i % 3], qk_norm)
-    for i, (dtype, kind, qk_norm) in enumerate(itertools.product(DTYPES, ROPE_CONFIGS, (False, True)))
+    for i, (dtype, kind, qk_norm) in enumerate(itertools.product(DTYPES, ROPE_CONFIGS, (None, "head")))
+] + [  # q/k norm over the whole projections (OLMoE), with masked heads and features
+    ("default", dtype, 5, 48, False, heads, "whole") for dtype in DTYPES for heads in ((6, 3), (4, 1))
 ]
 
 
 def rope_reference(qkv, positions, spec, k_cache, v_cache, cache_loc, q_norm, k_norm, HQ, HKV, D):
-    """torch_ref composition: split, heads, q/k norm, cos_sin + apply_rope, k/v into the caches."""
-    q, k, v = (torch_ref.heads(t, D) for t in torch_ref.split(qkv, (HQ * D, HKV * D, HKV * D)))
-    if q_norm is not None:
+    """torch_ref composition: split, (whole-projection norm), heads, (per-head norm), cos_sin + apply_rope,
+    k/v into the caches."""
+    q, k, v = torch_ref.split(qkv, (HQ * D, HKV * D, HKV * D))
+    whole = q_norm is not None and q_norm.shape != (D,)
+    if whole:
+        q, k = torch_ref.rms_norm(q, q_norm, EPS), torch_ref.rms_norm(k, k_norm, EPS)
+    q, k, v = (torch_ref.heads(t, D) for t in (q, k, v))
+    if q_norm is not None and not whole:
         q, k = torch_ref.rms_norm(q, q_norm, EPS), torch_ref.rms_norm(k, k_norm, EPS)
     cos, sin = rope_ref.cos_sin(spec, positions, qkv.dtype)
     q, k = rope_ref.apply_rope(q, cos, sin), rope_ref.apply_rope(k, cos, sin)
@@ -263,7 +270,7 @@ def rope_reference(qkv, positions, spec, k_cache, v_cache, cache_loc, q_norm, k_
 
 @pytest.mark.parametrize("kind, dtype, T, D, partial, heads, qk_norm", ROPE_CASES,
                          ids=[f"{c[0]}-{ids(c[1])}-T{c[2]}-D{c[3]}{'-partial' if c[4] else ''}-hq{c[5][0]}kv{c[5][1]}"
-                              f"{'-qknorm' if c[6] else ''}" for c in ROPE_CASES])
+                              f"{'-qknorm-' + c[6] if c[6] else ''}" for c in ROPE_CASES])
 def test_rope_qkv_write(kind, dtype, T, D, partial, heads, qk_norm):
     HQ, HKV = heads
     torch.manual_seed(T * 100 + D)
@@ -273,8 +280,8 @@ def test_rope_qkv_write(kind, dtype, T, D, partial, heads, qk_norm):
     qkv = (torch.randn(T, (HQ + 2 * HKV) * D) * 2).to(dtype)
     positions = torch.randint(0, P, (T,))  # arbitrary order, repeats allowed
     cache_loc = torch.randperm(SLOTS * MAX_LEN)[:T]
-    q_norm = (1 + 0.1 * torch.randn(D)).to(dtype) if qk_norm else None
-    k_norm = (1 + 0.1 * torch.randn(D)).to(dtype) if qk_norm else None
+    q_norm = (1 + 0.1 * torch.randn(HQ * D if qk_norm == "whole" else D)).to(dtype) if qk_norm else None
+    k_norm = (1 + 0.1 * torch.randn(HKV * D if qk_norm == "whole" else D)).to(dtype) if qk_norm else None
     k_cache, v_cache = (torch.full((SLOTS, MAX_LEN, HKV, D), float("nan"), dtype=dtype) for _ in range(2))
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     buf, q = padded((T, HQ, D), dtype)
@@ -342,13 +349,14 @@ def test_wrappers_record_one_launch_on_meta():
     spec = rope_spec("llama3", 48, partial=True)
     cos, sin = rope_tables(spec, 64, "meta")
     assert cos.device.type == "meta" and cos.shape == (64, 12)
-    for qk_norm in (False, True):
-        norm = _meta(48) if qk_norm else None
+    for qk_norm in (None, "head", "whole"):
+        qn, kn = {None: (None, None), "head": (_meta(48), _meta(48)), "whole": (_meta(6 * 48), _meta(2 * 48))}[qk_norm]
         q, kernel, grid, cx = _record(lambda: rope_qkv_write(
             _meta(5, (6 + 2 * 2) * 48), _meta(5, dtype=torch.int64), cos, sin, _meta(3, 8, 2, 48),
-            _meta(3, 8, 2, 48), _meta(5, dtype=torch.int64), norm, norm, EPS))
+            _meta(3, 8, 2, 48), _meta(5, dtype=torch.int64), qn, kn, EPS))
         assert (kernel, grid) == (rope_qkv_write_kernel, (5,))
-        assert cx == dict(HQ=6, HKV=2, D=48, R=24, BLOCK_HQ=8, BLOCK_HKV=2, BLOCK_D=64, HAS_QK_NORM=qk_norm)
+        assert cx == dict(HQ=6, HKV=2, D=48, R=24, BLOCK_HQ=8, BLOCK_HKV=2, BLOCK_D=64, HAS_QK_NORM=qk_norm is not None,
+                          QK_NORM_WHOLE=qk_norm == "whole")
         assert q.shape == (5, 6, 48)
 
     out, kernel, grid, cx = _record(lambda: silu_mul(_meta(5, 2 * 1100)))

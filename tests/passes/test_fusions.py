@@ -44,6 +44,17 @@ def test_fuse_rope_cache_takes_qk_norms(bind_arch, assert_same_logits):
     assert_same_logits(before, after)
 
 
+def test_fuse_rope_cache_takes_whole_projection_qk_norms(bind_arch, assert_same_logits):
+    """OLMoE normalises the whole q and k projections before the heads view: fused the same way."""
+    before = merged(bind_arch("OlmoeForCausalLM", num_experts=4, num_experts_per_tok=2))
+    after = eliminate_dead_code.run(fuse_rope_cache.run(before, None), None)
+    verify(after)
+    fused = next(n for n in layer(after).body if n.op == "qkv_rope_cache")
+    assert fused.ins[2:] == ("q_norm_full", "k_norm_full") and fused.attrs["eps"] == 1e-5
+    assert ops(after).count("rms_norm") == 2 and "attention" not in ops(after)  # ln1, ln2: q/k norms fused
+    assert_same_logits(before, after)
+
+
 def test_fuse_rope_cache_declines_without_merged_qkv(bind_arch):
     g = bind_arch()  # q, k, v from three linears, no split
     assert fuse_rope_cache.run(g, None) == g

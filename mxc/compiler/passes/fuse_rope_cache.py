@@ -4,7 +4,7 @@ Matches (from each ``attention`` node whose q, k and v come from one ``split``):
 
     q0, k0, v0 = split(qkv, sizes=[HQ*D, HKV*D, HKV*D])
     q = heads(q0, size=D); k = heads(k0, size=D); v = heads(v0, size=D)
-    q = rms_norm(q, q_norm, eps); k = rms_norm(k, k_norm, eps)        # optional (Qwen3)
+    q = rms_norm(q, q_norm, eps); k = rms_norm(k, k_norm, eps)        # optional, per head (Qwen3)
     q, k = rope(q, k, positions, spec=S)
     a = attention(q, k, v, scale=s, layer=i, sliding_window=w)
 
@@ -16,7 +16,9 @@ Rewrites to::
 ``qkv_rope_cache`` writes k and v into KV-cache slot ``layer``; the
 ``cached_attention`` right after it reads them (program order is the
 dependence; no pass reorders nodes). The old chain is left to
-``eliminate_dead_code``. Requires: the three come from one split with exactly
+``eliminate_dead_code``. A norm over each whole projection (OLMoE: ``q0`` and
+``k0`` normed with [HQ*D] and [HKV*D] weights before ``heads``) is fused the same
+way; the op tells the two apart by the norm weights' width. Requires: the three come from one split with exactly
 those sizes; norms on both q and k or neither, with one eps. Preserves: the
 attention output name and the math (tested numerically against the unfused graph).
 """
@@ -51,8 +53,14 @@ def _match(attn: Node, ctx):
     heads = [_back(x, ctx, "heads") for x in (qh, kh, vh)]
     if any(h is None for h in heads):
         return None
-    split = _back(heads[0].ins[0], ctx, "split")
-    if split is None or [h.ins[0] for h in heads] != list(split.outs):
+    parts = [h.ins[0] for h in heads]
+    if q_norm is None:  # a norm over each whole projection, before the heads view (OLMoE)?
+        whole = [_back(x, ctx, "rms_norm") for x in parts[:2]]
+        if all(whole) and whole[0].attrs["eps"] == whole[1].attrs["eps"]:
+            q_norm, k_norm, q_eps = whole[0].ins[1], whole[1].ins[1], whole[0].attrs["eps"]
+            parts = [whole[0].ins[0], whole[1].ins[0], parts[2]]
+    split = _back(parts[0], ctx, "split")
+    if split is None or parts != list(split.outs):
         return None
     d = heads[0].attrs["size"]
     if any(h.attrs["size"] != d for h in heads):
