@@ -64,6 +64,16 @@ def _linear(x, w, bias=None, residual=None, prologue=None, **_):
     return (out,)
 
 
+def _rms_norm_linear(x, norm, w, bias=None, eps=None, **_):
+    _need(len(x.shape) == 2 and len(w.shape) == 2, lambda: f"expects x [T, K] and w [N, K], got {x} and {w}")
+    _need(eps > 0, lambda: f"eps must be > 0, got {eps}")
+    _need(x.shape[1] == w.shape[1] and norm.shape == (x.shape[1],),
+          lambda: f"x {x}, norm weight {norm} and weight {w} disagree on K")
+    if bias is not None:
+        _need(bias.shape == (w.shape[0],), lambda: f"bias {bias} must be [{w.shape[0]}]")
+    return (TensorType((x.shape[0], w.shape[0]), x.dtype),)
+
+
 def _positive_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
@@ -245,6 +255,8 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
     # fused (made by compiler passes)
     OpDef("add_rms_norm", ("a", "b", "weight"), _add_rms_norm, attrs=("eps",),
           doc="s = a + b; (s, rms_norm(s)) -- fuse_add_rms_norm"),
+    OpDef("rms_norm_linear", ("x", "norm_weight", "weight", "bias?"), _rms_norm_linear, attrs=("eps",),
+          doc="linear(rms_norm(x, norm_weight), weight, bias) -- fuse_norm_linear"),
     OpDef("qkv_rope_cache", ("qkv", "positions", "q_norm?", "k_norm?"), _qkv_rope_cache,
           attrs=("heads", "kv_heads", "head_dim", "spec", "layer"), optional_attrs=("eps",),
           doc="split merged qkv, optional q/k RMSNorm (per head, or over the whole projection when the weights "

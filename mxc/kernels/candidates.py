@@ -103,6 +103,12 @@ _TRITON = [
               f"Triton GEMV/split-K: bandwidth-bound at <= {GEMV_MAX_TOKENS} tokens", tokens=(1, GEMV_MAX_TOKENS),
               check=_dtype_ok),
     Candidate("cublas.linear", "linear", GPU, "cuBLAS through torch: compute-bound GEMM at larger token counts"),
+    Candidate("cuda_ops.rms_norm_linear_small_m", "rms_norm_linear", GPU,
+              f"Triton GEMV at <= {GEMV_MAX_TOKENS} tokens; at 1 token the norm runs inside it (sum of squares "
+              f"while the weights stream), else the RMSNorm kernel first", tokens=(1, GEMV_MAX_TOKENS),
+              check=_dtype_ok),
+    Candidate("cuda_ops.rms_norm_linear", "rms_norm_linear", GPU, "Triton RMSNorm, then cuBLAS through torch",
+              check=_dtype_ok),
     # fp8 (qlinear); a tuning cache will turn these "default" reasons into measured ones
     Candidate("triton_fp8.qlinear_small_m", "qlinear", GPU,
               f"default: Triton fp8-weight GEMV, half the bytes of bf16, at <= {GEMV_MAX_TOKENS} tokens",

@@ -3,7 +3,8 @@
 The generated program calls ``cuda_ops.<op>(inputs..., ctx, attrs...)`` with
 the IR's calling convention; these functions pick the context's device
 tensors (KV cache of the layer, cache locations, sequence tables, RoPE
-tables) and call the Triton wrappers. Nothing here reads device values on the
+tables), or the kernels for the token count (``rms_norm_linear``), and call
+the Triton wrappers. Nothing here reads device values on the
 host, so a decode step can be captured in a CUDA graph.
 """
 
@@ -11,8 +12,21 @@ from __future__ import annotations
 
 import json
 
-from mxc.kernels import triton_attention, triton_rope
+from mxc.kernels import cublas, triton_attention, triton_gemv, triton_norm, triton_rope
 from mxc.kernels.context import ForwardContext
+
+
+def rms_norm_linear_small_m(x, norm_weight, weight, bias=None, eps=1e-6):
+    """<= 32 tokens: the batch-1 GEMV with the norm folded in where it fuses, else RMSNorm then the GEMV."""
+    n, k = weight.shape
+    if triton_gemv.fuses_rms_norm(x.shape[0], n, k, x.dtype):
+        return triton_gemv.linear_small_m(x, weight, bias, prologue="rms_norm", norm_weight=norm_weight, eps=eps)
+    return triton_gemv.linear_small_m(triton_norm.rms_norm(x, norm_weight, eps), weight, bias)
+
+
+def rms_norm_linear(x, norm_weight, weight, bias=None, eps=1e-6):
+    """Larger token counts: the RMSNorm kernel, then cuBLAS."""
+    return cublas.linear(triton_norm.rms_norm(x, norm_weight, eps), weight, bias)
 
 
 def _tables(ctx: ForwardContext, spec: dict):

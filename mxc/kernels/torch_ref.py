@@ -119,6 +119,10 @@ def add_rms_norm(a, b, weight, eps):
     return s, rms_norm(s, weight, eps)
 
 
+def rms_norm_linear(x, norm_weight, weight, bias=None, eps=1e-6):
+    return linear(rms_norm(x, norm_weight, eps), weight, bias)
+
+
 def qkv_rope_cache(qkv, positions, q_norm=None, k_norm=None, ctx: ForwardContext = None, *, heads, kv_heads,
                    head_dim, spec, layer, eps=None):
     """split + optional q/k RMSNorm (over the whole projections when the weights are that wide, as

@@ -98,19 +98,25 @@ def _load_x(x_ptrs, mask, other, K: tl.constexpr, PROLOGUE_SILU_MUL: tl.constexp
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M,
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, g_ptr, eps, M,
                  N: tl.constexpr, K: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 PROLOGUE_SILU_MUL: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False):
+                 PROLOGUE_SILU_MUL: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False,
+                 PROLOGUE_RMS_NORM: tl.constexpr = False):
     """One program: rows [pid_n * BLOCK_N, +BLOCK_N) of y over K slice pid_k.
 
     With SPLIT_K == 1, ``y_ptr`` is y [M, N] (bias and residual added, cast to y's dtype);
     otherwise it is the fp32 scratch [SPLIT_K, M, N] and HAS_BIAS and HAS_RESIDUAL are False.
-    ``b_ptr`` / ``r_ptr`` are None (specialised away) when there is no bias / residual.
-    With PROLOGUE_SILU_MUL, x is [M, 2K] and the input rows are silu(x[:, :K]) * x[:, K:].
+    ``b_ptr`` / ``r_ptr`` / ``g_ptr`` are None (specialised away) when there is no bias /
+    residual / norm. With PROLOGUE_SILU_MUL, x is [M, 2K] and the input rows are
+    silu(x[:, :K]) * x[:, K:]. With PROLOGUE_RMS_NORM (v1 only: one row, one K slice), the input
+    row is rms_norm(x, g, eps): the loop multiplies x by g and sums x^2 as it goes, and the dot
+    products are scaled by 1/rms at the end (fp32 throughout, no rounding of the normed row).
     """
     tl.static_assert(SPLIT_K == 1 or not (HAS_BIAS or HAS_RESIDUAL))
+    tl.static_assert(not PROLOGUE_RMS_NORM or (BLOCK_M == 1 and not USE_DOT and SPLIT_K == 1
+                                               and not PROLOGUE_SILU_MUL))
     X_STRIDE: tl.constexpr = 2 * K if PROLOGUE_SILU_MUL else K  # elements per row of x
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -154,14 +160,22 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M,
         # v1: per-thread partial products, one reduction at the end
         x_ptrs = x_ptr + k_start + offs_k
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        sumsq = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for k in range(0, K_PER_SPLIT, BLOCK_K):
             if EVEN_K:
                 w = tl.load(w_ptrs).to(tl.float32)
                 x = _load_x(x_ptrs, None, None, K, PROLOGUE_SILU_MUL).to(tl.float32)
+                if PROLOGUE_RMS_NORM:
+                    g = tl.load(g_ptr + k + offs_k).to(tl.float32)
             else:
                 k_ok = (k_start + k + offs_k) < K
                 w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
                 x = _load_x(x_ptrs, k_ok, 0.0, K, PROLOGUE_SILU_MUL).to(tl.float32)
+                if PROLOGUE_RMS_NORM:
+                    g = tl.load(g_ptr + k + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            if PROLOGUE_RMS_NORM:
+                sumsq += x * x
+                x = x * g
             # x arrives in its own 1-D layout and moves to w's through shared memory
             # (BLOCK_K values per step, 1/BLOCK_N of the weight bytes); a [1, BLOCK_K] load
             # instead makes Triton move w to x's layout.
@@ -169,6 +183,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M,
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         acc_t = tl.sum(acc2, axis=1)[:, None]  # [BLOCK_N, 1]
+        if PROLOGUE_RMS_NORM:
+            acc_t = acc_t * tl.rsqrt(tl.sum(sumsq, axis=0) / K + eps)
     else:
         # v2: w loaded once per step, one reduced dot product per row of x
         x_ptrs = x_ptr + k_start + offs_k
@@ -304,6 +320,14 @@ def config_for(m_bucket: int, n: int, k: int, dtype: torch.dtype) -> GemvConfig:
     return _fill(cfg, n, k)
 
 
+def fuses_rms_norm(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
+    """Whether ``linear_small_m`` takes an RMSNorm prologue for these rows and shape by default:
+    the batch-1 path (v1, FMA) with one K slice, where x is in registers anyway and the norm costs
+    a multiply and a square per element of x, 1/BLOCK_N of the weight work."""
+    cfg = config_for(bucket(m), n, k, dtype)
+    return m == 1 and not cfg.USE_DOT and cfg.SPLIT_K == 1
+
+
 def _tile_m(m_bucket: int, cfg: GemvConfig) -> int:
     """Rows of the kernel's tile: the bucket, or 16 at least for tensor cores (tl.dot)."""
     return max(16, m_bucket) if cfg.USE_DOT else m_bucket
@@ -315,12 +339,15 @@ def _tile_m(m_bucket: int, cfg: GemvConfig) -> int:
 
 def linear_small_m(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                    residual: torch.Tensor | None = None, *, prologue: str | None = None,
+                   norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
                    config: GemvConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``residual + prologue(x) [M, K] @ w [N, K]^T (+ bias [N])`` for 1 <= M <= 32, in x's dtype
     (fp32 accumulation); the same as ``torch_ref.linear(x, w, bias, residual, prologue)``.
 
     ``prologue="silu_mul"``: x is [M, 2K] (gate half, then up half) and is replaced by
-    ``silu(gate) * up``; ``residual`` (contiguous [M, N], x's dtype) is added to the result
+    ``silu(gate) * up``. ``prologue="rms_norm"`` (one row, and a config with one K slice, see
+    ``fuses_rms_norm``): x is replaced by ``rms_norm(x, norm_weight [K], eps)``, kept in fp32
+    (``torch_ref.rms_norm_linear`` up to the rounding of the normed row). ``residual`` (contiguous [M, N], x's dtype) is added to the result
     (``residual`` is positional after ``bias``, as the generated programs pass a linear's inputs).
     ``config`` overrides ``config_for`` (tests, tuning; K is w's K); ``out`` (contiguous [M, N],
     x's dtype; it may be ``residual`` itself, not x) receives the result instead of a new tensor.
@@ -328,9 +355,9 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
     """
     if x.dim() != 2 or w.dim() != 2:
         raise ValueError(f"expected x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
-    if prologue not in (None, "silu_mul"):
-        raise ValueError(f"prologue must be None or 'silu_mul', got {prologue!r}")
-    silu_mul = prologue == "silu_mul"
+    if prologue not in (None, "silu_mul", "rms_norm"):
+        raise ValueError(f"prologue must be None, 'silu_mul' or 'rms_norm', got {prologue!r}")
+    silu_mul, rms = prologue == "silu_mul", prologue == "rms_norm"
     M, Kx = x.shape
     N, K = w.shape
     if Kx != (2 * K if silu_mul else K):
@@ -349,6 +376,12 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
         raise ValueError(f"residual must be contiguous [{M}, {N}] {x.dtype} on {x.device}")
     m_bucket = bucket(M)
     cfg = config if config is not None else config_for(m_bucket, N, K, x.dtype)
+    if rms:
+        if M != 1 or cfg.USE_DOT or cfg.SPLIT_K != 1:
+            raise ValueError(f"the rms_norm prologue runs on one row with one K slice (v1), got M={M}, {cfg}")
+        if (norm_weight is None or norm_weight.shape != (K,) or norm_weight.dtype != x.dtype
+                or not norm_weight.is_contiguous() or norm_weight.device != x.device):
+            raise ValueError(f"norm_weight must be contiguous [{K}] {x.dtype} on {x.device}")
     if out is None:
         y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     else:
@@ -360,13 +393,14 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
                   SPLIT_K=cfg.SPLIT_K, USE_DOT=cfg.USE_DOT)
     has_bias, has_residual = bias is not None, residual is not None
     if cfg.SPLIT_K == 1:
-        launch(_gemv_kernel, grid, [x, w, bias, residual, y, M],
-               dict(consts, HAS_BIAS=has_bias, PROLOGUE_SILU_MUL=silu_mul, HAS_RESIDUAL=has_residual),
+        launch(_gemv_kernel, grid, [x, w, bias, residual, y, norm_weight if rms else None, float(eps), M],
+               dict(consts, HAS_BIAS=has_bias, PROLOGUE_SILU_MUL=silu_mul, HAS_RESIDUAL=has_residual,
+                    PROLOGUE_RMS_NORM=rms),
                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return y
     ws = torch.empty((cfg.SPLIT_K, M, N), dtype=torch.float32, device=x.device)
-    launch(_gemv_kernel, grid, [x, w, None, None, ws, M],
-           dict(consts, HAS_BIAS=False, PROLOGUE_SILU_MUL=silu_mul, HAS_RESIDUAL=False),
+    launch(_gemv_kernel, grid, [x, w, None, None, ws, None, 0.0, M],
+           dict(consts, HAS_BIAS=False, PROLOGUE_SILU_MUL=silu_mul, HAS_RESIDUAL=False, PROLOGUE_RMS_NORM=False),
            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     block_r = max(64, 1024 // m_bucket)
     launch(_splitk_reduce_kernel, (triton.cdiv(N, block_r),), [ws, bias, residual, y, M],

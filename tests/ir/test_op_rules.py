@@ -97,6 +97,12 @@ EXAMPLES = {
         ([tt("T", 64), tt("T", 64), tt(32)], {"eps": 1e-5}, "does not match the last dim"),
         ([tt("T", 64), tt("T", 64), tt(64)], {"eps": -1.0}, "eps must be > 0"),
     ]),
+    "rms_norm_linear": (([tt("T", 64), tt(64), tt(128, 64), tt(128)], {"eps": 1e-5}), [tt("T", 128)], [
+        ([tt("T", 64), tt(32), tt(128, 64)], {"eps": 1e-5}, "disagree on K"),
+        ([tt("T", 64), tt(64), tt(128, 48)], {"eps": 1e-5}, "disagree on K"),
+        ([tt("T", 64), tt(64), tt(128, 64), tt(64)], {"eps": 1e-5}, "bias [64] float32 must be [128]"),
+        ([tt("T", 64), tt(64), tt(128, 64)], {"eps": 0.0}, "eps must be > 0"),
+    ]),
     "qkv_rope_cache": (([tt("T", 128), tt("T", dtype="int64"), tt(16), tt(16)], QKV_ATTRS | {"eps": 1e-5}),
                        [tt("T", 4, 16)], [
         ([tt("T", 120), tt("T", dtype="int64")], QKV_ATTRS, "must be [T, 128] for 4+2*2 heads of 16"),

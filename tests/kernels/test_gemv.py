@@ -291,6 +291,63 @@ def test_fused_rejects_bad_inputs():
         tg.linear_small_m(x, w, b, r.t().contiguous().t(), prologue="silu_mul")
 
 
+# --- RMSNorm prologue (fuse_norm_linear): one row, v1, one K slice ----------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("K,bias", [(72, True), (64, False), (200, True)], ids=["K72-bias", "K64", "K200-bias"])
+def test_rms_norm_prologue(K, bias, dtype):
+    """y = rms_norm(x, g) @ w^T (+ b) for one row, N = 40 (ragged tiles), ragged and EVEN K, against
+    the reference composition ``torch_ref.rms_norm_linear``: the fused kernel keeps the normed row in
+    fp32 where the reference rounds it to the dtype, so the two differ by about one such rounding."""
+    N, eps = 40, 1e-5
+    x, w, b = _inputs(1, N, K, dtype, bias, seed=K)
+    x = x * 3
+    g = (1 + 0.1 * torch.randn(K, generator=torch.Generator().manual_seed(K + 1))).to(dtype)
+    dev = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    for cfg in (replace(FMA, BLOCK_K=256), FMA):  # one K step / several, the last ragged where K is
+        y = tg.linear_small_m(dev(x), dev(w), dev(b), prologue="rms_norm", norm_weight=dev(g), eps=eps, config=cfg)
+        ref = torch_ref.rms_norm_linear(x.float(), g.float(), w.float(), None if b is None else b.float(), eps)
+        _check(y, ref.to(dtype), dtype)
+        if dtype != torch.float32:  # and close to the dtype reference, within its own rounding
+            torch.testing.assert_close(y.cpu(), torch_ref.rms_norm_linear(x, g, w, b, eps), atol=4 * TOL[dtype],
+                                       rtol=4 * TOL[dtype])
+
+
+def test_rms_norm_prologue_rejects():
+    x, w, _ = _inputs(2, 16, 32, torch.float16, False)
+    g = torch.ones(32, dtype=torch.float16)
+    with pytest.raises(ValueError, match="one row"):
+        tg.linear_small_m(x, w, prologue="rms_norm", norm_weight=g)  # two rows
+    with pytest.raises(ValueError, match="one row"):
+        tg.linear_small_m(x[:1], w, prologue="rms_norm", norm_weight=g, config=replace(FMA, SPLIT_K=2))
+    with pytest.raises(ValueError, match="norm_weight"):
+        tg.linear_small_m(x[:1], w, prologue="rms_norm", norm_weight=g[:16], config=FMA)
+    with pytest.raises(ValueError, match="norm_weight"):
+        tg.linear_small_m(x[:1], w, prologue="rms_norm", config=FMA)
+
+
+@pytest.mark.parametrize("M", [1, 3])
+def test_rms_norm_linear_adapter(M):
+    """cuda_ops.rms_norm_linear_small_m: the fused GEMV at one row where the default config allows it,
+    else the RMSNorm kernel and the GEMV; both against the reference composition."""
+    from mxc.kernels import cuda_ops
+
+    N, K, dtype = 24, 64, torch.float16
+    x, w, b = _inputs(M, N, K, dtype, True, seed=M)
+    g = (1 + 0.1 * torch.randn(K, generator=torch.Generator().manual_seed(3))).to(dtype)
+    launches = []
+    real = launch_mod._launcher
+
+    def record(kernel, grid, args, constexprs, num_warps, num_stages):
+        launches.append(kernel)
+        return real(kernel, grid, args, constexprs, num_warps, num_stages)
+
+    with launch_mod.using(record):
+        y = cuda_ops.rms_norm_linear_small_m(x.to(DEVICE), g.to(DEVICE), w.to(DEVICE), b.to(DEVICE), eps=1e-6)
+    assert (tg._gemv_kernel in launches) and (len(launches) == 1) == tg.fuses_rms_norm(M, N, K, dtype)
+    torch.testing.assert_close(y.cpu(), torch_ref.rms_norm_linear(x, g, w, b, 1e-6), atol=8e-3, rtol=8e-3)
+
+
 def test_meta_recording_fused():
     """The fusion is in the constexprs (PROLOGUE_SILU_MUL, HAS_RESIDUAL) and the residual pointer;
     grids are those of the unfused linear (x [M, 2K] under the prologue); with split K the

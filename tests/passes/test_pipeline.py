@@ -33,7 +33,9 @@ def test_compiled_layer(bind_arch):
     g = compile_graph(bind_arch("Qwen2ForCausalLM"), BuildOptions())
     (rep,) = g.repeats()
     assert sorted(rep.weights) == ["bqkv", "ln1", "ln2", "w_down", "w_gate_up", "wo", "wqkv"]
-    assert [n.op for n in rep.body].count("linear") == 4
+    ops = [n.op for n in rep.body]
+    assert ops.count("linear") == 2 and ops.count("rms_norm_linear") == 2  # o, down; qkv, gate_up take the norms
+    assert "rms_norm" not in ops and "add_rms_norm" not in ops
     assert all("kernel" in n.attrs for n, _ in g.nodes())
 
 
