@@ -132,6 +132,11 @@ def _qlinear(x, w, scale, bias=None, residual=None, granularity=None, prologue=N
     return (out,)
 
 
+def _rms_norm_qlinear(x, norm, w, scale, bias=None, eps=None, granularity=None, **_):
+    _rms_norm(x, norm, eps)
+    return _qlinear(x, w, scale, bias, granularity=granularity)
+
+
 def _route(logits, k, scoring="softmax", renormalize=False, **_):
     _need(len(logits.shape) == 2, lambda: f"router logits must be [T, experts], got {logits}")
     _need(_positive_int(k) and k <= logits.shape[1], lambda: f"k={k!r} must be in 1..{logits.shape[1]}")
@@ -257,6 +262,9 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
           doc="s = a + b; (s, rms_norm(s)) -- fuse_add_rms_norm"),
     OpDef("rms_norm_linear", ("x", "norm_weight", "weight", "bias?"), _rms_norm_linear, attrs=("eps",),
           doc="linear(rms_norm(x, norm_weight), weight, bias) -- fuse_norm_linear"),
+    OpDef("rms_norm_qlinear", ("x", "norm_weight", "weight", "scale", "bias?"), _rms_norm_qlinear,
+          attrs=("eps", "granularity"),
+          doc="qlinear(rms_norm(x, norm_weight), weight, scale, bias) -- fuse_norm_linear, then quantize"),
     OpDef("qkv_rope_cache", ("qkv", "positions", "q_norm?", "k_norm?"), _qkv_rope_cache,
           attrs=("heads", "kv_heads", "head_dim", "spec", "layer"), optional_attrs=("eps",),
           doc="split merged qkv, optional q/k RMSNorm (per head, or over the whole projection when the weights "

@@ -61,7 +61,7 @@ def _attention_ok(node, in_types, options):
 def _scaled_mm_ok(node, in_types, options):
     if node.attrs["granularity"] == "block128":
         return "torch._scaled_mm takes row-wise scales here, not 128x128 blocks"
-    n, k = in_types[1].shape
+    n, k = in_types[2 if node.op == "rms_norm_qlinear" else 1].shape  # the fp8 weight
     if n % 16 or k % 16:
         return f"N={n} and K={k} must be multiples of 16"
     return None if in_types[0].dtype in ("bfloat16", "float16") else f"needs a bf16/fp16 output, not {in_types[0].dtype}"
@@ -117,6 +117,15 @@ _TRITON = [
     Candidate("fp8_gemm.scaled_mm", "qlinear", GPU, "default: cuBLASLt fp8 GEMM (torch._scaled_mm), row-wise scales",
               check=_scaled_mm_ok),
     Candidate("triton_fp8.qlinear_gemm", "qlinear", GPU, "default: Triton fp8 GEMM (block scales)", check=_dtype_ok),
+    Candidate("cuda_ops.rms_norm_qlinear_small_m", "rms_norm_qlinear", GPU,
+              f"default: the RMSNorm inside the activation-quantize kernel, then the Triton fp8 GEMV, at <= "
+              f"{GEMV_MAX_TOKENS} tokens", tokens=(1, GEMV_MAX_TOKENS), check=_dtype_ok),
+    Candidate("cuda_ops.rms_norm_qlinear_scaled_mm", "rms_norm_qlinear", GPU,
+              "default: the RMSNorm inside the activation-quantize kernel, then cuBLASLt fp8 (torch._scaled_mm)",
+              check=_scaled_mm_ok),
+    Candidate("cuda_ops.rms_norm_qlinear_gemm", "rms_norm_qlinear", GPU,
+              "default: the RMSNorm inside the activation-quantize kernel, then the Triton fp8 GEMM (block scales)",
+              check=_dtype_ok),
     # mixture of experts
     Candidate("cuda_ops.fused_moe", "fused_moe", GPU,
               "Triton fused MoE: tokens sorted and block-aligned by expert, grouped GEMMs", check=_dtype_ok),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from mxc.kernels import cublas, triton_attention, triton_gemv, triton_norm, triton_rope
+from mxc.kernels import cublas, fp8_gemm, triton_attention, triton_fp8, triton_gemv, triton_norm, triton_rope
 from mxc.kernels.context import ForwardContext
 
 
@@ -27,6 +27,24 @@ def rms_norm_linear_small_m(x, norm_weight, weight, bias=None, eps=1e-6):
 def rms_norm_linear(x, norm_weight, weight, bias=None, eps=1e-6):
     """Larger token counts: the RMSNorm kernel, then cuBLAS."""
     return cublas.linear(triton_norm.rms_norm(x, norm_weight, eps), weight, bias)
+
+
+def rms_norm_qlinear_small_m(x, norm_weight, weight, scale, bias=None, eps=1e-6, granularity="channel"):
+    """<= 32 tokens, fp8 weights: the quantize kernel normalises the row, then the fp8 GEMV."""
+    return triton_fp8.qlinear_small_m(x, weight, scale, bias, granularity=granularity, prologue="rms_norm",
+                                      norm_weight=norm_weight, eps=eps)
+
+
+def rms_norm_qlinear_scaled_mm(x, norm_weight, weight, scale, bias=None, eps=1e-6, granularity="channel"):
+    """Larger token counts, row-wise scales: the quantize kernel normalises the row, then cuBLASLt."""
+    return fp8_gemm.scaled_mm(x, weight, scale, bias, granularity=granularity, prologue="rms_norm",
+                              norm_weight=norm_weight, eps=eps)
+
+
+def rms_norm_qlinear_gemm(x, norm_weight, weight, scale, bias=None, eps=1e-6, granularity="channel"):
+    """Larger token counts (block scales): the quantize kernel normalises the row, then the Triton fp8 GEMM."""
+    return triton_fp8.qlinear_gemm(x, weight, scale, bias, granularity=granularity, prologue="rms_norm",
+                                   norm_weight=norm_weight, eps=eps)
 
 
 def _tables(ctx: ForwardContext, spec: dict):

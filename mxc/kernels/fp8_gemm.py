@@ -12,19 +12,23 @@ from __future__ import annotations
 
 import torch
 
-from mxc.kernels import triton_fp8
+from mxc.kernels import torch_ref, triton_fp8
 from mxc.kernels.fp8_ref import quantize_rows
 
 
-def scaled_mm(x, weight, scale, bias=None, residual=None, granularity="channel", prologue=None):
+def scaled_mm(x, weight, scale, bias=None, residual=None, granularity="channel", prologue=None, norm_weight=None,
+              eps=1e-6):
     m, k = x.shape[0], weight.shape[1]
     if x.device.type == "cpu":
         if prologue == "silu_mul":
             gate, up = x.chunk(2, dim=-1)
             x = torch.nn.functional.silu(gate) * up
+        elif prologue == "rms_norm":
+            x = torch_ref.rms_norm(x, norm_weight, eps)
         xq, xs = quantize_rows(x)
     else:  # one Triton kernel: the prologue and the per-token quantization, the row read once
-        xq, xs = triton_fp8._prequantize(x, m, k, prologue == "silu_mul", triton_fp8._quant_block(k))
+        xq, xs = triton_fp8._prequantize(x, m, k, prologue == "silu_mul", triton_fp8._quant_block(k),
+                                         norm_weight if prologue == "rms_norm" else None, eps)
     y = torch._scaled_mm(xq, weight.t(), scale_a=xs[:, None], scale_b=scale[None, :].float(), out_dtype=x.dtype)
     if bias is not None:
         y = y + bias

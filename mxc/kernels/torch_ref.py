@@ -190,6 +190,10 @@ def all_gather(x, ctx: ForwardContext, world):
 
 # --- quantized matmul (made by quantize) ----------------------------------------
 
+def rms_norm_qlinear(x, norm_weight, weight, scale, bias=None, eps=1e-6, granularity="channel"):
+    return qlinear(rms_norm(x, norm_weight, eps), weight, scale, bias, granularity=granularity)
+
+
 def qlinear(x, weight, scale, bias=None, residual=None, granularity="channel", prologue=None):
     from mxc.kernels import fp8_ref
 

@@ -140,11 +140,13 @@ def _finish(acc, y_ptr, b_ptr, r_ptr, offs, offs_n, n_ok, mask,
 
 
 @triton.jit
-def _quant_rows_kernel(x_ptr, xq_ptr, xs_ptr, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                       PROLOGUE_SILU_MUL: tl.constexpr):
+def _quant_rows_kernel(x_ptr, xq_ptr, xs_ptr, g_ptr, eps, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                       PROLOGUE_SILU_MUL: tl.constexpr, PROLOGUE_RMS_NORM: tl.constexpr = False):
     """One program per row: xs[row] = max(amax(|a|) / 448, 1e-12) and xq[row] = e4m3(a / xs)
-    where a is the row of x (or silu(gate) * up of x [M, 2K]). One pass (the row held in
-    registers) when BLOCK_K >= K, else two passes over the row."""
+    where a is the row of x (or silu(gate) * up of x [M, 2K], or with PROLOGUE_RMS_NORM
+    ``torch_ref.rms_norm(x, g, eps)``, rounded as it is). One pass (the row held in registers)
+    when BLOCK_K >= K, else two passes over the row (no norm then)."""
+    tl.static_assert(not PROLOGUE_RMS_NORM or (BLOCK_K >= K and not PROLOGUE_SILU_MUL))
     X_STRIDE: tl.constexpr = 2 * K if PROLOGUE_SILU_MUL else K
     EVEN_K: tl.constexpr = K % BLOCK_K == 0
     row = tl.program_id(0).to(tl.int64)
@@ -153,6 +155,11 @@ def _quant_rows_kernel(x_ptr, xq_ptr, xs_ptr, K: tl.constexpr, BLOCK_K: tl.const
     if BLOCK_K >= K:
         k_ok = offs_k < K
         a = _load_act(x_ptrs, k_ok, 0.0, K, PROLOGUE_SILU_MUL)
+        if PROLOGUE_RMS_NORM:  # HF's RMSNorm: normalised row rounded to the dtype, times the weight, rounded
+            ty = x_ptr.dtype.element_ty
+            rstd = tl.rsqrt(tl.sum(a * a, axis=0) / K + eps)
+            g = tl.load(g_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            a = (g * (a * rstd).to(ty).to(tl.float32)).to(ty).to(tl.float32)
         xs = _row_scale(tl.max(tl.abs(a), axis=0))
         tl.store(xs_ptr + row, xs)
         tl.store(xq_ptr + row * K + offs_k, _quant(a, xs), mask=k_ok)
@@ -542,8 +549,8 @@ def _check_inputs(x, w, scale, bias, residual, granularity, prologue, out):
     """Validate; return (M, N, K, silu_mul)."""
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
-    if prologue not in (None, "silu_mul"):
-        raise ValueError(f"prologue must be None or 'silu_mul', got {prologue!r}")
+    if prologue not in (None, "silu_mul", "rms_norm"):
+        raise ValueError(f"prologue must be None, 'silu_mul' or 'rms_norm', got {prologue!r}")
     if x.dim() != 2 or w.dim() != 2:
         raise ValueError(f"expected x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
     silu_mul = prologue == "silu_mul"
@@ -577,22 +584,37 @@ def _check_inputs(x, w, scale, bias, residual, granularity, prologue, out):
     return M, N, K, silu_mul
 
 
-def _prequantize(x, M, K, silu_mul, block_k):
-    """xq [M, K] e4m3 and xs [M] fp32 by ``_quant_rows_kernel`` (one program per row)."""
+def _check_norm(x, K, norm_weight):
+    if (norm_weight is None or norm_weight.shape != (K,) or norm_weight.dtype != x.dtype
+            or not norm_weight.is_contiguous() or norm_weight.device != x.device):
+        raise ValueError(f"the rms_norm prologue needs norm_weight: contiguous [{K}] {x.dtype} on {x.device}")
+
+
+def _prequantize(x, M, K, silu_mul, block_k, norm_weight=None, eps=1e-6):
+    """xq [M, K] e4m3 and xs [M] fp32 by ``_quant_rows_kernel`` (one program per row); with
+    ``norm_weight``, of ``torch_ref.rms_norm(x, norm_weight, eps)``: in the same kernel when the
+    row fits one pass (K <= 16K), else after the RMSNorm kernel."""
+    if norm_weight is not None and block_k < K:
+        from mxc.kernels import triton_norm
+
+        x, norm_weight = triton_norm.rms_norm(x, norm_weight, eps), None
     xq = torch.empty((M, K), dtype=FP8, device=x.device)
     xs = torch.empty((M,), dtype=torch.float32, device=x.device)
-    launch(_quant_rows_kernel, (M,), [x, xq, xs],
-           dict(K=K, BLOCK_K=block_k, PROLOGUE_SILU_MUL=silu_mul), num_warps=_quant_warps(block_k), num_stages=1)
+    launch(_quant_rows_kernel, (M,), [x, xq, xs, norm_weight, float(eps)],
+           dict(K=K, BLOCK_K=block_k, PROLOGUE_SILU_MUL=silu_mul, PROLOGUE_RMS_NORM=norm_weight is not None),
+           num_warps=_quant_warps(block_k), num_stages=1)
     return xq, xs
 
 
 def qlinear_small_m(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                     residual: torch.Tensor | None = None, *, granularity: str = "channel",
-                    prologue: str | None = None, config: QGemvConfig | None = None,
+                    prologue: str | None = None, norm_weight: torch.Tensor | None = None,
+                    eps: float = 1e-6, config: QGemvConfig | None = None,
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """``fp8_ref.qlinear(x, w, scale, bias, residual, granularity, prologue)`` for 1 <= M <= 32.
 
-    x [M, K] (``prologue="silu_mul"``: [M, 2K]) float32/float16/bfloat16; w [N, K] float8_e4m3fn;
+    x [M, K] (``prologue="silu_mul"``: [M, 2K]; ``prologue="rms_norm"``: x is normalised with
+    ``norm_weight`` [K] and ``eps`` by the quantize kernel) float32/float16/bfloat16; w [N, K] float8_e4m3fn;
     scale float32 [N] (channel, tensor) or [ceil(N/128), ceil(K/128)] (block128); bias [N] and
     residual [M, N] in x's dtype; all contiguous. ``config`` overrides ``config_for``; ``out``
     (contiguous [M, N], x's dtype; may be ``residual`` itself, not x) receives the result.
@@ -608,8 +630,13 @@ def qlinear_small_m(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias:
     _check_gemv_config(cfg, block)
     y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
     xs = None
+    rms = prologue == "rms_norm"
+    if rms:
+        _check_norm(x, K, norm_weight)
+        if not cfg.PREQUANT:
+            raise ValueError(f"the rms_norm prologue runs in the quantize kernel: needs PREQUANT, got {cfg}")
     if cfg.PREQUANT:
-        x, xs = _prequantize(x, M, K, silu_mul, cfg.QUANT_BLOCK_K)
+        x, xs = _prequantize(x, M, K, silu_mul, cfg.QUANT_BLOCK_K, norm_weight if rms else None, eps)
     grid = (triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)
     consts = dict(N=N, K=K, BLOCK_M=_tile_m(m_bucket, cfg), BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
                   SPLIT_K=cfg.SPLIT_K, USE_DOT=cfg.USE_DOT, BLOCK_SCALE=block, PREQUANT=cfg.PREQUANT,
@@ -634,7 +661,8 @@ def qlinear_small_m(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias:
 
 def qlinear_gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                  residual: torch.Tensor | None = None, *, granularity: str = "channel",
-                 prologue: str | None = None, config: QGemmConfig | None = None,
+                 prologue: str | None = None, norm_weight: torch.Tensor | None = None,
+                 eps: float = 1e-6, config: QGemmConfig | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """``fp8_ref.qlinear(...)`` for any M (meant for M > 32): quantize x per token
     (``_quant_rows_kernel``, prologue folded in), then the fp8 GEMM ``_qgemm_kernel``.
@@ -646,7 +674,10 @@ def qlinear_gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: to
     cfg = config if config is not None else gemm_config_for(N, K, x.dtype, granularity)
     _check_gemm_config(cfg, block)
     y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
-    xq, xs = _prequantize(x, M, K, silu_mul, cfg.QUANT_BLOCK_K)
+    rms = prologue == "rms_norm"
+    if rms:
+        _check_norm(x, K, norm_weight)
+    xq, xs = _prequantize(x, M, K, silu_mul, cfg.QUANT_BLOCK_K, norm_weight if rms else None, eps)
     grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
     launch(_qgemm_kernel, grid, [xq, xs, w, scale, bias, residual, y, M],
            dict(N=N, K=K, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
@@ -656,10 +687,11 @@ def qlinear_gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: to
 
 
 def qlinear(x, w, scale, bias=None, residual=None, *, granularity: str = "channel", prologue=None,
-            out=None) -> torch.Tensor:
+            norm_weight=None, eps: float = 1e-6, out=None) -> torch.Tensor:
     """``qlinear_small_m`` for M <= 32 (decode), else ``qlinear_gemm``."""
     fn = qlinear_small_m if x.dim() == 2 and 1 <= x.shape[0] <= M_BUCKETS[-1] else qlinear_gemm
-    return fn(x, w, scale, bias, residual, granularity=granularity, prologue=prologue, out=out)
+    return fn(x, w, scale, bias, residual, granularity=granularity, prologue=prologue, norm_weight=norm_weight,
+              eps=eps, out=out)
 
 
 # ----------------------------------------------------------------------------------------------

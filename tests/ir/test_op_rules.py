@@ -121,6 +121,14 @@ EXAMPLES = {
         ([tt("T", 64), tt(32, 64, dtype="float8_e4m3fn"), tt(16)], {"granularity": "channel"}, "channel scale"),
         ([tt("T", 64), tt(32, 64, dtype="float8_e4m3fn"), tt(32)], {"granularity": "block128"}, "block128 scale"),
     ]),
+    "rms_norm_qlinear": (([tt("T", 64), tt(64), tt(32, 64, dtype="float8_e4m3fn"), tt(32)],
+                          {"eps": 1e-5, "granularity": "channel"}), [tt("T", 32)], [
+        ([tt("T", 64), tt(32), tt(32, 64, dtype="float8_e4m3fn"), tt(32)], {"eps": 1e-5, "granularity": "channel"},
+         "does not match the last dim"),
+        ([tt("T", 64), tt(64), tt(32, 64), tt(32)], {"eps": 1e-5, "granularity": "channel"}, "must be float8_e4m3fn"),
+        ([tt("T", 64), tt(64), tt(32, 64, dtype="float8_e4m3fn"), tt(16)], {"eps": 1e-5, "granularity": "channel"},
+         "channel scale"),
+    ]),
     # mixture of experts: 8 experts, top 2, hidden 64, expert intermediate 96
     "route": (([tt("T", 8)], {"k": 2, "scoring": "softmax", "renormalize": True}),
               [tt("T", 2), tt("T", 2, dtype="int64")], [

@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mxc.kernels import fp8_ref
+from mxc.kernels import fp8_ref, torch_ref
 from mxc.kernels import launch as launch_mod
 from mxc.kernels import triton_fp8 as tf
 from mxc.kernels.triton_fp8 import QGemmConfig, QGemvConfig
@@ -254,6 +254,36 @@ def test_quantize_rows_exact(dtype, prologue):
         xq, xs = tf._prequantize(_dev(x), M, k, prologue, block)
         assert torch.equal(xs.cpu(), ref_s)
         assert torch.equal(xq.cpu().view(torch.uint8), ref_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block", [256, 64], ids=["one-pass", "two-pass"])
+def test_quantize_rows_rms_norm(dtype, block):
+    """With the rms_norm prologue the quantize kernel quantizes ``torch_ref.rms_norm(x, g, eps)``: in the
+    kernel when the row fits one pass, after the RMSNorm kernel otherwise. The sum of squares may round
+    differently from torch's, so a few codes may differ by one e4m3 step; scales agree to fp32 rounding."""
+    M, k, eps = 6, 200, 1e-5
+    x, *_ = _inputs(M, 8, k, dtype, "channel", False, False, False, seed=11)
+    g = (1 + 0.1 * torch.randn(k, generator=torch.Generator().manual_seed(12))).to(dtype)
+    ref_q, ref_s = fp8_ref.quantize_rows(torch_ref.rms_norm(x, g, eps))
+    xq, xs = tf._prequantize(_dev(x), M, k, False, block, _dev(g), eps)
+    torch.testing.assert_close(xs.cpu(), ref_s, rtol=1e-5, atol=0)
+    codes = xq.cpu().view(torch.uint8) != ref_q.view(torch.uint8)
+    assert codes.float().mean() < 0.02
+    torch.testing.assert_close(xq.cpu().float(), ref_q.float(), rtol=0.13, atol=0.0)
+
+
+@pytest.mark.parametrize("M", [1, 5, 40])
+def test_qlinear_rms_norm_prologue(M):
+    """qlinear with the rms_norm prologue (GEMV at M <= 32, GEMM above) against the reference composition."""
+    n, k, dtype = 48, 128, torch.float16
+    x, w, s, b, _ = _inputs(M, n, k, dtype, "channel", True, False, False, seed=M)
+    g = (1 + 0.1 * torch.randn(k, generator=torch.Generator().manual_seed(2))).to(dtype)
+    y = tf.qlinear(_dev(x), _dev(w), _dev(s), _dev(b), granularity="channel", prologue="rms_norm",
+                   norm_weight=_dev(g), eps=1e-6)
+    _check(y, torch_ref.rms_norm_qlinear(x, g, w, s, b, 1e-6, "channel"), dtype)
+    with pytest.raises(ValueError, match="norm_weight"):
+        tf.qlinear(_dev(x), _dev(w), _dev(s), prologue="rms_norm")
 
 
 def test_qlinear_dispatch():

@@ -72,10 +72,12 @@ def test_quant_specs_in_ir_and_manifest(hf_checkpoint, tmp_path):
                     log=lambda m: None)
     graph = (art / "graph.yaml").read_text()
     assert "quant: {scheme: fp8_e4m3, granularity: channel}" in graph and "scale_of: wqkv" in graph
-    assert "logits = qlinear(" in graph  # --quant-lm-head
+    assert "logits = rms_norm_qlinear(" in graph  # --quant-lm-head (the final norm joined it)
+    assert "qkv = rms_norm_qlinear(x, ln1, wqkv, wqkv_scale" in graph and "= rms_norm(" not in graph
     manifest = json.loads((art / "manifest.json").read_text())
     assert manifest["options"]["quant"] == "fp8"
-    assert all(r["kernel"] == "torch_ref.qlinear" for r in manifest["kernels"] if r["op"] == "qlinear")
+    assert all(r["kernel"] == f"torch_ref.{r['op']}" for r in manifest["kernels"]
+               if r["op"] in ("qlinear", "rms_norm_qlinear"))
 
 
 def test_tied_lm_head_is_not_quantized(hf_checkpoint, tmp_path):

@@ -132,11 +132,22 @@ def test_fuse_norm_linear(bind_arch, assert_same_logits):
 
 
 def test_fuse_norm_linear_declines(bind_arch):
-    """A norm with a second reader (a MoE block's router and experts) stays; so does everything under fp8,
-    where the quantize kernel is the place for the norm."""
+    """A norm with a second reader (a MoE block's router and experts) stays."""
     moe = merged(bind_arch("Qwen3MoeForCausalLM", num_experts=4, num_experts_per_tok=2))
     after = fuse_norm_linear.run(moe, BF16)
     assert [n.ins[1] for n in layer(after).body if n.op == "rms_norm_linear"] == ["ln1"]
     assert "rms_norm" in ops(after)  # ln2: router and experts
-    dense = merged(bind_arch())
-    assert fuse_norm_linear.run(dense, FP8) == dense
+
+
+def test_quantize_turns_norm_linears_into_rms_norm_qlinear(bind_arch):
+    """Under fp8 the fused op is quantized like a linear: weight fp8, a scale weight, the norm weight kept."""
+    from mxc.compiler.options import BuildOptions
+    from mxc.compiler.passes import quantize
+
+    fused = fuse_norm_linear.run(merged(bind_arch()), BF16)
+    q = quantize.run(fused, BuildOptions(quant="fp8"))
+    verify(q)
+    node = next(n for n in layer(q).body if n.op == "rms_norm_qlinear")
+    assert node.ins == ("x", "ln1", "wqkv", "wqkv_scale") and node.attrs["granularity"] == "channel"
+    assert layer(q).weights["wqkv"].dtype == "float8_e4m3fn" and layer(q).weights["ln1"].dtype == "float32"
+    assert [n.op for n in layer(q).body].count("rms_norm_qlinear") == 2

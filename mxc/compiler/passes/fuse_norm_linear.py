@@ -16,12 +16,14 @@ RMSNorm kernels before the QKV, gate/up and LM-head projections (65 launches
 per step on Llama-3-8B). Other token counts run the RMSNorm kernel and then
 the linear, as before. Runs before ``fuse_add_rms_norm``, so the norm after
 the attention's residual add is taken here too, and the add then folds into
-the o projection's epilogue (``fuse_linear_io``). Skipped under ``--quant
-fp8``, whose activation-quantize kernel is where a norm would fold. Requires:
-the norm's weight is a weight and its output has no other reader (a MoE block
-reads it twice: router and experts); dead code is eliminated first. Preserves: the output name; the math up
-to rounding (the reference rounds the normalised row to the model dtype; the
-fused GEMV keeps it in fp32).
+the o projection's epilogue (``fuse_linear_io``). Under ``--quant fp8`` the
+``quantize`` pass turns the op into ``rms_norm_qlinear``, whose first kernel
+(the per-token activation quantize, one program per row) computes the norm
+as the unfused RMSNorm does. Requires: the norm's weight is a weight and its
+output has no other reader (a MoE block reads it twice: router and experts);
+dead code is eliminated first. Preserves: the output name; the math up to
+rounding (the reference rounds the normalised row to the model dtype; the
+fused bf16 GEMV keeps it in fp32).
 """
 
 from __future__ import annotations
@@ -44,8 +46,6 @@ def _match(norm: Node, ctx):
 
 
 def run(graph: Graph, options) -> Graph:
-    if options is not None and options.quant:
-        return graph
     # the merges leave the unmerged projections to dead-code elimination: drop them first, so a norm
     # read only by the merged linear counts one reader
     return apply_rules(eliminate_dead_code.run(graph, options), [("rms_norm", _match)])[0]

@@ -7,6 +7,7 @@ is tied to the embedding table, which must stay in the model dtype).
 Rewrites to::
 
     y = linear(x, w, b, r, prologue=p)  ->  y = qlinear(x, w, w_scale, b, r, granularity=g, prologue=p)
+    y = rms_norm_linear(x, g, w, b)     ->  y = rms_norm_qlinear(x, g, w, w_scale, b, granularity=g)
 
 with ``w`` now ``float8_e4m3fn`` carrying ``QuantSpec('fp8_e4m3', g)`` and a
 new float32 weight ``w_scale`` (``scale_of: w``), which the loader fills when
@@ -65,7 +66,8 @@ def _prequantized(w: Weight, scale: Weight, suffix: str) -> Weight:
 
 def _rule(granularity: str, include: set[str] | None, tp: int, suffix: str | None = None):
     def quantize(node: Node, ctx):
-        local = node.ins[1]
+        at = 2 if node.op == "rms_norm_linear" else 1  # the weight's position among the inputs
+        local = node.ins[at]
         w = ctx.weights.get(local)
         if w is None or w.quant is not None or w.dtype == FP8 or (include is not None and local not in include):
             return None
@@ -73,9 +75,10 @@ def _rule(granularity: str, include: set[str] | None, tp: int, suffix: str | Non
         ctx.weights[local] = replace(w, dtype=FP8, quant=QuantSpec("fp8_e4m3", granularity, suffix is not None))
         scale = scale_weight(w, local, granularity, tp)
         ctx.weights[scale_local] = _prequantized(w, scale, suffix) if suffix else scale
-        ins = (node.ins[0], local, scale_local) + tuple(node.ins[2:])
+        ins = node.ins[:at + 1] + (scale_local,) + tuple(node.ins[at + 1:])
         attrs = {k: v for k, v in node.attrs.items() if k not in ("kernel", "kernel_reason")}
-        return {ctx.index(node): [Node("qlinear", node.outs, ins, {**attrs, "granularity": granularity}, node.loc)]}
+        op = "rms_norm_qlinear" if node.op == "rms_norm_linear" else "qlinear"
+        return {ctx.index(node): [Node(op, node.outs, ins, {**attrs, "granularity": granularity}, node.loc)]}
 
     return quantize
 
@@ -91,7 +94,8 @@ def run(graph: Graph, options) -> Graph:
     for item in graph.body:
         if isinstance(item, Repeat):
             sub = graph.replace(body=(item,), weights={})
-            rules = [("linear", _rule(g, None, options.tp, options.quant_scale_suffix))]
+            rule = _rule(g, None, options.tp, options.quant_scale_suffix)
+            rules = [("linear", rule), ("rms_norm_linear", rule)]
             if not options.quant_scale_suffix:  # experts of an already-fp8 checkpoint: not imported yet
                 rules.append(("fused_moe", _expert_rule(options.tp)))
             item = apply_rules(sub, rules)[0].body[0]
@@ -102,13 +106,15 @@ def run(graph: Graph, options) -> Graph:
                  for h in w.hf}
         graph = graph.replace(ignore=graph.ignore + tuple(sorted(s + "input_scale" for s in stems)))
     if options.quant_lm_head:
-        heads = {n.ins[1] for n, rep in graph.nodes() if rep is None and n.op == "linear"}
+        heads = {n.ins[1] if n.op == "linear" else n.ins[2] for n, rep in graph.nodes()
+                 if rep is None and n.op in ("linear", "rms_norm_linear")}
         tied = {n.ins[1] for n, rep in graph.nodes() if n.op in ("embedding", "vocab_embedding")}
         if heads & tied:
             raise MxcError("--quant-lm-head: the LM head is tied to the embedding table, which stays in the "
                            "model dtype; build without --quant-lm-head")
         top = graph.replace(body=tuple(it for it in graph.body if isinstance(it, Node)))
-        done = apply_rules(top, [("linear", _rule(g, heads, options.tp, options.quant_scale_suffix))])[0]
+        rule = _rule(g, heads, options.tp, options.quant_scale_suffix)
+        done = apply_rules(top, [("linear", rule), ("rms_norm_linear", rule)])[0]
         it = iter(done.body)
         graph = graph.replace(weights=done.weights,
                               body=tuple(item if isinstance(item, Repeat) else next(it) for item in graph.body))
