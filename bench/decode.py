@@ -157,7 +157,7 @@ def main() -> None:
     p.add_argument("--out", default="build/bench-llama3-8b")
     p.add_argument("--config", default=str(HERE / "llama3_8b.json"))
     p.add_argument("--batches", default="1,8,32")
-    p.add_argument("--hf-batches", default="1", help="batches to measure HF compiled at ('' to skip)")
+    p.add_argument("--hf-batches", default="1,8,32", help="batches to measure HF compiled at ('' to skip)")
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--prefill", type=int, default=2048)

@@ -2,7 +2,7 @@
 # The GPU measurements of docs/perf.md, in parts that each fit one 10-minute device call.
 # Usage (repository root, on the GPU machine): bash bench/gpu_session.sh PART
 #   tests   pytest tests/gpu (the TP test runs where there are two GPUs)
-#   decode  bf16 + fp8 decode/prefill, per-kernel profiles at batch 1 and 8, HF compiled at batch 1
+#   decode  bf16 + fp8 decode/prefill, per-kernel profiles at batch 1 and 8, HF compiled at batch 1, 8, 32
 #   moe     Qwen3-30B-A3B shape: batch 1 vs floor, batch 64 vs HF eager, fused vs per-expert loop
 #   tp      tp=2 vs tp=1 decode and the NCCL all-reduce time (two GPUs), then the TP GPU test
 #   lab     linear kernels one by one (bf16/fp8 GEMV variants, prefill GEMMs)
@@ -23,7 +23,7 @@ run() {  # run LIMIT_S LOG CMD...: stop at the limit with every Python thread's 
 
 case "${1:-}" in
   tests)  run 540 pytest.log python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
-  decode) run 560 decode.log python3 bench/decode.py --profile 1,8 --quant fp8 --hf-batches 1 --out "$scratch/b8" ;;
+  decode) run 570 decode.log python3 bench/decode.py --profile 1,8 --quant fp8 --hf-batches 1,8,32 --out "$scratch/b8" ;;
   moe)    run 560 moe.log python3 bench/moe.py --hf --out "$scratch/moe" ;;
   tp)     run 400 tp.log python3 bench/decode_tp.py --tp 2 --out "$scratch/btp"
           run 150 tp_test.log python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py ;;

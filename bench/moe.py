@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mxc  # noqa: E402
 from decode import _Rows, bench_generate, copy_bandwidth, cuda_time, hf_model  # noqa: E402
+from profile_step import profile_decode  # noqa: E402
 
 HERE = Path(__file__).parent
 
@@ -76,6 +77,7 @@ def main() -> None:
     step = bench_generate(lambda ids, new: model.generate(ids, max_new_tokens=new), 1, 128, 64)
     rows.append(("active weights per token", f"{nbytes / 1e9:.2f} GB (floor {floor * 1e3:.2f} ms)"))
     rows.append(("mxc decode batch 1", f"{step * 1e3:.2f} ms/token, {floor / step * 100:.0f}% of the floor"))
+    print("\nper-kernel breakdown of one batch-1 decode step:\n" + profile_decode(model) + "\n", flush=True)
     step64 = bench_generate(lambda ids, new: model.generate(ids, max_new_tokens=new), 64, 128, 32)
     rows.append(("mxc decode batch 64", f"{step64 * 1e3:.2f} ms/step"))
     kernel_vs_loop(rows)
