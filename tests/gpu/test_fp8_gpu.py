@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mxc
-from mxc.kernels import fp8_ref, triton_fp8
+from mxc.kernels import cuda_ops, fp8_ref, torch_ref, triton_fp8
 from mxc.loaders.quantize import quantize_fp8
 
 
@@ -22,6 +22,19 @@ def test_qlinear_kernels_llama8b_shapes(granularity, m):
     q, s = q.cuda(), s.cuda()
     ref = fp8_ref.qlinear(x, q, s, granularity=granularity)
     assert _rel(triton_fp8.qlinear(x, q, s, granularity=granularity), ref) < 2e-2
+
+
+@pytest.mark.parametrize("m", [1, 8, 256])
+def test_rms_norm_qlinear_llama8b_shapes(m):
+    """The RMSNorm inside the fp8 activation-quantize kernel, K = 4096 (one pass) and 14336."""
+    for n, k in ((6144, 4096), (4096, 14336)):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 3
+        g = (1 + 0.1 * torch.randn(k, device="cuda")).to(torch.bfloat16)
+        q, s = quantize_fp8(torch.randn(n, k) * 0.02, "channel")
+        q, s = q.cuda(), s.cuda()
+        ref = torch_ref.rms_norm_qlinear(x, g, q, s, None, 1e-5, "channel").float()
+        fn = cuda_ops.rms_norm_qlinear_small_m if m <= 32 else cuda_ops.rms_norm_qlinear_scaled_mm
+        assert _rel(fn(x, g, q, s, None, eps=1e-5, granularity="channel"), ref) < 2e-2
 
 
 @pytest.mark.parametrize("granularity", ["channel", "block128"])

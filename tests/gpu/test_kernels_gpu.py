@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mxc.kernels import torch_ref, triton_attention, triton_elementwise, triton_gemv, triton_norm
+from mxc.kernels import cuda_ops, torch_ref, triton_attention, triton_elementwise, triton_gemv, triton_norm
 from mxc.kernels.context import ForwardContext
 
 BF16 = torch.bfloat16
@@ -33,6 +33,18 @@ def test_gemv_fused_silu_mul_and_residual(m):
     r = torch.randn(m, n, device="cuda", dtype=BF16)
     ref = torch_ref.linear(gu.float(), w.float(), None, r.float(), prologue="silu_mul")
     assert _rel(triton_gemv.linear_small_m(gu, w, None, r, prologue="silu_mul"), ref) < 2e-2
+
+
+@pytest.mark.parametrize("m", [1, 8, 64])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (28672, 4096), (128256, 4096)])  # qkv, gate_up, LM head
+def test_rms_norm_linear_llama8b_shapes(m, n, k):
+    """fuse_norm_linear's GPU kernels: the fused batch-1 GEMV, the RMSNorm + GEMV, the RMSNorm + cuBLAS."""
+    x = torch.randn(m, k, device="cuda", dtype=BF16) * 3
+    g = (1 + 0.1 * torch.randn(k, device="cuda")).to(BF16)
+    w = torch.randn(n, k, device="cuda", dtype=BF16) * 0.02
+    ref = torch_ref.rms_norm_linear(x.float(), g.float(), w.float(), None, 1e-5)
+    fn = cuda_ops.rms_norm_linear_small_m if m <= 32 else cuda_ops.rms_norm_linear
+    assert _rel(fn(x, g, w, None, eps=1e-5), ref) < 1e-2
 
 
 @pytest.mark.parametrize("t", [1, 7, 256])
