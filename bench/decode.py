@@ -166,6 +166,7 @@ def main() -> None:
                    help="print a per-kernel breakdown of a decode step at these batch buckets (default 1)")
     p.add_argument("--quant", choices=["fp8"], help="also build an fp8 artifact and compare it with bf16")
     p.add_argument("--disable-pass", action="append", default=[], help="build without this optional pass")
+    p.add_argument("--pdl", action="store_true", help="build with programmatic dependent launch")
     args = p.parse_args()
     out = Path(args.out)
     rows = _Rows()
@@ -178,7 +179,7 @@ def main() -> None:
         t0 = time.perf_counter()
         mxc.build("llama.yaml", config=args.config, out=out, target="cuda", dtype="bfloat16", max_batch=32,
                   max_seq_len=max(args.prefill + 1, args.prompt + args.new), progress=False,
-                  disable_passes=args.disable_pass)
+                  disable_passes=args.disable_pass, pdl=args.pdl)
         rows.append(("build (random weights + kernels)", f"{time.perf_counter() - t0:.1f} s"))
     manifest = json.loads((out / "manifest.json").read_text())
     t0 = time.perf_counter()
@@ -217,7 +218,7 @@ def main() -> None:
         fp8_out = Path(f"{out}-fp8")
         mxc.build("llama.yaml", config=args.config, out=fp8_out, target="cuda", dtype="bfloat16", quant="fp8",
                   max_batch=32, max_seq_len=max(args.prefill + 1, args.prompt + args.new), progress=False,
-                  disable_passes=args.disable_pass)
+                  disable_passes=args.disable_pass, pdl=args.pdl)
         model = mxc.load(fp8_out, device="cuda", verify=False)
         fbytes, _ = weight_bytes(json.loads((fp8_out / "manifest.json").read_text()), fp8_out)
         step = bench_generate(lambda ids, new: model.generate(ids, max_new_tokens=new), 1, args.prompt, args.new)

@@ -185,7 +185,7 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
           dtype: str | None = None, target: str = "cpu", dump_ir: str | Path | None = None,
           max_batch: int = 32, max_seq_len: int | None = None, arch: int = 90, tp: int = 1,
           quant: str | None = None, quant_granularity: str = "channel", quant_lm_head: bool = False,
-          disable_passes: tuple[str, ...] | list[str] = (),
+          disable_passes: tuple[str, ...] | list[str] = (), pdl: bool = False,
           progress: bool = True, log=_log) -> Path:
     """Build an artifact and return its directory."""
     if target not in ("cpu", "cuda"):
@@ -198,6 +198,9 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     if quant not in (None, "fp8") or quant_granularity not in ("channel", "tensor", "block128"):
         raise MxcError(f"--quant {quant} / --quant-granularity {quant_granularity}: expected fp8 with "
                        f"channel, tensor or block128")
+    if pdl and (target != "cuda" or arch < 90):
+        raise MxcError(f"--pdl: programmatic dependent launch needs --target cuda on sm_90 or later "
+                       f"(got --target {target}, sm_{arch})")
     if not isinstance(tp, int) or tp < 1:
         raise MxcError(f"--tp {tp}: expected a positive integer")
     if max_batch < 1 or max_seq_len < 1:
@@ -212,7 +215,7 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     options = BuildOptions(target=target, dtype=dtype or ("float32" if target == "cpu" else "bfloat16"),
                            max_batch=max_batch, max_seq_len=max_seq_len, tp=tp, quant=quant,
                            quant_granularity=quant_granularity, quant_lm_head=quant_lm_head,
-                           quant_scale_suffix=scale_suffix, disable_passes=check_disabled(disable_passes))
+                           quant_scale_suffix=scale_suffix, disable_passes=check_disabled(disable_passes), pdl=pdl)
     out = Path(out) if out else Path("build") / src.model_file.stem
     if out.exists() and not (out / "manifest.json").is_file():
         raise MxcError(f"--out {out}: exists and is not an mxc artifact; choose another path or remove it")
@@ -284,7 +287,7 @@ def _compile_kernels(graph, program_text, out_dir, options, arch, progress, log)
 
     program = types.ModuleType("mxc_build_program")
     exec(compile(program_text, "forward.py", "exec"), program.__dict__)
-    specs = aot.record(program, graph, options.max_batch, options.max_seq_len)
+    specs = aot.record(program, graph, options.max_batch, options.max_seq_len, pdl=options.pdl)
     log(f"compiling {len(specs)} kernels for sm_{arch} (Triton {aot.triton_version()})")
     start = time.perf_counter()
     aot.compile_specs(specs, out_dir, arch=arch, progress=progress)

@@ -31,7 +31,7 @@ def cmd_build(args) -> None:
     build(args.source, out=args.out, checkpoint=args.checkpoint, config=args.config, dtype=args.dtype, target=args.target,
           dump_ir=args.dump_ir, max_batch=args.max_batch, max_seq_len=args.max_seq_len, tp=args.tp,
           quant=args.quant, quant_granularity=args.quant_granularity, quant_lm_head=args.quant_lm_head,
-          disable_passes=args.disable_pass)
+          disable_passes=args.disable_pass, pdl=args.pdl)
 
 
 def _generate_and_print(rank: int, world_size: int, device: str, args, ids: list[int]) -> None:
@@ -119,6 +119,9 @@ def parser() -> argparse.ArgumentParser:
                    help="fp8 weight scales: per output channel (default), per tensor, or per 128x128 block")
     b.add_argument("--quant-lm-head", action="store_true", help="quantize the LM head too")
     b.add_argument("--dump-ir", metavar="DIR", help="write the IR after every pass into DIR")
+    b.add_argument("--pdl", action="store_true",
+                   help="cuda, experimental: programmatic dependent launch (each kernel starts while the one "
+                        "before it ends; Hopper)")
     b.add_argument("--disable-pass", metavar="PASS", action="append", default=[],
                    help="skip an optional fusion pass (repeatable), e.g. fuse_linear_io")
     b.add_argument("--max-batch", type=int, default=32, help="cuda: sequences decoded together (default 32)")

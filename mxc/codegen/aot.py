@@ -69,7 +69,10 @@ def _compile_one(key: str, spec: dict, arch: int) -> tuple[str, bytes, dict]:
     md = compiled.metadata
     if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
         raise MxcError(f"kernel {spec['kernel']} needs Triton scratch memory, which the AOT launcher does not provide")
-    entry = {"kernel": spec["kernel"], "entry": md.name, "file": f"{key}.cubin", "shared": md.shared,
+    pdl = bool(spec["constexprs"].get("USE_PDL"))
+    if pdl and "griddepcontrol.wait" not in compiled.asm["ptx"]:
+        raise MxcError(f"kernel {spec['kernel']}: built with USE_PDL but its PTX has no griddepcontrol.wait")
+    entry = {"kernel": spec["kernel"], "entry": md.name, "file": f"{key}.cubin", "shared": md.shared, "pdl": pdl,
              "num_warps": md.num_warps, "params": ptx_params(compiled.asm["ptx"], md.name),
              "args": [t for t in spec["signature"].values() if t != "constexpr"]}
     return key, compiled.asm["cubin"], entry
@@ -109,7 +112,7 @@ def scenarios(max_batch: int) -> list[tuple[int, int]]:
     return decode + prefill
 
 
-def record(program, graph, max_batch: int, max_seq_len: int) -> dict[str, dict]:
+def record(program, graph, max_batch: int, max_seq_len: int, pdl: bool = False) -> dict[str, dict]:
     """Every kernel launch the forward program makes in the runtime's scenarios, as specs.
 
     The KV cache has ``max_batch + 1`` slots: the last one absorbs the rows that
@@ -129,7 +132,7 @@ def record(program, graph, max_batch: int, max_seq_len: int) -> dict[str, dict]:
     for node, rep in graph.nodes():
         if node.op == "qkv_rope_cache":
             kv = (rep.count if rep else 1, node.attrs["kv_heads"], node.attrs["head_dim"])
-    recorder = launch.Recorder()
+    recorder = launch.Recorder(pdl=pdl)
     dtype = DTYPES[graph.dtype]
     with launch.using(recorder):
         for b, t in scenarios(max_batch):

@@ -20,6 +20,7 @@ class BuildOptions:
     max_batch: int = 32  # cuda: sequences decoded together (KV-cache slots, CUDA-graph buckets)
     max_seq_len: int = 4096  # cuda: KV-cache length per sequence
     disable_passes: tuple[str, ...] = ()  # optional passes skipped (``--disable-pass``)
+    pdl: bool = False  # cuda: programmatic dependent launch between kernels (``mxc.kernels.pdl``)
 
     def __post_init__(self):
         if self.target not in TARGETS:

@@ -87,16 +87,24 @@ def runtime_params(kernel) -> list[str]:
     return [n for n, p in sig.parameters.items() if "constexpr" not in str(p.annotation)]
 
 
+def constexpr_defaults(kernel) -> dict:
+    """The kernel's constexpr parameters that have defaults, with them."""
+    sig = inspect.signature(getattr(kernel, "fn", kernel))
+    return {n: p.default for n, p in sig.parameters.items()
+            if "constexpr" in str(p.annotation) and p.default is not inspect.Parameter.empty}
+
+
 def spec_of(kernel, args: list, constexprs: dict, num_warps: int, num_stages: int) -> dict:
-    """The identity of the binary this launch needs: kernel, argument types, constexprs, warps, stages."""
+    """The identity of the binary this launch needs: kernel, argument types, constexprs (defaults
+    filled in, so the spec compiles as it stands), warps, stages."""
     names = runtime_params(kernel)
     if len(names) != len(args):
         raise TypeError(f"{kernel_id(kernel)} takes {len(names)} runtime arguments ({', '.join(names)}), "
                         f"got {len(args)}")
     signature = {n: _arg_type(a) for n, a in zip(names, args)}
     consts = {n: a for n, a in zip(names, args) if a is None}
-    consts.update(constexprs)
-    signature.update({n: "constexpr" for n in constexprs})
+    consts.update({**constexpr_defaults(kernel), **constexprs})
+    signature.update({n: "constexpr" for n in consts if n not in signature or consts[n] is None})
     return {"kernel": kernel_id(kernel), "signature": signature, "constexprs": consts,
             "num_warps": num_warps, "num_stages": num_stages}
 
@@ -105,12 +113,22 @@ def spec_key(spec: dict) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:24]
 
 
-class Recorder:
-    """A launcher that runs nothing and remembers the spec of every launch (tensors may be on ``meta``)."""
+def with_pdl(kernel, constexprs: dict, pdl: bool) -> dict:
+    """``constexprs`` with ``USE_PDL`` set for a kernel that takes it, when the artifact uses
+    programmatic dependent launch (``mxc.kernels.pdl``)."""
+    from mxc.kernels.pdl import takes_pdl
 
-    def __init__(self):
+    return {**constexprs, "USE_PDL": True} if pdl and takes_pdl(kernel) else constexprs
+
+
+class Recorder:
+    """A launcher that runs nothing and remembers the spec of every launch (tensors may be on ``meta``);
+    with ``pdl``, of the programmatic-dependent-launch variant of each kernel that has one."""
+
+    def __init__(self, pdl: bool = False):
         self.specs: dict[str, dict] = {}
+        self.pdl = pdl
 
     def __call__(self, kernel, grid, args, constexprs, num_warps, num_stages):
-        spec = spec_of(kernel, args, constexprs, num_warps, num_stages)
+        spec = spec_of(kernel, args, with_pdl(kernel, constexprs, self.pdl), num_warps, num_stages)
         self.specs.setdefault(spec_key(spec), spec)

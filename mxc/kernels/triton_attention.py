@@ -53,6 +53,7 @@ import triton
 import triton.language as tl
 
 from mxc.kernels.launch import launch
+from mxc.kernels.pdl import pdl_enter
 
 LOG2E = 1.4426950408889634
 
@@ -63,7 +64,9 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, kv_lens_ptr
                          HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, L: tl.constexpr,  #
                          HAS_WINDOW: tl.constexpr, WINDOW: tl.constexpr,  #
                          NUM_SPLITS: tl.constexpr,  #
-                         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                         USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     GROUP: tl.constexpr = HQ // HKV
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -132,7 +135,9 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, kv_lens_ptr
 @triton.jit
 def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr,  #
                           HQ: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,  #
-                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                          USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -192,7 +197,9 @@ def _prefill_inner(acc, l_i, m_i, q, kt_ptrs, v_ptrs, start, end, pos_m, hi, qk_
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, kv_lens_ptr, q_start_ptr, out_ptr, scale,  #
                     HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, L: tl.constexpr,  #
                     HAS_WINDOW: tl.constexpr, WINDOW: tl.constexpr,  #
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     GROUP: tl.constexpr = HQ // HKV
     pid_m = tl.program_id(0)
     b = tl.program_id(1)

@@ -21,12 +21,15 @@ import triton
 import triton.language as tl
 
 from mxc.kernels.launch import launch
+from mxc.kernels.pdl import pdl_enter
 
 MAX_BLOCK_N = 1024
 
 
 @triton.jit
-def silu_mul_kernel(x_ptr, out_ptr, I: tl.constexpr, BLOCK_N: tl.constexpr):
+def silu_mul_kernel(x_ptr, out_ptr, I: tl.constexpr, BLOCK_N: tl.constexpr,
+                    USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs_n < I
@@ -38,7 +41,9 @@ def silu_mul_kernel(x_ptr, out_ptr, I: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def embedding_kernel(ids_ptr, table_ptr, out_ptr, H: tl.constexpr, BLOCK_N: tl.constexpr):
+def embedding_kernel(ids_ptr, table_ptr, out_ptr, H: tl.constexpr, BLOCK_N: tl.constexpr,
+                     USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs_n < H
@@ -48,7 +53,9 @@ def embedding_kernel(ids_ptr, table_ptr, out_ptr, H: tl.constexpr, BLOCK_N: tl.c
 
 
 @triton.jit
-def add_kernel(a_ptr, b_ptr, out_ptr, N: tl.constexpr, BLOCK_N: tl.constexpr):
+def add_kernel(a_ptr, b_ptr, out_ptr, N: tl.constexpr, BLOCK_N: tl.constexpr,
+               USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs_n < N

@@ -79,6 +79,7 @@ import triton
 import triton.language as tl
 
 from mxc.kernels.launch import launch
+from mxc.kernels.pdl import pdl_enter
 from mxc.kernels.triton_gemv import M_BUCKETS, NUM_SMS, bucket
 
 FP8 = torch.float8_e4m3fn
@@ -141,11 +142,13 @@ def _finish(acc, y_ptr, b_ptr, r_ptr, offs, offs_n, n_ok, mask,
 
 @triton.jit
 def _quant_rows_kernel(x_ptr, xq_ptr, xs_ptr, g_ptr, eps, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                       PROLOGUE_SILU_MUL: tl.constexpr, PROLOGUE_RMS_NORM: tl.constexpr = False):
+                       PROLOGUE_SILU_MUL: tl.constexpr, PROLOGUE_RMS_NORM: tl.constexpr = False,
+                       USE_PDL: tl.constexpr = False):
     """One program per row: xs[row] = max(amax(|a|) / 448, 1e-12) and xq[row] = e4m3(a / xs)
     where a is the row of x (or silu(gate) * up of x [M, 2K], or with PROLOGUE_RMS_NORM
     ``torch_ref.rms_norm(x, g, eps)``, rounded as it is). One pass (the row held in registers)
     when BLOCK_K >= K, else two passes over the row (no norm then)."""
+    pdl_enter(USE_PDL)
     tl.static_assert(not PROLOGUE_RMS_NORM or (BLOCK_K >= K and not PROLOGUE_SILU_MUL))
     X_STRIDE: tl.constexpr = 2 * K if PROLOGUE_SILU_MUL else K
     EVEN_K: tl.constexpr = K % BLOCK_K == 0
@@ -190,7 +193,8 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_SCALE: tl.constexpr,
                   PREQUANT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                  PROLOGUE_SILU_MUL: tl.constexpr):
+                  PROLOGUE_SILU_MUL: tl.constexpr,
+                  USE_PDL: tl.constexpr = False):
     """One program: columns [pid_n * BLOCK_N, +BLOCK_N) of y over K slice pid_k.
 
     x_ptr: x [M, K] (or [M, 2K] under PROLOGUE_SILU_MUL) in its float dtype, with xs_ptr None;
@@ -199,6 +203,7 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
     With SPLIT_K == 1, y_ptr is y [M, N]; otherwise the fp32 scratch [SPLIT_K, M, N] of scaled
     partial sums, and HAS_BIAS and HAS_RESIDUAL are False.
     """
+    pdl_enter(USE_PDL)
     tl.static_assert(SPLIT_K == 1 or not (HAS_BIAS or HAS_RESIDUAL))
     tl.static_assert(not PREQUANT or not PROLOGUE_SILU_MUL)
     tl.static_assert(not BLOCK_SCALE or 128 % BLOCK_N == 0)
@@ -341,8 +346,10 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
 @triton.jit
 def _qgemv_reduce_kernel(ws_ptr, b_ptr, r_ptr, y_ptr, M,
                          N: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_R: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                         BLOCK_R: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                         USE_PDL: tl.constexpr = False):
     """y[:, cols] = sum over s (in order) of ws[s, :, cols], then ``_finish`` (round, bias, residual)."""
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -360,10 +367,12 @@ def _qgemm_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
                   N: tl.constexpr, K: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_M: tl.constexpr, BLOCK_SCALE: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                  HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                  USE_PDL: tl.constexpr = False):
     """One [BLOCK_M, BLOCK_N] tile of y = (xq [M, K] @ w [N, K]^T) * xs[:, None] * scale, both
     operands e4m3, fp32 accumulation; grid: cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N) programs in
     groups of GROUP_M row tiles (consecutive programs share w tiles in L2)."""
+    pdl_enter(USE_PDL)
     tl.static_assert(not BLOCK_SCALE or (128 % BLOCK_K == 0 and 128 % BLOCK_N == 0))
     KB: tl.constexpr = (K + 127) // 128
     EVEN_K: tl.constexpr = K % BLOCK_K == 0

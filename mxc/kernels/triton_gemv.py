@@ -64,6 +64,7 @@ import triton
 import triton.language as tl
 
 from mxc.kernels.launch import launch
+from mxc.kernels.pdl import pdl_enter
 
 M_BUCKETS = (1, 2, 4, 8, 16, 32)
 NUM_SMS = 132  # H200 SXM; config_for must stay a pure function of (bucket, N, K, dtype)
@@ -103,7 +104,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, g_ptr, eps, M,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr,
                  PROLOGUE_SILU_MUL: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False,
-                 PROLOGUE_RMS_NORM: tl.constexpr = False):
+                 PROLOGUE_RMS_NORM: tl.constexpr = False,
+                 USE_PDL: tl.constexpr = False):
     """One program: rows [pid_n * BLOCK_N, +BLOCK_N) of y over K slice pid_k.
 
     With SPLIT_K == 1, ``y_ptr`` is y [M, N] (bias and residual added, cast to y's dtype);
@@ -114,6 +116,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, g_ptr, eps, M,
     row is rms_norm(x, g, eps): the loop multiplies x by g and sums x^2 as it goes, and the dot
     products are scaled by 1/rms at the end (fp32 throughout, no rounding of the normed row).
     """
+    pdl_enter(USE_PDL)
     tl.static_assert(SPLIT_K == 1 or not (HAS_BIAS or HAS_RESIDUAL))
     tl.static_assert(not PROLOGUE_RMS_NORM or (BLOCK_M == 1 and not USE_DOT and SPLIT_K == 1
                                                and not PROLOGUE_SILU_MUL))
@@ -224,9 +227,11 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, g_ptr, eps, M,
 @triton.jit
 def _splitk_reduce_kernel(ws_ptr, b_ptr, r_ptr, y_ptr, M,
                           N: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_R: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr = False):
+                          BLOCK_R: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr = False,
+                          USE_PDL: tl.constexpr = False):
     """y[:, cols] = sum over s (in order) of ws[s, :, cols] (+ bias), cast to y's dtype
     (then + residual [M, N], rounded again, as ``_gemv_kernel``'s epilogue)."""
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_R + tl.arange(0, BLOCK_R)

@@ -78,6 +78,7 @@ import triton
 import triton.language as tl
 
 from mxc.kernels.launch import launch
+from mxc.kernels.pdl import pdl_enter
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FP8 = torch.float8_e4m3fn
@@ -95,9 +96,11 @@ __all__ = ["MoeConfig", "config_for", "token_bucket", "padded_size", "moe_align"
 
 @triton.jit
 def _moe_count_kernel(ids_ptr, counts_ptr, sorted_ptr, numel, P,
-                      E: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+                      E: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                      USE_PDL: tl.constexpr = False):
     """Program c: ``sorted[c*CHUNK : (c+1)*CHUNK] = numel`` (the sentinel; slots < P) and, for
     chunks of assignments (c*CHUNK < numel), ``counts[c, e]`` = the chunk's assignments to e."""
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     offs = pid * CHUNK + tl.arange(0, CHUNK)
     tl.store(sorted_ptr + offs, tl.zeros((CHUNK,), dtype=tl.int32) + numel, mask=offs < P)
@@ -113,9 +116,11 @@ def _moe_count_kernel(ids_ptr, counts_ptr, sorted_ptr, numel, P,
 @triton.jit
 def _moe_offsets_kernel(counts_ptr, starts_ptr, expert_ptr, ntpp_ptr, numel, P,
                         E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                        CHUNK: tl.constexpr, C_TILE: tl.constexpr, B_TILE: tl.constexpr):
+                        CHUNK: tl.constexpr, C_TILE: tl.constexpr, B_TILE: tl.constexpr,
+                        USE_PDL: tl.constexpr = False):
     """One program: totals per expert, padded to BLOCK_M; ``starts`` (exclusive prefix sum),
     ``ntpp`` (the padded total) and ``expert_of_block`` for all P / BLOCK_M blocks."""
+    pdl_enter(USE_PDL)
     offs_e = tl.arange(0, E_PAD)
     e_ok = offs_e < E
     n_chunks = tl.cdiv(numel, CHUNK)
@@ -141,8 +146,10 @@ def _moe_offsets_kernel(counts_ptr, starts_ptr, expert_ptr, ntpp_ptr, numel, P,
 
 @triton.jit
 def _moe_scatter_kernel(ids_ptr, counts_ptr, starts_ptr, sorted_ptr, numel,
-                        E: tl.constexpr, CHUNK: tl.constexpr, C_TILE: tl.constexpr):
+                        E: tl.constexpr, CHUNK: tl.constexpr, C_TILE: tl.constexpr,
+                        USE_PDL: tl.constexpr = False):
     """Program (c, e): chunk c's assignments to expert e, in order, at their sorted slots."""
+    pdl_enter(USE_PDL)
     c = tl.program_id(0)
     e = tl.program_id(1)
     if tl.load(counts_ptr + c * E + e) == 0:
@@ -194,10 +201,12 @@ def _block_rows(sorted_ptr, expert_ptr, numel, pid_m, BLOCK_M: tl.constexpr):
 @triton.jit
 def _moe_gemm1_kernel(x_ptr, w_ptr, s_ptr, sorted_ptr, expert_ptr, ntpp_ptr, h_ptr, numel,
                       H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      USE_PDL: tl.constexpr = False):
     """Program (block, n-tile): h[rows, n] = silu(x[rows // k] @ gate_e^T) * (x[rows // k] @ up_e^T)
     for columns n of I, e the block's expert. w_ptr: w_gate_up [E, 2I, H]; s_ptr: its fp8 row
     scales [E, 2I], or None; h_ptr: h [numel, I] in x's dtype."""
+    pdl_enter(USE_PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(ntpp_ptr):
@@ -246,10 +255,12 @@ def _moe_gemm1_kernel(x_ptr, w_ptr, s_ptr, sorted_ptr, expert_ptr, ntpp_ptr, h_p
 @triton.jit
 def _moe_gemm2_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, sorted_ptr, expert_ptr, ntpp_ptr, y_ptr, numel,
                       H: tl.constexpr, I: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      USE_PDL: tl.constexpr = False):
     """Program (block, n-tile): y[rows, n] = (h[rows] @ down_e^T)[:, n] * weights[rows] for
     columns n of H. w_ptr: w_down [E, H, I]; s_ptr: its fp8 row scales [E, H], or None;
     weights_ptr: the routing weights [numel] (x's dtype); y_ptr: y [numel, H]."""
+    pdl_enter(USE_PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(ntpp_ptr):
@@ -284,8 +295,10 @@ def _moe_gemm2_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, sorted_ptr, expert_ptr, 
 
 
 @triton.jit
-def _moe_sum_kernel(y_ptr, out_ptr, H: tl.constexpr, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+def _moe_sum_kernel(y_ptr, out_ptr, H: tl.constexpr, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+                    USE_PDL: tl.constexpr = False):
     """Program (t, h-tile): out[t] = sum over j (in order, fp32) of y[t*k + j], rounded once."""
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = offs_h < H

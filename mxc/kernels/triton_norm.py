@@ -24,11 +24,14 @@ import triton
 import triton.language as tl
 
 from mxc.kernels.launch import launch
+from mxc.kernels.pdl import pdl_enter
 
 
 @triton.jit
 def rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, eps,
-                    H: tl.constexpr, BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                    H: tl.constexpr, BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                    USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     mask = offs_h < H

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from mxc.kernels import rope as rope_ref
 from mxc.kernels.launch import launch
+from mxc.kernels.pdl import pdl_enter
 
 
 @triton.jit
@@ -75,7 +76,9 @@ def rope_qkv_write_kernel(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_norm_ptr, 
                           q_ptr, k_cache_ptr, v_cache_ptr, cache_loc_ptr, eps,
                           HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
                           BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr,
-                          HAS_QK_NORM: tl.constexpr, QK_NORM_WHOLE: tl.constexpr):
+                          HAS_QK_NORM: tl.constexpr, QK_NORM_WHOLE: tl.constexpr,
+                          USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t)
     loc = tl.load(cache_loc_ptr + t)

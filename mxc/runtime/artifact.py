@@ -88,7 +88,7 @@ def _kernel_launcher(path: Path, manifest: dict, device: torch.device, rebuild_k
                        f"`mxc build --target cuda` for it, or load with rebuild_kernels=True to JIT them here")
     from mxc.runtime.cuda_launch import CubinLauncher
 
-    return CubinLauncher(path / "code" / "kernels")
+    return CubinLauncher(path / "code" / "kernels", pdl=manifest["options"].get("pdl", False))
 
 
 def load(path, device: str = "cpu", rank: int = 0, world_size: int = 1, verify: bool = True,

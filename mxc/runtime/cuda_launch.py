@@ -7,7 +7,9 @@ stream (so launches are captured by CUDA graphs). Arguments are packed from
 the parameter kinds recorded at build time; Triton's trailing scratch
 pointers get NULL (the build refuses kernels that need scratch memory).
 A launch whose binary is not in the artifact fails with the kernel and its
-constexprs: the artifact was built for other shapes or buckets.
+constexprs: the artifact was built for other shapes or buckets. Kernels built
+with programmatic dependent launch (``--pdl``) go through ``cuLaunchKernelEx``
+with the programmatic-stream-serialization attribute.
 """
 
 from __future__ import annotations
@@ -19,11 +21,28 @@ from pathlib import Path
 import torch
 
 from mxc.errors import MxcError
-from mxc.kernels.launch import spec_key, spec_of
+from mxc.kernels.launch import spec_key, spec_of, with_pdl
 
 _CTYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "i64": ctypes.c_int64, "f32": ctypes.c_float,
            "f64": ctypes.c_double, "i8": ctypes.c_int8, "i16": ctypes.c_int16}
 _MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+class _LaunchAttributeValue(ctypes.Union):  # CUlaunchAttributeValue: a 64-byte union
+    _fields_ = [("pad", ctypes.c_char * 64), ("programmaticStreamSerializationAllowed", ctypes.c_int),
+                ("_align", ctypes.c_void_p)]
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, value (72 bytes)
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _LaunchAttributeValue)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig (56 bytes)
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
 
 
 def _driver():
@@ -34,6 +53,8 @@ def _driver():
     lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p,
                                                                              ctypes.POINTER(ctypes.c_void_p),
                                                                              ctypes.c_void_p]
+    lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+                                     ctypes.c_void_p]
     return lib
 
 
@@ -70,6 +91,14 @@ class _Binary:
         params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
         g = tuple(grid) + (1,) * (3 - len(grid))
         stream = torch.cuda.current_stream().cuda_stream
+        if self.entry.get("pdl"):  # may start before the previous kernel ends; it waits on it first
+            attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+            attr.value.programmaticStreamSerializationAllowed = 1
+            config = _LaunchConfig(g[0], g[1], g[2], self.threads, 1, 1, self.entry["shared"], stream,
+                                   ctypes.pointer(attr), 1)
+            _check(self.lib.cuLaunchKernelEx(ctypes.byref(config), self.func, params, None),
+                   f"launching {self.entry['kernel']}")
+            return
         _check(self.lib.cuLaunchKernel(self.func, g[0], g[1], g[2], self.threads, 1, 1, self.entry["shared"],
                                        stream, params, None), f"launching {self.entry['kernel']}")
 
@@ -77,7 +106,8 @@ class _Binary:
 class CubinLauncher:
     """A ``mxc.kernels.launch`` launcher over an artifact's precompiled kernels."""
 
-    def __init__(self, kernels_dir: Path):
+    def __init__(self, kernels_dir: Path, pdl: bool = False):
+        self.pdl = pdl  # the artifact was built with programmatic dependent launch (``mxc.kernels.pdl``)
         torch.cuda.init()
         torch.empty(1, device="cuda")  # make the primary context current on this thread
         self.lib = _driver()
@@ -87,6 +117,7 @@ class CubinLauncher:
         self._fast: dict[tuple, _Binary] = {}
 
     def __call__(self, kernel, grid, args, constexprs, num_warps, num_stages):
+        constexprs = with_pdl(kernel, constexprs, self.pdl)
         fast_key = (id(kernel), tuple(getattr(a, "dtype", type(a)) for a in args),
                     tuple(sorted(constexprs.items())), num_warps, num_stages)
         binary = self._fast.get(fast_key)

@@ -192,3 +192,12 @@ def test_failed_build_keeps_previous_artifact(ckpt, tmp_path):
     assert torch.equal(mxc.load(out).logits([[1, 2, 3]]), logits)  # loads and verifies every file
     assert not list(tmp_path.glob(".*.building-*"))
     assert not list(tmp_path.glob(".*.old-*"))
+
+
+def test_pdl_needs_cuda_sm90(ckpt, tmp_path):
+    with pytest.raises(MxcError, match="--pdl: programmatic dependent launch needs --target cuda on sm_90") as e:
+        _build(ckpt, tmp_path / "art", pdl=True)
+    _one_line(e)
+    with pytest.raises(MxcError, match="sm_80"):
+        _build(ckpt, tmp_path / "art", pdl=True, target="cuda", arch=80)
+    assert not (tmp_path / "art").exists()

@@ -67,3 +67,17 @@ def test_cuda_build_compiles_every_kernel_for_sm90(config, tp, quant, tmp_path):
     program = (art / "code" / "forward.py").read_text()
     assert "cuda_ops.qkv_rope_cache" in program
     assert ("triton_fp8.qlinear_small_m" if quant else "triton_gemv.linear_small_m") in program
+
+
+def test_cuda_build_with_pdl(tmp_path):
+    """--pdl: every kernel is compiled with USE_PDL (its PTX waits on the kernel before it; the build checks)
+    and the index marks it for the programmatic-dependent launch; the manifest records the option."""
+    args = [sys.executable, "-m", "mxc", "build", "llama.yaml", "--target", "cuda", "--out", str(tmp_path / "art"),
+            "--max-batch", "2", "--max-seq-len", "64", "--pdl"]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    art = tmp_path / "art"
+    assert json.loads((art / "manifest.json").read_text())["options"]["pdl"] is True
+    index = json.loads((art / "code" / "kernels" / "index.json").read_text())
+    assert index and all(e["pdl"] for e in index.values())

@@ -65,3 +65,16 @@ def test_decode_batch_buckets_and_sampling(hf_checkpoint, tmp_path):
     assert torch.equal(a, b)
     with pytest.raises(mxc.MxcError, match="max-seq-len"):
         model.generate(ids, max_new_tokens=60)
+
+
+def test_pdl_artifact_matches(hf_checkpoint, tmp_path):
+    """--pdl changes when kernels start, not what they compute: logits and tokens equal the plain build's,
+    eagerly (prefill) and from the decode graphs, at batch 1 and in a padded bucket."""
+    ckpt, _ = hf_checkpoint("Qwen2ForCausalLM", hidden_size=128, intermediate_size=256)
+    kw = dict(target="cuda", dtype="bfloat16", max_batch=4, max_seq_len=64, progress=False, log=lambda m: None)
+    plain = mxc.load(mxc.build(str(ckpt), out=tmp_path / "plain", **kw), device="cuda")
+    pdl = mxc.load(mxc.build(str(ckpt), out=tmp_path / "pdl", pdl=True, **kw), device="cuda")
+    ids = torch.randint(0, 256, (3, 9), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(pdl.logits(ids), plain.logits(ids))
+    for rows in (ids[:1], ids):
+        assert torch.equal(pdl.generate(rows, max_new_tokens=16), plain.generate(rows, max_new_tokens=16))
