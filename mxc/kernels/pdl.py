@@ -7,7 +7,10 @@ waits until the previous kernel has finished and its writes are visible
 (``griddepcontrol.wait``), then lets the next kernel be scheduled
 (``griddepcontrol.launch_dependents``), so the next kernel's launch and block
 scheduling overlap this kernel's tail instead of following it. Nothing touches
-memory before the wait, so the order of reads and writes is the stream's.
+memory before the wait, so the order of reads and writes is the stream's --
+except weights, which no kernel writes: a GEMV asks L2 for the start of its
+weight rows first (``prefetch_rows_l2``), so the bytes stream in while the
+latency-bound kernels ahead of it (norm, RoPE, attention) run.
 A kernel without ``USE_PDL`` is launched the ordinary way. Off by default until it
 is measured (docs/perf.md).
 """
@@ -21,6 +24,17 @@ def pdl_enter(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_rows_l2(w_ptr, rows, k_start, K: tl.constexpr):
+    """Ask L2 for the first 2048 columns (from ``k_start``) of weight rows ``rows`` [R] of a row-major
+    [N, K] matrix: 32 prefetches of 64 elements (128 B of bf16) per row. A GEMV calls it before
+    ``pdl_enter``: weights are never written by the kernel ahead, so they may stream in while it
+    finishes, instead of after."""
+    cols = k_start + tl.minimum(tl.arange(0, 32) * 64, K - 1)
+    ptrs = w_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :]
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def takes_pdl(kernel) -> bool:

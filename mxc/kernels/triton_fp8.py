@@ -79,7 +79,7 @@ import triton
 import triton.language as tl
 
 from mxc.kernels.launch import launch
-from mxc.kernels.pdl import pdl_enter
+from mxc.kernels.pdl import pdl_enter, prefetch_rows_l2
 from mxc.kernels.triton_gemv import M_BUCKETS, NUM_SMS, bucket
 
 FP8 = torch.float8_e4m3fn
@@ -203,7 +203,6 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
     With SPLIT_K == 1, y_ptr is y [M, N]; otherwise the fp32 scratch [SPLIT_K, M, N] of scaled
     partial sums, and HAS_BIAS and HAS_RESIDUAL are False.
     """
-    pdl_enter(USE_PDL)
     tl.static_assert(SPLIT_K == 1 or not (HAS_BIAS or HAS_RESIDUAL))
     tl.static_assert(not PREQUANT or not PROLOGUE_SILU_MUL)
     tl.static_assert(not BLOCK_SCALE or 128 % BLOCK_N == 0)
@@ -220,6 +219,9 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     rn = offs_n % N  # rows past N re-read row n % N: weight loads need no N mask
+    if USE_PDL:  # weights stream into L2 while the kernel ahead finishes; then wait for its output
+        prefetch_rows_l2(w_ptr, rn, k_start, K)
+    pdl_enter(USE_PDL)
     if N * K > 2**31 - 1:
         rn = rn.to(tl.int64)
     w_ptrs = w_ptr + rn[:, None] * K + (k_start + offs_k)[None, :]

@@ -64,7 +64,7 @@ import triton
 import triton.language as tl
 
 from mxc.kernels.launch import launch
-from mxc.kernels.pdl import pdl_enter
+from mxc.kernels.pdl import pdl_enter, prefetch_rows_l2
 
 M_BUCKETS = (1, 2, 4, 8, 16, 32)
 NUM_SMS = 132  # H200 SXM; config_for must stay a pure function of (bucket, N, K, dtype)
@@ -116,7 +116,6 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, g_ptr, eps, M,
     row is rms_norm(x, g, eps): the loop multiplies x by g and sums x^2 as it goes, and the dot
     products are scaled by 1/rms at the end (fp32 throughout, no rounding of the normed row).
     """
-    pdl_enter(USE_PDL)
     tl.static_assert(SPLIT_K == 1 or not (HAS_BIAS or HAS_RESIDUAL))
     tl.static_assert(not PROLOGUE_RMS_NORM or (BLOCK_M == 1 and not USE_DOT and SPLIT_K == 1
                                                and not PROLOGUE_SILU_MUL))
@@ -133,6 +132,9 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, g_ptr, eps, M,
     offs_k = tl.arange(0, BLOCK_K)
     # Rows past N re-read row (n % N): loads need no N mask (only the store does).
     rn = offs_n % N
+    if USE_PDL:  # weights stream into L2 while the kernel ahead finishes; then wait for its output
+        prefetch_rows_l2(w_ptr, rn, k_start, K)
+    pdl_enter(USE_PDL)
     if N * K > 2**31 - 1:  # element offsets past int32
         rn = rn.to(tl.int64)
     w_ptrs = w_ptr + rn[:, None] * K + (k_start + offs_k)[None, :]

@@ -5,6 +5,10 @@ CUlaunchConfig 56 bytes), and the recorder asks for the PDL variant only of kern
 from __future__ import annotations
 
 import ctypes
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -29,3 +33,38 @@ def test_recorder_asks_for_pdl_variants():
         (spec,) = rec.specs.values()
         assert spec["constexprs"]["USE_PDL"] is pdl  # filled in from the default when not asked for
     assert launch.with_pdl(object(), {"A": 1}, True) == {"A": 1}  # a kernel without USE_PDL launches as before
+
+
+_PDL_PTX = """
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from mxc.kernels import launch as L, triton_fp8 as tf, triton_gemv as tg
+meta = lambda *s, dtype=torch.bfloat16: torch.empty(*s, dtype=dtype, device="meta")
+rec = L.Recorder(pdl=True)
+with L.using(rec):
+    tg.linear_small_m(meta(1, 4096), meta(4096, 4096))
+    tf.qlinear_small_m(meta(1, 4096), meta(4096, 4096, dtype=torch.float8_e4m3fn), meta(4096, dtype=torch.float32))
+for spec in rec.specs.values():
+    fn = {"_gemv_kernel": tg._gemv_kernel, "_qgemv_kernel": tf._qgemv_kernel}.get(spec["kernel"].split(":")[1])
+    if fn is None:
+        continue
+    aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in spec["signature"].items()
+               if t.startswith("*")}
+    src = ASTSource(fn, signature=spec["signature"], constexprs=spec["constexprs"], attrs=aligned)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": spec["num_warps"], "num_stages": spec["num_stages"]}).asm["ptx"]
+    first_wait = ptx.find("griddepcontrol.wait")
+    assert 0 < ptx.find("prefetch.global.L2") < first_wait < ptx.find("griddepcontrol.launch_dependents"), spec
+    print(spec["kernel"], "ok")
+"""
+
+
+def test_pdl_gemvs_prefetch_weights_before_waiting():
+    """Under --pdl the GEMVs (bf16 and fp8) ask L2 for their first weight columns, then wait on the kernel
+    ahead, then let the next one launch: the order in the sm_90 PTX."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _PDL_PTX], cwd=Path(__file__).resolve().parents[2], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count(" ok") == 2, r.stdout
