@@ -4,7 +4,8 @@ Times each variant as decode runs it (``triton_gemv._time_us``: a CUDA graph of 
 calls over weight copies covering 4x the L2) and prints microseconds and weight TB/s:
   bf16 GEMV: plain, and the MLP down projection fused (SiLU-and-mul prologue + residual
     epilogue) against unfused (silu_mul kernel, GEMV, add kernel);
-  fp8 GEMV: the default config (fused or prequantized activations) and ``--tune`` winners;
+  fp8 GEMV: the default config, the other activation-quantization mode, w @ x^T on e4m3 wgmma
+    (SWAP_AB) and ``--tune`` winners;
   prefill (M = 2048): bf16 cuBLAS, fp8 ``torch._scaled_mm`` alone, with mxc's activation
   quantization, and the Triton fp8 GEMM.
 Usage: python bench/linear_lab.py [--m 1,8,32] [--tune-fp8 o,down]
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -68,6 +70,11 @@ def fp8_gemv(ms, tune, tune_ms):
             alt = triton_fp8.QGemvConfig(**{**cfg.__dict__, "PREQUANT": not cfg.PREQUANT})
             run = lambda x_, w_: triton_fp8.qlinear_small_m(x_, w_, s, config=alt)  # noqa: E731
             row(f"fp8 {name} M={m} PREQUANT={alt.PREQUANT}", _time_us(run, x, ws), n * k)
+            for bn in (64, 128):  # w @ x^T on e4m3 wgmma, split K to fill the GPU
+                swap = triton_fp8.QGemvConfig(bn, 256, 1, True, True, 4, 4, cfg.QUANT_BLOCK_K, SWAP_AB=True)
+                swap = replace(swap, SPLIT_K=triton_fp8._split_k(-(-n // bn), k, 256))
+                run = lambda x_, w_: triton_fp8.qlinear_small_m(x_, w_, s, config=swap)  # noqa: E731
+                row(f"fp8 {name} M={m} SWAP_AB BLOCK_N={bn}", _time_us(run, x, ws), n * k, str(swap))
             if name == "down":
                 x2 = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
                 r = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)

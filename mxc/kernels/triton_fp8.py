@@ -194,7 +194,7 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
                   SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_SCALE: tl.constexpr,
                   PREQUANT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                   PROLOGUE_SILU_MUL: tl.constexpr,
-                  USE_PDL: tl.constexpr = False):
+                  USE_PDL: tl.constexpr = False, SWAP_AB: tl.constexpr = False):
     """One program: columns [pid_n * BLOCK_N, +BLOCK_N) of y over K slice pid_k.
 
     x_ptr: x [M, K] (or [M, 2K] under PROLOGUE_SILU_MUL) in its float dtype, with xs_ptr None;
@@ -205,6 +205,7 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
     """
     tl.static_assert(SPLIT_K == 1 or not (HAS_BIAS or HAS_RESIDUAL))
     tl.static_assert(not PREQUANT or not PROLOGUE_SILU_MUL)
+    tl.static_assert(not SWAP_AB or (USE_DOT and PREQUANT))
     tl.static_assert(not BLOCK_SCALE or 128 % BLOCK_N == 0)
     tl.static_assert(not (BLOCK_SCALE and USE_DOT) or 128 % BLOCK_K == 0)
     X_STRIDE: tl.constexpr = 2 * K if PROLOGUE_SILU_MUL else K
@@ -246,8 +247,13 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
 
     if USE_DOT:
         # v3: acc[BLOCK_M, BLOCK_N] = xq @ w^T on tensor cores, both operands e4m3
+        # (SWAP_AB: acc^T[BLOCK_N, BLOCK_M] = w @ xq^T, so the weights are the 64+-row operand and
+        # sm_90 runs a native e4m3 wgmma, no widening of the weights; the tokens are the 16-wide side)
         x_ptrs = x_ptr + offs_m[:, None] * X_STRIDE + (k_start + offs_k)[None, :]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SWAP_AB:
+            acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, K_PER_SPLIT, BLOCK_K):
             if EVEN_K:
                 w = tl.load(w_ptrs)
@@ -266,11 +272,18 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
                     sk = tl.load(s_row + kb)
                 else:  # the last slices of a split may start past K
                     sk = tl.load(s_row + kb, mask=kb < KB, other=0.0)
-                acc += tl.dot(xq, tl.trans(w)) * sk
+                if SWAP_AB:
+                    acc_t += tl.dot(w, tl.trans(xq)) * sk
+                else:
+                    acc += tl.dot(xq, tl.trans(w)) * sk
+            elif SWAP_AB:
+                acc_t = tl.dot(w, tl.trans(xq), acc_t)
             else:
                 acc = tl.dot(xq, tl.trans(w), acc)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
+        if SWAP_AB:
+            acc = tl.trans(acc_t)
     elif BLOCK_M == 1:
         # v1: per-thread partial products, one reduction at the end
         x_ptrs = x_ptr + k_start + offs_k
@@ -433,7 +446,8 @@ def _qgemm_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
 @dataclass(frozen=True)
 class QGemvConfig:
     """``qlinear_small_m`` tiles. BLOCK_N <= 128 (a power of two); with block128 scales and
-    USE_DOT, BLOCK_K divides 128. PREQUANT: quantize x in a first kernel (see the module doc)."""
+    USE_DOT, BLOCK_K divides 128. PREQUANT: quantize x in a first kernel (see the module doc).
+    SWAP_AB (v3 with PREQUANT, BLOCK_N >= 64): the product as w @ x^T, weights on the wgmma side."""
     BLOCK_N: int
     BLOCK_K: int
     SPLIT_K: int = 1
@@ -442,6 +456,7 @@ class QGemvConfig:
     num_warps: int = 4
     num_stages: int = 1
     QUANT_BLOCK_K: int = 1024  # the prequantize kernel's chunk
+    SWAP_AB: bool = False
 
 
 @dataclass(frozen=True)
@@ -541,6 +556,8 @@ def _check_gemv_config(cfg: QGemvConfig, block: bool) -> None:
         raise ValueError(f"block128 scales need BLOCK_N dividing 128: {cfg}")
     if block and cfg.USE_DOT and cfg.BLOCK_K > 128:
         raise ValueError(f"block128 scales with USE_DOT need BLOCK_K dividing 128: {cfg}")
+    if cfg.SWAP_AB and not (cfg.USE_DOT and cfg.PREQUANT and cfg.BLOCK_N >= 64):
+        raise ValueError(f"SWAP_AB needs USE_DOT, PREQUANT and BLOCK_N >= 64 (the wgmma side): {cfg}")
 
 
 def _check_gemm_config(cfg: QGemmConfig, block: bool) -> None:
@@ -651,7 +668,7 @@ def qlinear_small_m(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias:
     grid = (triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)
     consts = dict(N=N, K=K, BLOCK_M=_tile_m(m_bucket, cfg), BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
                   SPLIT_K=cfg.SPLIT_K, USE_DOT=cfg.USE_DOT, BLOCK_SCALE=block, PREQUANT=cfg.PREQUANT,
-                  PROLOGUE_SILU_MUL=silu_mul and not cfg.PREQUANT)
+                  PROLOGUE_SILU_MUL=silu_mul and not cfg.PREQUANT, SWAP_AB=cfg.SWAP_AB)
     has_bias, has_residual = bias is not None, residual is not None
     if cfg.SPLIT_K == 1:
         launch(_qgemv_kernel, grid, [x, xs, w, scale, bias, residual, y, M],
@@ -711,14 +728,16 @@ def qlinear(x, w, scale, bias=None, residual=None, *, granularity: str = "channe
 
 def candidates(m_bucket: int, granularity: str) -> list[QGemvConfig]:
     """Configs ``tune`` tries (SPLIT_K added per shape): v1 at M = 1, v3 from 16, v1/v2 and v3
-    between; fused and prequantized activations for each."""
+    between; fused and prequantized activations for each; v3 with SWAP_AB at every bucket."""
     block = granularity == "block128"
+    swap = [QGemvConfig(bn, bk, 1, True, True, 4, ns, SWAP_AB=True) for bn in (64, 128) for bk in (128, 256, 512)
+            for ns in (3, 4, 5) if not (block and bk > 128)]
     v1 = [QGemvConfig(bn, bk, 1, False, pq, nw, 1) for bn in (8, 16, 32) for bk in (512, 1024, 2048)
           for nw in (4, 8) for pq in (False, True) if bn * bk <= 128 * 32 * nw]
     v2 = [QGemvConfig(bn, bk, 1, False, pq, 4, 1) for bn in (16, 32) for bk in (512, 1024) for pq in (False, True)]
     v3 = [QGemvConfig(bn, bk, 1, True, pq, nw, ns) for bn in (16, 32, 64, 128) for bk in (64, 128, 256, 512)
           for nw in (4, 8) for ns in (3, 4, 5) for pq in (False, True) if not (block and bk > 128)]
-    return v1 if m_bucket == 1 else v3 if m_bucket >= 16 else v2 + v3
+    return (v1 if m_bucket == 1 else v3 if m_bucket >= 16 else v2 + v3) + swap
 
 
 def tune(n: int, k: int, dtype: torch.dtype, m_bucket: int, granularity: str = "channel", *, verbose=False):

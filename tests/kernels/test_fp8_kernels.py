@@ -86,6 +86,7 @@ def _fusion_id(f):
 V1 = QGemvConfig(BLOCK_N=32, BLOCK_K=64)  # M = 1
 V2 = QGemvConfig(BLOCK_N=32, BLOCK_K=64)  # M = 2..8
 DOT = QGemvConfig(BLOCK_N=32, BLOCK_K=64, USE_DOT=True)
+SWAP = QGemvConfig(BLOCK_N=64, BLOCK_K=64, USE_DOT=True, PREQUANT=True, QUANT_BLOCK_K=128, SWAP_AB=True)
 SMALL_M = {1: V1, 3: V2, 17: DOT}
 
 
@@ -109,12 +110,17 @@ VARIANTS = [
     (8, V2, "tensor", torch.float32, (True, False, False), K),
     (17, replace(DOT, SPLIT_K=3, PREQUANT=True, QUANT_BLOCK_K=64), "block128", torch.float32, (True, True, True), K),
     (32, replace(DOT, BLOCK_K=128), "block128", torch.float16, (True, True, False), K),
+    # w @ x^T (SWAP_AB): one row, a split ragged K, block scales, a full bucket
+    (1, SWAP, "channel", torch.float16, (True, True, True), K),
+    (5, replace(SWAP, SPLIT_K=2), "block128", torch.float32, (True, False, True), K),
+    (17, SWAP, "tensor", torch.float16, (False, True, False), 300),
+    (32, replace(SWAP, BLOCK_N=128, BLOCK_K=128), "block128", torch.float16, (True, True, False), K),
 ]
 
 
 def _variant_id(v):
     M, cfg, gran, dtype, fusion, k = v
-    version = "v3" if cfg.USE_DOT else "v1" if M == 1 else "v2"
+    version = "v3-swap" if cfg.SWAP_AB else "v3" if cfg.USE_DOT else "v1" if M == 1 else "v2"
     return "-".join([f"M{M}", f"K{k}", version, f"split{cfg.SPLIT_K}", gran, str(dtype)[6:], _fusion_id(fusion)]
                     + ["prequant"] * cfg.PREQUANT)
 
@@ -158,7 +164,7 @@ def test_config_table():
                 assert cfg.USE_DOT == (mb > 1) and cfg.PREQUANT
                 assert cfg.BLOCK_K % 128 == 0  # whole 16-byte loads of e4m3 across a warp
                 assert (cfg.SPLIT_K > 1) == (n == 512)
-        assert all(not c.USE_DOT for c in tf.candidates(1, gran))
+        assert all(not c.USE_DOT or c.SWAP_AB for c in tf.candidates(1, gran))  # v1, or w @ x^T on wgmma
         assert all(c.USE_DOT for c in tf.candidates(32, gran))
         assert {c.USE_DOT for c in tf.candidates(4, gran)} == {False, True}
         for c in tf.candidates(16, gran):
@@ -444,3 +450,36 @@ def test_compiles_for_sm90():
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count(" ok") >= 14, r.stdout
+
+
+_SWAP_PTX = """
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from mxc.kernels import launch as L, triton_fp8 as tf
+meta = lambda *s, dtype=torch.bfloat16: torch.empty(*s, dtype=dtype, device="meta")
+cfg = tf.QGemvConfig(BLOCK_N=128, BLOCK_K=256, USE_DOT=True, PREQUANT=True, num_warps=4, num_stages=4,
+                     QUANT_BLOCK_K=4096, SWAP_AB=True)
+rec = L.Recorder()
+with L.using(rec):
+    tf.qlinear_small_m(meta(1, 4096), meta(4096, 4096, dtype=torch.float8_e4m3fn), meta(4096, dtype=torch.float32),
+                       config=cfg)
+(spec,) = [s for s in rec.specs.values() if s["kernel"].endswith("_qgemv_kernel")]
+fn = tf._qgemv_kernel
+aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in spec["signature"].items()
+           if t.startswith("*")}
+ptx = triton.compile(ASTSource(fn, signature=spec["signature"], constexprs=spec["constexprs"], attrs=aligned),
+                     target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4}).asm["ptx"]
+print("e4m3 wgmma" if "wgmma.mma_async" in ptx and "e4m3" in ptx.split("wgmma.mma_async", 1)[1][:80] else "none")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compile check is for machines without a GPU")
+def test_swap_ab_runs_on_fp8_wgmma():
+    """SWAP_AB puts the weights on the 64-row side of the product: sm_90 then issues e4m3 wgmma (no
+    widening of the weights to fp16, which the 16-row v3 tile needs for mma.sync)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _SWAP_PTX], cwd=Path(__file__).resolve().parents[2], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "e4m3 wgmma", r.stdout
