@@ -6,8 +6,12 @@
 #   moe     Qwen3-30B-A3B shape: batch 1 vs floor, batch 64 vs HF eager, fused vs per-expert loop
 #   tp      tp=2 vs tp=1 decode and the NCCL all-reduce time (two GPUs), then the TP GPU test
 #   ab      batch-1 decode with --pdl, and without fuse_norm_linear (each against the default in `decode`)
-#   lab     linear kernels one by one (bf16/fp8 GEMV variants, prefill GEMMs)
+#   lab     fp8 GEMV variants one by one (default, other quantization mode, SWAP_AB); add --all for
+#           the bf16 GEMVs and the prefill GEMMs too
 # Logs go to $OUT (the device tool's output folder) when set, else to build/gpu-logs.
+# Device-time plan for one session (each line one call, under 10 minutes):
+#   nvidia-h200:    tests, then lab          |  decode  |  ab
+#   nvidia-h200-x2: tp, then moe
 set -u
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 logs="${OUT:-build/gpu-logs}"
@@ -31,6 +35,7 @@ case "${1:-}" in
   ab)     run 280 ab_pdl.log python3 bench/decode.py --pdl --batches 1 --profile 1 --hf-batches "" --out "$scratch/b8-pdl"
           run 280 ab_nofold.log python3 bench/decode.py --disable-pass fuse_norm_linear --batches 1 --profile 1 \
             --hf-batches "" --out "$scratch/b8-nofold" ;;
-  lab)    run 400 lab.log python3 bench/linear_lab.py --m 1,8,32 ;;
+  lab)    if [ "${2:-}" = "--all" ]; then skip=""; else skip="--skip bf16,prefill"; fi
+          run 400 lab.log python3 bench/linear_lab.py --m 1,8,32 $skip ;;
   *) echo "usage: bash bench/gpu_session.sh tests|decode|ab|moe|tp|lab" >&2; exit 2 ;;
 esac
