@@ -27,7 +27,7 @@ run() {  # run LIMIT_S LOG CMD...: stop at the limit with every Python thread's 
 }
 
 case "${1:-}" in
-  tests)  run 540 pytest.log python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
+  tests)  run 300 pytest.log python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
   decode) run 570 decode.log python3 bench/decode.py --profile 1,8 --quant fp8 --hf-batches 1,8,32 --out "$scratch/b8" ;;
   moe)    run 560 moe.log python3 bench/moe.py --hf --out "$scratch/moe" ;;
   tp)     run 400 tp.log python3 bench/decode_tp.py --tp 2 --out "$scratch/btp"
@@ -36,6 +36,6 @@ case "${1:-}" in
           run 280 ab_nofold.log python3 bench/decode.py --disable-pass fuse_norm_linear --batches 1 --profile 1 \
             --hf-batches "" --out "$scratch/b8-nofold" ;;
   lab)    if [ "${2:-}" = "--all" ]; then skip=""; else skip="--skip bf16,prefill"; fi
-          run 400 lab.log python3 bench/linear_lab.py --m 1,8,32 $skip ;;
+          run 280 lab.log python3 bench/linear_lab.py --m 1,8,32 $skip ;;
   *) echo "usage: bash bench/gpu_session.sh tests|decode|ab|moe|tp|lab" >&2; exit 2 ;;
 esac
