@@ -11,7 +11,7 @@
 # Logs go to $OUT (the device tool's output folder) when set, else to build/gpu-logs.
 # Device-time plan for one session (each line one call, under 10 minutes):
 #   nvidia-h200:    tests, then lab          |  decode  |  ab
-#   nvidia-h200-x2: tp, then moe
+#   nvidia-h200-x2: tp, then moe (moe alone in a second call if tp ran long)
 set -u
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 logs="${OUT:-build/gpu-logs}"
@@ -30,8 +30,8 @@ case "${1:-}" in
   tests)  run 300 pytest.log python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
   decode) run 570 decode.log python3 bench/decode.py --profile 1,8 --quant fp8 --hf-batches 1,8,32 --out "$scratch/b8" ;;
   moe)    run 560 moe.log python3 bench/moe.py --hf --out "$scratch/moe" ;;
-  tp)     run 400 tp.log python3 bench/decode_tp.py --tp 2 --out "$scratch/btp"
-          run 150 tp_test.log python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py ;;
+  tp)     run 300 tp.log python3 bench/decode_tp.py --tp 2 --out "$scratch/btp"
+          run 100 tp_test.log python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py ;;
   ab)     run 280 ab_pdl.log python3 bench/decode.py --pdl --batches 1 --profile 1 --hf-batches "" --out "$scratch/b8-pdl"
           run 280 ab_nofold.log python3 bench/decode.py --disable-pass fuse_norm_linear --batches 1 --profile 1 \
             --hf-batches "" --out "$scratch/b8-nofold" ;;
