@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mxc.kernels import fp8_gemm, triton_elementwise, triton_fp8, triton_gemv  # noqa: E402
+from mxc.kernels import fp8_gemm, triton_elementwise, triton_fp8, triton_fp8_gemv, triton_fp8_quant, triton_gemv  # noqa: E402
 from mxc.kernels.triton_gemv import LLAMA3_8B_SHAPES, _time_us, _weight_copies  # noqa: E402
 from mxc.loaders.quantize import quantize_fp8  # noqa: E402
 
@@ -72,7 +72,7 @@ def fp8_gemv(ms, tune, tune_ms):
             row(f"fp8 {name} M={m} PREQUANT={alt.PREQUANT}", _time_us(run, x, ws), n * k)
             for bn in (64, 128):  # w @ x^T on e4m3 wgmma, split K to fill the GPU
                 swap = triton_fp8.QGemvConfig(bn, 256, 1, True, True, 4, 4, cfg.QUANT_BLOCK_K, SWAP_AB=True)
-                swap = replace(swap, SPLIT_K=triton_fp8._split_k(-(-n // bn), k, 256))
+                swap = replace(swap, SPLIT_K=triton_fp8_gemv._split_k(-(-n // bn), k, 256))
                 run = lambda x_, w_: triton_fp8.qlinear_small_m(x_, w_, s, config=swap)  # noqa: E731
                 row(f"fp8 {name} M={m} SWAP_AB BLOCK_N={bn}", _time_us(run, x, ws), n * k, str(swap))
             if name == "down":
@@ -96,12 +96,12 @@ def prefill(m=2048):
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
         q, s = quantize_fp8(w.cpu(), "channel")
         q, s = q.cuda(), s.cuda()
-        xq, xs = triton_fp8._prequantize(x, m, k, False, triton_fp8._quant_block(k))
+        xq, xs = triton_fp8_quant._prequantize(x, m, k, False, triton_fp8_quant._quant_block(k))
         cases = {
             "bf16 cuBLAS": lambda: torch.nn.functional.linear(x, w),
             "fp8 _scaled_mm alone": lambda: torch._scaled_mm(xq, q.t(), scale_a=xs[:, None], scale_b=s[None, :],
                                                              out_dtype=torch.bfloat16),
-            "fp8 quantize rows (Triton)": lambda: triton_fp8._prequantize(x, m, k, False, triton_fp8._quant_block(k)),
+            "fp8 quantize rows (Triton)": lambda: triton_fp8_quant._prequantize(x, m, k, False, triton_fp8_quant._quant_block(k)),
             "fp8 fp8_gemm.scaled_mm (as built)": lambda: fp8_gemm.scaled_mm(x, q, s),
             "fp8 Triton qlinear_gemm": lambda: triton_fp8.qlinear_gemm(x, q, s),
         }

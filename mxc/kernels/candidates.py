@@ -61,7 +61,8 @@ def _attention_ok(node, in_types, options):
 def _scaled_mm_ok(node, in_types, options):
     if node.attrs["granularity"] == "block128":
         return "torch._scaled_mm takes row-wise scales here, not 128x128 blocks"
-    n, k = in_types[2 if node.op == "rms_norm_qlinear" else 1].shape  # the fp8 weight
+    weight = in_types[2 if node.op == "rms_norm_qlinear" else 1]
+    n, k = weight.shape
     if n % 16 or k % 16:
         return f"N={n} and K={k} must be multiples of 16"
     return None if in_types[0].dtype in ("bfloat16", "float16") else f"needs a bf16/fp16 output, not {in_types[0].dtype}"

@@ -1,7 +1,7 @@
 """fp8 GEMMs through vendor libraries: cuBLASLt via ``torch._scaled_mm``, and CUTLASS where it builds.
 
 ``scaled_mm`` quantizes activations per token (on the GPU with
-``triton_fp8``'s quantize kernel, the SiLU-and-mul prologue folded in), then runs the fp8 x fp8 GEMM
+``triton_fp8_quant``'s quantize kernel, the SiLU-and-mul prologue folded in), then runs the fp8 x fp8 GEMM
 with row-wise scaling (activation scale per row, weight scale per output
 channel) and bf16/fp16 output: the compute-bound path for prefill. It serves
 ``channel`` and ``tensor`` scales (both stored per row); K and N must be
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from mxc.kernels import torch_ref, triton_fp8
+from mxc.kernels import torch_ref, triton_fp8_quant
 from mxc.kernels.fp8_ref import quantize_rows
 
 
@@ -27,7 +27,7 @@ def scaled_mm(x, weight, scale, bias=None, residual=None, granularity="channel",
             x = torch_ref.rms_norm(x, norm_weight, eps)
         xq, xs = quantize_rows(x)
     else:  # one Triton kernel: the prologue and the per-token quantization, the row read once
-        xq, xs = triton_fp8._prequantize(x, m, k, prologue == "silu_mul", triton_fp8._quant_block(k),
+        xq, xs = triton_fp8_quant._prequantize(x, m, k, prologue == "silu_mul", triton_fp8_quant._quant_block(k),
                                          norm_weight if prologue == "rms_norm" else None, eps)
     y = torch._scaled_mm(xq, weight.t(), scale_a=xs[:, None], scale_b=scale[None, :].float(), out_dtype=x.dtype)
     if bias is not None:

@@ -354,7 +354,8 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
     ``prologue="silu_mul"``: x is [M, 2K] (gate half, then up half) and is replaced by
     ``silu(gate) * up``. ``prologue="rms_norm"`` (one row, and a config with one K slice, see
     ``fuses_rms_norm``): x is replaced by ``rms_norm(x, norm_weight [K], eps)``, kept in fp32
-    (``torch_ref.rms_norm_linear`` up to the rounding of the normed row). ``residual`` (contiguous [M, N], x's dtype) is added to the result
+    (``torch_ref.rms_norm_linear`` up to the rounding of the normed row). ``residual``
+    (contiguous [M, N], x's dtype) is added to the result
     (``residual`` is positional after ``bias``, as the generated programs pass a linear's inputs).
     ``config`` overrides ``config_for`` (tests, tuning; K is w's K); ``out`` (contiguous [M, N],
     x's dtype; it may be ``residual`` itself, not x) receives the result instead of a new tensor.

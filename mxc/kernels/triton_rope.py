@@ -4,11 +4,11 @@
 (q heads, then k heads, then v heads), ``positions`` [T] int64 and fp32 tables
 ``cos``/``sin`` [P, R/2] (from ``rope_tables``), and for every token:
 optionally RMS-normalises each q and k head over D (Qwen3 ``q_norm``/``k_norm``
-[D]) or the whole q and k projections (OLMoE: [HQ*D] and [HKV*D]), rotates the first R features of every q and k head with the Hugging Face
-rotate-half convention (features R..D pass through), returns q [T, HQ, D] and
-writes k and the untouched v into row ``cache_loc[t]`` of the caches viewed
-as [S*L, HKV, D]. One program handles one token: all its heads at once, as
-[heads, D] tiles.
+[D]) or the whole q and k projections (OLMoE: [HQ*D] and [HKV*D]), rotates the
+first R features of every q and k head with the Hugging Face rotate-half
+convention (features R..D pass through), returns q [T, HQ, D] and writes k and
+the untouched v into row ``cache_loc[t]`` of the caches viewed as [S*L, HKV, D].
+One program handles one token: all its heads at once, as [heads, D] tiles.
 
 Numerics reproduce ``torch_ref`` (``split``/``heads``/``rms_norm``/``rope``) op
 for op in the model dtype: the normalised head is rounded before and after the

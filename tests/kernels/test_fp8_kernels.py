@@ -27,6 +27,9 @@ import torch.nn.functional as F
 from mxc.kernels import fp8_ref, torch_ref
 from mxc.kernels import launch as launch_mod
 from mxc.kernels import triton_fp8 as tf
+from mxc.kernels import triton_fp8_gemm as tfm
+from mxc.kernels import triton_fp8_gemv as tfv
+from mxc.kernels import triton_fp8_quant as tfq
 from mxc.kernels.triton_fp8 import QGemmConfig, QGemvConfig
 from mxc.loaders.quantize import quantize_fp8
 
@@ -160,7 +163,7 @@ def test_config_table():
         for mb in tf.M_BUCKETS:
             for n, k in shapes:
                 cfg = tf.config_for(mb, n, k, torch.bfloat16, gran)
-                tf._check_gemv_config(cfg, gran == "block128")
+                tfv._check_gemv_config(cfg, gran == "block128")
                 assert cfg.USE_DOT == (mb > 1) and cfg.PREQUANT
                 assert cfg.BLOCK_K % 128 == 0  # whole 16-byte loads of e4m3 across a warp
                 assert (cfg.SPLIT_K > 1) == (n == 512)
@@ -168,7 +171,7 @@ def test_config_table():
         assert all(c.USE_DOT for c in tf.candidates(32, gran))
         assert {c.USE_DOT for c in tf.candidates(4, gran)} == {False, True}
         for c in tf.candidates(16, gran):
-            tf._check_gemv_config(c, gran == "block128")
+            tfv._check_gemv_config(c, gran == "block128")
     small = tf.config_for(1, 512, 4096, torch.bfloat16, "channel")
     assert small.BLOCK_N == 8 and -(-512 // small.BLOCK_N) * small.SPLIT_K >= tf.NUM_SMS // 2
     assert tf.gemm_config_for(4096, 4096, torch.bfloat16, "block128") == QGemmConfig(QUANT_BLOCK_K=4096)
@@ -257,7 +260,7 @@ def test_quantize_rows_exact(dtype, prologue):
     a = F.silu(x[:, :k]) * x[:, k:] if prologue else x
     ref_q, ref_s = fp8_ref.quantize_rows(a)
     for block in (64, 256):
-        xq, xs = tf._prequantize(_dev(x), M, k, prologue, block)
+        xq, xs = tfq._prequantize(_dev(x), M, k, prologue, block)
         assert torch.equal(xs.cpu(), ref_s)
         assert torch.equal(xq.cpu().view(torch.uint8), ref_q.view(torch.uint8))
 
@@ -272,7 +275,7 @@ def test_quantize_rows_rms_norm(dtype, block):
     x, *_ = _inputs(M, 8, k, dtype, "channel", False, False, False, seed=11)
     g = (1 + 0.1 * torch.randn(k, generator=torch.Generator().manual_seed(12))).to(dtype)
     ref_q, ref_s = fp8_ref.quantize_rows(torch_ref.rms_norm(x, g, eps))
-    xq, xs = tf._prequantize(_dev(x), M, k, False, block, _dev(g), eps)
+    xq, xs = tfq._prequantize(_dev(x), M, k, False, block, _dev(g), eps)
     torch.testing.assert_close(xs.cpu(), ref_s, rtol=1e-5, atol=0)
     codes = xq.cpu().view(torch.uint8) != ref_q.view(torch.uint8)
     assert codes.float().mean() < 0.02
@@ -298,10 +301,10 @@ def test_qlinear_dispatch():
     w, s = meta(256, 512, dtype=tf.FP8), meta(256, dtype=torch.float32)
     with launch_mod.using(lambda kernel, *a: launches.append(kernel)):
         tf.qlinear(meta(32, 512), w, s)
-        assert tf._qgemm_kernel not in launches
+        assert tfm._qgemm_kernel not in launches
         launches.clear()
         tf.qlinear(meta(33, 512), w, s)
-        assert launches == [tf._quant_rows_kernel, tf._qgemm_kernel]
+        assert launches == [tfq._quant_rows_kernel, tfm._qgemm_kernel]
 
 
 def test_rejects_bad_inputs():
@@ -360,20 +363,20 @@ def test_meta_recording():
                 assert y.shape == (M, n) and y.device.type == "meta"
                 kernels = [lc[0] for lc in launches]
                 pre = True
-                assert kernels == ([tf._quant_rows_kernel] if pre else []) + [tf._qgemv_kernel]
+                assert kernels == ([tfq._quant_rows_kernel] if pre else []) + [tfv._qgemv_kernel]
                 kernel, grid, args, consts, nw, ns = launches[-1]
                 assert args[-1] == M and consts["BLOCK_SCALE"] == (gran == "block128")
                 assert consts["PROLOGUE_SILU_MUL"] == (not pre) and consts["PREQUANT"] == pre
                 spec = launch_mod.spec_of(kernel, args, consts, nw, ns)
                 assert spec["signature"]["w_ptr"] == "*fp8e4nv"
                 assert spec["signature"]["x_ptr"] == ("*fp8e4nv" if pre else "*bf16")
-                seen[M] = [(lc[0], lc[1], lc[3], lc[4], lc[5]) for lc in launches if lc[0] is tf._qgemv_kernel]
+                seen[M] = [(lc[0], lc[1], lc[3], lc[4], lc[5]) for lc in launches if lc[0] is tfv._qgemv_kernel]
             gemm = {}
             for M in (33, 100, 1000):
                 launches.clear()
                 tf.qlinear_gemm(meta(M, k), w, s, meta(n), granularity=gran)
                 (qk, qgrid, _, qconsts, _, _), (gk, ggrid, gargs, gconsts, _, _) = launches
-                assert (qk, gk) == (tf._quant_rows_kernel, tf._qgemm_kernel) and gargs[-1] == M
+                assert (qk, gk) == (tfq._quant_rows_kernel, tfm._qgemm_kernel) and gargs[-1] == M
                 assert qgrid == (M,) and ggrid == (-(-M // 128) * (n // 128),)
                 gemm[M] = (qconsts, gconsts)
         assert seen[3] == seen[4] and seen[5] == seen[8] and seen[17] == seen[32]
@@ -384,7 +387,7 @@ def test_meta_recording():
         launches.clear()
         tf.qlinear_small_m(meta(1, k), meta(512, k, dtype=tf.FP8), meta(512, dtype=torch.float32), meta(512),
                            meta(1, 512))
-    assert [lc[0] for lc in launches] == [tf._quant_rows_kernel, tf._qgemv_kernel, tf._qgemv_reduce_kernel]
+    assert [lc[0] for lc in launches] == [tfq._quant_rows_kernel, tfv._qgemv_kernel, tfv._qgemv_reduce_kernel]
     assert launches[1][3]["SPLIT_K"] > 1 and launches[1][3]["HAS_BIAS"] is False
     assert launches[2][3]["HAS_BIAS"] is True and launches[2][3]["HAS_RESIDUAL"] is True
 
@@ -393,7 +396,7 @@ _COMPILE_SCRIPT = textwrap.dedent("""
     import torch, triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from mxc.kernels import launch as L, triton_fp8 as tf
+    from mxc.kernels import launch as L, triton_fp8 as tf, triton_fp8_gemv as tfv
 
     specs = {}
     def record(kernel, grid, args, constexprs, num_warps, num_stages):
@@ -456,7 +459,7 @@ _SWAP_PTX = """
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from mxc.kernels import launch as L, triton_fp8 as tf
+from mxc.kernels import launch as L, triton_fp8 as tf, triton_fp8_gemv as tfv
 meta = lambda *s, dtype=torch.bfloat16: torch.empty(*s, dtype=dtype, device="meta")
 cfg = tf.QGemvConfig(BLOCK_N=128, BLOCK_K=256, USE_DOT=True, PREQUANT=True, num_warps=4, num_stages=4,
                      QUANT_BLOCK_K=4096, SWAP_AB=True)
@@ -465,7 +468,7 @@ with L.using(rec):
     tf.qlinear_small_m(meta(1, 4096), meta(4096, 4096, dtype=torch.float8_e4m3fn), meta(4096, dtype=torch.float32),
                        config=cfg)
 (spec,) = [s for s in rec.specs.values() if s["kernel"].endswith("_qgemv_kernel")]
-fn = tf._qgemv_kernel
+fn = tfv._qgemv_kernel
 aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in spec["signature"].items()
            if t.startswith("*")}
 ptx = triton.compile(ASTSource(fn, signature=spec["signature"], constexprs=spec["constexprs"], attrs=aligned),

@@ -39,14 +39,14 @@ _PDL_PTX = """
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from mxc.kernels import launch as L, triton_fp8 as tf, triton_gemv as tg
+from mxc.kernels import launch as L, triton_fp8 as tf, triton_fp8_gemv as tfv, triton_gemv as tg
 meta = lambda *s, dtype=torch.bfloat16: torch.empty(*s, dtype=dtype, device="meta")
 rec = L.Recorder(pdl=True)
 with L.using(rec):
     tg.linear_small_m(meta(1, 4096), meta(4096, 4096))
     tf.qlinear_small_m(meta(1, 4096), meta(4096, 4096, dtype=torch.float8_e4m3fn), meta(4096, dtype=torch.float32))
 for spec in rec.specs.values():
-    fn = {"_gemv_kernel": tg._gemv_kernel, "_qgemv_kernel": tf._qgemv_kernel}.get(spec["kernel"].split(":")[1])
+    fn = {"_gemv_kernel": tg._gemv_kernel, "_qgemv_kernel": tfv._qgemv_kernel}.get(spec["kernel"].split(":")[1])
     if fn is None:
         continue
     aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in spec["signature"].items()

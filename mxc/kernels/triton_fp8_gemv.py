@@ -1,0 +1,400 @@
+"""The fp8-weight GEMV (``qlinear_small_m``, M <= 32: decode), its configs and its tuner.
+
+Bandwidth-bound like ``triton_gemv``, whose layout it keeps; versions v1 (FMA, one row), v2 (FMA,
+a few rows), v3 (tensor cores; ``SWAP_AB`` puts the weights on the wgmma side). The module doc of
+``mxc.kernels.triton_fp8`` describes them and the numerics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from mxc.kernels.launch import launch
+from mxc.kernels.pdl import pdl_enter, prefetch_rows_l2
+from mxc.kernels.triton_fp8_quant import (_DTYPES, GRANULARITIES, _check_inputs, _check_norm, _finish, _load_act,
+                                          _pow2, _prequantize, _quant, _quant_block, _row_scale)
+from mxc.kernels.triton_gemv import M_BUCKETS, NUM_SMS, bucket
+
+
+@triton.jit
+def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
+                  N: tl.constexpr, K: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_SCALE: tl.constexpr,
+                  PREQUANT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                  PROLOGUE_SILU_MUL: tl.constexpr,
+                  USE_PDL: tl.constexpr = False, SWAP_AB: tl.constexpr = False):
+    """One program: columns [pid_n * BLOCK_N, +BLOCK_N) of y over K slice pid_k.
+
+    x_ptr: x [M, K] (or [M, 2K] under PROLOGUE_SILU_MUL) in its float dtype, with xs_ptr None;
+    with PREQUANT, xq [M, K] e4m3 and xs_ptr its scales [M] (from ``_quant_rows_kernel``).
+    s_ptr: the weight scales, [N] or (BLOCK_SCALE) [ceil(N/128), ceil(K/128)].
+    With SPLIT_K == 1, y_ptr is y [M, N]; otherwise the fp32 scratch [SPLIT_K, M, N] of scaled
+    partial sums, and HAS_BIAS and HAS_RESIDUAL are False.
+    """
+    tl.static_assert(SPLIT_K == 1 or not (HAS_BIAS or HAS_RESIDUAL))
+    tl.static_assert(not PREQUANT or not PROLOGUE_SILU_MUL)
+    tl.static_assert(not SWAP_AB or (USE_DOT and PREQUANT))
+    tl.static_assert(not BLOCK_SCALE or 128 % BLOCK_N == 0)
+    tl.static_assert(not (BLOCK_SCALE and USE_DOT) or 128 % BLOCK_K == 0)
+    X_STRIDE: tl.constexpr = 2 * K if PROLOGUE_SILU_MUL else K
+    KB: tl.constexpr = (K + 127) // 128  # scale columns (block128)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    K_PER_SPLIT: tl.constexpr = (K + SPLIT_K * BLOCK_K - 1) // (SPLIT_K * BLOCK_K) * BLOCK_K
+    EVEN_K: tl.constexpr = K % (SPLIT_K * BLOCK_K) == 0
+    k_start = pid_k * K_PER_SPLIT
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    rn = offs_n % N  # rows past N re-read row n % N: weight loads need no N mask
+    if USE_PDL:  # weights stream into L2 while the kernel ahead finishes; then wait for its output
+        prefetch_rows_l2(w_ptr, rn, k_start, K)
+    pdl_enter(USE_PDL)
+    if N * K > 2**31 - 1:
+        rn = rn.to(tl.int64)
+    w_ptrs = w_ptr + rn[:, None] * K + (k_start + offs_k)[None, :]
+    row_ok = offs_m < M
+    if BLOCK_SCALE:
+        s_row = s_ptr + (pid_n * BLOCK_N // 128) * KB  # the program's rows share one 128-row block
+
+    # per-token activation scales xs [BLOCK_M] (padding rows: 0 if prequantized, else 1e-12)
+    if PREQUANT:
+        xs = tl.load(xs_ptr + offs_m, mask=row_ok, other=0.0)
+    else:
+        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        a_ptrs = x_ptr + offs_m[:, None] * X_STRIDE + offs_k[None, :]
+        for k in range(0, K, BLOCK_K):
+            if K % BLOCK_K == 0:
+                a = _load_act(a_ptrs + k, row_ok[:, None], 0.0, K, PROLOGUE_SILU_MUL)
+            else:
+                a = _load_act(a_ptrs + k, row_ok[:, None] & ((k + offs_k) < K)[None, :], 0.0, K,
+                              PROLOGUE_SILU_MUL)
+            amax = tl.maximum(amax, tl.max(tl.abs(a), axis=1))
+        xs = _row_scale(amax)
+
+    if USE_DOT:
+        # v3: acc[BLOCK_M, BLOCK_N] = xq @ w^T on tensor cores, both operands e4m3
+        # (SWAP_AB: acc^T[BLOCK_N, BLOCK_M] = w @ xq^T, so the weights are the 64+-row operand and
+        # sm_90 runs a native e4m3 wgmma, no widening of the weights; the tokens are the 16-wide side)
+        x_ptrs = x_ptr + offs_m[:, None] * X_STRIDE + (k_start + offs_k)[None, :]
+        if SWAP_AB:
+            acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, K_PER_SPLIT, BLOCK_K):
+            if EVEN_K:
+                w = tl.load(w_ptrs)
+                x_mask = row_ok[:, None]
+            else:
+                k_ok = (k_start + k + offs_k) < K
+                w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+                x_mask = row_ok[:, None] & k_ok[None, :]
+            if PREQUANT:
+                xq = tl.load(x_ptrs, mask=x_mask, other=0.0)
+            else:
+                xq = _quant(_load_act(x_ptrs, x_mask, 0.0, K, PROLOGUE_SILU_MUL), xs[:, None])
+            if BLOCK_SCALE:
+                kb = (k_start + k) // 128
+                if EVEN_K:
+                    sk = tl.load(s_row + kb)
+                else:  # the last slices of a split may start past K
+                    sk = tl.load(s_row + kb, mask=kb < KB, other=0.0)
+                if SWAP_AB:
+                    acc_t += tl.dot(w, tl.trans(xq)) * sk
+                else:
+                    acc += tl.dot(xq, tl.trans(w)) * sk
+            elif SWAP_AB:
+                acc_t = tl.dot(w, tl.trans(xq), acc_t)
+            else:
+                acc = tl.dot(xq, tl.trans(w), acc)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        if SWAP_AB:
+            acc = tl.trans(acc_t)
+    elif BLOCK_M == 1:
+        # v1: per-thread partial products, one reduction at the end
+        x_ptrs = x_ptr + k_start + offs_k
+        xs0 = tl.max(xs, axis=0)
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k in range(0, K_PER_SPLIT, BLOCK_K):
+            k_ok = (k_start + k + offs_k) < K
+            if EVEN_K:
+                w = tl.load(w_ptrs).to(tl.float32)
+                if PREQUANT:
+                    xq = tl.load(x_ptrs).to(tl.float32)
+                else:
+                    xq = _quant(_load_act(x_ptrs, None, None, K, PROLOGUE_SILU_MUL), xs0).to(tl.float32)
+            else:
+                w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
+                if PREQUANT:
+                    xq = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+                else:
+                    xq = _quant(_load_act(x_ptrs, k_ok, 0.0, K, PROLOGUE_SILU_MUL), xs0).to(tl.float32)
+            if BLOCK_SCALE:  # each element times its K block's scale (a gather from one scale row)
+                xq *= tl.load(s_row + (k_start + k + offs_k) // 128, mask=k_ok, other=0.0)
+            acc2 += w * xq[None, :]
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        acc = tl.sum(acc2, axis=1)[None, :]  # [1, BLOCK_N]
+    else:
+        # v2: w loaded once per step, one reduced dot product per row of x
+        x_ptrs = x_ptr + k_start + offs_k
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, K_PER_SPLIT, BLOCK_K):
+            k_ok = (k_start + k + offs_k) < K
+            if EVEN_K:
+                w = tl.load(w_ptrs).to(tl.float32)
+            else:
+                w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
+            if BLOCK_SCALE:
+                sk = tl.load(s_row + (k_start + k + offs_k) // 128, mask=k_ok, other=0.0)
+            for m in tl.static_range(BLOCK_M):
+                # rows past M re-read row M - 1 (no mask); their sums are never stored
+                xm_ptrs = x_ptrs + tl.minimum(M - 1, m) * X_STRIDE
+                if PREQUANT:
+                    if EVEN_K:
+                        xq = tl.load(xm_ptrs).to(tl.float32)
+                    else:
+                        xq = tl.load(xm_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+                else:
+                    xs_m = tl.sum(tl.where(offs_m == m, xs, 0.0), axis=0)
+                    if EVEN_K:
+                        a = _load_act(xm_ptrs, None, None, K, PROLOGUE_SILU_MUL)
+                    else:
+                        a = _load_act(xm_ptrs, k_ok, 0.0, K, PROLOGUE_SILU_MUL)
+                    xq = _quant(a, xs_m).to(tl.float32)
+                if BLOCK_SCALE:
+                    xq = xq * sk
+                part = tl.sum(w * xq[None, :], axis=1)  # [BLOCK_N]
+                acc += tl.where(offs_m[:, None] == m, part[None, :], 0.0)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+
+    # scales, then the epilogue on acc [BLOCK_M, BLOCK_N]; y is [M, N] row-major
+    n_ok = offs_n < N
+    if BLOCK_SCALE:
+        acc = acc * xs[:, None]
+    else:
+        ws = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)
+        acc = acc * xs[:, None] * ws[None, :]
+    mask = row_ok[:, None] & n_ok[None, :]
+    offs = offs_m[:, None] * N + offs_n[None, :]
+    if SPLIT_K == 1:
+        _finish(acc, y_ptr, b_ptr, r_ptr, offs, offs_n, n_ok, mask, HAS_BIAS, HAS_RESIDUAL)
+    else:
+        tl.store(y_ptr + pid_k * M * N + offs, acc, mask=mask)
+
+
+@triton.jit
+def _qgemv_reduce_kernel(ws_ptr, b_ptr, r_ptr, y_ptr, M,
+                         N: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_R: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                         USE_PDL: tl.constexpr = False):
+    """y[:, cols] = sum over s (in order) of ws[s, :, cols], then ``_finish`` (round, bias, residual)."""
+    pdl_enter(USE_PDL)
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    n_ok = offs_n < N
+    mask = (offs_m[:, None] < M) & n_ok[None, :]
+    offs = offs_m[:, None] * N + offs_n[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
+    _finish(acc, y_ptr, b_ptr, r_ptr, offs, offs_n, n_ok, mask, HAS_BIAS, HAS_RESIDUAL)
+
+
+@dataclass(frozen=True)
+class QGemvConfig:
+    """``qlinear_small_m`` tiles. BLOCK_N <= 128 (a power of two); with block128 scales and
+    USE_DOT, BLOCK_K divides 128. PREQUANT: quantize x in a first kernel (see the module doc).
+    SWAP_AB (v3 with PREQUANT, BLOCK_N >= 64): the product as w @ x^T, weights on the wgmma side."""
+    BLOCK_N: int
+    BLOCK_K: int
+    SPLIT_K: int = 1
+    USE_DOT: bool = False
+    PREQUANT: bool = False
+    num_warps: int = 4
+    num_stages: int = 1
+    QUANT_BLOCK_K: int = 1024  # the prequantize kernel's chunk
+    SWAP_AB: bool = False
+
+
+def _split_k(n_programs: int, k: int, block_k: int) -> int:
+    split = 1
+    while n_programs * split < NUM_SMS and k >= 2 * (2 * split) * block_k:
+        split *= 2
+    return split
+
+
+def _fill(cfg: QGemvConfig, n: int, k: int) -> QGemvConfig:
+    """As ``triton_gemv._fill``: halve BLOCK_N (v1 down to 8, v3 to 16) until there are enough
+    programs (v1: one per SM, v3: half as many), then split K in powers of two."""
+    min_bn, want = (16, NUM_SMS // 2) if cfg.USE_DOT else (8, NUM_SMS)
+    while triton.cdiv(n, cfg.BLOCK_N) < want and cfg.BLOCK_N > min_bn:
+        cfg = replace(cfg, BLOCK_N=cfg.BLOCK_N // 2)
+    programs = triton.cdiv(n, cfg.BLOCK_N)
+    return replace(cfg, SPLIT_K=_split_k(programs, k, cfg.BLOCK_K) if programs < want else 1)
+
+
+def config_for(m_bucket: int, n: int, k: int, dtype: torch.dtype, granularity: str) -> QGemvConfig:
+    """Default ``qlinear_small_m`` config; a pure function of its arguments (for the AOT build).
+
+    The bf16 GEMV's measured shapes (``triton_gemv.config_for``) carried over in bytes. M = 1,
+    v1: [16 rows, 1 KB] fp8 steps, 8 warps (acc 64 fp32 registers a thread, 4 x 16-B weight
+    loads in flight a thread). M >= 2, v3 (fp8 tensor cores): [32 rows, 512 B] steps (128 B
+    under block128: one K block a step, so 64 rows), 4 warps, 4 stages. x is quantized in a
+    first kernel at every bucket: measured on one H200 (Triton 3.6, 2026-11-30, Llama-3-8B
+    shapes), the fused quantization (every program re-reading x) took 1.2-2x longer at M = 1
+    (o 13.9 us vs 9.8, gate_up 82.7 vs 40.8) and 5-9x at M = 8 and 32. ``tune`` at M = 1
+    preferred BLOCK_N 8 by under 3% (o 9.6 us, down 23.5 us)."""
+    if m_bucket not in M_BUCKETS:
+        raise ValueError(f"m_bucket must be one of {M_BUCKETS}, got {m_bucket}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype}")
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    qbk = _quant_block(k)
+    if m_bucket == 1:
+        cfg = QGemvConfig(BLOCK_N=16, BLOCK_K=1024, PREQUANT=True, num_warps=8, num_stages=1, QUANT_BLOCK_K=qbk)
+    elif granularity == "block128":
+        cfg = QGemvConfig(BLOCK_N=64, BLOCK_K=128, USE_DOT=True, PREQUANT=True, num_warps=4,
+                          num_stages=4, QUANT_BLOCK_K=qbk)
+    else:
+        cfg = QGemvConfig(BLOCK_N=32, BLOCK_K=512, USE_DOT=True, PREQUANT=True, num_warps=4,
+                          num_stages=4, QUANT_BLOCK_K=qbk)
+    return _fill(cfg, n, k)
+
+
+def _tile_m(m_bucket: int, cfg: QGemvConfig) -> int:
+    """Rows of the kernel's tile: the bucket, or 16 at least for tensor cores (tl.dot)."""
+    return max(16, m_bucket) if cfg.USE_DOT else m_bucket
+
+
+def _check_gemv_config(cfg: QGemvConfig, block: bool) -> None:
+    if not (_pow2(cfg.BLOCK_N) and _pow2(cfg.BLOCK_K) and _pow2(cfg.QUANT_BLOCK_K) and cfg.SPLIT_K >= 1):
+        raise ValueError(f"BLOCK_N, BLOCK_K and QUANT_BLOCK_K must be powers of two, SPLIT_K >= 1: {cfg}")
+    if cfg.USE_DOT and (cfg.BLOCK_N < 16 or cfg.BLOCK_K < 32):
+        raise ValueError(f"USE_DOT (fp8 tensor cores) needs BLOCK_N >= 16 and BLOCK_K >= 32: {cfg}")
+    if block and cfg.BLOCK_N > 128:
+        raise ValueError(f"block128 scales need BLOCK_N dividing 128: {cfg}")
+    if block and cfg.USE_DOT and cfg.BLOCK_K > 128:
+        raise ValueError(f"block128 scales with USE_DOT need BLOCK_K dividing 128: {cfg}")
+    if cfg.SWAP_AB and not (cfg.USE_DOT and cfg.PREQUANT and cfg.BLOCK_N >= 64):
+        raise ValueError(f"SWAP_AB needs USE_DOT, PREQUANT and BLOCK_N >= 64 (the wgmma side): {cfg}")
+
+
+def qlinear_small_m(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                    residual: torch.Tensor | None = None, *, granularity: str = "channel",
+                    prologue: str | None = None, norm_weight: torch.Tensor | None = None,
+                    eps: float = 1e-6, config: QGemvConfig | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """``fp8_ref.qlinear(x, w, scale, bias, residual, granularity, prologue)`` for 1 <= M <= 32.
+
+    x [M, K] (``prologue="silu_mul"``: [M, 2K]; ``prologue="rms_norm"``: x is normalised with
+    ``norm_weight`` [K] and ``eps`` by the quantize kernel) float32/float16/bfloat16; w [N, K] float8_e4m3fn;
+    scale float32 [N] (channel, tensor) or [ceil(N/128), ceil(K/128)] (block128); bias [N] and
+    residual [M, N] in x's dtype; all contiguous. ``config`` overrides ``config_for``; ``out``
+    (contiguous [M, N], x's dtype; may be ``residual`` itself, not x) receives the result.
+    Never reads tensor values on the host: runs on ``meta`` tensors under a recording launcher.
+    The GEMV's grid and constexprs depend on (bucket(M), N, K, dtypes, granularity, fusions)
+    only (M is a dynamic argument); the prequantize kernel (``PREQUANT``) has one program per
+    row, grid (M,), and one binary for every M.
+    """
+    M, N, K, silu_mul = _check_inputs(x, w, scale, bias, residual, granularity, prologue, out)
+    m_bucket = bucket(M)
+    block = granularity == "block128"
+    cfg = config if config is not None else config_for(m_bucket, N, K, x.dtype, granularity)
+    _check_gemv_config(cfg, block)
+    y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
+    xs = None
+    rms = prologue == "rms_norm"
+    if rms:
+        _check_norm(x, K, norm_weight)
+        if not cfg.PREQUANT:
+            raise ValueError(f"the rms_norm prologue runs in the quantize kernel: needs PREQUANT, got {cfg}")
+    if cfg.PREQUANT:
+        x, xs = _prequantize(x, M, K, silu_mul, cfg.QUANT_BLOCK_K, norm_weight if rms else None, eps)
+    grid = (triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)
+    consts = dict(N=N, K=K, BLOCK_M=_tile_m(m_bucket, cfg), BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+                  SPLIT_K=cfg.SPLIT_K, USE_DOT=cfg.USE_DOT, BLOCK_SCALE=block, PREQUANT=cfg.PREQUANT,
+                  PROLOGUE_SILU_MUL=silu_mul and not cfg.PREQUANT, SWAP_AB=cfg.SWAP_AB)
+    has_bias, has_residual = bias is not None, residual is not None
+    if cfg.SPLIT_K == 1:
+        launch(_qgemv_kernel, grid, [x, xs, w, scale, bias, residual, y, M],
+               dict(consts, HAS_BIAS=has_bias, HAS_RESIDUAL=has_residual),
+               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return y
+    ws = torch.empty((cfg.SPLIT_K, M, N), dtype=torch.float32, device=x.device)
+    launch(_qgemv_kernel, grid, [x, xs, w, scale, None, None, ws, M],
+           dict(consts, HAS_BIAS=False, HAS_RESIDUAL=False),
+           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    block_r = max(64, 1024 // m_bucket)
+    launch(_qgemv_reduce_kernel, (triton.cdiv(N, block_r),), [ws, bias, residual, y, M],
+           dict(N=N, SPLIT_K=cfg.SPLIT_K, BLOCK_M=m_bucket, BLOCK_R=block_r, HAS_BIAS=has_bias,
+                HAS_RESIDUAL=has_residual),
+           num_warps=4, num_stages=1)
+    return y
+
+
+# ----------------------------------------------------------------------------------------------
+# tuning on a real GPU (not used by tests)
+
+
+def candidates(m_bucket: int, granularity: str) -> list[QGemvConfig]:
+    """Configs ``tune`` tries (SPLIT_K added per shape): v1 at M = 1, v3 from 16, v1/v2 and v3
+    between; fused and prequantized activations for each; v3 with SWAP_AB at every bucket."""
+    block = granularity == "block128"
+    swap = [QGemvConfig(bn, bk, 1, True, True, 4, ns, SWAP_AB=True) for bn in (64, 128) for bk in (128, 256, 512)
+            for ns in (3, 4, 5) if not (block and bk > 128)]
+    v1 = [QGemvConfig(bn, bk, 1, False, pq, nw, 1) for bn in (8, 16, 32) for bk in (512, 1024, 2048)
+          for nw in (4, 8) for pq in (False, True) if bn * bk <= 128 * 32 * nw]
+    v2 = [QGemvConfig(bn, bk, 1, False, pq, 4, 1) for bn in (16, 32) for bk in (512, 1024) for pq in (False, True)]
+    v3 = [QGemvConfig(bn, bk, 1, True, pq, nw, ns) for bn in (16, 32, 64, 128) for bk in (64, 128, 256, 512)
+          for nw in (4, 8) for ns in (3, 4, 5) for pq in (False, True) if not (block and bk > 128)]
+    return (v1 if m_bucket == 1 else v3 if m_bucket >= 16 else v2 + v3) + swap
+
+
+def tune(n: int, k: int, dtype: torch.dtype, m_bucket: int, granularity: str = "channel", *, verbose=False):
+    """Time ``candidates`` on the current GPU (CUDA graph of back-to-back calls over weight
+    copies covering 4x the L2); return ``(best_config, best_us)``. Wrong results and compile
+    failures skip a candidate."""
+    from mxc.kernels import fp8_ref
+    from mxc.kernels.triton_gemv import _L2_BYTES, _time_us
+    from mxc.loaders.quantize import quantize_fp8
+
+    w = torch.randn(n, k) * k ** -0.5
+    q, s = quantize_fp8(w, granularity)
+    s = s.cuda()
+    ws = [q.cuda().clone() for _ in range(max(1, -(-4 * _L2_BYTES // (n * k))))]
+    x = torch.randn(m_bucket, k, device="cuda").to(dtype)
+    ref = fp8_ref.qlinear(x, ws[0], s, granularity=granularity).float()
+    best, tried = (None, float("inf")), set()
+    for base in candidates(m_bucket, granularity):
+        for split in sorted({1, _split_k(triton.cdiv(n, base.BLOCK_N), k, base.BLOCK_K)}):
+            cfg = replace(base, SPLIT_K=split, QUANT_BLOCK_K=_quant_block(k))
+            if cfg in tried:
+                continue
+            tried.add(cfg)
+            run = lambda x_, w_: qlinear_small_m(x_, w_, s, granularity=granularity, config=cfg)  # noqa: E731
+            try:
+                y = run(x, ws[0])
+                torch.cuda.synchronize()
+                if (y.float() - ref).abs().max() > 2e-2 * ref.abs().max():
+                    raise RuntimeError("wrong result")
+                us = _time_us(run, x, ws)
+            except Exception as e:  # out of resources, compile failures: skip
+                if verbose:
+                    print(f"  skip {cfg}: {type(e).__name__}: {str(e)[:80]}")
+                continue
+            if verbose:
+                print(f"  {us:8.1f} us {n * k / us / 1e6:6.2f} TB/s  {cfg}", flush=True)
+            if us < best[1]:
+                best = (cfg, us)
+    return best
