@@ -46,6 +46,19 @@ def test_every_node_gets_a_kernel_cuda(bind_arch):
         assert isinstance(reason, str) and reason
 
 
+def test_wide_weights_go_to_cublas_from_17_tokens(bind_arch):
+    """The GEMV serves 1..32 tokens, except weights at least WIDE_N rows wide, which cuBLAS takes from 17."""
+    from mxc.kernels.candidates import WIDE_N
+
+    g = compile_graph(bind_arch(intermediate_size=WIDE_N // 2), BuildOptions(target="cuda"))  # gate_up: WIDE_N rows
+    kernels = {n.ins[2] if n.op == "rms_norm_linear" else n.ins[1]: n.attrs for n, _ in g.nodes()
+               if n.op in ("linear", "rms_norm_linear")}
+    assert kernels["w_gate_up"]["kernel"] == [[16, "cuda_ops.rms_norm_linear_small_m"],
+                                              [None, "cuda_ops.rms_norm_linear"]]
+    assert kernels["wo"]["kernel"] == [[16, "triton_gemv.linear_small_m"], [32, "triton_gemv.linear_small_m"],
+                                       [None, "cublas.linear"]]
+
+
 def test_first_willing_candidate_wins(bind_arch, monkeypatch):
     """A candidate that checks the weight's K sees the right input types, local and top-level."""
     seen = []
