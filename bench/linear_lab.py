@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mxc.kernels import fp8_gemm, triton_elementwise, triton_fp8, triton_fp8_gemv, triton_fp8_quant, triton_gemv  # noqa: E402
+from mxc.kernels import fp8_gemm, triton_elementwise, triton_fp8, triton_fp8_quant, triton_gemv  # noqa: E402
 from mxc.kernels.triton_gemv import LLAMA3_8B_SHAPES, _time_us, _weight_copies  # noqa: E402
 from mxc.loaders.quantize import quantize_fp8  # noqa: E402
 
@@ -72,7 +72,7 @@ def fp8_gemv(ms, tune, tune_ms):
             row(f"fp8 {name} M={m} PREQUANT={alt.PREQUANT}", _time_us(run, x, ws), n * k)
             for bn in (64, 128):  # w @ x^T on e4m3 wgmma, split K to fill the GPU
                 swap = triton_fp8.QGemvConfig(bn, 256, 1, True, True, 4, 4, cfg.QUANT_BLOCK_K, SWAP_AB=True)
-                swap = replace(swap, SPLIT_K=triton_fp8_gemv._split_k(-(-n // bn), k, 256))
+                swap = replace(swap, SPLIT_K=triton_gemv.split_k_for(-(-n // bn), k, 256))
                 run = lambda x_, w_: triton_fp8.qlinear_small_m(x_, w_, s, config=swap)  # noqa: E731
                 row(f"fp8 {name} M={m} SWAP_AB BLOCK_N={bn}", _time_us(run, x, ws), n * k, str(swap))
             if name == "down":

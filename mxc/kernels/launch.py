@@ -50,6 +50,14 @@ def using(launcher: Launcher):
         _launcher = previous
 
 
+def check_operand(name: str, t, shape, dtype, device) -> None:
+    """A wrapper's optional tensor argument (bias, residual, out, norm weight) as kernels take them:
+    contiguous, of this shape, dtype and device; else one ValueError naming what was expected."""
+    if (t is None or tuple(t.shape) != tuple(shape) or t.dtype != dtype or not t.is_contiguous()
+            or t.device != device):
+        raise ValueError(f"{name} must be contiguous {list(shape)} {dtype} on {device}")
+
+
 # --- what identifies one compiled binary ------------------------------------------
 
 TRITON_DTYPES = {
@@ -116,9 +124,9 @@ def spec_key(spec: dict) -> str:
 def with_pdl(kernel, constexprs: dict, pdl: bool) -> dict:
     """``constexprs`` with ``USE_PDL`` set for a kernel that takes it, when the artifact uses
     programmatic dependent launch (``mxc.kernels.pdl``)."""
-    from mxc.kernels.pdl import takes_pdl
-
-    return {**constexprs, "USE_PDL": True} if pdl and takes_pdl(kernel) else constexprs
+    if pdl and "USE_PDL" in getattr(kernel, "arg_names", ()):
+        return {**constexprs, "USE_PDL": True}
+    return constexprs
 
 
 class Recorder:

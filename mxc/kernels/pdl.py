@@ -36,7 +36,3 @@ def prefetch_rows_l2(w_ptr, rows, k_start, K: tl.constexpr):
     ptrs = w_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :]
     tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
 
-
-def takes_pdl(kernel) -> bool:
-    """Whether a Triton kernel has the ``USE_PDL`` constexpr (and so starts with ``pdl_enter``)."""
-    return "USE_PDL" in getattr(kernel, "arg_names", ())

@@ -17,7 +17,7 @@ from mxc.kernels.launch import launch
 from mxc.kernels.pdl import pdl_enter, prefetch_rows_l2
 from mxc.kernels.triton_fp8_quant import (_DTYPES, GRANULARITIES, _check_inputs, _check_norm, _finish, _load_act,
                                           _pow2, _prequantize, _quant, _quant_block, _row_scale)
-from mxc.kernels.triton_gemv import M_BUCKETS, NUM_SMS, bucket
+from mxc.kernels.triton_gemv import M_BUCKETS, bucket, fill_gpu, split_k_for
 
 
 @triton.jit
@@ -226,23 +226,6 @@ class QGemvConfig:
     SWAP_AB: bool = False
 
 
-def _split_k(n_programs: int, k: int, block_k: int) -> int:
-    split = 1
-    while n_programs * split < NUM_SMS and k >= 2 * (2 * split) * block_k:
-        split *= 2
-    return split
-
-
-def _fill(cfg: QGemvConfig, n: int, k: int) -> QGemvConfig:
-    """As ``triton_gemv._fill``: halve BLOCK_N (v1 down to 8, v3 to 16) until there are enough
-    programs (v1: one per SM, v3: half as many), then split K in powers of two."""
-    min_bn, want = (16, NUM_SMS // 2) if cfg.USE_DOT else (8, NUM_SMS)
-    while triton.cdiv(n, cfg.BLOCK_N) < want and cfg.BLOCK_N > min_bn:
-        cfg = replace(cfg, BLOCK_N=cfg.BLOCK_N // 2)
-    programs = triton.cdiv(n, cfg.BLOCK_N)
-    return replace(cfg, SPLIT_K=_split_k(programs, k, cfg.BLOCK_K) if programs < want else 1)
-
-
 def config_for(m_bucket: int, n: int, k: int, dtype: torch.dtype, granularity: str) -> QGemvConfig:
     """Default ``qlinear_small_m`` config; a pure function of its arguments (for the AOT build).
 
@@ -269,7 +252,7 @@ def config_for(m_bucket: int, n: int, k: int, dtype: torch.dtype, granularity: s
     else:
         cfg = QGemvConfig(BLOCK_N=32, BLOCK_K=512, USE_DOT=True, PREQUANT=True, num_warps=4,
                           num_stages=4, QUANT_BLOCK_K=qbk)
-    return _fill(cfg, n, k)
+    return fill_gpu(cfg, n, k)
 
 
 def _tile_m(m_bucket: int, cfg: QGemvConfig) -> int:
@@ -377,7 +360,7 @@ def tune(n: int, k: int, dtype: torch.dtype, m_bucket: int, granularity: str = "
     ref = fp8_ref.qlinear(x, ws[0], s, granularity=granularity).float()
     best, tried = (None, float("inf")), set()
     for base in candidates(m_bucket, granularity):
-        for split in sorted({1, _split_k(triton.cdiv(n, base.BLOCK_N), k, base.BLOCK_K)}):
+        for split in sorted({1, split_k_for(triton.cdiv(n, base.BLOCK_N), k, base.BLOCK_K)}):
             cfg = replace(base, SPLIT_K=split, QUANT_BLOCK_K=_quant_block(k))
             if cfg in tried:
                 continue

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mxc.kernels.launch import launch
+from mxc.kernels.launch import check_operand, launch
 from mxc.kernels.pdl import pdl_enter
 
 FP8 = torch.float8_e4m3fn
@@ -156,22 +156,14 @@ def _check_inputs(x, w, scale, bias, residual, granularity, prologue, out):
             raise ValueError(f"{name} must be contiguous")
         if t.device != x.device:
             raise ValueError(f"{name} on {t.device} but x on {x.device}")
-    if bias is not None and (bias.shape != (N,) or bias.dtype != x.dtype or not bias.is_contiguous()
-                             or bias.device != x.device):
-        raise ValueError(f"bias must be contiguous [{N}] {x.dtype} on {x.device}")
-    if residual is not None and (residual.shape != (M, N) or residual.dtype != x.dtype
-                                 or not residual.is_contiguous() or residual.device != x.device):
-        raise ValueError(f"residual must be contiguous [{M}, {N}] {x.dtype} on {x.device}")
-    if out is not None and (out.shape != (M, N) or out.dtype != x.dtype or not out.is_contiguous()
-                            or out.device != x.device):
-        raise ValueError(f"out must be contiguous [{M}, {N}] {x.dtype} on {x.device}")
+    for name, t, shape in (("bias", bias, (N,)), ("residual", residual, (M, N)), ("out", out, (M, N))):
+        if t is not None:
+            check_operand(name, t, shape, x.dtype, x.device)
     return M, N, K, silu_mul
 
 
 def _check_norm(x, K, norm_weight):
-    if (norm_weight is None or norm_weight.shape != (K,) or norm_weight.dtype != x.dtype
-            or not norm_weight.is_contiguous() or norm_weight.device != x.device):
-        raise ValueError(f"the rms_norm prologue needs norm_weight: contiguous [{K}] {x.dtype} on {x.device}")
+    check_operand("the rms_norm prologue's norm_weight", norm_weight, (K,), x.dtype, x.device)
 
 
 def _prequantize(x, M, K, silu_mul, block_k, norm_weight=None, eps=1e-6):

@@ -63,7 +63,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mxc.kernels.launch import launch
+from mxc.kernels.launch import check_operand, launch
 from mxc.kernels.pdl import pdl_enter, prefetch_rows_l2
 
 M_BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -272,8 +272,9 @@ def _vec(dtype: torch.dtype) -> int:
     return 16 // torch.empty((), dtype=dtype).element_size()
 
 
-def _fill(cfg: GemvConfig, n: int, k: int) -> GemvConfig:
-    """Give the GPU enough programs. v1 (no pipelining: bytes in flight come from programs
+def fill_gpu(cfg, n: int, k: int):
+    """Give the GPU enough programs (any GEMV config with BLOCK_N, BLOCK_K, USE_DOT and SPLIT_K:
+    this module's and ``triton_fp8_gemv``'s). v1 (no pipelining: bytes in flight come from programs
     resident at once) wants >= 1 program per SM: halve BLOCK_N down to 8. v3 keeps
     num_stages tiles in flight per program and measured best with 128 programs on 132 SMs
     (o_proj), so it only halves (down to 16) below 64 programs. Then, if still short, split K
@@ -283,10 +284,10 @@ def _fill(cfg: GemvConfig, n: int, k: int) -> GemvConfig:
     while triton.cdiv(n, cfg.BLOCK_N) < want and cfg.BLOCK_N > min_bn:
         cfg = replace(cfg, BLOCK_N=cfg.BLOCK_N // 2)
     programs = triton.cdiv(n, cfg.BLOCK_N)
-    return replace(cfg, SPLIT_K=_split_k(programs, k, cfg.BLOCK_K) if programs < want else 1)
+    return replace(cfg, SPLIT_K=split_k_for(programs, k, cfg.BLOCK_K) if programs < want else 1)
 
 
-def _split_k(n_programs: int, k: int, block_k: int) -> int:
+def split_k_for(n_programs: int, k: int, block_k: int) -> int:
     split = 1
     while n_programs * split < NUM_SMS and k >= 2 * (2 * split) * block_k:
         split *= 2
@@ -312,7 +313,7 @@ def config_for(m_bucket: int, n: int, k: int, dtype: torch.dtype) -> GemvConfig:
     - fp32 weights (rare at decode; not tuned): M = 1 v1 o 17.3 us (3.87 TB/s, cuBLAS 22.5);
       M >= 2 v3 with input_precision="tf32x3": o 34.6 us at M = 2, 111.8 us at M = 32 vs
       cuBLAS 26.4 and 47.3 ("ieee", on CUDA cores, was 148 us at M = 2).
-    - few rows (N < ~4K): see ``_fill``.
+    - few rows (N < ~4K): see ``fill_gpu``.
     ``tune`` times ``candidates`` on a real GPU; its winners can replace rows here.
     """
     if m_bucket not in M_BUCKETS:
@@ -324,7 +325,7 @@ def config_for(m_bucket: int, n: int, k: int, dtype: torch.dtype) -> GemvConfig:
         cfg = GemvConfig(BLOCK_N=16, BLOCK_K=4 * row, num_warps=8, num_stages=1)
     else:
         cfg = GemvConfig(BLOCK_N=32, BLOCK_K=row, USE_DOT=True, num_warps=4, num_stages=4)
-    return _fill(cfg, n, k)
+    return fill_gpu(cfg, n, k)
 
 
 def fuses_rms_norm(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
@@ -376,25 +377,19 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
         raise ValueError("x and w must be contiguous")
     if x.device != w.device:
         raise ValueError(f"x on {x.device} but w on {w.device}")
-    if bias is not None and (bias.shape != (N,) or bias.dtype != x.dtype or not bias.is_contiguous()
-                             or bias.device != x.device):
-        raise ValueError(f"bias must be contiguous [{N}] {x.dtype} on {x.device}")
-    if residual is not None and (residual.shape != (M, N) or residual.dtype != x.dtype
-                                 or not residual.is_contiguous() or residual.device != x.device):
-        raise ValueError(f"residual must be contiguous [{M}, {N}] {x.dtype} on {x.device}")
+    for name, t, shape in (("bias", bias, (N,)), ("residual", residual, (M, N))):
+        if t is not None:
+            check_operand(name, t, shape, x.dtype, x.device)
     m_bucket = bucket(M)
     cfg = config if config is not None else config_for(m_bucket, N, K, x.dtype)
     if rms:
         if M != 1 or cfg.USE_DOT or cfg.SPLIT_K != 1:
             raise ValueError(f"the rms_norm prologue runs on one row with one K slice (v1), got M={M}, {cfg}")
-        if (norm_weight is None or norm_weight.shape != (K,) or norm_weight.dtype != x.dtype
-                or not norm_weight.is_contiguous() or norm_weight.device != x.device):
-            raise ValueError(f"norm_weight must be contiguous [{K}] {x.dtype} on {x.device}")
+        check_operand("norm_weight", norm_weight, (K,), x.dtype, x.device)
     if out is None:
         y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     else:
-        if out.shape != (M, N) or out.dtype != x.dtype or not out.is_contiguous() or out.device != x.device:
-            raise ValueError(f"out must be contiguous [{M}, {N}] {x.dtype} on {x.device}")
+        check_operand("out", out, (M, N), x.dtype, x.device)
         y = out
     grid = (triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)
     consts = dict(N=N, K=K, BLOCK_M=_tile_m(m_bucket, cfg), BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
@@ -470,7 +465,7 @@ def tune(n: int, k: int, dtype: torch.dtype, m_bucket: int, *, configs=None, ver
          ws: list[torch.Tensor] | None = None):
     """Time candidate configs on the current GPU (``_time_us``: do_bench over a CUDA graph);
     return ``(best_config, best_us)``. Each candidate is tried with SPLIT_K 1 and with
-    ``_split_k``'s choice for its BLOCK_N; a wrong result or a compile failure skips it."""
+    ``split_k_for``'s choice for its BLOCK_N; a wrong result or a compile failure skips it."""
     ws = ws if ws is not None else _weight_copies(n, k, dtype)
     x = torch.randn(m_bucket, k, device="cuda").to(dtype)
     ref = torch.nn.functional.linear(x.float(), ws[0].float())
@@ -478,7 +473,7 @@ def tune(n: int, k: int, dtype: torch.dtype, m_bucket: int, *, configs=None, ver
     best = (None, float("inf"))
     tried = set()
     for base in (configs if configs is not None else candidates(m_bucket, dtype)):
-        for split in sorted({1, _split_k(triton.cdiv(n, base.BLOCK_N), k, base.BLOCK_K)}):
+        for split in sorted({1, split_k_for(triton.cdiv(n, base.BLOCK_N), k, base.BLOCK_K)}):
             cfg = replace(base, SPLIT_K=split)
             if cfg in tried:
                 continue
