@@ -166,7 +166,8 @@ def main() -> None:
                    help="print a per-kernel breakdown of a decode step at these batch buckets (default 1)")
     p.add_argument("--quant", choices=["fp8"], help="also build an fp8 artifact and compare it with bf16")
     p.add_argument("--disable-pass", action="append", default=[], help="build without this optional pass")
-    p.add_argument("--pdl", action="store_true", help="build with programmatic dependent launch")
+    p.add_argument("--no-pdl", dest="pdl", action="store_const", const=False, default=None,
+                   help="build without programmatic dependent launch (on by default on sm_90)")
     args = p.parse_args()
     out = Path(args.out)
     rows = _Rows()

@@ -5,12 +5,12 @@
 #   decode  bf16 + fp8 decode/prefill, per-kernel profiles at batch 1 and 8, HF compiled at batch 1, 8, 32
 #   moe     Qwen3-30B-A3B shape: batch 1 vs floor, batch 64 vs HF eager, fused vs per-expert loop
 #   tp      tp=2 vs tp=1 decode and the NCCL all-reduce time (two GPUs), then the TP GPU test
-#   ab      batch-1 decode as built by default, with --pdl, and without fuse_norm_linear, in one call
+#   ab      after decode: bf16 batch 1 without PDL, fp8 batch 1 without fuse_norm_linear (one machine)
 #   lab     fp8 GEMV variants one by one (default, other quantization mode, SWAP_AB); add --all for
 #           the bf16 GEMVs and the prefill GEMMs too
 # Logs go to $OUT (the device tool's output folder) when set, else to build/gpu-logs.
 # Device-time plan for one session (each line one call, under 10 minutes):
-#   nvidia-h200:    tests, then lab          |  decode  |  ab
+#   nvidia-h200:    tests, then lab          |  decode, then ab
 #   nvidia-h200-x2: tp, then moe (moe alone in a second call if tp ran long)
 set -u
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
@@ -32,11 +32,11 @@ case "${1:-}" in
   moe)    run 560 moe.log python3 bench/moe.py --hf --out "$scratch/moe" ;;
   tp)     run 300 tp.log python3 bench/decode_tp.py --tp 2 --out "$scratch/btp"
           run 100 tp_test.log python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py ;;
-  ab)     # the same machine, one after another: default, --pdl, without fuse_norm_linear (batch 1)
-          run 170 ab_default.log python3 bench/decode.py --batches 1 --profile 1 --hf-batches "" --out "$scratch/b8"; rm -rf "$scratch/b8"
-          run 170 ab_pdl.log python3 bench/decode.py --pdl --batches 1 --profile 1 --hf-batches "" --out "$scratch/b8-pdl"; rm -rf "$scratch/b8-pdl"
-          run 170 ab_nofold.log python3 bench/decode.py --disable-pass fuse_norm_linear --batches 1 --profile 1 \
-            --hf-batches "" --out "$scratch/b8-nofold" ;;
+  ab)     # after `decode` in the same call: bf16 batch 1 without PDL, and fp8 without fuse_norm_linear
+          run 170 ab_nopdl.log python3 bench/decode.py --no-pdl --batches 1 --profile 1 --hf-batches "" \
+            --out "$scratch/b8-nopdl"; rm -rf "$scratch/b8-nopdl"
+          run 170 ab_fp8_nofold.log python3 bench/decode.py --reuse --out "$scratch/b8" --batches "" --quant fp8 \
+            --disable-pass fuse_norm_linear --hf-batches "" ;;
   lab)    if [ "${2:-}" = "--all" ]; then skip=""; else skip="--skip bf16,prefill"; fi
           run 280 lab.log python3 bench/linear_lab.py --m 1,8,32 $skip ;;
   *) echo "usage: bash bench/gpu_session.sh tests|decode|ab|moe|tp|lab" >&2; exit 2 ;;

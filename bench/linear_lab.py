@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mxc.kernels import fp8_gemm, triton_elementwise, triton_fp8, triton_fp8_quant, triton_gemv  # noqa: E402
+from mxc.kernels import fp8_gemm, triton_fp8, triton_fp8_quant, triton_gemv  # noqa: E402
 from mxc.kernels.triton_gemv import LLAMA3_8B_SHAPES, _time_us, _weight_copies  # noqa: E402
 from mxc.loaders.quantize import quantize_fp8  # noqa: E402
 
@@ -41,14 +41,6 @@ def bf16_gemv(ms):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             row(f"bf16 {name} M={m}", _time_us(lambda x_, w_: triton_gemv.linear_small_m(x_, w_), x, ws), nbytes,
                 str(triton_gemv.config_for(triton_gemv.bucket(m), n, k, torch.bfloat16)))
-            if name == "down":
-                x2 = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
-                r = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-                fused = lambda x_, w_: triton_gemv.linear_small_m(x_, w_, None, r, prologue="silu_mul")  # noqa: E731
-                unfused = lambda x_, w_: triton_elementwise.add(  # noqa: E731
-                    r, triton_gemv.linear_small_m(triton_elementwise.silu_mul(x_), w_))
-                row(f"bf16 down M={m} fused silu_mul+residual", _time_us(fused, x2, ws), nbytes)
-                row(f"bf16 down M={m} silu_mul, GEMV, add", _time_us(unfused, x2, ws), nbytes)
         del ws
 
 

@@ -185,9 +185,12 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
           dtype: str | None = None, target: str = "cpu", dump_ir: str | Path | None = None,
           max_batch: int = 32, max_seq_len: int | None = None, arch: int = 90, tp: int = 1,
           quant: str | None = None, quant_granularity: str = "channel", quant_lm_head: bool = False,
-          disable_passes: tuple[str, ...] | list[str] = (), pdl: bool = False,
+          disable_passes: tuple[str, ...] | list[str] = (), pdl: bool | None = None,
           progress: bool = True, log=_log) -> Path:
-    """Build an artifact and return its directory."""
+    """Build an artifact and return its directory.
+
+    ``pdl=None`` turns programmatic dependent launch on where it exists (``--target cuda``, sm_90+).
+    """
     if target not in ("cpu", "cuda"):
         raise MxcError(f"--target {target}: expected cpu or cuda")
     if dtype not in (None, "float32", "bfloat16", "float16"):
@@ -198,6 +201,8 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     if quant not in (None, "fp8") or quant_granularity not in ("channel", "tensor", "block128"):
         raise MxcError(f"--quant {quant} / --quant-granularity {quant_granularity}: expected fp8 with "
                        f"channel, tensor or block128")
+    if pdl is None:
+        pdl = target == "cuda" and arch >= 90
     if pdl and (target != "cuda" or arch < 90):
         raise MxcError(f"--pdl: programmatic dependent launch needs --target cuda on sm_90 or later "
                        f"(got --target {target}, sm_{arch})")

@@ -119,9 +119,9 @@ def parser() -> argparse.ArgumentParser:
                    help="fp8 weight scales: per output channel (default), per tensor, or per 128x128 block")
     b.add_argument("--quant-lm-head", action="store_true", help="quantize the LM head too")
     b.add_argument("--dump-ir", metavar="DIR", help="write the IR after every pass into DIR")
-    b.add_argument("--pdl", action="store_true",
-                   help="cuda, experimental: programmatic dependent launch (each kernel starts while the one "
-                        "before it ends; Hopper)")
+    b.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
+                   help="cuda: programmatic dependent launch, each kernel starting while the one before it ends "
+                        "(default: on for sm_90 and later)")
     b.add_argument("--disable-pass", metavar="PASS", action="append", default=[],
                    help="skip an optional fusion pass (repeatable), e.g. fuse_linear_io")
     b.add_argument("--max-batch", type=int, default=32, help="cuda: sequences decoded together (default 32)")

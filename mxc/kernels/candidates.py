@@ -71,13 +71,19 @@ def _scaled_mm_ok(node, in_types, options):
 WIDE_N = 16384  # output features above which cuBLAS beats the GEMV at 17..32 tokens
 
 
+def _gemv_ok(node, in_types, options):
+    if node.attrs.get("prologue"):
+        return f"takes no {node.attrs['prologue']} prologue (measured slower fused: mxc.kernels.triton_gemv)"
+    return _dtype_ok(node, in_types, options)
+
+
 def _gemv_wide_ok(node, in_types, options):
     """At 17..32 tokens the GEMV's tensor-core tile loses to cuBLAS on very wide weights: measured on
     the H200 (Triton 3.6) at 32 tokens, 28672 x 4096: GEMV 67.6 us, cuBLAS 58.7 us."""
     n = in_types[2 if node.op == "rms_norm_linear" else 1].shape[0]
     if n >= WIDE_N:
         return f"N={n} >= {WIDE_N}: cuBLAS measured faster at 17..32 tokens (67.6 vs 58.7 us, 28672 x 4096)"
-    return _dtype_ok(node, in_types, options)
+    return _gemv_ok(node, in_types, options)
 
 
 def _cutlass_ok(node, in_types, options):
@@ -113,14 +119,13 @@ _TRITON = [
     Candidate("cuda_ops.cached_attention", "cached_attention", GPU,
               "Triton flash attention (prefill, varlen) / split-KV flash decoding", check=_attention_ok),
     Candidate("triton_gemv.linear_small_m", "linear", GPU,
-              "Triton GEMV/split-K: bandwidth-bound at <= 16 tokens", tokens=(1, 16), check=_dtype_ok),
+              "Triton GEMV/split-K: bandwidth-bound at <= 16 tokens", tokens=(1, 16), check=_gemv_ok),
     Candidate("triton_gemv.linear_small_m", "linear", GPU,
               f"Triton GEMV/split-K: bandwidth-bound at <= {GEMV_MAX_TOKENS} tokens", tokens=(17, GEMV_MAX_TOKENS),
               check=_gemv_wide_ok),
     Candidate("cublas.linear", "linear", GPU, "cuBLAS through torch: compute-bound GEMM at larger token counts"),
     Candidate("cuda_ops.rms_norm_linear_small_m", "rms_norm_linear", GPU,
-              "Triton GEMV at <= 16 tokens; at 1 token the norm runs inside it (sum of squares while the weights "
-              "stream), else the RMSNorm kernel first", tokens=(1, 16), check=_dtype_ok),
+              "Triton RMSNorm, then the Triton GEMV, at <= 16 tokens", tokens=(1, 16), check=_dtype_ok),
     Candidate("cuda_ops.rms_norm_linear_small_m", "rms_norm_linear", GPU,
               f"Triton RMSNorm, then the Triton GEMV, at <= {GEMV_MAX_TOKENS} tokens", tokens=(17, GEMV_MAX_TOKENS),
               check=_gemv_wide_ok),

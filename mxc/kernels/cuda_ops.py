@@ -17,10 +17,8 @@ from mxc.kernels.context import ForwardContext
 
 
 def rms_norm_linear_small_m(x, norm_weight, weight, bias=None, eps=1e-6):
-    """<= 32 tokens: the batch-1 GEMV with the norm folded in where it fuses, else RMSNorm then the GEMV."""
-    n, k = weight.shape
-    if triton_gemv.fuses_rms_norm(x.shape[0], n, k, x.dtype):
-        return triton_gemv.linear_small_m(x, weight, bias, prologue="rms_norm", norm_weight=norm_weight, eps=eps)
+    """<= 32 tokens: the RMSNorm kernel, then the GEMV (the LM head under fp8 without
+    ``--quant-lm-head``; the GEMV's own RMSNorm prologue measured slower, see ``triton_gemv``)."""
     return triton_gemv.linear_small_m(triton_norm.rms_norm(x, norm_weight, eps), weight, bias)
 
 

@@ -1,15 +1,14 @@
 """Small-M linear for decode: ``y [M, N] = x [M, K] @ w [N, K]^T (+ bias [N])``, M <= 32.
 
-Optionally fused on both sides (``mxc.compiler.passes.fuse_linear_io``), which saves two
-small kernels and two round trips through memory per transformer layer at decode:
-  prologue "silu_mul": x is [M, 2K] (gate half, then up half) and the input row is
-     ``silu(gate) * up``, computed per BLOCK_K chunk as x is loaded (x is tiny; every
-     program recomputes it) with the rounding of the unfused ``torch_ref.silu_mul``: silu
-     in fp32 rounded to the dtype, the product in fp32 rounded to the dtype.
-  residual [M, N]: ``y = residual + linear(...)`` as the unfused ``torch_ref.add``: the
-     linear (fp32 accumulator + bias) rounded to the dtype, then the sum in fp32, rounded.
-     With SPLIT_K > 1 the reduce kernel adds it (with the bias). ``out`` may be the residual
-     itself (each element is read, then written, by the same program).
+An optional residual [M, N] is fused into the epilogue (``mxc.compiler.passes.fuse_linear_io``):
+``y = residual + linear(...)`` as the unfused ``torch_ref.add``: the linear (fp32 accumulator +
+bias) rounded to the dtype, then the sum in fp32, rounded. With SPLIT_K > 1 the reduce kernel
+adds it (with the bias). ``out`` may be the residual itself (each element is read, then
+written, by the same program). Input-side fusions were measured on the H200 and removed: a
+SiLU-and-mul prologue (every program recomputes silu on x) was 1.2x slower at batch 1 and 30x at
+batch 8; an RMSNorm prologue at batch 1 (x^2 summed while streaming the weights) made the step's
+GEMVs 16% slower (4437 against 3836 us a step on Llama-3-8B) for 132 us of norm kernels saved.
+Under fp8 both live in the activation-quantize kernel instead (``triton_fp8_quant``).
 
 At decode a linear reads the whole weight matrix to produce a handful of rows,
 so it is bound by memory bandwidth: every weight byte must be read exactly once
@@ -83,43 +82,18 @@ def bucket(m: int) -> int:
 
 
 @triton.jit
-def _load_x(x_ptrs, mask, other, K: tl.constexpr, PROLOGUE_SILU_MUL: tl.constexpr):
-    """One chunk of the input rows, in x's dtype. With PROLOGUE_SILU_MUL, ``x_ptrs`` point into
-    the gate half of x [M, 2K] and the chunk is ``silu(gate) * up`` rounded as torch does it
-    unfused (``F.silu`` in the dtype, then ``*`` in the dtype); masked lanes give 0."""
-    if PROLOGUE_SILU_MUL:
-        ty = x_ptrs.dtype.element_ty
-        gate = tl.load(x_ptrs, mask=mask, other=other).to(tl.float32)
-        up = tl.load(x_ptrs + K, mask=mask, other=other).to(tl.float32)
-        # torch's silu, x / (1 + exp(-x)), with an IEEE division (a few per thread per step)
-        act = tl.div_rn(gate, 1.0 + tl.exp(-gate)).to(ty).to(tl.float32)
-        return (act * up).to(ty)
-    else:
-        return tl.load(x_ptrs, mask=mask, other=other)
-
-
-@triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, g_ptr, eps, M,
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M,
                  N: tl.constexpr, K: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 PROLOGUE_SILU_MUL: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False,
-                 PROLOGUE_RMS_NORM: tl.constexpr = False,
-                 USE_PDL: tl.constexpr = False):
+                 HAS_RESIDUAL: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """One program: rows [pid_n * BLOCK_N, +BLOCK_N) of y over K slice pid_k.
 
     With SPLIT_K == 1, ``y_ptr`` is y [M, N] (bias and residual added, cast to y's dtype);
     otherwise it is the fp32 scratch [SPLIT_K, M, N] and HAS_BIAS and HAS_RESIDUAL are False.
-    ``b_ptr`` / ``r_ptr`` / ``g_ptr`` are None (specialised away) when there is no bias /
-    residual / norm. With PROLOGUE_SILU_MUL, x is [M, 2K] and the input rows are
-    silu(x[:, :K]) * x[:, K:]. With PROLOGUE_RMS_NORM (v1 only: one row, one K slice), the input
-    row is rms_norm(x, g, eps): the loop multiplies x by g and sums x^2 as it goes, and the dot
-    products are scaled by 1/rms at the end (fp32 throughout, no rounding of the normed row).
+    ``b_ptr`` / ``r_ptr`` are None (specialised away) when there is no bias / residual.
     """
     tl.static_assert(SPLIT_K == 1 or not (HAS_BIAS or HAS_RESIDUAL))
-    tl.static_assert(not PROLOGUE_RMS_NORM or (BLOCK_M == 1 and not USE_DOT and SPLIT_K == 1
-                                               and not PROLOGUE_SILU_MUL))
-    X_STRIDE: tl.constexpr = 2 * K if PROLOGUE_SILU_MUL else K  # elements per row of x
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     # K slice of this program: a whole number of BLOCK_K steps (the last slices may run past K)
@@ -142,16 +116,16 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, g_ptr, eps, M,
 
     if USE_DOT:
         # v3: acc[BLOCK_M, BLOCK_N] on tensor cores, operands in their own dtype
-        x_ptrs = x_ptr + offs_m[:, None] * X_STRIDE + (k_start + offs_k)[None, :]
+        x_ptrs = x_ptr + offs_m[:, None] * K + (k_start + offs_k)[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, K_PER_SPLIT, BLOCK_K):
             if EVEN_K:
                 w = tl.load(w_ptrs)
-                x = _load_x(x_ptrs, x_row_ok[:, None], 0.0, K, PROLOGUE_SILU_MUL)
+                x = tl.load(x_ptrs, mask=x_row_ok[:, None], other=0.0)
             else:
                 k_ok = (k_start + k + offs_k) < K
                 w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-                x = _load_x(x_ptrs, x_row_ok[:, None] & k_ok[None, :], 0.0, K, PROLOGUE_SILU_MUL)
+                x = tl.load(x_ptrs, mask=x_row_ok[:, None] & k_ok[None, :], other=0.0)
             if w_ptr.dtype.element_ty == tl.float32:
                 # three tf32 products (hi*hi + hi*lo + lo*hi): ~fp32 accuracy on tensor cores;
                 # "ieee" runs on CUDA cores and measured 6x slower than cuBLAS at M = 2
@@ -165,22 +139,14 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, g_ptr, eps, M,
         # v1: per-thread partial products, one reduction at the end
         x_ptrs = x_ptr + k_start + offs_k
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        sumsq = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for k in range(0, K_PER_SPLIT, BLOCK_K):
             if EVEN_K:
                 w = tl.load(w_ptrs).to(tl.float32)
-                x = _load_x(x_ptrs, None, None, K, PROLOGUE_SILU_MUL).to(tl.float32)
-                if PROLOGUE_RMS_NORM:
-                    g = tl.load(g_ptr + k + offs_k).to(tl.float32)
+                x = tl.load(x_ptrs).to(tl.float32)
             else:
                 k_ok = (k_start + k + offs_k) < K
                 w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
-                x = _load_x(x_ptrs, k_ok, 0.0, K, PROLOGUE_SILU_MUL).to(tl.float32)
-                if PROLOGUE_RMS_NORM:
-                    g = tl.load(g_ptr + k + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            if PROLOGUE_RMS_NORM:
-                sumsq += x * x
-                x = x * g
+                x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
             # x arrives in its own 1-D layout and moves to w's through shared memory
             # (BLOCK_K values per step, 1/BLOCK_N of the weight bytes); a [1, BLOCK_K] load
             # instead makes Triton move w to x's layout.
@@ -188,8 +154,6 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, g_ptr, eps, M,
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         acc_t = tl.sum(acc2, axis=1)[:, None]  # [BLOCK_N, 1]
-        if PROLOGUE_RMS_NORM:
-            acc_t = acc_t * tl.rsqrt(tl.sum(sumsq, axis=0) / K + eps)
     else:
         # v2: w loaded once per step, one reduced dot product per row of x
         x_ptrs = x_ptr + k_start + offs_k
@@ -202,11 +166,11 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, g_ptr, eps, M,
                 w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
             for m in tl.static_range(BLOCK_M):
                 # rows past M re-read row M - 1 (no mask); their sums are never stored
-                xm_ptrs = x_ptrs + tl.minimum(M - 1, m) * X_STRIDE
+                xm_ptrs = x_ptrs + tl.minimum(M - 1, m) * K
                 if EVEN_K:
-                    xm = _load_x(xm_ptrs, None, None, K, PROLOGUE_SILU_MUL).to(tl.float32)
+                    xm = tl.load(xm_ptrs).to(tl.float32)
                 else:
-                    xm = _load_x(xm_ptrs, k_ok, 0.0, K, PROLOGUE_SILU_MUL).to(tl.float32)
+                    xm = tl.load(xm_ptrs, mask=k_ok, other=0.0).to(tl.float32)
                 part = tl.sum(w * xm[None, :], axis=1)  # [BLOCK_N]
                 acc_t += tl.where(offs_m[None, :] == m, part[:, None], 0.0)
             w_ptrs += BLOCK_K
@@ -328,14 +292,6 @@ def config_for(m_bucket: int, n: int, k: int, dtype: torch.dtype) -> GemvConfig:
     return fill_gpu(cfg, n, k)
 
 
-def fuses_rms_norm(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
-    """Whether ``linear_small_m`` takes an RMSNorm prologue for these rows and shape by default:
-    the batch-1 path (v1, FMA) with one K slice, where x is in registers anyway and the norm costs
-    a multiply and a square per element of x, 1/BLOCK_N of the weight work."""
-    cfg = config_for(bucket(m), n, k, dtype)
-    return m == 1 and not cfg.USE_DOT and cfg.SPLIT_K == 1
-
-
 def _tile_m(m_bucket: int, cfg: GemvConfig) -> int:
     """Rows of the kernel's tile: the bucket, or 16 at least for tensor cores (tl.dot)."""
     return max(16, m_bucket) if cfg.USE_DOT else m_bucket
@@ -346,31 +302,23 @@ def _tile_m(m_bucket: int, cfg: GemvConfig) -> int:
 
 
 def linear_small_m(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                   residual: torch.Tensor | None = None, *, prologue: str | None = None,
-                   norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-                   config: GemvConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``residual + prologue(x) [M, K] @ w [N, K]^T (+ bias [N])`` for 1 <= M <= 32, in x's dtype
-    (fp32 accumulation); the same as ``torch_ref.linear(x, w, bias, residual, prologue)``.
+                   residual: torch.Tensor | None = None, *, config: GemvConfig | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """``residual + x [M, K] @ w [N, K]^T (+ bias [N])`` for 1 <= M <= 32, in x's dtype (fp32
+    accumulation); the same as ``torch_ref.linear(x, w, bias, residual)``.
 
-    ``prologue="silu_mul"``: x is [M, 2K] (gate half, then up half) and is replaced by
-    ``silu(gate) * up``. ``prologue="rms_norm"`` (one row, and a config with one K slice, see
-    ``fuses_rms_norm``): x is replaced by ``rms_norm(x, norm_weight [K], eps)``, kept in fp32
-    (``torch_ref.rms_norm_linear`` up to the rounding of the normed row). ``residual``
-    (contiguous [M, N], x's dtype) is added to the result
-    (``residual`` is positional after ``bias``, as the generated programs pass a linear's inputs).
-    ``config`` overrides ``config_for`` (tests, tuning; K is w's K); ``out`` (contiguous [M, N],
-    x's dtype; it may be ``residual`` itself, not x) receives the result instead of a new tensor.
-    Never reads tensor values on the host, so it runs on ``meta`` tensors under a recording launcher.
+    ``residual`` (contiguous [M, N], x's dtype) is added to the result (``residual`` is
+    positional after ``bias``, as the generated programs pass a linear's inputs). ``config``
+    overrides ``config_for`` (tests, tuning; K is w's K); ``out`` (contiguous [M, N], x's dtype;
+    it may be ``residual`` itself, not x) receives the result instead of a new tensor. Never
+    reads tensor values on the host, so it runs on ``meta`` tensors under a recording launcher.
     """
     if x.dim() != 2 or w.dim() != 2:
         raise ValueError(f"expected x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
-    if prologue not in (None, "silu_mul", "rms_norm"):
-        raise ValueError(f"prologue must be None, 'silu_mul' or 'rms_norm', got {prologue!r}")
-    silu_mul, rms = prologue == "silu_mul", prologue == "rms_norm"
     M, Kx = x.shape
     N, K = w.shape
-    if Kx != (2 * K if silu_mul else K):
-        raise ValueError(f"x has K={Kx} but w has K={K}" + (f" (silu_mul needs x [M, {2 * K}])" if silu_mul else ""))
+    if Kx != K:
+        raise ValueError(f"x has K={Kx} but w has K={K}")
     if x.dtype not in _DTYPES or w.dtype != x.dtype:
         raise ValueError(f"x and w must share one of {_DTYPES}, got {x.dtype} and {w.dtype}")
     if not (x.is_contiguous() and w.is_contiguous()):
@@ -382,10 +330,6 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
             check_operand(name, t, shape, x.dtype, x.device)
     m_bucket = bucket(M)
     cfg = config if config is not None else config_for(m_bucket, N, K, x.dtype)
-    if rms:
-        if M != 1 or cfg.USE_DOT or cfg.SPLIT_K != 1:
-            raise ValueError(f"the rms_norm prologue runs on one row with one K slice (v1), got M={M}, {cfg}")
-        check_operand("norm_weight", norm_weight, (K,), x.dtype, x.device)
     if out is None:
         y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     else:
@@ -396,14 +340,12 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
                   SPLIT_K=cfg.SPLIT_K, USE_DOT=cfg.USE_DOT)
     has_bias, has_residual = bias is not None, residual is not None
     if cfg.SPLIT_K == 1:
-        launch(_gemv_kernel, grid, [x, w, bias, residual, y, norm_weight if rms else None, float(eps), M],
-               dict(consts, HAS_BIAS=has_bias, PROLOGUE_SILU_MUL=silu_mul, HAS_RESIDUAL=has_residual,
-                    PROLOGUE_RMS_NORM=rms),
+        launch(_gemv_kernel, grid, [x, w, bias, residual, y, M],
+               dict(consts, HAS_BIAS=has_bias, HAS_RESIDUAL=has_residual),
                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return y
     ws = torch.empty((cfg.SPLIT_K, M, N), dtype=torch.float32, device=x.device)
-    launch(_gemv_kernel, grid, [x, w, None, None, ws, None, 0.0, M],
-           dict(consts, HAS_BIAS=False, PROLOGUE_SILU_MUL=silu_mul, HAS_RESIDUAL=False, PROLOGUE_RMS_NORM=False),
+    launch(_gemv_kernel, grid, [x, w, None, None, ws, M], dict(consts, HAS_BIAS=False, HAS_RESIDUAL=False),
            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     block_r = max(64, 1024 // m_bucket)
     launch(_splitk_reduce_kernel, (triton.cdiv(N, block_r),), [ws, bias, residual, y, M],

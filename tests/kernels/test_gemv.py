@@ -5,8 +5,8 @@ program), so the cases pass small explicit configs: ragged N and K (not block mu
 every kernel version (v1 M = 1, v2 M = 2..8, v3 tl.dot), SPLIT_K 1 and ragged SPLIT_K > 1,
 with and without bias, fp32/fp16/bf16. One case writes into a view of a NaN-filled buffer to
 catch stores outside y; a meta-device test checks that grids and constexprs depend only on
-the M bucket. The fused prologue (``silu_mul`` of x [M, 2K]) and residual epilogue are checked
-against the unfused ``torch_ref`` composition and, to the ulp, against the unfused kernel.
+the M bucket. The residual epilogue is checked against the unfused ``torch_ref`` composition
+and, bit for bit, against the kernel without it followed by ``torch_ref.add``.
 """
 
 from __future__ import annotations
@@ -169,168 +169,82 @@ def test_meta_recording():
 
 
 # ----------------------------------------------------------------------------------------------
-# fused prologue (silu_mul) and residual epilogue
-
-_MANTISSA = {torch.float16: 10, torch.bfloat16: 7}
+# residual epilogue
 
 
-def _ulps(a, b, dtype):
-    """Largest |a - b| in units in the last place of ``dtype`` (at the larger magnitude)."""
-    a, b = a.cpu().float(), b.cpu().float()
-    mag = torch.maximum(a.abs(), b.abs()).clamp_min(torch.finfo(dtype).tiny)
-    return ((a - b).abs() / torch.exp2(torch.floor(torch.log2(mag)) - _MANTISSA[dtype])).max().item()
-
-
-def _fused_inputs(M, N, K, dtype, bias, prologue, residual, seed):
+def _fused_inputs(M, N, K, dtype, bias, seed):
     g = torch.Generator().manual_seed(seed)
     x, w, b = _inputs(M, N, K, dtype, bias, seed)
-    if prologue:  # gate half then up half; gates spread over silu's curved range
-        x = torch.cat([torch.randn(M, K, generator=g) * 3, torch.randn(M, K, generator=g)], dim=1).to(dtype)
-    r = torch.randn(M, N, generator=g).to(dtype) if residual else None
-    return x, w, b, r
-
-
-def _unfused(linear, x, w, b, r, prologue):
-    """The unfused composition the fusion replaces: silu_mul, linear, add (each rounded to the dtype)."""
-    y = linear(torch_ref.silu_mul(x) if prologue else x, w, b)
-    return y if r is None else torch_ref.add(r, y)
+    return x, w, b, torch.randn(M, N, generator=g).to(dtype)
 
 
 FMA_V2 = GemvConfig(BLOCK_N=16, BLOCK_K=32)  # v2 at buckets 2..8 (v1 at M = 1)
-# (M, K, config, split, bias, prologue, residual): N = 40 (3 tiles, last ragged); K = 72 is
-# ragged for every split (2: slices 0-64, 64-72; 3: 0-32, 32-64, 64-72), K = 64 is EVEN_K.
+# (M, K, config, split, bias): N = 40 (3 tiles, last ragged); K = 72 is ragged for every split
+# (2: slices 0-64, 64-72; 3: 0-32, 32-64, 64-72), K = 64 is EVEN_K.
 FUSED = [
-    (1, 72, FMA, 1, True, True, True),
-    (1, 64, FMA, 2, False, True, False),
-    (1, 72, FMA, 3, False, False, True),
-    (1, 72, DOT, 2, True, False, True),
-    (3, 64, FMA_V2, 1, True, True, False),
-    (3, 72, FMA_V2, 2, True, True, True),
-    (3, 72, DOT, 1, False, False, True),
-    (3, 72, DOT, 3, True, True, True),
-    (17, 64, DOT, 1, True, True, True),
-    (17, 72, DOT, 3, False, False, True),
-    (17, 72, DOT, 2, True, True, False),
+    (1, 72, FMA, 1, True),
+    (1, 64, FMA, 2, False),
+    (1, 72, FMA, 3, False),
+    (1, 72, DOT, 2, True),
+    (3, 64, FMA_V2, 1, True),
+    (3, 72, FMA_V2, 2, True),
+    (3, 72, DOT, 1, False),
+    (3, 72, DOT, 3, True),
+    (17, 64, DOT, 1, True),
+    (17, 72, DOT, 3, False),
 ]
 
 
 def _fused_id(case):
-    M, K, cfg, split, bias, prologue, residual = case
+    M, K, cfg, split, bias = case
     version = "v3" if cfg.USE_DOT else "v1" if M == 1 else "v2"
-    return "-".join([f"M{M}", f"K{K}", version, f"split{split}"] + ["bias"] * bias + ["silu_mul"] * prologue
-                    + ["residual"] * residual)
+    return "-".join([f"M{M}", f"K{K}", version, f"split{split}"] + ["bias"] * bias)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("M,K,cfg,split,bias,prologue,residual", FUSED, ids=[_fused_id(c) for c in FUSED])
-def test_fused_prologue_residual(M, K, cfg, split, bias, prologue, residual, dtype):
+@pytest.mark.parametrize("M,K,cfg,split,bias", FUSED, ids=[_fused_id(c) for c in FUSED])
+def test_residual_epilogue(M, K, cfg, split, bias, dtype):
+    """residual + linear against the torch reference composition, and bit for bit against the
+    same kernel without the residual followed by ``torch_ref.add`` (the same two roundings)."""
     N = 40
     cfg = replace(cfg, SPLIT_K=split)
-    x, w, b, r = _fused_inputs(M, N, K, dtype, bias, prologue, residual, seed=M + K + split)
+    x, w, b, r = _fused_inputs(M, N, K, dtype, bias, seed=M + K + split)
     dev = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
-    kernel = lambda x_, w_, b_: tg.linear_small_m(x_, w_, b_, config=cfg)  # noqa: E731
-    y = tg.linear_small_m(dev(x), dev(w), dev(b), dev(r), prologue="silu_mul" if prologue else None, config=cfg)
-    # against the torch reference composition (linear in fp32, then cast, as the other tests)
-    _check(y, _unfused(_reference, x, w, b, r, prologue), dtype)
-    # against the same kernel unfused around torch_ref's silu_mul and add: the residual rounds
-    # exactly as torch_ref.add; silu's exp may differ by an fp32 ulp, so <= 1 ulp of the result
-    ref = _unfused(kernel, dev(x), dev(w), dev(b), dev(r), prologue).cpu()
-    if not prologue:
-        assert torch.equal(y.cpu(), ref)
-    elif dtype == torch.float32:
-        torch.testing.assert_close(y.cpu(), ref, atol=1e-5, rtol=1e-5)
-    else:
-        assert _ulps(y, ref, dtype) <= 1
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("M,cfg", [(1, FMA), (3, FMA_V2), (3, DOT)], ids=["v1", "v2", "v3"])
-def test_silu_mul_prologue_rounding(M, cfg, dtype):
-    """With w = I the output is the kernel's input row itself: torch_ref.silu_mul's rounding."""
-    K = 40
-    x, _, _, _ = _fused_inputs(M, K, K, dtype, False, True, False, seed=5)
-    w = torch.eye(K, dtype=dtype)
-    y = tg.linear_small_m(x.to(DEVICE), w.to(DEVICE), prologue="silu_mul", config=cfg).cpu()
-    ref = torch_ref.silu_mul(x)
-    if dtype == torch.float32:
-        torch.testing.assert_close(y, ref, atol=1e-6, rtol=1e-6)
-    else:
-        assert _ulps(y, ref, dtype) <= 1  # an fp32 exp ulp may flip a rounding (none seen on the CPU)
+    y = tg.linear_small_m(dev(x), dev(w), dev(b), dev(r), config=cfg)
+    _check(y, torch_ref.add(r, _reference(x, w, b)), dtype)
+    unfused = torch_ref.add(dev(r), tg.linear_small_m(dev(x), dev(w), dev(b), config=cfg))
+    assert torch.equal(y.cpu(), unfused.cpu())
 
 
 def test_residual_in_place():
     """``out=residual`` (each element is read, then written, by one program) and nothing is
     written outside it, with and without split K."""
     M, N, K, dtype = 3, 40, 72, torch.float16
-    x, w, b, r = _fused_inputs(M, N, K, dtype, True, True, True, seed=13)
-    ref = _unfused(_reference, x, w, b, r, True)
+    x, w, b, r = _fused_inputs(M, N, K, dtype, True, seed=13)
+    ref = torch_ref.add(r, _reference(x, w, b))
     for split in (1, 2):
         buf = torch.full((M * N + 64,), float("nan"), dtype=dtype, device=DEVICE)
         res = buf[32:32 + M * N].view(M, N)
         res.copy_(r)
-        y = tg.linear_small_m(x.to(DEVICE), w.to(DEVICE), b.to(DEVICE), res, prologue="silu_mul", out=res,
+        y = tg.linear_small_m(x.to(DEVICE), w.to(DEVICE), b.to(DEVICE), res, out=res,
                               config=replace(FMA_V2, SPLIT_K=split))
         assert y.data_ptr() == res.data_ptr()
         _check(y, ref, dtype)
         assert buf[:32].isnan().all() and buf[32 + M * N:].isnan().all()
 
 
-def test_fused_rejects_bad_inputs():
-    x, w, b, r = _fused_inputs(2, 8, 16, torch.float16, True, True, True, seed=1)
-    with pytest.raises(ValueError):
-        tg.linear_small_m(x, w, b, r)  # x is [M, 2K] without the prologue
-    with pytest.raises(ValueError):
-        tg.linear_small_m(x[:, :16].contiguous(), w, b, r, prologue="silu_mul")  # x is [M, K]
-    with pytest.raises(ValueError):
-        tg.linear_small_m(x, w, b, r, prologue="gelu_mul")
-    with pytest.raises(ValueError):
-        tg.linear_small_m(x, w, b, r[:1], prologue="silu_mul")
-    with pytest.raises(ValueError):
-        tg.linear_small_m(x, w, b, r.float(), prologue="silu_mul")
-    with pytest.raises(ValueError):
-        tg.linear_small_m(x, w, b, r.t().contiguous().t(), prologue="silu_mul")
-
-
-# --- RMSNorm prologue (fuse_norm_linear): one row, v1, one K slice ----------------------------
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("K,bias", [(72, True), (64, False), (200, True)], ids=["K72-bias", "K64", "K200-bias"])
-def test_rms_norm_prologue(K, bias, dtype):
-    """y = rms_norm(x, g) @ w^T (+ b) for one row, N = 40 (ragged tiles), ragged and EVEN K, against
-    the reference composition ``torch_ref.rms_norm_linear``: the fused kernel keeps the normed row in
-    fp32 where the reference rounds it to the dtype, so the two differ by about one such rounding."""
-    N, eps = 40, 1e-5
-    x, w, b = _inputs(1, N, K, dtype, bias, seed=K)
-    x = x * 3
-    g = (1 + 0.1 * torch.randn(K, generator=torch.Generator().manual_seed(K + 1))).to(dtype)
-    dev = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
-    for cfg in (replace(FMA, BLOCK_K=256), FMA):  # one K step / several, the last ragged where K is
-        y = tg.linear_small_m(dev(x), dev(w), dev(b), prologue="rms_norm", norm_weight=dev(g), eps=eps, config=cfg)
-        ref = torch_ref.rms_norm_linear(x.float(), g.float(), w.float(), None if b is None else b.float(), eps)
-        _check(y, ref.to(dtype), dtype)
-        if dtype != torch.float32:  # and close to the dtype reference, within its own rounding
-            torch.testing.assert_close(y.cpu(), torch_ref.rms_norm_linear(x, g, w, b, eps), atol=4 * TOL[dtype],
-                                       rtol=4 * TOL[dtype])
-
-
-def test_rms_norm_prologue_rejects():
-    x, w, _ = _inputs(2, 16, 32, torch.float16, False)
-    g = torch.ones(32, dtype=torch.float16)
-    with pytest.raises(ValueError, match="one row"):
-        tg.linear_small_m(x, w, prologue="rms_norm", norm_weight=g)  # two rows
-    with pytest.raises(ValueError, match="one row"):
-        tg.linear_small_m(x[:1], w, prologue="rms_norm", norm_weight=g, config=replace(FMA, SPLIT_K=2))
-    with pytest.raises(ValueError, match="norm_weight"):
-        tg.linear_small_m(x[:1], w, prologue="rms_norm", norm_weight=g[:16], config=FMA)
-    with pytest.raises(ValueError, match="norm_weight"):
-        tg.linear_small_m(x[:1], w, prologue="rms_norm", config=FMA)
+def test_residual_rejects_bad_inputs():
+    x, w, b, r = _fused_inputs(2, 8, 16, torch.float16, True, seed=1)
+    for bad in (r[:1], r.float(), r.t().contiguous().t()):
+        with pytest.raises(ValueError):
+            tg.linear_small_m(x, w, b, bad)
 
 
 @pytest.mark.parametrize("M", [1, 3])
 def test_rms_norm_linear_adapter(M):
-    """cuda_ops.rms_norm_linear_small_m: the fused GEMV at one row where the default config allows it,
-    else the RMSNorm kernel and the GEMV; both against the reference composition."""
-    from mxc.kernels import cuda_ops
+    """cuda_ops.rms_norm_linear_small_m (a bf16 LM head under fp8): the RMSNorm kernel, then the
+    GEMV, against the reference composition."""
+    from mxc.kernels import cuda_ops, triton_norm
 
     N, K, dtype = 24, 64, torch.float16
     x, w, b = _inputs(M, N, K, dtype, True, seed=M)
@@ -344,14 +258,13 @@ def test_rms_norm_linear_adapter(M):
 
     with launch_mod.using(record):
         y = cuda_ops.rms_norm_linear_small_m(x.to(DEVICE), g.to(DEVICE), w.to(DEVICE), b.to(DEVICE), eps=1e-6)
-    assert (tg._gemv_kernel in launches) and (len(launches) == 1) == tg.fuses_rms_norm(M, N, K, dtype)
+    assert launches[0] is triton_norm.rms_norm_kernel and tg._gemv_kernel in launches
     torch.testing.assert_close(y.cpu(), torch_ref.rms_norm_linear(x, g, w, b, 1e-6), atol=8e-3, rtol=8e-3)
 
 
-def test_meta_recording_fused():
-    """The fusion is in the constexprs (PROLOGUE_SILU_MUL, HAS_RESIDUAL) and the residual pointer;
-    grids are those of the unfused linear (x [M, 2K] under the prologue); with split K the
-    reduce kernel adds the residual."""
+def test_meta_recording_residual():
+    """The residual is in the constexprs (HAS_RESIDUAL) and its pointer; grids are those of the
+    plain linear; with split K the reduce kernel adds the residual."""
     launches = []
 
     def record(kernel, grid, args, constexprs, num_warps, num_stages):
@@ -367,7 +280,7 @@ def test_meta_recording_fused():
                 tg.linear_small_m(meta(M, K), w, b)
                 plain = list(launches)
                 launches.clear()
-                y = tg.linear_small_m(meta(M, 2 * K), w, b, r, prologue="silu_mul")
+                y = tg.linear_small_m(meta(M, K), w, b, r)
                 fused = list(launches)
                 assert y.shape == (M, N) and y.device.type == "meta"
                 assert [grid for _, grid, *_ in fused] == [grid for _, grid, *_ in plain]
@@ -376,11 +289,10 @@ def test_meta_recording_fused():
                     spec = launch_mod.spec_of(kernel, args, consts, nw, ns)
                     assert spec["signature"]["r_ptr"] in ("*bf16", "constexpr")
                     assert pconsts["HAS_RESIDUAL"] is False
-                    assert {k: v for k, v in consts.items() if k not in ("PROLOGUE_SILU_MUL", "HAS_RESIDUAL")} \
-                        == {k: v for k, v in pconsts.items() if k not in ("PROLOGUE_SILU_MUL", "HAS_RESIDUAL")}
+                    assert {k: v for k, v in consts.items() if k != "HAS_RESIDUAL"} \
+                        == {k: v for k, v in pconsts.items() if k != "HAS_RESIDUAL"}
                 gemv = fused[0]
-                assert gemv[0] is tg._gemv_kernel and gemv[3]["PROLOGUE_SILU_MUL"] is True
-                assert plain[0][3]["PROLOGUE_SILU_MUL"] is False
+                assert gemv[0] is tg._gemv_kernel
                 if N == 4096:
                     assert len(fused) == 1 and gemv[3]["HAS_RESIDUAL"] is True and gemv[2][3] is r
                 else:
@@ -388,7 +300,7 @@ def test_meta_recording_fused():
                     assert gemv[3]["HAS_RESIDUAL"] is False and gemv[2][3] is None
                     kernel, _, args, consts, _, _ = fused[1]
                     assert kernel is tg._splitk_reduce_kernel and consts["HAS_RESIDUAL"] is True
-                    assert args[2] is r and "PROLOGUE_SILU_MUL" not in consts
+                    assert args[2] is r
 
 
 _COMPILE_SCRIPT = textwrap.dedent("""
@@ -408,12 +320,11 @@ _COMPILE_SCRIPT = textwrap.dedent("""
             tg.linear_small_m(x, w, torch.empty(4096, dtype=dtype, device="meta"))
         x = torch.empty(1, 4096, dtype=torch.bfloat16, device="meta")
         tg.linear_small_m(x, torch.empty(512, 4096, dtype=torch.bfloat16, device="meta"))  # split K
-        # fused silu_mul prologue + residual: v1, v3, v2 (a tune config) and split K (+ reduce)
+        # residual epilogue: v1, v3, v2 (a tune config) and split K (+ reduce)
         for M, N, cfg in [(1, 4096, None), (32, 4096, None), (4, 4096, tg.GemvConfig(32, 256)),
                           (1, 512, None)]:
             meta = lambda *shape: torch.empty(*shape, dtype=torch.bfloat16, device="meta")
-            tg.linear_small_m(meta(M, 2 * 4096), meta(N, 4096), meta(N), meta(M, N), prologue="silu_mul",
-                              config=cfg)
+            tg.linear_small_m(meta(M, 4096), meta(N, 4096), meta(N), meta(M, N), config=cfg)
     for fn, spec in specs:
         attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
                  for n, t in spec["signature"].items() if t.startswith("*")}

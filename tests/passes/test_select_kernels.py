@@ -53,8 +53,7 @@ def test_wide_weights_go_to_cublas_from_17_tokens(bind_arch):
     g = compile_graph(bind_arch(intermediate_size=WIDE_N // 2), BuildOptions(target="cuda"))  # gate_up: WIDE_N rows
     kernels = {n.ins[2] if n.op == "rms_norm_linear" else n.ins[1]: n.attrs for n, _ in g.nodes()
                if n.op in ("linear", "rms_norm_linear")}
-    assert kernels["w_gate_up"]["kernel"] == [[16, "cuda_ops.rms_norm_linear_small_m"],
-                                              [None, "cuda_ops.rms_norm_linear"]]
+    assert kernels["w_gate_up"]["kernel"] == [[16, "triton_gemv.linear_small_m"], [None, "cublas.linear"]]
     assert kernels["wo"]["kernel"] == [[16, "triton_gemv.linear_small_m"], [32, "triton_gemv.linear_small_m"],
                                        [None, "cublas.linear"]]
 
@@ -86,7 +85,7 @@ def test_no_kernel_lists_every_rejection(bind_arch, monkeypatch, loc_of):
                   check=lambda node, in_types, options: f"needs H % 128 == 0, got {in_types[0].shape[-1]}"),
     ])
     with pytest.raises(MxcError) as e:
-        compile_graph(bind_arch(), BuildOptions(disable_passes=("fuse_norm_linear",)))  # keep ln1's rms_norm
+        compile_graph(bind_arch(), BuildOptions())
     msg = str(e.value)
     assert msg.startswith(f"no kernel for rms_norm -> h ({loc_of('- h = rms_norm(x, ln1, ')}) on target cpu: ")
     assert "triton_norm.rms_norm: runs on cuda, not cpu" in msg
