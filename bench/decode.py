@@ -166,6 +166,8 @@ def main() -> None:
                    help="print a per-kernel breakdown of a decode step at these batch buckets (default 1)")
     p.add_argument("--quant", choices=["fp8"], help="also build an fp8 artifact and compare it with bf16")
     p.add_argument("--disable-pass", action="append", default=[], help="build without this optional pass")
+    p.add_argument("--pdl-ab", action="store_true",
+                   help="also time batch 1 with the same kernels launched without the PDL attribute")
     p.add_argument("--no-pdl", dest="pdl", action="store_const", const=False, default=None,
                    help="build without programmatic dependent launch (on by default on sm_90)")
     args = p.parse_args()
@@ -199,6 +201,17 @@ def main() -> None:
         results[b] = step
         rows.append((f"mxc decode batch {b}", f"{step * 1e3:.2f} ms/step  {nbytes / step / 1e12:.2f} TB/s  "
                      f"{nbytes / step / bw * 100:.0f}% of copy BW"))
+
+    if args.pdl_ab and manifest["options"].get("pdl"):
+        # the same cubins, launched plainly: griddepcontrol.wait is then a no-op and no kernel overlaps
+        plain = mxc.load(out, device="cuda", verify=False)
+        for binary in plain._launcher.binaries.values():
+            binary.entry = {**binary.entry, "pdl": False}
+        step = bench_generate(lambda ids, new: plain.generate(ids, max_new_tokens=new), 1, args.prompt, args.new)
+        rows.append(("mxc decode batch 1, PDL launch off", f"{step * 1e3:.2f} ms/step  {nbytes / step / bw * 100:.0f}% "
+                     f"of copy BW (same cubins, plain launches)"))
+        del plain
+        torch.cuda.empty_cache()
 
     ids = torch.randint(0, 1000, (1, args.prefill))
     t_pre = cuda_time(lambda: model.generate(ids, max_new_tokens=1))

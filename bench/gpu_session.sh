@@ -28,7 +28,8 @@ run() {  # run LIMIT_S LOG CMD...: stop at the limit with every Python thread's 
 
 case "${1:-}" in
   tests)  run 300 pytest.log python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
-  decode) run 570 decode.log python3 bench/decode.py --profile 1,8 --quant fp8 --hf-batches 1,8,32 --out "$scratch/b8" ;;
+  decode) run 570 decode.log python3 bench/decode.py --profile 1,8 --quant fp8 --hf-batches 1,8,32 --pdl-ab \
+            --out "$scratch/b8" ;;
   moe)    run 560 moe.log python3 bench/moe.py --hf --out "$scratch/moe" ;;
   tp)     run 300 tp.log python3 bench/decode_tp.py --tp 2 --out "$scratch/btp"
           run 100 tp_test.log python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py ;;
