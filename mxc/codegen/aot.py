@@ -105,9 +105,9 @@ def triton_version() -> str:
 
 def scenarios(max_batch: int) -> list[tuple[int, int]]:
     """(sequences, tokens per sequence) the runtime will run: decode per batch bucket, prefills per GEMV bucket."""
-    from mxc.runtime_buckets import BATCH_BUCKETS
+    from mxc.runtime_buckets import batch_buckets
 
-    decode = [(b, 1) for b in BATCH_BUCKETS if b <= max_batch]
+    decode = [(b, 1) for b in batch_buckets(max_batch)]
     prefill = [(1, t) for t in (2, 3, 5, 9, 17, 33, 128)]
     return decode + prefill
 

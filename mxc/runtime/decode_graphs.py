@@ -14,7 +14,7 @@ import torch
 
 from mxc.kernels import launch
 from mxc.kernels.context import ForwardContext
-from mxc.runtime_buckets import BATCH_BUCKETS, batch_bucket
+from mxc.runtime_buckets import batch_bucket, batch_buckets
 from mxc.runtime.sampling import sample
 
 
@@ -68,7 +68,7 @@ class CudaDecoder:
         self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(kv["layers"])]
         self.rope_tables: dict = {}
         self.pool = torch.cuda.graph_pool_handle()
-        self.buckets = {b: _Bucket(self, b) for b in BATCH_BUCKETS if b <= max_batch}
+        self.buckets = {b: _Bucket(self, b) for b in batch_buckets(max_batch)}
 
     def forward(self, ctx, tokens, positions, rows):
         return self.forward_fn(ctx, tokens, positions, rows)
@@ -88,7 +88,7 @@ class CudaDecoder:
                  agree=lambda tokens, temperature: tokens) -> torch.Tensor:
         """``agree`` makes tensor-parallel ranks continue with the same sampled tokens."""
         b, s = ids.shape
-        bucket = self.buckets[batch_bucket(b)]
+        bucket = self.buckets[batch_bucket(b, self.max_batch)]
         out = torch.empty((b, max_new_tokens), dtype=torch.int64, device=self.device)
         nxt = agree(sample(self.prefill(ids), generator=generator, **sampling), sampling["temperature"])
         out[:, 0] = nxt
