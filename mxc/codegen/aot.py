@@ -103,12 +103,24 @@ def triton_version() -> str:
     return triton.__version__
 
 
-def scenarios(max_batch: int) -> list[tuple[int, int]]:
-    """(sequences, tokens per sequence) the runtime will run: decode per batch bucket, prefills per GEMV bucket."""
+def scenarios(max_batch: int, max_seq_len: int) -> list[tuple[int, int]]:
+    """(sequences, tokens per sequence) the runtime will run: decode per batch bucket, and prefills
+    of T = 2^j + 1 tokens up to ``max_batch * max_seq_len`` (and that maximum itself).
+
+    Kernels pick their configs by power-of-two token buckets (the GEMV's M, the fused MoE's
+    BLOCK_M and sort chunk, attention tiles by prompt length), so one prefill in each bucket
+    records every binary a prefill can need. A prefill longer than ``max_seq_len`` is spread over
+    ``ceil(T / max_seq_len)`` sequences, which keeps B * S in T's bucket.
+    """
     from mxc.runtime_buckets import batch_buckets
 
     decode = [(b, 1) for b in batch_buckets(max_batch)]
-    prefill = [(1, t) for t in (2, 3, 5, 9, 17, 33, 128)]
+    most = max_batch * max_seq_len
+    totals = sorted({t for t in (2 ** j + 1 for j in range(most.bit_length())) if t <= most} | {most} - {1})
+    prefill = []
+    for t in totals:
+        b = -(-t // max_seq_len)
+        prefill.append((b, -(-t // b)))
     return decode + prefill
 
 
@@ -135,7 +147,7 @@ def record(program, graph, max_batch: int, max_seq_len: int, pdl: bool = False) 
     recorder = launch.Recorder(pdl=pdl)
     dtype = DTYPES[graph.dtype]
     with launch.using(recorder):
-        for b, t in scenarios(max_batch):
+        for b, t in scenarios(max_batch, max_seq_len):
             caches = [[meta((max_batch + 1, max_seq_len, kv[1], kv[2]), dtype) for _ in range(kv[0])]
                       for _ in range(2)] if kv else [None, None]
             ctx = ForwardContext([t] * b, [0] * b, list(range(b)), caches[0], caches[1],

@@ -1,0 +1,66 @@
+"""The build records every kernel binary the runtime can launch: for prefills of any length up to
+``max_batch * max_seq_len`` tokens and decodes of any batch up to ``max_batch`` (the fused MoE,
+the GEMV and attention pick configs by token count), the launches' specs are all among those
+``aot.record`` compiles. A missing one fails at run time with "not in the artifact"."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from mxc.codegen import aot
+from mxc.codegen.render import render_forward
+from mxc.compiler.options import BuildOptions
+from mxc.compiler.pipeline import compile_graph
+from mxc.models.registry import MODELS_DIR, bind_model, lookup
+
+TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, rms_norm_eps=1e-5,
+            rope_theta=10000.0)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+           decoder_sparse_step=1, mlp_only_layers=[])
+MAX_BATCH, MAX_SEQ = 4, 64
+
+
+def _program(arch, quant=None, **fields):
+    graph = bind_model(MODELS_DIR / "llama.yaml", {**TINY, "architectures": [arch], **fields}, "bfloat16",
+                       lookup(arch))
+    graph = compile_graph(graph, BuildOptions(target="cuda", dtype="bfloat16", max_batch=MAX_BATCH,
+                                              max_seq_len=MAX_SEQ, quant=quant))
+    program = types.ModuleType("program")
+    exec(compile(render_forward(graph, "0" * 64), "forward.py", "exec"), program.__dict__)
+    return program, graph
+
+
+def _specs(program, graph, monkeypatch, runs):
+    with monkeypatch.context() as m:
+        m.setattr(aot, "scenarios", lambda max_batch, max_seq_len: runs)
+        return aot.record(program, graph, MAX_BATCH, MAX_SEQ)
+
+
+# (sequences, tokens each): prefills across the MoE's BLOCK_M thresholds (T * k / E at 16 and 64:
+# T = 32 and 128 here), ragged lengths, the longest batch; decodes at every batch size
+RUNS = [(1, 64), (2, 64), (4, 64), (3, 50), (2, 7), (1, 40), (4, 33), (1, 2)] + [(b, 1) for b in range(1, 5)]
+
+
+@pytest.mark.parametrize("arch,quant,fields", [
+    ("Qwen3MoeForCausalLM", None, MOE),
+    ("Qwen3MoeForCausalLM", "fp8", MOE),
+    ("LlamaForCausalLM", "fp8", {}),
+], ids=["moe", "moe-fp8", "llama-fp8"])
+def test_every_runtime_launch_is_compiled(arch, quant, fields, monkeypatch):
+    program, graph = _program(arch, quant, **fields)
+    built = aot.record(program, graph, MAX_BATCH, MAX_SEQ)
+    for run in RUNS:
+        missing = {s["kernel"] for k, s in _specs(program, graph, monkeypatch, [run]).items() if k not in built}
+        assert not missing, f"{run}: {missing} not compiled"
+
+
+def test_scenarios_cover_every_bucket():
+    runs = aot.scenarios(64, 512)
+    assert [b for b, t in runs if t == 1] == [1, 2, 4, 8, 16, 32, 64]
+    totals = [b * t for b, t in runs if t > 1]
+    assert max(t for b, t in runs) <= 512 and max(b for b, t in runs) <= 64
+    buckets = {1 << (n - 1).bit_length() for n in totals}
+    assert buckets == {1 << j for j in range(1, 16)}  # 2 .. 32768 = 64 * 512
