@@ -59,9 +59,16 @@ def fp8_gemv(ms, tune, tune_ms):
             cfg = triton_fp8.config_for(triton_gemv.bucket(m), n, k, torch.bfloat16, "channel")
             run = lambda x_, w_: triton_fp8.qlinear_small_m(x_, w_, s, config=cfg)  # noqa: E731
             row(f"fp8 {name} M={m} default", _time_us(run, x, ws), n * k, str(cfg))
-            alt = triton_fp8.QGemvConfig(**{**cfg.__dict__, "PREQUANT": not cfg.PREQUANT})
+            if cfg.SWAP_AB:  # against the widening kernel it replaced (v1 at one row, the 32-row v3 tile)
+                alt = triton_fp8.QGemvConfig(16, 1024, 1, False, True, 8, 1, cfg.QUANT_BLOCK_K) if m == 1 else \
+                    triton_fp8.QGemvConfig(32, 512, 1, True, True, 4, 4, cfg.QUANT_BLOCK_K)
+                alt = triton_gemv.fill_gpu(alt, n, k)
+                label = "widening weights (SWAP_AB off)"
+            else:
+                alt = triton_fp8.QGemvConfig(**{**cfg.__dict__, "PREQUANT": not cfg.PREQUANT})
+                label = f"PREQUANT={alt.PREQUANT}"
             run = lambda x_, w_: triton_fp8.qlinear_small_m(x_, w_, s, config=alt)  # noqa: E731
-            row(f"fp8 {name} M={m} PREQUANT={alt.PREQUANT}", _time_us(run, x, ws), n * k)
+            row(f"fp8 {name} M={m} {label}", _time_us(run, x, ws), n * k, str(alt))
             for bn in (64, 128):  # w @ x^T on e4m3 wgmma, split K to fill the GPU
                 swap = triton_fp8.QGemvConfig(bn, 256, 1, True, True, 4, 4, cfg.QUANT_BLOCK_K, SWAP_AB=True)
                 swap = replace(swap, SPLIT_K=triton_gemv.split_k_for(-(-n // bn), k, 256))

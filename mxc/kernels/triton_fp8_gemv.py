@@ -244,6 +244,10 @@ def config_for(m_bucket: int, n: int, k: int, dtype: torch.dtype, granularity: s
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     qbk = _quant_block(k)
+    if granularity != "block128" and (m_bucket > 1 or n > k):
+        # w @ x^T on e4m3 wgmma (SWAP_AB), [64 rows, 256 B] steps, K split to ~1 program per SM
+        return QGemvConfig(BLOCK_N=64, BLOCK_K=256, SPLIT_K=split_k_for(triton.cdiv(n, 64), k, 256), USE_DOT=True,
+                           PREQUANT=True, num_warps=4, num_stages=4, QUANT_BLOCK_K=qbk, SWAP_AB=True)
     if m_bucket == 1:
         cfg = QGemvConfig(BLOCK_N=16, BLOCK_K=1024, PREQUANT=True, num_warps=8, num_stages=1, QUANT_BLOCK_K=qbk)
     elif granularity == "block128":

@@ -164,9 +164,12 @@ def test_config_table():
             for n, k in shapes:
                 cfg = tf.config_for(mb, n, k, torch.bfloat16, gran)
                 tfv._check_gemv_config(cfg, gran == "block128")
-                assert cfg.USE_DOT == (mb > 1) and cfg.PREQUANT
+                # w @ x^T on wgmma from 2 rows, and at one row for N > K (measured faster), not block128
+                swap = gran != "block128" and (mb > 1 or n > k)
+                assert cfg.SWAP_AB == swap and cfg.USE_DOT == (mb > 1 or swap) and cfg.PREQUANT
                 assert cfg.BLOCK_K % 128 == 0  # whole 16-byte loads of e4m3 across a warp
-                assert (cfg.SPLIT_K > 1) == (n == 512)
+                # split K where the row tiles cannot fill the GPU (small N; 64-row SWAP_AB tiles: N < 8448)
+                assert (cfg.SPLIT_K > 1) == (n == 512 or (swap and -(-n // 64) < tf.NUM_SMS))
         assert all(not c.USE_DOT or c.SWAP_AB for c in tf.candidates(1, gran))  # v1, or w @ x^T on wgmma
         assert all(c.USE_DOT for c in tf.candidates(32, gran))
         assert {c.USE_DOT for c in tf.candidates(4, gran)} == {False, True}
@@ -363,8 +366,9 @@ def test_meta_recording():
                 assert y.shape == (M, n) and y.device.type == "meta"
                 kernels = [lc[0] for lc in launches]
                 pre = True
-                assert kernels == ([tfq._quant_rows_kernel] if pre else []) + [tfv._qgemv_kernel]
-                kernel, grid, args, consts, nw, ns = launches[-1]
+                assert kernels[:2] == ([tfq._quant_rows_kernel] if pre else []) + [tfv._qgemv_kernel]
+                assert kernels[2:] in ([], [tfv._qgemv_reduce_kernel])  # split K (SWAP_AB's 64-row tiles)
+                kernel, grid, args, consts, nw, ns = launches[1]
                 assert args[-1] == M and consts["BLOCK_SCALE"] == (gran == "block128")
                 assert consts["PROLOGUE_SILU_MUL"] == (not pre) and consts["PREQUANT"] == pre
                 spec = launch_mod.spec_of(kernel, args, consts, nw, ns)
@@ -436,7 +440,10 @@ _COMPILE_SCRIPT = textwrap.dedent("""
         assert "div.full" not in ptx and "div.approx" not in ptx, name
         if name == "_qgemv_kernel":
             assert "ld.global.v4" in ptx or "cp.async.cg.shared.global" in ptx, "no 16-byte weight loads"
-            assert "cvt.rn.f16x2.e4m3x2" in ptx  # e4m3 weights widened in registers
+            if spec["constexprs"].get("SWAP_AB"):  # the default from 2 rows: weights on the e4m3 wgmma side
+                assert "wgmma.mma_async" in ptx and ".e4m3.e4m3" in ptx, "no fp8 wgmma"
+            else:
+                assert "cvt.rn.f16x2.e4m3x2" in ptx  # e4m3 weights widened in registers
         if name == "_qgemm_kernel":
             assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx, "no fp8 wgmma"
         print(name, spec["constexprs"].get("BLOCK_M"), "smem", md.shared, "ok")
