@@ -41,27 +41,35 @@ def _step_time(model, prompt=128, new=128) -> float:
     return (timed(new) - timed(1)) / (new - 1)
 
 
+def _graph_time(fn, reps=100) -> float:
+    """Seconds per call of fn() replayed from a CUDA graph of ``reps`` calls."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / reps
+
+
 def _worker(rank, world_size, device, art, out):
     import torch.distributed as dist
 
     model = mxc.load(art, device=device, rank=rank, world_size=world_size, verify=False)
     step = _step_time(model)
     x = torch.randn(1, 4096, dtype=torch.bfloat16, device=device)
-    for _ in range(10):
-        dist.all_reduce(x)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(100):
-            dist.all_reduce(x)
-    graph.replay()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    graph.replay()
-    torch.cuda.synchronize()
-    ar = (time.perf_counter() - start) / 100
+    result = {"step": step, "all_reduce": _graph_time(lambda: dist.all_reduce(x))}
+    comm = model._dist.get("peer_allreduce")
+    if comm is not None:  # the artifact's one-shot all-reduce, alone
+        result["one_shot"] = _graph_time(lambda: comm(x))
     if rank == 0:
-        Path(out).write_text(json.dumps({"step": step, "all_reduce": ar}))
+        Path(out).write_text(json.dumps(result))
 
 
 def main() -> None:
@@ -69,12 +77,18 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--out", default="build/bench-tp")
     p.add_argument("--config", default=str(HERE / "llama3_8b.json"))
+    p.add_argument("--one-shot", action="store_true",
+                   help="also build tp=N with --tp-allreduce one_shot and measure it in the same run")
     args = p.parse_args()
     rows = []
     arts = {}
     for tp in (1, args.tp):
         arts[tp] = mxc.build("llama.yaml", config=args.config, out=f"{args.out}-tp{tp}", target="cuda",
                              dtype="bfloat16", tp=tp, max_batch=8, max_seq_len=512, progress=False)
+    if args.one_shot:
+        arts["one_shot"] = mxc.build("llama.yaml", config=args.config, out=f"{args.out}-tp{args.tp}-one-shot",
+                                     target="cuda", dtype="bfloat16", tp=args.tp, max_batch=8, max_seq_len=512,
+                                     tp_allreduce="one_shot", progress=False)
     single = mxc.load(arts[1], device="cuda", verify=False)
     t1 = _step_time(single)
     print(f"tp=1 decode batch 1: {t1 * 1e3:.2f} ms/token", flush=True)
@@ -90,6 +104,15 @@ def main() -> None:
     rows.append(("all-reduce time per token", f"{r['all_reduce'] * (2 * layers + 1) * 1e3:.2f} ms "
                  f"({2 * layers + 1} per token)"))
     rows.append((f"speed-up tp={args.tp} / tp=1", f"{t1 / r['step']:.2f}x"))
+    if args.one_shot:
+        run_ranks(_worker, args.tp, "cuda", str(arts["one_shot"]), str(result))
+        o = json.loads(result.read_text())
+        rows.append((f"tp={args.tp} one-shot all-reduce decode", f"{o['step'] * 1e3:.2f} ms/token "
+                     f"({t1 / o['step']:.2f}x tp=1)"))
+        if "one_shot" in o:
+            rows.append(("one-shot all-reduce 8 KB, in a graph", f"{o['one_shot'] * 1e6:.1f} us"))
+        else:
+            rows.append(("one-shot all-reduce", "unavailable here: the run used NCCL (see the warning)"))
     print("\n" + "\n".join(f"{k:40s} {v}" for k, v in rows))
 
 

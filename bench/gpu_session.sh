@@ -32,7 +32,7 @@ case "${1:-}" in
             --out "$scratch/b8" ;;
   moe)    run "${MOE_LIMIT:-560}" moe.log python3 bench/moe.py --hf --out "$scratch/moe" ;;
   tp)     run 80 tp_test.log python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py
-          run 220 tp.log python3 bench/decode_tp.py --tp 2 --out "$scratch/btp"; rm -rf "$scratch"/btp* ;;
+          run 300 tp.log python3 bench/decode_tp.py --tp 2 --one-shot --out "$scratch/btp"; rm -rf "$scratch"/btp* ;;
   ab)     # after `decode` in the same call: bf16 batch 1 without PDL, and fp8 without fuse_norm_linear
           run 170 ab_nopdl.log python3 bench/decode.py --no-pdl --batches 1 --profile 1 --hf-batches "" \
             --out "$scratch/b8-nopdl"; rm -rf "$scratch/b8-nopdl"

@@ -186,7 +186,7 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
           max_batch: int = 32, max_seq_len: int | None = None, arch: int = 90, tp: int = 1,
           quant: str | None = None, quant_granularity: str = "channel", quant_lm_head: bool = False,
           disable_passes: tuple[str, ...] | list[str] = (), pdl: bool | None = None,
-          progress: bool = True, log=_log) -> Path:
+          tp_allreduce: str = "nccl", progress: bool = True, log=_log) -> Path:
     """Build an artifact and return its directory.
 
     ``pdl=None`` turns programmatic dependent launch on where it exists (``--target cuda``, sm_90+).
@@ -206,6 +206,10 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     if pdl and (target != "cuda" or arch < 90):
         raise MxcError(f"--pdl: programmatic dependent launch needs --target cuda on sm_90 or later "
                        f"(got --target {target}, sm_{arch})")
+    if tp_allreduce not in ("nccl", "one_shot"):
+        raise MxcError(f"--tp-allreduce {tp_allreduce}: expected nccl or one_shot")
+    if tp_allreduce == "one_shot" and target != "cuda":
+        raise MxcError(f"--tp-allreduce one_shot: the peer-memory all-reduce needs --target cuda (got {target})")
     if not isinstance(tp, int) or tp < 1:
         raise MxcError(f"--tp {tp}: expected a positive integer")
     if max_batch < 1 or max_seq_len < 1:
@@ -220,7 +224,8 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     options = BuildOptions(target=target, dtype=dtype or ("float32" if target == "cpu" else "bfloat16"),
                            max_batch=max_batch, max_seq_len=max_seq_len, tp=tp, quant=quant,
                            quant_granularity=quant_granularity, quant_lm_head=quant_lm_head,
-                           quant_scale_suffix=scale_suffix, disable_passes=check_disabled(disable_passes), pdl=pdl)
+                           quant_scale_suffix=scale_suffix, disable_passes=check_disabled(disable_passes), pdl=pdl,
+                           tp_allreduce=tp_allreduce)
     out = Path(out) if out else Path("build") / src.model_file.stem
     if out.exists() and not (out / "manifest.json").is_file():
         raise MxcError(f"--out {out}: exists and is not an mxc artifact; choose another path or remove it")

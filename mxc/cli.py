@@ -31,7 +31,7 @@ def cmd_build(args) -> None:
     build(args.source, out=args.out, checkpoint=args.checkpoint, config=args.config, dtype=args.dtype, target=args.target,
           dump_ir=args.dump_ir, max_batch=args.max_batch, max_seq_len=args.max_seq_len, tp=args.tp,
           quant=args.quant, quant_granularity=args.quant_granularity, quant_lm_head=args.quant_lm_head,
-          disable_passes=args.disable_pass, pdl=args.pdl)
+          disable_passes=args.disable_pass, pdl=args.pdl, tp_allreduce=args.tp_allreduce)
 
 
 def _generate_and_print(rank: int, world_size: int, device: str, args, ids: list[int]) -> None:
@@ -122,6 +122,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
                    help="cuda: programmatic dependent launch, each kernel starting while the one before it ends "
                         "(default: on for sm_90 and later)")
+    b.add_argument("--tp-allreduce", choices=["nccl", "one_shot"], default="nccl",
+                   help="cuda, --tp > 1: decode all-reduces by NCCL (default) or one-shot over peer memory "
+                        "(experimental)")
     b.add_argument("--disable-pass", metavar="PASS", action="append", default=[],
                    help="skip an optional fusion pass (repeatable), e.g. fuse_linear_io")
     b.add_argument("--max-batch", type=int, default=32, help="cuda: sequences decoded together (default 32)")

@@ -86,6 +86,16 @@ def _gemv_wide_ok(node, in_types, options):
     return _gemv_ok(node, in_types, options)
 
 
+ONE_SHOT_MAX_TOKENS = 32  # rows the one-shot all-reduce serves (decode): <= 32 x hidden, its buffer
+
+
+def _one_shot_ok(node, in_types, options):
+    if getattr(options, "tp_allreduce", "nccl") != "one_shot":
+        return "not asked for (--tp-allreduce one_shot)"
+    dtype = in_types[0].dtype
+    return None if dtype in ("bfloat16", "float32") else f"peer-memory all-reduce takes bf16 or fp32, not {dtype}"
+
+
 def _cutlass_ok(node, in_types, options):
     from mxc.kernels.fp8_gemm import cutlass_available
 
@@ -148,6 +158,10 @@ _TRITON = [
     Candidate("cuda_ops.rms_norm_qlinear_gemm", "rms_norm_qlinear", GPU,
               "default: the RMSNorm inside the activation-quantize kernel, then the Triton fp8 GEMM (block scales)",
               check=_dtype_ok),
+    # tensor parallelism
+    Candidate("cuda_ops.all_reduce_one_shot", "all_reduce", GPU,
+              f"one-shot all-reduce over peer memory (torch symmetric memory) at <= {ONE_SHOT_MAX_TOKENS} tokens: "
+              f"one kernel, no NCCL latency", tokens=(1, ONE_SHOT_MAX_TOKENS), check=_one_shot_ok),
     # mixture of experts
     Candidate("cuda_ops.fused_moe", "fused_moe", GPU,
               "Triton fused MoE: tokens sorted and block-aligned by expert, grouped GEMMs", check=_dtype_ok),

@@ -13,7 +13,8 @@ The IR's tokens are all sequences flattened into one ``[T]`` batch.
 - ``k_cache[layer]``/``v_cache[layer]``: ``[slots, max_len, kv_heads, head_dim]``;
 - ``rope_tables``: RoPE cos/sin tables prepared at load, by spec;
 - ``memo``: values shared by every layer of one call;
-- ``rank``, ``world_size``, ``group``: the tensor-parallel process group.
+- ``rank``, ``world_size``, ``group``: the tensor-parallel process group;
+  ``peer_allreduce``: the runtime's one-shot all-reduce over peer memory, or None.
 
 Kernels read it; the runtime builds it.
 """
@@ -43,6 +44,7 @@ class ForwardContext:
     rank: int = 0  # tensor parallelism: this process's rank, the world size, the process group
     world_size: int = 1
     group: object = None
+    peer_allreduce: object = None  # ``peer_allreduce.OneShotAllReduce`` when the artifact asks for it
 
     @classmethod
     def build(cls, seq_lens: list[int], past_lens: list[int], slots: list[int], k_cache, v_cache,

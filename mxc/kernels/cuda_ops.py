@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 
-from mxc.kernels import cublas, fp8_gemm, triton_attention, triton_fp8, triton_gemv, triton_norm, triton_rope
+from mxc.kernels import (cublas, fp8_gemm, torch_ref, triton_attention, triton_fp8, triton_gemv, triton_norm,
+                         triton_rope)
 from mxc.kernels.context import ForwardContext
 
 
@@ -58,6 +59,16 @@ def qkv_rope_cache(qkv, positions, q_norm=None, k_norm=None, ctx: ForwardContext
     cos, sin = _tables(ctx, spec)
     return triton_rope.rope_qkv_write(qkv, positions, cos, sin, ctx.k_cache[layer], ctx.v_cache[layer],
                                       ctx.cache_loc, q_norm, k_norm, eps if eps is not None else 1e-6)
+
+
+def all_reduce_one_shot(x, bias=None, ctx: ForwardContext = None):
+    """The decode all-reduce over peer memory (``peer_allreduce``) where the runtime set it up
+    (``ctx.peer_allreduce``), else NCCL as ``torch_ref.all_reduce``."""
+    comm = ctx.peer_allreduce
+    if comm is None or ctx.world_size == 1 or x.device.type == "meta":
+        return torch_ref.all_reduce(x, bias, ctx)
+    out = comm(x)
+    return out if bias is None else out + bias
 
 
 def fused_moe(x, weights, ids, w_gate_up, w_down, s_gate_up=None, s_down=None):

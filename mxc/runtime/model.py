@@ -9,6 +9,8 @@ decodes one token per step over a preallocated KV cache.
 
 from __future__ import annotations
 
+import sys
+
 from pathlib import Path
 
 import torch
@@ -37,6 +39,8 @@ class Model:
         self.rank, self.world_size = rank, world_size
         self._dist = dict(rank=rank, world_size=world_size, group=None)  # None = the default process group
         options = manifest["options"]
+        if world_size > 1 and options.get("tp_allreduce") == "one_shot":
+            self._dist["peer_allreduce"] = _peer_allreduce(manifest, self.dtype, device)
         self._decoder = None
         if options["target"] == "cuda" and self.device.type == "cuda":
             from mxc.runtime.decode_graphs import CudaDecoder
@@ -140,6 +144,23 @@ class Model:
             ctx = ForwardContext.build([1] * b, [pos] * b, slots, k_cache, v_cache, self.device, **self._dist)
             logits = self._run(ctx, nxt, torch.full((b,), pos, device=self.device), torch.arange(b, device=self.device))
         return torch.stack(out, dim=1).cpu()
+
+
+def _peer_allreduce(manifest: dict, dtype: torch.dtype, device: torch.device):
+    """The one-shot all-reduce the artifact asked for (``--tp-allreduce one_shot``), or None (NCCL)
+    with a warning where peer memory is not usable here. Collective: every rank calls it at load."""
+    from mxc.kernels import peer_allreduce
+    from mxc.kernels.candidates import ONE_SHOT_MAX_TOKENS
+
+    why = peer_allreduce.available(device)
+    if why is None:
+        try:
+            hidden = int(manifest.get("config", {}).get("hidden_size") or 8192)
+            return peer_allreduce.OneShotAllReduce(None, ONE_SHOT_MAX_TOKENS * hidden, dtype, device)
+        except RuntimeError as e:  # e.g. no peer access between these GPUs
+            why = str(e).splitlines()[0]
+    print(f"mxc: one-shot all-reduce unavailable ({why}); using NCCL", file=sys.stderr)
+    return None
 
 
 def _stop_at_eos(out: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:

@@ -19,11 +19,13 @@ def _worker(rank, world_size, device, art, out):
         torch.save(result, out)
 
 
-def test_tp2_cuda_matches_tp1(hf_checkpoint, tmp_path):
+@pytest.mark.parametrize("allreduce", ["nccl", "one_shot"])
+def test_tp2_cuda_matches_tp1(allreduce, hf_checkpoint, tmp_path):
+    """tp=2 with the decode all-reduces by NCCL, or one-shot over peer memory, against tp=1."""
     ckpt, _ = hf_checkpoint("LlamaForCausalLM", hidden_size=128, intermediate_size=256)
     kw = dict(target="cuda", dtype="bfloat16", max_batch=4, max_seq_len=64, progress=False, log=lambda m: None)
     one = mxc.load(mxc.build(str(ckpt), out=tmp_path / "tp1", **kw), device="cuda")
-    two = mxc.build(str(ckpt), out=tmp_path / "tp2", tp=2, **kw)
+    two = mxc.build(str(ckpt), out=tmp_path / "tp2", tp=2, tp_allreduce=allreduce, **kw)
     run_ranks(_worker, 2, "cuda", str(two), str(tmp_path / "out.pt"))
     logits, tokens = torch.load(tmp_path / "out.pt", weights_only=True)
     ref = one.logits(IDS).cpu()
