@@ -96,6 +96,13 @@ def _one_shot_ok(node, in_types, options):
     return None if dtype in ("bfloat16", "float32") else f"peer-memory all-reduce takes bf16 or fp32, not {dtype}"
 
 
+def _route_ok(node, in_types, options):
+    e = in_types[0].shape[-1]
+    if isinstance(e, int) and e > 1024:
+        return f"{e} experts: the one-program-per-token router holds at most 1024 scores"
+    return _dtype_ok(node, in_types, options)
+
+
 def _cutlass_ok(node, in_types, options):
     from mxc.kernels.fp8_gemm import cutlass_available
 
@@ -163,6 +170,8 @@ _TRITON = [
               f"one-shot all-reduce over peer memory (torch symmetric memory) at <= {ONE_SHOT_MAX_TOKENS} tokens: "
               f"one kernel, no NCCL latency", tokens=(1, ONE_SHOT_MAX_TOKENS), check=_one_shot_ok),
     # mixture of experts
+    Candidate("triton_route.route", "route", GPU,
+              "Triton router: softmax or sigmoid, top-k and renormalisation in one kernel", check=_route_ok),
     Candidate("cuda_ops.fused_moe", "fused_moe", GPU,
               "Triton fused MoE: tokens sorted and block-aligned by expert, grouped GEMMs", check=_dtype_ok),
 ]

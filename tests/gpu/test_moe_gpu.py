@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mxc
-from mxc.kernels import moe_ref, triton_moe
+from mxc.kernels import moe_ref, triton_moe, triton_route
 
 
 def _rel(a, b):
@@ -21,6 +21,24 @@ def test_fused_moe_qwen3_30b_shapes(t):
     w2 = torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16) * 0.02
     w, ids = moe_ref.route(torch.randn(t, e, device="cuda", dtype=torch.bfloat16), k, renormalize=True)
     assert _rel(triton_moe.fused_moe(x, w, ids, w1, w2), moe_ref.fused_moe(x, w, ids, w1, w2)) < 2e-2
+
+
+@pytest.mark.parametrize("t", [1, 64, 4096])
+@pytest.mark.parametrize("scoring,renormalize", [("softmax", True), ("softmax", False), ("sigmoid", True)])
+def test_router_qwen3_30b_shapes(t, scoring, renormalize):
+    """The one-kernel router against the torch composition: 128 experts, top 8, bf16 logits."""
+    logits = torch.randn(t, 128, device="cuda", dtype=torch.bfloat16) * 2
+    w, ids = triton_route.route(logits, 8, scoring, renormalize)
+    ref_w, ref_ids = moe_ref.route(logits, 8, scoring, renormalize)
+    # bf16 logits tie often; torch.topk orders ties freely: compare the chosen sets, sorted by expert
+    # id, on the rows without a tie between the 8th and 9th scores (where the set itself is free)
+    scores = logits.float().softmax(-1) if scoring == "softmax" else logits.float().sigmoid()
+    top = scores.topk(9, dim=-1).values
+    clear = top[:, 7] > top[:, 8]
+    ids_s, order = ids.sort(dim=1)
+    ref_s, ref_order = ref_ids.sort(dim=1)
+    assert clear.float().mean() > 0.5 and torch.equal(ids_s[clear], ref_s[clear])
+    assert _rel(w.gather(1, order)[clear], ref_w.gather(1, ref_order)[clear]) < 1e-2
 
 
 @pytest.mark.parametrize("arch,overrides", [
