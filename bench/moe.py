@@ -43,7 +43,7 @@ def active_bytes(art: Path, k: int, experts: int) -> int:
 
 
 def kernel_vs_loop(rows) -> None:
-    from mxc.kernels import moe_ref, triton_moe
+    from mxc.kernels import moe_ref, triton_moe, triton_moe_decode
 
     e, h, i, k = 128, 2048, 768, 8
     w1 = torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -55,6 +55,11 @@ def kernel_vs_loop(rows) -> None:
         loop = cuda_time(lambda: moe_ref.fused_moe(x, w.to(x.dtype), ids, w1, w2), warmup=1, reps=3)
         rows.append((f"fused MoE layer, {t} tokens", f"{fused * 1e6:.0f} us vs per-expert loop {loop * 1e6:.0f} us "
                      f"({loop / fused:.1f}x)"))
+        if t <= 4:  # the per-pair decode kernels (the default at <= 4 tokens), with their own weight bytes
+            pairs = cuda_time(lambda: triton_moe_decode.fused_moe(x, w.to(x.dtype), ids, w1, w2), warmup=3, reps=10)
+            nbytes = t * k * 3 * h * i * 2
+            rows.append((f"per-pair MoE layer, {t} tokens", f"{pairs * 1e6:.0f} us ({nbytes / pairs / 1e12:.2f} TB/s "
+                         f"of expert weights; sorted path {fused * 1e6:.0f} us)"))
 
 
 def main() -> None:

@@ -86,6 +86,7 @@ def _gemv_wide_ok(node, in_types, options):
     return _gemv_ok(node, in_types, options)
 
 
+MOE_PAIR_MAX_TOKENS = 4  # decode token counts the per-pair MoE kernels serve (experts then get one row)
 ONE_SHOT_MAX_TOKENS = 32  # rows the one-shot all-reduce serves (decode): <= 32 x hidden, its buffer
 
 
@@ -172,6 +173,10 @@ _TRITON = [
     # mixture of experts
     Candidate("triton_route.route", "route", GPU,
               "Triton router: softmax or sigmoid, top-k and renormalisation in one kernel", check=_route_ok),
+    Candidate("cuda_ops.fused_moe_pairs", "fused_moe", GPU,
+              f"Triton fused MoE for <= {MOE_PAIR_MAX_TOKENS} tokens: a GEMV per (token, expert) pair and the top-k "
+              f"sum in the down kernel, no sort (2 launches instead of 6)", tokens=(1, MOE_PAIR_MAX_TOKENS),
+              check=_dtype_ok),
     Candidate("cuda_ops.fused_moe", "fused_moe", GPU,
               "Triton fused MoE: tokens sorted and block-aligned by expert, grouped GEMMs", check=_dtype_ok),
 ]

@@ -77,6 +77,12 @@ def fused_moe(x, weights, ids, w_gate_up, w_down, s_gate_up=None, s_down=None):
     return triton_moe.fused_moe(x, weights, ids, w_gate_up, w_down, s_gate_up=s_gate_up, s_down=s_down)
 
 
+def fused_moe_pairs(x, weights, ids, w_gate_up, w_down, s_gate_up=None, s_down=None):
+    from mxc.kernels import triton_moe_decode
+
+    return triton_moe_decode.fused_moe(x, weights, ids, w_gate_up, w_down, s_gate_up=s_gate_up, s_down=s_down)
+
+
 def cached_attention(q, ctx: ForwardContext, scale, layer, causal=True, sliding_window=None):
     k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
     if ctx.decode:

@@ -428,18 +428,8 @@ def _check_weight(name, w, shape, scale, dtype, device):
         raise ValueError(f"a scale for {name} is only taken with fp8 weights")
 
 
-def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
-              w_down: torch.Tensor, *, s_gate_up: torch.Tensor | None = None, s_down: torch.Tensor | None = None,
-              config: MoeConfig | None = None) -> torch.Tensor:
-    """``moe_ref.fused_moe(x, weights, ids, w_gate_up, w_down)`` -> [T, H] in x's dtype.
-
-    x [T, H] (fp32/fp16/bf16); weights [T, k] (x's dtype); ids [T, k] int64 in [0, E);
-    w_gate_up [E, 2I, H] (gate rows then up rows) and w_down [E, H, I], in x's dtype or
-    float8_e4m3fn with float32 row scales ``s_gate_up [E, 2I]`` / ``s_down [E, H]``
-    (``w = q * s[..., None]``). All contiguous on one device. ``config`` overrides
-    ``config_for(token_bucket(T), E, k, H, I, x.dtype)``. Never reads device values on the
-    host: runs on ``meta`` tensors under a recording launcher; grids depend on shapes only.
-    """
+def check_inputs(x, weights, ids, w_gate_up, w_down, s_gate_up, s_down) -> tuple[int, int, int, int, int]:
+    """``fused_moe``'s argument checks (see there); returns (T, H, E, I, k)."""
     if x.dim() != 2 or x.dtype not in _DTYPES or not x.is_contiguous():
         raise ValueError(f"x must be contiguous [T, H] in one of {_DTYPES}, got {tuple(x.shape)} {x.dtype}")
     T, H = x.shape
@@ -456,6 +446,22 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_
     _check_weight("w_down", w_down, (E, H, I), s_down, x.dtype, x.device)
     if len({t.device for t in (x, weights, ids)}) != 1:
         raise ValueError("x, weights and ids must be on one device")
+    return T, H, E, I, top_k
+
+
+def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
+              w_down: torch.Tensor, *, s_gate_up: torch.Tensor | None = None, s_down: torch.Tensor | None = None,
+              config: MoeConfig | None = None) -> torch.Tensor:
+    """``moe_ref.fused_moe(x, weights, ids, w_gate_up, w_down)`` -> [T, H] in x's dtype.
+
+    x [T, H] (fp32/fp16/bf16); weights [T, k] (x's dtype); ids [T, k] int64 in [0, E);
+    w_gate_up [E, 2I, H] (gate rows then up rows) and w_down [E, H, I], in x's dtype or
+    float8_e4m3fn with float32 row scales ``s_gate_up [E, 2I]`` / ``s_down [E, H]``
+    (``w = q * s[..., None]``). All contiguous on one device. ``config`` overrides
+    ``config_for(token_bucket(T), E, k, H, I, x.dtype)``. Never reads device values on the
+    host: runs on ``meta`` tensors under a recording launcher; grids depend on shapes only.
+    """
+    T, H, E, I, top_k = check_inputs(x, weights, ids, w_gate_up, w_down, s_gate_up, s_down)
     cfg = config if config is not None else config_for(token_bucket(T), E, top_k, H, I, x.dtype)
 
     sorted_ids, expert_of_block, ntpp = moe_align(ids, E, cfg.BLOCK_M, chunk=cfg.CHUNK)

@@ -1,0 +1,154 @@
+"""Fused MoE for a few tokens (``triton_moe_decode``: one GEMV per (token, expert) pair, the top-k
+sum in the down kernel) against ``moe_ref.fused_moe`` and against the sorted ``triton_moe`` path,
+under the interpreter: ragged H = 48 / I = 40 with 32-wide K steps (a partial last step) and also
+whole steps, T in {1, 3, 4}, k in {1, 2, 4}, E in {4, 8}, fp32/fp16/bf16, fp8 experts with row
+scales, tokens sharing an expert, invalid expert ids dropped as the sorted path drops them;
+meta-device recording and an sm_90 compile."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mxc.kernels import launch as launch_mod
+from mxc.kernels import moe_ref
+from mxc.kernels import triton_moe as tm
+from mxc.kernels import triton_moe_decode as tmd
+from mxc.kernels.triton_moe import MoeConfig
+
+_BF16_OK = torch.cuda.is_available() or Path(__file__).with_name("conftest.py").exists()
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if _BF16_OK else [])
+TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+H, I = 48, 40
+RAGGED = (tmd.PairConfig(BLOCK_N=16, BLOCK_K=32, num_warps=4), tmd.PairConfig(BLOCK_N=16, BLOCK_K=32, num_warps=4))
+SORTED = MoeConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, CHUNK=16)
+
+
+def _inputs(T, k, E, dtype, seed, ids=None, h=H, i=I):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, h, generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if ids is None else ids
+    weights = torch.rand(T, k, generator=g).to(dtype)
+    w_gate_up = (torch.randn(E, 2 * i, h, generator=g) * h ** -0.5).to(dtype)
+    w_down = (torch.randn(E, h, i, generator=g) * i ** -0.5).to(dtype)
+    return x, weights, ids.to(torch.int64), w_gate_up, w_down
+
+
+def _dev(t):
+    return None if t is None else t.to(DEVICE)
+
+
+def _check(y, ref, tol):
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    y, ref = y.cpu().float(), ref.cpu().float()
+    assert not y.isnan().any()
+    err, scale = (y - ref).abs().max().item(), ref.abs().max().item()
+    assert err <= tol * scale, f"max error {err}, output scale {scale}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T,k,E", [(1, 2, 4), (3, 1, 8), (4, 2, 8), (1, 4, 8)])
+@pytest.mark.parametrize("configs", [RAGGED, None], ids=["ragged-k", "default"])
+def test_pairs_match_reference_and_sorted_path(T, k, E, dtype, configs):
+    x, weights, ids, wgu, wd = _inputs(T, k, E, dtype, seed=T * 10 + k + E)
+    args = [_dev(t) for t in (x, weights, ids, wgu, wd)]
+    y = tmd.fused_moe(*args, configs=configs)
+    _check(y, moe_ref.fused_moe(x, weights, ids, wgu, wd), TOL[dtype])
+    _check(y, tm.fused_moe(*args, config=SORTED), TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_tokens_sharing_experts(dtype):
+    ids = torch.tensor([[1, 2], [2, 1], [1, 3]])
+    x, weights, ids, wgu, wd = _inputs(3, 2, 4, dtype, seed=7, ids=ids)
+    y = tmd.fused_moe(*[_dev(t) for t in (x, weights, ids, wgu, wd)], configs=RAGGED)
+    _check(y, moe_ref.fused_moe(x, weights, ids, wgu, wd), TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fp8_experts(dtype):
+    x, weights, ids, wgu, wd = _inputs(2, 2, 4, torch.float32, seed=3)
+    wgu[:, :I] *= 3
+
+    def quantize(w):
+        s = (w.abs().amax(dim=-1) / 448.0).clamp_min(1e-12)
+        return (w / s[..., None]).to(torch.float8_e4m3fn), s
+
+    (q1, s1), (q2, s2) = quantize(wgu), quantize(wd)
+    x, weights = x.to(dtype), weights.to(dtype)
+    deq = lambda q, s: (q.float() * s[..., None]).to(dtype)  # noqa: E731
+    y = tmd.fused_moe(_dev(x), _dev(weights), _dev(ids), _dev(q1), _dev(q2), s_gate_up=_dev(s1), s_down=_dev(s2),
+                      configs=RAGGED)
+    _check(y, moe_ref.fused_moe(x, weights, ids, deq(q1, s1), deq(q2, s2)), TOL[dtype])
+
+
+def test_invalid_ids_are_dropped_as_by_the_sorted_path():
+    ids = torch.tensor([[0, 9], [-1, 2]])  # 9 and -1 are not experts of E = 4
+    x, weights, ids, wgu, wd = _inputs(2, 2, 4, torch.float32, seed=5, ids=ids)
+    y = tmd.fused_moe(*[_dev(t) for t in (x, weights, ids, wgu, wd)], configs=RAGGED).cpu()
+    keep = (ids >= 0) & (ids < 4)
+    ref = moe_ref.fused_moe(x, weights * keep, ids.clamp(0, 3), wgu, wd)
+    _check(y, ref, TOL[torch.float32])
+
+
+def test_rejects_bad_inputs():
+    x, weights, ids, wgu, wd = _inputs(2, 2, 4, torch.float16, seed=0)
+    with pytest.raises(ValueError):
+        tmd.fused_moe(x, weights, ids.int(), wgu, wd)
+    with pytest.raises(ValueError):
+        tmd.fused_moe(x, weights, ids, wgu.float(), wd)
+
+
+def test_meta_recording():
+    """Two launches (no sort, no sum kernel); grids from T, k, I and H only."""
+    seen = []
+    meta = lambda *s, dtype=torch.bfloat16: torch.empty(*s, dtype=dtype, device="meta")  # noqa: E731
+    with launch_mod.using(lambda kernel, grid, args, consts, nw, ns: seen.append((kernel, grid, consts))):
+        y = tmd.fused_moe(meta(3, 2048), meta(3, 8), meta(3, 8, dtype=torch.int64), meta(128, 1536, 2048),
+                          meta(128, 2048, 768))
+    assert y.shape == (3, 2048)
+    (k1, g1, c1), (k2, g2, c2) = seen
+    assert (k1, k2) == (tmd._pair_up_kernel, tmd._pair_down_sum_kernel)
+    assert g1 == (24, 768 // 16) and g2 == (3, 2048 // 16)
+    assert c1["BLOCK_K"] == 512 and c2["BLOCK_K"] == 512 and c1["TOP_K"] == 8 and c1["E"] == 128
+
+
+_COMPILE = """
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from mxc.kernels import launch as L, triton_moe_decode as tmd
+meta = lambda *s, dtype=torch.bfloat16: torch.empty(*s, dtype=dtype, device="meta")
+rec = L.Recorder(pdl=True)
+with L.using(rec):
+    tmd.fused_moe(meta(1, 2048), meta(1, 8), meta(1, 8, dtype=torch.int64), meta(128, 1536, 2048), meta(128, 2048, 768))
+    f8 = torch.float8_e4m3fn
+    tmd.fused_moe(meta(2, 2048), meta(2, 8), meta(2, 8, dtype=torch.int64), meta(128, 1536, 2048, dtype=f8),
+                  meta(128, 2048, 768, dtype=f8), s_gate_up=meta(128, 1536, dtype=torch.float32),
+                  s_down=meta(128, 2048, dtype=torch.float32))
+fns = {"_pair_up_kernel": tmd._pair_up_kernel, "_pair_down_sum_kernel": tmd._pair_down_sum_kernel}
+for spec in rec.specs.values():
+    fn = fns[spec["kernel"].split(":")[1]]
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in spec["signature"].items()
+             if t.startswith("*")}
+    src = ASTSource(fn, signature=spec["signature"], constexprs=spec["constexprs"], attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": spec["num_warps"]})
+    ptx = k.asm["ptx"]
+    assert "griddepcontrol.wait" in ptx and "ld.global.v4" in ptx, fn.__name__
+    assert not getattr(k.metadata, "global_scratch_size", 0)
+print("ok", len(rec.specs))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compile check is for machines without a GPU")
+def test_compiles_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _COMPILE], cwd=Path(__file__).resolve().parents[2], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "ok 4" in r.stdout, r.stderr[-3000:]
