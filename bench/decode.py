@@ -203,15 +203,12 @@ def main() -> None:
                      f"{nbytes / step / bw * 100:.0f}% of copy BW"))
 
     if args.pdl_ab and manifest["options"].get("pdl"):
-        # the same cubins, launched plainly: griddepcontrol.wait is then a no-op and no kernel overlaps
-        plain = mxc.load(out, device="cuda", verify=False)
-        for binary in plain._launcher.binaries.values():
-            binary.entry = {**binary.entry, "pdl": False}
-        step = bench_generate(lambda ids, new: plain.generate(ids, max_new_tokens=new), 1, args.prompt, args.new)
+        from profile_step import plain_launches
+
+        with plain_launches(model):  # the same cubins launched plainly: no kernel overlaps the one ahead
+            step = bench_generate(mxc_gen, 1, args.prompt, args.new)
         rows.append(("mxc decode batch 1, PDL launch off", f"{step * 1e3:.2f} ms/step  {nbytes / step / bw * 100:.0f}% "
                      f"of copy BW (same cubins, plain launches)"))
-        del plain
-        torch.cuda.empty_cache()
 
     ids = torch.randint(0, 1000, (1, args.prefill))
     t_pre = cuda_time(lambda: model.generate(ids, max_new_tokens=1))
