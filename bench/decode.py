@@ -167,7 +167,7 @@ def main() -> None:
     p.add_argument("--quant", choices=["fp8"], help="also build an fp8 artifact and compare it with bf16")
     p.add_argument("--disable-pass", action="append", default=[], help="build without this optional pass")
     p.add_argument("--pdl-ab", action="store_true",
-                   help="also time batch 1 with the same kernels launched without the PDL attribute")
+                   help="also time each batch with the same kernels launched without the PDL attribute")
     p.add_argument("--no-pdl", dest="pdl", action="store_const", const=False, default=None,
                    help="build without programmatic dependent launch (on by default on sm_90)")
     args = p.parse_args()
@@ -206,9 +206,10 @@ def main() -> None:
         from profile_step import plain_launches
 
         with plain_launches(model):  # the same cubins launched plainly: no kernel overlaps the one ahead
-            step = bench_generate(mxc_gen, 1, args.prompt, args.new)
-        rows.append(("mxc decode batch 1, PDL launch off", f"{step * 1e3:.2f} ms/step  {nbytes / step / bw * 100:.0f}% "
-                     f"of copy BW (same cubins, plain launches)"))
+            for b in results:
+                step = bench_generate(mxc_gen, b, args.prompt, args.new)
+                rows.append((f"mxc decode batch {b}, PDL launch off", f"{step * 1e3:.2f} ms/step  "
+                             f"{nbytes / step / bw * 100:.0f}% of copy BW (same cubins, plain launches)"))
 
     ids = torch.randint(0, 1000, (1, args.prefill))
     t_pre = cuda_time(lambda: model.generate(ids, max_new_tokens=1))

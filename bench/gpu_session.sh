@@ -2,16 +2,17 @@
 # The GPU measurements of docs/perf.md, in parts that each fit one 10-minute device call.
 # Usage (repository root, on the GPU machine): bash bench/gpu_session.sh PART
 #   tests   pytest tests/gpu (the TP test runs where there are two GPUs)
-#   decode  bf16 + fp8 decode/prefill, per-kernel profiles at batch 1 and 8, HF compiled at batch 1, 8, 32
+#   decode  bf16 + fp8 decode/prefill, the PDL A/B per batch, per-kernel profiles at batch 1 and 8,
+#           HF compiled at batch 1, 8, 32
 #   moe     Qwen3-30B-A3B shape: batch 1 vs floor, batch 64 vs HF eager, fused vs per-expert loop
-#   tp      tp=2 vs tp=1 decode and the NCCL all-reduce time (two GPUs), then the TP GPU test
-#   ab      after decode: bf16 batch 1 without PDL, fp8 batch 1 without fuse_norm_linear (one machine)
+#   tp      the TP GPU test, then tp=2 (NCCL and one-shot all-reduce) vs tp=1 decode and the all-reduce times
+#   ab      after decode, same call: fp8 batch 1 without fuse_norm_linear
 #   lab     fp8 GEMV variants one by one (default, other quantization mode, SWAP_AB); add --all for
 #           the bf16 GEMVs and the prefill GEMMs too
 # Logs go to $OUT (the device tool's output folder) when set, else to build/gpu-logs.
 # Device-time plan for one session (each line one call, under 10 minutes):
-#   nvidia-h200:    tests, then lab          |  decode, then ab
-#   nvidia-h200-x2: tp, then moe (moe alone in a second call if tp ran long)
+#   nvidia-h200:    tests, then lab  |  decode  |  moe
+#   nvidia-h200-x2: tp
 set -u
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 logs="${OUT:-build/gpu-logs}"
@@ -33,9 +34,7 @@ case "${1:-}" in
   moe)    run "${MOE_LIMIT:-560}" moe.log python3 bench/moe.py --hf --out "$scratch/moe" ;;
   tp)     run 80 tp_test.log python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py
           run 300 tp.log python3 bench/decode_tp.py --tp 2 --one-shot --out "$scratch/btp"; rm -rf "$scratch"/btp* ;;
-  ab)     # after `decode` in the same call: bf16 batch 1 without PDL, and fp8 without fuse_norm_linear
-          run 170 ab_nopdl.log python3 bench/decode.py --no-pdl --batches 1 --profile 1 --hf-batches "" \
-            --out "$scratch/b8-nopdl"; rm -rf "$scratch/b8-nopdl"
+  ab)     # after `decode` in the same call (its bf16 artifact): fp8 without fuse_norm_linear
           run 170 ab_fp8_nofold.log python3 bench/decode.py --reuse --out "$scratch/b8" --batches "" --quant fp8 \
             --disable-pass fuse_norm_linear --hf-batches "" ;;
   lab)    if [ "${2:-}" = "--all" ]; then skip=""; else skip="--skip bf16,prefill"; fi
