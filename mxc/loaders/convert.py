@@ -48,11 +48,22 @@ def parts_of(w: Weight) -> list[tuple[str, tuple[int, ...]]]:
     return [(hf, (r,) + shape[1:]) for hf, r in zip(w.hf, rows)]
 
 
-def read_full(w: Weight, ckpt) -> torch.Tensor:
-    """The whole (merged, stacked) weight from the checkpoint, before sharding."""
+def read_full(w: Weight, ckpt, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The whole (merged, stacked) weight from the checkpoint, before sharding.
+
+    An expert stack is filled in place, part by part, in ``dtype`` when given (the cast happens
+    in the copy): a 30B MoE has ~18K expert tensors, and stacking them in the checkpoint's
+    dtype, then casting, wrote every byte three times (most of a 61 GB build's time)."""
     if w.stack:
-        return torch.stack([torch.cat([ckpt.get(h) for h in w.expert_hf(e)], dim=0) if len(w.hf) > 1
-                            else ckpt.get(w.expert_hf(e)[0]) for e in range(full_shape(w)[0])])
+        shape = full_shape(w)
+        out = torch.empty(shape, dtype=dtype or ckpt.dtype(w.expert_hf(0)[0]))
+        for e in range(shape[0]):
+            row = 0
+            for h in w.expert_hf(e):
+                part = ckpt.get(h)
+                out[e, row:row + part.shape[0]].copy_(part)
+                row += part.shape[0]
+        return out
     parts = [ckpt.get(hf) for hf in w.hf]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
@@ -144,10 +155,12 @@ def write_weights(graph: Graph, ckpt, paths: list[Path], metadata: dict[str, str
         for w in tqdm(weights, desc="converting weights", unit="tensor", disable=not progress, leave=False):
             if w.scale_of:
                 continue  # written with its weight
-            tensor = read_full(w, ckpt)
-            if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and w.quant is None:
-                raise MxcError(f"{ckpt.directory}: {w.hf[0]} is stored as {tensor.dtype}, but mxc does not import "
+            first = parts_of(w)[0][0]
+            stored = ckpt.dtype(first)
+            if stored in (torch.float8_e4m3fn, torch.float8_e5m2) and w.quant is None:
+                raise MxcError(f"{ckpt.directory}: {first} is stored as {stored}, but mxc does not import "
                                f"it as fp8 (weight {w.name}); casting without its scales would be wrong")
+            tensor = read_full(w, ckpt, DTYPES[w.dtype] if w.quant is None and w.stack else None)
             outputs = [(w, tensor.to(DTYPES[w.dtype]))]
             if w.quant is not None and w.quant.prequantized:
                 scale_w = scales[f"{w.name}_scale"]
