@@ -20,6 +20,7 @@ from mxc.kernels import moe_ref
 from mxc.kernels import triton_moe as tm
 from mxc.kernels import triton_moe_decode as tmd
 from mxc.kernels.triton_moe import MoeConfig
+from mxc.loaders.quantize import quantize_fp8
 
 _BF16_OK = torch.cuda.is_available() or Path(__file__).with_name("conftest.py").exists()
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if _BF16_OK else [])
@@ -74,13 +75,8 @@ def test_tokens_sharing_experts(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_fp8_experts(dtype):
     x, weights, ids, wgu, wd = _inputs(2, 2, 4, torch.float32, seed=3)
-    wgu[:, :I] *= 3
-
-    def quantize(w):
-        s = (w.abs().amax(dim=-1) / 448.0).clamp_min(1e-12)
-        return (w / s[..., None]).to(torch.float8_e4m3fn), s
-
-    (q1, s1), (q2, s2) = quantize(wgu), quantize(wd)
+    wgu[:, :I] *= 3  # gate and up rows at different scales
+    (q1, s1), (q2, s2) = quantize_fp8(wgu, "channel"), quantize_fp8(wd, "channel")  # as the loader stores them
     x, weights = x.to(dtype), weights.to(dtype)
     deq = lambda q, s: (q.float() * s[..., None]).to(dtype)  # noqa: E731
     y = tmd.fused_moe(_dev(x), _dev(weights), _dev(ids), _dev(q1), _dev(q2), s_gate_up=_dev(s1), s_down=_dev(s2),
