@@ -7,8 +7,8 @@
 #   moe     Qwen3-30B-A3B shape: batch 1 vs floor, batch 64 vs HF eager, fused vs per-expert loop
 #   tp      the TP GPU test, then tp=2 (NCCL and one-shot all-reduce) vs tp=1 decode and the all-reduce times
 #   ab      after decode, same call: fp8 batch 1 without fuse_norm_linear
-#   lab     fp8 GEMV variants one by one (default, other quantization mode, SWAP_AB); add --all for
-#           the bf16 GEMVs and the prefill GEMMs too
+#   lab     bf16 and fp8 GEMVs one by one (SiLU epilogue, SWAP_AB against the widening kernel);
+#           add --all for the prefill GEMMs too
 # Logs go to $OUT (the device tool's output folder) when set, else to build/gpu-logs.
 # Device-time plan for one session (each line one call, under 10 minutes):
 #   nvidia-h200:    tests, then lab  |  decode  |  moe
@@ -37,7 +37,7 @@ case "${1:-}" in
   ab)     # after `decode` in the same call (its bf16 artifact): fp8 without fuse_norm_linear
           run 170 ab_fp8_nofold.log python3 bench/decode.py --reuse --out "$scratch/b8" --batches "" --quant fp8 \
             --disable-pass fuse_norm_linear --hf-batches "" ;;
-  lab)    if [ "${2:-}" = "--all" ]; then skip=""; else skip="--skip bf16,prefill"; fi
+  lab)    if [ "${2:-}" = "--all" ]; then skip=""; else skip="--skip prefill"; fi
           run 280 lab.log python3 bench/linear_lab.py --m 1,8,32 $skip ;;
   *) echo "usage: bash bench/gpu_session.sh tests|decode|ab|moe|tp|lab" >&2; exit 2 ;;
 esac

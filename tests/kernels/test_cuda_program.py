@@ -5,7 +5,8 @@ This checks the wiring the kernel tests cannot: the calls the code generator wri
 chosen candidate (GEMV and cuBLAS linears, the fused RoPE/KV write, prefill and decode attention,
 the one-kernel MoE router, the sorted fused MoE for prefills and the per-pair MoE kernels for
 decode), token-count dispatch between them, and the KV cache they share: a prefill of 2 x 5
-tokens, then two decode steps of 2 tokens.
+tokens (or 1 x 5), then two decode steps of 2 tokens (or 1: the one-row kernels, such as the
+GEMV with the SiLU-and-mul epilogue).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atten
             rope_theta=10000.0)
 MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
            decoder_sparse_step=1, mlp_only_layers=[])
-B, S, L = 2, 5, 16  # sequences, prompt tokens, cache rows
+S, L = 5, 16  # prompt tokens, cache rows
 
 
 def _program(arch, target, **fields):
@@ -48,8 +49,8 @@ def _weights(graph, ckpt):
     return top, layers
 
 
-def _run(graph, forward):
-    """Logits of a prefill (all rows) and of two decode steps, on fresh caches."""
+def _run(graph, forward, B):
+    """Logits of a prefill of B sequences (all rows) and of two decode steps, on fresh caches."""
     c = graph.config
     shape = (B + 1, L, c["num_key_value_heads"], c["head_dim"])
     caches = [[torch.zeros(shape, dtype=torch.float16) for _ in range(c["num_hidden_layers"])] for _ in range(2)]
@@ -67,16 +68,17 @@ def _run(graph, forward):
     return out
 
 
+@pytest.mark.parametrize("B", [1, 2])  # one sequence: the one-row kernels (GEMV with the SiLU epilogue)
 @pytest.mark.parametrize("arch,fields", [("LlamaForCausalLM", {}), ("Qwen3MoeForCausalLM", MOE)],
                          ids=["llama", "qwen3-moe"])
-def test_cuda_program_matches_cpu_program(arch, fields):
+def test_cuda_program_matches_cpu_program(arch, fields, B):
     cuda_graph, cuda_forward = _program(arch, "cuda", **fields)
     cpu_graph, cpu_forward = _program(arch, "cpu", **fields)
     kernels = {n.attrs["kernel"] if isinstance(n.attrs["kernel"], str) else n.attrs["kernel"][0][1]
                for n, _ in cuda_graph.nodes()}
     if fields:  # the MoE paths under test were chosen
         assert {"triton_route.route", "cuda_ops.fused_moe_pairs"} <= kernels
-    for got, ref in zip(_run(cuda_graph, cuda_forward), _run(cpu_graph, cpu_forward)):
+    for got, ref in zip(_run(cuda_graph, cuda_forward, B), _run(cpu_graph, cpu_forward, B)):
         assert got.shape == ref.shape and not got.isnan().any()
         # fp16 accumulation-order noise is ~8e-4 of the logits' scale here; the MoE output scaled by 0.9
         # (a wiring slip) moves them by ~6e-3
