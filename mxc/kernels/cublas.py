@@ -8,13 +8,11 @@ ops around the GEMM; a SiLU-and-mul epilogue as the Triton kernel after it.
 
 import torch
 
-from mxc.kernels import torch_ref
+from mxc.kernels import torch_ref, triton_elementwise
 
 
 def linear(x, weight, bias=None, residual=None, prologue=None, epilogue=None):
     if epilogue == "silu_mul":  # the GEMM, then the Triton SiLU-and-mul kernel (one launch, as unfused)
-        from mxc.kernels import triton_elementwise
-
         return triton_elementwise.silu_mul(torch_ref.linear(x, weight, bias, residual, prologue))
     if residual is not None and bias is None and prologue is None:
         return torch.addmm(residual, x, weight.t())

@@ -65,6 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mxc.kernels import triton_elementwise
 from mxc.kernels.launch import check_operand, launch
 from mxc.kernels.pdl import pdl_enter, prefetch_rows_l2
 
@@ -414,8 +415,6 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
 
 
 def _linear_silu(x, w, bias, residual, out, epilogue, cfg: GemvConfig) -> torch.Tensor:
-    from mxc.kernels import triton_elementwise
-
     if epilogue != "silu_mul" or residual is not None or out is not None or w.shape[0] % 2:
         raise ValueError(f"epilogue must be 'silu_mul' on a [2I, K] weight, without residual or out; got "
                          f"{epilogue!r}, w {tuple(w.shape)}, residual {residual is not None}, out {out is not None}")
