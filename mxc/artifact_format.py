@@ -27,9 +27,10 @@ def listed_files(root: Path) -> list[str]:
     return sorted(rel for p in root.rglob("*") if p.is_file() and is_listed_file(rel := p.relative_to(root).as_posix()))
 
 
-def file_digests(root: Path) -> dict[str, str]:
-    """sha256 of every listed file under ``root``, by relative path."""
-    return {rel: sha256_file(root / rel) for rel in listed_files(root)}
+def file_digests(root: Path, known: dict[str, str] | None = None) -> dict[str, str]:
+    """sha256 of every listed file under ``root``, by relative path (``known``: ones already computed)."""
+    known = known or {}
+    return {rel: known.get(rel) or sha256_file(root / rel) for rel in listed_files(root)}
 
 
 def is_listed_file(rel: str) -> bool:

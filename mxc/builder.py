@@ -262,8 +262,8 @@ def _write(tmp: Path, graph: Graph, src: Source, options: BuildOptions, arch: in
     log("writing weights" + (f" from {src.checkpoint}" if src.checkpoint else " (deterministic random: no --checkpoint)"))
     ckpt = open_checkpoint(src.checkpoint) if src.checkpoint else DummyCheckpoint(graph)
     with ckpt:
-        write_weights(graph, ckpt, [tmp / "weights" / f"rank{r}.safetensors" for r in range(options.tp)],
-                      progress=progress)
+        digests = write_weights(graph, ckpt, [tmp / "weights" / f"rank{r}.safetensors" for r in range(options.tp)],
+                                progress=progress)
     if src.checkpoint:
         present = [f for f in TOKENIZER_FILES if (src.checkpoint / f).is_file()]
         if present:
@@ -286,7 +286,7 @@ def _write(tmp: Path, graph: Graph, src: Source, options: BuildOptions, arch: in
         "source": {"checkpoint": str(src.checkpoint) if src.checkpoint else None,
                    "weights": "checkpoint" if src.checkpoint else "dummy"},
         "tp": options.tp,
-        "files": file_digests(tmp),
+        "files": file_digests(tmp, {p.relative_to(tmp).as_posix(): d for p, d in digests.items()}),
     }
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
 

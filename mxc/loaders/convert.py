@@ -139,18 +139,25 @@ def _checkpoint_scales(w: Weight, scale_w: Weight, ckpt) -> torch.Tensor:
 
 
 def write_weights(graph: Graph, ckpt, paths: list[Path], metadata: dict[str, str] | None = None,
-                  progress: bool = True) -> None:
+                  progress: bool = True) -> dict[Path, str]:
     """Write every weight of ``graph`` into one safetensors file per rank (``paths[r]``), one tensor at a time.
 
     Each checkpoint tensor is read once, merged and cast, then each rank's
     slice is written to that rank's file: peak memory is about one full weight.
+    Tensors are laid out in the order they are written (each fp8 scale after its
+    weight), so each file's sha256 comes out of the writing: returned by path.
     """
     check_names(graph, ckpt)
     tp = len(paths)
-    weights = list(graph.all_weights())
+    all_weights = list(graph.all_weights())
+    scales = {w.name: w for w in all_weights if w.scale_of}
+    weights = []
+    for w in all_weights:
+        if not w.scale_of:
+            weights += [w] + ([scales[f"{w.name}_scale"]] if f"{w.name}_scale" in scales else [])
+    weights += [w for w in all_weights if w not in weights]  # a scale without its weight (none expected)
     specs = {w.name: (DTYPES[w.dtype], w.shape) for w in weights}
     writers = [SafetensorsWriter(p, specs, metadata) for p in paths]
-    scales = {w.name: w for w in weights if w.scale_of}
     try:
         for w in tqdm(weights, desc="converting weights", unit="tensor", disable=not progress, leave=False):
             if w.scale_of:
@@ -178,3 +185,4 @@ def write_weights(graph: Graph, ckpt, paths: list[Path], metadata: dict[str, str
         raise
     for out in writers:
         out.close()
+    return {out.path: out.digest for out in writers if out.digest is not None}

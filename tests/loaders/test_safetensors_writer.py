@@ -75,6 +75,26 @@ def test_out_of_order_writes(tmp_path):
         assert torch.equal(_bits(loaded[name]), _bits(t)), name
 
 
+def test_digest_when_written_in_header_order(tmp_path):
+    """In header order (empty tensors included) the file's sha256 comes out of the writing; out of
+    order there is none (the builder hashes the file then); none before close."""
+    import hashlib
+
+    tensors = _sample()
+    path = tmp_path / "in_order.safetensors"
+    w = SafetensorsWriter(path, _specs(tensors))
+    for name, t in tensors.items():
+        w.write(name, t)
+    assert w.digest is None  # not closed yet
+    w.close()
+    assert w.digest == hashlib.sha256(path.read_bytes()).hexdigest()
+    w = SafetensorsWriter(tmp_path / "reversed.safetensors", _specs(tensors))
+    for name in reversed(list(tensors)):
+        w.write(name, tensors[name])
+    w.close()
+    assert w.digest is None
+
+
 def test_non_contiguous_input(tmp_path):
     t = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4).t()
     path = tmp_path / "out.safetensors"
