@@ -222,25 +222,32 @@ def _splitk_reduce_kernel(ws_ptr, b_ptr, r_ptr, y_ptr, M,
 
 
 @triton.jit
-def _gemv_silu_kernel(x_ptr, w_ptr, b_ptr, y_ptr, I: tl.constexpr, K: tl.constexpr, HALF_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
-    """Batch-1 GEMV with the SiLU-and-mul epilogue: program n reads gate rows [n * HALF_N, +HALF_N)
-    and the matching up rows (I further down) of w [2I, K], and writes
-    y[cols] = silu(x @ gate^T + b_g) * (x @ up^T + b_u) [I]: the v1 loop (fp32 partial products,
-    one reduction at the end) with two row sets, rounded as the unfused GEMV then ``silu_mul_kernel``."""
-    rows = (tl.program_id(0) * HALF_N + tl.arange(0, HALF_N)) % I  # past I: valid rows, store masked
-    if USE_PDL:
-        prefetch_rows_l2(w_ptr, rows, 0, K)
-        prefetch_rows_l2(w_ptr, rows + I, 0, K)
-    pdl_enter(USE_PDL)
-    if 2 * I * K > 2**31 - 1:
-        rows = rows.to(tl.int64)
+def dot_rows(x_ptrs, w_ptrs, K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The v1 loop for one input row: ``sum over K of w[r, :] * x`` [ROWS] in fp32, with per-thread
+    partial products and one reduction at the end. ``x_ptrs`` [BLOCK_K] and ``w_ptrs``
+    [ROWS, BLOCK_K] point at column 0 of x and of each weight row (rows contiguous along K)."""
     offs_k = tl.arange(0, BLOCK_K)
-    g_ptrs = w_ptr + rows[:, None] * K + offs_k[None, :]
-    u_ptrs = g_ptrs + I * K
-    x_ptrs = x_ptr + offs_k
-    acc_g = tl.zeros((HALF_N, BLOCK_K), dtype=tl.float32)
-    acc_u = tl.zeros((HALF_N, BLOCK_K), dtype=tl.float32)
+    acc = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if K % BLOCK_K == 0:
+            x = tl.load(x_ptrs).to(tl.float32)
+            w = tl.load(w_ptrs).to(tl.float32)
+        else:
+            k_ok = (k + offs_k) < K
+            x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
+        acc += w * x[None, :]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def dot_gate_up_rows(x_ptrs, g_ptrs, u_ptrs, K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``dot_rows`` over gate rows and the matching up rows in one pass over x: (gate, up) [ROWS]."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc_g = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         if K % BLOCK_K == 0:
             x = tl.load(x_ptrs).to(tl.float32)
@@ -256,8 +263,26 @@ def _gemv_silu_kernel(x_ptr, w_ptr, b_ptr, y_ptr, I: tl.constexpr, K: tl.constex
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    gate = tl.sum(acc_g, axis=1)
-    up = tl.sum(acc_u, axis=1)
+    return tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1)
+
+
+@triton.jit
+def _gemv_silu_kernel(x_ptr, w_ptr, b_ptr, y_ptr, I: tl.constexpr, K: tl.constexpr, HALF_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+    """Batch-1 GEMV with the SiLU-and-mul epilogue: program n reads gate rows [n * HALF_N, +HALF_N)
+    and the matching up rows (I further down) of w [2I, K], and writes
+    y[cols] = silu(x @ gate^T + b_g) * (x @ up^T + b_u) [I]: the v1 loop (fp32 partial products,
+    one reduction at the end) with two row sets, rounded as the unfused GEMV then ``silu_mul_kernel``."""
+    rows = (tl.program_id(0) * HALF_N + tl.arange(0, HALF_N)) % I  # past I: valid rows, store masked
+    if USE_PDL:
+        prefetch_rows_l2(w_ptr, rows, 0, K)
+        prefetch_rows_l2(w_ptr, rows + I, 0, K)
+    pdl_enter(USE_PDL)
+    if 2 * I * K > 2**31 - 1:
+        rows = rows.to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    g_ptrs = w_ptr + rows[:, None] * K + offs_k[None, :]
+    gate, up = dot_gate_up_rows(x_ptr + offs_k, g_ptrs, g_ptrs + I * K, K, HALF_N, BLOCK_K)
     if b_ptr is not None:
         gate += tl.load(b_ptr + rows).to(tl.float32)
         up += tl.load(b_ptr + I + rows).to(tl.float32)

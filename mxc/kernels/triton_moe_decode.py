@@ -8,7 +8,7 @@ floor, bound by ~21 launches a layer rather than bytes. Here, two kernels:
 
 1. ``_pair_up_kernel`` (grid (T * k, cdiv(I, BLOCK_N))): program (pair p = t * k + j, n-tile):
    ``h[p, n] = silu(x[t] @ gate_e[n]^T) * (x[t] @ up_e[n]^T)``, e = ids[t, j], as a batch-1
-   GEMV (fp32 partial products ``[BLOCK_N, BLOCK_K]`` per thread, one reduction at the end;
+   GEMV (``triton_gemv.dot_gate_up_rows``: fp32 partial products, one reduction at the end;
    weights widened right after the load, fp8 scaled per row at the end).
 2. ``_pair_down_sum_kernel`` (grid (T, cdiv(H, BLOCK_N))): program (t, n-tile): for j < k in
    order, ``y_j = (h[t * k + j] @ down_e[n]^T) * weights[t, j]`` and their fp32 sum, rounded
@@ -32,6 +32,7 @@ import triton.language as tl
 
 from mxc.kernels.launch import launch
 from mxc.kernels.pdl import pdl_enter
+from mxc.kernels.triton_gemv import dot_gate_up_rows, dot_rows
 
 @triton.jit
 def _pair_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr,
@@ -47,27 +48,7 @@ def _pair_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr,
     rn = offs_n % I  # rows past I re-read valid rows; only the store is masked
     offs_k = tl.arange(0, BLOCK_K)
     g_ptrs = w_ptr + e * (2 * I * H) + rn[:, None] * H + offs_k[None, :]
-    u_ptrs = g_ptrs + I * H
-    x_ptrs = x_ptr + t * H + offs_k
-    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in range(0, H, BLOCK_K):
-        if H % BLOCK_K == 0:
-            xk = tl.load(x_ptrs).to(tl.float32)
-            g = tl.load(g_ptrs).to(tl.float32)
-            u = tl.load(u_ptrs).to(tl.float32)
-        else:
-            k_ok = (k + offs_k) < H
-            xk = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-            g = tl.load(g_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
-            u = tl.load(u_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
-        acc_g += g * xk[None, :]
-        acc_u += u * xk[None, :]
-        x_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
-    gate = tl.sum(acc_g, axis=1)
-    up = tl.sum(acc_u, axis=1)
+    gate, up = dot_gate_up_rows(x_ptr + t * H + offs_k, g_ptrs, g_ptrs + I * H, H, BLOCK_N, BLOCK_K)
     if s_ptr is not None:  # fp8 row scales [E, 2I]
         gate = gate * tl.load(s_ptr + e * (2 * I) + rn).to(tl.float32)
         up = up * tl.load(s_ptr + e * (2 * I) + I + rn).to(tl.float32)
@@ -94,20 +75,7 @@ def _pair_down_sum_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, out_ptr,
         valid = (e >= 0) & (e < E)
         e = tl.where(valid, e, 0)
         w_ptrs = w_ptr + e * (H * I) + rn[:, None] * I + offs_k[None, :]
-        a_ptrs = h_ptr + pair * I + offs_k
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k in range(0, I, BLOCK_K):
-            if I % BLOCK_K == 0:
-                a = tl.load(a_ptrs).to(tl.float32)
-                w = tl.load(w_ptrs).to(tl.float32)
-            else:
-                k_ok = (k + offs_k) < I
-                a = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-                w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
-            acc += w * a[None, :]
-            a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-        y = tl.sum(acc, axis=1)
+        y = dot_rows(h_ptr + pair * I + offs_k, w_ptrs, I, BLOCK_N, BLOCK_K)
         if s_ptr is not None:  # fp8 row scales [E, H]
             y = y * tl.load(s_ptr + e * H + rn).to(tl.float32)
         wt = tl.load(weights_ptr + pair).to(tl.float32)

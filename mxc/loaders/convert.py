@@ -155,7 +155,8 @@ def write_weights(graph: Graph, ckpt, paths: list[Path], metadata: dict[str, str
     for w in all_weights:
         if not w.scale_of:
             weights += [w] + ([scales[f"{w.name}_scale"]] if f"{w.name}_scale" in scales else [])
-    weights += [w for w in all_weights if w not in weights]  # a scale without its weight (none expected)
+    placed = {w.name for w in weights}
+    weights += [w for w in all_weights if w.name not in placed]  # a scale without its weight (none expected)
     specs = {w.name: (DTYPES[w.dtype], w.shape) for w in weights}
     writers = [SafetensorsWriter(p, specs, metadata) for p in paths]
     try:

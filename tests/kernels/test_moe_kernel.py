@@ -27,6 +27,7 @@ from mxc.kernels import launch as launch_mod
 from mxc.kernels import moe_ref
 from mxc.kernels import triton_moe as tm
 from mxc.kernels.triton_moe import MoeConfig
+from mxc.loaders.quantize import quantize_fp8
 
 # bf16 needs the interpreter's float conversions fixed (tests/kernels/conftest.py) off the GPU
 _BF16_OK = torch.cuda.is_available() or Path(__file__).with_name("conftest.py").exists()
@@ -170,18 +171,12 @@ def test_deterministic():
     assert torch.equal(a, b)
 
 
-def _quantize_rows(w):
-    """float8_e4m3fn weights with one fp32 scale per output row (amax / 448)."""
-    s = (w.abs().amax(dim=-1).float() / 448.0).clamp_min(1e-12)
-    return (w.float() / s[..., None]).to(torch.float8_e4m3fn), s
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("T,k,E", [(1, 2, 4), (13, 2, 8)])
 def test_fp8_experts(T, k, E, dtype):
     x, weights, ids, w_gate_up, w_down = _inputs(T, k, E, torch.float32, seed=T + E)
     w_gate_up[:, :I] *= 3  # gate and up rows at different scales
-    (q1, s1), (q2, s2) = _quantize_rows(w_gate_up), _quantize_rows(w_down)
+    (q1, s1), (q2, s2) = quantize_fp8(w_gate_up, "channel"), quantize_fp8(w_down, "channel")  # as the loader
     x, weights = x.to(dtype), weights.to(dtype)
     deq = lambda q, s: (q.float() * s[..., None]).to(dtype)  # noqa: E731
     y = tm.fused_moe(_dev(x), _dev(weights), _dev(ids), _dev(q1), _dev(q2), s_gate_up=_dev(s1), s_down=_dev(s2),
