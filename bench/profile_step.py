@@ -31,8 +31,7 @@ def plain_launches(model):
     def reset(flags):
         for key, b in binaries.items():
             b.entry = {**b.entry, "pdl": flags[key]}
-        for bucket in model._decoder.buckets.values():
-            bucket.graph = None
+        model._decoder.drop_graphs()
 
     reset(dict.fromkeys(pdl, False))
     try:

@@ -70,6 +70,16 @@ class CudaDecoder:
         self.pool = torch.cuda.graph_pool_handle()
         self.buckets = {b: _Bucket(self, b) for b in batch_buckets(max_batch)}
 
+    def drop_graphs(self) -> None:
+        """Forget every captured decode step; the next step of each bucket captures again.
+
+        The new captures take a fresh memory pool: capturing into the pool of graphs that were
+        all freed trips PyTorch's allocator (``use_count > 0`` assert, torch 2.11).
+        """
+        for bucket in self.buckets.values():
+            bucket.graph = bucket.logits = None
+        self.pool = torch.cuda.graph_pool_handle()
+
     def forward(self, ctx, tokens, positions, rows):
         return self.forward_fn(ctx, tokens, positions, rows)
 
