@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mxc.kernels import fp8_gemm, triton_elementwise, triton_fp8, triton_fp8_quant, triton_gemv  # noqa: E402
+from mxc.kernels import fp8_gemm, triton_fp8, triton_fp8_quant, triton_gemv  # noqa: E402
 from mxc.kernels.triton_gemv import LLAMA3_8B_SHAPES, _time_us, _weight_copies  # noqa: E402
 from mxc.loaders.quantize import quantize_fp8  # noqa: E402
 
@@ -41,11 +41,6 @@ def bf16_gemv(ms):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             row(f"bf16 {name} M={m}", _time_us(lambda x_, w_: triton_gemv.linear_small_m(x_, w_), x, ws), nbytes,
                 str(triton_gemv.config_for(triton_gemv.bucket(m), n, k, torch.bfloat16)))
-            if name == "gate_up" and m == 1:  # the SiLU-and-mul epilogue against GEMV + silu_mul kernel
-                fused = lambda x_, w_: triton_gemv.linear_small_m(x_, w_, epilogue="silu_mul")  # noqa: E731
-                unfused = lambda x_, w_: triton_elementwise.silu_mul(triton_gemv.linear_small_m(x_, w_))  # noqa: E731
-                row("bf16 gate_up M=1 SiLU epilogue", _time_us(fused, x, ws), nbytes)
-                row("bf16 gate_up M=1 GEMV, then silu_mul", _time_us(unfused, x, ws), nbytes)
         del ws
 
 

@@ -13,8 +13,7 @@ from pathlib import Path
 from mxc.compiler.options import BuildOptions
 from mxc.errors import MxcError
 from mxc.compiler.passes import (eliminate_dead_code, fuse_add_rms_norm, fuse_linear_io, fuse_moe, fuse_norm_linear,
-                                  fuse_rope_cache, fuse_silu_epilogue, merge_gate_up, merge_qkv, quantize,
-                                  select_kernels, shard_tp)
+                                  fuse_rope_cache, merge_gate_up, merge_qkv, quantize, select_kernels, shard_tp)
 from mxc.ir import Graph, dump_graph, verify
 
 PIPELINE = [
@@ -31,8 +30,6 @@ PIPELINE = [
     ("fuse_linear_io", fuse_linear_io.run),
     # quantization: fp8 weights + scales (identity without --quant)
     ("quantize", quantize.run),
-    # fusion on what stays in the model dtype (after quantize: fp8 linears fold SiLU their own way)
-    ("fuse_silu_epilogue", fuse_silu_epilogue.run),
     # cleanup
     ("eliminate_dead_code", eliminate_dead_code.run),
     # lowering: every node claimed by a kernel for the target
@@ -43,7 +40,7 @@ PIPELINE = [
 # fusion's effect, or to work around one). The others carry meaning (sharding, quantization,
 # kernel selection) and always run.
 OPTIONAL = ("merge_qkv", "merge_gate_up", "fuse_moe", "fuse_rope_cache", "fuse_norm_linear", "fuse_add_rms_norm",
-            "fuse_linear_io", "fuse_silu_epilogue", "eliminate_dead_code")
+            "fuse_linear_io", "eliminate_dead_code")
 
 
 def check_disabled(names) -> tuple[str, ...]:

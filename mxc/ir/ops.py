@@ -50,18 +50,15 @@ def _rms_norm(x, w, eps, **_):
     return (x,)
 
 
-def _linear(x, w, bias=None, residual=None, prologue=None, epilogue=None, **_):
+def _linear(x, w, bias=None, residual=None, prologue=None, **_):
     _need(len(x.shape) == 2 and len(w.shape) == 2, lambda: f"expects x [T, K] and w [N, K], got {x} and {w}")
     _need(prologue in (None, "silu_mul"), lambda: f"prologue must be None or 'silu_mul', got {prologue!r}")
-    _need(epilogue in (None, "silu_mul"), lambda: f"epilogue must be None or 'silu_mul', got {epilogue!r}")
-    _need(epilogue is None or (residual is None and w.shape[0] % 2 == 0),
-          lambda: f"a silu_mul epilogue needs a merged [gate; up] weight (even rows, got {w}) and no residual")
     k = x.shape[1] // 2 if prologue == "silu_mul" else x.shape[1]
     _need(k == w.shape[1] and (prologue is None or x.shape[1] % 2 == 0),
           lambda: f"x {x}{' (after silu_mul)' if prologue else ''} and weight {w} disagree on K")
     if bias is not None:
         _need(bias.shape == (w.shape[0],), lambda: f"bias {bias} must be [{w.shape[0]}]")
-    out = TensorType((x.shape[0], w.shape[0] // 2 if epilogue else w.shape[0]), x.dtype)
+    out = TensorType((x.shape[0], w.shape[0]), x.dtype)
     if residual is not None:
         _need(residual == out, lambda: f"residual {residual} must match the output {out}")
     return (out,)
@@ -229,9 +226,8 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
     # normalisation
     OpDef("rms_norm", ("x", "weight"), _rms_norm, attrs=("eps",), doc="over the last dim"),
     # matmul
-    OpDef("linear", ("x", "weight", "bias?", "residual?"), _linear, optional_attrs=("prologue", "epilogue"),
-          doc="residual + epilogue(prologue(x) @ weight.T + bias) (prologue and residual made by "
-              "fuse_linear_io, epilogue by fuse_silu_epilogue)"),
+    OpDef("linear", ("x", "weight", "bias?", "residual?"), _linear, optional_attrs=("prologue",),
+          doc="residual + prologue(x) @ weight.T + bias (prologue and residual made by fuse_linear_io)"),
     # layout
     OpDef("heads", ("x",), _heads, attrs=("size",), doc="[T, n*d] -> [T, n, d]"),
     OpDef("flatten_heads", ("x",), _flatten_heads, doc="[T, n, d] -> [T, n*d]"),

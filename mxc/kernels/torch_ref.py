@@ -46,12 +46,10 @@ def rms_norm(x, weight, eps):
     return weight * xf.to(x.dtype)
 
 
-def linear(x, weight, bias=None, residual=None, prologue=None, epilogue=None):
+def linear(x, weight, bias=None, residual=None, prologue=None):
     if prologue == "silu_mul":
         x = silu_mul(x)
     y = F.linear(x, weight, bias)
-    if epilogue == "silu_mul":  # weight is a merged [gate; up]
-        y = silu_mul(y)
     return y if residual is None else residual + y
 
 

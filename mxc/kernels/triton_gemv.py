@@ -9,9 +9,8 @@ SiLU-and-mul prologue (every program recomputes silu on x) was 1.2x slower at ba
 batch 8; an RMSNorm prologue at batch 1 (x^2 summed while streaming the weights) made the step's
 GEMVs 16% slower (4437 against 3836 us a step on Llama-3-8B) for 132 us of norm kernels saved.
 Under fp8 both live in the activation-quantize kernel instead (``triton_fp8_quant``).
-On the output side, a SiLU-and-mul epilogue (``fuse_silu_epilogue``) turns a merged [gate; up]
-linear into ``silu(gate) * up``: at one row ``_gemv_silu_kernel`` runs the v1 loop over matching
-gate and up rows (its loop is the plain GEMV's), elsewhere the GEMV then the SiLU-and-mul kernel.
+On the output side, a SiLU-and-mul epilogue on the merged gate/up GEMV at batch 1
+(``fuse_silu_epilogue``) measured 4.41 against 4.29 ms/token end to end on Llama-3-8B and was removed.
 
 At decode a linear reads the whole weight matrix to produce a handful of rows,
 so it is bound by memory bandwidth: every weight byte must be read exactly once
@@ -65,7 +64,6 @@ import torch
 import triton
 import triton.language as tl
 
-from mxc.kernels import triton_elementwise
 from mxc.kernels.launch import check_operand, launch
 from mxc.kernels.pdl import pdl_enter, prefetch_rows_l2
 
@@ -266,34 +264,6 @@ def dot_gate_up_rows(x_ptrs, g_ptrs, u_ptrs, K: tl.constexpr, ROWS: tl.constexpr
     return tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1)
 
 
-@triton.jit
-def _gemv_silu_kernel(x_ptr, w_ptr, b_ptr, y_ptr, I: tl.constexpr, K: tl.constexpr, HALF_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
-    """Batch-1 GEMV with the SiLU-and-mul epilogue: program n reads gate rows [n * HALF_N, +HALF_N)
-    and the matching up rows (I further down) of w [2I, K], and writes
-    y[cols] = silu(x @ gate^T + b_g) * (x @ up^T + b_u) [I]: the v1 loop (fp32 partial products,
-    one reduction at the end) with two row sets, rounded as the unfused GEMV then ``silu_mul_kernel``."""
-    rows = (tl.program_id(0) * HALF_N + tl.arange(0, HALF_N)) % I  # past I: valid rows, store masked
-    if USE_PDL:
-        prefetch_rows_l2(w_ptr, rows, 0, K)
-        prefetch_rows_l2(w_ptr, rows + I, 0, K)
-    pdl_enter(USE_PDL)
-    if 2 * I * K > 2**31 - 1:
-        rows = rows.to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    g_ptrs = w_ptr + rows[:, None] * K + offs_k[None, :]
-    gate, up = dot_gate_up_rows(x_ptr + offs_k, g_ptrs, g_ptrs + I * K, K, HALF_N, BLOCK_K)
-    if b_ptr is not None:
-        gate += tl.load(b_ptr + rows).to(tl.float32)
-        up += tl.load(b_ptr + I + rows).to(tl.float32)
-    ty = y_ptr.dtype.element_ty
-    gate = gate.to(ty).to(tl.float32)
-    up = up.to(ty).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(ty).to(tl.float32)  # as triton_elementwise.silu_mul_kernel
-    cols = tl.program_id(0) * HALF_N + tl.arange(0, HALF_N)
-    tl.store(y_ptr + cols, (act * up).to(ty), mask=cols < I)
-
-
 # ----------------------------------------------------------------------------------------------
 # configs
 
@@ -379,15 +349,10 @@ def _tile_m(m_bucket: int, cfg: GemvConfig) -> int:
 
 
 def linear_small_m(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                   residual: torch.Tensor | None = None, *, epilogue: str | None = None,
-                   config: GemvConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                   residual: torch.Tensor | None = None, *, config: GemvConfig | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """``residual + x [M, K] @ w [N, K]^T (+ bias [N])`` for 1 <= M <= 32, in x's dtype (fp32
-    accumulation); the same as ``torch_ref.linear(x, w, bias, residual, epilogue=epilogue)``.
-
-    ``epilogue="silu_mul"`` (no residual, no ``out``): w is a merged [gate; up] [2I, K] and the
-    result is ``silu(gate) * up`` [M, I]. At one row with the one-slice FMA config this is one
-    kernel (``_gemv_silu_kernel``: each program reads matching gate and up rows); otherwise the
-    GEMV, then ``triton_elementwise.silu_mul``, bit for bit the same.
+    accumulation); the same as ``torch_ref.linear(x, w, bias, residual)``.
 
     ``residual`` (contiguous [M, N], x's dtype) is added to the result (``residual`` is
     positional after ``bias``, as the generated programs pass a linear's inputs). ``config``
@@ -412,8 +377,6 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
             check_operand(name, t, shape, x.dtype, x.device)
     m_bucket = bucket(M)
     cfg = config if config is not None else config_for(m_bucket, N, K, x.dtype)
-    if epilogue is not None:
-        return _linear_silu(x, w, bias, residual, out, epilogue, cfg)
     if out is None:
         y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     else:
@@ -436,20 +399,6 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
            dict(N=N, SPLIT_K=cfg.SPLIT_K, BLOCK_M=m_bucket, BLOCK_R=block_r, HAS_BIAS=has_bias,
                 HAS_RESIDUAL=has_residual),
            num_warps=4, num_stages=1)
-    return y
-
-
-def _linear_silu(x, w, bias, residual, out, epilogue, cfg: GemvConfig) -> torch.Tensor:
-    if epilogue != "silu_mul" or residual is not None or out is not None or w.shape[0] % 2:
-        raise ValueError(f"epilogue must be 'silu_mul' on a [2I, K] weight, without residual or out; got "
-                         f"{epilogue!r}, w {tuple(w.shape)}, residual {residual is not None}, out {out is not None}")
-    M, (N, K) = x.shape[0], w.shape
-    if M != 1 or cfg.USE_DOT or cfg.SPLIT_K != 1 or cfg.BLOCK_N < 2:
-        return triton_elementwise.silu_mul(linear_small_m(x, w, bias, config=cfg))
-    y = torch.empty((1, N // 2), dtype=x.dtype, device=x.device)
-    half = cfg.BLOCK_N // 2
-    launch(_gemv_silu_kernel, (triton.cdiv(N // 2, half),), [x, w, bias, y],
-           dict(I=N // 2, K=K, HALF_N=half, BLOCK_K=cfg.BLOCK_K), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 
 

@@ -35,15 +35,6 @@ def test_gemv_residual(m):
     assert _rel(triton_gemv.linear_small_m(x, w, None, r), ref) < 2e-2
 
 
-@pytest.mark.parametrize("m", [1, 8])
-def test_gemv_silu_epilogue_gate_up(m):
-    """The merged gate/up projection of Llama-3-8B with SiLU-and-mul in the GEMV (one row) or after it."""
-    x = torch.randn(m, 4096, device="cuda", dtype=BF16)
-    w = torch.randn(28672, 4096, device="cuda", dtype=BF16) * 0.02
-    ref = torch_ref.silu_mul(F.linear(x.float(), w.float()))
-    assert _rel(triton_gemv.linear_small_m(x, w, epilogue="silu_mul"), ref) < 2e-2
-
-
 @pytest.mark.parametrize("m", [1, 8, 64])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (28672, 4096), (128256, 4096)])  # qkv, gate_up, LM head
 def test_rms_norm_linear_llama8b_shapes(m, n, k):

@@ -66,9 +66,6 @@ EXAMPLES = {
         ([tt("T", 64), tt(128, 64), tt(64)], {}, "bias [64] float32 must be [128]"),
         ([tt("T", 4, 16), tt(128, 64)], {}, "expects x [T, K] and w [N, K]"),
         ([tt("T", 64), None], {}, "input 'weight' is required"),
-        ([tt("T", 64), tt(127, 64)], {"epilogue": "silu_mul"}, "merged [gate; up] weight (even rows"),
-        ([tt("T", 64), tt(128, 64), None, tt("T", 64)], {"epilogue": "silu_mul"}, "and no residual"),
-        ([tt("T", 64), tt(128, 64)], {"epilogue": "gelu"}, "epilogue must be None or 'silu_mul'"),
     ]),
     "heads": (([tt("T", 64)], {"size": 16}), [tt("T", 4, 16)], [
         ([tt("T", 64)], {"size": 24}, "cannot split"),
@@ -232,10 +229,6 @@ def test_rule_rejects_bad_example(op, ins, attrs, msg):
 def test_kernel_attrs_are_always_allowed():
     (ins, attrs), want, _ = EXAMPLES["linear"]
     assert list(infer("linear", ins, {"kernel": "torch_ref.linear", "kernel_reason": "r"})) == want
-
-
-def test_silu_mul_epilogue_halves_the_output():
-    assert infer("linear", [tt("T", 64), tt(128, 64)], {"epilogue": "silu_mul"}) == (tt("T", 64),)
 
 
 def test_optional_input_may_be_absent():

@@ -6,7 +6,7 @@ chosen candidate (GEMV and cuBLAS linears, the fused RoPE/KV write, prefill and 
 the one-kernel MoE router, the sorted fused MoE for prefills and the per-pair MoE kernels for
 decode), token-count dispatch between them, and the KV cache they share: a prefill of 2 x 5
 tokens (or 1 x 5), then two decode steps of 2 tokens (or 1: the one-row kernels, such as the
-GEMV with the SiLU-and-mul epilogue).
+batch-1 GEMV).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def _run(graph, forward, B):
     return out
 
 
-@pytest.mark.parametrize("B", [1, 2])  # one sequence: the one-row kernels (GEMV with the SiLU epilogue)
+@pytest.mark.parametrize("B", [1, 2])  # one sequence: the one-row kernels (the batch-1 GEMV)
 @pytest.mark.parametrize("arch,fields", [("LlamaForCausalLM", {}), ("Qwen3MoeForCausalLM", MOE)],
                          ids=["llama", "qwen3-moe"])
 def test_cuda_program_matches_cpu_program(arch, fields, B):

@@ -113,30 +113,6 @@ def test_fuse_linear_io_declines_shared_intermediates(bind_arch):
     assert after == g2  # both intermediates have a second reader: nothing to fold
 
 
-def test_fuse_silu_epilogue(bind_arch, assert_same_logits):
-    """SiLU-and-mul joins the merged gate/up linear (bf16 graphs; fp8 qlinears are left alone), with the
-    same logits; a gate/up output with a second reader stays unfused."""
-    from mxc.compiler.options import BuildOptions
-    from mxc.compiler.passes import fuse_silu_epilogue, quantize
-    from mxc.ir import Node
-
-    before = merged(bind_arch())
-    after = fuse_silu_epilogue.run(before, BF16)
-    verify(after)
-    body = layer(after).body
-    assert "silu_mul" not in ops(after)
-    (gate_up,) = [n for n in body if n.op == "linear" and n.ins[1] == "w_gate_up"]
-    assert gate_up.attrs == {"epilogue": "silu_mul"} and fuse_silu_epilogue.run(after, BF16) == after
-    assert_same_logits(before, after)
-    q = quantize.run(before, BuildOptions(quant="fp8"))
-    assert fuse_silu_epilogue.run(q, FP8) == q  # qlinear: nothing to fold
-    rep = layer(before)
-    gu = next(n for n in rep.body if n.op == "linear" and n.ins[1] == "w_gate_up").outs[0]
-    extra = Node("add", ("gu_twice",), (gu, gu))
-    g2 = before.replace(body=tuple(replace(rep, body=rep.body + (extra,)) if it is rep else it for it in before.body))
-    assert fuse_silu_epilogue.run(g2, BF16) == g2
-
-
 def test_fuse_norm_linear(bind_arch, assert_same_logits):
     """Under fp8 each RMSNorm read only by one linear joins it: ln1 -> qkv, ln2 -> gate_up, final norm ->
     LM head; the attention's residual add then stays a plain add, which fuse_linear_io folds into the o
