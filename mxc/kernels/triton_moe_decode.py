@@ -83,11 +83,61 @@ def _pair_down_sum_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, out_ptr,
     tl.store(out_ptr + t * H + offs_n, total.to(out_ptr.dtype.element_ty), mask=offs_n < H)
 
 
+@triton.jit
+def _pair_down_tile_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, out_ptr,
+                           E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+    """``_pair_down_sum_kernel`` with the k experts in one [TOP_K * BLOCK_N, BLOCK_K] tile a step
+    (row r = expert j * BLOCK_N + n): k times the bytes in flight of an expert-by-expert loop, whose
+    short reductions (I of 768) stall on each expert's first loads. Same rounding and order: the
+    k terms are picked out of the tile in order (adding zeros is exact)."""
+    pdl_enter(USE_PDL)
+    t = tl.program_id(0).to(tl.int64)
+    ty = h_ptr.dtype.element_ty
+    ROWS: tl.constexpr = TOP_K * BLOCK_N
+    r = tl.arange(0, ROWS)
+    j = r // BLOCK_N
+    n = tl.program_id(1) * BLOCK_N + r % BLOCK_N
+    rn = n % H
+    pair = t * TOP_K + j
+    e = tl.load(ids_ptr + pair)  # [ROWS]: each row's expert (L1 hits after the first)
+    valid = (e >= 0) & (e < E)
+    e = tl.where(valid, e, 0)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + (e * (H * I) + rn * I)[:, None] + offs_k[None, :]
+    x_ptrs = h_ptr + (pair * I)[:, None] + offs_k[None, :]
+    acc = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
+    for k in range(0, I, BLOCK_K):
+        if I % BLOCK_K == 0:
+            w = tl.load(w_ptrs).to(tl.float32)
+            x = tl.load(x_ptrs).to(tl.float32)
+        else:
+            k_ok = (k + offs_k) < I
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
+            x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
+        acc += w * x
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    y = tl.sum(acc, axis=1)  # [ROWS]
+    if s_ptr is not None:  # fp8 row scales [E, H]
+        y = y * tl.load(s_ptr + e * H + rn).to(tl.float32)
+    wt = tl.load(weights_ptr + pair).to(tl.float32)
+    z = tl.where(valid, (y.to(ty).to(tl.float32) * wt).to(ty).to(tl.float32), 0.0)
+    z2 = tl.reshape(z, (TOP_K, BLOCK_N))
+    jj = tl.arange(0, TOP_K)[:, None]
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for i in tl.static_range(TOP_K):
+        total += tl.sum(tl.where(jj == i, z2, 0.0), axis=0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(out_ptr + t * H + offs_n, total.to(out_ptr.dtype.element_ty), mask=offs_n < H)
+
+
 @dataclass(frozen=True)
 class PairConfig:
     BLOCK_N: int = 16
     BLOCK_K: int = 512
     num_warps: int = 8
+    TILE: bool = False  # down only: the k experts in one tile (``_pair_down_tile_kernel``; power-of-two k)
 
 
 def config_for(hidden: int, inter: int, dtype: torch.dtype) -> tuple[PairConfig, PairConfig]:
@@ -115,7 +165,9 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_
     launch(_pair_up_kernel, (T * top_k, triton.cdiv(I, up.BLOCK_N)), [x, w_gate_up, s_gate_up, ids, h],
            dict(E=E, H=H, I=I, TOP_K=top_k, BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K), num_warps=up.num_warps,
            num_stages=1)
-    launch(_pair_down_sum_kernel, (T, triton.cdiv(H, down.BLOCK_N)), [h, w_down, s_down, weights, ids, out],
+    tile = down.TILE and top_k & (top_k - 1) == 0  # a tile's rows are a power of two
+    launch(_pair_down_tile_kernel if tile else _pair_down_sum_kernel, (T, triton.cdiv(H, down.BLOCK_N)),
+           [h, w_down, s_down, weights, ids, out],
            dict(E=E, H=H, I=I, TOP_K=top_k, BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K), num_warps=down.num_warps,
            num_stages=1)
     return out

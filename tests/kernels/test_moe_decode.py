@@ -28,6 +28,8 @@ TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H, I = 48, 40
 RAGGED = (tmd.PairConfig(BLOCK_N=16, BLOCK_K=32, num_warps=4), tmd.PairConfig(BLOCK_N=16, BLOCK_K=32, num_warps=4))
+TILED = (RAGGED[0], tmd.PairConfig(BLOCK_N=8, BLOCK_K=32, num_warps=4, TILE=True))
+WHOLE_TILED = (RAGGED[0], tmd.PairConfig(BLOCK_N=8, BLOCK_K=8, num_warps=4, TILE=True))
 SORTED = MoeConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, CHUNK=16)
 
 
@@ -55,7 +57,8 @@ def _check(y, ref, tol):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("T,k,E", [(1, 2, 4), (3, 1, 8), (4, 2, 8), (1, 4, 8)])
-@pytest.mark.parametrize("configs", [RAGGED, None], ids=["ragged-k", "default"])
+@pytest.mark.parametrize("configs", [RAGGED, None, TILED, WHOLE_TILED],
+                         ids=["ragged-k", "default", "tiled-down-ragged-k", "tiled-down"])
 def test_pairs_match_reference_and_sorted_path(T, k, E, dtype, configs):
     x, weights, ids, wgu, wd = _inputs(T, k, E, dtype, seed=T * 10 + k + E)
     args = [_dev(t) for t in (x, weights, ids, wgu, wd)]
@@ -73,21 +76,33 @@ def test_tokens_sharing_experts(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_fp8_experts(dtype):
+@pytest.mark.parametrize("k", [2, 3])
+def test_tiled_down_equals_expert_loop(dtype, k):
+    """The tiled down kernel rounds and sums as the expert-by-expert one: equal bits (k = 3, not a
+    power of two, takes the loop)."""
+    x, weights, ids, wgu, wd = _inputs(3, k, 8, dtype, seed=11)
+    args = [_dev(t) for t in (x, weights, ids, wgu, wd)]
+    assert torch.equal(tmd.fused_moe(*args, configs=TILED), tmd.fused_moe(*args, configs=RAGGED))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("configs", [RAGGED, TILED], ids=["loop", "tiled"])
+def test_fp8_experts(dtype, configs):
     x, weights, ids, wgu, wd = _inputs(2, 2, 4, torch.float32, seed=3)
     wgu[:, :I] *= 3  # gate and up rows at different scales
     (q1, s1), (q2, s2) = quantize_fp8(wgu, "channel"), quantize_fp8(wd, "channel")  # as the loader stores them
     x, weights = x.to(dtype), weights.to(dtype)
     deq = lambda q, s: (q.float() * s[..., None]).to(dtype)  # noqa: E731
     y = tmd.fused_moe(_dev(x), _dev(weights), _dev(ids), _dev(q1), _dev(q2), s_gate_up=_dev(s1), s_down=_dev(s2),
-                      configs=RAGGED)
+                      configs=configs)
     _check(y, moe_ref.fused_moe(x, weights, ids, deq(q1, s1), deq(q2, s2)), TOL[dtype])
 
 
-def test_invalid_ids_are_dropped_as_by_the_sorted_path():
+@pytest.mark.parametrize("configs", [RAGGED, TILED], ids=["loop", "tiled"])
+def test_invalid_ids_are_dropped_as_by_the_sorted_path(configs):
     ids = torch.tensor([[0, 9], [-1, 2]])  # 9 and -1 are not experts of E = 4
     x, weights, ids, wgu, wd = _inputs(2, 2, 4, torch.float32, seed=5, ids=ids)
-    y = tmd.fused_moe(*[_dev(t) for t in (x, weights, ids, wgu, wd)], configs=RAGGED).cpu()
+    y = tmd.fused_moe(*[_dev(t) for t in (x, weights, ids, wgu, wd)], configs=configs).cpu()
     keep = (ids >= 0) & (ids < 4)
     ref = moe_ref.fused_moe(x, weights * keep, ids.clamp(0, 3), wgu, wd)
     _check(y, ref, TOL[torch.float32])
@@ -128,7 +143,14 @@ with L.using(rec):
     tmd.fused_moe(meta(2, 2048), meta(2, 8), meta(2, 8, dtype=torch.int64), meta(128, 1536, 2048, dtype=f8),
                   meta(128, 2048, 768, dtype=f8), s_gate_up=meta(128, 1536, dtype=torch.float32),
                   s_down=meta(128, 2048, dtype=torch.float32))
-fns = {"_pair_up_kernel": tmd._pair_up_kernel, "_pair_down_sum_kernel": tmd._pair_down_sum_kernel}
+    tiled = (tmd.PairConfig(), tmd.PairConfig(BLOCK_N=8, BLOCK_K=256, TILE=True))
+    tmd.fused_moe(meta(1, 2048), meta(1, 8), meta(1, 8, dtype=torch.int64), meta(128, 1536, 2048),
+                  meta(128, 2048, 768), configs=tiled)
+    tmd.fused_moe(meta(1, 2048), meta(1, 8), meta(1, 8, dtype=torch.int64), meta(128, 1536, 2048, dtype=f8),
+                  meta(128, 2048, 768, dtype=f8), s_gate_up=meta(128, 1536, dtype=torch.float32),
+                  s_down=meta(128, 2048, dtype=torch.float32), configs=tiled)
+fns = {"_pair_up_kernel": tmd._pair_up_kernel, "_pair_down_sum_kernel": tmd._pair_down_sum_kernel,
+       "_pair_down_tile_kernel": tmd._pair_down_tile_kernel}
 for spec in rec.specs.values():
     fn = fns[spec["kernel"].split(":")[1]]
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in spec["signature"].items()
@@ -147,4 +169,4 @@ def test_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", _COMPILE], cwd=Path(__file__).resolve().parents[2], env=env,
                        capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "ok 4" in r.stdout, r.stderr[-3000:]
+    assert r.returncode == 0 and "ok 6" in r.stdout, r.stderr[-3000:]

@@ -1,0 +1,128 @@
+"""The batch-1 kernels of the Qwen3-30B-A3B shape, one by one, on one GPU.
+
+Times, as decode runs them (a CUDA graph of back-to-back calls, weights from HBM):
+  the per-pair MoE kernels (``triton_moe_decode``) over their configs: the gate/up pair kernel,
+    the expert-by-expert down kernel and the tiled one (the k experts in one tile); every call
+    picks another random set of experts, so the chosen experts' weights come from HBM;
+  the attention-side GEMVs (qkv, o, router) and the Llama-3-8B qkv and o with ``triton_gemv.tune``.
+Prints microseconds and TB/s of the weights read. Usage: python bench/moe_lab.py [--skip gemv]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mxc.kernels import moe_ref, triton_gemv  # noqa: E402
+from mxc.kernels import triton_moe_decode as tmd  # noqa: E402
+
+E, H, I, K = 128, 2048, 768, 8
+
+
+def time_us(fn, calls: int = 32) -> float:
+    """Microseconds per ``fn(i)``: do_bench of a CUDA graph of ``calls`` back-to-back calls."""
+    from triton.testing import do_bench
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn(0)
+        fn(1)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            fn(i)
+    return do_bench(g.replay, warmup=5, rep=40) * 1e3 / calls
+
+
+def moe_kernels(tokens: int) -> None:
+    w1 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) * 0.02
+    sets = 16
+    xs = [torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+    routes = [moe_ref.route(torch.randn(tokens, E, device="cuda"), K, renormalize=True) for _ in range(sets)]
+    routes = [(w.to(torch.bfloat16), ids) for w, ids in routes]
+    experts = tokens * K  # distinct with high probability at a few tokens
+    up_bytes, down_bytes = experts * 2 * I * H * 2, experts * H * I * 2
+    ref = moe_ref.fused_moe(xs[0], *routes[0], w1, w2)
+    default_up, default_down = tmd.config_for(H, I, torch.bfloat16)
+
+    def run(up, down):
+        return lambda i: tmd.fused_moe(xs[i % sets], *routes[i % sets], w1, w2, configs=(up, down))
+
+    def check(up, down):
+        y = tmd.fused_moe(xs[0], *routes[0], w1, w2, configs=(up, down))
+        err = (y.float() - ref.float()).abs().max().item()
+        assert err <= 2e-2 * ref.float().abs().max().item(), (up, down, err)
+
+    both = time_us(run(default_up, default_down))
+    print(f"T={tokens} default up + down: {both:7.1f} us  {(up_bytes + down_bytes) / both / 1e6:5.2f} TB/s  "
+          f"{default_up} {default_down}", flush=True)
+    results = []
+    for tile, bns, bks in ((False, (8, 16, 32), (256, 512)), (True, (2, 4, 8, 16), (64, 128, 256))):
+        for bn in bns:
+            for bk in bks:
+                for nw in (4, 8):
+                    down = tmd.PairConfig(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, TILE=tile)
+                    try:
+                        check(default_up, down)
+                        t = time_us(run(default_up, down))
+                    except Exception as e:  # out of resources: skip
+                        print(f"  skip {down}: {type(e).__name__} {str(e)[:60]}")
+                        continue
+                    results.append((t, "down", down))
+    best_down = min(r for r in results if r[1] == "down")
+    for bn in (8, 16, 32):
+        for bk in (256, 512, 1024):
+            for nw in (4, 8):
+                up = tmd.PairConfig(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw)
+                try:
+                    check(up, best_down[2])
+                    t = time_us(run(up, best_down[2]))
+                except Exception as e:
+                    print(f"  skip {up}: {type(e).__name__} {str(e)[:60]}")
+                    continue
+                results.append((t, "up", up))
+    for t, kind, cfg in sorted(results, key=lambda r: (r[1], r[0])):
+        other = "best down" if kind == "up" else "default up"
+        print(f"T={tokens} {kind:4s} {t:7.1f} us (with {other})  {cfg}", flush=True)
+    best_up = min(r for r in results if r[1] == "up")
+    print(f"T={tokens} best: up {best_up[2]}  down {best_down[2]}: {best_up[0]:.1f} us "
+          f"({(up_bytes + down_bytes) / best_up[0] / 1e6:.2f} TB/s) vs default {both:.1f} us", flush=True)
+
+
+def gemvs() -> None:
+    shapes = {"qwen3-moe qkv": (5120, 2048), "qwen3-moe o": (2048, 4096), "qwen3-moe router": (128, 2048),
+              "llama qkv": (6144, 4096), "llama o": (4096, 4096)}
+    for name, (n, k) in shapes.items():
+        ws = triton_gemv._weight_copies(n, k, torch.bfloat16)
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        cfg = triton_gemv.config_for(1, n, k, torch.bfloat16)
+        t = triton_gemv._time_us(lambda x_, w_: triton_gemv.linear_small_m(x_, w_, config=cfg), x, ws)
+        best, bt = triton_gemv.tune(n, k, torch.bfloat16, 1, ws=ws)
+        print(f"{name:18s} default {t:6.1f} us {n * k * 2 / t / 1e6:5.2f} TB/s {cfg}\n"
+              f"{'':18s} tuned   {bt:6.1f} us {n * k * 2 / bt / 1e6:5.2f} TB/s {best}", flush=True)
+        del ws
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--skip", default="", help="comma-separated: moe, gemv")
+    p.add_argument("--tokens", default="1")
+    args = p.parse_args()
+    skip = set(args.skip.split(","))
+    if "moe" not in skip:
+        for t in (int(x) for x in args.tokens.split(",")):
+            moe_kernels(t)
+    if "gemv" not in skip:
+        gemvs()
+
+
+if __name__ == "__main__":
+    main()
