@@ -69,6 +69,7 @@ def main() -> None:
     p.add_argument("--hf", action="store_true", help="also measure HF eager at batch 64")
     p.add_argument("--no-batch1", dest="batch1", action="store_false",
                    help="skip batch-1 decode and its profile (measured in an earlier run)")
+    p.add_argument("--batch1-only", action="store_true", help="batch-1 decode and its profile only")
     args = p.parse_args()
     rows = _Rows()  # each row also printed as measured
     bw = copy_bandwidth()
@@ -86,6 +87,9 @@ def main() -> None:
         step = bench_generate(lambda ids, new: model.generate(ids, max_new_tokens=new), 1, 128, 64)
         rows.append(("mxc decode batch 1", f"{step * 1e3:.2f} ms/token, {floor / step * 100:.0f}% of the floor"))
         print("\nper-kernel breakdown of one batch-1 decode step:\n" + profile_decode(model) + "\n", flush=True)
+    if args.batch1_only:
+        print("\n" + "\n".join(f"{k:36s} {v}" for k, v in rows))
+        return
     step64 = bench_generate(lambda ids, new: model.generate(ids, max_new_tokens=new), 64, 128, 32)
     rows.append(("mxc decode batch 64", f"{step64 * 1e3:.2f} ms/step"))
     kernel_vs_loop(rows)

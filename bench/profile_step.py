@@ -21,23 +21,17 @@ import torch
 @contextmanager
 def plain_launches(model):
     """The model's PDL cubins launched without the PDL attribute (no overlap), graphs re-captured;
-    restored, and re-captured again with PDL, afterwards. A no-op for artifacts without PDL."""
-    binaries = getattr(model._launcher, "binaries", {})
-    pdl = {key: b.entry.get("pdl") for key, b in binaries.items()}
-    if not any(pdl.values()):
+    re-captured again as built afterwards. A no-op for artifacts without PDL."""
+    launcher = model._launcher
+    if not getattr(launcher, "pdl", False):
         yield
         return
-
-    def reset(flags):
-        for key, b in binaries.items():
-            b.entry = {**b.entry, "pdl": flags[key]}
-        model._decoder.drop_graphs()
-
-    reset(dict.fromkeys(pdl, False))
+    model._decoder.drop_graphs()
     try:
-        yield
+        with launcher.plain():
+            yield
     finally:
-        reset(pdl)
+        model._decoder.drop_graphs()
 
 
 def profile_decode(model, steps: int = 10, prompt: int = 128, batch: int = 1, plain: bool = True) -> str:

@@ -305,6 +305,14 @@ def split_k_for(n_programs: int, k: int, block_k: int) -> int:
     return split
 
 
+# Shapes where ``tune`` found a faster config than the rules below (H200, Triton 3.6, bf16,
+# ``bench/moe_lab.py``, 2026-11-30): the place a tuning cache's entries will plug in.
+MEASURED = {
+    (1, 6144, 4096, torch.bfloat16): GemvConfig(8, 256, 1, False, 4, 1),  # Llama-3-8B qkv: 16.0 -> 14.2 us
+    (1, 5120, 2048, torch.bfloat16): GemvConfig(8, 1024, 1, False, 8, 1),  # Qwen3-30B-A3B qkv: 7.9 -> 7.4 us
+}
+
+
 def config_for(m_bucket: int, n: int, k: int, dtype: torch.dtype) -> GemvConfig:
     """Default H200 config for a (bucket, N, K, dtype); a pure function of its arguments.
 
@@ -331,6 +339,8 @@ def config_for(m_bucket: int, n: int, k: int, dtype: torch.dtype) -> GemvConfig:
         raise ValueError(f"m_bucket must be one of {M_BUCKETS}, got {m_bucket}")
     if dtype not in _DTYPES:
         raise ValueError(f"unsupported dtype {dtype}")
+    if (m_bucket, n, k, dtype) in MEASURED:
+        return MEASURED[(m_bucket, n, k, dtype)]
     row = 512 // torch.empty((), dtype=dtype).element_size()  # elements in 512 B: one warp's span
     if m_bucket == 1:
         cfg = GemvConfig(BLOCK_N=16, BLOCK_K=4 * row, num_warps=8, num_stages=1)

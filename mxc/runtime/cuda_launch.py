@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -77,7 +78,7 @@ class _Binary:
         self.kinds = entry["params"]
         self.n_args = len(entry["args"])
 
-    def launch(self, grid, args) -> None:
+    def launch(self, grid, args, pdl: bool = True) -> None:
         values = []
         for kind, arg in zip(self.kinds, list(args) + [None] * (len(self.kinds) - len(args))):
             if isinstance(arg, torch.Tensor):
@@ -91,7 +92,7 @@ class _Binary:
         params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
         g = tuple(grid) + (1,) * (3 - len(grid))
         stream = torch.cuda.current_stream().cuda_stream
-        if self.entry.get("pdl"):  # may start before the previous kernel ends; it waits on it first
+        if pdl and self.entry.get("pdl"):  # may start before the previous kernel ends; it waits on it first
             attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
             attr.value.programmaticStreamSerializationAllowed = 1
             config = _LaunchConfig(g[0], g[1], g[2], self.threads, 1, 1, self.entry["shared"], stream,
@@ -115,6 +116,17 @@ class CubinLauncher:
         self.binaries = {key: _Binary(self.lib, (kernels_dir / e["file"]).read_bytes(), e)
                          for key, e in index.items()}
         self._fast: dict[tuple, _Binary] = {}
+        self.pdl_launch = True  # PDL cubins get the launch attribute; ``plain()`` turns it off
+
+    @contextmanager
+    def plain(self):
+        """Launch the PDL cubins without the PDL attribute (each kernel starts after the one ahead
+        ends; their ``griddepcontrol.wait`` returns at once) inside this block."""
+        before, self.pdl_launch = self.pdl_launch, False
+        try:
+            yield
+        finally:
+            self.pdl_launch = before
 
     def __call__(self, kernel, grid, args, constexprs, num_warps, num_stages):
         constexprs = with_pdl(kernel, constexprs, self.pdl)
@@ -129,4 +141,4 @@ class CubinLauncher:
                                f"artifact (built for other shapes or batch sizes); rebuild it, or load with "
                                f"rebuild_kernels=True")
             self._fast[fast_key] = binary
-        binary.launch(grid, [a for a in args if a is not None])
+        binary.launch(grid, [a for a in args if a is not None], self.pdl_launch)

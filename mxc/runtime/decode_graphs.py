@@ -10,12 +10,20 @@ decode loop; tokens are gathered on the device and copied out once at the end.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from mxc.kernels import launch
 from mxc.kernels.context import ForwardContext
 from mxc.runtime_buckets import batch_bucket, batch_buckets
 from mxc.runtime.sampling import sample
+
+# Buckets above this many rows are captured with plain launches even from a PDL artifact: on the
+# H200 (Llama-3-8B shape, 2026-11-30) PDL took batch 1 from 4.51 to 4.33 ms and batch 8 from 5.14
+# to 4.94, but batch 32 from 5.24 to 5.64 (the 32-row GEMVs' own cp.async pipelines compete with
+# the weight prefetch of the kernel behind them).
+PDL_MAX_BUCKET = 8
 
 
 class _Bucket:
@@ -52,7 +60,9 @@ class _Bucket:
                 run()
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=dec.pool), launch.using(dec.launcher):
+        plain = getattr(dec.launcher, "plain", None) if self.size > PDL_MAX_BUCKET else None
+        with torch.cuda.graph(self.graph, pool=dec.pool), launch.using(dec.launcher), \
+                (plain() if plain else contextlib.nullcontext()):
             self.logits = run()
 
 

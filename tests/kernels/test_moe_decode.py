@@ -125,9 +125,9 @@ def test_meta_recording():
                           meta(128, 2048, 768))
     assert y.shape == (3, 2048)
     (k1, g1, c1), (k2, g2, c2) = seen
-    assert (k1, k2) == (tmd._pair_up_kernel, tmd._pair_down_sum_kernel)
-    assert g1 == (24, 768 // 16) and g2 == (3, 2048 // 16)
-    assert c1["BLOCK_K"] == 512 and c2["BLOCK_K"] == 512 and c1["TOP_K"] == 8 and c1["E"] == 128
+    assert (k1, k2) == (tmd._pair_up_kernel, tmd._pair_down_tile_kernel)  # k = 8: the tiled down kernel
+    assert g1 == (24, 768 // 16) and g2 == (3, 2048 // 2)
+    assert c1["BLOCK_K"] == 256 and c2["BLOCK_K"] == 128 and c1["TOP_K"] == 8 and c1["E"] == 128
 
 
 _COMPILE = """
@@ -169,4 +169,4 @@ def test_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", _COMPILE], cwd=Path(__file__).resolve().parents[2], env=env,
                        capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "ok 6" in r.stdout, r.stderr[-3000:]
+    assert r.returncode == 0 and "ok 8" in r.stdout, r.stderr[-3000:]
