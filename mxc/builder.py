@@ -181,15 +181,26 @@ def _log(msg: str) -> None:
     print(f"mxc: {msg}", file=sys.stderr)
 
 
+def resolve_tp_allreduce(choice: str, target: str, tp) -> str:
+    """``--tp-allreduce``: "auto" is one_shot on cuda with tp > 1 (measured faster than NCCL), else nccl."""
+    if choice not in ("auto", "nccl", "one_shot"):
+        raise MxcError(f"--tp-allreduce {choice}: expected auto, nccl or one_shot")
+    if choice == "auto":
+        return "one_shot" if target == "cuda" and isinstance(tp, int) and tp > 1 else "nccl"
+    return choice
+
+
 def build(source: str, *, out: str | Path | None = None, checkpoint: str | None = None, config: str | None = None,
           dtype: str | None = None, target: str = "cpu", dump_ir: str | Path | None = None,
           max_batch: int = 32, max_seq_len: int | None = None, arch: int = 90, tp: int = 1,
           quant: str | None = None, quant_granularity: str = "channel", quant_lm_head: bool = False,
           disable_passes: tuple[str, ...] | list[str] = (), pdl: bool | None = None,
-          tp_allreduce: str = "nccl", progress: bool = True, log=_log) -> Path:
+          tp_allreduce: str = "auto", progress: bool = True, log=_log) -> Path:
     """Build an artifact and return its directory.
 
     ``pdl=None`` turns programmatic dependent launch on where it exists (``--target cuda``, sm_90+).
+    ``tp_allreduce="auto"`` is ``one_shot`` for ``--target cuda`` with ``tp > 1`` (on two H200s a
+    tp=2 Llama-3-8B token took 3.09 ms with it, 3.27 ms with NCCL), else ``nccl``.
     """
     if target not in ("cpu", "cuda"):
         raise MxcError(f"--target {target}: expected cpu or cuda")
@@ -206,8 +217,7 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     if pdl and (target != "cuda" or arch < 90):
         raise MxcError(f"--pdl: programmatic dependent launch needs --target cuda on sm_90 or later "
                        f"(got --target {target}, sm_{arch})")
-    if tp_allreduce not in ("nccl", "one_shot"):
-        raise MxcError(f"--tp-allreduce {tp_allreduce}: expected nccl or one_shot")
+    tp_allreduce = resolve_tp_allreduce(tp_allreduce, target, tp)
     if tp_allreduce == "one_shot" and target != "cuda":
         raise MxcError(f"--tp-allreduce one_shot: the peer-memory all-reduce needs --target cuda (got {target})")
     if not isinstance(tp, int) or tp < 1:

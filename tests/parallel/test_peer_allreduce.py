@@ -39,10 +39,19 @@ def test_one_shot_serves_decode_token_counts_when_asked():
         assert attrs["kernel"] == "torch_ref.all_reduce"
 
 
+def test_auto_is_one_shot_on_cuda_with_tp():
+    from mxc.builder import resolve_tp_allreduce
+
+    assert resolve_tp_allreduce("auto", "cuda", 2) == "one_shot"
+    assert resolve_tp_allreduce("auto", "cuda", 1) == "nccl"
+    assert resolve_tp_allreduce("auto", "cpu", 4) == "nccl"
+    assert resolve_tp_allreduce("nccl", "cuda", 2) == "nccl"
+
+
 def test_build_refuses_one_shot_off_cuda(tmp_path):
     with pytest.raises(mxc.MxcError, match="needs --target cuda"):
         mxc.build("llama.yaml", out=tmp_path / "a", tp=2, tp_allreduce="one_shot", progress=False, log=lambda m: None)
-    with pytest.raises(mxc.MxcError, match="expected nccl or one_shot"):
+    with pytest.raises(mxc.MxcError, match="expected auto, nccl or one_shot"):
         mxc.build("llama.yaml", out=tmp_path / "a", tp=2, tp_allreduce="ring", progress=False, log=lambda m: None)
     assert not (tmp_path / "a").exists()
 
