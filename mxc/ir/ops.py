@@ -159,14 +159,17 @@ def _experts(x, weights, ids, w_gate, w_up, w_down, **_):
     return _moe_common(x, weights, ids, w_gate, w_down, 1)
 
 
-def _fused_moe(x, weights, ids, w_gate_up, w_down, s_gate_up=None, s_down=None, **_):
+def _fused_moe(x, weights, ids, w_gate_up, w_down, s_gate_up=None, s_down=None, residual=None, **_):
     _need((s_gate_up is None) == (s_down is None), lambda: "fp8 expert scales come together")
     if s_gate_up is not None:
         _need(w_gate_up.dtype == w_down.dtype == "float8_e4m3fn", lambda: f"scaled stacks must be fp8, got {w_gate_up}")
         _need(s_gate_up.shape == w_gate_up.shape[:2] and s_down.shape == w_down.shape[:2],
               lambda: f"row scales {s_gate_up} / {s_down} must be [E, rows] of {w_gate_up} / {w_down}")
         w_gate_up, w_down = TensorType(w_gate_up.shape, x.dtype), TensorType(w_down.shape, x.dtype)
-    return _moe_common(x, weights, ids, w_gate_up, w_down, 2)
+    out = _moe_common(x, weights, ids, w_gate_up, w_down, 2)
+    if residual is not None:
+        _need(residual == out[0], lambda: f"residual {residual} must match the output {out[0]}")
+    return out
 
 
 def _scale_rows(x, s, **_):
@@ -248,8 +251,9 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
           doc="scores (softmax/sigmoid) -> top-k weights and expert ids per token"),
     OpDef("experts", ("x", "weights", "ids", "w_gate", "w_up", "w_down"), _experts,
           doc="sum over each token's experts of weight * down(silu(gate(x)) * up(x)); stacks [E, ...]"),
-    OpDef("fused_moe", ("x", "weights", "ids", "w_gate_up", "w_down", "s_gate_up?", "s_down?"), _fused_moe,
-          doc="experts over a merged gate/up stack [E, 2I, H] -- fuse_moe; fp8 stacks with row scales -- quantize"),
+    OpDef("fused_moe", ("x", "weights", "ids", "w_gate_up", "w_down", "s_gate_up?", "s_down?", "residual?"),
+          _fused_moe, doc="experts over a merged gate/up stack [E, 2I, H] -- fuse_moe; fp8 stacks with row scales "
+                          "-- quantize; + residual -- fuse_linear_io"),
     # tensor parallelism (made by shard_tp)
     OpDef("vocab_embedding", ("ids", "table"), _embedding, uses_context=True,
           doc="rows of this rank's vocabulary slice (rank * rows ...), zeros elsewhere; all_reduce completes it"),

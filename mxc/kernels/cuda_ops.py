@@ -71,16 +71,18 @@ def all_reduce_one_shot(x, bias=None, ctx: ForwardContext = None):
     return out if bias is None else out + bias
 
 
-def fused_moe(x, weights, ids, w_gate_up, w_down, s_gate_up=None, s_down=None):
+def fused_moe(x, weights, ids, w_gate_up, w_down, s_gate_up=None, s_down=None, residual=None):
     from mxc.kernels import triton_moe
 
-    return triton_moe.fused_moe(x, weights, ids, w_gate_up, w_down, s_gate_up=s_gate_up, s_down=s_down)
+    return triton_moe.fused_moe(x, weights, ids, w_gate_up, w_down, s_gate_up=s_gate_up, s_down=s_down,
+                                residual=residual)
 
 
-def fused_moe_pairs(x, weights, ids, w_gate_up, w_down, s_gate_up=None, s_down=None):
+def fused_moe_pairs(x, weights, ids, w_gate_up, w_down, s_gate_up=None, s_down=None, residual=None):
     from mxc.kernels import triton_moe_decode
 
-    return triton_moe_decode.fused_moe(x, weights, ids, w_gate_up, w_down, s_gate_up=s_gate_up, s_down=s_down)
+    return triton_moe_decode.fused_moe(x, weights, ids, w_gate_up, w_down, s_gate_up=s_gate_up, s_down=s_down,
+                                       residual=residual)
 
 
 def cached_attention(q, ctx: ForwardContext, scale, layer, causal=True, sliding_window=None):

@@ -222,10 +222,11 @@ def experts(x, weights, ids, w_gate, w_up, w_down):
     return moe_ref.experts(x, weights, ids, w_gate, w_up, w_down)
 
 
-def fused_moe(x, weights, ids, w_gate_up, w_down, s_gate_up=None, s_down=None):
+def fused_moe(x, weights, ids, w_gate_up, w_down, s_gate_up=None, s_down=None, residual=None):
     from mxc.kernels import moe_ref
 
     if s_gate_up is not None:  # fp8 experts: weight-only, dequantized (activations stay in x's dtype)
         w_gate_up = (w_gate_up.float() * s_gate_up[..., None]).to(x.dtype)
         w_down = (w_down.float() * s_down[..., None]).to(x.dtype)
-    return moe_ref.fused_moe(x, weights, ids, w_gate_up, w_down)
+    y = moe_ref.fused_moe(x, weights, ids, w_gate_up, w_down)
+    return y if residual is None else add(residual, y)

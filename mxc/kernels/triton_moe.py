@@ -37,7 +37,8 @@ recorded on ``meta`` tensors, compiled ahead of time and replayed in a CUDA grap
 4. ``_moe_sum_kernel`` (k > 1; grid (T, cdiv(H, BLOCK_H))): ``out[t] = sum_j y[t*k + j]`` in
    fp32, in j order, rounded once (deterministic; no atomics). The reference adds in its own
    dtype in ascending expert order (``index_add_``): identical for k <= 2, within a rounding of
-   the dtype for k > 2.
+   the dtype for k > 2. With a residual (``fuse_linear_io``), it also adds that (then it runs
+   at k == 1 too).
 
 Why this shape: grouping turns k*T tiny GEMVs into full-width tensor-core tiles whose rows
 share one expert's weights, so each expert's weights are read once per BLOCK_M rows (once in
@@ -77,7 +78,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mxc.kernels.launch import launch
+from mxc.kernels.launch import check_operand, launch
 from mxc.kernels.pdl import pdl_enter
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -295,9 +296,10 @@ def _moe_gemm2_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, sorted_ptr, expert_ptr, 
 
 
 @triton.jit
-def _moe_sum_kernel(y_ptr, out_ptr, H: tl.constexpr, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+def _moe_sum_kernel(y_ptr, r_ptr, out_ptr, H: tl.constexpr, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
                     USE_PDL: tl.constexpr = False):
-    """Program (t, h-tile): out[t] = sum over j (in order, fp32) of y[t*k + j], rounded once."""
+    """Program (t, h-tile): out[t] = sum over j (in order, fp32) of y[t*k + j], rounded once; with a
+    residual ``r_ptr`` (else None), then r[t] + that, in fp32, rounded (``torch_ref.add``)."""
     pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -305,7 +307,11 @@ def _moe_sum_kernel(y_ptr, out_ptr, H: tl.constexpr, TOP_K: tl.constexpr, BLOCK_
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         acc += tl.load(y_ptr + (t * TOP_K + j) * H + offs_h, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * H + offs_h, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    out = acc.to(out_ptr.dtype.element_ty)
+    if r_ptr is not None:
+        r = tl.load(r_ptr + t * H + offs_h, mask=ok, other=0.0).to(tl.float32)
+        out = (r + out.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * H + offs_h, out, mask=ok)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -428,7 +434,7 @@ def _check_weight(name, w, shape, scale, dtype, device):
         raise ValueError(f"a scale for {name} is only taken with fp8 weights")
 
 
-def check_inputs(x, weights, ids, w_gate_up, w_down, s_gate_up, s_down) -> tuple[int, int, int, int, int]:
+def check_inputs(x, weights, ids, w_gate_up, w_down, s_gate_up, s_down, residual=None) -> tuple[int, int, int, int, int]:
     """``fused_moe``'s argument checks (see there); returns (T, H, E, I, k)."""
     if x.dim() != 2 or x.dtype not in _DTYPES or not x.is_contiguous():
         raise ValueError(f"x must be contiguous [T, H] in one of {_DTYPES}, got {tuple(x.shape)} {x.dtype}")
@@ -446,13 +452,16 @@ def check_inputs(x, weights, ids, w_gate_up, w_down, s_gate_up, s_down) -> tuple
     _check_weight("w_down", w_down, (E, H, I), s_down, x.dtype, x.device)
     if len({t.device for t in (x, weights, ids)}) != 1:
         raise ValueError("x, weights and ids must be on one device")
+    if residual is not None:
+        check_operand("residual", residual, (T, H), x.dtype, x.device)
     return T, H, E, I, top_k
 
 
 def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
               w_down: torch.Tensor, *, s_gate_up: torch.Tensor | None = None, s_down: torch.Tensor | None = None,
-              config: MoeConfig | None = None) -> torch.Tensor:
-    """``moe_ref.fused_moe(x, weights, ids, w_gate_up, w_down)`` -> [T, H] in x's dtype.
+              residual: torch.Tensor | None = None, config: MoeConfig | None = None) -> torch.Tensor:
+    """``moe_ref.fused_moe(x, weights, ids, w_gate_up, w_down)`` -> [T, H] in x's dtype
+    (``+ residual`` [T, H] as ``torch_ref.add`` when given: the sum kernel adds it).
 
     x [T, H] (fp32/fp16/bf16); weights [T, k] (x's dtype); ids [T, k] int64 in [0, E);
     w_gate_up [E, 2I, H] (gate rows then up rows) and w_down [E, H, I], in x's dtype or
@@ -461,7 +470,7 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_
     ``config_for(token_bucket(T), E, k, H, I, x.dtype)``. Never reads device values on the
     host: runs on ``meta`` tensors under a recording launcher; grids depend on shapes only.
     """
-    T, H, E, I, top_k = check_inputs(x, weights, ids, w_gate_up, w_down, s_gate_up, s_down)
+    T, H, E, I, top_k = check_inputs(x, weights, ids, w_gate_up, w_down, s_gate_up, s_down, residual)
     cfg = config if config is not None else config_for(token_bucket(T), E, top_k, H, I, x.dtype)
 
     sorted_ids, expert_of_block, ntpp = moe_align(ids, E, cfg.BLOCK_M, chunk=cfg.CHUNK)
@@ -469,7 +478,8 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_
     n_blocks = sorted_ids.numel() // cfg.BLOCK_M
     h = torch.empty((numel, I), dtype=x.dtype, device=x.device)
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
-    y = out if top_k == 1 else torch.empty((numel, H), dtype=x.dtype, device=x.device)
+    sums = top_k > 1 or residual is not None  # the sum kernel also adds the residual
+    y = torch.empty((numel, H), dtype=x.dtype, device=x.device) if sums else out
     tiles = dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K)
     launch(_moe_gemm1_kernel, (n_blocks, triton.cdiv(I, cfg.BLOCK_N)),
            [x, w_gate_up, s_gate_up, sorted_ids, expert_of_block, ntpp, h, numel],
@@ -477,8 +487,8 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_
     launch(_moe_gemm2_kernel, (n_blocks, triton.cdiv(H, cfg.BLOCK_N)),
            [h, w_down, s_down, weights, sorted_ids, expert_of_block, ntpp, y, numel],
            dict(H=H, I=I, **tiles), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if top_k > 1:
+    if sums:
         block_h = min(1024, _pow2(H))
-        launch(_moe_sum_kernel, (T, triton.cdiv(H, block_h)), [y, out],
+        launch(_moe_sum_kernel, (T, triton.cdiv(H, block_h)), [y, residual, out],
                dict(H=H, TOP_K=top_k, BLOCK_H=block_h), num_warps=4)
     return out

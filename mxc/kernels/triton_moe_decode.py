@@ -12,7 +12,10 @@ floor, bound by ~21 launches a layer rather than bytes. Here, two kernels:
    weights widened right after the load, fp8 scaled per row at the end).
 2. ``_pair_down_sum_kernel`` (grid (T, cdiv(H, BLOCK_N))): program (t, n-tile): for j < k in
    order, ``y_j = (h[t * k + j] @ down_e[n]^T) * weights[t, j]`` and their fp32 sum, rounded
-   once: the top-k sum happens in registers (no ``y [T * k, H]``, no sum kernel).
+   once: the top-k sum happens in registers (no ``y [T * k, H]``, no sum kernel), then the
+   residual stream is added where ``fuse_linear_io`` folded the layer's add in (no add kernel).
+   ``_pair_down_tile_kernel`` does the same with the k experts' rows in one tile (the default
+   for a power-of-two k: measured faster, see ``config_for``).
 
 The rounding is ``triton_moe``'s (itself the reference's): gate and up rounded to the dtype,
 silu in fp32 rounded, the product rounded; each expert's output rounded, times its weight,
@@ -59,7 +62,18 @@ def _pair_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr,
 
 
 @triton.jit
-def _pair_down_sum_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, out_ptr,
+def _store_out(out_ptr, r_ptr, offs, mask, total):
+    """The k-term sum rounded once to the output dtype; with a residual (``r_ptr`` not None), then
+    r + that in fp32, rounded (``torch_ref.add``, as ``fuse_linear_io`` folded it)."""
+    ty = out_ptr.dtype.element_ty
+    out = total.to(ty)
+    if r_ptr is not None:
+        out = (tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32) + out.to(tl.float32)).to(ty)
+    tl.store(out_ptr + offs, out, mask=mask)
+
+
+@triton.jit
+def _pair_down_sum_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, r_ptr, out_ptr,
                           E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
     pdl_enter(USE_PDL)
@@ -80,11 +94,11 @@ def _pair_down_sum_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, out_ptr,
             y = y * tl.load(s_ptr + e * H + rn).to(tl.float32)
         wt = tl.load(weights_ptr + pair).to(tl.float32)
         total += tl.where(valid, (y.to(ty).to(tl.float32) * wt).to(ty).to(tl.float32), 0.0)
-    tl.store(out_ptr + t * H + offs_n, total.to(out_ptr.dtype.element_ty), mask=offs_n < H)
+    _store_out(out_ptr, r_ptr, t * H + offs_n, offs_n < H, total)
 
 
 @triton.jit
-def _pair_down_tile_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, out_ptr,
+def _pair_down_tile_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, r_ptr, out_ptr,
                            E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
     """``_pair_down_sum_kernel`` with the k experts in one [TOP_K * BLOCK_N, BLOCK_K] tile a step
@@ -129,7 +143,7 @@ def _pair_down_tile_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, out_ptr,
     for i in tl.static_range(TOP_K):
         total += tl.sum(tl.where(jj == i, z2, 0.0), axis=0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(out_ptr + t * H + offs_n, total.to(out_ptr.dtype.element_ty), mask=offs_n < H)
+    _store_out(out_ptr, r_ptr, t * H + offs_n, offs_n < H, total)
 
 
 @dataclass(frozen=True)
@@ -159,12 +173,13 @@ def config_for(hidden: int, inter: int, dtype: torch.dtype, top_k: int = 8) -> t
 
 def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
               w_down: torch.Tensor, *, s_gate_up: torch.Tensor | None = None,
-              s_down: torch.Tensor | None = None, configs: tuple[PairConfig, PairConfig] | None = None):
+              s_down: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+              configs: tuple[PairConfig, PairConfig] | None = None):
     """``triton_moe.fused_moe`` for a few tokens (same arguments and checks; see the module doc).
     Never reads device values on the host; runs on ``meta`` tensors."""
     from mxc.kernels.triton_moe import check_inputs
 
-    T, H, E, I, top_k = check_inputs(x, weights, ids, w_gate_up, w_down, s_gate_up, s_down)
+    T, H, E, I, top_k = check_inputs(x, weights, ids, w_gate_up, w_down, s_gate_up, s_down, residual)
     up, down = configs if configs is not None else config_for(H, I, x.dtype, top_k)
     h = torch.empty((T * top_k, I), dtype=x.dtype, device=x.device)
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
@@ -175,7 +190,7 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_
            num_stages=1)
     tile = down.TILE and top_k & (top_k - 1) == 0  # a tile's rows are a power of two
     launch(_pair_down_tile_kernel if tile else _pair_down_sum_kernel, (T, triton.cdiv(H, down.BLOCK_N)),
-           [h, w_down, s_down, weights, ids, out],
+           [h, w_down, s_down, weights, ids, residual, out],
            dict(E=E, H=H, I=I, TOP_K=top_k, BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K), num_warps=down.num_warps,
            num_stages=1)
     return out

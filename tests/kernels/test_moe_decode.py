@@ -87,6 +87,20 @@ def test_tiled_down_equals_expert_loop(dtype, k):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("configs", [RAGGED, TILED], ids=["loop", "tiled"])
+def test_residual(dtype, configs):
+    """``fuse_linear_io``'s residual, added by the down kernel as ``torch_ref.add`` adds it: equal bits."""
+    from mxc.kernels import torch_ref
+
+    x, weights, ids, wgu, wd = _inputs(3, 2, 8, dtype, seed=13)
+    r = torch.randn(3, H, generator=torch.Generator().manual_seed(5)).to(dtype)
+    args = [_dev(t) for t in (x, weights, ids, wgu, wd)]
+    plain = tmd.fused_moe(*args, configs=configs)
+    y = tmd.fused_moe(*args, residual=_dev(r), configs=configs)
+    assert torch.equal(y.cpu(), torch_ref.add(r, plain.cpu()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("configs", [RAGGED, TILED], ids=["loop", "tiled"])
 def test_fp8_experts(dtype, configs):
     x, weights, ids, wgu, wd = _inputs(2, 2, 4, torch.float32, seed=3)
     wgu[:, :I] *= 3  # gate and up rows at different scales
@@ -146,6 +160,8 @@ with L.using(rec):
     tiled = (tmd.PairConfig(), tmd.PairConfig(BLOCK_N=8, BLOCK_K=256, TILE=True))
     tmd.fused_moe(meta(1, 2048), meta(1, 8), meta(1, 8, dtype=torch.int64), meta(128, 1536, 2048),
                   meta(128, 2048, 768), configs=tiled)
+    tmd.fused_moe(meta(1, 2048), meta(1, 8), meta(1, 8, dtype=torch.int64), meta(128, 1536, 2048),
+                  meta(128, 2048, 768), residual=meta(1, 2048))
     tmd.fused_moe(meta(1, 2048), meta(1, 8), meta(1, 8, dtype=torch.int64), meta(128, 1536, 2048, dtype=f8),
                   meta(128, 2048, 768, dtype=f8), s_gate_up=meta(128, 1536, dtype=torch.float32),
                   s_down=meta(128, 2048, dtype=torch.float32), configs=tiled)
@@ -169,4 +185,4 @@ def test_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", _COMPILE], cwd=Path(__file__).resolve().parents[2], env=env,
                        capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "ok 8" in r.stdout, r.stderr[-3000:]
+    assert r.returncode == 0 and "ok 9" in r.stdout, r.stderr[-3000:]

@@ -165,6 +165,23 @@ def test_variants(T, k, E, cfg, h, i, dtype):
     _run(T, k, E, dtype, seed=T + k + E, cfg=cfg, h=h, i=i)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("k", [1, 2])
+def test_residual(k, dtype):
+    """``fuse_linear_io``'s residual: added by the sum kernel (which then runs at k = 1 too) as
+    ``torch_ref.add`` adds it to the unfused output: equal bits."""
+    from mxc.kernels import torch_ref
+
+    x, weights, ids, wgu, wd = _inputs(7, k, 4, dtype, seed=k)
+    r = torch.randn(7, H, generator=torch.Generator().manual_seed(9)).to(dtype)
+    args = [_dev(t) for t in (x, weights, ids, wgu, wd)]
+    plain = tm.fused_moe(*args, config=SMALL)
+    y = tm.fused_moe(*args, residual=_dev(r), config=SMALL)
+    assert torch.equal(y.cpu(), torch_ref.add(r, plain.cpu()))
+    with pytest.raises(ValueError, match="residual"):
+        tm.fused_moe(*args, residual=_dev(r[:, :-1].contiguous()), config=SMALL)
+
+
 def test_deterministic():
     a = _run(13, 2, 4, torch.bfloat16, seed=1)
     b = _run(13, 2, 4, torch.bfloat16, seed=1)

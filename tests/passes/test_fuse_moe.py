@@ -33,3 +33,33 @@ def test_mixtral_names(bind_arch):
     g = fuse_moe.run(bind_arch("MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2), None)
     assert layer(g).weights["we_gate_up"].hf == ("model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight",
                                                  "model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight")
+
+
+def test_residual_add_folds_into_fused_moe(bind_arch, assert_same_logits):
+    """fuse_linear_io folds the layer's residual add into fused_moe (its down kernel adds it); quantize
+    keeps it after the scales; Qwen2-MoE's shared-expert add folds the same way."""
+    from types import SimpleNamespace
+
+    from mxc.compiler.passes import fuse_add_rms_norm, fuse_linear_io, quantize
+
+    before = fuse_add_rms_norm.run(eliminate_dead_code.run(fuse_moe.run(bind_arch("Qwen3MoeForCausalLM", **MOE),
+                                                                        None), None), None)
+    after = eliminate_dead_code.run(fuse_linear_io.run(before, SimpleNamespace(quant=None)), None)
+    verify(after)
+    node = next(n for n in layer(after).body if n.op == "fused_moe")
+    assert node.ins[5:] == (None, None, "x_1") and node.outs == ("x_2",)
+    assert "add" not in [n.op for n in layer(after).body]
+    assert fuse_linear_io.run(after, SimpleNamespace(quant=None)) == after
+    assert_same_logits(before, after)
+    from mxc.compiler.options import BuildOptions
+
+    q = quantize.run(after, BuildOptions(target="cuda", dtype="bfloat16", quant="fp8"))
+    qnode = next(n for n in layer(q).body if n.op == "fused_moe")
+    assert qnode.ins[5:] == ("we_gate_up_scale", "we_down_scale", "x_1")
+    verify(q)
+
+    shared = fuse_moe.run(bind_arch("Qwen2MoeForCausalLM", **MOE, shared_expert_intermediate_size=48), None)
+    folded = eliminate_dead_code.run(fuse_linear_io.run(shared, SimpleNamespace(quant=None)), None)
+    verify(folded)
+    assert len(next(n for n in layer(folded).body if n.op == "fused_moe").ins) == 8
+    assert_same_logits(shared, folded)

@@ -1,5 +1,8 @@
 """fuse_linear_io: fold SiLU-and-mul into the next linear's input and a residual add into its output.
 
+The residual add also folds into a ``fused_moe`` (its down kernel, or the top-k sum of the sorted
+path, adds it while storing): ``z = add(r, fused_moe(...))`` -> ``z = fused_moe(..., residual=r)``.
+
 Matches::
 
     m = silu_mul(gu)                     # m read only by this linear
@@ -41,13 +44,17 @@ def _prologue(lin: Node, ctx):
             ctx.index(act): []}
 
 
+_RESIDUAL_AT = {"linear": 3, "fused_moe": 7}  # the optional residual input's position
+
+
 def _epilogue(add: Node, ctx):
     for j in (1, 0):
-        lin = ctx.producing(add.ins[j])
-        if lin is None or lin.op != "linear" or len(lin.ins) > 3 or _single_user(ctx, lin.outs[0]) is not add:
+        op = ctx.producing(add.ins[j])
+        at = _RESIDUAL_AT.get(getattr(op, "op", None))
+        if at is None or len(op.ins) > at or _single_user(ctx, op.outs[0]) is not add:
             continue
-        ins = lin.ins + (None,) * (3 - len(lin.ins)) + (add.ins[1 - j],)
-        return {ctx.index(lin): [], ctx.index(add): [lin.replace(outs=add.outs, ins=ins)]}
+        ins = op.ins + (None,) * (at - len(op.ins)) + (add.ins[1 - j],)
+        return {ctx.index(op): [], ctx.index(add): [op.replace(outs=add.outs, ins=ins)]}
     return None
 
 

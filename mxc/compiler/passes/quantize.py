@@ -125,9 +125,9 @@ def _expert_rule(tp: int):
     """fused_moe over bf16 stacks -> over fp8 stacks with per-expert row scales ([E, rows])."""
 
     def quantize(node: Node, ctx):
-        if len(node.ins) > 5:
+        if len(node.ins) > 5 and node.ins[5] is not None:
             return None
-        ins = list(node.ins)
+        ins, rest = list(node.ins[:5]), list(node.ins[7:])  # rest: the residual fuse_linear_io folded in
         for j in (3, 4):
             local = node.ins[j]
             w = ctx.weights[local]
@@ -137,6 +137,6 @@ def _expert_rule(tp: int):
                                                    shard=shard, scale_of=local)
             ins.append(f"{local}_scale")
         attrs = {k: v for k, v in node.attrs.items() if k not in ("kernel", "kernel_reason")}
-        return {ctx.index(node): [node.replace(ins=tuple(ins), attrs=attrs)]}
+        return {ctx.index(node): [node.replace(ins=tuple(ins + rest), attrs=attrs)]}
 
     return quantize
