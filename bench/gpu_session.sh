@@ -5,13 +5,14 @@
 #   decode  bf16 + fp8 decode/prefill, the PDL A/B per batch, per-kernel profiles at batch 1 and 8,
 #           HF compiled at batch 1, 8, 32
 #   moe     Qwen3-30B-A3B shape: batch 1 vs floor, batch 64 vs HF eager, fused vs per-expert loop
+#   moelab  the Qwen3-30B-A3B batch-1 kernels one by one (pair-MoE configs, attention-side GEMVs)
 #   tp      the TP GPU test, then tp=2 (NCCL and one-shot all-reduce) vs tp=1 decode and the all-reduce times
 #   ab      after decode, same call: fp8 batch 1 without fuse_norm_linear
 #   lab     bf16 and fp8 GEMVs one by one (fp8: SWAP_AB against the widening kernel);
 #           add --all for the prefill GEMMs too
 # Logs go to $OUT (the device tool's output folder) when set, else to build/gpu-logs.
 # Device-time plan for one session (each line one call, under 10 minutes):
-#   nvidia-h200:    tests, then lab  |  decode  |  moe
+#   nvidia-h200:    tests, then lab  |  decode, then ab  |  moe (MOE_ARGS=--batch1-only: ~4 minutes)
 #   nvidia-h200-x2: tp
 set -u
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
@@ -31,7 +32,8 @@ case "${1:-}" in
   tests)  run 300 pytest.log python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
   decode) run 570 decode.log python3 bench/decode.py --profile 1,8 --quant fp8 --hf-batches 1,8,32 --pdl-ab \
             --out "$scratch/b8" ;;
-  moe)    run "${MOE_LIMIT:-560}" moe.log python3 bench/moe.py --hf --out "$scratch/moe" ;;
+  moe)    run "${MOE_LIMIT:-560}" moe.log python3 bench/moe.py ${MOE_ARGS:---hf} --out "$scratch/moe" ;;
+  moelab) run 200 moe_lab.log python3 bench/moe_lab.py ;;
   tp)     run 80 tp_test.log python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py
           run 300 tp.log python3 bench/decode_tp.py --tp 2 --one-shot --out "$scratch/btp"; rm -rf "$scratch"/btp* ;;
   ab)     # after `decode` in the same call (its bf16 artifact): fp8 without fuse_norm_linear
@@ -39,5 +41,5 @@ case "${1:-}" in
             --disable-pass fuse_norm_linear --hf-batches "" ;;
   lab)    if [ "${2:-}" = "--all" ]; then skip=""; else skip="--skip prefill"; fi
           run 280 lab.log python3 bench/linear_lab.py --m 1,8,32 $skip ;;
-  *) echo "usage: bash bench/gpu_session.sh tests|decode|ab|moe|tp|lab" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu_session.sh tests|decode|ab|moe|moelab|tp|lab" >&2; exit 2 ;;
 esac
