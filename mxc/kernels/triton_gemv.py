@@ -220,10 +220,12 @@ def _splitk_reduce_kernel(ws_ptr, b_ptr, r_ptr, y_ptr, M,
 
 
 @triton.jit
-def dot_rows(x_ptrs, w_ptrs, K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The v1 loop for one input row: ``sum over K of w[r, :] * x`` [ROWS] in fp32, with per-thread
-    partial products and one reduction at the end. ``x_ptrs`` [BLOCK_K] and ``w_ptrs``
-    [ROWS, BLOCK_K] point at column 0 of x and of each weight row (rows contiguous along K)."""
+def dot_rows(x_ptrs, w_ptrs, K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+             X_PER_ROW: tl.constexpr = False):
+    """The v1 loop: ``sum over K of w[r, :] * x`` [ROWS] in fp32, with per-thread partial products
+    and one reduction at the end. ``w_ptrs`` [ROWS, BLOCK_K] points at column 0 of each weight row
+    (rows contiguous along K); ``x_ptrs`` at column 0 of one input row [BLOCK_K], or with
+    ``X_PER_ROW`` of each weight row's own input row [ROWS, BLOCK_K]."""
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
@@ -232,9 +234,15 @@ def dot_rows(x_ptrs, w_ptrs, K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.co
             w = tl.load(w_ptrs).to(tl.float32)
         else:
             k_ok = (k + offs_k) < K
-            x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+            if X_PER_ROW:
+                x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
+            else:
+                x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
             w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
-        acc += w * x[None, :]
+        if X_PER_ROW:
+            acc += w * x
+        else:
+            acc += w * x[None, :]
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     return tl.sum(acc, axis=1)

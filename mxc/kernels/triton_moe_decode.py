@@ -119,20 +119,8 @@ def _pair_down_tile_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, r_ptr, out
     e = tl.where(valid, e, 0)
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + (e * (H * I) + rn * I)[:, None] + offs_k[None, :]
-    x_ptrs = h_ptr + (pair * I)[:, None] + offs_k[None, :]
-    acc = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
-    for k in range(0, I, BLOCK_K):
-        if I % BLOCK_K == 0:
-            w = tl.load(w_ptrs).to(tl.float32)
-            x = tl.load(x_ptrs).to(tl.float32)
-        else:
-            k_ok = (k + offs_k) < I
-            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
-            x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
-        acc += w * x
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-    y = tl.sum(acc, axis=1)  # [ROWS]
+    x_ptrs = h_ptr + (pair * I)[:, None] + offs_k[None, :]  # each row's own pair input
+    y = dot_rows(x_ptrs, w_ptrs, I, ROWS, BLOCK_K, X_PER_ROW=True)  # [ROWS]
     if s_ptr is not None:  # fp8 row scales [E, H]
         y = y * tl.load(s_ptr + e * H + rn).to(tl.float32)
     wt = tl.load(weights_ptr + pair).to(tl.float32)
