@@ -54,8 +54,69 @@ import triton.language as tl
 
 from mxc.kernels.launch import launch
 from mxc.kernels.pdl import pdl_enter
+from mxc.kernels.triton_rope import _norm_rope_heads
 
 LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _split_rows(kv_len, split, HAS_WINDOW: tl.constexpr, WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """[lo, hi): this split's share of the rows the new token (position kv_len - 1) sees, cut into
+    NUM_SPLITS equal chunks at run time: a short context spreads over every split (one block each)
+    instead of filling the first split's blocks one after another while the others idle."""
+    first = 0
+    if HAS_WINDOW:
+        first = tl.maximum(kv_len - WINDOW, 0)
+    chunk = (kv_len - first + NUM_SPLITS - 1) // NUM_SPLITS
+    lo = first + split * chunk
+    return lo, tl.minimum(lo + chunk, kv_len)
+
+
+@triton.jit
+def _attend_rows(q, kt_ptrs, v_ptrs, lo, hi, qk_scale, mask_d, cur, k_cur, v_cur,
+                 HKV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr, HAS_CUR: tl.constexpr):
+    """Online softmax of q [BLOCK_G, BLOCK_D] over cache rows [lo, hi): (acc, m_i, l_i). With HAS_CUR,
+    row ``cur`` takes k_cur^T [BLOCK_D, 1] and v_cur [1, BLOCK_D] (cache dtype) instead of the cache."""
+    offs_n = tl.arange(0, BLOCK_N)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    # every block holds at least one visible row, so m_i is finite after the first one
+    for start_n in range(lo, hi, BLOCK_N):
+        mask_n = start_n + offs_n < hi
+        kt = tl.load(kt_ptrs + start_n * (HKV * HEAD_DIM), mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+        if HAS_CUR:
+            kt = tl.where((start_n + offs_n == cur)[None, :], k_cur, kt)
+        s = tl.dot(q, kt, input_precision="ieee") * qk_scale  # [BLOCK_G, BLOCK_N] fp32
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptrs + start_n * (HKV * HEAD_DIM), mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        if HAS_CUR:
+            v = tl.where((start_n + offs_n == cur)[:, None], v_cur, v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _store_split(acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, b, heads, split, mask_g, offs_d, mask_d,
+                 HQ: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """The output (one split) or this split's normalised partial output and log2-sum-exp2
+    (part_out [B, HQ, NUM_SPLITS, D], part_lse [B, HQ, NUM_SPLITS]; -inf when it saw no row)."""
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + (b * HQ + heads[:, None]) * HEAD_DIM + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+    else:
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        row = (b * HQ + heads) * NUM_SPLITS + split
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out,
+                 mask=mask_g[:, None] & mask_d[None, :])
+        tl.store(part_lse_ptr + row, lse, mask=mask_g)
 
 
 @triton.jit
@@ -74,15 +135,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, kv_lens_ptr
 
     slot = tl.load(slots_ptr + b).to(tl.int64)  # int64: S * L * HKV * D may pass 2^31
     kv_len = tl.load(kv_lens_ptr + b)
-    # the rows the new token (position kv_len - 1) sees, [first, kv_len), cut into NUM_SPLITS equal
-    # chunks at run time: a short context spreads over every split (one block each) instead of
-    # filling the first split's blocks one after another while the others idle
-    first = 0
-    if HAS_WINDOW:
-        first = tl.maximum(kv_len - WINDOW, 0)
-    chunk = (kv_len - first + NUM_SPLITS - 1) // NUM_SPLITS
-    lo = first + split * chunk
-    hi = tl.minimum(lo + chunk, kv_len)
+    lo, hi = _split_rows(kv_len, split, HAS_WINDOW, WINDOW, NUM_SPLITS)
 
     offs_g = tl.arange(0, BLOCK_G)  # query heads of the group, padded
     offs_n = tl.arange(0, BLOCK_N)
@@ -98,38 +151,69 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, kv_lens_ptr
     kv_base = slot * (L * HKV * HEAD_DIM) + kvh * HEAD_DIM
     kt_ptrs = k_cache_ptr + kv_base + offs_n[None, :] * (HKV * HEAD_DIM) + offs_d[:, None]
     v_ptrs = v_cache_ptr + kv_base + offs_n[:, None] * (HKV * HEAD_DIM) + offs_d[None, :]
-
     qk_scale = scale * 1.4426950408889634  # exp(x) = exp2(x * log2(e))
-    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    # every block holds at least one visible row, so m_i is finite after the first one
-    for start_n in range(lo, hi, BLOCK_N):
-        mask_n = start_n + offs_n < hi
-        kt = tl.load(kt_ptrs + start_n * (HKV * HEAD_DIM), mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-        s = tl.dot(q, kt, input_precision="ieee") * qk_scale  # [BLOCK_G, BLOCK_N] fp32
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptrs + start_n * (HKV * HEAD_DIM), mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+    acc, m_i, l_i = _attend_rows(q, kt_ptrs, v_ptrs, lo, hi, qk_scale, mask_d, 0, None, None, HKV, HEAD_DIM,
+                                 BLOCK_G, BLOCK_N, BLOCK_D, False)
+    _store_split(acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, b, heads, split, mask_g, offs_d, mask_d,
+                 HQ, HEAD_DIM, NUM_SPLITS)
 
-    if NUM_SPLITS == 1:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + (b * HQ + heads[:, None]) * HEAD_DIM + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
-    else:
-        # part_out [B, HQ, NUM_SPLITS, D], part_lse [B, HQ, NUM_SPLITS]: normalised partial
-        # output and log2-sum-exp2 of this split (-inf when it saw no row)
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        row = (b * HQ + heads) * NUM_SPLITS + split
-        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out,
-                 mask=mask_g[:, None] & mask_d[None, :])
-        tl.store(part_lse_ptr + row, lse, mask=mask_g)
+
+@triton.jit
+def _decode_rope_split_kernel(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, cache_loc_ptr,
+                              eps, k_cache_ptr, v_cache_ptr, slots_ptr, kv_lens_ptr, out_ptr, part_out_ptr,
+                              part_lse_ptr, scale,  #
+                              HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, L: tl.constexpr,  #
+                              R: tl.constexpr, HAS_QK_NORM: tl.constexpr,  #
+                              HAS_WINDOW: tl.constexpr, WINDOW: tl.constexpr,  #
+                              NUM_SPLITS: tl.constexpr,  #
+                              BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                              USE_PDL: tl.constexpr = False):
+    """``_decode_split_kernel`` that starts from the merged projection: the program takes its q heads
+    and the new token's k and v from ``qkv`` [B, (HQ + 2 HKV) D], norms (per head) and rotates them
+    as ``triton_rope.rope_qkv_write_kernel`` does, attends with the new token's row taken from
+    registers (the cache row may not be written yet), and split 0 writes k and v to the cache at
+    ``cache_loc[b]`` (= the row kv_lens[b] - 1 of slot b). One launch instead of two at decode."""
+    pdl_enter(USE_PDL)
+    GROUP: tl.constexpr = HQ // HKV
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    kv_len = tl.load(kv_lens_ptr + b)
+    lo, hi = _split_rows(kv_len, split, HAS_WINDOW, WINDOW, NUM_SPLITS)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + offs_g
+    mask_g = offs_g < GROUP
+    mask_d = offs_d < HEAD_DIM
+
+    ty = k_cache_ptr.dtype.element_ty
+    pos = tl.load(positions_ptr + b)
+    cos_row = cos_ptr + pos * (R // 2)
+    sin_row = sin_ptr + pos * (R // 2)
+    row_ptr = qkv_ptr + b.to(tl.int64) * ((HQ + 2 * HKV) * HEAD_DIM)
+    q = _norm_rope_heads(row_ptr + kvh * GROUP * HEAD_DIM, q_norm_ptr, cos_row, sin_row, eps, GROUP, HEAD_DIM, R,
+                         BLOCK_G, BLOCK_D, HAS_QK_NORM, False).to(ty)  # [BLOCK_G, BLOCK_D], as stored
+    k_cur = _norm_rope_heads(row_ptr + (HQ + kvh) * HEAD_DIM, k_norm_ptr, cos_row, sin_row, eps, 1, HEAD_DIM, R,
+                             1, BLOCK_D, HAS_QK_NORM, False).to(ty)  # [1, BLOCK_D]
+    v_cur = tl.load(row_ptr + (HQ + HKV + kvh) * HEAD_DIM + offs_d[None, :], mask=mask_d[None, :], other=0.0)
+    if split == 0:  # the cache row, for the steps after this one
+        loc = tl.load(cache_loc_ptr + b)
+        cache_row = loc * (HKV * HEAD_DIM) + kvh * HEAD_DIM + offs_d[None, :]
+        tl.store(k_cache_ptr + cache_row, k_cur, mask=mask_d[None, :])
+        tl.store(v_cache_ptr + cache_row, v_cur.to(ty), mask=mask_d[None, :])
+
+    kv_base = slot * (L * HKV * HEAD_DIM) + kvh * HEAD_DIM
+    kt_ptrs = k_cache_ptr + kv_base + offs_n[None, :] * (HKV * HEAD_DIM) + offs_d[:, None]
+    v_ptrs = v_cache_ptr + kv_base + offs_n[:, None] * (HKV * HEAD_DIM) + offs_d[None, :]
+    qk_scale = scale * 1.4426950408889634
+    acc, m_i, l_i = _attend_rows(q, kt_ptrs, v_ptrs, lo, hi, qk_scale, mask_d, kv_len - 1, tl.trans(k_cur),
+                                 v_cur.to(ty), HKV, HEAD_DIM, BLOCK_G, BLOCK_N, BLOCK_D, True)
+    _store_split(acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, b, heads, split, mask_g, offs_d, mask_d,
+                 HQ, HEAD_DIM, NUM_SPLITS)
 
 
 @triton.jit
@@ -345,6 +429,55 @@ def decode_attention(q, k_cache, v_cache, slots, kv_lens, scale: float, sliding_
            [q, k_cache, v_cache, slots, kv_lens, out, part_out, part_lse, float(scale)],
            dict(HQ=HQ, HKV=HKV, HEAD_DIM=D, L=L, **_window(sliding_window), NUM_SPLITS=NUM_SPLITS,
                 BLOCK_G=max(16, triton.next_power_of_2(HQ // HKV)), BLOCK_N=BLOCK_N,
+                BLOCK_D=BLOCK_D), num_warps=num_warps, num_stages=num_stages)
+    if NUM_SPLITS > 1:
+        launch(_decode_reduce_kernel, (B, HQ), [part_out, part_lse, out],
+               dict(HQ=HQ, HEAD_DIM=D, NUM_SPLITS=NUM_SPLITS, BLOCK_S=triton.next_power_of_2(NUM_SPLITS),
+                    BLOCK_D=BLOCK_D), num_warps=1, num_stages=1)
+    return out
+
+
+def decode_rope_attention(qkv, positions, cos, sin, q_norm, k_norm, eps: float, k_cache, v_cache, cache_loc, slots,
+                          kv_lens, scale: float, sliding_window: int | None = None, num_splits: int | None = None):
+    """``rope_qkv_write`` then ``decode_attention`` in one split kernel (plus the merge): qkv [B,
+    (HQ + 2 HKV) D] of one new token per sequence -> out [B, HQ, D]; k and v land in the cache at
+    ``cache_loc`` as ``rope_qkv_write`` puts them. q/k norms per head only ([D] weights)."""
+    assert qkv.dim() == 2 and qkv.is_contiguous(), f"qkv must be a contiguous [B, (HQ+2*HKV)*D], got {tuple(qkv.shape)}"
+    B, width = qkv.shape
+    HKV, D = k_cache.shape[2], k_cache.shape[3]
+    HQ = width // D - 2 * HKV
+    assert HQ >= HKV and HQ % HKV == 0 and width == (HQ + 2 * HKV) * D, (
+        f"qkv width {width} is not (HQ + 2*{HKV}) * {D} with HQ a multiple of {HKV}")
+    Bc, _ = _check_cache(qkv.view(B, -1, D), k_cache, v_cache, slots, kv_lens, HQ + 2 * HKV, D)
+    assert Bc == B, f"{B} query rows but {Bc} sequences"
+    assert positions.shape == (B,) and positions.dtype == torch.int64, "positions must be int64 [B]"
+    assert cache_loc.shape == (B,) and cache_loc.dtype == torch.int64, "cache_loc must be int64 [B]"
+    assert cos.dim() == 2 and cos.shape == sin.shape and cos.dtype == sin.dtype == torch.float32, (
+        "cos/sin must be float32 [P, R/2]")
+    R = 2 * cos.shape[1]
+    assert 2 <= R <= D, f"rotary dim {R} must be in [2, head_dim {D}]"
+    assert (q_norm is None) == (k_norm is None), "give both q_norm and k_norm or neither"
+    if q_norm is not None:
+        for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+            assert w.shape == (D,) and w.dtype == qkv.dtype and w.is_contiguous(), (
+                f"{name} must be contiguous {qkv.dtype} [{D}] (per-head norm), got {w.dtype} {tuple(w.shape)}")
+    L = k_cache.shape[1]
+    NUM_SPLITS = default_splits(L, B * HKV) if num_splits is None else num_splits
+    assert 1 <= NUM_SPLITS <= L, f"num_splits must be in [1, {L}], got {NUM_SPLITS}"
+    BLOCK_N, num_warps, num_stages = _decode_config(D)
+    out = torch.empty((B, HQ, D), dtype=qkv.dtype, device=qkv.device)
+    if NUM_SPLITS > 1:
+        part_out = torch.empty((B, HQ, NUM_SPLITS, D), dtype=torch.float32, device=qkv.device)
+        part_lse = torch.empty((B, HQ, NUM_SPLITS), dtype=torch.float32, device=qkv.device)
+    else:
+        part_out = part_lse = out
+    BLOCK_D = _block_d(D)
+    norms = (q_norm, k_norm) if q_norm is not None else (qkv, qkv)  # unused without norms
+    launch(_decode_rope_split_kernel, (B, HKV, NUM_SPLITS),
+           [qkv, positions, cos, sin, *norms, cache_loc, float(eps), k_cache, v_cache, slots, kv_lens, out, part_out,
+            part_lse, float(scale)],
+           dict(HQ=HQ, HKV=HKV, HEAD_DIM=D, L=L, R=R, HAS_QK_NORM=q_norm is not None, **_window(sliding_window),
+                NUM_SPLITS=NUM_SPLITS, BLOCK_G=max(16, triton.next_power_of_2(HQ // HKV)), BLOCK_N=BLOCK_N,
                 BLOCK_D=BLOCK_D), num_warps=num_warps, num_stages=num_stages)
     if NUM_SPLITS > 1:
         launch(_decode_reduce_kernel, (B, HQ), [part_out, part_lse, out],

@@ -2,7 +2,8 @@
 tensors, against the CPU-target program of the same graph on the same weights (both fp16).
 
 This checks the wiring the kernel tests cannot: the calls the code generator writes for every
-chosen candidate (GEMV and cuBLAS linears, the fused RoPE/KV write, prefill and decode attention,
+chosen candidate (GEMV and cuBLAS linears, the RoPE/KV write then prefill attention, the decode
+attention that does the RoPE/KV write itself,
 the one-kernel MoE router, the sorted fused MoE for prefills and the per-pair MoE kernels for
 decode), token-count dispatch between them, and the KV cache they share: a prefill of 2 x 5
 tokens (or 1 x 5), then two decode steps of 2 tokens (or 1: the one-row kernels, such as the
