@@ -1,8 +1,9 @@
 """Causal GQA attention through the paged-by-slot KV cache: decode and prefill, in Triton.
 
-Owns the two Triton paths of the ``attention`` op (reference:
-``torch_ref.attention``). Both read keys/values from the cache, which already
-holds this call's keys/values (a separate kernel writes them first):
+Owns the Triton paths of the ``attention`` op (reference:
+``torch_ref.attention``). They read keys/values from the cache, which already
+holds this call's keys/values (a separate kernel writes them first; at decode
+``decode_rope_attention`` writes them itself):
 
     k_cache, v_cache [S, L, HKV, D]   S slots, L rows per slot, contiguous
     slots   [B] int32                 cache row of sequence b
@@ -26,6 +27,13 @@ Versions:
   splits (a split with no visible row has lse = -inf and weight 0). With
   NUM_SPLITS == 1 the split kernel writes the output directly (one launch).
   ``default_splits`` picks NUM_SPLITS from L and B * HKV (static shapes).
+- ``decode_rope_attention`` (``fuse_rope_attention``): the same split kernel
+  started from the merged projection ``qkv``: each program norms (per head) and
+  rotates its group's q heads and the new token's k with
+  ``triton_rope._norm_rope_heads``, attends with the new token's row taken from
+  registers, and split 0 writes k and v to the cache. It replaces
+  ``triton_rope.rope_qkv_write`` + ``decode_attention`` at decode (one launch a
+  layer less), bit for bit under the interpreter.
 - ``prefill_attention``: variable-length batch of query tokens, sequence b's
   tokens q[q_start[b]:q_start[b+1]] at positions kv_lens[b] - n_b .. kv_lens[b] - 1
   (a cached prefix, as in chunked prefill, works the same). FlashAttention-2:
