@@ -181,12 +181,14 @@ def _log(msg: str) -> None:
     print(f"mxc: {msg}", file=sys.stderr)
 
 
-def resolve_tp_allreduce(choice: str, target: str, tp) -> str:
-    """``--tp-allreduce``: "auto" is one_shot on cuda with tp > 1 (measured faster than NCCL), else nccl."""
+def resolve_tp_allreduce(choice: str, target: str, tp, dtype: str = "bfloat16") -> str:
+    """``--tp-allreduce``: "auto" is one_shot on cuda with tp > 1 (measured faster than NCCL) for
+    the dtypes the peer-memory all-reduce sums (bf16, fp32), else nccl."""
     if choice not in ("auto", "nccl", "one_shot"):
         raise MxcError(f"--tp-allreduce {choice}: expected auto, nccl or one_shot")
     if choice == "auto":
-        return "one_shot" if target == "cuda" and isinstance(tp, int) and tp > 1 else "nccl"
+        ok = target == "cuda" and isinstance(tp, int) and tp > 1 and dtype in ("bfloat16", "float32")
+        return "one_shot" if ok else "nccl"
     return choice
 
 
@@ -217,7 +219,7 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     if pdl and (target != "cuda" or arch < 90):
         raise MxcError(f"--pdl: programmatic dependent launch needs --target cuda on sm_90 or later "
                        f"(got --target {target}, sm_{arch})")
-    tp_allreduce = resolve_tp_allreduce(tp_allreduce, target, tp)
+    tp_allreduce = resolve_tp_allreduce(tp_allreduce, target, tp, dtype or ("float32" if target == "cpu" else "bfloat16"))
     if tp_allreduce == "one_shot" and target != "cuda":
         raise MxcError(f"--tp-allreduce one_shot: the peer-memory all-reduce needs --target cuda (got {target})")
     if not isinstance(tp, int) or tp < 1:

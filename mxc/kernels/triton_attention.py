@@ -33,7 +33,8 @@ Versions:
   ``triton_rope._norm_rope_heads``, attends with the new token's row taken from
   registers, and split 0 writes k and v to the cache. It replaces
   ``triton_rope.rope_qkv_write`` + ``decode_attention`` at decode (one launch a
-  layer less), bit for bit under the interpreter.
+  layer less), bit for bit under the interpreter (on the GPU, with per-head q/k
+  norms, the norm's fp32 sum runs over other tiles: an ulp now and then).
 - ``prefill_attention``: variable-length batch of query tokens, sequence b's
   tokens q[q_start[b]:q_start[b+1]] at positions kv_lens[b] - n_b .. kv_lens[b] - 1
   (a cached prefix, as in chunked prefill, works the same). FlashAttention-2:

@@ -46,6 +46,7 @@ def test_auto_is_one_shot_on_cuda_with_tp():
     assert resolve_tp_allreduce("auto", "cuda", 1) == "nccl"
     assert resolve_tp_allreduce("auto", "cpu", 4) == "nccl"
     assert resolve_tp_allreduce("nccl", "cuda", 2) == "nccl"
+    assert resolve_tp_allreduce("auto", "cuda", 2, "float16") == "nccl"  # symm_mem sums bf16 and fp32 only
 
 
 def test_build_refuses_one_shot_off_cuda(tmp_path):

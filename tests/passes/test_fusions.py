@@ -71,6 +71,14 @@ def test_fuse_rope_attention(bind_arch, assert_same_logits):
         assert_same_logits(before, after)
         assert fused.attrs.get("sliding_window") == (4 if "q_norm" not in fused.ins else None)
     assert fused.ins[2:] == ("q_norm", "k_norm")
+    from mxc.ir import Node
+
+    rep = layer(before)
+    q = next(n for n in rep.body if n.op == "qkv_rope_cache").outs[0]
+    extra = Node("add", ("q_twice",), (q, q))  # a second reader of q: the rotated q must stay in memory
+    shared = before.replace(body=tuple(replace(rep, body=rep.body + (extra,)) if it is rep else it
+                                       for it in before.body))
+    assert fuse_rope_attention.run(shared, None) == shared
     olmoe = eliminate_dead_code.run(fuse_rope_cache.run(merged(bind_arch("OlmoeForCausalLM", num_experts=4,
                                                                          num_experts_per_tok=2)), None), None)
     assert fuse_rope_attention.run(olmoe, None) == olmoe

@@ -15,8 +15,9 @@ new token's row from registers and writes k and v to the cache as it goes: one l
 instead of two (the RoPE kernel was 84 us of a 4.4 ms Llama-3-8B step on the H200, 2026-11-30);
 prefill runs the two kernels as before. Requires: q has no other reader; q/k norms per head or
 none (a norm over a whole projection, OLMoE, needs every head of the token: not fused).
-Preserves: the attention output's name and the math (the same rounding steps, tested bit for bit
-against the two kernels).
+Preserves: the attention output's name and the math (the same rounding steps; bit for bit against
+the two kernels under the interpreter; on the GPU the per-head q/k norm's fp32 sum runs over other
+tiles, so a rounded q or k can differ by an ulp now and then).
 """
 
 from __future__ import annotations

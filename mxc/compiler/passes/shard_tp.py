@@ -75,7 +75,8 @@ def _rules(tp: int):
 
     def moe(node: Node, ctx):  # experts' down projections are row-parallel: partial sums per rank
         users = [ctx.nodes[i].op for i in ctx.users[node.outs[0]]]
-        if users == ["all_reduce"] or kind(ctx, node.ins[-1]) != "row":
+        w_down = node.ins[5 if node.op == "experts" else 4]  # not ins[-1]: fused_moe may carry scales, a residual
+        if users == ["all_reduce"] or kind(ctx, w_down) != "row":
             return None
         part = ctx.fresh(f"{node.outs[0]}_part")
         return {ctx.index(node): [node.replace(outs=(part,)), Node("all_reduce", node.outs, (part,), {}, node.loc)]}
