@@ -72,6 +72,22 @@ def test_decode_batch_buckets_and_sampling(hf_checkpoint, tmp_path):
     assert torch.equal(model.generate(ids[:1], max_new_tokens=10), batched[:1])
 
 
+def test_buckets_past_pdl_max_run_plain(hf_checkpoint, tmp_path):
+    """Buckets above ``PDL_MAX_BUCKET`` rows are captured without the PDL attribute: the same tokens
+    as one row at a time (bucket 1, with PDL) for 12 rows in bucket 16."""
+    from mxc.runtime.decode_graphs import PDL_MAX_BUCKET
+
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM", hidden_size=128, intermediate_size=256)
+    art = mxc.build(str(ckpt), out=tmp_path / "art", target="cuda", dtype="bfloat16", max_batch=16,
+                    max_seq_len=64, progress=False, log=lambda m: None)
+    model = mxc.load(art, device="cuda")
+    assert model._launcher.pdl and PDL_MAX_BUCKET < 12
+    ids = torch.randint(0, 256, (12, 5), generator=torch.Generator().manual_seed(6))
+    batched = model.generate(ids, max_new_tokens=8)
+    for b in (0, 5, 11):
+        assert torch.equal(model.generate(ids[b:b + 1], max_new_tokens=8), batched[b:b + 1])
+
+
 def test_pdl_artifact_matches(hf_checkpoint, tmp_path):
     """--pdl changes when kernels start, not what they compute: logits and tokens equal the plain build's,
     eagerly (prefill) and from the decode graphs, at batch 1 and in a padded bucket."""
