@@ -71,11 +71,10 @@ def rope_cache_attention(qkv, positions, q_norm=None, k_norm=None, ctx: ForwardC
                            spec=spec, layer=layer, eps=eps)
         return cached_attention(q, ctx, scale, layer, causal, sliding_window)
     cos, sin = _tables(ctx, spec)
-    out = triton_attention.decode_rope_attention(qkv, positions, cos, sin, q_norm, k_norm,
-                                                 eps if eps is not None else 1e-6, ctx.k_cache[layer],
-                                                 ctx.v_cache[layer], ctx.cache_loc, ctx.slots_t, ctx.kv_lens, scale,
-                                                 sliding_window)
-    return out
+    return triton_attention.decode_rope_attention(qkv, positions, cos, sin, q_norm, k_norm,
+                                                  eps if eps is not None else 1e-6, ctx.k_cache[layer],
+                                                  ctx.v_cache[layer], ctx.cache_loc, ctx.slots_t, ctx.kv_lens, scale,
+                                                  sliding_window)
 
 
 def all_reduce_one_shot(x, bias=None, ctx: ForwardContext = None):

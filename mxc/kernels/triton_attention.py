@@ -30,7 +30,7 @@ Versions:
 - ``decode_rope_attention`` (``fuse_rope_attention``): the same split kernel
   started from the merged projection ``qkv``: each program norms (per head) and
   rotates its group's q heads and the new token's k with
-  ``triton_rope._norm_rope_heads``, attends with the new token's row taken from
+  ``triton_rope.norm_rope_heads``, attends with the new token's row taken from
   registers, and split 0 writes k and v to the cache. It replaces
   ``triton_rope.rope_qkv_write`` + ``decode_attention`` at decode (one launch a
   layer less), bit for bit under the interpreter (on the GPU, with per-head q/k
@@ -63,7 +63,7 @@ import triton.language as tl
 
 from mxc.kernels.launch import launch
 from mxc.kernels.pdl import pdl_enter
-from mxc.kernels.triton_rope import _norm_rope_heads
+from mxc.kernels.triton_rope import norm_rope_heads
 
 LOG2E = 1.4426950408889634
 
@@ -204,9 +204,9 @@ def _decode_rope_split_kernel(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_norm_p
     cos_row = cos_ptr + pos * (R // 2)
     sin_row = sin_ptr + pos * (R // 2)
     row_ptr = qkv_ptr + b.to(tl.int64) * ((HQ + 2 * HKV) * HEAD_DIM)
-    q = _norm_rope_heads(row_ptr + kvh * GROUP * HEAD_DIM, q_norm_ptr, cos_row, sin_row, eps, GROUP, HEAD_DIM, R,
+    q = norm_rope_heads(row_ptr + kvh * GROUP * HEAD_DIM, q_norm_ptr, cos_row, sin_row, eps, GROUP, HEAD_DIM, R,
                          BLOCK_G, BLOCK_D, HAS_QK_NORM, False).to(ty)  # [BLOCK_G, BLOCK_D], as stored
-    k_cur = _norm_rope_heads(row_ptr + (HQ + kvh) * HEAD_DIM, k_norm_ptr, cos_row, sin_row, eps, 1, HEAD_DIM, R,
+    k_cur = norm_rope_heads(row_ptr + (HQ + kvh) * HEAD_DIM, k_norm_ptr, cos_row, sin_row, eps, 1, HEAD_DIM, R,
                              1, BLOCK_D, HAS_QK_NORM, False).to(ty)  # [1, BLOCK_D]
     v_cur = tl.load(row_ptr + (HQ + HKV + kvh) * HEAD_DIM + offs_d[None, :], mask=mask_d[None, :], other=0.0)
     if split == 0:  # the cache row, for the steps after this one
@@ -415,28 +415,24 @@ def _window(sliding_window):
     return dict(HAS_WINDOW=sliding_window is not None, WINDOW=sliding_window or 0)
 
 
-def decode_attention(q, k_cache, v_cache, slots, kv_lens, scale: float, sliding_window: int | None = None,
-                     num_splits: int | None = None):
-    """q [B, HQ, D] (the token at position kv_lens[b] - 1) -> out [B, HQ, D]."""
-    assert q.dim() == 3, f"q must be [B, HQ, D], got {tuple(q.shape)}"
-    B, HQ, D = q.shape
-    Bc, HKV = _check_cache(q, k_cache, v_cache, slots, kv_lens, HQ, D)
-    assert Bc == B, f"{B} query rows but {Bc} sequences"
-    L = k_cache.shape[1]
+def _split_and_merge(split_kernel, head_args: list, consts: dict, B: int, HQ: int, k_cache, v_cache, slots, kv_lens,
+                     scale: float, sliding_window, num_splits, dtype, device):
+    """Launch a decode split kernel (``head_args`` then the cache, table and output arguments every
+    split kernel takes) and, with more than one split, ``_decode_reduce_kernel``; return out [B, HQ, D]."""
+    L, HKV, D = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     NUM_SPLITS = default_splits(L, B * HKV) if num_splits is None else num_splits
     assert 1 <= NUM_SPLITS <= L, f"num_splits must be in [1, {L}], got {NUM_SPLITS}"
     BLOCK_N, num_warps, num_stages = _decode_config(D)
-
-    out = torch.empty((B, HQ, D), dtype=q.dtype, device=q.device)
+    out = torch.empty((B, HQ, D), dtype=dtype, device=device)
     if NUM_SPLITS > 1:
-        part_out = torch.empty((B, HQ, NUM_SPLITS, D), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((B, HQ, NUM_SPLITS), dtype=torch.float32, device=q.device)
+        part_out = torch.empty((B, HQ, NUM_SPLITS, D), dtype=torch.float32, device=device)
+        part_lse = torch.empty((B, HQ, NUM_SPLITS), dtype=torch.float32, device=device)
     else:  # the split kernel writes out directly; scratch pointers are unused
         part_out = part_lse = out
     BLOCK_D = _block_d(D)
-    launch(_decode_split_kernel, (B, HKV, NUM_SPLITS),
-           [q, k_cache, v_cache, slots, kv_lens, out, part_out, part_lse, float(scale)],
-           dict(HQ=HQ, HKV=HKV, HEAD_DIM=D, L=L, **_window(sliding_window), NUM_SPLITS=NUM_SPLITS,
+    launch(split_kernel, (B, HKV, NUM_SPLITS),
+           head_args + [k_cache, v_cache, slots, kv_lens, out, part_out, part_lse, float(scale)],
+           dict(HQ=HQ, HKV=HKV, HEAD_DIM=D, L=L, **consts, **_window(sliding_window), NUM_SPLITS=NUM_SPLITS,
                 BLOCK_G=max(16, triton.next_power_of_2(HQ // HKV)), BLOCK_N=BLOCK_N,
                 BLOCK_D=BLOCK_D), num_warps=num_warps, num_stages=num_stages)
     if NUM_SPLITS > 1:
@@ -444,6 +440,17 @@ def decode_attention(q, k_cache, v_cache, slots, kv_lens, scale: float, sliding_
                dict(HQ=HQ, HEAD_DIM=D, NUM_SPLITS=NUM_SPLITS, BLOCK_S=triton.next_power_of_2(NUM_SPLITS),
                     BLOCK_D=BLOCK_D), num_warps=1, num_stages=1)
     return out
+
+
+def decode_attention(q, k_cache, v_cache, slots, kv_lens, scale: float, sliding_window: int | None = None,
+                     num_splits: int | None = None):
+    """q [B, HQ, D] (the token at position kv_lens[b] - 1) -> out [B, HQ, D]."""
+    assert q.dim() == 3, f"q must be [B, HQ, D], got {tuple(q.shape)}"
+    B, HQ, D = q.shape
+    Bc, _ = _check_cache(q, k_cache, v_cache, slots, kv_lens, HQ, D)
+    assert Bc == B, f"{B} query rows but {Bc} sequences"
+    return _split_and_merge(_decode_split_kernel, [q], {}, B, HQ, k_cache, v_cache, slots, kv_lens, scale,
+                            sliding_window, num_splits, q.dtype, q.device)
 
 
 def decode_rope_attention(qkv, positions, cos, sin, q_norm, k_norm, eps: float, k_cache, v_cache, cache_loc, slots,
@@ -470,29 +477,10 @@ def decode_rope_attention(qkv, positions, cos, sin, q_norm, k_norm, eps: float, 
         for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
             assert w.shape == (D,) and w.dtype == qkv.dtype and w.is_contiguous(), (
                 f"{name} must be contiguous {qkv.dtype} [{D}] (per-head norm), got {w.dtype} {tuple(w.shape)}")
-    L = k_cache.shape[1]
-    NUM_SPLITS = default_splits(L, B * HKV) if num_splits is None else num_splits
-    assert 1 <= NUM_SPLITS <= L, f"num_splits must be in [1, {L}], got {NUM_SPLITS}"
-    BLOCK_N, num_warps, num_stages = _decode_config(D)
-    out = torch.empty((B, HQ, D), dtype=qkv.dtype, device=qkv.device)
-    if NUM_SPLITS > 1:
-        part_out = torch.empty((B, HQ, NUM_SPLITS, D), dtype=torch.float32, device=qkv.device)
-        part_lse = torch.empty((B, HQ, NUM_SPLITS), dtype=torch.float32, device=qkv.device)
-    else:
-        part_out = part_lse = out
-    BLOCK_D = _block_d(D)
-    norms = (q_norm, k_norm) if q_norm is not None else (qkv, qkv)  # unused without norms
-    launch(_decode_rope_split_kernel, (B, HKV, NUM_SPLITS),
-           [qkv, positions, cos, sin, *norms, cache_loc, float(eps), k_cache, v_cache, slots, kv_lens, out, part_out,
-            part_lse, float(scale)],
-           dict(HQ=HQ, HKV=HKV, HEAD_DIM=D, L=L, R=R, HAS_QK_NORM=q_norm is not None, **_window(sliding_window),
-                NUM_SPLITS=NUM_SPLITS, BLOCK_G=max(16, triton.next_power_of_2(HQ // HKV)), BLOCK_N=BLOCK_N,
-                BLOCK_D=BLOCK_D), num_warps=num_warps, num_stages=num_stages)
-    if NUM_SPLITS > 1:
-        launch(_decode_reduce_kernel, (B, HQ), [part_out, part_lse, out],
-               dict(HQ=HQ, HEAD_DIM=D, NUM_SPLITS=NUM_SPLITS, BLOCK_S=triton.next_power_of_2(NUM_SPLITS),
-                    BLOCK_D=BLOCK_D), num_warps=1, num_stages=1)
-    return out
+    norms = [q_norm, k_norm] if q_norm is not None else [qkv, qkv]  # unused without norms
+    return _split_and_merge(_decode_rope_split_kernel, [qkv, positions, cos, sin, *norms, cache_loc, float(eps)],
+                            dict(R=R, HAS_QK_NORM=q_norm is not None), B, HQ, k_cache, v_cache, slots, kv_lens,
+                            scale, sliding_window, num_splits, qkv.dtype, qkv.device)
 
 
 def prefill_attention(q, k_cache, v_cache, slots, kv_lens, q_start, max_q_len: int, scale: float,

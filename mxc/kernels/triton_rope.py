@@ -37,7 +37,7 @@ from mxc.kernels.pdl import pdl_enter
 
 
 @triton.jit
-def _norm_rope_heads(x_ptr, w_ptr, cos_ptr, sin_ptr, eps,
+def norm_rope_heads(x_ptr, w_ptr, cos_ptr, sin_ptr, eps,
                      NH: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_NH: tl.constexpr,
                      BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr, NORM_WHOLE: tl.constexpr):
     """Load NH heads of D features at ``x_ptr``, norm (optional: per head with a [D] weight, or with
@@ -86,14 +86,14 @@ def rope_qkv_write_kernel(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_norm_ptr, 
     sin_row = sin_ptr + pos * (R // 2)
     row_ptr = qkv_ptr + t * ((HQ + 2 * HKV) * D)
 
-    q = _norm_rope_heads(row_ptr, q_norm_ptr, cos_row, sin_row, eps, HQ, D, R, BLOCK_HQ, BLOCK_D, HAS_QK_NORM,
+    q = norm_rope_heads(row_ptr, q_norm_ptr, cos_row, sin_row, eps, HQ, D, R, BLOCK_HQ, BLOCK_D, HAS_QK_NORM,
                          QK_NORM_WHOLE)
     offs_hq = tl.arange(0, BLOCK_HQ)[:, None]
     offs_d = tl.arange(0, BLOCK_D)[None, :]
     tl.store(q_ptr + t * (HQ * D) + offs_hq * D + offs_d, q.to(q_ptr.dtype.element_ty),
              mask=(offs_hq < HQ) & (offs_d < D))
 
-    k = _norm_rope_heads(row_ptr + HQ * D, k_norm_ptr, cos_row, sin_row, eps, HKV, D, R, BLOCK_HKV, BLOCK_D,
+    k = norm_rope_heads(row_ptr + HQ * D, k_norm_ptr, cos_row, sin_row, eps, HKV, D, R, BLOCK_HKV, BLOCK_D,
                          HAS_QK_NORM, QK_NORM_WHOLE)
     offs_hkv = tl.arange(0, BLOCK_HKV)[:, None]
     mask_kv = (offs_hkv < HKV) & (offs_d < D)
