@@ -7,7 +7,7 @@
 #   moe     Qwen3-30B-A3B shape: batch 1 vs floor, batch 64 vs HF eager, fused vs per-expert loop
 #   moelab  the Qwen3-30B-A3B batch-1 kernels one by one (pair-MoE configs, attention-side GEMVs)
 #   tp      the TP GPU test, then tp=2 (NCCL and one-shot all-reduce) vs tp=1 decode and the all-reduce times
-#   ab      bf16 batch 1/8 without fuse_rope_attention; after decode, same call: fp8 without fuse_norm_linear
+#   ab      after decode, same call: fp8 without fuse_norm_linear
 #   lab     bf16 and fp8 GEMVs one by one (fp8: SWAP_AB against the widening kernel);
 #           add --all for the prefill GEMMs too
 # Logs go to $OUT (the device tool's output folder) when set, else to build/gpu-logs.
@@ -36,10 +36,7 @@ case "${1:-}" in
   moelab) run 200 moe_lab.log python3 bench/moe_lab.py ;;
   tp)     run 80 tp_test.log python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py
           run 300 tp.log python3 bench/decode_tp.py --tp 2 --one-shot --out "$scratch/btp"; rm -rf "$scratch"/btp* ;;
-  ab)     # bf16 batch 1 and 8 without fuse_rope_attention (RoPE back in its own kernel); then, after
-          # `decode` in the same call (its bf16 artifact), fp8 without fuse_norm_linear
-          run 150 ab_norope.log python3 bench/decode.py --disable-pass fuse_rope_attention --batches 1,8 \
-            --hf-batches "" --out "$scratch/b8-norope"; rm -rf "$scratch/b8-norope"
+  ab)     # after `decode` in the same call (its bf16 artifact): fp8 without fuse_norm_linear
           run 150 ab_fp8_nofold.log python3 bench/decode.py --reuse --out "$scratch/b8" --batches "" --quant fp8 \
             --disable-pass fuse_norm_linear --hf-batches "" ;;
   lab)    if [ "${2:-}" = "--all" ]; then skip=""; else skip="--skip prefill"; fi

@@ -139,7 +139,7 @@ def _runtime_info(graph: Graph, config: dict) -> dict:
         if node.op == "attention":  # unfused: k is [T, kv_heads, head_dim]
             layers += rep.count if rep else 1
             kv = types[node.ins[1]].shape[1:]
-        elif node.op in ("qkv_rope_cache", "rope_cache_attention"):
+        elif node.op == "qkv_rope_cache":
             layers += rep.count if rep else 1
             kv = (node.attrs["kv_heads"], node.attrs["head_dim"])
     reps = graph.repeats()

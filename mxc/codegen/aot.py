@@ -142,7 +142,7 @@ def record(program, graph, max_batch: int, max_seq_len: int, pdl: bool = False) 
     for rep in graph.repeats():
         layers = [{k: meta(v.shape, DTYPES[v.dtype]) for k, v in rep.weights.items()} for _ in range(rep.count)]
     for node, rep in graph.nodes():
-        if node.op in ("qkv_rope_cache", "rope_cache_attention"):
+        if node.op == "qkv_rope_cache":
             kv = (rep.count if rep else 1, node.attrs["kv_heads"], node.attrs["head_dim"])
     recorder = launch.Recorder(pdl=pdl)
     dtype = DTYPES[graph.dtype]

@@ -13,7 +13,7 @@ from pathlib import Path
 from mxc.compiler.options import BuildOptions
 from mxc.errors import MxcError
 from mxc.compiler.passes import (eliminate_dead_code, fuse_add_rms_norm, fuse_linear_io, fuse_moe, fuse_norm_linear,
-                                  fuse_rope_attention, fuse_rope_cache, merge_gate_up, merge_qkv, quantize,
+                                  fuse_rope_cache, merge_gate_up, merge_qkv, quantize,
                                   select_kernels, shard_tp)
 from mxc.ir import Graph, dump_graph, verify
 
@@ -26,7 +26,6 @@ PIPELINE = [
     ("shard_tp", shard_tp.run),
     # fusion: fewer kernels and round trips through memory
     ("fuse_rope_cache", fuse_rope_cache.run),
-    ("fuse_rope_attention", fuse_rope_attention.run),
     ("fuse_norm_linear", fuse_norm_linear.run),
     ("fuse_add_rms_norm", fuse_add_rms_norm.run),
     ("fuse_linear_io", fuse_linear_io.run),
@@ -41,7 +40,7 @@ PIPELINE = [
 # Passes that only make the program faster: ``--disable-pass NAME`` skips them (to measure a
 # fusion's effect, or to work around one). The others carry meaning (sharding, quantization,
 # kernel selection) and always run.
-OPTIONAL = ("merge_qkv", "merge_gate_up", "fuse_moe", "fuse_rope_cache", "fuse_rope_attention", "fuse_norm_linear",
+OPTIONAL = ("merge_qkv", "merge_gate_up", "fuse_moe", "fuse_rope_cache", "fuse_norm_linear",
             "fuse_add_rms_norm", "fuse_linear_io", "eliminate_dead_code")
 
 

@@ -103,12 +103,6 @@ def _attention(q, k, v, **attrs):
     return (q,)
 
 
-def _rope_cache_attention(qkv, positions, q_norm=None, k_norm=None, *, heads, kv_heads, head_dim, **_):
-    _need(q_norm is None or q_norm.shape == (head_dim,), lambda: f"q/k norms must be per head ([{head_dim}]), "
-                                                                 f"got {q_norm}")
-    return _qkv_rope_cache(qkv, positions, q_norm, k_norm, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
-
-
 def _qkv_rope_cache(qkv, positions, q_norm=None, k_norm=None, *, heads, kv_heads, head_dim, **_):
     width = (heads + 2 * kv_heads) * head_dim
     _need(len(qkv.shape) == 2 and qkv.shape[1] == width, lambda: f"qkv {qkv} must be [T, {width}] for {heads}+2*{kv_heads} heads of {head_dim}")
@@ -280,11 +274,6 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
           doc="split merged qkv, optional q/k RMSNorm (per head, or over the whole projection when the weights "
               "are that wide), rotate q and k, write k and v to KV cache "
               "slot `layer`; returns q -- fuse_rope_cache", uses_context=True),
-    OpDef("rope_cache_attention", ("qkv", "positions", "q_norm?", "k_norm?"), _rope_cache_attention,
-          attrs=("heads", "kv_heads", "head_dim", "spec", "layer", "scale"),
-          optional_attrs=("eps", "causal", "sliding_window"),
-          doc="qkv_rope_cache then cached_attention, per-head q/k norms only; returns the attention output "
-              "-- fuse_rope_attention", uses_context=True),
     OpDef("cached_attention", ("q",), lambda q, **_: (q,), attrs=("scale", "layer"),
           optional_attrs=("causal", "sliding_window"),
           doc="attention over KV cache slot `layer`, which the preceding qkv_rope_cache filled -- fuse_rope_cache",

@@ -58,10 +58,6 @@ def _attention_ok(node, in_types, options):
     return _dtype_ok(node, in_types, options)
 
 
-def _rope_attention_ok(node, in_types, options):
-    return _rope_ok(node, in_types, options) or _attention_ok(node, in_types, options)
-
-
 def _scaled_mm_ok(node, in_types, options):
     if node.attrs["granularity"] == "block128":
         return "torch._scaled_mm takes row-wise scales here, not 128x128 blocks"
@@ -116,7 +112,7 @@ def _cutlass_ok(node, in_types, options):
 
 # References that read sequence layout or expert ids on the host: right on the CPU, wrong inside a
 # captured CUDA graph (the values would be frozen at capture), so they do not claim nodes on cuda.
-HOST_READING = {"attention", "rope", "qkv_rope_cache", "cached_attention", "rope_cache_attention", "experts"}
+HOST_READING = {"attention", "rope", "qkv_rope_cache", "cached_attention", "experts"}
 
 
 def _torch_ref(op: str) -> Candidate:
@@ -140,9 +136,6 @@ _TRITON = [
               "Triton split + q/k norm + RoPE + KV-cache write in one pass", check=_rope_ok),
     Candidate("cuda_ops.cached_attention", "cached_attention", GPU,
               "Triton flash attention (prefill, varlen) / split-KV flash decoding", check=_attention_ok),
-    Candidate("cuda_ops.rope_cache_attention", "rope_cache_attention", GPU,
-              "decode: q/k norm, RoPE, KV-cache write and split-KV attention in one kernel; prefill: the RoPE "
-              "kernel, then flash attention", check=_rope_attention_ok),
     Candidate("triton_gemv.linear_small_m", "linear", GPU,
               "Triton GEMV/split-K: bandwidth-bound at <= 16 tokens", tokens=(1, 16), check=_gemv_ok),
     Candidate("triton_gemv.linear_small_m", "linear", GPU,

@@ -61,22 +61,6 @@ def qkv_rope_cache(qkv, positions, q_norm=None, k_norm=None, ctx: ForwardContext
                                       ctx.cache_loc, q_norm, k_norm, eps if eps is not None else 1e-6)
 
 
-def rope_cache_attention(qkv, positions, q_norm=None, k_norm=None, ctx: ForwardContext = None, *, heads, kv_heads,
-                         head_dim, spec, layer, scale, eps=None, causal=True, sliding_window=None):
-    """Decode: one split kernel from the merged projection to the attention output (q/k norm, RoPE,
-    KV-cache write and split-KV attention; ``triton_attention.decode_rope_attention``). Prefill:
-    ``qkv_rope_cache`` then the prefill attention kernel."""
-    if not ctx.decode:
-        q = qkv_rope_cache(qkv, positions, q_norm, k_norm, ctx, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                           spec=spec, layer=layer, eps=eps)
-        return cached_attention(q, ctx, scale, layer, causal, sliding_window)
-    cos, sin = _tables(ctx, spec)
-    return triton_attention.decode_rope_attention(qkv, positions, cos, sin, q_norm, k_norm,
-                                                  eps if eps is not None else 1e-6, ctx.k_cache[layer],
-                                                  ctx.v_cache[layer], ctx.cache_loc, ctx.slots_t, ctx.kv_lens, scale,
-                                                  sliding_window)
-
-
 def all_reduce_one_shot(x, bias=None, ctx: ForwardContext = None):
     """The decode all-reduce over peer memory (``peer_allreduce``) where the runtime set it up
     (``ctx.peer_allreduce``), else NCCL as ``torch_ref.all_reduce``."""

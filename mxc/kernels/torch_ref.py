@@ -144,14 +144,6 @@ def qkv_rope_cache(qkv, positions, q_norm=None, k_norm=None, ctx: ForwardContext
     return q
 
 
-def rope_cache_attention(qkv, positions, q_norm=None, k_norm=None, ctx: ForwardContext = None, *, heads, kv_heads,
-                         head_dim, spec, layer, scale, eps=None, causal=True, sliding_window=None):
-    """``qkv_rope_cache`` then ``cached_attention``."""
-    q = qkv_rope_cache(qkv, positions, q_norm, k_norm, ctx, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                       spec=spec, layer=layer, eps=eps)
-    return cached_attention(q, ctx, scale, layer, causal, sliding_window)
-
-
 def cached_attention(q, ctx: ForwardContext, scale, layer, causal=True, sliding_window=None):
     """Attention of q over KV-cache slot ``layer`` (already holding this call's keys and values)."""
     out = torch.empty_like(q)

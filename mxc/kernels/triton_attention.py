@@ -2,8 +2,7 @@
 
 Owns the Triton paths of the ``attention`` op (reference:
 ``torch_ref.attention``). They read keys/values from the cache, which already
-holds this call's keys/values (a separate kernel writes them first; at decode
-``decode_rope_attention`` writes them itself):
+holds this call's keys/values (a separate kernel writes them first):
 
     k_cache, v_cache [S, L, HKV, D]   S slots, L rows per slot, contiguous
     slots   [B] int32                 cache row of sequence b
@@ -27,14 +26,6 @@ Versions:
   splits (a split with no visible row has lse = -inf and weight 0). With
   NUM_SPLITS == 1 the split kernel writes the output directly (one launch).
   ``default_splits`` picks NUM_SPLITS from L and B * HKV (static shapes).
-- ``decode_rope_attention`` (``fuse_rope_attention``): the same split kernel
-  started from the merged projection ``qkv``: each program norms (per head) and
-  rotates its group's q heads and the new token's k with
-  ``triton_rope.norm_rope_heads``, attends with the new token's row taken from
-  registers, and split 0 writes k and v to the cache. It replaces
-  ``triton_rope.rope_qkv_write`` + ``decode_attention`` at decode (one launch a
-  layer less), bit for bit under the interpreter (on the GPU, with per-head q/k
-  norms, the norm's fp32 sum runs over other tiles: an ulp now and then).
 - ``prefill_attention``: variable-length batch of query tokens, sequence b's
   tokens q[q_start[b]:q_start[b+1]] at positions kv_lens[b] - n_b .. kv_lens[b] - 1
   (a cached prefix, as in chunked prefill, works the same). FlashAttention-2:
@@ -63,7 +54,6 @@ import triton.language as tl
 
 from mxc.kernels.launch import launch
 from mxc.kernels.pdl import pdl_enter
-from mxc.kernels.triton_rope import norm_rope_heads
 
 LOG2E = 1.4426950408889634
 
@@ -163,64 +153,6 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, kv_lens_ptr
     qk_scale = scale * 1.4426950408889634  # exp(x) = exp2(x * log2(e))
     acc, m_i, l_i = _attend_rows(q, kt_ptrs, v_ptrs, lo, hi, qk_scale, mask_d, 0, None, None, HKV, HEAD_DIM,
                                  BLOCK_G, BLOCK_N, BLOCK_D, False)
-    _store_split(acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, b, heads, split, mask_g, offs_d, mask_d,
-                 HQ, HEAD_DIM, NUM_SPLITS)
-
-
-@triton.jit
-def _decode_rope_split_kernel(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, cache_loc_ptr,
-                              eps, k_cache_ptr, v_cache_ptr, slots_ptr, kv_lens_ptr, out_ptr, part_out_ptr,
-                              part_lse_ptr, scale,  #
-                              HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, L: tl.constexpr,  #
-                              R: tl.constexpr, HAS_QK_NORM: tl.constexpr,  #
-                              HAS_WINDOW: tl.constexpr, WINDOW: tl.constexpr,  #
-                              NUM_SPLITS: tl.constexpr,  #
-                              BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                              USE_PDL: tl.constexpr = False):
-    """``_decode_split_kernel`` that starts from the merged projection: the program takes its q heads
-    and the new token's k and v from ``qkv`` [B, (HQ + 2 HKV) D], norms (per head) and rotates them
-    as ``triton_rope.rope_qkv_write_kernel`` does, attends with the new token's row taken from
-    registers (the cache row may not be written yet), and split 0 writes k and v to the cache at
-    ``cache_loc[b]`` (= the row kv_lens[b] - 1 of slot b). One launch instead of two at decode."""
-    pdl_enter(USE_PDL)
-    GROUP: tl.constexpr = HQ // HKV
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-
-    slot = tl.load(slots_ptr + b).to(tl.int64)
-    kv_len = tl.load(kv_lens_ptr + b)
-    lo, hi = _split_rows(kv_len, split, HAS_WINDOW, WINDOW, NUM_SPLITS)
-
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    heads = kvh * GROUP + offs_g
-    mask_g = offs_g < GROUP
-    mask_d = offs_d < HEAD_DIM
-
-    ty = k_cache_ptr.dtype.element_ty
-    pos = tl.load(positions_ptr + b)
-    cos_row = cos_ptr + pos * (R // 2)
-    sin_row = sin_ptr + pos * (R // 2)
-    row_ptr = qkv_ptr + b.to(tl.int64) * ((HQ + 2 * HKV) * HEAD_DIM)
-    q = norm_rope_heads(row_ptr + kvh * GROUP * HEAD_DIM, q_norm_ptr, cos_row, sin_row, eps, GROUP, HEAD_DIM, R,
-                         BLOCK_G, BLOCK_D, HAS_QK_NORM, False).to(ty)  # [BLOCK_G, BLOCK_D], as stored
-    k_cur = norm_rope_heads(row_ptr + (HQ + kvh) * HEAD_DIM, k_norm_ptr, cos_row, sin_row, eps, 1, HEAD_DIM, R,
-                             1, BLOCK_D, HAS_QK_NORM, False).to(ty)  # [1, BLOCK_D]
-    v_cur = tl.load(row_ptr + (HQ + HKV + kvh) * HEAD_DIM + offs_d[None, :], mask=mask_d[None, :], other=0.0)
-    if split == 0:  # the cache row, for the steps after this one
-        loc = tl.load(cache_loc_ptr + b)
-        cache_row = loc * (HKV * HEAD_DIM) + kvh * HEAD_DIM + offs_d[None, :]
-        tl.store(k_cache_ptr + cache_row, k_cur, mask=mask_d[None, :])
-        tl.store(v_cache_ptr + cache_row, v_cur.to(ty), mask=mask_d[None, :])
-
-    kv_base = slot * (L * HKV * HEAD_DIM) + kvh * HEAD_DIM
-    kt_ptrs = k_cache_ptr + kv_base + offs_n[None, :] * (HKV * HEAD_DIM) + offs_d[:, None]
-    v_ptrs = v_cache_ptr + kv_base + offs_n[:, None] * (HKV * HEAD_DIM) + offs_d[None, :]
-    qk_scale = scale * 1.4426950408889634
-    acc, m_i, l_i = _attend_rows(q, kt_ptrs, v_ptrs, lo, hi, qk_scale, mask_d, kv_len - 1, tl.trans(k_cur),
-                                 v_cur.to(ty), HKV, HEAD_DIM, BLOCK_G, BLOCK_N, BLOCK_D, True)
     _store_split(acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, b, heads, split, mask_g, offs_d, mask_d,
                  HQ, HEAD_DIM, NUM_SPLITS)
 
@@ -451,36 +383,6 @@ def decode_attention(q, k_cache, v_cache, slots, kv_lens, scale: float, sliding_
     assert Bc == B, f"{B} query rows but {Bc} sequences"
     return _split_and_merge(_decode_split_kernel, [q], {}, B, HQ, k_cache, v_cache, slots, kv_lens, scale,
                             sliding_window, num_splits, q.dtype, q.device)
-
-
-def decode_rope_attention(qkv, positions, cos, sin, q_norm, k_norm, eps: float, k_cache, v_cache, cache_loc, slots,
-                          kv_lens, scale: float, sliding_window: int | None = None, num_splits: int | None = None):
-    """``rope_qkv_write`` then ``decode_attention`` in one split kernel (plus the merge): qkv [B,
-    (HQ + 2 HKV) D] of one new token per sequence -> out [B, HQ, D]; k and v land in the cache at
-    ``cache_loc`` as ``rope_qkv_write`` puts them. q/k norms per head only ([D] weights)."""
-    assert qkv.dim() == 2 and qkv.is_contiguous(), f"qkv must be a contiguous [B, (HQ+2*HKV)*D], got {tuple(qkv.shape)}"
-    B, width = qkv.shape
-    HKV, D = k_cache.shape[2], k_cache.shape[3]
-    HQ = width // D - 2 * HKV
-    assert HQ >= HKV and HQ % HKV == 0 and width == (HQ + 2 * HKV) * D, (
-        f"qkv width {width} is not (HQ + 2*{HKV}) * {D} with HQ a multiple of {HKV}")
-    Bc, _ = _check_cache(qkv.view(B, -1, D), k_cache, v_cache, slots, kv_lens, HQ + 2 * HKV, D)
-    assert Bc == B, f"{B} query rows but {Bc} sequences"
-    assert positions.shape == (B,) and positions.dtype == torch.int64, "positions must be int64 [B]"
-    assert cache_loc.shape == (B,) and cache_loc.dtype == torch.int64, "cache_loc must be int64 [B]"
-    assert cos.dim() == 2 and cos.shape == sin.shape and cos.dtype == sin.dtype == torch.float32, (
-        "cos/sin must be float32 [P, R/2]")
-    R = 2 * cos.shape[1]
-    assert 2 <= R <= D, f"rotary dim {R} must be in [2, head_dim {D}]"
-    assert (q_norm is None) == (k_norm is None), "give both q_norm and k_norm or neither"
-    if q_norm is not None:
-        for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
-            assert w.shape == (D,) and w.dtype == qkv.dtype and w.is_contiguous(), (
-                f"{name} must be contiguous {qkv.dtype} [{D}] (per-head norm), got {w.dtype} {tuple(w.shape)}")
-    norms = [q_norm, k_norm] if q_norm is not None else [qkv, qkv]  # unused without norms
-    return _split_and_merge(_decode_rope_split_kernel, [qkv, positions, cos, sin, *norms, cache_loc, float(eps)],
-                            dict(R=R, HAS_QK_NORM=q_norm is not None), B, HQ, k_cache, v_cache, slots, kv_lens,
-                            scale, sliding_window, num_splits, qkv.dtype, qkv.device)
 
 
 def prefill_attention(q, k_cache, v_cache, slots, kv_lens, q_start, max_q_len: int, scale: float,

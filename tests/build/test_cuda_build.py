@@ -65,8 +65,7 @@ def test_cuda_build_compiles_every_kernel_for_sm90(config, tp, quant, tmp_path):
         assert f"code/kernels/{entry['file']}" in manifest["files"]
     assert {f"weights/rank{r}.safetensors" for r in range(tp)} <= set(manifest["files"])
     program = (art / "code" / "forward.py").read_text()
-    # RoPE joins the attention (fuse_rope_attention) except under OLMoE's whole-projection q/k norm
-    assert ("cuda_ops.qkv_rope_cache" if config is OLMOE else "cuda_ops.rope_cache_attention") in program
+    assert "cuda_ops.qkv_rope_cache" in program and "cuda_ops.cached_attention" in program
     assert ("triton_fp8.qlinear_small_m" if quant else "triton_gemv.linear_small_m") in program
 
 

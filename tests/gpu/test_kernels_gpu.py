@@ -92,29 +92,3 @@ def test_attention_llama8b_heads(lens):
     assert _rel(out, ref) < 2e-2
 
 
-@pytest.mark.parametrize("kv_lens,norm", [([129], False), ([1, 700, 4096, 33], True)])
-def test_decode_rope_attention_llama8b_heads(kv_lens, norm):
-    """The decode kernel that does RoPE and the KV write itself, against the two kernels it replaces
-    (32 q / 8 kv heads of 128, a 4096-row cache, 16 splits): the same cache rows; outputs within a
-    bf16 ulp (GPU fp fusion may contract the two paths' RoPE differently)."""
-    from mxc.kernels import triton_rope
-
-    B, HQ, HKV, D, L = len(kv_lens), 32, 8, 128, 4096
-    qkv = torch.randn(B, (HQ + 2 * HKV) * D, device="cuda", dtype=BF16)
-    kc = torch.randn(B + 1, L, HKV, D, device="cuda", dtype=BF16)
-    vc = torch.randn_like(kc)
-    kv = torch.tensor(kv_lens, dtype=torch.int32, device="cuda")
-    slots = torch.arange(B, dtype=torch.int32, device="cuda")
-    pos = (kv - 1).long()
-    loc = slots.long() * L + pos
-    cos, sin = triton_rope.rope_tables({"type": "default", "theta": 500000.0, "rotary_dim": D, "head_dim": D}, L,
-                                       "cuda")
-    qn, kn = (torch.rand(D, device="cuda", dtype=BF16) + 0.5, torch.rand(D, device="cuda", dtype=BF16) + 0.5) \
-        if norm else (None, None)
-    kc2, vc2 = kc.clone(), vc.clone()
-    q = triton_rope.rope_qkv_write(qkv, pos, cos, sin, kc, vc, loc, qn, kn, 1e-6)
-    want = triton_attention.decode_attention(q, kc, vc, slots, kv, D ** -0.5)
-    got = triton_attention.decode_rope_attention(qkv, pos, cos, sin, qn, kn, 1e-6, kc2, vc2, loc, slots, kv,
-                                                 D ** -0.5)
-    assert torch.equal(vc2, vc) and _rel(kc2, kc) < 1e-2
-    assert _rel(got, want) < 1e-2

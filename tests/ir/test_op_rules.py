@@ -111,12 +111,6 @@ EXAMPLES = {
         ([tt("T", 128), tt("T", dtype="int64"), tt(16)], QKV_ATTRS, "q_norm and k_norm come together"),
         ([tt("T", 128), tt("T", dtype="int64")], {**QKV_ATTRS, "sizes": [1]}, "unknown attribute(s) sizes"),
     ]),
-    "rope_cache_attention": (([tt("T", 128), tt("T", dtype="int64"), tt(16), tt(16)],
-                              QKV_ATTRS | {"eps": 1e-5, "scale": 0.25, "sliding_window": 8}), [tt("T", 4, 16)], [
-        ([tt("T", 120), tt("T", dtype="int64")], QKV_ATTRS | {"scale": 0.25}, "must be [T, 128] for 4+2*2 heads"),
-        ([tt("T", 128), tt("T", dtype="int64"), tt(64), tt(32)], QKV_ATTRS | {"scale": 0.25}, "must be per head"),
-        ([tt("T", 128), tt("T", dtype="int64")], QKV_ATTRS, "missing attribute(s) scale"),
-    ]),
     "cached_attention": (([tt("T", 4, 16)], {"scale": 0.25, "layer": 0}), [tt("T", 4, 16)], [
         ([tt("T", 4, 16), tt("T", 2, 16)], {"scale": 0.25, "layer": 0}, "takes at most 1 inputs"),
         ([tt("T", 4, 16)], {"layer": 0}, "missing attribute(s) scale"),

@@ -6,7 +6,7 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 from mxc.compiler.passes import (eliminate_dead_code, fuse_add_rms_norm, fuse_linear_io, fuse_norm_linear,
-                                 fuse_rope_attention, fuse_rope_cache, merge_gate_up, merge_qkv)
+                                 fuse_rope_cache, merge_gate_up, merge_qkv)
 from mxc.ir import Repeat, verify
 
 
@@ -53,35 +53,6 @@ def test_fuse_rope_cache_takes_whole_projection_qk_norms(bind_arch, assert_same_
     assert fused.ins[2:] == ("q_norm_full", "k_norm_full") and fused.attrs["eps"] == 1e-5
     assert ops(after).count("rms_norm") == 2 and "attention" not in ops(after)  # ln1, ln2: q/k norms fused
     assert_same_logits(before, after)
-
-
-def test_fuse_rope_attention(bind_arch, assert_same_logits):
-    """The RoPE/KV-write op and its attention become one op, with a sliding window (Mistral) and per-head
-    q/k norms (Qwen3); OLMoE's whole-projection norms stay two ops."""
-    graphs = [bind_arch("MistralForCausalLM", sliding_window=4), bind_arch("Qwen3ForCausalLM", head_dim=32)]
-    for before in (eliminate_dead_code.run(fuse_rope_cache.run(merged(g), None), None) for g in graphs):
-        after = fuse_rope_attention.run(before, None)
-        verify(after)
-        rope = next(n for n in layer(before).body if n.op == "qkv_rope_cache")
-        attn = next(n for n in layer(before).body if n.op == "cached_attention")
-        fused = next(n for n in layer(after).body if n.op == "rope_cache_attention")
-        assert "qkv_rope_cache" not in ops(after) and "cached_attention" not in ops(after)
-        assert fused.ins == rope.ins and fused.outs == attn.outs and fused.attrs == {**rope.attrs, **attn.attrs}
-        assert fuse_rope_attention.run(after, None) == after
-        assert_same_logits(before, after)
-        assert fused.attrs.get("sliding_window") == (4 if "q_norm" not in fused.ins else None)
-    assert fused.ins[2:] == ("q_norm", "k_norm")
-    from mxc.ir import Node
-
-    rep = layer(before)
-    q = next(n for n in rep.body if n.op == "qkv_rope_cache").outs[0]
-    extra = Node("add", ("q_twice",), (q, q))  # a second reader of q: the rotated q must stay in memory
-    shared = before.replace(body=tuple(replace(rep, body=rep.body + (extra,)) if it is rep else it
-                                       for it in before.body))
-    assert fuse_rope_attention.run(shared, None) == shared
-    olmoe = eliminate_dead_code.run(fuse_rope_cache.run(merged(bind_arch("OlmoeForCausalLM", num_experts=4,
-                                                                         num_experts_per_tok=2)), None), None)
-    assert fuse_rope_attention.run(olmoe, None) == olmoe
 
 
 def test_fuse_rope_cache_declines_without_merged_qkv(bind_arch):
