@@ -8,7 +8,9 @@ target (sm_90 by default; this works on a machine without a GPU, Triton ships
 ptxas) and writes ``code/kernels/<key>.cubin`` plus ``index.json`` with what
 the runtime's launcher needs: the entry name, shared memory, warps and the
 exact parameter list read from the PTX (Triton appends scratch pointers whose
-number depends on its version). Pointer arguments are compiled as 16-byte
+number depends on its version). Kernels rendered from templates
+(``kernel_templates``) have their source written beside the cubins, in
+``src/``, and named in their index entry: what runs is what the artifact shows. Pointer arguments are compiled as 16-byte
 aligned; the runtime checks that before each launch.
 """
 
@@ -23,6 +25,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from mxc.codegen import kernel_templates
 from mxc.errors import MxcError
 
 _PARAM_KINDS = [(r"\.u64\s+\.ptr", "ptr"), (r"\.(u|s|b)64", "i64"), (r"\.(u|s|b)32", "i32"), (r"\.f32", "f32"),
@@ -45,21 +48,23 @@ def ptx_params(ptx: str, name: str) -> list[str]:
     return kinds
 
 
-def _jit_function(kernel: str):
+def _jit_function(kernel: str, source: str | None = None):
     module, _, name = kernel.partition(":")
+    if source is not None:  # a kernel rendered from a template: execute its source in this process
+        kernel_templates.load(module, source)
     fn = getattr(importlib.import_module(module), name)
     if not hasattr(fn, "params"):
         raise MxcError("cannot compile kernels ahead of time under TRITON_INTERPRET=1; unset it and rebuild")
     return fn
 
 
-def _compile_one(key: str, spec: dict, arch: int) -> tuple[str, bytes, dict]:
-    """Compile one spec (runs in a worker process)."""
+def _compile_one(key: str, spec: dict, arch: int, source: str | None) -> tuple[str, bytes, dict]:
+    """Compile one spec (runs in a worker process; ``source``: the rendered module of a generated kernel)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = _jit_function(spec["kernel"])
+    fn = _jit_function(spec["kernel"], source)
     aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
                for n, t in spec["signature"].items() if t.startswith("*")}
     src = ASTSource(fn, signature=spec["signature"], constexprs=spec["constexprs"], attrs=aligned)
@@ -80,17 +85,31 @@ def _compile_one(key: str, spec: dict, arch: int) -> tuple[str, bytes, dict]:
 
 def compile_specs(specs: dict[str, dict], out_dir: Path, arch: int = 90, progress: bool = True,
                   workers: int | None = None) -> dict:
-    """Compile every spec for sm_<arch> (in parallel processes); write cubins and index.json; return the index."""
+    """Compile every spec for sm_<arch> (in parallel processes); write cubins, the rendered sources of
+    generated kernels (``src/<module>.py``) and index.json; return the index."""
     from concurrent.futures import ProcessPoolExecutor
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    sources = {}  # generated module -> its rendered source, for the workers and the artifact
+    for spec in specs.values():
+        module = spec["kernel"].partition(":")[0]
+        if kernel_templates.is_generated(module) and module not in sources:
+            sources[module] = kernel_templates.source(module)
+    if sources:
+        (out_dir / "src").mkdir(exist_ok=True)
+        for module, text in sources.items():
+            (out_dir / "src" / f"{module.partition('.')[2]}.py").write_text(text)
     workers = workers or min(len(specs), os.cpu_count() or 1)
     index = {}
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        jobs = [pool.submit(_compile_one, key, spec, arch) for key, spec in sorted(specs.items())]
+        jobs = [pool.submit(_compile_one, key, spec, arch, sources.get(spec["kernel"].partition(":")[0]))
+                for key, spec in sorted(specs.items())]
         for job in tqdm(jobs, desc=f"compiling kernels for sm_{arch}", unit="kernel", disable=not progress,
                         leave=False):
             key, cubin, entry = job.result()
+            module = entry["kernel"].partition(":")[0]
+            if module in sources:
+                entry["source"] = f"src/{module.partition('.')[2]}.py"
             (out_dir / f"{key}.cubin").write_bytes(cubin)
             index[key] = entry
     (out_dir / "index.json").write_text(json.dumps(index, indent=1, sort_keys=True) + "\n")

@@ -11,6 +11,12 @@ holds this call's keys/values (a separate kernel writes them first):
 Key position p is visible to query position t iff p <= t and, with a sliding
 window w, p > t - w. Query heads h use kv head h // (HQ // HKV).
 
+The kernels' entry points are rendered per head layout, cache length and window
+from ``codegen/templates/kernels/decode_attention.py.j2`` and
+``prefill_attention.py.j2``; their loops are the hand-written ``@triton.jit``
+helpers below (``_split_rows``, ``_attend_rows``, ``_store_split``,
+``_prefill_inner``). Tile sizes and split counts stay constexpr parameters.
+
 Versions:
 - ``decode_attention``: one new token per sequence (position kv_lens[b] - 1).
   Flash-decoding: grid (B, HKV, NUM_SPLITS); a program takes all GROUP query
@@ -52,8 +58,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mxc.codegen import kernel_templates
 from mxc.kernels.launch import launch
-from mxc.kernels.pdl import pdl_enter
 
 LOG2E = 1.4426950408889634
 
@@ -72,11 +78,10 @@ def _split_rows(kv_len, split, HAS_WINDOW: tl.constexpr, WINDOW: tl.constexpr, N
 
 
 @triton.jit
-def _attend_rows(q, kt_ptrs, v_ptrs, lo, hi, qk_scale, mask_d, cur, k_cur, v_cur,
+def _attend_rows(q, kt_ptrs, v_ptrs, lo, hi, qk_scale, mask_d,
                  HKV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_D: tl.constexpr, HAS_CUR: tl.constexpr):
-    """Online softmax of q [BLOCK_G, BLOCK_D] over cache rows [lo, hi): (acc, m_i, l_i). With HAS_CUR,
-    row ``cur`` takes k_cur^T [BLOCK_D, 1] and v_cur [1, BLOCK_D] (cache dtype) instead of the cache."""
+                 BLOCK_D: tl.constexpr):
+    """Online softmax of q [BLOCK_G, BLOCK_D] over cache rows [lo, hi): (acc, m_i, l_i)."""
     offs_n = tl.arange(0, BLOCK_N)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -85,8 +90,6 @@ def _attend_rows(q, kt_ptrs, v_ptrs, lo, hi, qk_scale, mask_d, cur, k_cur, v_cur
     for start_n in range(lo, hi, BLOCK_N):
         mask_n = start_n + offs_n < hi
         kt = tl.load(kt_ptrs + start_n * (HKV * HEAD_DIM), mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-        if HAS_CUR:
-            kt = tl.where((start_n + offs_n == cur)[None, :], k_cur, kt)
         s = tl.dot(q, kt, input_precision="ieee") * qk_scale  # [BLOCK_G, BLOCK_N] fp32
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -94,8 +97,6 @@ def _attend_rows(q, kt_ptrs, v_ptrs, lo, hi, qk_scale, mask_d, cur, k_cur, v_cur
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptrs + start_n * (HKV * HEAD_DIM), mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-        if HAS_CUR:
-            v = tl.where((start_n + offs_n == cur)[:, None], v_cur, v)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
     return acc, m_i, l_i
@@ -116,70 +117,6 @@ def _store_split(acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, b, heads, s
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out,
                  mask=mask_g[:, None] & mask_d[None, :])
         tl.store(part_lse_ptr + row, lse, mask=mask_g)
-
-
-@triton.jit
-def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, kv_lens_ptr, out_ptr, part_out_ptr,
-                         part_lse_ptr, scale,  #
-                         HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, L: tl.constexpr,  #
-                         HAS_WINDOW: tl.constexpr, WINDOW: tl.constexpr,  #
-                         NUM_SPLITS: tl.constexpr,  #
-                         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                         USE_PDL: tl.constexpr = False):
-    pdl_enter(USE_PDL)
-    GROUP: tl.constexpr = HQ // HKV
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-
-    slot = tl.load(slots_ptr + b).to(tl.int64)  # int64: S * L * HKV * D may pass 2^31
-    kv_len = tl.load(kv_lens_ptr + b)
-    lo, hi = _split_rows(kv_len, split, HAS_WINDOW, WINDOW, NUM_SPLITS)
-
-    offs_g = tl.arange(0, BLOCK_G)  # query heads of the group, padded
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    heads = kvh * GROUP + offs_g
-    mask_g = offs_g < GROUP
-    mask_d = offs_d < HEAD_DIM
-
-    # q [BLOCK_G, BLOCK_D] of q [B, HQ, D]
-    q = tl.load(q_ptr + (b * HQ + heads[:, None]) * HEAD_DIM + offs_d[None, :],
-                mask=mask_g[:, None] & mask_d[None, :], other=0.0)
-    # k^T [BLOCK_D, BLOCK_N] and v [BLOCK_N, BLOCK_D] of cache[slot, n, kvh, :]
-    kv_base = slot * (L * HKV * HEAD_DIM) + kvh * HEAD_DIM
-    kt_ptrs = k_cache_ptr + kv_base + offs_n[None, :] * (HKV * HEAD_DIM) + offs_d[:, None]
-    v_ptrs = v_cache_ptr + kv_base + offs_n[:, None] * (HKV * HEAD_DIM) + offs_d[None, :]
-    qk_scale = scale * 1.4426950408889634  # exp(x) = exp2(x * log2(e))
-    acc, m_i, l_i = _attend_rows(q, kt_ptrs, v_ptrs, lo, hi, qk_scale, mask_d, 0, None, None, HKV, HEAD_DIM,
-                                 BLOCK_G, BLOCK_N, BLOCK_D, False)
-    _store_split(acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, b, heads, split, mask_g, offs_d, mask_d,
-                 HQ, HEAD_DIM, NUM_SPLITS)
-
-
-@triton.jit
-def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr,  #
-                          HQ: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,  #
-                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                          USE_PDL: tl.constexpr = False):
-    pdl_enter(USE_PDL)
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < NUM_SPLITS
-    mask_d = offs_d < HEAD_DIM
-    row = (b * HQ + h) * NUM_SPLITS + offs_s
-    lse = tl.load(part_lse_ptr + row, mask=mask_s, other=float("-inf"))  # [BLOCK_S]
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # no visible row at all: every weight is 0
-    w = tl.exp2(lse - m)  # empty splits: exp2(-inf) = 0
-    part = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-                   mask=mask_s[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
-    part = tl.where(w[:, None] > 0, part, 0.0)
-    denom = tl.sum(w, 0)
-    out = tl.sum(part * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
-    tl.store(out_ptr + (b * HQ + h) * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty), mask=mask_d)
 
 
 @triton.jit
@@ -216,73 +153,6 @@ def _prefill_inner(acc, l_i, m_i, q, kt_ptrs, v_ptrs, start, end, pos_m, hi, qk_
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
     return acc, l_i, m_i
-
-
-@triton.jit
-def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, kv_lens_ptr, q_start_ptr, out_ptr, scale,  #
-                    HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, L: tl.constexpr,  #
-                    HAS_WINDOW: tl.constexpr, WINDOW: tl.constexpr,  #
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    USE_PDL: tl.constexpr = False):
-    pdl_enter(USE_PDL)
-    GROUP: tl.constexpr = HQ // HKV
-    pid_m = tl.program_id(0)
-    b = tl.program_id(1)
-    h = tl.program_id(2)
-    kvh = h // GROUP
-
-    tok0 = tl.load(q_start_ptr + b)
-    n_q = tl.load(q_start_ptr + b + 1) - tok0
-    start_m = pid_m * BLOCK_M
-    if start_m >= n_q:  # the grid covers the longest sequence
-        return
-    slot = tl.load(slots_ptr + b).to(tl.int64)  # int64: S * L * HKV * D may pass 2^31
-    kv_len = tl.load(kv_lens_ptr + b)
-    past = kv_len - n_q  # position of the sequence's first query token
-
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_m = offs_m < n_q
-    mask_d = offs_d < HEAD_DIM
-    pos_m = past + offs_m  # [BLOCK_M] query positions
-
-    # q [BLOCK_M, BLOCK_D] of q [T, HQ, D]
-    q_offs = ((tok0 + offs_m[:, None]) * HQ + h) * HEAD_DIM + offs_d[None, :]
-    q = tl.load(q_ptr + q_offs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
-    # k^T [BLOCK_D, BLOCK_N] and v [BLOCK_N, BLOCK_D] of cache[slot, n, kvh, :]
-    kv_base = slot * (L * HKV * HEAD_DIM) + kvh * HEAD_DIM
-    kt_ptrs = k_cache_ptr + kv_base + offs_n[None, :] * (HKV * HEAD_DIM) + offs_d[:, None]
-    v_ptrs = v_cache_ptr + kv_base + offs_n[:, None] * (HKV * HEAD_DIM) + offs_d[None, :]
-
-    # Keys [lo, hi): from the window start of the block's first query to the causal limit of
-    # its last. Blocks from full_lo up to full_hi are visible to all (valid) queries of the block:
-    # key p <= first query position, and p > last query position - WINDOW.
-    first = past + start_m
-    last = past + tl.minimum(start_m + BLOCK_M, n_q) - 1
-    hi = last + 1
-    lo = 0
-    full_lo = 0
-    if HAS_WINDOW:
-        lo = tl.maximum(0, first - WINDOW + 1)
-        full_lo = lo + tl.cdiv(tl.maximum(last - WINDOW + 1 - lo, 0), BLOCK_N) * BLOCK_N
-    full_hi = full_lo + tl.maximum(first + 1 - full_lo, 0) // BLOCK_N * BLOCK_N
-
-    qk_scale = scale * 1.4426950408889634  # exp(x) = exp2(x * log2(e))
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    acc, l_i, m_i = _prefill_inner(acc, l_i, m_i, q, kt_ptrs, v_ptrs, full_lo, full_hi, pos_m, hi, qk_scale,  #
-                                   HKV, HEAD_DIM, False, HAS_WINDOW, WINDOW, BLOCK_N, BLOCK_D)
-    if HAS_WINDOW:  # blocks at the window's edge
-        acc, l_i, m_i = _prefill_inner(acc, l_i, m_i, q, kt_ptrs, v_ptrs, lo, tl.minimum(full_lo, hi), pos_m, hi,
-                                       qk_scale, HKV, HEAD_DIM, True, HAS_WINDOW, WINDOW, BLOCK_N, BLOCK_D)
-    # blocks on the causal diagonal
-    acc, l_i, m_i = _prefill_inner(acc, l_i, m_i, q, kt_ptrs, v_ptrs, full_hi, hi, pos_m, hi,
-                                   qk_scale, HKV, HEAD_DIM, True, HAS_WINDOW, WINDOW, BLOCK_N, BLOCK_D)
-
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + q_offs, out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,45 +214,46 @@ def _check_cache(q, k_cache, v_cache, slots, kv_lens, HQ, D):
 
 def _window(sliding_window):
     assert sliding_window is None or sliding_window >= 1, f"sliding_window must be >= 1, got {sliding_window}"
-    return dict(HAS_WINDOW=sliding_window is not None, WINDOW=sliding_window or 0)
+    return sliding_window
 
 
-def _split_and_merge(split_kernel, head_args: list, consts: dict, B: int, HQ: int, k_cache, v_cache, slots, kv_lens,
-                     scale: float, sliding_window, num_splits, dtype, device):
-    """Launch a decode split kernel (``head_args`` then the cache, table and output arguments every
-    split kernel takes) and, with more than one split, ``_decode_reduce_kernel``; return out [B, HQ, D]."""
+def _layout(k_cache, HQ: int, sliding_window) -> dict:
+    """The template parameters of an attention kernel: head layout, cache rows, window."""
     L, HKV, D = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    NUM_SPLITS = default_splits(L, B * HKV) if num_splits is None else num_splits
-    assert 1 <= NUM_SPLITS <= L, f"num_splits must be in [1, {L}], got {NUM_SPLITS}"
-    BLOCK_N, num_warps, num_stages = _decode_config(D)
-    out = torch.empty((B, HQ, D), dtype=dtype, device=device)
-    if NUM_SPLITS > 1:
-        part_out = torch.empty((B, HQ, NUM_SPLITS, D), dtype=torch.float32, device=device)
-        part_lse = torch.empty((B, HQ, NUM_SPLITS), dtype=torch.float32, device=device)
-    else:  # the split kernel writes out directly; scratch pointers are unused
-        part_out = part_lse = out
-    BLOCK_D = _block_d(D)
-    launch(split_kernel, (B, HKV, NUM_SPLITS),
-           head_args + [k_cache, v_cache, slots, kv_lens, out, part_out, part_lse, float(scale)],
-           dict(HQ=HQ, HKV=HKV, HEAD_DIM=D, L=L, **consts, **_window(sliding_window), NUM_SPLITS=NUM_SPLITS,
-                BLOCK_G=max(16, triton.next_power_of_2(HQ // HKV)), BLOCK_N=BLOCK_N,
-                BLOCK_D=BLOCK_D), num_warps=num_warps, num_stages=num_stages)
-    if NUM_SPLITS > 1:
-        launch(_decode_reduce_kernel, (B, HQ), [part_out, part_lse, out],
-               dict(HQ=HQ, HEAD_DIM=D, NUM_SPLITS=NUM_SPLITS, BLOCK_S=triton.next_power_of_2(NUM_SPLITS),
-                    BLOCK_D=BLOCK_D), num_warps=1, num_stages=1)
-    return out
+    return dict(HQ=HQ, HKV=HKV, HEAD_DIM=D, L=L, WINDOW=_window(sliding_window), BLOCK_D=_block_d(D))
 
 
 def decode_attention(q, k_cache, v_cache, slots, kv_lens, scale: float, sliding_window: int | None = None,
                      num_splits: int | None = None):
-    """q [B, HQ, D] (the token at position kv_lens[b] - 1) -> out [B, HQ, D]."""
+    """q [B, HQ, D] (the token at position kv_lens[b] - 1) -> out [B, HQ, D].
+
+    Launches the split kernel and, with more than one split, the merge kernel."""
     assert q.dim() == 3, f"q must be [B, HQ, D], got {tuple(q.shape)}"
     B, HQ, D = q.shape
-    Bc, _ = _check_cache(q, k_cache, v_cache, slots, kv_lens, HQ, D)
+    Bc, HKV = _check_cache(q, k_cache, v_cache, slots, kv_lens, HQ, D)
     assert Bc == B, f"{B} query rows but {Bc} sequences"
-    return _split_and_merge(_decode_split_kernel, [q], {}, B, HQ, k_cache, v_cache, slots, kv_lens, scale,
-                            sliding_window, num_splits, q.dtype, q.device)
+    L = k_cache.shape[1]
+    NUM_SPLITS = default_splits(L, B * HKV) if num_splits is None else num_splits
+    assert 1 <= NUM_SPLITS <= L, f"num_splits must be in [1, {L}], got {NUM_SPLITS}"
+    BLOCK_N, num_warps, num_stages = _decode_config(D)
+    layout = _layout(k_cache, HQ, sliding_window)
+    out = torch.empty((B, HQ, D), dtype=q.dtype, device=q.device)
+    if NUM_SPLITS > 1:
+        part_out = torch.empty((B, HQ, NUM_SPLITS, D), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((B, HQ, NUM_SPLITS), dtype=torch.float32, device=q.device)
+    else:  # the split kernel writes out directly; scratch pointers are unused
+        part_out = part_lse = out
+    split_kernel = kernel_templates.kernel("decode_attention", "decode_split_kernel", **layout,
+                                           BLOCK_G=max(16, triton.next_power_of_2(HQ // HKV)))
+    launch(split_kernel, (B, HKV, NUM_SPLITS), [q, k_cache, v_cache, slots, kv_lens, out, part_out, part_lse,
+                                                float(scale)],
+           dict(NUM_SPLITS=NUM_SPLITS, BLOCK_N=BLOCK_N), num_warps=num_warps, num_stages=num_stages)
+    if NUM_SPLITS > 1:
+        reduce_kernel = kernel_templates.kernel("decode_attention", "decode_reduce_kernel", **layout,
+                                                BLOCK_G=max(16, triton.next_power_of_2(HQ // HKV)))
+        launch(reduce_kernel, (B, HQ), [part_out, part_lse, out],
+               dict(NUM_SPLITS=NUM_SPLITS, BLOCK_S=triton.next_power_of_2(NUM_SPLITS)), num_warps=1, num_stages=1)
+    return out
 
 
 def prefill_attention(q, k_cache, v_cache, slots, kv_lens, q_start, max_q_len: int, scale: float,
@@ -401,8 +272,8 @@ def prefill_attention(q, k_cache, v_cache, slots, kv_lens, q_start, max_q_len: i
     BLOCK_M, BLOCK_N, num_warps, num_stages = _prefill_config(D, max_q_len)
 
     out = torch.empty((T, HQ, D), dtype=q.dtype, device=q.device)
-    launch(_prefill_kernel, (triton.cdiv(max_q_len, BLOCK_M), B, HQ),
+    kernel = kernel_templates.kernel("prefill_attention", "prefill_kernel", **_layout(k_cache, HQ, sliding_window))
+    launch(kernel, (triton.cdiv(max_q_len, BLOCK_M), B, HQ),
            [q, k_cache, v_cache, slots, kv_lens, q_start, out, float(scale)],
-           dict(HQ=HQ, HKV=HKV, HEAD_DIM=D, L=L, **_window(sliding_window), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                BLOCK_D=_block_d(D)), num_warps=num_warps, num_stages=num_stages)
+           dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N), num_warps=num_warps, num_stages=num_stages)
     return out

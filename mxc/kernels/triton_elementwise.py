@@ -1,4 +1,4 @@
-"""Triton elementwise and gather kernels: ``silu_mul``, ``embedding``, ``add``.
+"""Elementwise and gather ops on the GPU: ``silu_mul``, ``embedding``, ``add`` (generated Triton kernels).
 
 Shapes: ``silu_mul`` x [..., 2I] (gate then up halves, as ``torch_ref.silu_mul``
 chunks it) -> [..., I]; ``embedding`` ids [T] int64, table [V, H] -> [T, H];
@@ -8,60 +8,27 @@ width a constexpr; values are computed in fp32 and rounded once at the store,
 except where the torch reference rounds in between (``silu`` before the
 multiply).
 
-Versions:
-- ``silu_mul_kernel``: reads gate and up of one row block, writes silu(gate) * up.
-- ``embedding_kernel``: copies row ``ids[t]`` of the table.
-- ``add_kernel``: a + b.
+Each kernel is rendered per row width from ``codegen/templates/kernels/``
+(``silu_mul.py.j2``: silu(gate) * up of one row block; ``embedding.py.j2``: row
+``ids[t]`` of the table; ``add.py.j2``: a + b); the functions here check,
+allocate and launch them.
 """
 
 from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
+from mxc.codegen import kernel_templates
 from mxc.kernels.launch import launch
-from mxc.kernels.pdl import pdl_enter
 
 MAX_BLOCK_N = 1024
 
 
-@triton.jit
-def silu_mul_kernel(x_ptr, out_ptr, I: tl.constexpr, BLOCK_N: tl.constexpr,
-                    USE_PDL: tl.constexpr = False):
-    pdl_enter(USE_PDL)
-    row = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = offs_n < I
-    gate = tl.load(x_ptr + row * (2 * I) + offs_n, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * (2 * I) + I + offs_n, mask=mask, other=0.0).to(tl.float32)
-    # torch_ref: F.silu(gate) = gate / (1 + exp(-gate)) rounded to the model dtype, then the multiply.
-    act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * I + offs_n, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def embedding_kernel(ids_ptr, table_ptr, out_ptr, H: tl.constexpr, BLOCK_N: tl.constexpr,
-                     USE_PDL: tl.constexpr = False):
-    pdl_enter(USE_PDL)
-    t = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = offs_n < H
-    idx = tl.load(ids_ptr + t).to(tl.int64)
-    row = tl.load(table_ptr + idx * H + offs_n, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * H + offs_n, row.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def add_kernel(a_ptr, b_ptr, out_ptr, N: tl.constexpr, BLOCK_N: tl.constexpr,
-               USE_PDL: tl.constexpr = False):
-    pdl_enter(USE_PDL)
-    row = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = offs_n < N
-    a = tl.load(a_ptr + row * N + offs_n, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + row * N + offs_n, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * N + offs_n, (a + b).to(out_ptr.dtype.element_ty), mask=mask)
+def _kernel(template: str, size_name: str, n: int):
+    """The rendered kernel of ``template`` for rows of ``n`` elements, and its num_warps."""
+    block_n, num_warps = _config(n)
+    return kernel_templates.kernel(template, f"{template}_kernel", **{size_name: n, "BLOCK_N": block_n}), num_warps
 
 
 def _config(n: int) -> tuple[int, int]:
@@ -86,9 +53,9 @@ def silu_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     if out is None:
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
     _check_out("silu_mul", out, shape, x.dtype, x.device)
-    block_n, num_warps = _config(I)
-    launch(silu_mul_kernel, (x.numel() // (2 * I), triton.cdiv(I, block_n)), [x, out],
-           dict(I=I, BLOCK_N=block_n), num_warps=num_warps, num_stages=1)
+    kernel, num_warps = _kernel("silu_mul", "I", I)
+    launch(kernel, (x.numel() // (2 * I), triton.cdiv(I, _config(I)[0])), [x, out], {}, num_warps=num_warps,
+           num_stages=1)
     return out
 
 
@@ -103,9 +70,8 @@ def embedding(ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor | None =
     if out is None:
         out = torch.empty((T, H), dtype=table.dtype, device=table.device)
     _check_out("embedding", out, (T, H), table.dtype, table.device)
-    block_n, num_warps = _config(H)
-    launch(embedding_kernel, (T, triton.cdiv(H, block_n)), [ids, table, out],
-           dict(H=H, BLOCK_N=block_n), num_warps=num_warps, num_stages=1)
+    kernel, num_warps = _kernel("embedding", "H", H)
+    launch(kernel, (T, triton.cdiv(H, _config(H)[0])), [ids, table, out], {}, num_warps=num_warps, num_stages=1)
     return out
 
 
@@ -120,7 +86,7 @@ def add(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> to
     _check_out("add", out, a.shape, a.dtype, a.device)
     N = a.shape[-1] if a.dim() else 1
     assert N > 0, "add: last dim is empty"
-    block_n, num_warps = _config(N)
-    launch(add_kernel, (a.numel() // N, triton.cdiv(N, block_n)), [a, b, out],
-           dict(N=N, BLOCK_N=block_n), num_warps=num_warps, num_stages=1)
+    kernel, num_warps = _kernel("add", "N", N)
+    launch(kernel, (a.numel() // N, triton.cdiv(N, _config(N)[0])), [a, b, out], {}, num_warps=num_warps,
+           num_stages=1)
     return out

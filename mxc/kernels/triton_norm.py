@@ -1,4 +1,4 @@
-"""Triton RMSNorm kernels: ``rms_norm`` and the fused residual ``add_rms_norm``.
+"""RMSNorm on the GPU: ``rms_norm`` and the fused residual ``add_rms_norm`` (generated Triton kernels).
 
 Shapes: ``x`` [..., H] (rows = everything but the last dim; the Qwen3 per-head
 q/k norm is ``x`` [T, heads, D] with ``weight`` [D]), ``weight`` [H],
@@ -12,45 +12,28 @@ output dtype. ``add_rms_norm`` rounds ``x + residual`` to the model dtype,
 stores it as the new residual and normalises that rounded sum, as
 ``torch_ref.add`` followed by ``torch_ref.rms_norm`` does.
 
-Versions:
-- ``rms_norm_kernel``: one row per program, ``HAS_RESIDUAL`` selects the fused
-  residual add (one read of x and residual, two writes) over the plain norm.
+The kernel is rendered per row width from ``codegen/templates/kernels/rms_norm.py.j2``
+(``RESIDUAL`` selects the fused residual add: one read of x and residual, two writes);
+the functions here check, allocate and launch it.
 """
 
 from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
+from mxc.codegen import kernel_templates
 from mxc.kernels.launch import launch
-from mxc.kernels.pdl import pdl_enter
 
 
-@triton.jit
-def rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, eps,
-                    H: tl.constexpr, BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                    USE_PDL: tl.constexpr = False):
-    pdl_enter(USE_PDL)
-    row = tl.program_id(0).to(tl.int64)
-    offs_h = tl.arange(0, BLOCK_H)
-    mask = offs_h < H
-    x = tl.load(x_ptr + row * H + offs_h, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + row * H + offs_h, mask=mask, other=0.0).to(tl.float32)
-        s = (x + r).to(residual_out_ptr.dtype.element_ty)  # the model-dtype sum is what gets normalised
-        tl.store(residual_out_ptr + row * H + offs_h, s, mask=mask)
-        x = s.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
-    w = tl.load(weight_ptr + offs_h, mask=mask, other=0.0).to(tl.float32)
-    # HF rounds the normalised row to the model dtype before the weight multiply.
-    y = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * w
-    tl.store(out_ptr + row * H + offs_h, y.to(out_ptr.dtype.element_ty), mask=mask)
+def norm_kernel(H: int, residual: bool):
+    """The rendered RMSNorm kernel for rows of H features (with the residual add or not)."""
+    return kernel_templates.kernel("rms_norm", "rms_norm_kernel", H=H, BLOCK_H=triton.next_power_of_2(H),
+                                   RESIDUAL=residual)
 
 
-def _config(H: int) -> tuple[dict, int]:
-    block_h = triton.next_power_of_2(H)
-    return dict(H=H, BLOCK_H=block_h), max(1, min(8, block_h // 256))
+def _num_warps(H: int) -> int:
+    return max(1, min(8, triton.next_power_of_2(H) // 256))
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -71,10 +54,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
     assert out.shape == x.shape and out.dtype == out_dtype and out.is_contiguous(), (
         f"rms_norm: out must be contiguous {out_dtype} {tuple(x.shape)}, got {out.dtype} {tuple(out.shape)}")
     H = x.shape[-1]
-    constexprs, num_warps = _config(H)
-    # residual pointers are unused without HAS_RESIDUAL: pass x in their place.
-    launch(rms_norm_kernel, (x.numel() // H,), [x, x, weight, out, x, float(eps)],
-           dict(constexprs, HAS_RESIDUAL=False), num_warps=num_warps, num_stages=1)
+    launch(norm_kernel(H, False), (x.numel() // H,), [x, weight, out, float(eps)], {}, num_warps=_num_warps(H),
+           num_stages=1)
     return out
 
 
@@ -101,7 +82,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
         f"add_rms_norm: residual_out must be contiguous {x.dtype} {tuple(x.shape)}, "
         f"got {residual_out.dtype} {tuple(residual_out.shape)}")
     H = x.shape[-1]
-    constexprs, num_warps = _config(H)
-    launch(rms_norm_kernel, (x.numel() // H,), [x, residual, weight, out, residual_out, float(eps)],
-           dict(constexprs, HAS_RESIDUAL=True), num_warps=num_warps, num_stages=1)
+    launch(norm_kernel(H, True), (x.numel() // H,), [x, residual, weight, out, residual_out, float(eps)], {},
+           num_warps=_num_warps(H), num_stages=1)
     return residual_out, out

@@ -1,4 +1,4 @@
-"""Triton fused q/k norm + rotary embedding + KV-cache write, and its cos/sin tables.
+"""Fused q/k norm + rotary embedding + KV-cache write on the GPU (a generated Triton kernel), and its cos/sin tables.
 
 ``rope_qkv_write`` takes the merged projection ``qkv`` [T, (HQ + 2*HKV) * D]
 (q heads, then k heads, then v heads), ``positions`` [T] int64 and fp32 tables
@@ -18,11 +18,12 @@ rounded, all computed in fp32. (The interpreter matches the reference bit for bi
 on the GPU, Triton's default fp fusion contracts ``round(x*cos) + round(...)`` into
 one fma, which can differ from eager torch by an ulp of the larger product.)
 
-Versions:
-- ``rope_qkv_write_kernel``: one token per program; ``HAS_QK_NORM`` adds the
-  per-head norm, with ``QK_NORM_WHOLE`` the whole-projection norm (one token's
-  heads are one tile, so it is one reduction over the tile). The rotate-half partner of each feature is loaded a second
-  time (same cache lines) instead of shuffling registers.
+The kernel is rendered per head layout from
+``codegen/templates/kernels/rope_qkv_write.py.j2``: one token per program, all its
+heads at once; the q/k norm variant (none, per head, or over the whole projection:
+one token's heads are one tile, so it is one reduction over the tile) is a template
+branch. It calls ``norm_rope_heads`` below, which loads the rotate-half partner of
+each feature a second time (same cache lines) instead of shuffling registers.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
+from mxc.codegen import kernel_templates
 from mxc.kernels import rope as rope_ref
 from mxc.kernels.launch import launch
-from mxc.kernels.pdl import pdl_enter
 
 
 @triton.jit
@@ -69,39 +70,6 @@ def norm_rope_heads(x_ptr, w_ptr, cos_ptr, sin_ptr, eps,
     xc = (x * c).to(x_ptr.dtype.element_ty).to(tl.float32)
     xs = (tl.where(first, -xp, xp) * s).to(x_ptr.dtype.element_ty).to(tl.float32)
     return tl.where(rot, xc + xs, x)
-
-
-@triton.jit
-def rope_qkv_write_kernel(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr,
-                          q_ptr, k_cache_ptr, v_cache_ptr, cache_loc_ptr, eps,
-                          HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
-                          BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr,
-                          HAS_QK_NORM: tl.constexpr, QK_NORM_WHOLE: tl.constexpr,
-                          USE_PDL: tl.constexpr = False):
-    pdl_enter(USE_PDL)
-    t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + t)
-    loc = tl.load(cache_loc_ptr + t)
-    cos_row = cos_ptr + pos * (R // 2)
-    sin_row = sin_ptr + pos * (R // 2)
-    row_ptr = qkv_ptr + t * ((HQ + 2 * HKV) * D)
-
-    q = norm_rope_heads(row_ptr, q_norm_ptr, cos_row, sin_row, eps, HQ, D, R, BLOCK_HQ, BLOCK_D, HAS_QK_NORM,
-                         QK_NORM_WHOLE)
-    offs_hq = tl.arange(0, BLOCK_HQ)[:, None]
-    offs_d = tl.arange(0, BLOCK_D)[None, :]
-    tl.store(q_ptr + t * (HQ * D) + offs_hq * D + offs_d, q.to(q_ptr.dtype.element_ty),
-             mask=(offs_hq < HQ) & (offs_d < D))
-
-    k = norm_rope_heads(row_ptr + HQ * D, k_norm_ptr, cos_row, sin_row, eps, HKV, D, R, BLOCK_HKV, BLOCK_D,
-                         HAS_QK_NORM, QK_NORM_WHOLE)
-    offs_hkv = tl.arange(0, BLOCK_HKV)[:, None]
-    mask_kv = (offs_hkv < HKV) & (offs_d < D)
-    offs_cache = loc * (HKV * D) + offs_hkv * D + offs_d  # flat row ``loc`` of [S*L, HKV, D]
-    tl.store(k_cache_ptr + offs_cache, k.to(k_cache_ptr.dtype.element_ty), mask=mask_kv)
-
-    v = tl.load(row_ptr + (HQ + HKV) * D + offs_hkv * D + offs_d, mask=mask_kv, other=0.0).to(tl.float32)
-    tl.store(v_cache_ptr + offs_cache, v.to(v_cache_ptr.dtype.element_ty), mask=mask_kv)
 
 
 def rope_tables(spec: dict, max_positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,11 +137,10 @@ def rope_qkv_write(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
     block_d = triton.next_power_of_2(D)
     block_hq, block_hkv = triton.next_power_of_2(HQ), triton.next_power_of_2(HKV)
     num_warps = max(1, min(8, block_hq * block_d // 512))
-    # without q/k norm their pointers are unused: pass qkv in their place.
-    launch(rope_qkv_write_kernel, (T,),
-           [qkv, positions, cos, sin, q_norm if has_qk_norm else qkv, k_norm if has_qk_norm else qkv,
-            out, k_cache, v_cache, cache_loc, float(eps)],
-           dict(HQ=HQ, HKV=HKV, D=D, R=R, BLOCK_HQ=block_hq, BLOCK_HKV=block_hkv, BLOCK_D=block_d,
-                HAS_QK_NORM=has_qk_norm, QK_NORM_WHOLE=whole),
-           num_warps=num_warps, num_stages=1)
+    kernel = kernel_templates.kernel("rope_qkv_write", "rope_qkv_write_kernel", HQ=HQ, HKV=HKV, D=D, R=R,
+                                     BLOCK_HQ=block_hq, BLOCK_HKV=block_hkv, BLOCK_D=block_d,
+                                     QK_NORM="whole" if whole else "head" if has_qk_norm else "none")
+    norm_args = [q_norm, k_norm] if has_qk_norm else []
+    launch(kernel, (T,), [qkv, positions, cos, sin, *norm_args, out, k_cache, v_cache, cache_loc]
+           + ([float(eps)] if has_qk_norm else []), {}, num_warps=num_warps, num_stages=1)
     return out

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mxc.codegen import kernel_templates
 from mxc.kernels import launch as launch_mod
 from mxc.kernels import torch_ref
 from mxc.kernels import triton_attention as ta
@@ -140,7 +141,8 @@ def test_prefill_attention(dtype, D, heads, window, shape):
 def _record(fn):
     calls = []
     rec = lambda kernel, grid, args, constexprs, nw, ns: calls.append(  # noqa: E731
-        (kernel.fn.__name__, grid, constexprs, nw, ns, [getattr(a, "dtype", type(a)) for a in args]))
+        (kernel.fn.__name__, grid, constexprs, nw, ns, [getattr(a, "dtype", type(a)) for a in args],
+         kernel.fn.__module__))
     with launch_mod.using(rec):
         fn()
     return calls
@@ -155,14 +157,18 @@ def _decode_args(device, kv_lens, B=3, HQ=8, HKV=2, D=128, L=1000, S=5, dtype=to
 
 def test_decode_launches_are_static():
     meta = _record(lambda: ta.decode_attention(*_decode_args("meta", [1, 1, 1]), 0.1, None))
-    assert [(c[0], c[1]) for c in meta] == [("_decode_split_kernel", (3, 2, 4)), ("_decode_reduce_kernel", (3, 8))]
-    assert meta[0][2]["NUM_SPLITS"] == ta.default_splits(1000, 3 * 2) == 4 and meta[0][2]["BLOCK_G"] == 16
+    assert [(c[0], c[1]) for c in meta] == [("decode_split_kernel", (3, 2, 4)), ("decode_reduce_kernel", (3, 8))]
+    assert meta[0][2]["NUM_SPLITS"] == ta.default_splits(1000, 3 * 2) == 4
+    # the rendered kernel carries the layout as literals: 8 q heads over 2 kv heads, padded to 16 rows
+    source = kernel_templates.source(meta[0][-1])
+    assert "BLOCK_G: tl.constexpr = 16" in source and "L: tl.constexpr = 1000" in source
+    assert meta[0][-1] == meta[1][-1]  # the split and merge kernels: one rendered module
     # with real tensors, different lengths give the same launches (CUDA graphs replay them)
     short = _record(lambda: ta.decode_attention(*_decode_args("cpu", [1, 2, 3]), 0.1, 64))
     long = _record(lambda: ta.decode_attention(*_decode_args("cpu", [900, 1000, 7]), 0.1, 64))
     assert short == long and [c[1] for c in short] == [c[1] for c in meta]
     one = _record(lambda: ta.decode_attention(*_decode_args("meta", [1, 1, 1]), 0.1, None, num_splits=1))
-    assert [(c[0], c[1]) for c in one] == [("_decode_split_kernel", (3, 2, 1))]
+    assert [(c[0], c[1]) for c in one] == [("decode_split_kernel", (3, 2, 1))]
 
 
 def test_prefill_launches_are_static():
@@ -175,7 +181,7 @@ def test_prefill_launches_are_static():
         return _record(lambda: ta.prefill_attention(q, cache, cache, i32([1, 0]), kv_lens, q_start, 300, 0.1, None))
 
     meta = run("meta", [100, 200], [0, 0])
-    assert [(c[0], c[1]) for c in meta] == [("_prefill_kernel", (5, 2, 8))]
+    assert [(c[0], c[1]) for c in meta] == [("prefill_kernel", (5, 2, 8))]
     assert meta[0][2]["BLOCK_M"] == meta[0][2]["BLOCK_N"] == 64
     assert run("cpu", [100, 200], [0, 0]) == run("cpu", [300, 0], [10, 50]) == meta
 

@@ -1,0 +1,80 @@
+"""Triton kernels rendered from jinja2 templates, one module per specialisation.
+
+The fused operations the IR presents (RMSNorm with or without the residual
+add, q/k norm + RoPE + QKV split + KV-cache write, SiLU-and-mul, embedding
+gather, the residual add, decode and prefill attention) are written once as
+templates in ``templates/kernels/<name>.py.j2``. ``kernel(name, entry,
+**params)`` renders one for a node's static parameters (sizes, head counts,
+which fusions it carries, the sliding window): the sizes become literal
+constexprs in the kernel body and the fusion variants template branches, so a
+kernel takes only the pointers it reads and writes. Tile sizes a tuner may
+change (splits, blocks) stay constexpr parameters of the rendered kernel.
+
+A rendered module is named ``mxc_generated.<name>_<sha256 of its source>``:
+the same source always gets the same name, so a launch's spec (and the key of
+its cubin in the artifact) names exactly the source it was compiled from. The
+module is executed from memory; its source is registered with ``linecache``
+so Triton (and tracebacks) can read it. ``source(module)`` gives a rendered
+module's text: the AOT build writes them into the artifact next to their
+cubins (``code/kernels/src/``) and hands them to its compile workers.
+Inner loops shared by several kernels stay hand-written ``@triton.jit``
+helpers in ``mxc.kernels``, which the templates import.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import linecache
+import sys
+import types
+from pathlib import Path
+
+import jinja2
+
+PACKAGE = "mxc_generated"
+_ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates" / "kernels"),
+                          trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
+                          undefined=jinja2.StrictUndefined)
+_SOURCES: dict[str, str] = {}  # module name -> rendered source
+
+
+def render(template: str, **params) -> str:
+    """The source of ``templates/kernels/<template>.py.j2`` for ``params``."""
+    return _ENV.get_template(f"{template}.py.j2").render(params=params, **params)
+
+
+def load(module_name: str, source: str) -> types.ModuleType:
+    """Execute a rendered ``source`` as ``module_name`` (once; later calls return the module)."""
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    filename = f"<{module_name}.py>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+    module = types.ModuleType(module_name)
+    module.__file__ = filename
+    exec(compile(source, filename, "exec"), module.__dict__)  # noqa: S102 - our own rendered template
+    sys.modules[module_name] = module
+    _SOURCES[module_name] = source
+    return module
+
+
+@functools.lru_cache(maxsize=None)
+def _module(template: str, params_json: str) -> types.ModuleType:
+    source = render(template, **json.loads(params_json))
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    return load(f"{PACKAGE}.{template}_{digest}", source)
+
+
+def kernel(template: str, entry: str, **params):
+    """The ``@triton.jit`` function ``entry`` of ``template`` rendered for ``params`` (JSON values)."""
+    return getattr(_module(template, json.dumps(params, sort_keys=True)), entry)
+
+
+def is_generated(module_name: str) -> bool:
+    return module_name.startswith(PACKAGE + ".")
+
+
+def source(module_name: str) -> str:
+    """The rendered source of a generated module (KeyError if this process has not rendered it)."""
+    return _SOURCES[module_name]
