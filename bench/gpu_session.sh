@@ -32,7 +32,8 @@ case "${1:-}" in
   tests)  run 300 pytest.log python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
   decode) run 570 decode.log python3 bench/decode.py --profile 1,8 --quant fp8 --hf-batches 1,8,32 --pdl-ab \
             --out "$scratch/b8" ;;
-  moe)    run "${MOE_LIMIT:-560}" moe.log python3 bench/moe.py ${MOE_ARGS:---hf} --out "$scratch/moe" ;;
+  moe)    # the 61 GB artifact is deleted after: left in /dev/shm it slowed the next part's runs
+          run "${MOE_LIMIT:-560}" moe.log python3 bench/moe.py ${MOE_ARGS:---hf} --out "$scratch/moe"; rm -rf "$scratch"/moe* ;;
   moelab) run 200 moe_lab.log python3 bench/moe_lab.py ;;
   tp)     run 80 tp_test.log python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py
           run 300 tp.log python3 bench/decode_tp.py --tp 2 --one-shot --out "$scratch/btp"; rm -rf "$scratch"/btp* ;;
