@@ -164,6 +164,8 @@ def main() -> None:
     p.add_argument("--reuse", action="store_true", help="reuse an existing artifact at --out")
     p.add_argument("--profile", nargs="?", const="1", default="",
                    help="print a per-kernel breakdown of a decode step at these batch buckets (default 1)")
+    p.add_argument("--profile-prefill", action="store_true",
+                   help="print a per-kernel breakdown of the prefill (bf16, and fp8 with --quant)")
     p.add_argument("--quant", choices=["fp8"], help="also build an fp8 artifact and compare it with bf16")
     p.add_argument("--disable-pass", action="append", default=[], help="build without this optional pass")
     p.add_argument("--pdl-ab", action="store_true",
@@ -219,6 +221,11 @@ def main() -> None:
     rows.append((f"mxc prefill {args.prefill} tokens", f"{t_pre * 1e3:.1f} ms  {flops / t_pre / 1e12:.0f} TFLOP/s  "
                  f"{flops / t_pre / gemm * 100:.0f}% of cuBLAS rate"))
 
+    if args.profile_prefill:
+        from profile_step import profile_prefill
+
+        print(f"\nper-kernel breakdown of a {args.prefill}-token prefill (bf16):\n"
+              + profile_prefill(model, args.prefill) + "\n", flush=True)
     if args.profile:
         from profile_step import profile_decode
 
@@ -245,6 +252,11 @@ def main() -> None:
         rows.append(("fp8 GEMM 8192^3 torch._scaled_mm (measured)", f"{rate / 1e12:.0f} TFLOP/s"))
         rows.append((f"mxc fp8 prefill {args.prefill} tokens", f"{t_pre * 1e3:.1f} ms  {flops / t_pre / 1e12:.0f} "
                      f"TFLOP/s  {flops / t_pre / rate * 100:.0f}% of the _scaled_mm rate"))
+        if args.profile_prefill:
+            from profile_step import profile_prefill
+
+            print(f"\nper-kernel breakdown of a {args.prefill}-token prefill (fp8):\n"
+                  + profile_prefill(model, args.prefill) + "\n", flush=True)
 
     hf_batches = [int(x) for x in args.hf_batches.split(",") if x]
     if hf_batches:

@@ -2,7 +2,8 @@
 # The GPU measurements of docs/perf.md, in parts that each fit one 10-minute device call.
 # Usage (repository root, on the GPU machine): bash bench/gpu_session.sh PART
 #   tests   pytest tests/gpu (the TP test runs where there are two GPUs)
-#   decode  bf16 + fp8 decode/prefill, the PDL A/B per batch, per-kernel profiles at batch 1 and 8,
+#   decode  bf16 + fp8 decode/prefill, the PDL A/B per batch, per-kernel profiles at batch 1 and 8 and of
+#           the bf16 and fp8 prefills,
 #           HF compiled at batch 1, 8, 32
 #   moe     Qwen3-30B-A3B shape: batch 1 vs floor, batch 64 vs HF eager, fused vs per-expert loop
 #   moelab  the Qwen3-30B-A3B batch-1 kernels one by one (pair-MoE configs, attention-side GEMVs)
@@ -30,7 +31,7 @@ run() {  # run LIMIT_S LOG CMD...: stop at the limit with every Python thread's 
 
 case "${1:-}" in
   tests)  run 300 pytest.log python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
-  decode) run 570 decode.log python3 bench/decode.py --profile 1,8 --quant fp8 --hf-batches 1,8,32 --pdl-ab \
+  decode) run 570 decode.log python3 bench/decode.py --profile 1,8 --profile-prefill --quant fp8 --hf-batches 1,8,32 --pdl-ab \
             --out "$scratch/b8" ;;
   moe)    # the 61 GB artifact is deleted after: left in /dev/shm it slowed the next part's runs
           run "${MOE_LIMIT:-560}" moe.log python3 bench/moe.py ${MOE_ARGS:---hf} --out "$scratch/moe"; rm -rf "$scratch"/moe* ;;

@@ -1,4 +1,4 @@
-"""Where a decode step's time goes: per-kernel GPU time of one decode step (batch 1 by default), and the gaps between kernels.
+"""Where a decode step's or a prefill's time goes: per-kernel GPU time, and the gaps between kernels.
 
 ``profile_decode(model)`` replays the captured decode graph of a batch bucket under
 torch.profiler and returns a table: kernel name, calls per step, microseconds
@@ -8,6 +8,8 @@ Kernels built for programmatic dependent launch overlap their neighbours, and a
 kernel's time then includes its wait for the one ahead (on the H200 the sum
 came to 140% of the step): by default the step is re-captured with the same
 cubins launched plainly for the profile, and the PDL graph restored after.
+``profile_prefill(model, tokens)`` does the same for one eager prefill of
+``tokens`` tokens (one sequence, the LM head on its last row).
 """
 
 from __future__ import annotations
@@ -59,17 +61,51 @@ def profile_decode(model, steps: int = 10, prompt: int = 128, batch: int = 1, pl
         for _ in range(steps):
             bucket.step(dec)
         torch.cuda.synchronize()
+    return _table(prof, steps, step_us, "step (graph replay, CUDA events)")
+
+
+def profile_prefill(model, tokens: int = 2048, reps: int = 3) -> str:
+    """Per-kernel breakdown of one prefill of ``tokens`` tokens, its kernels launched without PDL."""
+    from contextlib import nullcontext
+
+    from torch.profiler import ProfilerActivity, profile
+
+    launcher = model._launcher
+    with launcher.plain() if getattr(launcher, "pdl", False) else nullcontext():
+        return _profile_prefill(model, tokens, reps, profile, ProfilerActivity)
+
+
+def _profile_prefill(model, tokens, reps, profile, ProfilerActivity) -> str:
+    ids = torch.randint(0, 1000, (1, tokens))
+    model.generate(ids, max_new_tokens=1)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        model.generate(ids, max_new_tokens=1)
+    end.record()
+    torch.cuda.synchronize()
+    run_us = start.elapsed_time(end) * 1e3 / reps
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            model.generate(ids, max_new_tokens=1)
+        torch.cuda.synchronize()
+    return _table(prof, reps, run_us, "prefill (CUDA events)")
+
+
+def _table(prof, reps: int, wall_us: float, wall_label: str) -> str:
+    """Kernel name, calls, microseconds and share of ``wall_us`` per repetition, heaviest first."""
     per_kernel = defaultdict(lambda: [0, 0.0])
     for evt in prof.events():
         if evt.device_type == torch.autograd.DeviceType.CUDA:
             per_kernel[evt.name][0] += 1
             per_kernel[evt.name][1] += evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
     rows = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])
-    total = sum(v[1] for _, v in rows) / steps
+    total = sum(v[1] for _, v in rows) / reps
     lines = [f"{'kernel':60s} {'calls':>6s} {'us/step':>9s} {'share':>6s}"]
     for name, (calls, us) in rows[:20]:
-        lines.append(f"{name[:60]:60s} {calls // steps:6d} {us / steps:9.1f} {us / steps / step_us * 100:5.1f}%")
-    lines.append(f"{'sum of kernel time':60s} {'':6s} {total:9.1f} {total / step_us * 100:5.1f}%")
-    lines.append(f"{'step (graph replay, CUDA events)':60s} {'':6s} {step_us:9.1f} 100.0%")
-    lines.append(f"{'gaps between kernels':60s} {'':6s} {step_us - total:9.1f} {(step_us - total) / step_us * 100:5.1f}%")
+        lines.append(f"{name[:60]:60s} {calls // reps:6d} {us / reps:9.1f} {us / reps / wall_us * 100:5.1f}%")
+    lines.append(f"{'sum of kernel time':60s} {'':6s} {total:9.1f} {total / wall_us * 100:5.1f}%")
+    lines.append(f"{wall_label:60s} {'':6s} {wall_us:9.1f} 100.0%")
+    lines.append(f"{'gaps between kernels':60s} {'':6s} {wall_us - total:9.1f} {(wall_us - total) / wall_us * 100:5.1f}%")
     return "\n".join(lines)
