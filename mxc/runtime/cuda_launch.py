@@ -77,19 +77,23 @@ class _Binary:
         self.threads = 32 * entry["num_warps"]
         self.kinds = entry["params"]
         self.n_args = len(entry["args"])
+        # One ctypes value a parameter, and the array of their addresses the driver reads: filled in
+        # place at each launch (the driver copies parameter values when the launch is made, so a
+        # launch may reuse them; one launching thread at a time). Triton's scratch pointers stay NULL.
+        self._values = [_CTYPES[kind]() for kind in self.kinds]
+        self._params = (ctypes.c_void_p * len(self._values))(*[ctypes.addressof(v) for v in self._values])
+        self._tensor = [kind == "ptr" for kind in self.kinds]
 
     def launch(self, grid, args, pdl: bool = True) -> None:
-        values = []
-        for kind, arg in zip(self.kinds, list(args) + [None] * (len(self.kinds) - len(args))):
-            if isinstance(arg, torch.Tensor):
+        for value, is_ptr, arg in zip(self._values, self._tensor, args):
+            if is_ptr and arg is not None:
                 ptr = arg.data_ptr()
                 if ptr % 16:
                     raise MxcError(f"{self.entry['kernel']}: a tensor argument is not 16-byte aligned "
                                    f"(a view with an offset?); the kernel was compiled assuming alignment")
-                values.append(ctypes.c_void_p(ptr))
+                value.value = ptr
             else:
-                values.append(_CTYPES[kind](0 if arg is None else arg))
-        params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
+                value.value = 0 if arg is None else arg
         g = tuple(grid) + (1,) * (3 - len(grid))
         stream = torch.cuda.current_stream().cuda_stream
         if pdl and self.entry.get("pdl"):  # may start before the previous kernel ends; it waits on it first
@@ -97,11 +101,11 @@ class _Binary:
             attr.value.programmaticStreamSerializationAllowed = 1
             config = _LaunchConfig(g[0], g[1], g[2], self.threads, 1, 1, self.entry["shared"], stream,
                                    ctypes.pointer(attr), 1)
-            _check(self.lib.cuLaunchKernelEx(ctypes.byref(config), self.func, params, None),
+            _check(self.lib.cuLaunchKernelEx(ctypes.byref(config), self.func, self._params, None),
                    f"launching {self.entry['kernel']}")
             return
         _check(self.lib.cuLaunchKernel(self.func, g[0], g[1], g[2], self.threads, 1, 1, self.entry["shared"],
-                                       stream, params, None), f"launching {self.entry['kernel']}")
+                                       stream, self._params, None), f"launching {self.entry['kernel']}")
 
 
 class CubinLauncher:
