@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: kernels rendered from templates, their sources in code/kernels/src/
 
 
 def sha256_file(path: Path, chunk: int = 1 << 24) -> str:

@@ -10,7 +10,8 @@ the runtime's launcher needs: the entry name, shared memory, warps and the
 exact parameter list read from the PTX (Triton appends scratch pointers whose
 number depends on its version). Kernels rendered from templates
 (``kernel_templates``) have their source written beside the cubins, in
-``src/``, and named in their index entry: what runs is what the artifact shows. Pointer arguments are compiled as 16-byte
+``src/``, named in their index entry with the template and parameters it was
+rendered from; the runtime executes those stored sources (``kernel_templates.pin``). Pointer arguments are compiled as 16-byte
 aligned; the runtime checks that before each launch.
 """
 
@@ -109,7 +110,9 @@ def compile_specs(specs: dict[str, dict], out_dir: Path, arch: int = 90, progres
             key, cubin, entry = job.result()
             module = entry["kernel"].partition(":")[0]
             if module in sources:
-                entry["source"] = f"src/{module.partition('.')[2]}.py"
+                template, params = kernel_templates.origin(module)
+                entry.update(source=f"src/{module.partition('.')[2]}.py", template=template,
+                             template_params=params)
             (out_dir / f"{key}.cubin").write_bytes(cubin)
             index[key] = entry
     (out_dir / "index.json").write_text(json.dumps(index, indent=1, sort_keys=True) + "\n")

@@ -12,13 +12,17 @@ change (splits, blocks) stay constexpr parameters of the rendered kernel.
 
 A rendered module is named ``mxc_generated.<name>_<sha256 of its source>``:
 the same source always gets the same name, so a launch's spec (and the key of
-its cubin in the artifact) names exactly the source it was compiled from. The
-module is executed from memory; its source is registered with ``linecache``
-so Triton (and tracebacks) can read it. ``source(module)`` gives a rendered
-module's text: the AOT build writes them into the artifact next to their
-cubins (``code/kernels/src/``) and hands them to its compile workers.
-Inner loops shared by several kernels stay hand-written ``@triton.jit``
-helpers in ``mxc.kernels``, which the templates import.
+its cubin in the artifact) names the kernel source it was compiled from. The
+inner loops shared by several kernels stay hand-written ``@triton.jit``
+helpers in ``mxc.kernels``, which the templates import: they are not part of
+the rendered source or its name. The module is executed from memory; its
+source is registered with ``linecache`` (and its loader) so Triton and
+tracebacks can read it. ``source(module)`` gives a rendered module's text: the
+AOT build writes them into the artifact next to their cubins
+(``code/kernels/src/``), with the template and parameters in the index, and
+hands them to its compile workers. At load, ``pin`` makes the kernel
+functions the artifact's stored sources rather than a fresh rendering, so a
+later edit of a template does not change what an existing artifact runs.
 """
 
 from __future__ import annotations
@@ -36,6 +40,19 @@ _ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).parent /
                           trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
                           undefined=jinja2.StrictUndefined)
 _SOURCES: dict[str, str] = {}  # module name -> rendered source
+_ORIGINS: dict[str, tuple[str, dict]] = {}  # module name -> (template, params)
+_PINNED: dict[tuple, str] = {}  # (template, params key) -> module name, from an artifact
+_KERNELS: dict[tuple, object] = {}  # (template, entry, params key) -> jit function
+
+
+class _SourceLoader:
+    """Gives a rendered module's source to ``linecache``/``inspect`` (Triton reads kernels' source)."""
+
+    def __init__(self, source: str):
+        self.source = source
+
+    def get_source(self, name: str) -> str:
+        return self.source
 
 
 def render(template: str, **params) -> str:
@@ -47,32 +64,53 @@ def load(module_name: str, source: str) -> types.ModuleType:
     """Execute a rendered ``source`` as ``module_name`` (once; later calls return the module)."""
     if module_name in sys.modules:
         return sys.modules[module_name]
-    filename = f"<{module_name}.py>"
+    filename = f"{module_name}.py"  # no such file: linecache falls back to the loader (not for "<...>" names)
     linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
     module = types.ModuleType(module_name)
     module.__file__ = filename
+    module.__loader__ = _SourceLoader(source)  # lets linecache reload it if its cache is cleared
     exec(compile(source, filename, "exec"), module.__dict__)  # noqa: S102 - our own rendered template
     sys.modules[module_name] = module
     _SOURCES[module_name] = source
     return module
 
 
+def params_key(params: dict) -> tuple:
+    """A hashable key of template parameters that tells 1, 1.0 and True apart."""
+    return tuple(sorted((k, type(v).__name__, v) for k, v in params.items()))
+
+
+def pin(template: str, params: dict, module_name: str, source: str) -> None:
+    """Make ``kernel(template, ..., **params)`` return the functions of ``source`` (an artifact's stored
+    kernel module) instead of rendering the template: a loaded artifact runs the kernels it was built
+    with, whatever this mxc's templates say now."""
+    load(module_name, source)
+    _ORIGINS[module_name] = (template, params)
+    _PINNED[(template, params_key(params))] = module_name
+
+
 def _module(template: str, params: dict) -> types.ModuleType:
+    pinned = _PINNED.get((template, params_key(params)))
+    if pinned is not None:
+        return sys.modules[pinned]
     source = render(template, **params)
-    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
-    return load(f"{PACKAGE}.{template}_{digest}", source)
-
-
-_KERNELS: dict[tuple, object] = {}  # (template, entry, sorted params) -> jit function: ~0.3 us a lookup
+    name = f"{PACKAGE}.{template}_{hashlib.sha256(source.encode()).hexdigest()[:16]}"
+    _ORIGINS.setdefault(name, (template, params))
+    return load(name, source)
 
 
 def kernel(template: str, entry: str, **params):
     """The ``@triton.jit`` function ``entry`` of ``template`` rendered for ``params`` (JSON values)."""
-    key = (template, entry, *sorted(params.items()))
+    key = (template, entry, params_key(params))
     fn = _KERNELS.get(key)
     if fn is None:
         fn = _KERNELS[key] = getattr(_module(template, params), entry)
     return fn
+
+
+def origin(module_name: str) -> tuple[str, dict] | None:
+    """(template, params) a generated module was rendered from, if this process rendered or pinned it."""
+    return _ORIGINS.get(module_name)
 
 
 def is_generated(module_name: str) -> bool:

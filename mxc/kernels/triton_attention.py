@@ -12,8 +12,8 @@ Key position p is visible to query position t iff p <= t and, with a sliding
 window w, p > t - w. Query heads h use kv head h // (HQ // HKV).
 
 The kernels' entry points are rendered per head layout, cache length and window
-from ``codegen/templates/kernels/decode_attention.py.j2`` and
-``prefill_attention.py.j2``; their loops are the hand-written ``@triton.jit``
+from ``codegen/templates/kernels/decode_attention.py.j2`` (the merge of the
+splits: ``decode_merge.py.j2``) and ``prefill_attention.py.j2``; their loops are the hand-written ``@triton.jit``
 helpers below (``_split_rows``, ``_attend_rows``, ``_store_split``,
 ``_prefill_inner``). Tile sizes and split counts stay constexpr parameters.
 
@@ -28,7 +28,7 @@ Versions:
   (with chunks fixed by L, a 200-row context at L = 2049 ran as two sequential
   128-row blocks in one split of 16: 5.9 us per layer on the H200, 2026-11-30).
   Each split writes its normalised partial output and its
-  log-sum-exp (base 2) to fp32 scratch; ``_decode_reduce_kernel`` merges the
+  log-sum-exp (base 2) to fp32 scratch; ``decode_reduce_kernel`` merges the
   splits (a split with no visible row has lse = -inf and weight 0). With
   NUM_SPLITS == 1 the split kernel writes the output directly (one launch).
   ``default_splits`` picks NUM_SPLITS from L and B * HKV (static shapes).
@@ -249,8 +249,8 @@ def decode_attention(q, k_cache, v_cache, slots, kv_lens, scale: float, sliding_
                                                 float(scale)],
            dict(NUM_SPLITS=NUM_SPLITS, BLOCK_N=BLOCK_N), num_warps=num_warps, num_stages=num_stages)
     if NUM_SPLITS > 1:
-        reduce_kernel = kernel_templates.kernel("decode_attention", "decode_reduce_kernel", **layout,
-                                                BLOCK_G=max(16, triton.next_power_of_2(HQ // HKV)))
+        reduce_kernel = kernel_templates.kernel("decode_merge", "decode_reduce_kernel", HQ=HQ, HEAD_DIM=D,
+                                                BLOCK_D=layout["BLOCK_D"])
         launch(reduce_kernel, (B, HQ), [part_out, part_lse, out],
                dict(NUM_SPLITS=NUM_SPLITS, BLOCK_S=triton.next_power_of_2(NUM_SPLITS)), num_warps=1, num_stages=1)
     return out

@@ -1,7 +1,8 @@
 """Launching the artifact's precompiled kernels through the CUDA driver: no Triton compile at load.
 
 ``CubinLauncher`` reads ``code/kernels/index.json``, loads every cubin with
-``cuModuleLoadData`` and, installed as the ``mxc.kernels.launch`` launcher,
+``cuModuleLoadData`` (and executes the stored sources of the kernels rendered
+from templates, so the wrappers launch exactly those) and, installed as the ``mxc.kernels.launch`` launcher,
 turns each wrapper's launch into a ``cuLaunchKernel`` on the current torch
 stream (so launches are captured by CUDA graphs). Arguments are packed from
 the parameter kinds recorded at build time; Triton's trailing scratch
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from mxc.codegen import kernel_templates
 from mxc.errors import MxcError
 from mxc.kernels.launch import spec_key, spec_of, with_pdl
 
@@ -117,6 +119,10 @@ class CubinLauncher:
         torch.empty(1, device="cuda")  # make the primary context current on this thread
         self.lib = _driver()
         index = json.loads((kernels_dir / "index.json").read_text())
+        for e in index.values():  # the kernels rendered at build time run as stored, not re-rendered
+            if "source" in e:
+                kernel_templates.pin(e["template"], e["template_params"], e["kernel"].partition(":")[0],
+                                     (kernels_dir / e["source"]).read_text())
         self.binaries = {key: _Binary(self.lib, (kernels_dir / e["file"]).read_bytes(), e)
                          for key, e in index.items()}
         self._fast: dict[tuple, _Binary] = {}
@@ -141,8 +147,10 @@ class CubinLauncher:
             spec = spec_of(kernel, args, constexprs, num_warps, num_stages)
             binary = self.binaries.get(spec_key(spec))
             if binary is None:
-                raise MxcError(f"kernel {spec['kernel']} with constexprs {spec['constexprs']} is not in the "
-                               f"artifact (built for other shapes or batch sizes); rebuild it, or load with "
+                origin = kernel_templates.origin(spec["kernel"].partition(":")[0])
+                rendered = f" rendered from template {origin[0]} with {origin[1]}" if origin else ""
+                raise MxcError(f"kernel {spec['kernel']}{rendered} with constexprs {spec['constexprs']} is not in "
+                               f"the artifact (built for other shapes or batch sizes); rebuild it, or load with "
                                f"rebuild_kernels=True")
             self._fast[fast_key] = binary
         binary.launch(grid, [a for a in args if a is not None], self.pdl_launch)

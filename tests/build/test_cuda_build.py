@@ -76,6 +76,38 @@ def test_cuda_build_compiles_every_kernel_for_sm90(config, tp, quant, tmp_path):
     program = (art / "code" / "forward.py").read_text()
     assert "cuda_ops.qkv_rope_cache" in program and "cuda_ops.cached_attention" in program
     assert ("triton_fp8.qlinear_small_m" if quant else "triton_gemv.linear_small_m") in program
+    if config is None and tp == 1 and not quant:
+        _same_keys_in_a_fresh_process(art, env)
+
+
+# Records the artifact's launches again in a new process (another hash seed and working directory) with
+# its stored kernel sources pinned, as the runtime's launcher does: every binary must be found.
+_RECORD_AGAIN = """
+import json, sys, types
+from pathlib import Path
+from mxc.codegen import aot, kernel_templates
+from mxc.ir.serialize import load_graph
+art = Path(sys.argv[1])
+index = json.loads((art / "code/kernels/index.json").read_text())
+for e in index.values():
+    if "source" in e:
+        kernel_templates.pin(e["template"], e["template_params"], e["kernel"].split(":")[0],
+                             (art / "code/kernels" / e["source"]).read_text())
+program = types.ModuleType("forward")
+exec(compile((art / "code/forward.py").read_text(), "forward.py", "exec"), program.__dict__)
+options = json.loads((art / "manifest.json").read_text())["options"]
+specs = aot.record(program, load_graph((art / "graph.yaml").read_text()), options["max_batch"],
+                   options["max_seq_len"], pdl=options.get("pdl", False))
+print(json.dumps({"recorded": len(specs), "missing": [s["kernel"] for k, s in specs.items() if k not in index]}))
+"""
+
+
+def _same_keys_in_a_fresh_process(art, env):
+    proc = subprocess.run([sys.executable, "-c", _RECORD_AGAIN, str(art)], env={**env, "PYTHONHASHSEED": "7"},
+                          cwd=art.parent, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["recorded"] > 10 and result["missing"] == []
 
 
 def test_cuda_build_with_pdl(tmp_path):

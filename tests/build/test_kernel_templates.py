@@ -46,3 +46,22 @@ def test_rendered_kernel_runs_against_reference():
     x = torch.randn(3, 7, 37)
     w = torch.rand(37) + 0.5
     torch.testing.assert_close(triton_norm.rms_norm(x, w, 1e-5), torch_ref.rms_norm(x, w, 1e-5), atol=1e-5, rtol=1e-5)
+
+
+def test_pinned_source_wins_over_rendering():
+    """An artifact's stored kernel module (here: the rendering plus a comment, as after a template edit)
+    is what ``kernel`` returns for its template and parameters."""
+    params = dict(H=40, BLOCK_H=64, RESIDUAL=True)
+    stored = kernel_templates.render("rms_norm", **params) + "\n# built by an older mxc\n"
+    kernel_templates.pin("rms_norm", params, "mxc_generated.rms_norm_pinnedtest", stored)
+    fn = kernel_templates.kernel("rms_norm", "rms_norm_kernel", **params)
+    assert fn.fn.__module__ == "mxc_generated.rms_norm_pinnedtest"
+    assert kernel_templates.origin("mxc_generated.rms_norm_pinnedtest") == ("rms_norm", params)
+    # other parameters still render; 1 and True are different parameters
+    assert kernel_templates.kernel("rms_norm", "rms_norm_kernel", H=40, BLOCK_H=64, RESIDUAL=1).fn.__module__ \
+        != "mxc_generated.rms_norm_pinnedtest"
+    import inspect
+    import linecache
+
+    linecache.clearcache()  # (torch's inductor does this) the source comes back through the module's loader
+    assert inspect.getsource(fn.fn).startswith("@triton.jit")
