@@ -113,11 +113,14 @@ class _Binary:
 class CubinLauncher:
     """A ``mxc.kernels.launch`` launcher over an artifact's precompiled kernels."""
 
-    def __init__(self, kernels_dir: Path, pdl: bool = False):
+    def __init__(self, kernels_dir: Path, pdl: bool = False, driver=None):
+        """``driver``: the CUDA driver library (default: libcuda, after making torch's context current)."""
         self.pdl = pdl  # the artifact was built with programmatic dependent launch (``mxc.kernels.pdl``)
-        torch.cuda.init()
-        torch.empty(1, device="cuda")  # make the primary context current on this thread
-        self.lib = _driver()
+        if driver is None:
+            torch.cuda.init()
+            torch.empty(1, device="cuda")  # make the primary context current on this thread
+            driver = _driver()
+        self.lib = driver
         index = json.loads((kernels_dir / "index.json").read_text())
         for e in index.values():  # the kernels rendered at build time run as stored, not re-rendered
             if "source" in e:
