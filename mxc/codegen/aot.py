@@ -11,7 +11,8 @@ exact parameter list read from the PTX (Triton appends scratch pointers whose
 number depends on its version). Kernels rendered from templates
 (``kernel_templates``) have their source written beside the cubins, in
 ``src/``, named in their index entry with the template and parameters it was
-rendered from; the runtime executes those stored sources (``kernel_templates.pin``). Pointer arguments are compiled as 16-byte
+rendered from; the runtime executes those stored sources
+(``kernel_templates.pin``), and ``record`` renders the current templates. Pointer arguments are compiled as 16-byte
 aligned; the runtime checks that before each launch.
 """
 
@@ -168,7 +169,8 @@ def record(program, graph, max_batch: int, max_seq_len: int, pdl: bool = False) 
             kv = (rep.count if rep else 1, node.attrs["kv_heads"], node.attrs["head_dim"])
     recorder = launch.Recorder(pdl=pdl)
     dtype = DTYPES[graph.dtype]
-    with launch.using(recorder):
+    # a build renders the current templates, whatever artifact this process has loaded
+    with launch.using(recorder), kernel_templates.unpinned():
         for b, t in scenarios(max_batch, max_seq_len):
             caches = [[meta((max_batch + 1, max_seq_len, kv[1], kv[2]), dtype) for _ in range(kv[0])]
                       for _ in range(2)] if kv else [None, None]

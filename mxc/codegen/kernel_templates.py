@@ -27,6 +27,7 @@ later edit of a template does not change what an existing artifact runs.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import linecache
 import sys
@@ -35,6 +36,8 @@ from pathlib import Path
 
 import jinja2
 
+from mxc.errors import MxcError
+
 PACKAGE = "mxc_generated"
 _ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates" / "kernels"),
                           trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
@@ -42,7 +45,8 @@ _ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).parent /
 _SOURCES: dict[str, str] = {}  # module name -> rendered source
 _ORIGINS: dict[str, tuple[str, dict]] = {}  # module name -> (template, params)
 _PINNED: dict[tuple, str] = {}  # (template, params key) -> module name, from an artifact
-_KERNELS: dict[tuple, object] = {}  # (template, entry, params key) -> jit function
+_KERNELS: dict[tuple, object] = {}  # (pins in use, template, entry, params key) -> jit function
+_STATE = {"use_pins": True}
 
 
 class _SourceLoader:
@@ -76,21 +80,39 @@ def load(module_name: str, source: str) -> types.ModuleType:
 
 
 def params_key(params: dict) -> tuple:
-    """A hashable key of template parameters that tells 1, 1.0 and True apart."""
-    return tuple(sorted((k, type(v).__name__, v) for k, v in params.items()))
+    """A hashable key of template parameters that tells 1, 1.0 and True apart (lists as tuples)."""
+    return tuple(sorted((k, type(v).__name__, tuple(v) if isinstance(v, list) else v) for k, v in params.items()))
 
 
 def pin(template: str, params: dict, module_name: str, source: str) -> None:
     """Make ``kernel(template, ..., **params)`` return the functions of ``source`` (an artifact's stored
     kernel module) instead of rendering the template: a loaded artifact runs the kernels it was built
-    with, whatever this mxc's templates say now."""
+    with, whatever this mxc's templates say now. Builds ignore pins (``unpinned``)."""
+    digest = module_name.rpartition("_")[2]
+    if hashlib.sha256(source.encode()).hexdigest()[:16] != digest:
+        raise MxcError(f"the stored kernel source of {module_name} does not match its name (edited after the "
+                       f"build?); rebuild the artifact")
     load(module_name, source)
     _ORIGINS[module_name] = (template, params)
-    _PINNED[(template, params_key(params))] = module_name
+    key = params_key(params)
+    _PINNED[(template, key)] = module_name
+    for k in [k for k in _KERNELS if k[0] and k[1] == template and k[3] == key]:
+        del _KERNELS[k]  # looked up before this pin: look up again
 
 
-def _module(template: str, params: dict) -> types.ModuleType:
-    pinned = _PINNED.get((template, params_key(params)))
+@contextlib.contextmanager
+def unpinned():
+    """Render the templates as they are inside this block, whatever artifacts this process has loaded
+    (the build: a new artifact is made from the current templates)."""
+    previous, _STATE["use_pins"] = _STATE["use_pins"], False
+    try:
+        yield
+    finally:
+        _STATE["use_pins"] = previous
+
+
+def _module(template: str, params: dict, use_pins: bool) -> types.ModuleType:
+    pinned = _PINNED.get((template, params_key(params))) if use_pins else None
     if pinned is not None:
         return sys.modules[pinned]
     source = render(template, **params)
@@ -101,10 +123,11 @@ def _module(template: str, params: dict) -> types.ModuleType:
 
 def kernel(template: str, entry: str, **params):
     """The ``@triton.jit`` function ``entry`` of ``template`` rendered for ``params`` (JSON values)."""
-    key = (template, entry, params_key(params))
+    use_pins = _STATE["use_pins"]
+    key = (use_pins, template, entry, params_key(params))
     fn = _KERNELS.get(key)
     if fn is None:
-        fn = _KERNELS[key] = getattr(_module(template, params), entry)
+        fn = _KERNELS[key] = getattr(_module(template, params, use_pins), entry)
     return fn
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -79,15 +80,25 @@ class _Binary:
         self.threads = 32 * entry["num_warps"]
         self.kinds = entry["params"]
         self.n_args = len(entry["args"])
-        # One ctypes value a parameter, and the array of their addresses the driver reads: filled in
-        # place at each launch (the driver copies parameter values when the launch is made, so a
-        # launch may reuse them; one launching thread at a time). Triton's scratch pointers stay NULL.
-        self._values = [_CTYPES[kind]() for kind in self.kinds]
-        self._params = (ctypes.c_void_p * len(self._values))(*[ctypes.addressof(v) for v in self._values])
+        if any(kind != "ptr" for kind in self.kinds[self.n_args:]):
+            raise MxcError(f"{entry['kernel']}: parameters past its {self.n_args} arguments are not all Triton's "
+                           f"scratch pointers ({self.kinds}); rebuild the artifact")
         self._tensor = [kind == "ptr" for kind in self.kinds]
+        self._local = threading.local()
+
+    def _slots(self):
+        """This thread's ctypes value for each parameter and the array of their addresses the driver
+        reads: filled in place at each launch (the driver copies the values when the launch is made,
+        captured launches included). Triton's scratch pointers are never written: NULL."""
+        slots = getattr(self._local, "slots", None)
+        if slots is None:
+            values = [_CTYPES[kind]() for kind in self.kinds]
+            slots = self._local.slots = (values, (ctypes.c_void_p * len(values))(*map(ctypes.addressof, values)))
+        return slots
 
     def launch(self, grid, args, pdl: bool = True) -> None:
-        for value, is_ptr, arg in zip(self._values, self._tensor, args):
+        values, params = self._slots()
+        for value, is_ptr, arg in zip(values, self._tensor, args):
             if is_ptr and arg is not None:
                 ptr = arg.data_ptr()
                 if ptr % 16:
@@ -103,11 +114,11 @@ class _Binary:
             attr.value.programmaticStreamSerializationAllowed = 1
             config = _LaunchConfig(g[0], g[1], g[2], self.threads, 1, 1, self.entry["shared"], stream,
                                    ctypes.pointer(attr), 1)
-            _check(self.lib.cuLaunchKernelEx(ctypes.byref(config), self.func, self._params, None),
+            _check(self.lib.cuLaunchKernelEx(ctypes.byref(config), self.func, params, None),
                    f"launching {self.entry['kernel']}")
             return
         _check(self.lib.cuLaunchKernel(self.func, g[0], g[1], g[2], self.threads, 1, 1, self.entry["shared"],
-                                       stream, self._params, None), f"launching {self.entry['kernel']}")
+                                       stream, params, None), f"launching {self.entry['kernel']}")
 
 
 class CubinLauncher:
@@ -155,5 +166,9 @@ class CubinLauncher:
                 raise MxcError(f"kernel {spec['kernel']}{rendered} with constexprs {spec['constexprs']} is not in "
                                f"the artifact (built for other shapes or batch sizes); rebuild it, or load with "
                                f"rebuild_kernels=True")
+            present = [a for a in args if a is not None]
+            if len(present) != binary.n_args:
+                raise MxcError(f"kernel {spec['kernel']} takes {binary.n_args} arguments in the artifact, "
+                               f"the launch gives {len(present)}; rebuild it")
             self._fast[fast_key] = binary
         binary.launch(grid, [a for a in args if a is not None], self.pdl_launch)

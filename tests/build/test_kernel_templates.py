@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mxc.codegen import kernel_templates
+from mxc.errors import MxcError
 from mxc.kernels import torch_ref, triton_norm
 
 
@@ -50,18 +51,31 @@ def test_rendered_kernel_runs_against_reference():
 
 def test_pinned_source_wins_over_rendering():
     """An artifact's stored kernel module (here: the rendering plus a comment, as after a template edit)
-    is what ``kernel`` returns for its template and parameters."""
+    is what ``kernel`` returns for its template and parameters, except inside ``unpinned`` (a build)."""
+    import hashlib
+
     params = dict(H=40, BLOCK_H=64, RESIDUAL=True)
+    fresh = kernel_templates.kernel("rms_norm", "rms_norm_kernel", **params)  # looked up before the pin
     stored = kernel_templates.render("rms_norm", **params) + "\n# built by an older mxc\n"
-    kernel_templates.pin("rms_norm", params, "mxc_generated.rms_norm_pinnedtest", stored)
+    name = f"mxc_generated.rms_norm_{hashlib.sha256(stored.encode()).hexdigest()[:16]}"
+    kernel_templates.pin("rms_norm", params, name, stored)
     fn = kernel_templates.kernel("rms_norm", "rms_norm_kernel", **params)
-    assert fn.fn.__module__ == "mxc_generated.rms_norm_pinnedtest"
-    assert kernel_templates.origin("mxc_generated.rms_norm_pinnedtest") == ("rms_norm", params)
+    assert fn.fn.__module__ == name and fn is not fresh
+    assert kernel_templates.origin(name) == ("rms_norm", params)
+    with kernel_templates.unpinned():
+        assert kernel_templates.kernel("rms_norm", "rms_norm_kernel", **params) is fresh
     # other parameters still render; 1 and True are different parameters
-    assert kernel_templates.kernel("rms_norm", "rms_norm_kernel", H=40, BLOCK_H=64, RESIDUAL=1).fn.__module__ \
-        != "mxc_generated.rms_norm_pinnedtest"
+    assert kernel_templates.kernel("rms_norm", "rms_norm_kernel", H=40, BLOCK_H=64, RESIDUAL=1).fn.__module__ != name
     import inspect
     import linecache
 
     linecache.clearcache()  # (torch's inductor does this) the source comes back through the module's loader
     assert inspect.getsource(fn.fn).startswith("@triton.jit")
+
+
+def test_edited_stored_source_is_refused():
+    params = dict(H=24, BLOCK_H=32, RESIDUAL=False)
+    source = kernel_templates.render("rms_norm", **params)
+    name = kernel_templates.kernel("rms_norm", "rms_norm_kernel", **params).fn.__module__
+    with pytest.raises(MxcError, match="does not match its name"):
+        kernel_templates.pin("rms_norm", params, name, source.replace("eps", "eps * 2"))

@@ -1,10 +1,11 @@
 """The runtime's cubin launcher over a real ``--target cuda`` artifact (built here for sm_90 on the CPU),
 with a stand-in for the CUDA driver: run through every scenario the build recorded, the generated
-program's launches each find their binary (stored kernel sources pinned, keys re-derived in this
-process), and every binary is launched."""
+program's launches each find their binary and every binary is launched, even after the kernel
+templates changed (the artifact's stored kernel sources run, not a fresh rendering)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -69,6 +70,9 @@ def test_every_launch_finds_its_binary(tmp_path, monkeypatch):
             launcher(*args)
 
     monkeypatch.setattr(launch, "Recorder", Through)
+    monkeypatch.setattr(kernel_templates, "unpinned", contextlib.nullcontext)  # the runtime's view: pins in force
+    render = kernel_templates.render  # and the templates edited since the build: a fresh rendering would miss
+    monkeypatch.setattr(kernel_templates, "render", lambda *a, **k: render(*a, **k) + "# edited after the build\n")
     program = types.ModuleType("forward")
     exec(compile((art / "code" / "forward.py").read_text(), "forward.py", "exec"), program.__dict__)
     aot.record(program, load_graph((art / "graph.yaml").read_text()), options["max_batch"], options["max_seq_len"],
