@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -14,6 +15,27 @@ def _size(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)
+
+
+def _kernel(choice) -> str:
+    """A node's kernel: one name, or per token-count bucket ``name (<= 16 tokens) / ... / name``."""
+    if isinstance(choice, str):
+        return choice
+    return " / ".join(name if hi is None else f"{name} (<= {hi} tokens)" for hi, name in choice)
+
+
+def _compiled(path: Path) -> list[str]:
+    """For a --target cuda artifact: how many binaries, and each kernel source rendered from a template."""
+    index_path = path / "code" / "kernels" / "index.json"
+    if not index_path.exists():
+        return []
+    index = json.loads(index_path.read_text())
+    rendered = {e["source"]: (e["template"], e["template_params"]) for e in index.values() if "source" in e}
+    lines = [f"compiled     {len(index)} cubins ({len(rendered)} kernel modules rendered from templates)"]
+    for source, (template, params) in sorted(rendered.items(), key=lambda kv: kv[1][0]):
+        args = ", ".join(f"{k}={v}" for k, v in sorted(params.items()))
+        lines.append(f"  {template}({args})  code/kernels/{source}")
+    return lines
 
 
 def summary(path) -> str:
@@ -32,9 +54,10 @@ def summary(path) -> str:
         f"quant {m['options'].get('quant') or 'none'}",
         f"built by     mxc {m['mxc_version']} (torch {m['target'].get('torch')}), IR sha256 {m['ir_sha256'][:16]}",
         f"weights      {m['source']['weights']}" + (f" from {m['source']['checkpoint']}" if m['source']['checkpoint'] else ""),
-        "kernels      " + ", ".join(f"{k} x{n}" for k, n in Counter(r["kernel"] for r in m["kernels"]).items()),
-        "files",
+        "kernels      " + ", ".join(f"{k} x{n}" for k, n in Counter(_kernel(r["kernel"]) for r in m["kernels"]).items()),
     ]
+    lines += _compiled(path)
+    lines.append("files")
     for rel in m["files"]:
         f = path / rel
         lines.append(f"  {rel:32s} {_size(f.stat().st_size) if f.exists() else 'MISSING'}")

@@ -78,6 +78,11 @@ def test_cuda_build_compiles_every_kernel_for_sm90(config, tp, quant, tmp_path):
     assert ("triton_fp8.qlinear_small_m" if quant else "triton_gemv.linear_small_m") in program
     if config is None and tp == 1 and not quant:
         _same_keys_in_a_fresh_process(art, env)
+        from mxc.inspect import summary  # `mxc inspect`: per-bucket kernel choices and the rendered kernels
+
+        text = summary(art)
+        assert "triton_gemv.linear_small_m (<= 16 tokens) / " in text and "cublas.linear" in text
+        assert "kernel modules rendered from templates" in text and "  rms_norm(BLOCK_H=" in text
 
 
 # Records the artifact's launches again in a new process (another hash seed and working directory) with
