@@ -41,56 +41,42 @@ def profile_decode(model, steps: int = 10, prompt: int = 128, batch: int = 1, pl
         with plain_launches(model):
             return "(kernels launched without PDL, so that their times do not overlap)\n" + \
                 profile_decode(model, steps, prompt, batch, plain=False)
-    from torch.profiler import ProfilerActivity, profile
-
     dec = model._decoder
     model.generate(torch.randint(0, 1000, (batch, prompt)), max_new_tokens=4)  # fills the cache, captures the bucket
     bucket = dec.buckets[batch]
     for _ in range(3):
         bucket.step(dec)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(steps):
-        bucket.step(dec)
-    end.record()
-    torch.cuda.synchronize()
-    step_us = start.elapsed_time(end) * 1e3 / steps
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            bucket.step(dec)
-        torch.cuda.synchronize()
-    return _table(prof, steps, step_us, "step (graph replay, CUDA events)")
+    return _timed_profile(lambda: bucket.step(dec), steps, "step (graph replay, CUDA events)")
 
 
 def profile_prefill(model, tokens: int = 2048, reps: int = 3) -> str:
     """Per-kernel breakdown of one prefill of ``tokens`` tokens, its kernels launched without PDL."""
     from contextlib import nullcontext
 
+    launcher = model._launcher
+    ids = torch.randint(0, 1000, (1, tokens))
+    with launcher.plain() if getattr(launcher, "pdl", False) else nullcontext():
+        model.generate(ids, max_new_tokens=1)  # warm-up
+        return _timed_profile(lambda: model.generate(ids, max_new_tokens=1), reps, "prefill (CUDA events)")
+
+
+def _timed_profile(fn, reps: int, wall_label: str) -> str:
+    """Time ``reps`` calls of ``fn`` with CUDA events, then profile ``reps`` more: the per-kernel table."""
     from torch.profiler import ProfilerActivity, profile
 
-    launcher = model._launcher
-    with launcher.plain() if getattr(launcher, "pdl", False) else nullcontext():
-        return _profile_prefill(model, tokens, reps, profile, ProfilerActivity)
-
-
-def _profile_prefill(model, tokens, reps, profile, ProfilerActivity) -> str:
-    ids = torch.randint(0, 1000, (1, tokens))
-    model.generate(ids, max_new_tokens=1)
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(reps):
-        model.generate(ids, max_new_tokens=1)
+        fn()
     end.record()
     torch.cuda.synchronize()
-    run_us = start.elapsed_time(end) * 1e3 / reps
+    wall_us = start.elapsed_time(end) * 1e3 / reps
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
-            model.generate(ids, max_new_tokens=1)
+            fn()
         torch.cuda.synchronize()
-    return _table(prof, reps, run_us, "prefill (CUDA events)")
+    return _table(prof, reps, wall_us, wall_label)
 
 
 def _table(prof, reps: int, wall_us: float, wall_label: str) -> str:

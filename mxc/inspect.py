@@ -43,6 +43,7 @@ def summary(path) -> str:
     m = read_manifest(path)
     c = m["config"]
     rt = m["runtime"]
+    kernels = Counter(_kernel(r["kernel"]) for r in m["kernels"])
     lines = [
         f"artifact     {path}",
         f"model        {m['architecture']} ({m['model_file']}, family {m['family']})",
@@ -54,7 +55,7 @@ def summary(path) -> str:
         f"quant {m['options'].get('quant') or 'none'}",
         f"built by     mxc {m['mxc_version']} (torch {m['target'].get('torch')}), IR sha256 {m['ir_sha256'][:16]}",
         f"weights      {m['source']['weights']}" + (f" from {m['source']['checkpoint']}" if m['source']['checkpoint'] else ""),
-        "kernels      " + ", ".join(f"{k} x{n}" for k, n in Counter(_kernel(r["kernel"]) for r in m["kernels"]).items()),
+        "kernels      " + ", ".join(f"{k} x{n}" for k, n in kernels.items()),
     ]
     lines += _compiled(path)
     lines.append("files")

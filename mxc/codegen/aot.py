@@ -12,8 +12,9 @@ number depends on its version). Kernels rendered from templates
 (``kernel_templates``) have their source written beside the cubins, in
 ``src/``, named in their index entry with the template and parameters it was
 rendered from; the runtime executes those stored sources
-(``kernel_templates.pin``), and ``record`` renders the current templates. Pointer arguments are compiled as 16-byte
-aligned; the runtime checks that before each launch.
+(``kernel_templates.pin``), and ``record`` renders the current templates.
+Pointer arguments are compiled as 16-byte aligned; the runtime checks that
+before each launch.
 """
 
 from __future__ import annotations

@@ -42,7 +42,6 @@ PACKAGE = "mxc_generated"
 _ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates" / "kernels"),
                           trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
                           undefined=jinja2.StrictUndefined)
-_SOURCES: dict[str, str] = {}  # module name -> rendered source
 _ORIGINS: dict[str, tuple[str, dict]] = {}  # module name -> (template, params)
 _PINNED: dict[tuple, str] = {}  # (template, params key) -> module name, from an artifact
 _KERNELS: dict[tuple, object] = {}  # (pins in use, template, entry, params key) -> jit function
@@ -75,7 +74,6 @@ def load(module_name: str, source: str) -> types.ModuleType:
     module.__loader__ = _SourceLoader(source)  # lets linecache reload it if its cache is cleared
     exec(compile(source, filename, "exec"), module.__dict__)  # noqa: S102 - our own rendered template
     sys.modules[module_name] = module
-    _SOURCES[module_name] = source
     return module
 
 
@@ -142,4 +140,4 @@ def is_generated(module_name: str) -> bool:
 
 def source(module_name: str) -> str:
     """The rendered source of a generated module (KeyError if this process has not rendered it)."""
-    return _SOURCES[module_name]
+    return sys.modules[module_name].__loader__.source

@@ -26,9 +26,10 @@ MAX_BLOCK_N = 1024
 
 
 def _kernel(template: str, size_name: str, n: int):
-    """The rendered kernel of ``template`` for rows of ``n`` elements, and its num_warps."""
+    """The rendered kernel of ``template`` for rows of ``n`` elements, its BLOCK_N and its num_warps."""
     block_n, num_warps = _config(n)
-    return kernel_templates.kernel(template, f"{template}_kernel", **{size_name: n, "BLOCK_N": block_n}), num_warps
+    kernel = kernel_templates.kernel(template, f"{template}_kernel", **{size_name: n, "BLOCK_N": block_n})
+    return kernel, block_n, num_warps
 
 
 def _config(n: int) -> tuple[int, int]:
@@ -53,9 +54,8 @@ def silu_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     if out is None:
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
     _check_out("silu_mul", out, shape, x.dtype, x.device)
-    kernel, num_warps = _kernel("silu_mul", "I", I)
-    launch(kernel, (x.numel() // (2 * I), triton.cdiv(I, _config(I)[0])), [x, out], {}, num_warps=num_warps,
-           num_stages=1)
+    kernel, block_n, num_warps = _kernel("silu_mul", "I", I)
+    launch(kernel, (x.numel() // (2 * I), triton.cdiv(I, block_n)), [x, out], {}, num_warps=num_warps, num_stages=1)
     return out
 
 
@@ -70,8 +70,8 @@ def embedding(ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor | None =
     if out is None:
         out = torch.empty((T, H), dtype=table.dtype, device=table.device)
     _check_out("embedding", out, (T, H), table.dtype, table.device)
-    kernel, num_warps = _kernel("embedding", "H", H)
-    launch(kernel, (T, triton.cdiv(H, _config(H)[0])), [ids, table, out], {}, num_warps=num_warps, num_stages=1)
+    kernel, block_n, num_warps = _kernel("embedding", "H", H)
+    launch(kernel, (T, triton.cdiv(H, block_n)), [ids, table, out], {}, num_warps=num_warps, num_stages=1)
     return out
 
 
@@ -86,7 +86,6 @@ def add(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> to
     _check_out("add", out, a.shape, a.dtype, a.device)
     N = a.shape[-1] if a.dim() else 1
     assert N > 0, "add: last dim is empty"
-    kernel, num_warps = _kernel("add", "N", N)
-    launch(kernel, (a.numel() // N, triton.cdiv(N, _config(N)[0])), [a, b, out], {}, num_warps=num_warps,
-           num_stages=1)
+    kernel, block_n, num_warps = _kernel("add", "N", N)
+    launch(kernel, (a.numel() // N, triton.cdiv(N, block_n)), [a, b, out], {}, num_warps=num_warps, num_stages=1)
     return out

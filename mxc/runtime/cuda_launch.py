@@ -2,8 +2,8 @@
 
 ``CubinLauncher`` reads ``code/kernels/index.json``, loads every cubin with
 ``cuModuleLoadData`` (and executes the stored sources of the kernels rendered
-from templates, so the wrappers launch exactly those) and, installed as the ``mxc.kernels.launch`` launcher,
-turns each wrapper's launch into a ``cuLaunchKernel`` on the current torch
+from templates, so the wrappers launch exactly those) and, installed as the
+``mxc.kernels.launch`` launcher, turns each wrapper's launch into a ``cuLaunchKernel`` on the current torch
 stream (so launches are captured by CUDA graphs). Arguments are packed from
 the parameter kinds recorded at build time; Triton's trailing scratch
 pointers get NULL (the build refuses kernels that need scratch memory).
@@ -98,15 +98,15 @@ class _Binary:
 
     def launch(self, grid, args, pdl: bool = True) -> None:
         values, params = self._slots()
-        for value, is_ptr, arg in zip(values, self._tensor, args):
-            if is_ptr and arg is not None:
+        for value, is_ptr, arg in zip(values, self._tensor, args):  # args: no None (absent = constexpr)
+            if is_ptr:
                 ptr = arg.data_ptr()
                 if ptr % 16:
                     raise MxcError(f"{self.entry['kernel']}: a tensor argument is not 16-byte aligned "
                                    f"(a view with an offset?); the kernel was compiled assuming alignment")
                 value.value = ptr
             else:
-                value.value = 0 if arg is None else arg
+                value.value = arg
         g = tuple(grid) + (1,) * (3 - len(grid))
         stream = torch.cuda.current_stream().cuda_stream
         if pdl and self.entry.get("pdl"):  # may start before the previous kernel ends; it waits on it first
@@ -153,6 +153,7 @@ class CubinLauncher:
             self.pdl_launch = before
 
     def __call__(self, kernel, grid, args, constexprs, num_warps, num_stages):
+        present = [a for a in args if a is not None]  # absent optionals are specialised away
         constexprs = with_pdl(kernel, constexprs, self.pdl)
         fast_key = (id(kernel), tuple(getattr(a, "dtype", type(a)) for a in args),
                     tuple(sorted(constexprs.items())), num_warps, num_stages)
@@ -166,9 +167,8 @@ class CubinLauncher:
                 raise MxcError(f"kernel {spec['kernel']}{rendered} with constexprs {spec['constexprs']} is not in "
                                f"the artifact (built for other shapes or batch sizes); rebuild it, or load with "
                                f"rebuild_kernels=True")
-            present = [a for a in args if a is not None]
             if len(present) != binary.n_args:
                 raise MxcError(f"kernel {spec['kernel']} takes {binary.n_args} arguments in the artifact, "
                                f"the launch gives {len(present)}; rebuild it")
             self._fast[fast_key] = binary
-        binary.launch(grid, [a for a in args if a is not None], self.pdl_launch)
+        binary.launch(grid, present, self.pdl_launch)
