@@ -11,6 +11,7 @@ decode loop; tokens are gathered on the device and copied out once at the end.
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import torch
 
@@ -61,9 +62,25 @@ class _Bucket:
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         plain = getattr(dec.launcher, "plain", None) if self.size > PDL_MAX_BUCKET else None
-        with torch.cuda.graph(self.graph, pool=dec.pool), launch.using(dec.launcher), \
+        with _no_collection(), torch.cuda.graph(self.graph, pool=dec.pool), launch.using(dec.launcher), \
                 (plain() if plain else contextlib.nullcontext()):
             self.logits = run()
+
+
+@contextlib.contextmanager
+def _no_collection():
+    """No Python garbage collection during a capture: a collection there can free an unreachable
+    model's CUDA graphs, and destroying a graph while a stream captures invalidates the capture
+    (torch 2.11 no longer collects before capturing; seen on the H200 when a test's model was
+    collected during the next test's capture). Collected once before instead."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class CudaDecoder:
