@@ -67,8 +67,13 @@ def _worker(rank, world_size, device, art, out):
     x = torch.randn(1, 4096, dtype=torch.bfloat16, device=device)
     result = {"step": step, "all_reduce": _graph_time(lambda: dist.all_reduce(x))}
     comm = model._dist.get("peer_allreduce")
-    if comm is not None:  # the artifact's one-shot all-reduce, alone
-        result["one_shot"] = _graph_time(lambda: comm(x))
+    if comm is not None:  # the artifact's peer-memory all-reduce, alone
+        result["peer"] = _graph_time(lambda: comm(x))
+        if hasattr(comm, "add_rms_norm"):
+            r, w = torch.randn_like(x), torch.ones(4096, dtype=torch.bfloat16, device=device)
+            result["peer_norm"] = _graph_time(lambda: comm.add_rms_norm(x, r, w, 1e-5))
+        if hasattr(comm, "check"):
+            comm.check()
     if rank == 0:
         Path(out).write_text(json.dumps(result))
 
@@ -78,44 +83,34 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--out", default="build/bench-tp")
     p.add_argument("--config", default=str(HERE / "llama3_8b.json"))
-    p.add_argument("--one-shot", action="store_true",
-                   help="also build tp=N with --tp-allreduce one_shot and measure it in the same run")
+    p.add_argument("--modes", default="nccl,one_shot,push", help="--tp-allreduce choices to build and measure")
     args = p.parse_args()
-    rows = []
-    arts = {}
-    for tp in (1, args.tp):
-        arts[tp] = mxc.build("llama.yaml", config=args.config, out=f"{args.out}-tp{tp}", target="cuda",
-                             dtype="bfloat16", tp=tp, max_batch=8, max_seq_len=512, tp_allreduce="nccl",
-                             progress=False)
-    if args.one_shot:
-        arts["one_shot"] = mxc.build("llama.yaml", config=args.config, out=f"{args.out}-tp{args.tp}-one-shot",
-                                     target="cuda", dtype="bfloat16", tp=args.tp, max_batch=8, max_seq_len=512,
-                                     tp_allreduce="one_shot", progress=False)
-    single = mxc.load(arts[1], device="cuda", verify=False)
+    kw = dict(config=args.config, target="cuda", dtype="bfloat16", max_batch=8, max_seq_len=512, progress=False)
+    single = mxc.load(mxc.build("llama.yaml", out=f"{args.out}-tp1", tp=1, **kw), device="cuda", verify=False)
     t1 = _step_time(single)
+    layers = single.manifest["config"]["num_hidden_layers"]
     print(f"tp=1 decode batch 1: {t1 * 1e3:.2f} ms/token", flush=True)
     del single
     torch.cuda.empty_cache()
+    rows = [("tp=1 decode batch 1", f"{t1 * 1e3:.2f} ms/token")]
     result = Path(f"{args.out}-result.json")
-    run_ranks(_worker, args.tp, "cuda", str(arts[args.tp]), str(result))
-    r = json.loads(result.read_text())
-    layers = json.loads((arts[1] / "manifest.json").read_text())["config"]["num_hidden_layers"]
-    rows.append(("tp=1 decode batch 1", f"{t1 * 1e3:.2f} ms/token"))
-    rows.append((f"tp={args.tp} decode batch 1, NCCL", f"{r['step'] * 1e3:.2f} ms/token"))
-    rows.append(("all-reduce 8 KB (NCCL, in a graph)", f"{r['all_reduce'] * 1e6:.1f} us"))
-    rows.append(("all-reduce time per token", f"{r['all_reduce'] * (2 * layers + 1) * 1e3:.2f} ms "
-                 f"({2 * layers + 1} per token)"))
-    rows.append((f"speed-up tp={args.tp} / tp=1", f"{t1 / r['step']:.2f}x"))
-    if args.one_shot:
-        run_ranks(_worker, args.tp, "cuda", str(arts["one_shot"]), str(result))
-        o = json.loads(result.read_text())
-        rows.append((f"tp={args.tp} one-shot all-reduce decode", f"{o['step'] * 1e3:.2f} ms/token "
-                     f"({t1 / o['step']:.2f}x tp=1)"))
-        if "one_shot" in o:
-            rows.append(("one-shot all-reduce 8 KB, in a graph", f"{o['one_shot'] * 1e6:.1f} us"))
+    for mode in args.modes.split(","):
+        art = mxc.build("llama.yaml", out=f"{args.out}-tp{args.tp}-{mode}", tp=args.tp, tp_allreduce=mode, **kw)
+        run_ranks(_worker, args.tp, "cuda", str(art), str(result))
+        r = json.loads(result.read_text())
+        rows.append((f"tp={args.tp} decode batch 1, {mode}", f"{r['step'] * 1e3:.2f} ms/token ({t1 / r['step']:.2f}x tp=1)"))
+        print(rows[-1], flush=True)
+        if mode == "nccl":
+            rows.append(("all-reduce 8 KB (NCCL, in a graph)", f"{r['all_reduce'] * 1e6:.1f} us"))
+            rows.append(("NCCL all-reduce time per token", f"{r['all_reduce'] * (2 * layers + 1) * 1e3:.2f} ms "
+                         f"({2 * layers + 1} per token)"))
+        elif "peer" not in r:
+            rows.append((f"{mode} all-reduce", "unavailable here: the run used NCCL (see the warning)"))
         else:
-            rows.append(("one-shot all-reduce", "unavailable here: the run used NCCL (see the warning)"))
-    print("\n" + "\n".join(f"{k:40s} {v}" for k, v in rows))
+            rows.append((f"{mode} all-reduce 8 KB, in a graph", f"{r['peer'] * 1e6:.1f} us"))
+            if "peer_norm" in r:
+                rows.append((f"{mode} all-reduce + add + RMSNorm, in a graph", f"{r['peer_norm'] * 1e6:.1f} us"))
+    print("\n" + "\n".join(f"{k:44s} {v}" for k, v in rows))
 
 
 if __name__ == "__main__":

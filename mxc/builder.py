@@ -182,13 +182,15 @@ def _log(msg: str) -> None:
 
 
 def resolve_tp_allreduce(choice: str, target: str, tp, dtype: str = "bfloat16") -> str:
-    """``--tp-allreduce``: "auto" is one_shot on cuda with tp > 1 (measured faster than NCCL) for
-    the dtypes the peer-memory all-reduce sums (bf16, fp32), else nccl."""
-    if choice not in ("auto", "nccl", "one_shot"):
-        raise MxcError(f"--tp-allreduce {choice}: expected auto, nccl or one_shot")
+    """``--tp-allreduce``: "auto" is push on cuda with tp > 1 for bf16/fp16 (the all-reduce fused with
+    the residual add and RMSNorm, no barrier), one_shot for fp32 (both measured faster than NCCL),
+    else nccl."""
+    if choice not in ("auto", "nccl", "one_shot", "push"):
+        raise MxcError(f"--tp-allreduce {choice}: expected auto, nccl, one_shot or push")
     if choice == "auto":
-        ok = target == "cuda" and isinstance(tp, int) and tp > 1 and dtype in ("bfloat16", "float32")
-        return "one_shot" if ok else "nccl"
+        if not (target == "cuda" and isinstance(tp, int) and tp > 1):
+            return "nccl"
+        return "push" if dtype in ("bfloat16", "float16") else "one_shot" if dtype == "float32" else "nccl"
     return choice
 
 
@@ -201,8 +203,9 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     """Build an artifact and return its directory.
 
     ``pdl=None`` turns programmatic dependent launch on where it exists (``--target cuda``, sm_90+).
-    ``tp_allreduce="auto"`` is ``one_shot`` for ``--target cuda`` with ``tp > 1`` (on two H200s a
-    tp=2 Llama-3-8B token took 3.09 ms with it, 3.27 ms with NCCL), else ``nccl``.
+    ``tp_allreduce="auto"`` is ``push`` for ``--target cuda`` with ``tp > 1`` in bf16/fp16 (one_shot
+    in fp32; on two H200s a tp=2 Llama-3-8B token took 3.09 ms with one_shot, 3.27 ms with NCCL),
+    else ``nccl``.
     """
     if target not in ("cpu", "cuda"):
         raise MxcError(f"--target {target}: expected cpu or cuda")
@@ -220,8 +223,8 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
         raise MxcError(f"--pdl: programmatic dependent launch needs --target cuda on sm_90 or later "
                        f"(got --target {target}, sm_{arch})")
     tp_allreduce = resolve_tp_allreduce(tp_allreduce, target, tp, dtype or ("float32" if target == "cpu" else "bfloat16"))
-    if tp_allreduce == "one_shot" and target != "cuda":
-        raise MxcError(f"--tp-allreduce one_shot: the peer-memory all-reduce needs --target cuda (got {target})")
+    if tp_allreduce in ("one_shot", "push") and target != "cuda":
+        raise MxcError(f"--tp-allreduce {tp_allreduce}: the peer-memory all-reduce needs --target cuda (got {target})")
     if not isinstance(tp, int) or tp < 1:
         raise MxcError(f"--tp {tp}: expected a positive integer")
     if max_batch < 1 or max_seq_len < 1:

@@ -122,9 +122,10 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
                    help="cuda: programmatic dependent launch, each kernel starting while the one before it ends "
                         "(default: on for sm_90 and later)")
-    b.add_argument("--tp-allreduce", choices=["auto", "nccl", "one_shot"], default="auto",
-                   help="cuda, --tp > 1: decode all-reduces (up to 32 tokens) one-shot over peer memory, or by "
-                        "NCCL (default auto: one_shot on cuda with --tp > 1; the runtime falls back to NCCL "
+    b.add_argument("--tp-allreduce", choices=["auto", "nccl", "one_shot", "push"], default="auto",
+                   help="cuda, --tp > 1: decode all-reduces (up to 32 tokens) pushed into the peers' memory and "
+                        "fused with the residual add and RMSNorm (push), one-shot over peer memory, or by NCCL "
+                        "(default auto: push for bf16/fp16 on cuda with --tp > 1; the runtime falls back to NCCL "
                         "where peer memory is not usable)")
     b.add_argument("--disable-pass", metavar="PASS", action="append", default=[],
                    help="skip an optional fusion pass (repeatable), e.g. fuse_linear_io")

@@ -21,8 +21,8 @@ class BuildOptions:
     max_seq_len: int = 4096  # cuda: KV-cache length per sequence
     disable_passes: tuple[str, ...] = ()  # optional passes skipped (``--disable-pass``)
     pdl: bool = False  # cuda: programmatic dependent launch between kernels (``mxc.kernels.pdl``)
-    tp_allreduce: str = "nccl"  # cuda, tp > 1: decode all-reduces by "nccl" or "one_shot" (peer memory);
-    # the builder resolves its "auto" default to one_shot for cuda with tp > 1
+    tp_allreduce: str = "nccl"  # cuda, tp > 1: decode all-reduces by "nccl", "one_shot" or "push" (peer
+    # memory; push also fuses the residual add and RMSNorm); the builder resolves its "auto" default
 
     def __post_init__(self):
         if self.target not in TARGETS:

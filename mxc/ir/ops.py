@@ -183,6 +183,15 @@ def _all_reduce(x, bias=None, **_):
     return (x,)
 
 
+def _all_reduce_add(x, residual, bias=None, **_):
+    _need(x == residual, lambda: f"inputs differ: {x} vs {residual}")
+    return _all_reduce(x, bias)
+
+
+def _all_reduce_add_rms_norm(x, residual, w, bias=None, eps=None, **_):
+    return _all_reduce_add(x, residual, bias) + _rms_norm(x, w, eps)
+
+
 def _all_gather(x, world, **_):
     _need(_positive_int(world), lambda: f"world must be a positive integer, got {world!r}")
     return (TensorType(x.shape[:-1] + (x.shape[-1] * world,), x.dtype),)
@@ -257,11 +266,16 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
     # tensor parallelism (made by shard_tp)
     OpDef("vocab_embedding", ("ids", "table"), _embedding, uses_context=True,
           doc="rows of this rank's vocabulary slice (rank * rows ...), zeros elsewhere; all_reduce completes it"),
-    OpDef("all_reduce", ("x", "bias?"), _all_reduce, uses_context=True,
+    OpDef("all_reduce", ("x", "bias?"), _all_reduce, optional_attrs=("world",), uses_context=True,
           doc="sum over the tensor-parallel ranks, then + bias (the bias of a row-parallel linear)"),
     OpDef("all_gather", ("x",), _all_gather, attrs=("world",), uses_context=True,
           doc="concatenate the ranks' slices along the last dim (vocab-parallel logits)"),
     # fused (made by compiler passes)
+    OpDef("all_reduce_add", ("x", "residual", "bias?"), _all_reduce_add, optional_attrs=("world",),
+          uses_context=True, doc="residual + all_reduce(x, bias) -- fuse_all_reduce"),
+    OpDef("all_reduce_add_rms_norm", ("x", "residual", "weight", "bias?"), _all_reduce_add_rms_norm,
+          attrs=("eps",), optional_attrs=("world",), uses_context=True,
+          doc="s = residual + all_reduce(x, bias); (s, rms_norm(s)) -- fuse_all_reduce"),
     OpDef("add_rms_norm", ("a", "b", "weight"), _add_rms_norm, attrs=("eps",),
           doc="s = a + b; (s, rms_norm(s)) -- fuse_add_rms_norm"),
     OpDef("rms_norm_linear", ("x", "norm_weight", "weight", "bias?"), _rms_norm_linear, attrs=("eps",),
@@ -284,7 +298,7 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
 def n_outputs(op: str, attrs: dict) -> int:
     if op == "split":
         return len(attrs.get("sizes", ()))
-    return 2 if op in ("rope", "add_rms_norm", "route") else 1
+    return 2 if op in ("rope", "add_rms_norm", "all_reduce_add_rms_norm", "route") else 1
 
 
 def infer(op: str, in_types: list, attrs: dict) -> tuple[TensorType, ...]:

@@ -87,7 +87,7 @@ def _gemv_wide_ok(node, in_types, options):
 
 
 MOE_PAIR_MAX_TOKENS = 4  # decode token counts the per-pair MoE kernels serve (experts then get one row)
-ONE_SHOT_MAX_TOKENS = 32  # rows the one-shot all-reduce serves (decode): <= 32 x hidden, its buffer
+ONE_SHOT_MAX_TOKENS = 32  # rows the peer-memory all-reduces serve (decode): <= 32 x hidden, their buffers
 
 
 def _one_shot_ok(node, in_types, options):
@@ -95,6 +95,13 @@ def _one_shot_ok(node, in_types, options):
         return "not asked for (--tp-allreduce one_shot)"
     dtype = in_types[0].dtype
     return None if dtype in ("bfloat16", "float32") else f"peer-memory all-reduce takes bf16 or fp32, not {dtype}"
+
+
+def _push_ok(node, in_types, options):
+    if getattr(options, "tp_allreduce", "nccl") != "push":
+        return "not asked for (--tp-allreduce push)"
+    dtype = in_types[0].dtype
+    return None if dtype in ("bfloat16", "float16") else f"the push all-reduce sums bf16 or fp16, not {dtype}"
 
 
 def _route_ok(node, in_types, options):
@@ -170,6 +177,19 @@ _TRITON = [
     Candidate("cuda_ops.all_reduce_one_shot", "all_reduce", GPU,
               f"one-shot all-reduce over peer memory (torch symmetric memory) at <= {ONE_SHOT_MAX_TOKENS} tokens: "
               f"one kernel, no NCCL latency", tokens=(1, ONE_SHOT_MAX_TOKENS), check=_one_shot_ok),
+    Candidate("cuda_ops.all_reduce_push", "all_reduce", GPU,
+              f"push all-reduce over peer memory at <= {ONE_SHOT_MAX_TOKENS} tokens: one kernel, no barrier",
+              tokens=(1, ONE_SHOT_MAX_TOKENS), check=_push_ok),
+    Candidate("cuda_ops.all_reduce_add_push", "all_reduce_add", GPU,
+              f"push all-reduce and the residual add in one kernel at <= {ONE_SHOT_MAX_TOKENS} tokens",
+              tokens=(1, ONE_SHOT_MAX_TOKENS), check=_push_ok),
+    Candidate("cuda_ops.all_reduce_add", "all_reduce_add", GPU,
+              "the all-reduce (one-shot over peer memory or NCCL), then the Triton add", check=_dtype_ok),
+    Candidate("cuda_ops.all_reduce_add_rms_norm_push", "all_reduce_add_rms_norm", GPU,
+              f"push all-reduce, the residual add and RMSNorm in one kernel at <= {ONE_SHOT_MAX_TOKENS} tokens",
+              tokens=(1, ONE_SHOT_MAX_TOKENS), check=_push_ok),
+    Candidate("cuda_ops.all_reduce_add_rms_norm", "all_reduce_add_rms_norm", GPU,
+              "the all-reduce (one-shot over peer memory or NCCL), then the Triton add + RMSNorm", check=_dtype_ok),
     # mixture of experts
     Candidate("triton_route.route", "route", GPU,
               "Triton router: softmax or sigmoid, top-k and renormalisation in one kernel", check=_route_ok),

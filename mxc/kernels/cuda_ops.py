@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 
-from mxc.kernels import (cublas, fp8_gemm, torch_ref, triton_attention, triton_fp8, triton_gemv, triton_norm,
-                         triton_rope)
+import torch
+
+from mxc.kernels import (cublas, fp8_gemm, peer_allreduce, torch_ref, triton_attention, triton_elementwise,
+                         triton_fp8, triton_gemv, triton_norm, triton_rope)
 from mxc.kernels.context import ForwardContext
 
 
@@ -61,7 +63,7 @@ def qkv_rope_cache(qkv, positions, q_norm=None, k_norm=None, ctx: ForwardContext
                                       ctx.cache_loc, q_norm, k_norm, eps if eps is not None else 1e-6)
 
 
-def all_reduce_one_shot(x, bias=None, ctx: ForwardContext = None):
+def all_reduce_one_shot(x, bias=None, ctx: ForwardContext = None, world=None):
     """The decode all-reduce over peer memory (``peer_allreduce``) where the runtime set it up
     (``ctx.peer_allreduce``), else NCCL as ``torch_ref.all_reduce``."""
     comm = ctx.peer_allreduce
@@ -69,6 +71,57 @@ def all_reduce_one_shot(x, bias=None, ctx: ForwardContext = None):
         return torch_ref.all_reduce(x, bias, ctx)
     out = comm(x)
     return out if bias is None else out + bias
+
+
+def all_reduce_add(x, residual, bias=None, ctx: ForwardContext = None, world=None):
+    """The all-reduce (peer memory or NCCL, as ``all_reduce_one_shot``), then the Triton add."""
+    return triton_elementwise.add(residual, all_reduce_one_shot(x, bias, ctx))
+
+
+def all_reduce_add_rms_norm(x, residual, weight, bias=None, ctx: ForwardContext = None, eps=1e-6, world=None):
+    """The all-reduce (peer memory or NCCL, as ``all_reduce_one_shot``), then the Triton add + RMSNorm."""
+    return triton_norm.add_rms_norm(all_reduce_one_shot(x, bias, ctx), residual, weight, eps)
+
+
+def _push_comm(x, ctx, world):
+    """The runtime's push all-reduce (``peer_allreduce.PushAllReduce``), or "record" when the build
+    traces on ``meta`` (the kernel's launch is recorded for the artifact), or None (fall back)."""
+    if x.device.type == "meta":
+        return "record" if world and world > 1 else None
+    comm = ctx.peer_allreduce
+    return comm if ctx.world_size > 1 and hasattr(comm, "add_rms_norm") else None
+
+
+def _record_push(x, world, **kw):
+    bufs = torch.empty(world, dtype=torch.int64, device=x.device)
+    state = torch.empty(4, dtype=torch.int32, device=x.device)
+    return peer_allreduce.push_all_reduce(x, bufs, state, 0, world * x.shape[0] * x.shape[1], world, **kw)
+
+
+def all_reduce_push(x, bias=None, ctx: ForwardContext = None, world=None):
+    """Sum over the ranks by the push all-reduce (``peer_allreduce``), + bias."""
+    comm = _push_comm(x, ctx, world)
+    if comm is None:
+        return all_reduce_one_shot(x, bias, ctx)
+    return _record_push(x, world, bias=bias) if comm == "record" else comm(x, bias)
+
+
+def all_reduce_add_push(x, residual, bias=None, ctx: ForwardContext = None, world=None):
+    """``residual + all_reduce(x, bias)`` in one push all-reduce kernel."""
+    comm = _push_comm(x, ctx, world)
+    if comm is None:
+        return all_reduce_add(x, residual, bias, ctx)
+    return _record_push(x, world, residual=residual, bias=bias) if comm == "record" else comm.add(x, residual, bias)
+
+
+def all_reduce_add_rms_norm_push(x, residual, weight, bias=None, ctx: ForwardContext = None, eps=1e-6, world=None):
+    """``s = residual + all_reduce(x, bias)`` and ``rms_norm(s)`` in one push all-reduce kernel."""
+    comm = _push_comm(x, ctx, world)
+    if comm is None:
+        return all_reduce_add_rms_norm(x, residual, weight, bias, ctx, eps)
+    if comm == "record":
+        return _record_push(x, world, residual=residual, weight=weight, bias=bias, eps=eps)
+    return comm.add_rms_norm(x, residual, weight, eps, bias)
 
 
 def fused_moe(x, weights, ids, w_gate_up, w_down, s_gate_up=None, s_down=None, residual=None):

@@ -11,6 +11,18 @@ symmetric memory (``torch.distributed._symmetric_memory``), which CUDA graphs ca
 the rendezvous is collective) and falls back to ``dist.all_reduce`` for what it cannot take
 (more elements than its buffer, another dtype). ``available`` says why peer memory is not usable
 on this machine, or None.
+
+``PushAllReduce`` (``--tp-allreduce push``) needs no barrier: each rank stores its partial rows
+straight into a slot of every peer's buffer, and a peer knows a row has arrived when none of its
+values is still -0.0, the mark every slot is reset to after use (a real -0.0 is sent as +0.0),
+as TensorRT-LLM's "Lamport" all-reduce does. One kernel (``push_all_reduce_kernel``, rendered from
+``codegen/templates/kernels/push_all_reduce.py.j2``) pushes, waits, sums in rank order and goes on
+with what the graph does next: the residual add (``all_reduce_add``) and the RMSNorm
+(``all_reduce_add_rms_norm``), which the ``fuse_all_reduce`` pass makes. Three slots rotate,
+advanced by the kernel itself in a small device-side state (``state[0]`` the slot, ``[1]`` how many
+values of the previous slot to reset, ``[2]`` a program counter, ``[3]`` set when a peer never
+arrived), so it needs nothing from the host between calls and replays inside CUDA graphs: every
+rank makes the same sequence of calls, so no rank gets more than one call ahead of another.
 """
 
 from __future__ import annotations
@@ -66,3 +78,113 @@ class OneShotAllReduce:
             return self._copy_out(inp, x, "sum", self.group_name, out)
         inp.copy_(x)
         return torch.ops.symm_mem.one_shot_all_reduce_out(inp, "sum", self.group_name, out)
+
+
+PUSH_DTYPES = (torch.bfloat16, torch.float16)  # 16-bit values: -0.0 is one int16 pattern
+MAX_SPINS = 1 << 22  # reads of a slot before a kernel gives up on a peer (seconds, not a hang)
+
+
+def push_kernel(H: int, world: int, residual: bool, norm: bool, bias: bool, max_spins: int = MAX_SPINS):
+    import triton
+
+    from mxc.codegen import kernel_templates
+
+    return kernel_templates.kernel("push_all_reduce", "push_all_reduce_kernel", H=H,
+                                   BLOCK_H=triton.next_power_of_2(H), WORLD=world, RESIDUAL=residual, NORM=norm,
+                                   BIAS=bias, MAX_SPINS=max_spins)
+
+
+def push_all_reduce(x: torch.Tensor, bufs: torch.Tensor, state: torch.Tensor, rank: int, slot_elems: int,
+                    world: int, residual: torch.Tensor | None = None, weight: torch.Tensor | None = None,
+                    bias: torch.Tensor | None = None, eps: float = 1e-6, max_spins: int = MAX_SPINS):
+    """Launch the push all-reduce of ``x`` [T, H] (this rank's partial sums): returns the sum (+ bias),
+    or ``residual +`` it with ``residual``, and with ``weight`` also its RMSNorm, as a pair.
+
+    ``bufs`` [world] int64: each rank's symmetric buffer (``3 * slot_elems`` values of x's dtype,
+    reset to -0.0) as addressed from this rank; ``state`` [4] int32 on this device, zeros at first.
+    Any device works for recording the launch (``meta`` at build time)."""
+    import triton
+
+    from mxc.kernels.launch import launch
+
+    T, H = x.shape
+    assert x.dtype in PUSH_DTYPES and x.is_contiguous(), f"push all-reduce: x must be contiguous bf16/fp16, got {x.dtype}"
+    assert T * H * world <= slot_elems, f"push all-reduce: {T} rows of {H} from {world} ranks exceed a slot"
+    assert bufs.shape == (world,) and bufs.dtype == torch.int64, "push all-reduce: bufs must be [world] int64"
+    assert state.shape == (4,) and state.dtype == torch.int32, "push all-reduce: state must be [4] int32"
+    assert weight is None or residual is not None, "push all-reduce: the RMSNorm follows the residual add"
+    out = torch.empty_like(x)
+    norm_out = torch.empty_like(x) if weight is not None else None
+    args = [x, residual, bias, weight, out, norm_out, bufs, state, int(rank), int(slot_elems)]
+    args = [a for a in args if a is not None] + ([float(eps)] if weight is not None else [])
+    launch(push_kernel(H, world, residual is not None, weight is not None, bias is not None, max_spins), (T,), args, {},
+           num_warps=max(1, min(8, triton.next_power_of_2(H) // 256)), num_stages=1)
+    return (out, norm_out) if weight is not None else out
+
+
+class PushAllReduce:
+    """The runtime's push all-reduce for ``group`` (None: the default group): rows up to
+    ``max_tokens`` of ``hidden`` features; NCCL (and the Triton add/RMSNorm) for larger calls."""
+
+    def __init__(self, group, max_tokens: int, hidden: int, dtype: torch.dtype, device: torch.device):
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+
+        if dtype not in PUSH_DTYPES:
+            raise RuntimeError(f"the push all-reduce sums bf16 or fp16, not {dtype}")
+        self.group = group if group is not None else dist.group.WORLD
+        self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        self.max_tokens, self.hidden, self.dtype = max_tokens, hidden, dtype
+        self.slot_elems = self.world * max_tokens * hidden
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                symm_mem.enable_symm_mem_for_group(self.group.group_name)
+        self.buffer = symm_mem.empty(3 * self.slot_elems, dtype=dtype, device=device)
+        self.buffer.view(torch.int16).fill_(-32768)  # every value "not written yet"
+        handle = symm_mem.rendezvous(self.buffer, self.group.group_name)
+        self.bufs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
+        self.state = torch.zeros(4, dtype=torch.int32, device=device)
+        torch.cuda.synchronize(device)
+        dist.barrier(self.group)
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return x.dim() == 2 and x.shape[0] <= self.max_tokens and x.shape[1] == self.hidden and x.dtype == self.dtype
+
+    def _run(self, x, **kw):
+        return push_all_reduce(x.contiguous(), self.bufs, self.state, self.rank, self.slot_elems, self.world, **kw)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum of ``x`` over the ranks (+ bias)."""
+        if not self.fits(x):
+            import torch.distributed as dist
+
+            x = x.contiguous()
+            dist.all_reduce(x, group=self.group)
+            return x if bias is None else x + bias
+        return self._run(x, bias=bias)
+
+    def add(self, x, residual, bias=None) -> torch.Tensor:
+        """``residual + (sum of x over the ranks + bias)``."""
+        if not self.fits(x):
+            from mxc.kernels import triton_elementwise
+
+            return triton_elementwise.add(residual, self(x, bias))
+        return self._run(x, residual=residual.contiguous(), bias=bias)
+
+    def add_rms_norm(self, x, residual, weight, eps, bias=None):
+        """``(s, rms_norm(s))`` of ``s = residual + (sum of x over the ranks + bias)``."""
+        if not self.fits(x):
+            from mxc.kernels import triton_norm
+
+            return triton_norm.add_rms_norm(self(x, bias), residual.contiguous(), weight, eps)
+        return self._run(x, residual=residual.contiguous(), weight=weight, bias=bias, eps=eps)
+
+    def check(self) -> None:
+        """Raise if a push all-reduce gave up waiting for a peer since the last check."""
+        if int(self.state[3]):
+            from mxc.errors import MxcError
+
+            self.state[3] = 0
+            raise MxcError("a tensor-parallel rank did not deliver its partial sums to the push all-reduce in "
+                               "time (do all ranks run the same calls?)")

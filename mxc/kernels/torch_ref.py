@@ -167,13 +167,21 @@ def vocab_embedding(ids, table, ctx: ForwardContext):
     return out * mine.unsqueeze(-1).to(out.dtype)
 
 
-def all_reduce(x, bias=None, ctx: ForwardContext = None):
+def all_reduce(x, bias=None, ctx: ForwardContext = None, world=None):
     if ctx.world_size > 1 and x.device.type != "meta":  # meta: the build's shape-only trace
         import torch.distributed as dist
 
         x = x.contiguous()
         dist.all_reduce(x, group=ctx.group)
     return x if bias is None else x + bias
+
+
+def all_reduce_add(x, residual, bias=None, ctx: ForwardContext = None, world=None):
+    return add(residual, all_reduce(x, bias, ctx))
+
+
+def all_reduce_add_rms_norm(x, residual, weight, bias=None, ctx: ForwardContext = None, eps=1e-6, world=None):
+    return add_rms_norm(residual, all_reduce(x, bias, ctx), weight, eps)
 
 
 def all_gather(x, ctx: ForwardContext, world):

@@ -39,8 +39,8 @@ class Model:
         self.rank, self.world_size = rank, world_size
         self._dist = dict(rank=rank, world_size=world_size, group=None)  # None = the default process group
         options = manifest["options"]
-        if world_size > 1 and options.get("tp_allreduce") == "one_shot":
-            self._dist["peer_allreduce"] = _peer_allreduce(manifest, self.dtype, device)
+        if world_size > 1 and options.get("tp_allreduce") in ("one_shot", "push"):
+            self._dist["peer_allreduce"] = _peer_allreduce(manifest, options["tp_allreduce"], self.dtype, device)
         self._decoder = None
         if options["target"] == "cuda" and self.device.type == "cuda":
             from mxc.runtime.decode_graphs import CudaDecoder
@@ -94,7 +94,14 @@ class Model:
         k_cache, v_cache = (self._decoder.k_cache, self._decoder.v_cache) if self._decoder else self.new_cache(b, s)
         ctx = ForwardContext.build([s] * b, [0] * b, list(range(b)), k_cache, v_cache, self.device, **self._dist)
         out = self._run(ctx, ids.reshape(-1), positions, rows)
+        self._check_peers()
         return out.float().reshape(b, s, -1)
+
+    def _check_peers(self) -> None:
+        """A push all-reduce that gave up waiting for a rank (``peer_allreduce``) makes the result wrong: say so."""
+        comm = self._dist.get("peer_allreduce")
+        if hasattr(comm, "check"):
+            comm.check()
 
     def new_cache(self, batch: int, max_len: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         kv = self._kv
@@ -121,6 +128,7 @@ class Model:
             sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
             with torch.inference_mode():
                 out = self._decoder.generate(ids, max_new_tokens, sampling, gen, self._agree).cpu()
+            self._check_peers()
             return _stop_at_eos(out, self.eos_token_ids) if stop_at_eos else out
         k_cache, v_cache = self.new_cache(b, s + max_new_tokens)
         slots = list(range(b))
@@ -146,9 +154,10 @@ class Model:
         return torch.stack(out, dim=1).cpu()
 
 
-def _peer_allreduce(manifest: dict, dtype: torch.dtype, device: torch.device):
-    """The one-shot all-reduce the artifact asked for (``--tp-allreduce one_shot``), or None (NCCL)
-    with a warning where peer memory is not usable here. Collective: every rank calls it at load."""
+def _peer_allreduce(manifest: dict, kind: str, dtype: torch.dtype, device: torch.device):
+    """The peer-memory all-reduce the artifact asked for (``--tp-allreduce one_shot`` or ``push``), or
+    None (NCCL) with a warning where peer memory is not usable here. Collective: every rank calls it
+    at load."""
     from mxc.kernels import peer_allreduce
     from mxc.kernels.candidates import ONE_SHOT_MAX_TOKENS
 
@@ -156,10 +165,12 @@ def _peer_allreduce(manifest: dict, dtype: torch.dtype, device: torch.device):
     if why is None:
         try:
             hidden = int(manifest.get("config", {}).get("hidden_size") or 8192)
+            if kind == "push":
+                return peer_allreduce.PushAllReduce(None, ONE_SHOT_MAX_TOKENS, hidden, dtype, device)
             return peer_allreduce.OneShotAllReduce(None, ONE_SHOT_MAX_TOKENS * hidden, dtype, device)
         except RuntimeError as e:  # e.g. no peer access between these GPUs
             why = str(e).splitlines()[0]
-    print(f"mxc: one-shot all-reduce unavailable ({why}); using NCCL", file=sys.stderr)
+    print(f"mxc: {kind} all-reduce unavailable ({why}); using NCCL", file=sys.stderr)
     return None
 
 

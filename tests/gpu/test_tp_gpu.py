@@ -19,9 +19,10 @@ def _worker(rank, world_size, device, art, out):
         torch.save(result, out)
 
 
-@pytest.mark.parametrize("allreduce", ["nccl", "one_shot"])
+@pytest.mark.parametrize("allreduce", ["nccl", "one_shot", "push"])
 def test_tp2_cuda_matches_tp1(allreduce, hf_checkpoint, tmp_path):
-    """tp=2 with the decode all-reduces by NCCL, or one-shot over peer memory, against tp=1."""
+    """tp=2 with the decode all-reduces by NCCL, one-shot over peer memory, or pushed into the peers'
+    memory and fused with the residual add and RMSNorm, against tp=1."""
     ckpt, _ = hf_checkpoint("LlamaForCausalLM", hidden_size=128, intermediate_size=256)
     kw = dict(target="cuda", dtype="bfloat16", max_batch=4, max_seq_len=64, progress=False, log=lambda m: None)
     one = mxc.load(mxc.build(str(ckpt), out=tmp_path / "tp1", **kw), device="cuda")

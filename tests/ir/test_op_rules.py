@@ -176,6 +176,15 @@ EXAMPLES = {
     "all_reduce": (([tt("T", 64), tt(64)], {}), [tt("T", 64)], [
         ([tt("T", 64), tt(32)], {}, "bias [32] float32 must match the last dim"),
     ]),
+    "all_reduce_add": (([tt("T", 64), tt("T", 64), tt(64)], {"world": 2}), [tt("T", 64)], [
+        ([tt("T", 64), tt("T", 32)], {}, "inputs differ"),
+        ([tt("T", 64), tt("T", 64), tt(32)], {}, "bias [32] float32 must match the last dim"),
+    ]),
+    "all_reduce_add_rms_norm": (([tt("T", 64), tt("T", 64), tt(64)], {"eps": 1e-5, "world": 2}),
+                                [tt("T", 64), tt("T", 64)], [
+        ([tt("T", 64), tt("T", 64), tt(32)], {"eps": 1e-5}, "does not match the last dim"),
+        ([tt("T", 64), tt("T", 64), tt(64)], {}, "missing attribute(s) eps"),
+    ]),
     "all_gather": (([tt("T", 32)], {"world": 1}), [tt("T", 32)], [
         ([tt("T", 32)], {"world": 0}, "world must be a positive integer"),
         ([tt("T", 32)], {}, "missing attribute(s) world"),

@@ -1,7 +1,9 @@
-"""The one-shot all-reduce over peer memory (``--tp-allreduce one_shot``): chosen for decode token
-counts only when asked, recorded in the IR with its reason, refused off CUDA; the adapter falls
-back to NCCL where the runtime could not set up peer memory. The collective itself runs in
-``tests/gpu/test_tp_gpu.py`` (two GPUs)."""
+"""The peer-memory all-reduces (``--tp-allreduce one_shot`` and ``push``): the row-parallel
+all-reduces fused with the residual add and RMSNorm after them (``fuse_all_reduce``), their kernels
+chosen for decode token counts only when asked, recorded in the IR with their reasons, refused off
+CUDA; the adapters fall back to NCCL where the runtime could not set up peer memory. The
+collectives themselves run in ``tests/gpu/test_tp_gpu.py`` (two GPUs); the push kernel under the
+interpreter in ``tests/kernels/test_push_all_reduce.py``."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import torch
 import mxc
 from mxc.compiler.options import BuildOptions
 from mxc.compiler.pipeline import compile_graph
-from mxc.kernels import cuda_ops, peer_allreduce
+from mxc.kernels import cuda_ops, peer_allreduce, torch_ref
 from mxc.kernels.candidates import ONE_SHOT_MAX_TOKENS
 from mxc.kernels.context import ForwardContext
 from mxc.models.registry import MODELS_DIR, bind_model, lookup
@@ -21,38 +23,70 @@ TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atten
             architectures=["LlamaForCausalLM"])
 
 
-def _all_reduces(dtype="bfloat16", **options):
+REDUCING = ("all_reduce", "all_reduce_add", "all_reduce_add_rms_norm")
+
+
+def _graph(dtype="bfloat16", **options):
     graph = bind_model(MODELS_DIR / "llama.yaml", TINY, dtype, lookup("LlamaForCausalLM"))
-    g = compile_graph(graph, BuildOptions(target="cuda", dtype=dtype, tp=2, **options))
-    return [n.attrs for n, _ in g.nodes() if n.op == "all_reduce"]
+    return compile_graph(graph, BuildOptions(target="cuda", dtype=dtype, tp=2, **options))
+
+
+def _all_reduces(dtype="bfloat16", **options):
+    return [(n.op, n.attrs) for n, _ in _graph(dtype, **options).nodes() if n.op in REDUCING]
+
+
+def test_all_reduces_fuse_with_the_add_and_norm_after_them():
+    """The embedding's all-reduce stays; in the layer body the o projection's is fused with the
+    residual add and RMSNorm, the down projection's with the residual add."""
+    assert [op for op, _ in _all_reduces()] == ["all_reduce", "all_reduce_add_rms_norm", "all_reduce_add"]
+    assert all(attrs["world"] == 2 for _, attrs in _all_reduces())
+    unfused = _graph(disable_passes=("fuse_all_reduce",))
+    assert [n.op for n, _ in unfused.nodes() if n.op in REDUCING] == ["all_reduce"] * 3
+    graph = bind_model(MODELS_DIR / "llama.yaml", TINY, "float32", lookup("LlamaForCausalLM"))
+    single = compile_graph(graph, BuildOptions(target="cpu", dtype="float32", tp=1))
+    assert not [n for n, _ in single.nodes() if n.op in REDUCING]
 
 
 def test_one_shot_serves_decode_token_counts_when_asked():
-    asked = _all_reduces(tp_allreduce="one_shot")
-    assert len(asked) == 3  # the vocab-parallel embedding's, and the o and down projections' (layer body)
-    for attrs in asked:
-        assert attrs["kernel"] == [[ONE_SHOT_MAX_TOKENS, "cuda_ops.all_reduce_one_shot"], [None, "torch_ref.all_reduce"]]
-        assert "peer memory" in attrs["kernel_reason"] and "above: torch reference" in attrs["kernel_reason"]
-    for attrs in _all_reduces():  # default: NCCL at every token count
-        assert attrs["kernel"] == "torch_ref.all_reduce"
-    for attrs in _all_reduces("float16", tp_allreduce="one_shot"):  # symm_mem sums bf16 and fp32 only
-        assert attrs["kernel"] == "torch_ref.all_reduce"
+    composite = {"all_reduce_add": "cuda_ops.all_reduce_add", "all_reduce_add_rms_norm": "cuda_ops.all_reduce_add_rms_norm"}
+    for op, attrs in _all_reduces(tp_allreduce="one_shot"):
+        if op == "all_reduce":
+            assert attrs["kernel"] == [[ONE_SHOT_MAX_TOKENS, "cuda_ops.all_reduce_one_shot"],
+                                       [None, "torch_ref.all_reduce"]]
+            assert "peer memory" in attrs["kernel_reason"] and "above: torch reference" in attrs["kernel_reason"]
+        else:  # the all-reduce adapter (one-shot up to 32 rows, NCCL above), then the Triton add/norm
+            assert attrs["kernel"] == composite[op]
+    for op, attrs in _all_reduces(tp_allreduce="nccl"):
+        assert attrs["kernel"] == composite.get(op, "torch_ref.all_reduce")
+    for op, attrs in _all_reduces("float16", tp_allreduce="one_shot"):  # symm_mem sums bf16 and fp32 only
+        assert attrs["kernel"] == composite.get(op, "torch_ref.all_reduce")
 
 
-def test_auto_is_one_shot_on_cuda_with_tp():
+def test_push_serves_decode_token_counts_when_asked():
+    for op, attrs in _all_reduces(tp_allreduce="push"):
+        fallback = "torch_ref.all_reduce" if op == "all_reduce" else f"cuda_ops.{op}"
+        assert attrs["kernel"] == [[ONE_SHOT_MAX_TOKENS, f"cuda_ops.{op}_push"], [None, fallback]]
+        assert "push all-reduce" in attrs["kernel_reason"]
+    for op, attrs in _all_reduces("float32", tp_allreduce="push"):  # 16-bit values only
+        assert not isinstance(attrs["kernel"], list) and "_push" not in attrs["kernel"]
+
+
+def test_auto_is_push_on_cuda_with_tp():
     from mxc.builder import resolve_tp_allreduce
 
-    assert resolve_tp_allreduce("auto", "cuda", 2) == "one_shot"
+    assert resolve_tp_allreduce("auto", "cuda", 2) == "push"
+    assert resolve_tp_allreduce("auto", "cuda", 2, "float16") == "push"
+    assert resolve_tp_allreduce("auto", "cuda", 2, "float32") == "one_shot"
     assert resolve_tp_allreduce("auto", "cuda", 1) == "nccl"
     assert resolve_tp_allreduce("auto", "cpu", 4) == "nccl"
     assert resolve_tp_allreduce("nccl", "cuda", 2) == "nccl"
-    assert resolve_tp_allreduce("auto", "cuda", 2, "float16") == "nccl"  # symm_mem sums bf16 and fp32 only
 
 
 def test_build_refuses_one_shot_off_cuda(tmp_path):
-    with pytest.raises(mxc.MxcError, match="needs --target cuda"):
-        mxc.build("llama.yaml", out=tmp_path / "a", tp=2, tp_allreduce="one_shot", progress=False, log=lambda m: None)
-    with pytest.raises(mxc.MxcError, match="expected auto, nccl or one_shot"):
+    for choice in ("one_shot", "push"):
+        with pytest.raises(mxc.MxcError, match=f"--tp-allreduce {choice}: the peer-memory all-reduce needs --target cuda"):
+            mxc.build("llama.yaml", out=tmp_path / "a", tp=2, tp_allreduce=choice, progress=False, log=lambda m: None)
+    with pytest.raises(mxc.MxcError, match="expected auto, nccl, one_shot or push"):
         mxc.build("llama.yaml", out=tmp_path / "a", tp=2, tp_allreduce="ring", progress=False, log=lambda m: None)
     assert not (tmp_path / "a").exists()
 
@@ -74,9 +108,70 @@ def test_adapter_uses_the_runtime_collective_or_falls_back():
     assert cuda_ops.all_reduce_one_shot(meta, None, ctx).device.type == "meta" and len(calls) == 1
 
 
+class _FakePush:
+    """Stands in for ``PushAllReduce``: the sum over two ranks is twice this rank's partial."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, x, bias=None):
+        self.calls.append("sum")
+        return 2 * x if bias is None else 2 * x + bias
+
+    def add(self, x, residual, bias=None):
+        self.calls.append("add")
+        return residual + self(x, bias)
+
+    def add_rms_norm(self, x, residual, weight, eps, bias=None):
+        self.calls.append("add_rms_norm")
+        s = self.add(x, residual, bias)
+        return s, torch_ref.rms_norm(s, weight, eps)
+
+
+def test_push_adapters_use_the_runtime_collective_or_fall_back():
+    x, r, w, b = torch.ones(3, 8), torch.full((3, 8), 0.25), torch.linspace(0.5, 1.5, 8), torch.full((8,), 0.5)
+    push = _FakePush()
+    ctx = ForwardContext([1] * 3, [0] * 3, [0, 1, 2], world_size=2, peer_allreduce=push)
+    torch.testing.assert_close(cuda_ops.all_reduce_push(x, b, ctx, world=2), torch.full((3, 8), 2.5))
+    torch.testing.assert_close(cuda_ops.all_reduce_add_push(x, r, b, ctx, world=2), torch.full((3, 8), 2.75))
+    s, h = cuda_ops.all_reduce_add_rms_norm_push(x, r, w, b, ctx, eps=1e-6, world=2)
+    torch.testing.assert_close(h, torch_ref.rms_norm(torch.full((3, 8), 2.75), w, 1e-6))
+    assert push.calls[0] == "sum" and "add" in push.calls and "add_rms_norm" in push.calls
+    # a one-shot object (no add/add_rms_norm) or none: the all-reduce adapter, then the add (+ norm)
+    calls = []
+    one_shot = ForwardContext([1] * 3, [0] * 3, [0, 1, 2], world_size=2,
+                              peer_allreduce=lambda t: calls.append(t.shape) or 2 * t)
+    add = cuda_ops.all_reduce_add
+    cuda_ops.triton_elementwise, saved = type("E", (), {"add": staticmethod(torch.add)}), cuda_ops.triton_elementwise
+    try:
+        torch.testing.assert_close(add(x, r, b, one_shot), torch.full((3, 8), 2.75))
+        torch.testing.assert_close(cuda_ops.all_reduce_add_push(x, r, b, one_shot, world=2), torch.full((3, 8), 2.75))
+    finally:
+        cuda_ops.triton_elementwise = saved
+    assert len(calls) == 2
+
+
+def test_push_records_its_kernel_at_build_time():
+    """On ``meta`` (the build's trace) the push adapters launch the kernel for the recorder, without a
+    process group: the artifact carries the kernel's cubin."""
+    from mxc.kernels.launch import Recorder, using
+
+    rec = Recorder()
+    meta = lambda *shape: torch.empty(*shape, dtype=torch.bfloat16, device="meta")  # noqa: E731
+    ctx = ForwardContext([1], [0], [0])  # the build traces at world size 1
+    with using(rec):
+        assert cuda_ops.all_reduce_push(meta(4, 64), None, ctx, world=2).device.type == "meta"
+        cuda_ops.all_reduce_add_push(meta(4, 64), meta(4, 64), None, ctx, world=2)
+        s, h = cuda_ops.all_reduce_add_rms_norm_push(meta(4, 64), meta(4, 64), meta(64), None, ctx, eps=1e-6,
+                                                     world=2)
+    assert h.shape == (4, 64) and len(rec.specs) == 3
+    assert all(spec["kernel"].startswith("mxc_generated.push_all_reduce_") for spec in rec.specs.values())
+
+
 def test_peer_memory_needs_cuda(capsys):
     from mxc.runtime.model import _peer_allreduce
 
     assert "needs CUDA" in peer_allreduce.available(torch.device("cpu"))
-    assert _peer_allreduce({"config": {"hidden_size": 64}}, torch.bfloat16, torch.device("cpu")) is None
-    assert "one-shot all-reduce unavailable" in capsys.readouterr().err
+    for kind in ("one_shot", "push"):
+        assert _peer_allreduce({"config": {"hidden_size": 64}}, kind, torch.bfloat16, torch.device("cpu")) is None
+        assert f"{kind} all-reduce unavailable" in capsys.readouterr().err

@@ -66,7 +66,7 @@ def _rules(tp: int):
             part = ctx.fresh(f"{node.outs[0]}_part")
             bias = node.ins[2:3]
             return {ctx.index(node): [node.replace(outs=(part,), ins=node.ins[:2]),
-                                      Node("all_reduce", node.outs, (part, *bias), {}, node.loc)]}
+                                      Node("all_reduce", node.outs, (part, *bias), {"world": tp}, node.loc)]}
         if k == "vocab":
             part = ctx.fresh(f"{node.outs[0]}_part")
             return {ctx.index(node): [node.replace(outs=(part,)),
@@ -79,14 +79,14 @@ def _rules(tp: int):
         if users == ["all_reduce"] or kind(ctx, w_down) != "row":
             return None
         part = ctx.fresh(f"{node.outs[0]}_part")
-        return {ctx.index(node): [node.replace(outs=(part,)), Node("all_reduce", node.outs, (part,), {}, node.loc)]}
+        return {ctx.index(node): [node.replace(outs=(part,)), Node("all_reduce", node.outs, (part,), {"world": tp}, node.loc)]}
 
     def embedding(node: Node, ctx):
         if kind(ctx, node.ins[1]) != "vocab":
             return None
         part = ctx.fresh(f"{node.outs[0]}_part")
         return {ctx.index(node): [Node("vocab_embedding", (part,), node.ins, {}, node.loc),
-                                  Node("all_reduce", node.outs, (part,), {}, node.loc)]}
+                                  Node("all_reduce", node.outs, (part,), {"world": tp}, node.loc)]}
 
     def split(node: Node, ctx):
         src = ctx.producing(node.ins[0])

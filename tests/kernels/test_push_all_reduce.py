@@ -1,0 +1,106 @@
+"""The push all-reduce kernel (``peer_allreduce.push_all_reduce``) under the interpreter, ranks simulated
+in one process: each rank's buffer is an ordinary tensor and the pointer table holds their addresses.
+
+A real rank waits for its peers' pushes; here the calls run one rank after another, so before each
+call the test writes every rank's row into every buffer as its push would (the kernels then write
+the same bits again). Checked against the torch reference: the sum in rank order rounded to the
+model dtype, + bias, + residual, RMSNorm; every rank gets the same bits; the slots rotate and the
+previous one is reset; a peer that never arrives sets the state's flag instead of hanging.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mxc.kernels import torch_ref
+from mxc.kernels.peer_allreduce import push_all_reduce
+
+EMPTY = -32768
+
+
+class Ranks:
+    def __init__(self, world, H, max_tokens, dtype):
+        self.world, self.H, self.dtype = world, H, dtype
+        self.slot = world * max_tokens * H
+        self.bufs = [torch.full((3 * self.slot,), EMPTY, dtype=torch.int16) for _ in range(world)]
+        self.ptrs = torch.tensor([b.data_ptr() for b in self.bufs], dtype=torch.int64)
+        self.states = [torch.zeros(4, dtype=torch.int32) for _ in range(world)]
+
+    def deliver(self, xs, skip=()):
+        """Write every rank's rows into every other buffer's current slot, as the pushes will."""
+        T = xs[0].shape[0]
+        for src, x in enumerate(xs):
+            bits = x.contiguous().view(torch.int16).reshape(-1).clone()
+            bits[bits == EMPTY] = 0
+            for dst in range(self.world):
+                if dst != src and (src, dst) not in skip:
+                    at = int(self.states[dst][0]) * self.slot + src * T * self.H
+                    self.bufs[dst][at:at + T * self.H] = bits
+
+    def call(self, xs, **kw):
+        return [push_all_reduce(xs[r], self.ptrs, self.states[r], r, self.slot, self.world, **kw)
+                for r in range(self.world)]
+
+
+def _reference_sum(xs):
+    acc = torch.zeros_like(xs[0], dtype=torch.float32)
+    for x in xs:
+        acc += x.float()
+    return acc.to(xs[0].dtype)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("what", ["sum", "sum+bias", "add", "add_rms_norm", "add_rms_norm+bias"])
+def test_push_all_reduce_matches_reference(world, dtype, what):
+    H = 96  # ragged: a block of 128 lanes
+    g = torch.Generator().manual_seed(world)
+    ranks = Ranks(world, H, max_tokens=4, dtype=dtype)
+    weight = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype)
+    bias = (0.1 * torch.randn(H, generator=g)).to(dtype) if "bias" in what else None
+    for call, T in enumerate([3, 1, 4, 2]):  # the reset region follows each call's row count
+        xs = [torch.randn(T, H, generator=g).to(dtype) for _ in range(world)]
+        xs[0][0, :4] = -0.0  # sent as +0.0: never mistaken for "not written yet"
+        residual = torch.randn(T, H, generator=g).to(dtype)
+        flags = [int(s[0]) for s in ranks.states]
+        ranks.deliver(xs)
+        kw = {"bias": bias}
+        if what.startswith("add"):
+            kw["residual"] = residual
+        if what.startswith("add_rms_norm"):
+            kw.update(weight=weight, eps=1e-5)
+        outs = ranks.call(xs, **kw)
+        t = _reference_sum(xs) if bias is None else (_reference_sum(xs).float() + bias.float()).to(dtype)
+        if what.startswith("add_rms_norm"):
+            want = torch_ref.add_rms_norm(residual, t, weight, 1e-5)
+        elif what == "add":
+            want = torch_ref.add(residual, t)
+        else:
+            want = t
+        for r, out in enumerate(outs):
+            got = out if isinstance(out, tuple) else (out,)
+            want_t = want if isinstance(want, tuple) else (want,)
+            for a, b in zip(got, want_t):
+                assert torch.equal(a, b), (call, r, what)
+        for r in range(world):
+            state = ranks.states[r].tolist()
+            assert state[0] == (flags[r] + 1) % 3 and state[1:] == [world * T * H, 0, 0], (call, r, state)
+            if call:  # the previous call's slot is back to "not written yet"
+                prev = (flags[r] + 2) % 3
+                assert bool((ranks.bufs[r][prev * ranks.slot:(prev + 1) * ranks.slot] == EMPTY).all())
+            for src in range(world):  # this call's pushes landed where the peers read them
+                if src != r:
+                    at = flags[r] * ranks.slot + src * T * H
+                    sent = xs[src].contiguous().view(torch.int16).reshape(-1)
+                    got = ranks.bufs[r][at:at + T * H]
+                    assert torch.equal(torch.where(sent == EMPTY, 0, sent), got)
+
+
+def test_missing_peer_sets_the_late_flag():
+    """A rank whose peer never pushes gives up after ``max_spins`` reads and flags it in state[3]."""
+    ranks = Ranks(2, 64, max_tokens=2, dtype=torch.bfloat16)
+    xs = [torch.randn(2, 64, dtype=torch.bfloat16) for _ in range(2)]
+    ranks.deliver(xs, skip={(1, 0)})  # rank 1's rows never reach rank 0
+    push_all_reduce(xs[0], ranks.ptrs, ranks.states[0], 0, ranks.slot, 2, max_spins=3)
+    assert ranks.states[0].tolist() == [1, 2 * 2 * 64, 0, 1]
