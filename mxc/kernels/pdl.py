@@ -6,11 +6,13 @@ CUDA graphs keep as programmatic edges. Each kernel begins with ``pdl_enter``: i
 waits until the previous kernel has finished and its writes are visible
 (``griddepcontrol.wait``), then lets the next kernel be scheduled
 (``griddepcontrol.launch_dependents``), so the next kernel's launch and block
-scheduling overlap this kernel's tail instead of following it. Nothing touches
-memory before the wait, so the order of reads and writes is the stream's --
-except weights, which no kernel writes: a GEMV asks L2 for the start of its
-weight rows first (``prefetch_rows_l2``), so the bytes stream in while the
-latency-bound kernels ahead of it (norm, RoPE, attention) run.
+scheduling overlap this kernel's tail instead of following it. Before the wait a
+kernel reads only what no kernel of the step writes, so the order of reads and
+writes is the stream's: weights (a GEMV asks L2 for the start of its weight
+rows first, ``prefetch_rows_l2``, so the bytes stream in while the
+latency-bound kernels ahead of it -- norm, RoPE, attention -- run), static
+tables (RoPE cos/sin) and the step's inputs copied in before it starts
+(positions, cache locations: the RoPE kernel loads them early).
 A kernel without ``USE_PDL`` is launched the ordinary way. Off by default until it
 is measured (docs/perf.md).
 """

@@ -8,7 +8,10 @@ optionally RMS-normalises each q and k head over D (Qwen3 ``q_norm``/``k_norm``
 first R features of every q and k head with the Hugging Face rotate-half
 convention (features R..D pass through), returns q [T, HQ, D] and writes k and
 the untouched v into row ``cache_loc[t]`` of the caches viewed as [S*L, HKV, D].
-One program handles one token: all its heads at once, as [heads, D] tiles.
+Without a norm or with the per-head one, program (t, g) of a (T, HKV) grid handles kv
+group g of token t: its HQ/HKV q heads as one [HQ/HKV, D] tile, k head g and v head g,
+so a decode step of a few tokens spreads over T*HKV programs instead of T. The norm
+over the whole projections needs every head of the token: one program per token.
 
 Numerics reproduce ``torch_ref`` (``split``/``heads``/``rms_norm``/``rope``) op
 for op in the model dtype: the normalised head is rounded before and after the
@@ -19,11 +22,16 @@ on the GPU, Triton's default fp fusion contracts ``round(x*cos) + round(...)`` i
 one fma, which can differ from eager torch by an ulp of the larger product.)
 
 The kernel is rendered per head layout from
-``codegen/templates/kernels/rope_qkv_write.py.j2``: one token per program, all its
-heads at once; the q/k norm variant (none, per head, or over the whole projection:
-one token's heads are one tile, so it is one reduction over the tile) is a template
-branch. It calls ``norm_rope_heads`` below, which loads the rotate-half partner of
-each feature a second time (same cache lines) instead of shuffling registers.
+``codegen/templates/kernels/rope_qkv_write.py.j2``; the q/k norm variant (none, per
+head: one kv group per program, or over the whole projection: one token's heads are
+one tile, so it is one reduction over the tile) is a template branch. A program
+loads the position, cache row and cos/sin row before ``pdl_enter`` (no kernel of the
+step writes them), then all its loads of qkv and the norm weights, then computes, then
+stores: the loads overlap. The helpers below split a head tile's work that way
+(``rope_cos_sin``, ``load_heads``, ``load_norm_weight``, then ``norm_rope``); the
+rotate-half partner of each feature is loaded a second time (same cache lines) instead
+of shuffling registers, and every operand is loaded at its tile's shape so that no
+layout conversion (shared memory and barriers) comes between them.
 """
 
 from __future__ import annotations
@@ -38,38 +46,91 @@ from mxc.kernels.launch import launch
 
 
 @triton.jit
-def norm_rope_heads(x_ptr, w_ptr, cos_ptr, sin_ptr, eps,
-                     NH: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_NH: tl.constexpr,
-                     BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr, NORM_WHOLE: tl.constexpr):
-    """Load NH heads of D features at ``x_ptr``, norm (optional: per head with a [D] weight, or with
-    NORM_WHOLE over all NH * D features with an [NH * D] weight) and rotate them: [BLOCK_NH, BLOCK_D] fp32."""
+def rope_cos_sin(cos_row, sin_row, R: tl.constexpr, BLOCK_NH: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The fp32 cos and sin of one position over a [BLOCK_NH, BLOCK_D] tile of heads: feature i < R
+    reads entry i % (R/2) of the [R/2] table rows (cos 1, sin 0 from R on). Loaded at the tile's shape
+    (each row the same addresses), so they come in the layout of the heads they multiply, with no
+    conversion through shared memory."""
+    offs_d = tl.arange(0, BLOCK_D)[None, :] + 0 * tl.arange(0, BLOCK_NH)[:, None]
+    rot = offs_d < R
+    offs_f = offs_d % (R // 2)
+    return (tl.load(cos_row + offs_f, mask=rot, other=1.0).to(tl.float32),
+            tl.load(sin_row + offs_f, mask=rot, other=0.0).to(tl.float32))
+
+
+@triton.jit
+def load_heads(x_ptr, NH: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_NH: tl.constexpr,
+               BLOCK_D: tl.constexpr):
+    """NH heads of D features at ``x_ptr`` and their rotate-half partners (feature i < R/2 pairs with
+    i + R/2, R/2 <= i < R with i - R/2; 0 from R on), loaded as they are: two [BLOCK_NH, BLOCK_D]."""
     HALF: tl.constexpr = R // 2
     offs_h = tl.arange(0, BLOCK_NH)[:, None]
     offs_d = tl.arange(0, BLOCK_D)[None, :]
     mask = (offs_h < NH) & (offs_d < D)
+    offs_partner = tl.where(offs_d < HALF, offs_d + HALF, offs_d - HALF)
+    return (tl.load(x_ptr + offs_h * D + offs_d, mask=mask, other=0.0),
+            tl.load(x_ptr + offs_h * D + offs_partner, mask=mask & (offs_d < R), other=0.0))
+
+
+@triton.jit
+def load_norm_weight(w_ptr, NH: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_NH: tl.constexpr,
+                     BLOCK_D: tl.constexpr, NORM_WHOLE: tl.constexpr):
+    """A q/k norm weight over a [BLOCK_NH, BLOCK_D] tile of heads and at their rotate-half partners,
+    fp32: per head a [D] weight (every row the same), NORM_WHOLE an [NH * D] one."""
+    HALF: tl.constexpr = R // 2
+    offs_h = tl.arange(0, BLOCK_NH)[:, None]
+    offs_d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (offs_h < NH) & (offs_d < D)
+    offs_partner = tl.where(offs_d < HALF, offs_d + HALF, offs_d - HALF)
+    if NORM_WHOLE:
+        offs_w, offs_wp = offs_h * D + offs_d, offs_h * D + offs_partner
+    else:
+        offs_w, offs_wp = 0 * offs_h + offs_d, 0 * offs_h + offs_partner
+    return (tl.load(w_ptr + offs_w, mask=mask, other=0.0).to(tl.float32),
+            tl.load(w_ptr + offs_wp, mask=mask & (offs_d < R), other=0.0).to(tl.float32))
+
+
+@triton.jit
+def norm_rope(x, xp, w, wp, cos, sin, eps, NH: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
+              BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr, NORM_WHOLE: tl.constexpr):
+    """Norm (optional: per head, or with NORM_WHOLE over all NH * D features) and rotate heads ``x`` and
+    their partners ``xp`` (``load_heads``) with weights ``w``/``wp`` (``load_norm_weight``) and ``cos``/
+    ``sin`` (``rope_cos_sin``), rounding to x's dtype where the reference does: [BLOCK_NH, BLOCK_D] fp32."""
+    DT = x.dtype
+    offs_d = tl.arange(0, BLOCK_D)[None, :]
     rot = offs_d < R
-    first = offs_d < HALF
-    # rotate_half: feature i < R/2 pairs with -x[i + R/2], feature R/2 <= i < R with x[i - R/2]
-    offs_partner = tl.where(first, offs_d + HALF, offs_d - HALF)
-    x = tl.load(x_ptr + offs_h * D + offs_d, mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(x_ptr + offs_h * D + offs_partner, mask=mask & rot, other=0.0).to(tl.float32)
+    first = offs_d < R // 2
+    x = x.to(tl.float32)
+    xp = xp.to(tl.float32)
     if HAS_NORM:
         if NORM_WHOLE:  # one RMS over the token's whole projection (masked lanes hold 0)
             rstd = tl.rsqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / (NH * D) + eps)
-            w = tl.load(w_ptr + offs_h * D + offs_d, mask=mask, other=0.0).to(tl.float32)
-            wp = tl.load(w_ptr + offs_h * D + offs_partner, mask=mask & rot, other=0.0).to(tl.float32)
         else:
             rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]  # [BLOCK_NH, 1]
-            w = tl.load(w_ptr + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-            wp = tl.load(w_ptr + offs_partner, mask=rot, other=0.0).to(tl.float32)
-        x = ((x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * w).to(x_ptr.dtype.element_ty).to(tl.float32)
-        xp = ((xp * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * wp).to(x_ptr.dtype.element_ty).to(tl.float32)
-    offs_f = offs_d % HALF
-    c = tl.load(cos_ptr + offs_f, mask=rot, other=1.0).to(x_ptr.dtype.element_ty).to(tl.float32)
-    s = tl.load(sin_ptr + offs_f, mask=rot, other=0.0).to(x_ptr.dtype.element_ty).to(tl.float32)
-    xc = (x * c).to(x_ptr.dtype.element_ty).to(tl.float32)
-    xs = (tl.where(first, -xp, xp) * s).to(x_ptr.dtype.element_ty).to(tl.float32)
+        x = ((x * rstd).to(DT).to(tl.float32) * w).to(DT).to(tl.float32)
+        xp = ((xp * rstd).to(DT).to(tl.float32) * wp).to(DT).to(tl.float32)
+    c = cos.to(DT).to(tl.float32)
+    s = sin.to(DT).to(tl.float32)
+    xc = (x * c).to(DT).to(tl.float32)
+    xs = (tl.where(first, -xp, xp) * s).to(DT).to(tl.float32)
     return tl.where(rot, xc + xs, x)
+
+
+@triton.jit
+def norm_rope_heads(x_ptr, w_ptr, cos_ptr, sin_ptr, eps,
+                    NH: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_NH: tl.constexpr,
+                    BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr, NORM_WHOLE: tl.constexpr):
+    """Load NH heads of D features at ``x_ptr``, norm and rotate them with the cos/sin table rows at
+    ``cos_ptr``/``sin_ptr``: [BLOCK_NH, BLOCK_D] fp32. The four helpers above in one call, as the
+    one-program-per-token kernel called it: the stored kernel sources of artifacts built before the
+    split import it."""
+    cos, sin = rope_cos_sin(cos_ptr, sin_ptr, R, BLOCK_NH, BLOCK_D)
+    x, xp = load_heads(x_ptr, NH, D, R, BLOCK_NH, BLOCK_D)
+    if HAS_NORM:
+        w, wp = load_norm_weight(w_ptr, NH, D, R, BLOCK_NH, BLOCK_D, NORM_WHOLE)
+    else:
+        w, wp = 1.0, 1.0
+    return norm_rope(x, xp, w, wp, cos, sin, eps, NH, D, R, BLOCK_D, HAS_NORM, NORM_WHOLE)
 
 
 def rope_tables(spec: dict, max_positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,12 +196,22 @@ def rope_qkv_write(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
         f"rope_qkv_write: out must be contiguous {qkv.dtype} [{T}, {HQ}, {D}], got {out.dtype} {tuple(out.shape)}")
 
     block_d = triton.next_power_of_2(D)
-    block_hq, block_hkv = triton.next_power_of_2(HQ), triton.next_power_of_2(HKV)
-    num_warps = max(1, min(8, block_hq * block_d // 512))
-    kernel = kernel_templates.kernel("rope_qkv_write", "rope_qkv_write_kernel", HQ=HQ, HKV=HKV, D=D, R=R,
-                                     BLOCK_HQ=block_hq, BLOCK_HKV=block_hkv, BLOCK_D=block_d,
-                                     QK_NORM="whole" if whole else "head" if has_qk_norm else "none")
     norm_args = [q_norm, k_norm] if has_qk_norm else []
-    launch(kernel, (T,), [qkv, positions, cos, sin, *norm_args, out, k_cache, v_cache, cache_loc]
+    if whole:  # the norm spans every head of the token: one program per token, [heads, D] tiles
+        block_hq = triton.next_power_of_2(HQ)
+        num_warps = max(1, min(8, block_hq * block_d // 512))
+        kernel = kernel_templates.kernel("rope_qkv_write", "rope_qkv_write_kernel", HQ=HQ, HKV=HKV, D=D, R=R,
+                                         BLOCK_HQ=block_hq, BLOCK_HKV=triton.next_power_of_2(HKV),
+                                         BLOCK_D=block_d, QK_NORM="whole")
+        grid = (T,)
+    else:  # one kv group per program: its HQ/HKV q heads, its k and v head
+        group = HQ // HKV
+        block_g = triton.next_power_of_2(group)
+        num_warps = max(1, min(4, block_g * block_d // 256))
+        kernel = kernel_templates.kernel("rope_qkv_write", "rope_qkv_write_kernel", HQ=HQ, HKV=HKV, D=D, R=R,
+                                         GROUP=group, BLOCK_G=block_g, BLOCK_D=block_d,
+                                         QK_NORM="head" if has_qk_norm else "none")
+        grid = (T, HKV)
+    launch(kernel, grid, [qkv, positions, cos, sin, *norm_args, out, k_cache, v_cache, cache_loc]
            + ([float(eps)] if has_qk_norm else []), {}, num_warps=num_warps, num_stages=1)
     return out

@@ -249,6 +249,11 @@ ROPE_CASES = [
     for i, (dtype, kind, qk_norm) in enumerate(itertools.product(DTYPES, ROPE_CONFIGS, (None, "head")))
 ] + [  # q/k norm over the whole projections (OLMoE), with masked heads and features
     ("default", dtype, 5, 48, False, heads, "whole") for dtype in DTYPES for heads in ((6, 3), (4, 1))
+] + [  # kv groups of 1, 8 and 3 q heads (one program each), D 80 and 96, T = 1 and several, every norm variant
+    ("default", torch.bfloat16, T, D, partial, heads, qk_norm)
+    for (T, D, partial, heads), qk_norm in itertools.product(
+        ((1, 80, True, (3, 3)), (4, 96, False, (16, 2)), (1, 96, False, (12, 4)), (3, 80, True, (6, 2))),
+        (None, "head", "whole"))
 ]
 
 
@@ -365,9 +370,11 @@ def test_wrappers_record_one_launch_on_meta():
         q, kernel, grid, cx = _record(lambda: rope_qkv_write(
             _meta(5, (6 + 2 * 2) * 48), _meta(5, dtype=torch.int64), cos, sin, _meta(3, 8, 2, 48),
             _meta(3, 8, 2, 48), _meta(5, dtype=torch.int64), qn, kn, EPS))
-        assert (kernel.fn.__name__, grid, cx) == ("rope_qkv_write_kernel", (5,), {})
+        # one program per token and kv group; per token when the norm spans all its heads
+        assert (kernel.fn.__name__, grid, cx) == ("rope_qkv_write_kernel", (5,) if qk_norm == "whole" else (5, 2), {})
         src = _rendered(kernel)
         assert "HQ: tl.constexpr = 6" in src and "R: tl.constexpr = 24" in src
+        assert ("GROUP: tl.constexpr = 3" in src and "BLOCK_G: tl.constexpr = 4" in src) == (qk_norm != "whole")
         assert ("q_norm_ptr" in src) == (qk_norm is not None)
         assert q.shape == (5, 6, 48)
 
