@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # profile_step
 
 import mxc  # noqa: E402
 from mxc.runtime.ranks import run_ranks  # noqa: E402
@@ -59,13 +60,18 @@ def _graph_time(fn, reps=100) -> float:
     return (time.perf_counter() - start) / reps
 
 
-def _worker(rank, world_size, device, art, out):
+def _worker(rank, world_size, device, art, out, profile=False):
     import torch.distributed as dist
 
     model = mxc.load(art, device=device, rank=rank, world_size=world_size, verify=False)
     step = _step_time(model)
+    table = None
+    if profile:  # every rank replays the same steps (their collectives pair up); rank 0's table is printed
+        from profile_step import profile_decode
+
+        table = profile_decode(model)
     x = torch.randn(1, 4096, dtype=torch.bfloat16, device=device)
-    result = {"step": step, "all_reduce": _graph_time(lambda: dist.all_reduce(x))}
+    result = {"step": step, "all_reduce": _graph_time(lambda: dist.all_reduce(x)), "profile": table}
     comm = model._dist.get("peer_allreduce")
     if comm is not None:  # the artifact's peer-memory all-reduce, alone
         result["peer"] = _graph_time(lambda: comm(x))
@@ -84,6 +90,7 @@ def main() -> None:
     p.add_argument("--out", default="build/bench-tp")
     p.add_argument("--config", default=str(HERE / "llama3_8b.json"))
     p.add_argument("--modes", default="nccl,one_shot,push", help="--tp-allreduce choices to build and measure")
+    p.add_argument("--profile", action="store_true", help="print rank 0's per-kernel breakdown of a batch-1 step")
     args = p.parse_args()
     kw = dict(config=args.config, target="cuda", dtype="bfloat16", max_batch=8, max_seq_len=512, progress=False)
     single = mxc.load(mxc.build("llama.yaml", out=f"{args.out}-tp1", tp=1, **kw), device="cuda", verify=False)
@@ -96,8 +103,10 @@ def main() -> None:
     result = Path(f"{args.out}-result.json")
     for mode in args.modes.split(","):
         art = mxc.build("llama.yaml", out=f"{args.out}-tp{args.tp}-{mode}", tp=args.tp, tp_allreduce=mode, **kw)
-        run_ranks(_worker, args.tp, "cuda", str(art), str(result))
+        run_ranks(_worker, args.tp, "cuda", str(art), str(result), args.profile)
         r = json.loads(result.read_text())
+        if r["profile"]:
+            print(f"\nper-kernel breakdown of one tp={args.tp} batch-1 step ({mode}), rank 0:\n{r['profile']}\n")
         rows.append((f"tp={args.tp} decode batch 1, {mode}", f"{r['step'] * 1e3:.2f} ms/token ({t1 / r['step']:.2f}x tp=1)"))
         print(rows[-1], flush=True)
         if mode == "nccl":
