@@ -8,7 +8,11 @@ calls over weight copies covering 4x the L2) and prints microseconds and weight 
     (SWAP_AB) and ``--tune`` winners;
   prefill (M = 2048): bf16 cuBLAS, fp8 ``torch._scaled_mm`` alone, with mxc's activation
   quantization, and the Triton fp8 GEMM.
-Usage: python bench/linear_lab.py [--m 1,8,32] [--tune-fp8 o,down]
+``--quant-lab`` times only the activation-quantize kernels at --quant-m rows (2048) for the four
+launches of a Llama-3-8B fp8 prefill layer: one program a row (``_quant_rows_kernel``) against the
+tiled large-M kernel (``_quant_tile_kernel``) as ``_time_us`` times them, us and GB/s, and whether they
+agree bit for bit.
+Usage: python bench/linear_lab.py [--m 1,8,32] [--tune-fp8 o,down] [--quant-lab [--quant-m 2048]]
 """
 
 from __future__ import annotations
@@ -109,13 +113,58 @@ def prefill(m=2048):
             print(f"prefill {name} M={m} {case:34s} {us:8.1f} us {flops / us / 1e6:6.0f} TFLOP/s", flush=True)
 
 
+# the activation quantizations of a Llama-3-8B fp8 prefill layer: name -> (K, prologue)
+QUANT_SHAPES = {"qkv in (RMSNorm)": (4096, "rms_norm"), "o in": (4096, None),
+                "gate_up in (RMSNorm)": (4096, "rms_norm"), "down in (SiLU-and-mul)": (14336, "silu_mul")}
+
+
+def quant_lab(m=2048):
+    """One program a row against the tiled kernel at M = m for each launch in QUANT_SHAPES (bf16), timed
+    as ``_time_us`` does (CUDA events over a CUDA graph of back-to-back calls cycling through copies
+    of x covering 4x the L2: no launch gaps, x from HBM): us, GB/s of the bytes' floor (x read once,
+    the norm weight once, xq and xs written once) and a bit-for-bit check of xq and xs."""
+    q = triton_fp8_quant
+    total = {False: 0.0, True: 0.0}
+    for name, (k, prologue) in QUANT_SHAPES.items():
+        silu, rms = prologue == "silu_mul", prologue == "rms_norm"
+        x = torch.randn(m, 2 * k if silu else k, device="cuda", dtype=torch.bfloat16) * 2
+        x[:, :7] *= 8
+        copies = max(1, -(-4 * triton_gemv._L2_BYTES // (x.numel() * 2)))
+        xs_in = [x] + [x.clone() for _ in range(copies - 1)]
+        g = (1 + 0.1 * torch.randn(k, device="cuda")).to(torch.bfloat16) if rms else None
+        nbytes = x.numel() * 2 + (k * 2 if rms else 0) + m * k + m * 4
+        block = q._quant_block(k)
+        out = {}
+        for tiled in (False, True):
+            fn = lambda _, x_, t=tiled: q._prequantize(x_, m, k, silu, block, g, 1e-5, tiled=t)  # noqa: E731
+            out[tiled] = fn(None, x)
+            us = _time_us(fn, None, xs_in)
+            total[tiled] += us
+            label = "tiled (_quant_tile_kernel)" if tiled else "one program a row (_quant_rows_kernel)"
+            cfg = q._tile_config(k, silu, rms) if tiled else (block, q._quant_warps(block))
+            print(f"quantize {name:24s} M={m} {label:40s} {us:8.1f} us {nbytes / us / 1e3:7.0f} GB/s  {cfg}",
+                  flush=True)
+        (aq, as_), (bq, bs) = out[False], out[True]
+        same = torch.equal(aq.view(torch.uint8), bq.view(torch.uint8)) and torch.equal(as_.view(torch.int32),
+                                                                                       bs.view(torch.int32))
+        print(f"quantize {name:24s} M={m} bit-identical: {same}", flush=True)
+        del xs_in
+    print(f"quantize, the four launches of a layer: rows {total[False]:.1f} us, tiled {total[True]:.1f} us "
+          f"(x32 layers: {total[False] * 32 / 1e3:.2f} ms -> {total[True] * 32 / 1e3:.2f} ms)", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--m", default="1,8,32")
     p.add_argument("--tune-fp8", default="", help="shapes to tune the fp8 GEMV for (comma list)")
     p.add_argument("--tune-m", default="1", help="M buckets to tune at")
     p.add_argument("--skip", default="", help="sections to skip: bf16,fp8,prefill")
+    p.add_argument("--quant-lab", action="store_true", help="only the activation-quantize A/B at --quant-m rows")
+    p.add_argument("--quant-m", type=int, default=2048)
     a = p.parse_args()
+    if a.quant_lab:
+        quant_lab(a.quant_m)
+        return
     ms = [int(v) for v in a.m.split(",")]
     skip = set(a.skip.split(","))
     if "bf16" not in skip:

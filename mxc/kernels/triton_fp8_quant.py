@@ -1,11 +1,27 @@
 """The per-token activation quantization of the fp8 linears, and what their kernels share.
 
-``_quant_rows_kernel`` (one program per row) computes ``xs = max(amax(|a|) / 448, 1e-12)`` and
-``xq = e4m3(a / xs)`` of each row ``a`` of x, of ``silu(gate) * up`` (``PROLOGUE_SILU_MUL``) or of
-``rms_norm(x, g, eps)`` (``PROLOGUE_RMS_NORM``); ``_prequantize`` launches it. The Triton helpers
-(activation load with the prologue, row scale, quantization, the reference's epilogue) and the
-input checks serve ``triton_fp8_gemv`` and ``triton_fp8_gemm``. Semantics and numerics:
-``mxc.kernels.triton_fp8``.
+Both kernels compute ``xs = max(amax(|a|) / 448, 1e-12)`` and ``xq = e4m3(a / xs)`` of each row ``a``
+of x, of ``silu(gate) * up`` (``PROLOGUE_SILU_MUL``) or of ``rms_norm(x, g, eps)``
+(``PROLOGUE_RMS_NORM``), bit for bit alike; ``_prequantize`` launches one of them:
+
+- ``_quant_rows_kernel`` (decode, M <= 32; K > 16K): one program a row, sized for a few rows.
+- ``_quant_tile_kernel`` (M >= 33, K <= 16K; the prefill GEMM's input). At large M the rows kernel
+  ran ~3x off the bytes' floor: at K = 14336 under SiLU its 16 warps need 96 registers, so one
+  program (one row) an SM, loads, the exps and two ``div.rn`` an element (branchy sequences)
+  serialised; the last 2048 of its 16384 lanes idle. The tiled kernel reads each input byte once
+  and writes each output byte once (bytes a row: K*s in, or 2K*s under SiLU, + K + 4 out, s = x's
+  element size; the norm weight from L2 once a program) and cuts registers and instructions: K is
+  split into at most three power-of-two pieces (14336 = 8192 + 4096 + 2048, only the last one
+  masked); each piece is held in registers in x's dtype (exact: every prologue rounds to it; bf16
+  pairs in one register) until the amax is known: 63 registers at K = 14336 (83 holding fp32), two
+  programs an SM, one loading while the other computes. The quantization uses ``y = div_rn(1, xs)`` once a row and
+  ``q = x * y`` plus two Markstein fma corrections, the correctly rounded ``x / xs`` without a
+  branch (``_quant_recip``). Small K: BLOCK_M rows a program (4096 elements). RMSNorm keeps the
+  rows kernel's per-row layout and warps (one row a program), hence its sum of squares.
+
+The Triton helpers (activation load with the prologue, row scale, quantization, the reference's
+epilogue) and the input checks serve ``triton_fp8_gemv`` and ``triton_fp8_gemm``. Semantics and
+numerics: ``mxc.kernels.triton_fp8``.
 """
 
 from __future__ import annotations
@@ -115,6 +131,120 @@ def _quant_rows_kernel(x_ptr, xq_ptr, xs_ptr, g_ptr, eps, K: tl.constexpr, BLOCK
                 tl.store(q_ptrs + k, _quant(a, xs), mask=k_ok)
 
 
+@triton.jit
+def _quant_recip(x, nxs, y):
+    """``_quant(x, xs)`` bit for bit without a division per element: with the row's ``y = div_rn(1, xs)``
+    and ``nxs = -xs`` (0 where xs is inf, y = 0), ``q0 = x * y`` is within 2 ulps of x / xs and two
+    Markstein corrections ``q += (x - q * xs) * y`` (fmas; the remainder is exact) round it
+    correctly; a zero quotient takes q0's sign (x / xs's; inf rows: x * 0)."""
+    q = x * y
+    q = tl.fma(tl.fma(q, nxs, x), y, q)
+    q = tl.fma(tl.fma(q, nxs, x), y, q)
+    bits = (q.to(tl.uint32, bitcast=True) & 0x7FFFFFFF) | (x.to(tl.uint32, bitcast=True) & 0x80000000)
+    # clamp(q, -448, 448) as _quant's: the e4m3 conversion saturates above 448; a NaN (of a NaN x) goes to -448
+    q = tl.maximum(bits.to(tl.float32, bitcast=True), -448.0)
+    return q.to(tl.float8e4nv)
+
+
+@triton.jit
+def _hold(a, ty: tl.constexpr):
+    """A piece of the (post-prologue) rows, exact in x's dtype, as held in registers until the scale is
+    known, and its rows' amax. fp16: the amax of the held values (max.f16x2); bf16: of the fp32 ones
+    (the interpreter holds bf16 as raw bits)."""
+    if ty == tl.float32:
+        return a, tl.max(tl.abs(a), axis=1)
+    elif ty == tl.float16:
+        h = a.to(ty)
+        return h, tl.max(tl.abs(h), axis=1).to(tl.float32)
+    else:
+        return a.to(ty), tl.max(tl.abs(a), axis=1)
+
+
+@triton.jit
+def _unhold(h):
+    """``_hold``'s values as fp32; bf16 by shifting the bits, not by an fpext that LLVM would merge with
+    the one feeding the amax, keeping the fp32 values live across the reduction."""
+    if h.dtype == tl.bfloat16:
+        return (h.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return h.to(tl.float32)
+
+
+@triton.jit
+def _tile_ptrs(rows, k0, K: tl.constexpr, P: tl.constexpr, MASK_K: tl.constexpr, MASK_M: tl.constexpr, row_ok):
+    offs_k = k0 + tl.arange(0, P)
+    offs = rows[:, None] * K + offs_k[None, :]
+    if MASK_K:
+        return offs, row_ok[:, None] & (offs_k < K)[None, :]
+    elif MASK_M:
+        return offs, row_ok[:, None]
+    else:
+        return offs, None
+
+
+@triton.jit
+def _load_piece(x_ptr, rows, row_ok, k0, K: tl.constexpr, P: tl.constexpr, MASK_K: tl.constexpr,
+                MASK_M: tl.constexpr, PROLOGUE_SILU_MUL: tl.constexpr):
+    offs, mask = _tile_ptrs(rows, k0, K, P, MASK_K, MASK_M, row_ok)
+    if PROLOGUE_SILU_MUL:
+        offs += rows[:, None] * K  # x is [M, 2K]: the gate half, the up half K further
+    if MASK_K or MASK_M:
+        return _load_act(x_ptr + offs, mask, 0.0, K, PROLOGUE_SILU_MUL)
+    else:
+        return _load_act(x_ptr + offs, None, None, K, PROLOGUE_SILU_MUL)
+
+
+@triton.jit
+def _store_piece(xq_ptr, h, nxs, y, rows, row_ok, k0, K: tl.constexpr, P: tl.constexpr,
+                 MASK_K: tl.constexpr, MASK_M: tl.constexpr):
+    offs, mask = _tile_ptrs(rows, k0, K, P, MASK_K, MASK_M, row_ok)
+    tl.store(xq_ptr + offs, _quant_recip(_unhold(h), nxs[:, None], y[:, None]), mask=mask)
+
+
+@triton.jit
+def _quant_tile_kernel(x_ptr, xq_ptr, xs_ptr, g_ptr, eps, M, K: tl.constexpr, BLOCK_M: tl.constexpr,
+                       P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, PROLOGUE_SILU_MUL: tl.constexpr,
+                       PROLOGUE_RMS_NORM: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+    """``_quant_rows_kernel``'s xq and xs, bit for bit, for BLOCK_M rows a program (large M), read once:
+    the row is split into up to three power-of-two pieces P0 + P1 + P2 >= K (only the last one
+    masked, so K = 14336 = 8192 + 4096 + 2048 wastes no lane), each piece loaded (the prologue
+    applied), folded into the amax and held in registers in x's dtype (exact: every prologue rounds
+    to it) until the scale is known, then quantized by ``_quant_recip`` and stored. With
+    PROLOGUE_RMS_NORM, one piece (P0 = next_pow2(K)) and ``_quant_rows_kernel``'s warps: the same
+    per-row layout, so the same sum of squares."""
+    pdl_enter(USE_PDL)
+    tl.static_assert(P0 > 0 and P0 + P1 + P2 >= K and (not PROLOGUE_RMS_NORM or (P1 == 0 and not PROLOGUE_SILU_MUL)))
+    ty: tl.constexpr = x_ptr.dtype.element_ty
+    EVEN_K: tl.constexpr = P0 + P1 + P2 == K
+    MASK_M: tl.constexpr = BLOCK_M > 1  # one program a row otherwise (grid M)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    a = _load_piece(x_ptr, rows, row_ok, 0, K, P0, not EVEN_K and P1 == 0, MASK_M, PROLOGUE_SILU_MUL)
+    if PROLOGUE_RMS_NORM:  # as _quant_rows_kernel (the same per-row layout: the same sum of squares)
+        rstd = tl.rsqrt(tl.sum(a * a, axis=1) / K + eps)
+        offs_k = tl.arange(0, P0)
+        g = tl.load(g_ptr + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0).to(tl.float32)
+        a = (g * (a * rstd[:, None]).to(ty).to(tl.float32)).to(ty).to(tl.float32)
+    h0, amax = _hold(a, ty)
+    if P1 > 0:
+        a = _load_piece(x_ptr, rows, row_ok, P0, K, P1, not EVEN_K and P2 == 0, MASK_M, PROLOGUE_SILU_MUL)
+        h1, amax1 = _hold(a, ty)
+        amax = tl.maximum(amax, amax1)
+    if P2 > 0:
+        a = _load_piece(x_ptr, rows, row_ok, P0 + P1, K, P2, not EVEN_K, MASK_M, PROLOGUE_SILU_MUL)
+        h2, amax2 = _hold(a, ty)
+        amax = tl.maximum(amax, amax2)
+    xs = _row_scale(amax)
+    tl.store(xs_ptr + rows, xs, mask=row_ok)
+    y = tl.div_rn(tl.full(xs.shape, 1.0, tl.float32), xs)
+    nxs = tl.where(y == 0.0, 0.0, -xs)
+    _store_piece(xq_ptr, h0, nxs, y, rows, row_ok, 0, K, P0, not EVEN_K and P1 == 0, MASK_M)
+    if P1 > 0:
+        _store_piece(xq_ptr, h1, nxs, y, rows, row_ok, P0, K, P1, not EVEN_K and P2 == 0, MASK_M)
+    if P2 > 0:
+        _store_piece(xq_ptr, h2, nxs, y, rows, row_ok, P0 + P1, K, P2, not EVEN_K, MASK_M)
+
+
 def _quant_block(k: int) -> int:
     """The quantize kernel's chunk: the whole row up to 16K elements (one pass, no re-read)."""
     return min(16384, triton.next_power_of_2(k))
@@ -166,17 +296,67 @@ def _check_norm(x, K, norm_weight):
     check_operand("the rms_norm prologue's norm_weight", norm_weight, (K,), x.dtype, x.device)
 
 
-def _prequantize(x, M, K, silu_mul, block_k, norm_weight=None, eps=1e-6):
-    """xq [M, K] e4m3 and xs [M] fp32 by ``_quant_rows_kernel`` (one program per row); with
-    ``norm_weight``, of ``torch_ref.rms_norm(x, norm_weight, eps)``: in the same kernel when the
-    row fits one pass (K <= 16K), else after the RMSNorm kernel."""
-    if norm_weight is not None and block_k < K:
+# _prequantize's rule: the tiled kernel from 33 rows (qlinear's GEMM side), K <= TILED_MAX_K. The switch sits
+# just past a power of two: the AOT build records one prefill a bucket (T = 2^j + 1 tokens, aot.scenarios).
+TILED_MIN_M = 33
+TILED_MAX_K = 16384
+
+
+def _pieces(k: int) -> tuple[int, int, int]:
+    """K as up to three power-of-two pieces, the largest first, only the last one padded:
+    14336 = 8192 + 4096 + 2048, 4096 = 4096, 1000 -> 512 + 256 + 256 (232 used)."""
+    out, rem = [], k
+    while rem and len(out) < 2:
+        out.append(1 << (rem.bit_length() - 1))
+        rem -= out[-1]
+    if rem:
+        out.append(triton.next_power_of_2(rem))
+    return tuple(out + [0] * (3 - len(out)))
+
+
+def _tile_config(k: int, silu_mul: bool, rms_norm: bool) -> tuple[int, tuple[int, int, int], int]:
+    """(BLOCK_M, pieces, warps) of ``_quant_tile_kernel``. RMSNorm: one row, one piece of next_pow2(K)
+    and ``_quant_warps`` (``_quant_rows_kernel``'s layout, so its sum of squares). Otherwise rows for
+    4096 elements a program, 32 elements a thread (16 under SiLU: its exps and divisions need the
+    registers; at K = 14336, 16 warps of 28 elements fit 64 registers, two programs an SM)."""
+    padded = triton.next_power_of_2(k)
+    if rms_norm:
+        return 1, (padded, 0, 0), _quant_warps(padded)
+    block_m = max(1, 4096 // padded)
+    warps = max(4, min(16, block_m * padded // (512 if silu_mul else 1024)))
+    return block_m, _pieces(k), warps
+
+
+def _prequantize(x, M, K, silu_mul, block_k, norm_weight=None, eps=1e-6, tiled=None):
+    """xq [M, K] e4m3 and xs [M] fp32 of x (or of silu(gate) * up of x [M, 2K]); with ``norm_weight``, of
+    ``torch_ref.rms_norm(x, norm_weight, eps)``: in the same kernel when the row fits one pass
+    (``block_k >= K``, K <= 16K), else after the RMSNorm kernel. ``tiled`` (default: by the rule
+    below) picks the kernel, which does not change a bit of the result:
+    - ``_quant_rows_kernel`` (one program a row, ``block_k`` its chunk): M <= 32 (the decode GEMV's
+      rows, captured in CUDA graphs), K > 16K, or an RMSNorm that needs two passes;
+    - ``_quant_tile_kernel`` otherwise (M >= TILED_MIN_M = 33: every M of ``qlinear_gemm``); its
+      binary depends on K, the prologue and the dtype only, so a prefill bucket (33 -> 64, ...)
+      records it once."""
+    rms = norm_weight is not None
+    fits = K <= TILED_MAX_K and (not rms or block_k >= K)
+    if tiled is None:
+        tiled = M >= TILED_MIN_M and fits
+    elif tiled and not fits:
+        raise ValueError(f"the tiled quantize kernel needs K <= {TILED_MAX_K} (RMSNorm: block_k >= K), got "
+                         f"K={K}, block_k={block_k}")
+    if rms and block_k < K:
         from mxc.kernels import triton_norm
 
-        x, norm_weight = triton_norm.rms_norm(x, norm_weight, eps), None
+        x, norm_weight, rms = triton_norm.rms_norm(x, norm_weight, eps), None, False
     xq = torch.empty((M, K), dtype=FP8, device=x.device)
     xs = torch.empty((M,), dtype=torch.float32, device=x.device)
+    if tiled:
+        block_m, (p0, p1, p2), warps = _tile_config(K, silu_mul, rms)
+        launch(_quant_tile_kernel, (triton.cdiv(M, block_m),), [x, xq, xs, norm_weight, float(eps), M],
+               dict(K=K, BLOCK_M=block_m, P0=p0, P1=p1, P2=p2, PROLOGUE_SILU_MUL=silu_mul, PROLOGUE_RMS_NORM=rms),
+               num_warps=warps, num_stages=1)
+        return xq, xs
     launch(_quant_rows_kernel, (M,), [x, xq, xs, norm_weight, float(eps)],
-           dict(K=K, BLOCK_K=block_k, PROLOGUE_SILU_MUL=silu_mul, PROLOGUE_RMS_NORM=norm_weight is not None),
+           dict(K=K, BLOCK_K=block_k, PROLOGUE_SILU_MUL=silu_mul, PROLOGUE_RMS_NORM=rms),
            num_warps=_quant_warps(block_k), num_stages=1)
     return xq, xs

@@ -288,6 +288,70 @@ def test_quantize_rows_rms_norm(dtype, block):
     torch.testing.assert_close(xq.cpu().float(), ref_q.float(), rtol=0.13, atol=0.0)
 
 
+def _bits(xq, xs):
+    return xq.cpu().view(torch.uint8), xs.cpu().view(torch.int32)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy on the inf and NaN rows
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("prologue", [None, "silu_mul", "rms_norm"], ids=["plain", "silu_mul", "rms_norm"])
+def test_quantize_tiled_bit_identical(dtype, prologue):
+    """The large-M kernel (``_quant_tile_kernel``: BLOCK_M rows a program, K in power-of-two pieces, rows
+    held in x's dtype, a reciprocal and two fma corrections instead of a division per element) writes
+    the one-program-a-row kernel's xq and xs bit for bit: ragged M (37 rows; BLOCK_M 32, 8, 4 at
+    K = 96, 320, 1000: two pieces, two, three with the last one padded), a zero row, a tiny row,
+    signed zeros, rows with inf and NaN (inf scale; NaN ignored by the amax, quantized to -448);
+    where defined (finite rows, no norm) both equal ``fp8_ref.quantize_rows``."""
+    silu, rms = prologue == "silu_mul", prologue == "rms_norm"
+    for k in (96, 320, 1000):
+        M = 5 if rms else 37  # RMSNorm: one row a program (the rows kernel's layout)
+        x, *_ = _inputs(M, 8, k, dtype, "channel", False, False, silu, seed=k)
+        x = x.float()
+        x[1] = 0
+        x[2] *= 1e-30 if dtype == torch.float32 else 1e-3
+        x[0, 3:5] = -0.0
+        x[3, 5], x[4, 6], x[4, 9] = float("inf"), float("nan"), -float("inf")
+        x = x.to(dtype)
+        g = (1 + 0.1 * torch.randn(k, generator=torch.Generator().manual_seed(k))).to(dtype) if rms else None
+        block = tfq._quant_block(k)
+        rows = tfq._prequantize(_dev(x), M, k, silu, block, _dev(g), 1e-5, tiled=False)
+        tiled = tfq._prequantize(_dev(x), M, k, silu, block, _dev(g), 1e-5, tiled=True)
+        (rq, rs), (tq, ts) = _bits(*rows), _bits(*tiled)
+        assert torch.equal(ts, rs) and torch.equal(tq, rq), (k, (tq != rq).nonzero()[:5].tolist())
+        if not rms:
+            a = (F.silu(x[:3, :k]) * x[:3, k:] if silu else x[:3]).to(dtype)
+            ref_q, ref_s = _bits(*fp8_ref.quantize_rows(a))
+            assert torch.equal(ts[:3], ref_s) and torch.equal(tq[:3], ref_q)
+
+
+def test_prequantize_kernel_choice():
+    """``_prequantize``'s rule: one program a row up to 32 rows (the decode GEMV's M, in CUDA graphs: that
+    launch is unchanged), for K > 16K and for an RMSNorm of two passes; the tiled kernel from 33 rows,
+    one binary for every M (grid cdiv(M, BLOCK_M)); the Llama-3-8B prefill shapes' configs."""
+    launches = []
+    meta = lambda *shape, dtype=torch.bfloat16: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
+    with launch_mod.using(lambda kernel, grid, args, consts, nw, ns: launches.append((kernel, grid, consts, nw))):
+        for M in (1, 32, 33, 64, 65, 2048):
+            tfq._prequantize(meta(M, 2 * 14336), M, 14336, True, tfq._quant_block(14336))
+        tfq._prequantize(meta(2048, 20000), 2048, 20000, False, tfq._quant_block(20000))  # K > 16K
+        tfq._prequantize(meta(2048, 200), 2048, 200, False, 64, meta(200), 1e-5)  # RMSNorm in two passes
+        with pytest.raises(ValueError, match="K <= 16384"):
+            tfq._prequantize(meta(64, 20000), 64, 20000, False, 16384, tiled=True)
+    rows, tiled = launches[:2], launches[2:6]
+    assert all(kn is tfq._quant_rows_kernel and grid == (M,) and nw == 16 and c["BLOCK_K"] == 16384
+               for (kn, grid, c, nw), M in zip(rows, (1, 32)))
+    assert all(kn is tfq._quant_tile_kernel and grid == (M,) and nw == 16 for (kn, grid, _, nw), M in
+               zip(tiled, (33, 64, 65, 2048)))
+    assert all(c == tiled[0][2] for _, _, c, _ in tiled)
+    assert (tiled[0][2]["BLOCK_M"], tiled[0][2]["P0"], tiled[0][2]["P1"], tiled[0][2]["P2"]) == (1, 8192, 4096, 2048)
+    assert launches[6][0] is tfq._quant_rows_kernel and launches[6][2]["BLOCK_K"] == 16384
+    assert launches[-1][0] is tfq._quant_rows_kernel and launches[-1][2]["PROLOGUE_RMS_NORM"] is False
+    assert launches[-2][0] is not tfq._quant_rows_kernel  # the RMSNorm kernel first
+    # the other prefill shapes: RMSNorm as the rows kernel lays a row out (4 warps at 4096); 96 -> 32 rows
+    assert tfq._tile_config(4096, False, True) == (1, (4096, 0, 0), 4) == tfq._tile_config(4096, False, False)
+    assert tfq._tile_config(96, True, False) == (32, (64, 32, 0), 8)
+
+
 @pytest.mark.parametrize("M", [1, 5, 40])
 def test_qlinear_rms_norm_prologue(M):
     """qlinear with the rms_norm prologue (GEMV at M <= 32, GEMM above) against the reference composition."""
@@ -308,9 +372,10 @@ def test_qlinear_dispatch():
     with launch_mod.using(lambda kernel, *a: launches.append(kernel)):
         tf.qlinear(meta(32, 512), w, s)
         assert tfm._qgemm_kernel not in launches
+        assert launches[0] is tfq._quant_rows_kernel  # the decode side keeps one program a row
         launches.clear()
         tf.qlinear(meta(33, 512), w, s)
-        assert launches == [tfq._quant_rows_kernel, tfm._qgemm_kernel]
+        assert launches == [tfq._quant_tile_kernel, tfm._qgemm_kernel]
 
 
 def test_rejects_bad_inputs():
@@ -382,9 +447,9 @@ def test_meta_recording():
             for M in (33, 100, 1000):
                 launches.clear()
                 tf.qlinear_gemm(meta(M, k), w, s, meta(n), granularity=gran)
-                (qk, qgrid, _, qconsts, _, _), (gk, ggrid, gargs, gconsts, _, _) = launches
-                assert (qk, gk) == (tfq._quant_rows_kernel, tfm._qgemm_kernel) and gargs[-1] == M
-                assert qgrid == (M,) and ggrid == (-(-M // 128) * (n // 128),)
+                (qk, qgrid, qargs, qconsts, _, _), (gk, ggrid, gargs, gconsts, _, _) = launches
+                assert (qk, gk) == (tfq._quant_tile_kernel, tfm._qgemm_kernel) and gargs[-1] == M == qargs[-1]
+                assert qgrid == (-(-M // qconsts["BLOCK_M"]),) and ggrid == (-(-M // 128) * (n // 128),)
                 gemm[M] = (qconsts, gconsts)
         assert seen[3] == seen[4] and seen[5] == seen[8] and seen[17] == seen[32]
         assert seen[1] != seen[2]
@@ -423,6 +488,10 @@ _COMPILE_SCRIPT = textwrap.dedent("""
                                granularity=gran)  # split K + reduce
             tf.qlinear_gemm(meta(300, 2 * k), w, s, meta(n), meta(300, n), granularity=gran, prologue="silu_mul")
             tf.qlinear_gemm(meta(300, k, dtype=torch.float16), w, s, granularity=gran)
+            tf.qlinear_gemm(meta(300, k), w, s, granularity=gran, prologue="rms_norm", norm_weight=meta(k))
+        # the Llama-3-8B down projection's input: K = 14336 in three pieces under SiLU-and-mul
+        tf.qlinear_gemm(meta(300, 2 * 14336), meta(n, 14336, dtype=tf.FP8), meta(n, dtype=torch.float32),
+                        prologue="silu_mul")
     for fn, spec in specs.values():
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
                  for a, t in spec["signature"].items() if t.startswith("*")}
@@ -436,11 +505,15 @@ _COMPILE_SCRIPT = textwrap.dedent("""
         name = fn.__name__
         if name != "_qgemv_reduce_kernel":
             assert "e4m3" in ptx, name + ": no e4m3 conversion or mma"
-        if name == "_quant_rows_kernel":
+        if name in ("_quant_rows_kernel", "_quant_tile_kernel"):
             assert "cvt.rn.satfinite.e4m3x2.f32" in ptx  # rounding, saturating quantization
             assert "div.rn.f32" in ptx
-        # IEEE divisions for the scales and quantization, as torch's (`/` would be div.full's approximation)
-        assert "div.full" not in ptx and "div.approx" not in ptx, name
+        if name == "_quant_tile_kernel":  # x * (1 / xs) corrected by fmas, no division per element
+            assert ptx.count("fma.rn.f32") >= 4 * spec["constexprs"]["BLOCK_M"], name
+        # IEEE divisions for the scales and quantization, as torch's (`/` would be div.full's approximation);
+        # the RMSNorm prologue's mean of squares is `/ K` (one div.approx, as the rows kernel's)
+        approx = ptx.count("div.full") + ptx.count("div.approx")
+        assert approx == (1 if spec["constexprs"].get("PROLOGUE_RMS_NORM") else 0), name
         if name == "_qgemv_kernel":
             assert "ld.global.v4" in ptx or "cp.async.cg.shared.global" in ptx, "no 16-byte weight loads"
             if spec["constexprs"].get("SWAP_AB"):  # the default from 2 rows: weights on the e4m3 wgmma side
