@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from mxc.kernels.launch import launch
-from mxc.kernels.pdl import pdl_enter, prefetch_rows_l2
+from mxc.kernels.pdl import pdl_enter
 from mxc.kernels.triton_gemv import dot_gate_up_rows, dot_rows
 
 @triton.jit
@@ -104,12 +104,8 @@ def _pair_down_tile_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, r_ptr, out
     """``_pair_down_sum_kernel`` with the k experts in one [TOP_K * BLOCK_N, BLOCK_K] tile a step
     (row r = expert j * BLOCK_N + n): k times the bytes in flight of an expert-by-expert loop, whose
     short reductions (I of 768) stall on each expert's first loads. Same rounding and order: the
-    k terms are picked out of the tile in order (adding zeros is exact).
-
-    The expert ids come from the router, two kernels back (the up kernel runs in between): under
-    PDL this kernel starts once the up kernel has passed its own wait, so the router has finished
-    and the ids can be read before this kernel's wait, and the chosen experts' rows asked of L2
-    while the up kernel still runs."""
+    k terms are picked out of the tile in order (adding zeros is exact)."""
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     ty = h_ptr.dtype.element_ty
     ROWS: tl.constexpr = TOP_K * BLOCK_N
@@ -121,9 +117,6 @@ def _pair_down_tile_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, r_ptr, out
     e = tl.load(ids_ptr + pair)  # [ROWS]: each row's expert (L1 hits after the first)
     valid = (e >= 0) & (e < E)
     e = tl.where(valid, e, 0)
-    if USE_PDL:
-        prefetch_rows_l2(w_ptr, e * H + rn, 0, I)
-    pdl_enter(USE_PDL)
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + (e * (H * I) + rn * I)[:, None] + offs_k[None, :]
     x_ptrs = h_ptr + (pair * I)[:, None] + offs_k[None, :]  # each row's own pair input
