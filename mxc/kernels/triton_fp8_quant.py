@@ -171,25 +171,29 @@ def _unhold(h):
 
 
 @triton.jit
-def _tile_ptrs(rows, k0, K: tl.constexpr, P: tl.constexpr, MASK_K: tl.constexpr, MASK_M: tl.constexpr, row_ok):
-    offs_k = k0 + tl.arange(0, P)
-    offs = rows[:, None] * K + offs_k[None, :]
+def _tile_offs(rows, k0, K: tl.constexpr, P: tl.constexpr):
+    """Offsets of a [BLOCK_M, P] piece (columns k0..k0 + P) of rows ``rows`` of a row-major [M, K]."""
+    return rows[:, None] * K + (k0 + tl.arange(0, P))[None, :]
+
+
+@triton.jit
+def _tile_mask(row_ok, k0, K: tl.constexpr, P: tl.constexpr, MASK_K: tl.constexpr):
+    """The piece's mask: its rows (and, with MASK_K, its columns < K). Only built when a load or store
+    is masked: a function returning None in a tuple does not compile in Triton 3.6."""
     if MASK_K:
-        return offs, row_ok[:, None] & (offs_k < K)[None, :]
-    elif MASK_M:
-        return offs, row_ok[:, None]
+        return row_ok[:, None] & ((k0 + tl.arange(0, P)) < K)[None, :]
     else:
-        return offs, None
+        return row_ok[:, None]
 
 
 @triton.jit
 def _load_piece(x_ptr, rows, row_ok, k0, K: tl.constexpr, P: tl.constexpr, MASK_K: tl.constexpr,
                 MASK_M: tl.constexpr, PROLOGUE_SILU_MUL: tl.constexpr):
-    offs, mask = _tile_ptrs(rows, k0, K, P, MASK_K, MASK_M, row_ok)
+    offs = _tile_offs(rows, k0, K, P)
     if PROLOGUE_SILU_MUL:
         offs += rows[:, None] * K  # x is [M, 2K]: the gate half, the up half K further
     if MASK_K or MASK_M:
-        return _load_act(x_ptr + offs, mask, 0.0, K, PROLOGUE_SILU_MUL)
+        return _load_act(x_ptr + offs, _tile_mask(row_ok, k0, K, P, MASK_K), 0.0, K, PROLOGUE_SILU_MUL)
     else:
         return _load_act(x_ptr + offs, None, None, K, PROLOGUE_SILU_MUL)
 
@@ -197,8 +201,12 @@ def _load_piece(x_ptr, rows, row_ok, k0, K: tl.constexpr, P: tl.constexpr, MASK_
 @triton.jit
 def _store_piece(xq_ptr, h, nxs, y, rows, row_ok, k0, K: tl.constexpr, P: tl.constexpr,
                  MASK_K: tl.constexpr, MASK_M: tl.constexpr):
-    offs, mask = _tile_ptrs(rows, k0, K, P, MASK_K, MASK_M, row_ok)
-    tl.store(xq_ptr + offs, _quant_recip(_unhold(h), nxs[:, None], y[:, None]), mask=mask)
+    q = _quant_recip(_unhold(h), nxs[:, None], y[:, None])
+    offs = _tile_offs(rows, k0, K, P)
+    if MASK_K or MASK_M:
+        tl.store(xq_ptr + offs, q, mask=_tile_mask(row_ok, k0, K, P, MASK_K))
+    else:
+        tl.store(xq_ptr + offs, q)
 
 
 @triton.jit
