@@ -254,6 +254,8 @@ ROPE_CASES = [
     for (T, D, partial, heads), qk_norm in itertools.product(
         ((1, 80, True, (3, 3)), (4, 96, False, (16, 2)), (1, 96, False, (12, 4)), (3, 80, True, (6, 2))),
         (None, "head", "whole"))
+] + [  # more than GROUPED_MAX_TOKENS tokens (prefill): one program per token for every norm variant
+    ("default", torch.bfloat16, 33, 48, True, (6, 2), qk_norm) for qk_norm in (None, "head")
 ]
 
 
@@ -285,10 +287,11 @@ def test_rope_qkv_write(kind, dtype, T, D, partial, heads, qk_norm):
     assert cos.shape == (P, spec["rotary_dim"] // 2)
     qkv = (torch.randn(T, (HQ + 2 * HKV) * D) * 2).to(dtype)
     positions = torch.randint(0, P, (T,))  # arbitrary order, repeats allowed
-    cache_loc = torch.randperm(SLOTS * MAX_LEN)[:T]
+    slots = max(SLOTS, -(-T // MAX_LEN) + 1)  # room for T rows and some never written
+    cache_loc = torch.randperm(slots * MAX_LEN)[:T]
     q_norm = (1 + 0.1 * torch.randn(HQ * D if qk_norm == "whole" else D)).to(dtype) if qk_norm else None
     k_norm = (1 + 0.1 * torch.randn(HKV * D if qk_norm == "whole" else D)).to(dtype) if qk_norm else None
-    k_cache, v_cache = (torch.full((SLOTS, MAX_LEN, HKV, D), float("nan"), dtype=dtype) for _ in range(2))
+    k_cache, v_cache = (torch.full((slots, MAX_LEN, HKV, D), float("nan"), dtype=dtype) for _ in range(2))
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     buf, q = padded((T, HQ, D), dtype)
 
@@ -377,6 +380,12 @@ def test_wrappers_record_one_launch_on_meta():
         assert ("GROUP: tl.constexpr = 3" in src and "BLOCK_G: tl.constexpr = 4" in src) == (qk_norm != "whole")
         assert ("q_norm_ptr" in src) == (qk_norm is not None)
         assert q.shape == (5, 6, 48)
+    for qk_norm in (None, "head"):  # prefill's token counts: one program per token
+        qn, kn = (_meta(48), _meta(48)) if qk_norm else (None, None)
+        q, kernel, grid, cx = _record(lambda: rope_qkv_write(
+            _meta(40, (6 + 2 * 2) * 48), _meta(40, dtype=torch.int64), cos, sin, _meta(3, 64, 2, 48),
+            _meta(3, 64, 2, 48), _meta(40, dtype=torch.int64), qn, kn, EPS))
+        assert grid == (40,) and "BLOCK_HQ: tl.constexpr = 8" in _rendered(kernel)
 
     out, kernel, grid, cx = _record(lambda: silu_mul(_meta(5, 2 * 1100)))
     assert (kernel.fn.__name__, grid, cx) == ("silu_mul_kernel", (5, 2), {})
