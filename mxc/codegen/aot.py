@@ -28,7 +28,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from mxc.codegen import kernel_templates
+from mxc.kernels import kernel_templates
 from mxc.errors import MxcError
 
 _PARAM_KINDS = [(r"\.u64\s+\.ptr", "ptr"), (r"\.(u|s|b)64", "i64"), (r"\.(u|s|b)32", "i32"), (r"\.f32", "f32"),

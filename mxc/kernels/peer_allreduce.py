@@ -16,7 +16,7 @@ on this machine, or None.
 straight into a slot of every peer's buffer, and a peer knows a row has arrived when none of its
 values is still -0.0, the mark every slot is reset to after use (a real -0.0 is sent as +0.0),
 as TensorRT-LLM's "Lamport" all-reduce does. One kernel (``push_all_reduce_kernel``, rendered from
-``codegen/templates/kernels/push_all_reduce.py.j2``) pushes, waits, sums in rank order and goes on
+``kernels/templates/push_all_reduce.py.j2``) pushes, waits, sums in rank order and goes on
 with what the graph does next: the residual add (``all_reduce_add``) and the RMSNorm
 (``all_reduce_add_rms_norm``), which the ``fuse_all_reduce`` pass makes. Three slots rotate,
 advanced by the kernel itself in a small device-side state (``state[0]`` the slot, ``[1]`` how many
@@ -87,7 +87,7 @@ MAX_SPINS = 1 << 22  # reads of a slot before a kernel gives up on a peer (secon
 def push_kernel(H: int, world: int, residual: bool, norm: bool, bias: bool, max_spins: int = MAX_SPINS):
     import triton
 
-    from mxc.codegen import kernel_templates
+    from mxc.kernels import kernel_templates
 
     return kernel_templates.kernel("push_all_reduce", "push_all_reduce_kernel", H=H,
                                    BLOCK_H=triton.next_power_of_2(H), WORLD=world, RESIDUAL=residual, NORM=norm,

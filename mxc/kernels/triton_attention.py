@@ -12,7 +12,7 @@ Key position p is visible to query position t iff p <= t and, with a sliding
 window w, p > t - w. Query heads h use kv head h // (HQ // HKV).
 
 The kernels' entry points are rendered per head layout, cache length and window
-from ``codegen/templates/kernels/decode_attention.py.j2`` (the merge of the
+from ``kernels/templates/decode_attention.py.j2`` (the merge of the
 splits: ``decode_merge.py.j2``) and ``prefill_attention.py.j2``; their loops are the hand-written ``@triton.jit``
 helpers below (``_split_rows``, ``_attend_rows``, ``_store_split``,
 ``_prefill_inner``). Tile sizes and split counts stay constexpr parameters.
@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mxc.codegen import kernel_templates
+from mxc.kernels import kernel_templates
 from mxc.kernels.launch import launch
 
 LOG2E = 1.4426950408889634

@@ -8,7 +8,7 @@ width a constexpr; values are computed in fp32 and rounded once at the store,
 except where the torch reference rounds in between (``silu`` before the
 multiply).
 
-Each kernel is rendered per row width from ``codegen/templates/kernels/``
+Each kernel is rendered per row width from ``kernels/templates/``
 (``silu_mul.py.j2``: silu(gate) * up of one row block; ``embedding.py.j2``: row
 ``ids[t]`` of the table; ``add.py.j2``: a + b); the functions here check,
 allocate and launch them.
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from mxc.codegen import kernel_templates
+from mxc.kernels import kernel_templates
 from mxc.kernels.launch import launch
 
 MAX_BLOCK_N = 1024

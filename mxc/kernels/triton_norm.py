@@ -12,7 +12,7 @@ output dtype. ``add_rms_norm`` rounds ``x + residual`` to the model dtype,
 stores it as the new residual and normalises that rounded sum, as
 ``torch_ref.add`` followed by ``torch_ref.rms_norm`` does.
 
-The kernel is rendered per row width from ``codegen/templates/kernels/rms_norm.py.j2``
+The kernel is rendered per row width from ``kernels/templates/rms_norm.py.j2``
 (``RESIDUAL`` selects the fused residual add: one read of x and residual, two writes);
 the functions here check, allocate and launch it.
 """
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from mxc.codegen import kernel_templates
+from mxc.kernels import kernel_templates
 from mxc.kernels.launch import launch
 
 

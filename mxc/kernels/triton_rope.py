@@ -23,7 +23,7 @@ on the GPU, Triton's default fp fusion contracts ``round(x*cos) + round(...)`` i
 one fma, which can differ from eager torch by an ulp of the larger product.)
 
 The kernel is rendered per head layout from
-``codegen/templates/kernels/rope_qkv_write.py.j2``; the q/k norm variant (none, per
+``kernels/templates/rope_qkv_write.py.j2``; the q/k norm variant (none, per
 head: one kv group per program, or over the whole projection: one token's heads are
 one tile, so it is one reduction over the tile) is a template branch. A program
 loads the position, cache row and cos/sin row before ``pdl_enter`` (no kernel of the
@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mxc.codegen import kernel_templates
+from mxc.kernels import kernel_templates
 from mxc.kernels import rope as rope_ref
 from mxc.kernels.launch import launch
 

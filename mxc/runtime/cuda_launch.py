@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from mxc.codegen import kernel_templates
+from mxc.kernels import kernel_templates
 from mxc.errors import MxcError
 from mxc.kernels.launch import spec_key, spec_of, with_pdl
 

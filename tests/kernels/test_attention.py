@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mxc.codegen import kernel_templates
+from mxc.kernels import kernel_templates
 from mxc.kernels import launch as launch_mod
 from mxc.kernels import torch_ref
 from mxc.kernels import triton_attention as ta

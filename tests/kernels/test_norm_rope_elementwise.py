@@ -22,7 +22,7 @@ import triton.language as tl
 from mxc.kernels import launch as launch_mod
 from mxc.kernels import rope as rope_ref
 from mxc.kernels import torch_ref
-from mxc.codegen import kernel_templates
+from mxc.kernels import kernel_templates
 from mxc.kernels.triton_elementwise import add, embedding, silu_mul
 from mxc.kernels.triton_norm import add_rms_norm, rms_norm
 from mxc.kernels.triton_rope import rope_qkv_write, rope_tables

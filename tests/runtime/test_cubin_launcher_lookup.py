@@ -14,7 +14,8 @@ import types
 
 import torch
 
-from mxc.codegen import aot, kernel_templates
+from mxc.codegen import aot
+from mxc.kernels import kernel_templates
 from mxc.ir.serialize import load_graph
 from mxc.kernels import launch
 from mxc.runtime import cuda_launch

@@ -2,8 +2,8 @@
 
 The fused operations the IR presents (RMSNorm with or without the residual
 add, q/k norm + RoPE + QKV split + KV-cache write, SiLU-and-mul, embedding
-gather, the residual add, decode and prefill attention) are written once as
-templates in ``templates/kernels/<name>.py.j2``. ``kernel(name, entry,
+gather, the residual add, decode and prefill attention, the push all-reduce)
+are written once as templates in ``mxc/kernels/templates/<name>.py.j2``. ``kernel(name, entry,
 **params)`` renders one for a node's static parameters (sizes, head counts,
 which fusions it carries, the sliding window): the sizes become literal
 constexprs in the kernel body and the fusion variants template branches, so a
@@ -23,6 +23,9 @@ AOT build writes them into the artifact next to their cubins
 hands them to its compile workers. At load, ``pin`` makes the kernel
 functions the artifact's stored sources rather than a fresh rendering, so a
 later edit of a template does not change what an existing artifact runs.
+The registry lives with the kernels, so their wrappers and the runtime's
+launcher use it without reaching back into ``mxc.codegen``, which reads it to
+write the sources into the artifact.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import jinja2
 from mxc.errors import MxcError
 
 PACKAGE = "mxc_generated"
-_ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates" / "kernels"),
+_ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
                           trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
                           undefined=jinja2.StrictUndefined)
 _ORIGINS: dict[str, tuple[str, dict]] = {}  # module name -> (template, params)
@@ -59,7 +62,7 @@ class _SourceLoader:
 
 
 def render(template: str, **params) -> str:
-    """The source of ``templates/kernels/<template>.py.j2`` for ``params``."""
+    """The source of ``templates/<template>.py.j2`` for ``params``."""
     return _ENV.get_template(f"{template}.py.j2").render(params=params, **params)
 
 
