@@ -153,6 +153,32 @@ def quant_lab(m=2048):
           f"(x32 layers: {total[False] * 32 / 1e3:.2f} ms -> {total[True] * 32 / 1e3:.2f} ms)", flush=True)
 
 
+# Per-rank shapes at tensor parallelism tp: column-parallel linears (qkv, gate_up) split N, row-parallel
+# ones (o, down) split K.
+_COLUMN = ("qkv", "gate_up")
+
+
+def tp_shapes(tp: int) -> dict[str, tuple[int, int]]:
+    return {name: (n // tp, k) if name in _COLUMN else (n, k // tp) for name, (n, k) in SHAPES.items()}
+
+
+def tune_tp(tp: int, m: int = 1):
+    """The bf16 GEMV at tp=N's per-rank Llama-3-8B shapes: the default config against ``tune``'s best
+    (entries for ``triton_gemv.MEASURED``)."""
+    from mxc.kernels import triton_gemv
+
+    for name, (n, k) in tp_shapes(tp).items():
+        ws = _weight_copies(n, k, torch.bfloat16)
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        default = triton_gemv.config_for(triton_gemv.bucket(m), n, k, torch.bfloat16)
+        us0 = _time_us(lambda x_, w_: triton_gemv.linear_small_m(x_, w_), x, ws)
+        cfg, us = triton_gemv.tune(n, k, torch.bfloat16, triton_gemv.bucket(m), ws=ws)
+        nbytes = n * k * 2
+        print(f"tp={tp} {name:8s} {n}x{k} M={m}: default {us0:6.1f} us ({nbytes / us0 / 1e6:.2f} TB/s) {default}; "
+              f"tuned {us:6.1f} us ({nbytes / us / 1e6:.2f} TB/s) {cfg}", flush=True)
+        del ws
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--m", default="1,8,32")
@@ -161,7 +187,11 @@ def main():
     p.add_argument("--skip", default="", help="sections to skip: bf16,fp8,prefill")
     p.add_argument("--quant-lab", action="store_true", help="only the activation-quantize A/B at --quant-m rows")
     p.add_argument("--quant-m", type=int, default=2048)
+    p.add_argument("--tune-tp", type=int, default=0, help="only: tune the bf16 GEMV at tp=N's per-rank shapes (M=1)")
     a = p.parse_args()
+    if a.tune_tp:
+        tune_tp(a.tune_tp)
+        return
     if a.quant_lab:
         quant_lab(a.quant_m)
         return
