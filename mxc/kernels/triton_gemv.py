@@ -318,6 +318,9 @@ def split_k_for(n_programs: int, k: int, block_k: int) -> int:
 MEASURED = {
     (1, 6144, 4096, torch.bfloat16): GemvConfig(8, 256, 1, False, 4, 1),  # Llama-3-8B qkv: 16.0 -> 14.2 us
     (1, 5120, 2048, torch.bfloat16): GemvConfig(8, 1024, 1, False, 8, 1),  # Qwen3-30B-A3B qkv: 7.9 -> 7.4 us
+    # Llama-3-8B at tp=2, per rank (bench/linear_lab.py --tune-tp 2; qkv and down: default within 2%)
+    (1, 4096, 2048, torch.bfloat16): GemvConfig(8, 512, 1, False, 8, 1),  # o: 6.8 -> 6.1 us
+    (1, 14336, 4096, torch.bfloat16): GemvConfig(16, 256, 1, False, 4, 1),  # gate_up: 32.0 -> 29.6 us
 }
 
 
