@@ -11,7 +11,9 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-SCHEMA_VERSION = 2  # 2: kernels rendered from templates, their sources in code/kernels/src/
+# 2: kernels rendered from templates, their sources in code/kernels/src/; 3: the RoPE kernel's kv-group grid,
+# the tiled fp8 quantize and the push all-reduce (older artifacts lack those cubins)
+SCHEMA_VERSION = 3
 
 
 def sha256_file(path: Path, chunk: int = 1 << 24) -> str:

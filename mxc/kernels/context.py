@@ -14,7 +14,7 @@ The IR's tokens are all sequences flattened into one ``[T]`` batch.
 - ``rope_tables``: RoPE cos/sin tables prepared at load, by spec;
 - ``memo``: values shared by every layer of one call;
 - ``rank``, ``world_size``, ``group``: the tensor-parallel process group;
-  ``peer_allreduce``: the runtime's one-shot all-reduce over peer memory, or None.
+  ``peer_allreduce``: the runtime's all-reduce over peer memory (one-shot or push), or None.
 
 Kernels read it; the runtime builds it.
 """
@@ -44,7 +44,7 @@ class ForwardContext:
     rank: int = 0  # tensor parallelism: this process's rank, the world size, the process group
     world_size: int = 1
     group: object = None
-    peer_allreduce: object = None  # ``peer_allreduce.OneShotAllReduce`` when the artifact asks for it
+    peer_allreduce: object = None  # ``peer_allreduce.OneShotAllReduce`` or ``PushAllReduce``, as the artifact asks
 
     @classmethod
     def build(cls, seq_lens: list[int], past_lens: list[int], slots: list[int], k_cache, v_cache,

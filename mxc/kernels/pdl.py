@@ -10,9 +10,9 @@ scheduling overlap this kernel's tail instead of following it. Before the wait a
 kernel reads only what no kernel of the step writes, so the order of reads and
 writes is the stream's: weights (a GEMV asks L2 for the start of its weight
 rows first, ``prefetch_rows_l2``, so the bytes stream in while the
-latency-bound kernels ahead of it -- norm, RoPE, attention -- run), static
-tables (RoPE cos/sin) and the step's inputs copied in before it starts
-(positions, cache locations: the RoPE kernel loads them early).
+latency-bound kernels ahead of it -- norm, RoPE, attention -- run) and the
+step's inputs, written before it starts (positions, cache locations: the RoPE
+kernel loads them early).
 A kernel without ``USE_PDL`` is launched the ordinary way. Off by default until it
 is measured (docs/perf.md).
 """

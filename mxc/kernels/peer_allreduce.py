@@ -22,7 +22,9 @@ with what the graph does next: the residual add (``all_reduce_add``) and the RMS
 advanced by the kernel itself in a small device-side state (``state[0]`` the slot, ``[1]`` how many
 values of the previous slot to reset, ``[2]`` a program counter, ``[3]`` set when a peer never
 arrived), so it needs nothing from the host between calls and replays inside CUDA graphs: every
-rank makes the same sequence of calls, so no rank gets more than one call ahead of another.
+rank makes the same sequence of calls, so no rank gets more than one call ahead of another. A
+kernel that waited ``MAX_SPINS`` reads (seconds) for a peer gives up rather than hang; the runtime
+then raises on every rank at the end of the call, and at every later one (``check``).
 """
 
 from __future__ import annotations
@@ -181,10 +183,18 @@ class PushAllReduce:
         return self._run(x, residual=residual.contiguous(), weight=weight, bias=bias, eps=eps)
 
     def check(self) -> None:
-        """Raise if a push all-reduce gave up waiting for a peer since the last check."""
-        if int(self.state[3]):
+        """Raise on every rank, now and at every later call, once a push all-reduce on any rank gave up
+        waiting for a peer: its sum was wrong, and a peer's rows that land late can be read as a later
+        call's, so this instance's results cannot be trusted again (load the model again)."""
+        late = self.state[3:4].clone()
+        import torch.distributed as dist
+
+        if self.world > 1 and dist.is_initialized():
+            dist.all_reduce(late, op=dist.ReduceOp.MAX, group=self.group)
+        if int(late):
             from mxc.errors import MxcError
 
-            self.state[3] = 0
+            self.state[3] = 1  # sticky
             raise MxcError("a tensor-parallel rank did not deliver its partial sums to the push all-reduce in "
-                               "time (do all ranks run the same calls?)")
+                           "time (do all ranks run the same calls?); its results since cannot be trusted: "
+                           "load the model again")

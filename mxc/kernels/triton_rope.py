@@ -26,9 +26,9 @@ The kernel is rendered per head layout from
 ``kernels/templates/rope_qkv_write.py.j2``; the q/k norm variant (none, per
 head: one kv group per program, or over the whole projection: one token's heads are
 one tile, so it is one reduction over the tile) is a template branch. A program
-loads the position, cache row and cos/sin row before ``pdl_enter`` (no kernel of the
-step writes them), then all its loads of qkv and the norm weights, then computes, then
-stores: the loads overlap. The helpers below split a head tile's work that way
+loads the position and cache row before ``pdl_enter`` (step inputs, written before the
+step starts), then cos/sin and all its loads of qkv and the norm weights, then computes,
+then stores: the loads overlap. The helpers below split a head tile's work that way
 (``rope_cos_sin``, ``load_heads``, ``load_norm_weight``, then ``norm_rope``); the
 rotate-half partner of each feature is loaded a second time (same cache lines) instead
 of shuffling registers, and every operand is loaded at its tile's shape so that no
@@ -121,23 +121,6 @@ def norm_rope(x, xp, w, wp, cos, sin, eps, NH: tl.constexpr, D: tl.constexpr, R:
     xc = (x * c).to(DT).to(tl.float32)
     xs = (tl.where(first, -xp, xp) * s).to(DT).to(tl.float32)
     return tl.where(rot, xc + xs, x)
-
-
-@triton.jit
-def norm_rope_heads(x_ptr, w_ptr, cos_ptr, sin_ptr, eps,
-                    NH: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BLOCK_NH: tl.constexpr,
-                    BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr, NORM_WHOLE: tl.constexpr):
-    """Load NH heads of D features at ``x_ptr``, norm and rotate them with the cos/sin table rows at
-    ``cos_ptr``/``sin_ptr``: [BLOCK_NH, BLOCK_D] fp32. The four helpers above in one call, as the
-    one-program-per-token kernel called it: the stored kernel sources of artifacts built before the
-    split import it."""
-    cos, sin = rope_cos_sin(cos_ptr, sin_ptr, R, BLOCK_NH, BLOCK_D)
-    x, xp = load_heads(x_ptr, NH, D, R, BLOCK_NH, BLOCK_D)
-    if HAS_NORM:
-        w, wp = load_norm_weight(w_ptr, NH, D, R, BLOCK_NH, BLOCK_D, NORM_WHOLE)
-    else:
-        w, wp = 1.0, 1.0
-    return norm_rope(x, xp, w, wp, cos, sin, eps, NH, D, R, BLOCK_D, HAS_NORM, NORM_WHOLE)
 
 
 def rope_tables(spec: dict, max_positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,9 +1,9 @@
 """The push all-reduce kernel (``peer_allreduce.push_all_reduce``) under the interpreter, ranks simulated
 in one process: each rank's buffer is an ordinary tensor and the pointer table holds their addresses.
 
-A real rank waits for its peers' pushes; here the calls run one rank after another, so before each
-call the test writes every rank's row into every buffer as its push would (the kernels then write
-the same bits again). Checked against the torch reference: the sum in rank order rounded to the
+A real rank waits for its peers' pushes; here the calls run one rank after another (0, 1, ...), so
+before each call the test writes the rows of the ranks that run later into the buffers of those that
+run earlier, as their pushes would; every other row arrives by a kernel's own push. Checked against the torch reference: the sum in rank order rounded to the
 model dtype, + bias, + residual, RMSNorm; every rank gets the same bits; the slots rotate and the
 previous one is reset; a peer that never arrives sets the state's flag instead of hanging.
 """
@@ -28,18 +28,20 @@ class Ranks:
         self.states = [torch.zeros(4, dtype=torch.int32) for _ in range(world)]
 
     def deliver(self, xs, skip=()):
-        """Write every rank's rows into every other buffer's current slot, as the pushes will."""
+        """Write the rows of each rank into the current slot of the ranks that run before it (lower
+        ranks), as its push will; the lower ranks' kernels push theirs themselves."""
         T = xs[0].shape[0]
         for src, x in enumerate(xs):
             bits = x.contiguous().view(torch.int16).reshape(-1).clone()
             bits[bits == EMPTY] = 0
-            for dst in range(self.world):
-                if dst != src and (src, dst) not in skip:
+            for dst in range(src):
+                if (src, dst) not in skip:
                     at = int(self.states[dst][0]) * self.slot + src * T * self.H
                     self.bufs[dst][at:at + T * self.H] = bits
 
     def call(self, xs, **kw):
-        return [push_all_reduce(xs[r], self.ptrs, self.states[r], r, self.slot, self.world, **kw)
+        # a row that never arrives ends the wait after a few reads (the late flag, wrong sums), not a hang
+        return [push_all_reduce(xs[r], self.ptrs, self.states[r], r, self.slot, self.world, max_spins=8, **kw)
                 for r in range(self.world)]
 
 
@@ -98,9 +100,18 @@ def test_push_all_reduce_matches_reference(world, dtype, what):
 
 
 def test_missing_peer_sets_the_late_flag():
-    """A rank whose peer never pushes gives up after ``max_spins`` reads and flags it in state[3]."""
+    """A rank whose peer never pushes gives up after ``max_spins`` reads and flags it in state[3]; the
+    runtime's check then raises, at every later call too."""
+    from mxc.errors import MxcError
+    from mxc.kernels.peer_allreduce import PushAllReduce
+
     ranks = Ranks(2, 64, max_tokens=2, dtype=torch.bfloat16)
     xs = [torch.randn(2, 64, dtype=torch.bfloat16) for _ in range(2)]
     ranks.deliver(xs, skip={(1, 0)})  # rank 1's rows never reach rank 0
     push_all_reduce(xs[0], ranks.ptrs, ranks.states[0], 0, ranks.slot, 2, max_spins=3)
     assert ranks.states[0].tolist() == [1, 2 * 2 * 64, 0, 1]
+    comm = object.__new__(PushAllReduce)  # its check alone (no process group: this rank's flag)
+    comm.world, comm.state = 1, ranks.states[0]
+    for _ in range(2):
+        with pytest.raises(MxcError, match="did not deliver its partial sums"):
+            comm.check()
