@@ -32,6 +32,31 @@ OLMOE = {"architectures": ["OlmoeForCausalLM"], "hidden_size": 64, "intermediate
          "rms_norm_eps": 1e-5, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": False}
 
 
+GPU_TRITON = os.environ.get("MXC_GPU_TRITON")  # a folder holding the GPU machines' Triton (.ci/run fetches 3.6.0)
+
+
+@pytest.mark.skipif(not GPU_TRITON, reason="MXC_GPU_TRITON not set (a folder with the GPU machines' Triton package)")
+@pytest.mark.parametrize("config,tp,quant", [(None, 1, None), (QWEN3, 1, None), (None, 2, None), (None, 1, "fp8"),
+                                             (QWEN3_MOE, 2, None), (OLMOE, 1, None)],
+                         ids=["llama-default", "qwen3-yarn", "llama-tp2", "llama-fp8", "qwen3-moe-tp2", "olmoe"])
+def test_cuda_build_compiles_with_the_gpu_triton(config, tp, quant, tmp_path):
+    """The same builds with the Triton of the GPU machines, which refuses code the newer CPU one takes
+    (a None in a returned tuple broke a GPU build once): every kernel must compile with both."""
+    args = [sys.executable, "-m", "mxc", "build", "llama.yaml", "--target", "cuda", "--out", str(tmp_path / "art"),
+            "--max-batch", "4", "--max-seq-len", "128", "--tp", str(tp)] + (["--quant", quant] if quant else [])
+    if config is not None:
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        args += ["--config", str(tmp_path / "config.json")]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([GPU_TRITON] + [v for v in [env.get("PYTHONPATH")] if v])
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    version = json.loads((tmp_path / "art" / "manifest.json").read_text())["target"]["triton"]
+    import triton
+
+    assert version != triton.__version__, f"the build used this environment's Triton {version}, not MXC_GPU_TRITON's"
+
+
 @pytest.mark.parametrize("config,tp,quant", [(None, 1, None), (QWEN3, 1, None), (None, 2, None), (None, 1, "fp8"),
                                              (QWEN3_MOE, 2, None), (QWEN3_MOE, 1, "fp8"), (OLMOE, 1, None)],
                          ids=["llama-default", "qwen3-yarn", "llama-tp2", "llama-fp8", "qwen3-moe-tp2", "qwen3-moe-fp8",
