@@ -111,7 +111,10 @@ def all_reduce_add_push(x, residual, bias=None, ctx: ForwardContext = None, worl
     comm = _push_comm(x, ctx, world)
     if comm is None:
         return all_reduce_add(x, residual, bias, ctx)
-    return _record_push(x, world, residual=residual, bias=bias) if comm == "record" else comm.add(x, residual, bias)
+    if comm == "record":  # and the fallback's add, for a runtime without peer memory
+        all_reduce_add(x, residual, bias, ctx)
+        return _record_push(x, world, residual=residual, bias=bias)
+    return comm.add(x, residual, bias)
 
 
 def all_reduce_add_rms_norm_push(x, residual, weight, bias=None, ctx: ForwardContext = None, eps=1e-6, world=None):
@@ -119,7 +122,8 @@ def all_reduce_add_rms_norm_push(x, residual, weight, bias=None, ctx: ForwardCon
     comm = _push_comm(x, ctx, world)
     if comm is None:
         return all_reduce_add_rms_norm(x, residual, weight, bias, ctx, eps)
-    if comm == "record":
+    if comm == "record":  # and the fallback's add + RMSNorm, for a runtime without peer memory
+        all_reduce_add_rms_norm(x, residual, weight, bias, ctx, eps)
         return _record_push(x, world, residual=residual, weight=weight, bias=bias, eps=eps)
     return comm.add_rms_norm(x, residual, weight, eps, bias)
 
