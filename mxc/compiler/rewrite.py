@@ -3,7 +3,10 @@
 A rule is ``(op, fn)``: for every node with that op, ``fn(node, ctx)`` returns
 ``None`` to decline, or a ``{node_index: [replacement nodes]}`` mapping (an
 empty list deletes). ``ctx`` gives the body's nodes, the producer and users of
-each value, and the weights table the rule may add merged weights to. Rules
+each value within the body, the values read beyond it (``live``: graph outputs,
+loop carries, values another body or a later top-level stretch reads), and the
+weights table the rule may add merged weights to. A rule that folds a value
+away asks ``sole_user``: it answers only for values nothing else reads. Rules
 run over the top level and every repeat body until nothing changes. Producers
 left unused by a rewrite are not deleted here: ``eliminate_dead_code`` does that.
 """
@@ -14,7 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
 
-from mxc.ir import Graph, Node, map_bodies
+from mxc.ir import Graph, Node, Repeat, map_bodies
 from mxc.ir.graph import fresh_name
 
 Rule = tuple[str, Callable]
@@ -25,8 +28,14 @@ class Context:
     nodes: list[Node]
     weights: dict  # local name -> Weight (mutable: rules add merged weights)
     producer: dict[str, int]  # value -> index of the node defining it
-    users: dict[str, list[int]]  # value -> indices of nodes reading it
+    users: dict[str, list[int]]  # value -> indices of nodes reading it (in this body)
     taken: set[str]  # every name in the graph, for fresh names
+    live: frozenset = frozenset()  # values read beyond this body: never folded away
+
+    def sole_user(self, value: str | None) -> Node | None:
+        """The one node of this body that reads ``value``, if nothing else does (here or beyond)."""
+        users = self.users.get(value, []) if value is not None else []
+        return self.nodes[users[0]] if len(users) == 1 and value not in self.live else None
 
     def fresh(self, base: str) -> str:
         return fresh_name(base, self.taken)
@@ -48,7 +57,7 @@ def _names(graph: Graph) -> set[str]:
     return names
 
 
-def _context(nodes, weights, taken) -> Context:
+def _context(nodes, weights, taken, live=frozenset()) -> Context:
     producer, users = {}, defaultdict(list)
     for i, n in enumerate(nodes):
         for o in n.outs:
@@ -56,13 +65,35 @@ def _context(nodes, weights, taken) -> Context:
         for v in n.ins:
             if v is not None:
                 users[v].append(i)
-    return Context(list(nodes), weights, producer, users, taken)
+    return Context(list(nodes), weights, producer, users, taken, live)
+
+
+def _live(graph: Graph) -> frozenset:
+    """Values read beyond the stretch of nodes that defines them (``map_bodies``'s stretches: each
+    repeat body, and each run of top-level nodes between them): graph outputs, loop carries (both
+    names), and values one stretch defines and another reads."""
+    live = set(graph.outputs)
+    defined_in, reads = {}, []
+    stretch, after_repeat = 0, False
+    for item in graph.body:
+        is_repeat = isinstance(item, Repeat)
+        stretch += is_repeat or after_repeat
+        after_repeat = is_repeat
+        if is_repeat:
+            for outer, inner in item.carry.items():
+                live.update((outer, inner))
+        for n in item.body if is_repeat else (item,):
+            defined_in.update((o, stretch) for o in n.outs)
+            reads.extend((v, stretch) for v in n.ins if v is not None)
+    live.update(v for v, at in reads if defined_in.get(v, at) != at)
+    return frozenset(live)
 
 
 def apply_rules(graph: Graph, rules: list[Rule], *, max_rounds: int = 100) -> tuple[Graph, int]:
     """Apply ``rules`` to a fixpoint. Returns the new graph and the number of rewrites."""
     count = 0
     taken = _names(graph)
+    live = _live(graph)
 
     def run(nodes, weights):
         nonlocal count
@@ -70,7 +101,7 @@ def apply_rules(graph: Graph, rules: list[Rule], *, max_rounds: int = 100) -> tu
         for _ in range(max_rounds):
             changed = False
             for op, fn in rules:
-                ctx = _context(nodes, weights, taken)
+                ctx = _context(nodes, weights, taken, live)
                 for node in ctx.nodes:
                     if node.op != op:
                         continue

@@ -153,3 +153,25 @@ def test_quantize_turns_norm_linears_into_rms_norm_qlinear(bind_arch):
     assert node.ins == ("x", "ln1", "wqkv", "wqkv_scale") and node.attrs["granularity"] == "channel"
     assert layer(q).weights["wqkv"].dtype == "float8_e4m3fn" and layer(q).weights["ln1"].dtype == "float32"
     assert [n.op for n in layer(q).body].count("rms_norm_qlinear") == 2
+
+
+def test_values_read_beyond_their_body_are_not_folded_away(bind_arch):
+    """A value also read outside its stretch of nodes (here the final norm, made a graph output too)
+    keeps its producer: the rewrite engine's ``live`` set, which every folding rule asks through
+    ``sole_user``. The loop's carries and the values a repeat body reads from the top level are live."""
+    from mxc.compiler.rewrite import _live
+
+    g = merged(bind_arch())
+    top = [n for n in g.body if not isinstance(n, Repeat)]
+    final_norm = next(n for n in top if n.op == "rms_norm")
+    exposed = g.replace(outputs=g.outputs + (final_norm.outs[0],))
+    verify(exposed)
+    after = fuse_norm_linear.run(exposed, FP8)
+    verify(after)  # folding the norm into the LM head would have deleted an output
+    assert final_norm in after.body and not any(n.op == "rms_norm_linear" for n in after.body
+                                                if not isinstance(n, Repeat))
+    assert any(n.op == "rms_norm_linear" for n in layer(after).body)  # the layer's norms still fold
+    live = _live(g)
+    rep = layer(g)
+    assert set(rep.carry) | set(rep.carry.values()) <= live
+    assert set(g.outputs) <= live and final_norm.outs[0] not in live

@@ -30,8 +30,8 @@ def _reduced(node: Node, ctx):
     all-reduce used only here."""
     for j in (1, 0):
         src = ctx.producing(node.ins[j])
-        users = ctx.users.get(node.ins[j], [])
-        if src is not None and src.op == "all_reduce" and len(users) == 1 and node.ins[1 - j] != node.ins[j]:
+        if src is not None and src.op == "all_reduce" and ctx.sole_user(node.ins[j]) is node \
+                and node.ins[1 - j] != node.ins[j]:
             return src, 1 - j
     return None, None
 

@@ -31,14 +31,9 @@ from mxc.compiler.rewrite import apply_rules
 from mxc.ir import Graph, Node
 
 
-def _single_user(ctx, value):
-    users = ctx.users.get(value, [])
-    return ctx.nodes[users[0]] if len(users) == 1 else None
-
-
 def _prologue(lin: Node, ctx):
     act = ctx.producing(lin.ins[0])
-    if act is None or act.op != "silu_mul" or lin.attrs.get("prologue") or _single_user(ctx, act.outs[0]) is not lin:
+    if act is None or act.op != "silu_mul" or lin.attrs.get("prologue") or ctx.sole_user(act.outs[0]) is not lin:
         return None
     return {ctx.index(lin): [lin.replace(ins=(act.ins[0],) + lin.ins[1:], attrs={**lin.attrs, "prologue": "silu_mul"})],
             ctx.index(act): []}
@@ -51,7 +46,7 @@ def _epilogue(add: Node, ctx):
     for j in (1, 0):
         op = ctx.producing(add.ins[j])
         at = _RESIDUAL_AT.get(getattr(op, "op", None))
-        if at is None or len(op.ins) > at or _single_user(ctx, op.outs[0]) is not add:
+        if at is None or len(op.ins) > at or ctx.sole_user(op.outs[0]) is not add:
             continue
         ins = op.ins + (None,) * (at - len(op.ins)) + (add.ins[1 - j],)
         return {ctx.index(op): [], ctx.index(add): [op.replace(outs=add.outs, ins=ins)]}

@@ -34,10 +34,9 @@ from mxc.ir import Graph, Node
 
 
 def _match(norm: Node, ctx):
-    users = ctx.users.get(norm.outs[0], [])
-    if norm.ins[1] not in ctx.weights or len(users) != 1:
+    lin = ctx.sole_user(norm.outs[0])
+    if norm.ins[1] not in ctx.weights or lin is None:
         return None
-    lin = ctx.nodes[users[0]]
     if lin.op != "linear" or lin.ins[0] != norm.outs[0] or len(lin.ins) > 3 or lin.attrs.get("prologue"):
         return None
     ins = (norm.ins[0], norm.ins[1], lin.ins[1]) + tuple(i for i in lin.ins[2:3] if i is not None)

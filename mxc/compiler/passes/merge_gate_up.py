@@ -32,7 +32,7 @@ def _match(mul: Node, ctx):
     gate = ctx.producing(silu.ins[0])
     if gate is None or gate.op != "linear" or gate is up:
         return None
-    if len(ctx.users[gate.outs[0]]) != 1 or len(ctx.users[silu.outs[0]]) != 1:
+    if ctx.sole_user(gate.outs[0]) is not silu or ctx.sole_user(silu.outs[0]) is not mul:
         return None
     if not can_merge([gate, up], ctx.weights):
         return None
