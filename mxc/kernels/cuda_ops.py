@@ -85,11 +85,12 @@ def all_reduce_add_rms_norm(x, residual, weight, bias=None, ctx: ForwardContext 
 
 def _push_comm(x, ctx, world):
     """The runtime's push all-reduce (``peer_allreduce.PushAllReduce``), or "record" when the build
-    traces on ``meta`` (the kernel's launch is recorded for the artifact), or None (fall back)."""
+    traces on ``meta`` (the kernel's launch is recorded for the artifact), or None (fall back: no push
+    all-reduce here, or more rows than its buffer takes)."""
     if x.device.type == "meta":
         return "record" if world and world > 1 else None
     comm = ctx.peer_allreduce
-    return comm if ctx.world_size > 1 and hasattr(comm, "add_rms_norm") else None
+    return comm if ctx.world_size > 1 and hasattr(comm, "add_rms_norm") and comm.fits(x) else None
 
 
 def _record_push(x, world, **kw):

@@ -32,6 +32,13 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.distributed as dist
+import triton
+
+from mxc.errors import MxcError
+from mxc.kernels import kernel_templates
+from mxc.kernels.launch import launch
+from mxc.kernels.triton_norm import row_warps
 
 
 def available(device: torch.device) -> str | None:
@@ -47,29 +54,34 @@ def available(device: torch.device) -> str | None:
     return None
 
 
+def _symmetric_buffer(group, numel: int, dtype: torch.dtype, device: torch.device, fill: int | None = None):
+    """A buffer of ``numel`` values every rank of ``group`` can address (torch symmetric memory), its
+    bits set to ``fill`` (int16) if given; returns it and the rendezvous handle. Collective."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before torch 2.9, a no-op since
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            symm_mem.enable_symm_mem_for_group(group.group_name)
+    buffer = symm_mem.empty(numel, dtype=dtype, device=device)
+    if fill is not None:
+        buffer.view(torch.int16).fill_(fill)
+    return buffer, symm_mem.rendezvous(buffer, group.group_name)
+
+
 class OneShotAllReduce:
     """Sum of ``x`` over the ranks of ``group`` (None: the default group), one-shot over peer memory."""
 
     def __init__(self, group, numel: int, dtype: torch.dtype, device: torch.device):
-        import torch.distributed as dist
-        import torch.distributed._symmetric_memory as symm_mem
-
         self.group = group if group is not None else dist.group.WORLD
         self.group_name = self.group.group_name
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before torch 2.9, a no-op since
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)
-                symm_mem.enable_symm_mem_for_group(self.group_name)
-        self.buffer = symm_mem.empty(numel, dtype=dtype, device=device)
-        symm_mem.rendezvous(self.buffer, self.group_name)
+        self.buffer, _ = _symmetric_buffer(self.group, numel, dtype, device)
         self._copy_out = getattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out", None)
         torch.cuda.synchronize(device)
         dist.barrier(self.group)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() > self.buffer.numel() or x.dtype != self.buffer.dtype:
-            import torch.distributed as dist
-
             x = x.contiguous()
             dist.all_reduce(x, group=self.group)
             return x
@@ -87,10 +99,6 @@ MAX_SPINS = 1 << 22  # reads of a slot before a kernel gives up on a peer (secon
 
 
 def push_kernel(H: int, world: int, residual: bool, norm: bool, bias: bool, max_spins: int = MAX_SPINS):
-    import triton
-
-    from mxc.kernels import kernel_templates
-
     return kernel_templates.kernel("push_all_reduce", "push_all_reduce_kernel", H=H,
                                    BLOCK_H=triton.next_power_of_2(H), WORLD=world, RESIDUAL=residual, NORM=norm,
                                    BIAS=bias, MAX_SPINS=max_spins)
@@ -105,10 +113,6 @@ def push_all_reduce(x: torch.Tensor, bufs: torch.Tensor, state: torch.Tensor, ra
     ``bufs`` [world] int64: each rank's symmetric buffer (``3 * slot_elems`` values of x's dtype,
     reset to -0.0) as addressed from this rank; ``state`` [4] int32 on this device, zeros at first.
     Any device works for recording the launch (``meta`` at build time)."""
-    import triton
-
-    from mxc.kernels.launch import launch
-
     T, H = x.shape
     assert x.dtype in PUSH_DTYPES and x.is_contiguous(), f"push all-reduce: x must be contiguous bf16/fp16, got {x.dtype}"
     assert T * H * world <= slot_elems, f"push all-reduce: {T} rows of {H} from {world} ranks exceed a slot"
@@ -120,31 +124,23 @@ def push_all_reduce(x: torch.Tensor, bufs: torch.Tensor, state: torch.Tensor, ra
     args = [x, residual, bias, weight, out, norm_out, bufs, state, int(rank), int(slot_elems)]
     args = [a for a in args if a is not None] + ([float(eps)] if weight is not None else [])
     launch(push_kernel(H, world, residual is not None, weight is not None, bias is not None, max_spins), (T,), args, {},
-           num_warps=max(1, min(8, triton.next_power_of_2(H) // 256)), num_stages=1)
+           num_warps=row_warps(H), num_stages=1)
     return (out, norm_out) if weight is not None else out
 
 
 class PushAllReduce:
-    """The runtime's push all-reduce for ``group`` (None: the default group): rows up to
-    ``max_tokens`` of ``hidden`` features; NCCL (and the Triton add/RMSNorm) for larger calls."""
+    """The runtime's push all-reduce for ``group`` (None: the default group): up to ``max_tokens`` rows
+    of ``hidden`` features (``fits``; the adapters in ``cuda_ops`` send anything else to NCCL)."""
 
     def __init__(self, group, max_tokens: int, hidden: int, dtype: torch.dtype, device: torch.device):
-        import torch.distributed as dist
-        import torch.distributed._symmetric_memory as symm_mem
-
         if dtype not in PUSH_DTYPES:
             raise RuntimeError(f"the push all-reduce sums bf16 or fp16, not {dtype}")
         self.group = group if group is not None else dist.group.WORLD
         self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.max_tokens, self.hidden, self.dtype = max_tokens, hidden, dtype
         self.slot_elems = self.world * max_tokens * hidden
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)
-                symm_mem.enable_symm_mem_for_group(self.group.group_name)
-        self.buffer = symm_mem.empty(3 * self.slot_elems, dtype=dtype, device=device)
-        self.buffer.view(torch.int16).fill_(-32768)  # every value "not written yet"
-        handle = symm_mem.rendezvous(self.buffer, self.group.group_name)
+        # every value "not written yet" (-0.0)
+        self.buffer, handle = _symmetric_buffer(self.group, 3 * self.slot_elems, dtype, device, fill=-32768)
         self.bufs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
         self.state = torch.zeros(4, dtype=torch.int32, device=device)
         torch.cuda.synchronize(device)
@@ -158,28 +154,14 @@ class PushAllReduce:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """Sum of ``x`` over the ranks (+ bias)."""
-        if not self.fits(x):
-            import torch.distributed as dist
-
-            x = x.contiguous()
-            dist.all_reduce(x, group=self.group)
-            return x if bias is None else x + bias
         return self._run(x, bias=bias)
 
     def add(self, x, residual, bias=None) -> torch.Tensor:
         """``residual + (sum of x over the ranks + bias)``."""
-        if not self.fits(x):
-            from mxc.kernels import triton_elementwise
-
-            return triton_elementwise.add(residual, self(x, bias))
         return self._run(x, residual=residual.contiguous(), bias=bias)
 
     def add_rms_norm(self, x, residual, weight, eps, bias=None):
         """``(s, rms_norm(s))`` of ``s = residual + (sum of x over the ranks + bias)``."""
-        if not self.fits(x):
-            from mxc.kernels import triton_norm
-
-            return triton_norm.add_rms_norm(self(x, bias), residual.contiguous(), weight, eps)
         return self._run(x, residual=residual.contiguous(), weight=weight, bias=bias, eps=eps)
 
     def check(self) -> None:
@@ -187,13 +169,9 @@ class PushAllReduce:
         waiting for a peer: its sum was wrong, and a peer's rows that land late can be read as a later
         call's, so this instance's results cannot be trusted again (load the model again)."""
         late = self.state[3:4].clone()
-        import torch.distributed as dist
-
         if self.world > 1 and dist.is_initialized():
             dist.all_reduce(late, op=dist.ReduceOp.MAX, group=self.group)
         if int(late):
-            from mxc.errors import MxcError
-
             self.state[3] = 1  # sticky
             raise MxcError("a tensor-parallel rank did not deliver its partial sums to the push all-reduce in "
                            "time (do all ranks run the same calls?); its results since cannot be trusted: "

@@ -32,7 +32,8 @@ def norm_kernel(H: int, residual: bool):
                                    RESIDUAL=residual)
 
 
-def _num_warps(H: int) -> int:
+def row_warps(H: int) -> int:
+    """Warps of a kernel holding one row of H features in one block (RMSNorm, the push all-reduce)."""
     return max(1, min(8, triton.next_power_of_2(H) // 256))
 
 
@@ -54,7 +55,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
     assert out.shape == x.shape and out.dtype == out_dtype and out.is_contiguous(), (
         f"rms_norm: out must be contiguous {out_dtype} {tuple(x.shape)}, got {out.dtype} {tuple(out.shape)}")
     H = x.shape[-1]
-    launch(norm_kernel(H, False), (x.numel() // H,), [x, weight, out, float(eps)], {}, num_warps=_num_warps(H),
+    launch(norm_kernel(H, False), (x.numel() // H,), [x, weight, out, float(eps)], {}, num_warps=row_warps(H),
            num_stages=1)
     return out
 
@@ -83,5 +84,5 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
         f"got {residual_out.dtype} {tuple(residual_out.shape)}")
     H = x.shape[-1]
     launch(norm_kernel(H, True), (x.numel() // H,), [x, residual, weight, out, residual_out, float(eps)], {},
-           num_warps=_num_warps(H), num_stages=1)
+           num_warps=row_warps(H), num_stages=1)
     return residual_out, out

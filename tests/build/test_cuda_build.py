@@ -32,46 +32,49 @@ OLMOE = {"architectures": ["OlmoeForCausalLM"], "hidden_size": 64, "intermediate
          "rms_norm_eps": 1e-5, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": False}
 
 
+BUILDS = [(None, 1, None), (QWEN3, 1, None), (None, 2, None), (None, 1, "fp8"), (QWEN3_MOE, 2, None),
+          (QWEN3_MOE, 1, "fp8"), (OLMOE, 1, None)]
+BUILD_IDS = ["llama-default", "qwen3-yarn", "llama-tp2", "llama-fp8", "qwen3-moe-tp2", "qwen3-moe-fp8", "olmoe"]
 GPU_TRITON = os.environ.get("MXC_GPU_TRITON")  # a folder holding the GPU machines' Triton (.ci/run fetches 3.6.0)
 
 
-@pytest.mark.skipif(not GPU_TRITON, reason="MXC_GPU_TRITON not set (a folder with the GPU machines' Triton package)")
-@pytest.mark.parametrize("config,tp,quant", [(None, 1, None), (QWEN3, 1, None), (None, 2, None), (None, 1, "fp8"),
-                                             (QWEN3_MOE, 2, None), (OLMOE, 1, None)],
-                         ids=["llama-default", "qwen3-yarn", "llama-tp2", "llama-fp8", "qwen3-moe-tp2", "olmoe"])
-def test_cuda_build_compiles_with_the_gpu_triton(config, tp, quant, tmp_path):
-    """The same builds with the Triton of the GPU machines, which refuses code the newer CPU one takes
-    (a None in a returned tuple broke a GPU build once): every kernel must compile with both."""
+def _build(config, tp, quant, tmp_path, triton_path=None):
+    """``mxc build --target cuda`` in a subprocess (kernels compiled, not interpreted), optionally with the
+    Triton package in ``triton_path``; returns the artifact directory."""
     args = [sys.executable, "-m", "mxc", "build", "llama.yaml", "--target", "cuda", "--out", str(tmp_path / "art"),
             "--max-batch", "4", "--max-seq-len", "128", "--tp", str(tp)] + (["--quant", quant] if quant else [])
     if config is not None:
         (tmp_path / "config.json").write_text(json.dumps(config))
         args += ["--config", str(tmp_path / "config.json")]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([GPU_TRITON] + [v for v in [env.get("PYTHONPATH")] if v])
-    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(args, env=_compile_env(triton_path), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    version = json.loads((tmp_path / "art" / "manifest.json").read_text())["target"]["triton"]
+    return tmp_path / "art"
+
+
+def _compile_env(triton_path=None) -> dict:
+    """This environment without the interpreter (kernels compile), with ``triton_path`` first if given."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if triton_path:
+        env["PYTHONPATH"] = os.pathsep.join([triton_path] + [v for v in [env.get("PYTHONPATH")] if v])
+    return env
+
+
+@pytest.mark.skipif(not GPU_TRITON, reason="MXC_GPU_TRITON not set (a folder with the GPU machines' Triton package)")
+@pytest.mark.parametrize("config,tp,quant", [b for b in BUILDS if b != (QWEN3_MOE, 1, "fp8")],
+                         ids=[i for i in BUILD_IDS if i != "qwen3-moe-fp8"])
+def test_cuda_build_compiles_with_the_gpu_triton(config, tp, quant, tmp_path):
+    """The same builds with the Triton of the GPU machines, which refuses code the newer CPU one takes
+    (a None in a returned tuple broke a GPU build once): every kernel must compile with both."""
+    art = _build(config, tp, quant, tmp_path, GPU_TRITON)
+    version = json.loads((art / "manifest.json").read_text())["target"]["triton"]
     import triton
 
     assert version != triton.__version__, f"the build used this environment's Triton {version}, not MXC_GPU_TRITON's"
 
 
-@pytest.mark.parametrize("config,tp,quant", [(None, 1, None), (QWEN3, 1, None), (None, 2, None), (None, 1, "fp8"),
-                                             (QWEN3_MOE, 2, None), (QWEN3_MOE, 1, "fp8"), (OLMOE, 1, None)],
-                         ids=["llama-default", "qwen3-yarn", "llama-tp2", "llama-fp8", "qwen3-moe-tp2", "qwen3-moe-fp8",
-                              "olmoe"])
+@pytest.mark.parametrize("config,tp,quant", BUILDS, ids=BUILD_IDS)
 def test_cuda_build_compiles_every_kernel_for_sm90(config, tp, quant, tmp_path):
-    args = [sys.executable, "-m", "mxc", "build", "llama.yaml", "--target", "cuda", "--out", str(tmp_path / "art"),
-            "--max-batch", "4", "--max-seq-len", "128", "--tp", str(tp)] + (["--quant", quant] if quant else [])
-    if config is not None:
-        (tmp_path / "config.json").write_text(json.dumps(config))
-        args += ["--config", str(tmp_path / "config.json")]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-
-    art = tmp_path / "art"
+    art = _build(config, tp, quant, tmp_path)
     manifest = json.loads((art / "manifest.json").read_text())
     assert manifest["target"]["name"] == "cuda" and manifest["target"]["arch"] == "sm_90"
     assert manifest["target"]["triton"]
@@ -102,7 +105,7 @@ def test_cuda_build_compiles_every_kernel_for_sm90(config, tp, quant, tmp_path):
     assert "cuda_ops.qkv_rope_cache" in program and "cuda_ops.cached_attention" in program
     assert ("triton_fp8.qlinear_small_m" if quant else "triton_gemv.linear_small_m") in program
     if config is None and tp == 1 and not quant:
-        _same_keys_in_a_fresh_process(art, env)
+        _same_keys_in_a_fresh_process(art, _compile_env())
         from mxc.inspect import summary  # `mxc inspect`: per-bucket kernel choices and the rendered kernels
 
         text = summary(art)
@@ -146,8 +149,7 @@ def test_cuda_build_with_pdl(tmp_path):
     and the index marks it for the programmatic-dependent launch; the manifest records the option."""
     args = [sys.executable, "-m", "mxc", "build", "llama.yaml", "--target", "cuda", "--out", str(tmp_path / "art"),
             "--max-batch", "2", "--max-seq-len", "64", "--pdl"]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(args, env=_compile_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     art = tmp_path / "art"
     assert json.loads((art / "manifest.json").read_text())["options"]["pdl"] is True
