@@ -65,9 +65,10 @@ def qkv_rope_cache(qkv, positions, q_norm=None, k_norm=None, ctx: ForwardContext
 
 def all_reduce_one_shot(x, bias=None, ctx: ForwardContext = None, world=None):
     """The decode all-reduce over peer memory (``peer_allreduce``) where the runtime set it up
-    (``ctx.peer_allreduce``), else NCCL as ``torch_ref.all_reduce``."""
+    (``ctx.peer_allreduce``) and ``x`` fits its buffer, else NCCL as ``torch_ref.all_reduce`` (a prefill's
+    rows)."""
     comm = ctx.peer_allreduce
-    if comm is None or ctx.world_size == 1 or x.device.type == "meta":
+    if comm is None or ctx.world_size == 1 or x.device.type == "meta" or not comm.fits(x):
         return torch_ref.all_reduce(x, bias, ctx)
     out = comm(x)
     return out if bias is None else out + bias

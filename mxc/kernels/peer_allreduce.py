@@ -80,11 +80,11 @@ class OneShotAllReduce:
         torch.cuda.synchronize(device)
         dist.barrier(self.group)
 
+    def fits(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` fits the buffer (the adapters in ``cuda_ops`` send anything else to NCCL)."""
+        return x.numel() <= self.buffer.numel() and x.dtype == self.buffer.dtype
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() > self.buffer.numel() or x.dtype != self.buffer.dtype:
-            x = x.contiguous()
-            dist.all_reduce(x, group=self.group)
-            return x
         x = x.contiguous()
         inp = self.buffer.narrow(0, 0, x.numel()).view(x.shape)
         out = torch.empty_like(x)

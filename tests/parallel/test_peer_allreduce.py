@@ -91,17 +91,40 @@ def test_build_refuses_one_shot_off_cuda(tmp_path):
     assert not (tmp_path / "a").exists()
 
 
-def test_adapter_uses_the_runtime_collective_or_falls_back():
-    calls = []
+class _FakeOneShot:
+    """Stands in for ``OneShotAllReduce``: twice this rank's partial, for up to ``max_rows`` rows."""
 
-    def fake(x):
-        calls.append(x.shape)
+    def __init__(self, max_rows=4):
+        self.calls, self.max_rows = [], max_rows
+
+    def fits(self, x):
+        return x.shape[0] <= self.max_rows
+
+    def __call__(self, x):
+        assert self.fits(x), "called with rows that do not fit"
+        self.calls.append(x.shape)
         return x * 2
 
+
+def _nccl_stand_in(monkeypatch):
+    """torch_ref.all_reduce without a process group: three times the partial, so a test sees which ran."""
+    calls = []
+    monkeypatch.setattr(cuda_ops.torch_ref, "all_reduce",
+                        lambda x, bias=None, ctx=None: calls.append(x.shape) or 3 * x + (0 if bias is None else bias))
+    return calls
+
+
+def test_adapter_uses_the_runtime_collective_or_falls_back(monkeypatch):
+    fake = _FakeOneShot()
+    calls = fake.calls
     x, b = torch.ones(3, 8), torch.full((8,), 0.5)
     ctx = ForwardContext([1] * 3, [0] * 3, [0, 1, 2], world_size=2, peer_allreduce=fake)
     torch.testing.assert_close(cuda_ops.all_reduce_one_shot(x, b, ctx), torch.full((3, 8), 2.5))
     assert calls == [(3, 8)]
+    nccl = _nccl_stand_in(monkeypatch)  # more rows than the buffer takes (a prefill): NCCL
+    torch.testing.assert_close(cuda_ops.all_reduce_one_shot(torch.ones(5, 8), b, ctx), torch.full((5, 8), 3.5))
+    assert calls == [(3, 8)] and nccl == [(5, 8)]
+    monkeypatch.undo()
     single = ForwardContext([1], [0], [0])  # world size 1, no collective: the input (+ bias)
     torch.testing.assert_close(cuda_ops.all_reduce_one_shot(x, b, single), torch.full((3, 8), 1.5))
     meta = torch.empty(3, 8, device="meta")  # the build's shape-only trace never calls the collective
@@ -109,15 +132,17 @@ def test_adapter_uses_the_runtime_collective_or_falls_back():
 
 
 class _FakePush:
-    """Stands in for ``PushAllReduce``: the sum over two ranks is twice this rank's partial."""
+    """Stands in for ``PushAllReduce``: the sum over two ranks is twice this rank's partial, for up to
+    ``max_rows`` rows."""
 
-    def __init__(self):
-        self.calls = []
+    def __init__(self, max_rows=4):
+        self.calls, self.max_rows = [], max_rows
 
     def fits(self, x):
-        return True
+        return x.shape[0] <= self.max_rows
 
     def __call__(self, x, bias=None):
+        assert self.fits(x), "called with rows that do not fit"
         self.calls.append("sum")
         return 2 * x if bias is None else 2 * x + bias
 
@@ -141,9 +166,9 @@ def test_push_adapters_use_the_runtime_collective_or_fall_back():
     torch.testing.assert_close(h, torch_ref.rms_norm(torch.full((3, 8), 2.75), w, 1e-6))
     assert push.calls[0] == "sum" and "add" in push.calls and "add_rms_norm" in push.calls
     # a one-shot object (no add/add_rms_norm) or none: the all-reduce adapter, then the add (+ norm)
-    calls = []
-    one_shot = ForwardContext([1] * 3, [0] * 3, [0, 1, 2], world_size=2,
-                              peer_allreduce=lambda t: calls.append(t.shape) or 2 * t)
+    one_shot_comm = _FakeOneShot()
+    calls = one_shot_comm.calls
+    one_shot = ForwardContext([1] * 3, [0] * 3, [0, 1, 2], world_size=2, peer_allreduce=one_shot_comm)
     add = cuda_ops.all_reduce_add
     cuda_ops.triton_elementwise, saved = type("E", (), {"add": staticmethod(torch.add)}), cuda_ops.triton_elementwise
     try:
@@ -152,6 +177,24 @@ def test_push_adapters_use_the_runtime_collective_or_fall_back():
     finally:
         cuda_ops.triton_elementwise = saved
     assert len(calls) == 2
+
+
+def test_push_sends_rows_that_do_not_fit_to_nccl(monkeypatch):
+    """A prefill's rows exceed the push buffer: NCCL sums them and the push object is never called (its
+    kernel would refuse them)."""
+    push = _FakePush(max_rows=4)
+    nccl = _nccl_stand_in(monkeypatch)
+    monkeypatch.setattr(cuda_ops.triton_elementwise, "add", torch.add)
+    monkeypatch.setattr(cuda_ops.triton_norm, "add_rms_norm",
+                        lambda t, r, w, eps: (r + t, torch_ref.rms_norm(r + t, w, eps)))
+    x, r, w = torch.ones(6, 8), torch.full((6, 8), 0.25), torch.linspace(0.5, 1.5, 8)
+    ctx = ForwardContext([1] * 6, [0] * 6, list(range(6)), world_size=2, peer_allreduce=push)
+    torch.testing.assert_close(cuda_ops.all_reduce_push(x, None, ctx, world=2), torch.full((6, 8), 3.0))
+    torch.testing.assert_close(cuda_ops.all_reduce_add_push(x, r, None, ctx, world=2), torch.full((6, 8), 3.25))
+    s, h = cuda_ops.all_reduce_add_rms_norm_push(x, r, w, None, ctx, eps=1e-6, world=2)
+    torch.testing.assert_close(s, torch.full((6, 8), 3.25))
+    torch.testing.assert_close(h, torch_ref.rms_norm(s, w, 1e-6))
+    assert push.calls == [] and nccl == [(6, 8)] * 3
 
 
 def test_push_records_its_kernel_at_build_time():
