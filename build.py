@@ -8,4 +8,5 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from mxc.cli import main  # noqa: E402
 
-sys.exit(main(["build", *sys.argv[1:]]))
+if __name__ == "__main__":  # kernel compilation spawns processes that import this file again
+    sys.exit(main(["build", *sys.argv[1:]]))
