@@ -145,6 +145,13 @@ def _route(logits, k, scoring="softmax", renormalize=False, **_):
     return (TensorType((t, k), logits.dtype), TensorType((t, k), "int64"))
 
 
+def _add_rms_norm_route(a, b, norm_w, router_w, eps=None, k=None, scoring="softmax", renormalize=False, **_):
+    s, h = _add_rms_norm(a, b, norm_w, eps)
+    _need(len(router_w.shape) == 2 and router_w.shape[1] == a.shape[-1],
+          lambda: f"router weight {router_w} must be [experts, {a.shape[-1]}]")
+    return (s, h) + _route(TensorType((a.shape[0], router_w.shape[0]), a.dtype), k, scoring, renormalize)
+
+
 def _moe_common(x, weights, ids, w_in, w_down, in_rows):
     _need(len(x.shape) == 2 and weights.shape == ids.shape and ids.dtype == "int64" and weights.shape[0] == x.shape[0],
           lambda: f"expects x [T, H], weights and ids [T, k], got {x}, {weights}, {ids}")
@@ -278,6 +285,9 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
           doc="s = residual + all_reduce(x, bias); (s, rms_norm(s)) -- fuse_all_reduce"),
     OpDef("add_rms_norm", ("a", "b", "weight"), _add_rms_norm, attrs=("eps",),
           doc="s = a + b; (s, rms_norm(s)) -- fuse_add_rms_norm"),
+    OpDef("add_rms_norm_route", ("a", "b", "norm_weight", "router_weight"), _add_rms_norm_route,
+          attrs=("eps", "k"), optional_attrs=("scoring", "renormalize"), uses_context=True,
+          doc="s = a + b; h = rms_norm(s); (s, h, route(linear(h, router_weight), k)) -- fuse_norm_route"),
     OpDef("rms_norm_linear", ("x", "norm_weight", "weight", "bias?"), _rms_norm_linear, attrs=("eps",),
           doc="linear(rms_norm(x, norm_weight), weight, bias) -- fuse_norm_linear"),
     OpDef("rms_norm_qlinear", ("x", "norm_weight", "weight", "scale", "bias?"), _rms_norm_qlinear,
@@ -298,6 +308,8 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
 def n_outputs(op: str, attrs: dict) -> int:
     if op == "split":
         return len(attrs.get("sizes", ()))
+    if op == "add_rms_norm_route":
+        return 4
     return 2 if op in ("rope", "add_rms_norm", "all_reduce_add_rms_norm", "route") else 1
 
 

@@ -105,9 +105,21 @@ def _push_ok(node, in_types, options):
 
 
 def _route_ok(node, in_types, options):
-    e = in_types[0].shape[-1]
+    e = in_types[3].shape[0] if node.op == "add_rms_norm_route" else in_types[0].shape[-1]
     if isinstance(e, int) and e > 1024:
         return f"{e} experts: the one-program-per-token router holds at most 1024 scores"
+    return _dtype_ok(node, in_types, options)
+
+
+NORM_ROUTE_MAX_TOKENS = 32  # the fused norm + router kernel's token counts (every program normalises every row)
+
+
+def _norm_route_ok(node, in_types, options):
+    e, h = in_types[3].shape
+    if e > 1024:
+        return f"{e} experts: the router holds at most 1024 scores"
+    if h > 8192:
+        return f"hidden size {h}: the fused kernel holds a row in registers, at most 8192"
     return _dtype_ok(node, in_types, options)
 
 
@@ -193,6 +205,11 @@ _TRITON = [
     # mixture of experts
     Candidate("triton_route.route", "route", GPU,
               "Triton router: softmax or sigmoid, top-k and renormalisation in one kernel", check=_route_ok),
+    Candidate("triton_route.add_rms_norm_route", "add_rms_norm_route", GPU,
+              f"Triton residual add, RMSNorm, router GEMV and router in one kernel at <= {NORM_ROUTE_MAX_TOKENS} "
+              f"tokens (3 launches fewer)", tokens=(1, NORM_ROUTE_MAX_TOKENS), check=_norm_route_ok),
+    Candidate("cuda_ops.add_rms_norm_route", "add_rms_norm_route", GPU,
+              "Triton add + RMSNorm, cuBLAS router GEMM, Triton router", check=_route_ok),
     Candidate("cuda_ops.fused_moe_pairs", "fused_moe", GPU,
               f"Triton fused MoE for <= {MOE_PAIR_MAX_TOKENS} tokens: a GEMV per (token, expert) pair and the top-k "
               f"sum in the down kernel, no sort (2 launches instead of 6)", tokens=(1, MOE_PAIR_MAX_TOKENS),

@@ -15,7 +15,7 @@ import json
 import torch
 
 from mxc.kernels import (cublas, fp8_gemm, peer_allreduce, torch_ref, triton_attention, triton_elementwise,
-                         triton_fp8, triton_gemv, triton_norm, triton_rope)
+                         triton_fp8, triton_gemv, triton_norm, triton_rope, triton_route)
 from mxc.kernels.context import ForwardContext
 
 
@@ -128,6 +128,14 @@ def all_reduce_add_rms_norm_push(x, residual, weight, bias=None, ctx: ForwardCon
         all_reduce_add_rms_norm(x, residual, weight, bias, ctx, eps)
         return _record_push(x, world, residual=residual, weight=weight, bias=bias, eps=eps)
     return comm.add_rms_norm(x, residual, weight, eps, bias)
+
+
+def add_rms_norm_route(a, b, norm_weight, router_weight, ctx: ForwardContext = None, *, eps, k, scoring="softmax",
+                       renormalize=False):
+    """More tokens than the fused kernel serves (``triton_route.add_rms_norm_route``): the Triton add +
+    RMSNorm, the router GEMM by cuBLAS, the Triton router."""
+    s, h = triton_norm.add_rms_norm(a, b, norm_weight, eps)
+    return (s, h) + triton_route.route(cublas.linear(h, router_weight), k, scoring, renormalize)
 
 
 def fused_moe(x, weights, ids, w_gate_up, w_down, s_gate_up=None, s_down=None, residual=None):

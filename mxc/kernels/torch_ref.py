@@ -119,6 +119,11 @@ def add_rms_norm(a, b, weight, eps):
     return s, rms_norm(s, weight, eps)
 
 
+def add_rms_norm_route(a, b, norm_weight, router_weight, ctx=None, *, eps, k, scoring="softmax", renormalize=False):
+    s, h = add_rms_norm(a, b, norm_weight, eps)
+    return (s, h) + route(linear(h, router_weight), k, scoring, renormalize)
+
+
 def rms_norm_linear(x, norm_weight, weight, bias=None, eps=1e-6):
     return linear(rms_norm(x, norm_weight, eps), weight, bias)
 

@@ -97,6 +97,13 @@ EXAMPLES = {
         ([tt("T", 64), tt("T", 64), tt(32)], {"eps": 1e-5}, "does not match the last dim"),
         ([tt("T", 64), tt("T", 64), tt(64)], {"eps": -1.0}, "eps must be > 0"),
     ]),
+    "add_rms_norm_route": (([tt("T", 64), tt("T", 64), tt(64), tt(8, 64)], {"eps": 1e-5, "k": 2}),
+                           [tt("T", 64), tt("T", 64), tt("T", 2), tt("T", 2, dtype="int64")], [
+        ([tt("T", 64), tt("T", 32), tt(64), tt(8, 64)], {"eps": 1e-5, "k": 2}, "inputs differ"),
+        ([tt("T", 64), tt("T", 64), tt(64), tt(8, 32)], {"eps": 1e-5, "k": 2}, "router weight"),
+        ([tt("T", 64), tt("T", 64), tt(64), tt(8, 64)], {"eps": 1e-5, "k": 9}, "k=9 must be in 1..8"),
+        ([tt("T", 64), tt("T", 64), tt(64), tt(8, 64)], {"eps": 1e-5}, "missing attribute(s) k"),
+    ]),
     "rms_norm_linear": (([tt("T", 64), tt(64), tt(128, 64), tt(128)], {"eps": 1e-5}), [tt("T", 128)], [
         ([tt("T", 64), tt(32), tt(128, 64)], {"eps": 1e-5}, "disagree on K"),
         ([tt("T", 64), tt(64), tt(128, 48)], {"eps": 1e-5}, "disagree on K"),

@@ -63,3 +63,46 @@ def test_residual_add_folds_into_fused_moe(bind_arch, assert_same_logits):
     verify(folded)
     assert len(next(n for n in layer(folded).body if n.op == "fused_moe").ins) == 8
     assert_same_logits(shared, folded)
+
+
+def _routed(bind_arch, arch="Qwen3MoeForCausalLM", **fields):
+    from mxc.compiler.passes import fuse_add_rms_norm
+
+    g = bind_arch(arch, **{**MOE, **fields})
+    return fuse_add_rms_norm.run(eliminate_dead_code.run(fuse_moe.run(g, None), None), None)
+
+
+def test_norm_and_router_fuse(bind_arch, assert_same_logits):
+    """fuse_norm_route: add_rms_norm + router linear + route -> add_rms_norm_route (softmax with
+    renormalisation, Qwen3-MoE; sigmoid without, as a model file may ask); not under fp8."""
+    from types import SimpleNamespace
+
+    from mxc.compiler.passes import fuse_norm_route
+
+    for arch, fields in (("Qwen3MoeForCausalLM", {}), ("OlmoeForCausalLM", {"norm_topk_prob": False})):
+        before = _routed(bind_arch, arch, **fields)
+        after = eliminate_dead_code.run(fuse_norm_route.run(before, SimpleNamespace(quant=None)), None)
+        verify(after)
+        ops = [n.op for n in layer(after).body]
+        assert "route" not in ops and "add_rms_norm" not in ops and ops.count("add_rms_norm_route") == 1
+        node = next(n for n in layer(after).body if n.op == "add_rms_norm_route")
+        assert node.ins[2:] == ("ln2", "w_router") and node.attrs["k"] == 2
+        moe = next(n for n in layer(after).body if n.op == "fused_moe")
+        assert moe.ins[:3] == node.outs[1:]  # the experts read the fused op's normalised rows and routes
+        assert fuse_norm_route.run(after, SimpleNamespace(quant=None)) == after
+        assert_same_logits(before, after)
+        assert fuse_norm_route.run(before, SimpleNamespace(quant="fp8")) == before
+
+
+def test_norm_route_leaves_logits_read_elsewhere(bind_arch):
+    """Router logits another node also reads (a graph output here) are not folded away."""
+    from types import SimpleNamespace
+
+    from mxc.compiler.passes import fuse_norm_route
+
+    g = _routed(bind_arch)
+    rep = layer(g)
+    route = next(n for n in rep.body if n.op == "route")
+    kept = g.replace(body=tuple(it.replace(carry={**it.carry, "router_logits": route.ins[0]})
+                                if isinstance(it, Repeat) else it for it in g.body))
+    assert fuse_norm_route.run(kept, SimpleNamespace(quant=None)) == kept

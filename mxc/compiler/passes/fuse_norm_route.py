@@ -1,0 +1,44 @@
+"""fuse_norm_route: the MoE block's residual add + RMSNorm, router linear and router become one op.
+
+Matches (``fuse_add_rms_norm`` made the first node)::
+
+    s, h = add_rms_norm(a, b, g, eps=e)             # h may have other readers (the experts)
+    l = linear(h, w_r)                               # w_r a weight; no bias, residual or prologue;
+    wt, ids = route(l, k=K, scoring=S, renormalize=R)  # l read only by the router
+
+Rewrites to::
+
+    s, h, wt, ids = add_rms_norm_route(a, b, g, w_r, eps=e, k=K, scoring=S, renormalize=R)
+
+At decode one kernel does all of it (``triton_route.add_rms_norm_route``: 3 launches fewer a MoE
+layer); larger token counts run the three kernels as before. Not under ``--quant fp8``: there the
+router linear is quantized with the others (the fused kernel reads a router in the model dtype).
+Preserves: every output's name and the math (the router logits rounded to the model dtype, as by the
+linear).
+"""
+
+from __future__ import annotations
+
+from mxc.compiler.rewrite import apply_rules
+from mxc.ir import Graph, Node
+
+
+def _match(route: Node, ctx):
+    lin = ctx.producing(route.ins[0])
+    if lin is None or lin.op != "linear" or ctx.sole_user(route.ins[0]) is not route:
+        return None
+    if len(lin.ins) > 2 or lin.attrs.get("prologue") or lin.ins[1] not in ctx.weights:
+        return None
+    norm = ctx.producing(lin.ins[0])
+    if norm is None or norm.op != "add_rms_norm" or norm.outs[1] != lin.ins[0]:
+        return None
+    attrs = {"eps": norm.attrs["eps"], "k": route.attrs["k"]}
+    attrs.update({a: route.attrs[a] for a in ("scoring", "renormalize") if a in route.attrs})
+    fused = Node("add_rms_norm_route", norm.outs + route.outs, (*norm.ins[:3], lin.ins[1]), attrs, route.loc)
+    return {ctx.index(norm): [fused], ctx.index(lin): [], ctx.index(route): []}
+
+
+def run(graph: Graph, options) -> Graph:
+    if options.quant == "fp8":
+        return graph
+    return apply_rules(graph, [("route", _match)])[0]

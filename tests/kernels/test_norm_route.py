@@ -1,0 +1,89 @@
+"""The fused residual add + RMSNorm + router GEMV + router kernel (``triton_route.add_rms_norm_route``)
+against ``torch_ref.add_rms_norm_route`` under the interpreter on the CPU: ragged hidden sizes and
+expert counts (masked lanes, programs past E), one to many tokens, softmax/sigmoid, renormalised or
+not; its counter is back at 0 after every call, so a context's calls can follow each other; meta
+recording. (The sm_90 compile, with Triton 3.9 and 3.6, runs in tests/build: the OLMoE build.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from mxc.kernels import launch as launch_mod
+from mxc.kernels import torch_ref, triton_route
+from mxc.kernels.context import ForwardContext
+
+_BF16_OK = torch.cuda.is_available() or Path(__file__).with_name("conftest.py").exists()
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if _BF16_OK else [])
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _inputs(T, H, E, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    a, b = torch.randn(T, H, generator=g).to(dtype), torch.randn(T, H, generator=g).to(dtype)
+    norm_w = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype)
+    router_w = (torch.randn(E, H, generator=g) * H ** -0.5).to(dtype)
+    return a, b, norm_w, router_w
+
+
+def _run(args, ctx, **kw):
+    out = triton_route.add_rms_norm_route(*(t.to(DEVICE) for t in args), ctx, **kw)
+    return [t.cpu() for t in out]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T,H,E,k", [(1, 96, 8, 2), (3, 256, 60, 8), (2, 2048, 128, 8), (5, 200, 12, 3),
+                                     (1, 64, 5, 5)])
+@pytest.mark.parametrize("scoring,renormalize", [("softmax", True), ("softmax", False), ("sigmoid", True)])
+def test_matches_reference(T, H, E, k, scoring, renormalize, dtype):
+    args = _inputs(T, H, E, dtype, seed=T * 1000 + H + E)
+    kw = dict(eps=1e-6, k=k, scoring=scoring, renormalize=renormalize)
+    s, h, w, ids = _run(args, ForwardContext([1] * T, [0] * T, list(range(T))), **kw)
+    ref_s, ref_h, ref_w, ref_ids = torch_ref.add_rms_norm_route(*args, **kw)
+    assert torch.equal(s, ref_s)  # the rounded sum: one fp32 add and a cast, as torch
+    torch.testing.assert_close(h.float(), ref_h.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    assert w.dtype == dtype and ids.dtype == torch.int64 and w.shape == ids.shape == (T, k)
+    # the same experts (in order of score); the logits may differ by an ulp (fp32 sums in another order)
+    assert torch.equal(ids, ref_ids), (ids, ref_ids)
+    torch.testing.assert_close(w.float(), ref_w.float(), atol=2 * TOL[dtype], rtol=2 * TOL[dtype])
+
+
+def test_calls_in_a_row_share_the_counter_and_leave_it_at_zero():
+    """Every MoE layer of a call uses the context's one counter: the last program resets it."""
+    ctx = ForwardContext([1, 1], [0, 0], [0, 1])
+    kw = dict(eps=1e-5, k=2, scoring="softmax", renormalize=False)
+    for seed in range(3):
+        args = _inputs(2, 128, 16, torch.float32, seed)
+        got = _run(args, ctx, **kw)
+        ref = torch_ref.add_rms_norm_route(*args, **kw)
+        assert torch.equal(got[3], ref[3])
+        torch.testing.assert_close(got[2], ref[2])
+        (count,) = [v for key, v in ctx.memo.items() if key[0] == "route_count"]
+        assert int(count) == 0
+
+
+def test_refuses_bad_inputs():
+    a, b, nw, rw = _inputs(2, 64, 8, torch.float32, 0)
+    with pytest.raises(ValueError):
+        triton_route.add_rms_norm_route(a, b, nw, rw, eps=1e-6, k=9)
+    with pytest.raises(ValueError):
+        triton_route.add_rms_norm_route(a, b, nw, rw, eps=1e-6, k=2, scoring="relu")
+    with pytest.raises(AssertionError):
+        triton_route.add_rms_norm_route(torch.zeros(33, 64), torch.zeros(33, 64), nw, rw, eps=1e-6, k=2)
+    with pytest.raises(AssertionError):
+        triton_route.add_rms_norm_route(a, b, nw, rw[:, :32].contiguous(), eps=1e-6, k=2)
+
+
+def test_meta_recording():
+    seen = []
+    meta = dict(dtype=torch.bfloat16, device="meta")
+    with launch_mod.using(lambda kernel, grid, args, consts, nw, ns: seen.append((grid, consts, nw))):
+        out = triton_route.add_rms_norm_route(torch.empty(1, 2048, **meta), torch.empty(1, 2048, **meta),
+                                              torch.empty(2048, **meta), torch.empty(128, 2048, **meta),
+                                              eps=1e-6, k=8, renormalize=True)
+    assert [tuple(t.shape) for t in out] == [(1, 2048), (1, 2048), (1, 8), (1, 8)]
+    assert seen == [((64,), dict(H=2048, BLOCK_H=2048, E=128, ROWS=2, K=8, BLOCK_E=128, BLOCK_K=8, SIGMOID=False,
+                                 RENORMALIZE=True), 8)]
