@@ -12,8 +12,9 @@ import hashlib
 from pathlib import Path
 
 # 2: kernels rendered from templates, their sources in code/kernels/src/; 3: the RoPE kernel's kv-group grid,
-# the tiled fp8 quantize and the push all-reduce (older artifacts lack those cubins)
-SCHEMA_VERSION = 3
+# the tiled fp8 quantize and the push all-reduce (older artifacts lack those cubins); 4: the decode attention
+# merges its splits in the split kernel, the MoE norm + router kernel
+SCHEMA_VERSION = 4
 
 
 def sha256_file(path: Path, chunk: int = 1 << 24) -> str:

@@ -12,7 +12,8 @@ The IR's tokens are all sequences flattened into one ``[T]`` batch.
   sequence has exactly one new token);
 - ``k_cache[layer]``/``v_cache[layer]``: ``[slots, max_len, kv_heads, head_dim]``;
 - ``rope_tables``: RoPE cos/sin tables prepared at load, by spec;
-- ``memo``: values shared by every layer of one call;
+- ``memo``: values shared by every layer of one call (``counters``: the zeroed
+  counts of kernels whose last program finishes the work, and leaves them at 0);
 - ``rank``, ``world_size``, ``group``: the tensor-parallel process group;
   ``peer_allreduce``: the runtime's all-reduce over peer memory (one-shot or push), or None.
 
@@ -45,6 +46,16 @@ class ForwardContext:
     world_size: int = 1
     group: object = None
     peer_allreduce: object = None  # ``peer_allreduce.OneShotAllReduce`` or ``PushAllReduce``, as the artifact asks
+
+    def counters(self, name: str, n: int, device) -> torch.Tensor:
+        """int32 zeros [>= n] on ``device`` for kernels that count their finished programs and leave the
+        counts at 0 again (the last program does the rest of the work): one tensor per name for the
+        whole call, so one memset a call (inside a CUDA graph, a step), not one a layer."""
+        key = ("counters", name, str(device))
+        t = self.memo.get(key)
+        if t is None or t.numel() < n:
+            t = self.memo[key] = torch.zeros(n, dtype=torch.int32, device=device)
+        return t
 
     @classmethod
     def build(cls, seq_lens: list[int], past_lens: list[int], slots: list[int], k_cache, v_cache,

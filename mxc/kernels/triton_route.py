@@ -121,8 +121,8 @@ def add_rms_norm_route(a: torch.Tensor, b: torch.Tensor, norm_weight: torch.Tens
     """``s = a + b``, ``h = rms_norm(s, norm_weight)``, then ``route(linear(h, router_weight), k, ...)`` in one
     kernel, for 1..32 tokens: returns ``(s, h, weights, ids)`` as ``torch_ref.add_rms_norm_route``.
 
-    ``ctx`` (a ``ForwardContext``) keeps the kernel's counter (``memo``), shared by every layer of a
-    call; without one it is allocated per call. Runs on ``meta`` tensors too."""
+    ``ctx`` (a ``ForwardContext``) keeps the kernel's counter (``counters``), shared by every layer of
+    a call; without one it is allocated per call. Runs on ``meta`` tensors too."""
     T, H = a.shape
     E = router_weight.shape[0]
     assert 1 <= T <= NORM_ROUTE_MAX_TOKENS, f"add_rms_norm_route: 1..{NORM_ROUTE_MAX_TOKENS} tokens, got {T}"
@@ -134,10 +134,8 @@ def add_rms_norm_route(a: torch.Tensor, b: torch.Tensor, norm_weight: torch.Tens
         raise ValueError(f"need 1 <= k <= E <= {MAX_EXPERTS}, got k={k}, E={E}")
     if scoring not in ("softmax", "sigmoid"):
         raise ValueError(f"scoring must be softmax or sigmoid, got {scoring!r}")
-    memo = ctx.memo if ctx is not None else {}
-    count = memo.get(("route_count", a.device))
-    if count is None:
-        count = memo[("route_count", a.device)] = torch.zeros(1, dtype=torch.int32, device=a.device)
+    count = ctx.counters("route", 1, a.device) if ctx is not None else torch.zeros(1, dtype=torch.int32,
+                                                                                  device=a.device)
     s, h = torch.empty_like(a), torch.empty_like(a)
     logits = torch.empty((T, E), dtype=a.dtype, device=a.device)
     weights = torch.empty((T, k), dtype=a.dtype, device=a.device)

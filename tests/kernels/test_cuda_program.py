@@ -78,7 +78,7 @@ def test_cuda_program_matches_cpu_program(arch, fields, B):
     kernels = {n.attrs["kernel"] if isinstance(n.attrs["kernel"], str) else n.attrs["kernel"][0][1]
                for n, _ in cuda_graph.nodes()}
     if fields:  # the MoE paths under test were chosen
-        assert {"triton_route.route", "cuda_ops.fused_moe_pairs"} <= kernels
+        assert {"triton_route.add_rms_norm_route", "cuda_ops.fused_moe_pairs"} <= kernels
     for got, ref in zip(_run(cuda_graph, cuda_forward, B), _run(cpu_graph, cpu_forward, B)):
         assert got.shape == ref.shape and not got.isnan().any()
         # fp16 accumulation-order noise is ~8e-4 of the logits' scale here; the MoE output scaled by 0.9

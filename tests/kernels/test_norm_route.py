@@ -61,8 +61,7 @@ def test_calls_in_a_row_share_the_counter_and_leave_it_at_zero():
         ref = torch_ref.add_rms_norm_route(*args, **kw)
         assert torch.equal(got[3], ref[3])
         torch.testing.assert_close(got[2], ref[2])
-        (count,) = [v for key, v in ctx.memo.items() if key[0] == "route_count"]
-        assert int(count) == 0
+        assert int(ctx.counters("route", 1, "cpu")) == 0
 
 
 def test_refuses_bad_inputs():
