@@ -12,9 +12,7 @@ calls over weight copies covering 4x the L2) and prints microseconds and weight 
 launches of a Llama-3-8B fp8 prefill layer: one program a row (``_quant_rows_kernel``) against the
 tiled large-M kernel (``_quant_tile_kernel``) as ``_time_us`` times them, us and GB/s, and whether they
 agree bit for bit.
-``--bits-lab`` times the one-row fp8 GEMV with its weights widened by cvt against by integer ops
-(``WIDEN_BITS``) over a sweep of v1 tiles.
-Usage: python bench/linear_lab.py [--m 1,8,32] [--tune-fp8 o,down] [--quant-lab [--quant-m 2048]] [--bits-lab]
+Usage: python bench/linear_lab.py [--m 1,8,32] [--tune-fp8 o,down] [--quant-lab [--quant-m 2048]]
 """
 
 from __future__ import annotations
@@ -160,43 +158,6 @@ def quant_lab(m=2048):
 _COLUMN = ("qkv", "gate_up")
 
 
-def bits_lab():
-    """The fp8 GEMV at one row: weights widened by cvt (the default's v1, or its SWAP_AB wgmma) against
-    widened by integer ops (``WIDEN_BITS``) over v1 tiles; the best of each, per Llama-3-8B shape."""
-    from mxc.kernels import fp8_ref
-
-    for name, (n, k) in SHAPES.items():
-        ws, s = fp8_weights(n, k)
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        ref = fp8_ref.qlinear(x, ws[0], s).float()
-        default = triton_fp8.config_for(1, n, k, torch.bfloat16, "channel")
-        qbk = default.QUANT_BLOCK_K
-        tiles = [(4, 4096, 4), (4, 4096, 8), (8, 1024, 4), (8, 1024, 8), (8, 2048, 8), (8, 4096, 8), (16, 1024, 8),
-                 (16, 2048, 8), (32, 1024, 8)]  # (rows, bytes a step, warps): <= 128 fp32 accumulators a thread
-        variants = [("default", default)]
-        variants += [(f"cvt  {bn:2d} x {bk:4d} B, {nw} warps", triton_gemv.fill_gpu(
-            triton_fp8.QGemvConfig(bn, bk, 1, False, True, nw, 1, qbk), n, k)) for bn, bk, nw in tiles]
-        variants += [(f"bits {bn:2d} x {bk:4d} B, {nw} warps", triton_gemv.fill_gpu(
-            triton_fp8.QGemvConfig(bn, bk, 1, False, True, nw, 1, qbk, WIDEN_BITS=True), n, k)) for bn, bk, nw in tiles]
-        best = {}
-        for label, cfg in variants:
-            try:
-                y = triton_fp8.qlinear_small_m(x, ws[0], s, config=cfg)
-                torch.cuda.synchronize()
-                err = float((y.float() - ref).abs().max() / ref.abs().max())
-                assert err < 2e-2, f"wrong result (max error {err:.3g} of the output's scale)"
-                us = _time_us(lambda x_, w_: triton_fp8.qlinear_small_m(x_, w_, s, config=cfg), x, ws)
-            except Exception as e:  # out of resources, compile failures
-                print(f"fp8 {name:8} {label:28} skipped: {type(e).__name__}: {str(e)[:80]}")
-                continue
-            kind = label.split()[0]
-            if us < best.get(kind, (float("inf"),))[0]:
-                best[kind] = (us, label, cfg)
-        for kind, (us, label, cfg) in best.items():
-            row(f"fp8 {name} M=1 best {kind}: {label}", us, n * k, str(cfg))
-        del ws
-
-
 def tp_shapes(tp: int) -> dict[str, tuple[int, int]]:
     return {name: (n // tp, k) if name in _COLUMN else (n, k // tp) for name, (n, k) in SHAPES.items()}
 
@@ -227,11 +188,7 @@ def main():
     p.add_argument("--quant-lab", action="store_true", help="only the activation-quantize A/B at --quant-m rows")
     p.add_argument("--quant-m", type=int, default=2048)
     p.add_argument("--tune-tp", type=int, default=0, help="only: tune the bf16 GEMV at tp=N's per-rank shapes (M=1)")
-    p.add_argument("--bits-lab", action="store_true", help="only: the fp8 GEMV's weights widened by cvt vs integer ops")
     a = p.parse_args()
-    if a.bits_lab:
-        bits_lab()
-        return
     if a.tune_tp:
         tune_tp(a.tune_tp)
         return

@@ -20,28 +20,6 @@ from mxc.kernels.triton_fp8_quant import (_DTYPES, GRANULARITIES, _check_inputs,
 from mxc.kernels.triton_gemv import M_BUCKETS, bucket, fill_gpu, split_k_for
 
 
-E4M3_BITS_UNSCALE: tl.constexpr = tl.constexpr(2.0 ** 120)
-
-
-@triton.jit
-def _e4m3_bits_f32(w):
-    """fp8 e4m3 values -> fp32 holding value * 2^-120, by integer ops: the byte's exponent and mantissa
-    bits move to the top of the fp32 mantissa's neighbourhood (bits 20..26), its sign to bit 31. Exact
-    for every finite e4m3 value, subnormals included (e4m3 and fp32 subnormals line up under the same
-    2^-120). The cvt path (e4m3x2 -> f16x2 -> f32) costs 1.5 conversions a byte, and an H200 SM converts
-    16 values a clock: 2.8 TB/s at most over 132 SMs; here a sign extension, a shift and an and."""
-    wi = w.to(tl.int8, bitcast=True).to(tl.int32)  # sign-extended: bits 8..31 copy the sign
-    return ((wi << 20) & -0x78100000).to(tl.float32, bitcast=True)  # 0x87F00000: sign, 7 bits at 20..26
-
-
-@triton.jit
-def _widen(w, WIDEN_BITS: tl.constexpr):
-    """fp8 weights to fp32: exact values (cvt), or value * 2^-120 (``_e4m3_bits_f32``)."""
-    if WIDEN_BITS:
-        return _e4m3_bits_f32(w)
-    return w.to(tl.float32)
-
-
 @triton.jit
 def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
                   N: tl.constexpr, K: tl.constexpr,
@@ -49,13 +27,12 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
                   SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_SCALE: tl.constexpr,
                   PREQUANT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                   PROLOGUE_SILU_MUL: tl.constexpr,
-                  USE_PDL: tl.constexpr = False, SWAP_AB: tl.constexpr = False, WIDEN_BITS: tl.constexpr = False):
+                  USE_PDL: tl.constexpr = False, SWAP_AB: tl.constexpr = False):
     """One program: columns [pid_n * BLOCK_N, +BLOCK_N) of y over K slice pid_k.
 
     x_ptr: x [M, K] (or [M, 2K] under PROLOGUE_SILU_MUL) in its float dtype, with xs_ptr None;
     with PREQUANT, xq [M, K] e4m3 and xs_ptr its scales [M] (from ``_quant_rows_kernel``).
     s_ptr: the weight scales, [N] or (BLOCK_SCALE) [ceil(N/128), ceil(K/128)].
-    WIDEN_BITS (v1): the weights widen to fp32 by integer ops (``_e4m3_bits_f32``), not cvt.
     With SPLIT_K == 1, y_ptr is y [M, N]; otherwise the fp32 scratch [SPLIT_K, M, N] of scaled
     partial sums, and HAS_BIAS and HAS_RESIDUAL are False.
     """
@@ -148,13 +125,13 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
         for k in range(0, K_PER_SPLIT, BLOCK_K):
             k_ok = (k_start + k + offs_k) < K
             if EVEN_K:
-                w = _widen(tl.load(w_ptrs), WIDEN_BITS)
+                w = tl.load(w_ptrs).to(tl.float32)
                 if PREQUANT:
                     xq = tl.load(x_ptrs).to(tl.float32)
                 else:
                     xq = _quant(_load_act(x_ptrs, None, None, K, PROLOGUE_SILU_MUL), xs0).to(tl.float32)
             else:
-                w = _widen(tl.load(w_ptrs, mask=k_ok[None, :], other=0.0), WIDEN_BITS)
+                w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
                 if PREQUANT:
                     xq = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
                 else:
@@ -172,9 +149,9 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
         for k in range(0, K_PER_SPLIT, BLOCK_K):
             k_ok = (k_start + k + offs_k) < K
             if EVEN_K:
-                w = _widen(tl.load(w_ptrs), WIDEN_BITS)
+                w = tl.load(w_ptrs).to(tl.float32)
             else:
-                w = _widen(tl.load(w_ptrs, mask=k_ok[None, :], other=0.0), WIDEN_BITS)
+                w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
             if BLOCK_SCALE:
                 sk = tl.load(s_row + (k_start + k + offs_k) // 128, mask=k_ok, other=0.0)
             for m in tl.static_range(BLOCK_M):
@@ -200,8 +177,6 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
             x_ptrs += BLOCK_K
 
     # scales, then the epilogue on acc [BLOCK_M, BLOCK_N]; y is [M, N] row-major
-    if WIDEN_BITS and not USE_DOT:
-        acc = acc * E4M3_BITS_UNSCALE
     n_ok = offs_n < N
     if BLOCK_SCALE:
         acc = acc * xs[:, None]
@@ -249,7 +224,6 @@ class QGemvConfig:
     num_stages: int = 1
     QUANT_BLOCK_K: int = 1024  # the prequantize kernel's chunk
     SWAP_AB: bool = False
-    WIDEN_BITS: bool = False  # v1: weights widened by integer ops (``_e4m3_bits_f32``)
 
 
 # Shapes where ``tune`` found a config >= 3% faster than the rules below (H200, Triton 3.6, bf16
@@ -312,8 +286,6 @@ def _check_gemv_config(cfg: QGemvConfig, block: bool) -> None:
         raise ValueError(f"block128 scales need BLOCK_N dividing 128: {cfg}")
     if block and cfg.USE_DOT and cfg.BLOCK_K > 128:
         raise ValueError(f"block128 scales with USE_DOT need BLOCK_K dividing 128: {cfg}")
-    if cfg.WIDEN_BITS and cfg.USE_DOT:
-        raise ValueError(f"WIDEN_BITS is for the FMA kernels (v1, v2), not tensor cores: {cfg}")
     if cfg.SWAP_AB and not (cfg.USE_DOT and cfg.PREQUANT and cfg.BLOCK_N >= 64):
         raise ValueError(f"SWAP_AB needs USE_DOT, PREQUANT and BLOCK_N >= 64 (the wgmma side): {cfg}")
 
@@ -352,7 +324,7 @@ def qlinear_small_m(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias:
     grid = (triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)
     consts = dict(N=N, K=K, BLOCK_M=_tile_m(m_bucket, cfg), BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
                   SPLIT_K=cfg.SPLIT_K, USE_DOT=cfg.USE_DOT, BLOCK_SCALE=block, PREQUANT=cfg.PREQUANT,
-                  PROLOGUE_SILU_MUL=silu_mul and not cfg.PREQUANT, SWAP_AB=cfg.SWAP_AB, WIDEN_BITS=cfg.WIDEN_BITS)
+                  PROLOGUE_SILU_MUL=silu_mul and not cfg.PREQUANT, SWAP_AB=cfg.SWAP_AB)
     has_bias, has_residual = bias is not None, residual is not None
     if cfg.SPLIT_K == 1:
         launch(_qgemv_kernel, grid, [x, xs, w, scale, bias, residual, y, M],

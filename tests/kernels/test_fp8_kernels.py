@@ -23,8 +23,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from mxc.kernels import fp8_ref, torch_ref
 from mxc.kernels import launch as launch_mod
@@ -120,12 +118,6 @@ VARIANTS = [
     (5, replace(SWAP, SPLIT_K=2), "block128", torch.float32, (True, False, True), K),
     (17, SWAP, "tensor", torch.float16, (False, True, False), 300),
     (32, replace(SWAP, BLOCK_N=128, BLOCK_K=128), "block128", torch.float16, (True, True, False), K),
-    # weights widened by integer ops (WIDEN_BITS): v1 and v2, split ragged K, block scales, fused x
-    (1, replace(V1, WIDEN_BITS=True), "channel", torch.float16, (True, True, True), K),
-    (1, replace(V1, SPLIT_K=3, WIDEN_BITS=True, PREQUANT=True, QUANT_BLOCK_K=64), "block128", torch.float32,
-     (False, True, True), 300),
-    (3, replace(V2, WIDEN_BITS=True, PREQUANT=True, QUANT_BLOCK_K=128), "tensor", torch.float16, (True, False, True), K),
-    (8, replace(V2, SPLIT_K=2, WIDEN_BITS=True), "block128", torch.float32, (False, False, False), K),
 ]
 
 
@@ -133,39 +125,12 @@ def _variant_id(v):
     M, cfg, gran, dtype, fusion, k = v
     version = "v3-swap" if cfg.SWAP_AB else "v3" if cfg.USE_DOT else "v1" if M == 1 else "v2"
     return "-".join([f"M{M}", f"K{k}", version, f"split{cfg.SPLIT_K}", gran, str(dtype)[6:], _fusion_id(fusion)]
-                    + ["prequant"] * cfg.PREQUANT + ["bits"] * cfg.WIDEN_BITS)
+                    + ["prequant"] * cfg.PREQUANT)
 
 
 @pytest.mark.parametrize("M,cfg,gran,dtype,fusion,k", VARIANTS, ids=[_variant_id(v) for v in VARIANTS])
 def test_small_m_variants(M, cfg, gran, dtype, fusion, k):
     _run(tf.qlinear_small_m, M, dtype, gran, fusion, cfg, seed=M + k, k=k)
-
-
-@triton.jit
-def _widen_kernel(w_ptr, out_ptr, N: tl.constexpr):
-    offs = tl.arange(0, N)
-    tl.store(out_ptr + offs, tfv._e4m3_bits_f32(tl.load(w_ptr + offs)))
-
-
-def test_widen_bits_is_exact_for_every_e4m3_value():
-    """Every finite e4m3 value (subnormals, both zeros, +-448) comes out as value * 2^-120 exactly."""
-    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)  # 0x7F, 0xFF: NaN
-    w = codes.view(torch.float8_e4m3fn)
-    out = torch.empty(256, dtype=torch.float32)
-    _widen_kernel[(1,)](_dev(torch.cat([w, w[:2]])), _dev(out), N=256)
-    got = out.cpu()[:254].double() * 2.0 ** 120
-    assert torch.equal(got, w.double()), (codes[got != w.double()], got[got != w.double()])
-
-
-def test_widen_bits_matches_the_cvt_path():
-    """The same GEMV with the weights widened by cvt and by integer ops: the same sums up to rounding
-    (the products are scaled by 2^-120, exactly, unless subnormal)."""
-    dtype = torch.bfloat16 if torch.bfloat16 in DTYPES else torch.float16
-    x, q, s, b, r = _inputs(1, N, K, dtype, "channel", True, True, False, seed=5)
-    args = [_dev(t) for t in (x, q, s, b, r)]
-    cvt = tf.qlinear_small_m(*args, config=V1).cpu().float()
-    bits = tf.qlinear_small_m(*args, config=replace(V1, WIDEN_BITS=True)).cpu().float()
-    torch.testing.assert_close(bits, cvt, atol=1e-2 * float(cvt.abs().max()), rtol=0)
 
 
 @pytest.mark.parametrize("gran", ["channel", "block128"])
@@ -604,39 +569,3 @@ def test_swap_ab_runs_on_fp8_wgmma():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().splitlines()[-1] == "e4m3 wgmma", r.stdout
-
-
-_BITS_PTX = """
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from mxc.kernels import launch as L, triton_fp8 as tf, triton_fp8_gemv as tfv
-meta = lambda *s, dtype=torch.bfloat16: torch.empty(*s, dtype=dtype, device="meta")
-for bits in (False, True):
-    cfg = tf.QGemvConfig(BLOCK_N=16, BLOCK_K=1024, PREQUANT=True, num_warps=8, QUANT_BLOCK_K=4096, WIDEN_BITS=bits)
-    rec = L.Recorder()
-    with L.using(rec):
-        tf.qlinear_small_m(meta(1, 4096), meta(4096, 4096, dtype=torch.float8_e4m3fn),
-                           meta(4096, dtype=torch.float32), config=cfg)
-    (spec,) = [s for s in rec.specs.values() if s["kernel"].endswith("_qgemv_kernel")]
-    fn = tfv._qgemv_kernel
-    aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in spec["signature"].items()
-               if t.startswith("*")}
-    ptx = triton.compile(ASTSource(fn, signature=spec["signature"], constexprs=spec["constexprs"], attrs=aligned),
-                         target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
-    print(bits, ptx.count("e4m3x2"), ptx.count(".ftz"), ptx.count("fma.rn.f32"))
-"""
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="compile check is for machines without a GPU")
-def test_widen_bits_needs_no_conversion_instructions():
-    """On sm_90 the cvt path widens e4m3 weights with cvt.*.e4m3x2 (16 conversions a clock an SM: the
-    bound of the v1 GEMV); with WIDEN_BITS only the activations' conversions are left (a fifth: x is
-    shared by the program's rows), and its fp32 products keep subnormals (no .ftz)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _BITS_PTX], cwd=Path(__file__).resolve().parents[2], env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    (cvt, cvt_e4m3, _, _), (bits, bits_e4m3, ftz, fma) = [line.split() for line in r.stdout.strip().splitlines()[-2:]]
-    assert (cvt, bits) == ("False", "True")
-    assert int(bits_e4m3) * 4 <= int(cvt_e4m3) and int(ftz) == 0 and int(fma) > 0, r.stdout
