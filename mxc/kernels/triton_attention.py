@@ -122,29 +122,27 @@ def _store_split(acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, b, heads, s
 
 
 @triton.jit
-def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, b, kvh, HQ: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """``decode_reduce_kernel``'s merge of the group's heads, in the split kernel (its last split to
-    finish): per head, every split's partial output in one [BLOCK_S, BLOCK_D] load (unrolled over the
-    heads, so the loads overlap), weighted by exp2(lse - max lse). Loads through L2 only (``.cg``): the
-    other splits wrote them during this kernel."""
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < NUM_SPLITS
-    mask_d = offs_d < HEAD_DIM
-    for g in tl.static_range(GROUP):
-        head = b * HQ + kvh * GROUP + g
-        row = head * NUM_SPLITS + offs_s
-        lse = tl.load(part_lse_ptr + row, mask=mask_s, other=float("-inf"), cache_modifier=".cg")
-        part = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-                       mask=mask_s[:, None] & mask_d[None, :], other=0.0, cache_modifier=".cg")
-        m = tl.max(lse, 0)
-        m = tl.where(m == float("-inf"), 0.0, m)  # no visible row at all: every weight is 0
-        w = tl.exp2(lse - m)  # empty splits: exp2(-inf) = 0
-        part = tl.where(w[:, None] > 0, part, 0.0)
-        denom = tl.sum(w, 0)
-        out = tl.sum(part * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
-        tl.store(out_ptr + head * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty), mask=mask_d)
+def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, b, heads, mask_g, offs_d, mask_d, HQ: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The merge kernel's sum for the group's heads, in the split kernel (the last split of the group
+    to finish): the splits' partial outputs weighted by exp2(lse - max lse), over their sum. Volatile
+    loads: the other splits wrote them during this kernel."""
+    rows = (b * HQ + heads) * NUM_SPLITS  # split 0 of each head
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    for s in range(NUM_SPLITS):
+        m = tl.maximum(m, tl.load(part_lse_ptr + rows + s, mask=mask_g, other=float("-inf"), volatile=True))
+    m = tl.where(m == float("-inf"), 0.0, m)  # no visible row at all: every weight is 0
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    denom = tl.zeros([BLOCK_G], dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        w = tl.exp2(tl.load(part_lse_ptr + rows + s, mask=mask_g, other=float("-inf"), volatile=True) - m)
+        part = tl.load(part_out_ptr + (rows + s)[:, None] * HEAD_DIM + offs_d[None, :],
+                       mask=mask_g[:, None] & mask_d[None, :], other=0.0, volatile=True)
+        acc += tl.where(w[:, None] > 0, part, 0.0) * w[:, None]  # empty splits: weight 0
+        denom += w
+    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+    tl.store(out_ptr + (b * HQ + heads[:, None]) * HEAD_DIM + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=mask_g[:, None] & mask_d[None, :])
 
 
 @triton.jit
@@ -281,9 +279,7 @@ def decode_attention(q, k_cache, v_cache, slots, kv_lens, scale: float, sliding_
                                            BLOCK_G=max(16, triton.next_power_of_2(HQ // HKV)), MERGE=merge)
     launch(split_kernel, (B, HKV, NUM_SPLITS), [q, k_cache, v_cache, slots, kv_lens, out, part_out, part_lse,
                                                 *([counts] if merge else []), float(scale)],
-           dict(NUM_SPLITS=NUM_SPLITS, BLOCK_N=BLOCK_N, **({"BLOCK_S": triton.next_power_of_2(NUM_SPLITS)}
-                                                           if merge else {})),
-           num_warps=num_warps, num_stages=num_stages)
+           dict(NUM_SPLITS=NUM_SPLITS, BLOCK_N=BLOCK_N), num_warps=num_warps, num_stages=num_stages)
     if NUM_SPLITS > 1 and not merge:
         reduce_kernel = kernel_templates.kernel("decode_merge", "decode_reduce_kernel", HQ=HQ, HEAD_DIM=D,
                                                 BLOCK_D=layout["BLOCK_D"])

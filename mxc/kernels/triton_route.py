@@ -33,13 +33,8 @@ MAX_EXPERTS = 1024
 
 @triton.jit
 def _route_row(x, weights_ptr, ids_ptr, t, E: tl.constexpr, K: tl.constexpr, BLOCK_E: tl.constexpr,
-               BLOCK_K: tl.constexpr, SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, RANK: tl.constexpr = False):
-    """Route token ``t`` from its logits ``x`` [BLOCK_E] in fp32 (-inf past E): store its k weights and ids.
-
-    The top k by k rounds of (max, lowest index holding it) -- 2k reductions, cheap within one warp --
-    or with ``RANK`` by each expert's rank among all (a [BLOCK_E, BLOCK_E] comparison, one reduction),
-    for programs of many warps, where every reduction crosses warps. Both order the k by score, ties
-    to the lower id."""
+               BLOCK_K: tl.constexpr, SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """Route token ``t`` from its logits ``x`` [BLOCK_E] in fp32 (-inf past E): store its k weights and ids."""
     offs = tl.arange(0, BLOCK_E)
     ok = offs < E
     if SIGMOID:
@@ -48,30 +43,19 @@ def _route_row(x, weights_ptr, ids_ptr, t, E: tl.constexpr, K: tl.constexpr, BLO
         p = tl.exp(x - tl.max(x, axis=0))
         s = p / tl.sum(p, axis=0)
     s = tl.where(ok, s, -1.0)  # below every score (sigmoid and softmax are >= 0)
-    if RANK:
-        # rank of expert i: the experts ahead of it (a higher score, or the same and a lower id)
-        ahead = (s[None, :] > s[:, None]) | ((s[None, :] == s[:, None]) & (offs[None, :] < offs[:, None]))
-        rank = tl.sum(ahead.to(tl.int32), axis=1)
-        chosen = rank < K
-        w = s
-        if RENORMALIZE:
-            w = w / tl.sum(tl.where(chosen, s, 0.0), axis=0)
-        tl.store(weights_ptr + t * K + rank, w.to(weights_ptr.dtype.element_ty), mask=chosen)
-        tl.store(ids_ptr + t * K + rank, offs.to(tl.int64), mask=chosen)
-    else:
-        offs_k = tl.arange(0, BLOCK_K)
-        w = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        ids = tl.zeros((BLOCK_K,), dtype=tl.int64)
-        for j in tl.static_range(K):
-            best = tl.max(s, axis=0)
-            idx = tl.min(tl.where(s == best, offs, BLOCK_E), axis=0)
-            w = tl.where(offs_k == j, best, w)
-            ids = tl.where(offs_k == j, idx.to(tl.int64), ids)
-            s = tl.where(offs == idx, -2.0, s)
-        if RENORMALIZE:
-            w = w / tl.sum(tl.where(offs_k < K, w, 0.0), axis=0)
-        tl.store(weights_ptr + t * K + offs_k, w.to(weights_ptr.dtype.element_ty), mask=offs_k < K)
-        tl.store(ids_ptr + t * K + offs_k, ids, mask=offs_k < K)
+    offs_k = tl.arange(0, BLOCK_K)
+    w = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    ids = tl.zeros((BLOCK_K,), dtype=tl.int64)
+    for j in tl.static_range(K):
+        best = tl.max(s, axis=0)
+        idx = tl.min(tl.where(s == best, offs, BLOCK_E), axis=0)
+        w = tl.where(offs_k == j, best, w)
+        ids = tl.where(offs_k == j, idx.to(tl.int64), ids)
+        s = tl.where(offs == idx, -2.0, s)
+    if RENORMALIZE:
+        w = w / tl.sum(tl.where(offs_k < K, w, 0.0), axis=0)
+    tl.store(weights_ptr + t * K + offs_k, w.to(weights_ptr.dtype.element_ty), mask=offs_k < K)
+    tl.store(ids_ptr + t * K + offs_k, ids, mask=offs_k < K)
 
 
 @triton.jit
@@ -122,7 +106,7 @@ def norm_route_kernel(a_ptr, b_ptr, norm_w_ptr, router_w_ptr, s_ptr, h_ptr, logi
         for t in range(T):
             x = tl.load(logits_ptr + t * E + offs_e, mask=offs_e < E, other=float("-inf"), volatile=True)
             _route_row(x.to(tl.float32), weights_ptr, ids_ptr, t, E, K, BLOCK_E, BLOCK_K, SIGMOID,
-                       RENORMALIZE, BLOCK_E <= 128)
+                       RENORMALIZE)
         tl.store(count_ptr, 0)  # for the next call (the next kernel's count starts after this one ends)
 
 
