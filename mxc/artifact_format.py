@@ -12,8 +12,8 @@ import hashlib
 from pathlib import Path
 
 # 2: kernels rendered from templates, their sources in code/kernels/src/; 3: the RoPE kernel's kv-group grid,
-# the tiled fp8 quantize and the push all-reduce (older artifacts lack those cubins); 4: the decode attention
-# merges its splits in the split kernel, the MoE norm + router kernel
+# the tiled fp8 quantize and the push all-reduce (older artifacts lack those cubins); 4: the MoE norm + router
+# kernel
 SCHEMA_VERSION = 4
 
 

@@ -154,9 +154,8 @@ def fused_moe_pairs(x, weights, ids, w_gate_up, w_down, s_gate_up=None, s_down=N
 
 def cached_attention(q, ctx: ForwardContext, scale, layer, causal=True, sliding_window=None):
     k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
-    if ctx.decode:  # the splits merge in the split kernel, counting on the call's counters
-        counts = ctx.counters("attention", q.shape[0] * k_cache.shape[2], q.device)
+    if ctx.decode:
         return triton_attention.decode_attention(q, k_cache, v_cache, ctx.slots_t, ctx.kv_lens, scale,
-                                                 sliding_window, counts=counts)
+                                                 sliding_window)
     return triton_attention.prefill_attention(q, k_cache, v_cache, ctx.slots_t, ctx.kv_lens, ctx.q_start,
                                               ctx.max_q_len, scale, sliding_window)

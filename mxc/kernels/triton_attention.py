@@ -29,9 +29,7 @@ Versions:
   128-row blocks in one split of 16: 5.9 us per layer on the H200, 2026-11-30).
   Each split writes its normalised partial output and its
   log-sum-exp (base 2) to fp32 scratch; ``decode_reduce_kernel`` merges the
-  splits (a split with no visible row has lse = -inf and weight 0), or, given a
-  zeroed counter per (sequence, kv head), the last split of each group to finish
-  does (``_merge_splits``; one launch a layer fewer). With
+  splits (a split with no visible row has lse = -inf and weight 0). With
   NUM_SPLITS == 1 the split kernel writes the output directly (one launch).
   ``default_splits`` picks NUM_SPLITS from L and B * HKV (static shapes).
 - ``prefill_attention``: variable-length batch of query tokens, sequence b's
@@ -119,30 +117,6 @@ def _store_split(acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, b, heads, s
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out,
                  mask=mask_g[:, None] & mask_d[None, :])
         tl.store(part_lse_ptr + row, lse, mask=mask_g)
-
-
-@triton.jit
-def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, b, heads, mask_g, offs_d, mask_d, HQ: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The merge kernel's sum for the group's heads, in the split kernel (the last split of the group
-    to finish): the splits' partial outputs weighted by exp2(lse - max lse), over their sum. Volatile
-    loads: the other splits wrote them during this kernel."""
-    rows = (b * HQ + heads) * NUM_SPLITS  # split 0 of each head
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    for s in range(NUM_SPLITS):
-        m = tl.maximum(m, tl.load(part_lse_ptr + rows + s, mask=mask_g, other=float("-inf"), volatile=True))
-    m = tl.where(m == float("-inf"), 0.0, m)  # no visible row at all: every weight is 0
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    denom = tl.zeros([BLOCK_G], dtype=tl.float32)
-    for s in range(NUM_SPLITS):
-        w = tl.exp2(tl.load(part_lse_ptr + rows + s, mask=mask_g, other=float("-inf"), volatile=True) - m)
-        part = tl.load(part_out_ptr + (rows + s)[:, None] * HEAD_DIM + offs_d[None, :],
-                       mask=mask_g[:, None] & mask_d[None, :], other=0.0, volatile=True)
-        acc += tl.where(w[:, None] > 0, part, 0.0) * w[:, None]  # empty splits: weight 0
-        denom += w
-    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
-    tl.store(out_ptr + (b * HQ + heads[:, None]) * HEAD_DIM + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=mask_g[:, None] & mask_d[None, :])
 
 
 @triton.jit
@@ -250,12 +224,10 @@ def _layout(k_cache, HQ: int, sliding_window) -> dict:
 
 
 def decode_attention(q, k_cache, v_cache, slots, kv_lens, scale: float, sliding_window: int | None = None,
-                     num_splits: int | None = None, counts: torch.Tensor | None = None):
+                     num_splits: int | None = None):
     """q [B, HQ, D] (the token at position kv_lens[b] - 1) -> out [B, HQ, D].
 
-    Launches the split kernel and, with more than one split, the merge kernel; or, given ``counts``
-    (int32 zeros, at least [B * HKV], left at 0: ``ForwardContext.counters``), the split kernel alone,
-    its last split per (sequence, kv head) merging."""
+    Launches the split kernel and, with more than one split, the merge kernel."""
     assert q.dim() == 3, f"q must be [B, HQ, D], got {tuple(q.shape)}"
     B, HQ, D = q.shape
     Bc, HKV = _check_cache(q, k_cache, v_cache, slots, kv_lens, HQ, D)
@@ -271,16 +243,12 @@ def decode_attention(q, k_cache, v_cache, slots, kv_lens, scale: float, sliding_
         part_lse = torch.empty((B, HQ, NUM_SPLITS), dtype=torch.float32, device=q.device)
     else:  # the split kernel writes out directly; scratch pointers are unused
         part_out = part_lse = out
-    merge = counts is not None and NUM_SPLITS > 1
-    if merge:
-        assert counts.dtype == torch.int32 and counts.numel() >= B * HKV and counts.device == q.device, (
-            f"counts must be int32 zeros of at least {B * HKV} on {q.device}")
     split_kernel = kernel_templates.kernel("decode_attention", "decode_split_kernel", **layout,
-                                           BLOCK_G=max(16, triton.next_power_of_2(HQ // HKV)), MERGE=merge)
+                                           BLOCK_G=max(16, triton.next_power_of_2(HQ // HKV)))
     launch(split_kernel, (B, HKV, NUM_SPLITS), [q, k_cache, v_cache, slots, kv_lens, out, part_out, part_lse,
-                                                *([counts] if merge else []), float(scale)],
+                                                float(scale)],
            dict(NUM_SPLITS=NUM_SPLITS, BLOCK_N=BLOCK_N), num_warps=num_warps, num_stages=num_stages)
-    if NUM_SPLITS > 1 and not merge:
+    if NUM_SPLITS > 1:
         reduce_kernel = kernel_templates.kernel("decode_merge", "decode_reduce_kernel", HQ=HQ, HEAD_DIM=D,
                                                 BLOCK_D=layout["BLOCK_D"])
         launch(reduce_kernel, (B, HQ), [part_out, part_lse, out],
