@@ -4,8 +4,9 @@ Times, as decode runs them (a CUDA graph of back-to-back calls, weights from HBM
   the per-pair MoE kernels (``triton_moe_decode``) over their configs: the gate/up pair kernel,
     the expert-by-expert down kernel and the tiled one (the k experts in one tile); every call
     picks another random set of experts, so the chosen experts' weights come from HBM;
+  the MoE block's norm + router: three kernels against the fused one over its tile and warps;
   the attention-side GEMVs (qkv, o, router) and the Llama-3-8B qkv and o with ``triton_gemv.tune``.
-Prints microseconds and TB/s of the weights read. Usage: python bench/moe_lab.py [--skip gemv]
+Prints microseconds and TB/s of the weights read. Usage: python bench/moe_lab.py [--skip moe,router,gemv]
 """
 
 from __future__ import annotations
@@ -97,6 +98,43 @@ def moe_kernels(tokens: int) -> None:
           f"({(up_bytes + down_bytes) / best_up[0] / 1e6:.2f} TB/s) vs default {both:.1f} us", flush=True)
 
 
+def router() -> None:
+    """The MoE block's norm and router at one token: the three kernels (add + RMSNorm, router GEMV,
+    router) against the fused kernel (``triton_route.add_rms_norm_route``) over its rows a program and
+    warps. Each call reads another layer's router (copies covering the L2), as decode does."""
+    from mxc.kernels import torch_ref, triton_norm, triton_route
+    from mxc.kernels.context import ForwardContext
+
+    sets = 16
+    a = [torch.randn(1, H, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+    b = [torch.randn(1, H, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+    nw = torch.ones(H, device="cuda", dtype=torch.bfloat16)
+    rws = [torch.randn(E, H, device="cuda", dtype=torch.bfloat16) * H ** -0.5 for _ in range(128)]  # 64 MB
+    kw = dict(eps=1e-6, k=K, renormalize=True)
+    ref = torch_ref.add_rms_norm_route(a[0], b[0], nw, rws[0], **kw)
+
+    def three(i):
+        s_, h = triton_norm.add_rms_norm(a[i % sets], b[i % sets], nw, 1e-6)
+        return triton_route.route(triton_gemv.linear_small_m(h, rws[i % len(rws)]), K, renormalize=True)
+
+    print(f"router: add + RMSNorm, GEMV, router (3 kernels): {time_us(three):6.2f} us", flush=True)
+    ctx = ForwardContext([1], [0], [0])
+    for rows in (1, 2, 4, 8):
+        for warps in (1, 2, 4, 8):
+            def fused(i, rows=rows, warps=warps):
+                return triton_route.add_rms_norm_route(a[i % sets], b[i % sets], nw, rws[i % len(rws)], ctx, **kw,
+                                                       rows=rows, num_warps=warps)
+            try:
+                got = triton_route.add_rms_norm_route(a[0], b[0], nw, rws[0], ctx, **kw, rows=rows, num_warps=warps)
+                assert torch.equal(got[3], ref[3]), "other experts than the reference"
+                t = time_us(fused)
+            except Exception as e:  # out of resources
+                print(f"  skip rows={rows} warps={warps}: {type(e).__name__} {str(e)[:60]}")
+                continue
+            print(f"router: fused, {rows} rows a program ({-(-E // rows)} programs), {warps} warps: {t:6.2f} us",
+                  flush=True)
+
+
 def gemvs() -> None:
     shapes = {"qwen3-moe qkv": (5120, 2048), "qwen3-moe o": (2048, 4096), "qwen3-moe router": (128, 2048),
               "llama qkv": (6144, 4096), "llama o": (4096, 4096)}
@@ -113,13 +151,15 @@ def gemvs() -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--skip", default="", help="comma-separated: moe, gemv")
+    p.add_argument("--skip", default="", help="comma-separated: moe, router, gemv")
     p.add_argument("--tokens", default="1")
     args = p.parse_args()
     skip = set(args.skip.split(","))
     if "moe" not in skip:
         for t in (int(x) for x in args.tokens.split(",")):
             moe_kernels(t)
+    if "router" not in skip:
+        router()
     if "gemv" not in skip:
         gemvs()
 

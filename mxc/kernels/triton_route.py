@@ -117,12 +117,14 @@ def _rows_per_program(E: int, H: int) -> int:
 
 
 def add_rms_norm_route(a: torch.Tensor, b: torch.Tensor, norm_weight: torch.Tensor, router_weight: torch.Tensor,
-                       ctx=None, *, eps: float, k: int, scoring: str = "softmax", renormalize: bool = False):
+                       ctx=None, *, eps: float, k: int, scoring: str = "softmax", renormalize: bool = False,
+                       rows: int | None = None, num_warps: int | None = None):
     """``s = a + b``, ``h = rms_norm(s, norm_weight)``, then ``route(linear(h, router_weight), k, ...)`` in one
     kernel, for 1..32 tokens: returns ``(s, h, weights, ids)`` as ``torch_ref.add_rms_norm_route``.
 
     ``ctx`` (a ``ForwardContext``) keeps the kernel's counter (``counters``), shared by every layer of
-    a call; without one it is allocated per call. Runs on ``meta`` tensors too."""
+    a call; without one it is allocated per call. ``rows`` (router rows a program, a power of two) and
+    ``num_warps`` override the defaults (``bench/moe_lab.py`` times them). Runs on ``meta`` tensors too."""
     T, H = a.shape
     E = router_weight.shape[0]
     assert 1 <= T <= NORM_ROUTE_MAX_TOKENS, f"add_rms_norm_route: 1..{NORM_ROUTE_MAX_TOKENS} tokens, got {T}"
@@ -140,12 +142,12 @@ def add_rms_norm_route(a: torch.Tensor, b: torch.Tensor, norm_weight: torch.Tens
     logits = torch.empty((T, E), dtype=a.dtype, device=a.device)
     weights = torch.empty((T, k), dtype=a.dtype, device=a.device)
     ids = torch.empty((T, k), dtype=torch.int64, device=a.device)
-    rows = _rows_per_program(E, H)
+    rows = rows or _rows_per_program(E, H)
     launch(norm_route_kernel, (triton.cdiv(E, rows),),
            [a, b, norm_weight, router_weight, s, h, logits, weights, ids, count, T, float(eps)],
            dict(H=H, BLOCK_H=triton.next_power_of_2(H), E=E, ROWS=rows, K=k, BLOCK_E=triton.next_power_of_2(E),
                 BLOCK_K=triton.next_power_of_2(k), SIGMOID=scoring == "sigmoid", RENORMALIZE=bool(renormalize)),
-           num_warps=row_warps(H), num_stages=1)
+           num_warps=num_warps or row_warps(H), num_stages=1)
     return s, h, weights, ids
 
 

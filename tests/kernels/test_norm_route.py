@@ -51,6 +51,25 @@ def test_matches_reference(T, H, E, k, scoring, renormalize, dtype):
     torch.testing.assert_close(w.float(), ref_w.float(), atol=2 * TOL[dtype], rtol=2 * TOL[dtype])
 
 
+def test_ties_go_to_the_lower_expert():
+    """Experts 3 and 5 with the same router row (the same logit, the top score): 3 comes first."""
+    a, b, nw, rw = _inputs(1, 64, 8, torch.float32, 3)
+    rw[3] = rw[5] = 4 * rw[3]
+    _, _, w, ids = _run((a, b, nw, rw), None, eps=1e-6, k=3)
+    assert ids[0, :2].tolist() == [3, 5] and w[0, 0] == w[0, 1]
+
+
+@pytest.mark.parametrize("rows,num_warps", [(1, 1), (4, 2), (8, 4)])
+def test_tile_overrides(rows, num_warps):
+    """Other rows a program (E = 12: the last program's rows run past E) and warps: the same result."""
+    args = _inputs(3, 160, 12, torch.float32, 9)
+    kw = dict(eps=1e-6, k=3, scoring="sigmoid", renormalize=True)
+    got = triton_route.add_rms_norm_route(*(t.to(DEVICE) for t in args), None, **kw, rows=rows, num_warps=num_warps)
+    ref = torch_ref.add_rms_norm_route(*args, **kw)
+    assert torch.equal(got[3].cpu(), ref[3])
+    torch.testing.assert_close(got[2].cpu(), ref[2])
+
+
 def test_calls_in_a_row_share_the_counter_and_leave_it_at_zero():
     """Every MoE layer of a call uses the context's one counter: the last program resets it."""
     ctx = ForwardContext([1, 1], [0, 0], [0, 1])
