@@ -100,8 +100,8 @@ def moe_kernels(tokens: int) -> None:
 
 def router() -> None:
     """The MoE block's norm and router at one token: the three kernels (add + RMSNorm, router GEMV,
-    router) against the fused kernel (``triton_route.add_rms_norm_route``) over its rows a program and
-    warps. Each call reads another layer's router (copies covering the L2), as decode does."""
+    router) against the fused kernel (``triton_route.add_rms_norm_route``) over its rows a program,
+    warps and top-k (rounds of two reductions or packed keys). Each call reads another layer's router (copies covering the L2), as decode does."""
     from mxc.kernels import torch_ref, triton_norm, triton_route
     from mxc.kernels.context import ForwardContext
 
@@ -119,20 +119,23 @@ def router() -> None:
 
     print(f"router: add + RMSNorm, GEMV, router (3 kernels): {time_us(three):6.2f} us", flush=True)
     ctx = ForwardContext([1], [0], [0])
-    for rows in (1, 2, 4, 8):
-        for warps in (1, 2, 4, 8):
-            def fused(i, rows=rows, warps=warps):
-                return triton_route.add_rms_norm_route(a[i % sets], b[i % sets], nw, rws[i % len(rws)], ctx, **kw,
-                                                       rows=rows, num_warps=warps)
-            try:
-                got = triton_route.add_rms_norm_route(a[0], b[0], nw, rws[0], ctx, **kw, rows=rows, num_warps=warps)
-                assert torch.equal(got[3], ref[3]), "other experts than the reference"
-                t = time_us(fused)
-            except Exception as e:  # out of resources
-                print(f"  skip rows={rows} warps={warps}: {type(e).__name__} {str(e)[:60]}")
-                continue
-            print(f"router: fused, {rows} rows a program ({-(-E // rows)} programs), {warps} warps: {t:6.2f} us",
-                  flush=True)
+    for packed in (False, True):
+        for rows in (1, 2, 4, 8):
+            for warps in (1, 2, 4, 8):
+                tile = dict(rows=rows, num_warps=warps, packed=packed)
+
+                def fused(i, tile=tile):
+                    return triton_route.add_rms_norm_route(a[i % sets], b[i % sets], nw, rws[i % len(rws)], ctx,
+                                                           **kw, **tile)
+                try:
+                    got = triton_route.add_rms_norm_route(a[0], b[0], nw, rws[0], ctx, **kw, **tile)
+                    assert torch.equal(got[3], ref[3]), "other experts than the reference"
+                    t = time_us(fused)
+                except Exception as e:  # out of resources
+                    print(f"  skip {tile}: {type(e).__name__} {str(e)[:60]}")
+                    continue
+                print(f"router: fused, {rows} rows a program ({-(-E // rows)} programs), {warps} warps, top-k "
+                      f"{'packed' if packed else 'rounds'}: {t:6.2f} us", flush=True)
 
 
 def gemvs() -> None:

@@ -33,8 +33,11 @@ MAX_EXPERTS = 1024
 
 @triton.jit
 def _route_row(x, weights_ptr, ids_ptr, t, E: tl.constexpr, K: tl.constexpr, BLOCK_E: tl.constexpr,
-               BLOCK_K: tl.constexpr, SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr):
-    """Route token ``t`` from its logits ``x`` [BLOCK_E] in fp32 (-inf past E): store its k weights and ids."""
+               BLOCK_K: tl.constexpr, SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, PACKED: tl.constexpr = False):
+    """Route token ``t`` from its logits ``x`` [BLOCK_E] in fp32 (-inf past E): store its k weights and ids.
+
+    k rounds of (max score, lowest expert holding it): two reductions a round, or with ``PACKED`` one,
+    over int64 keys (the score's bits, >= 0 for every score, above the reversed expert id)."""
     offs = tl.arange(0, BLOCK_E)
     ok = offs < E
     if SIGMOID:
@@ -46,12 +49,22 @@ def _route_row(x, weights_ptr, ids_ptr, t, E: tl.constexpr, K: tl.constexpr, BLO
     offs_k = tl.arange(0, BLOCK_K)
     w = tl.zeros((BLOCK_K,), dtype=tl.float32)
     ids = tl.zeros((BLOCK_K,), dtype=tl.int64)
-    for j in tl.static_range(K):
-        best = tl.max(s, axis=0)
-        idx = tl.min(tl.where(s == best, offs, BLOCK_E), axis=0)
-        w = tl.where(offs_k == j, best, w)
-        ids = tl.where(offs_k == j, idx.to(tl.int64), ids)
-        s = tl.where(offs == idx, -2.0, s)
+    if PACKED:
+        key = (s.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - offs).to(tl.int64)
+        key = tl.where(ok, key, -1)
+        for j in tl.static_range(K):
+            top = tl.max(key, axis=0)
+            idx = BLOCK_E - 1 - (top & 0xFFFFFFFF)
+            w = tl.where(offs_k == j, (top >> 32).to(tl.int32).to(tl.float32, bitcast=True), w)
+            ids = tl.where(offs_k == j, idx, ids)
+            key = tl.where(offs == idx, -1, key)
+    else:
+        for j in tl.static_range(K):
+            best = tl.max(s, axis=0)
+            idx = tl.min(tl.where(s == best, offs, BLOCK_E), axis=0)
+            w = tl.where(offs_k == j, best, w)
+            ids = tl.where(offs_k == j, idx.to(tl.int64), ids)
+            s = tl.where(offs == idx, -2.0, s)
     if RENORMALIZE:
         w = w / tl.sum(tl.where(offs_k < K, w, 0.0), axis=0)
     tl.store(weights_ptr + t * K + offs_k, w.to(weights_ptr.dtype.element_ty), mask=offs_k < K)
@@ -73,7 +86,8 @@ def route_kernel(logits_ptr, weights_ptr, ids_ptr, E: tl.constexpr, K: tl.conste
 def norm_route_kernel(a_ptr, b_ptr, norm_w_ptr, router_w_ptr, s_ptr, h_ptr, logits_ptr, weights_ptr, ids_ptr,
                       count_ptr, T, eps, H: tl.constexpr, BLOCK_H: tl.constexpr, E: tl.constexpr,
                       ROWS: tl.constexpr, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                      SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr = False):
+                      SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, PACKED: tl.constexpr = False,
+                      USE_PDL: tl.constexpr = False):
     """Program p: router rows [p * ROWS, +ROWS) for every token; the last program routes."""
     pid = tl.program_id(0)
     offs_h = tl.arange(0, BLOCK_H)
@@ -106,7 +120,7 @@ def norm_route_kernel(a_ptr, b_ptr, norm_w_ptr, router_w_ptr, s_ptr, h_ptr, logi
         for t in range(T):
             x = tl.load(logits_ptr + t * E + offs_e, mask=offs_e < E, other=float("-inf"), volatile=True)
             _route_row(x.to(tl.float32), weights_ptr, ids_ptr, t, E, K, BLOCK_E, BLOCK_K, SIGMOID,
-                       RENORMALIZE)
+                       RENORMALIZE, PACKED)
         tl.store(count_ptr, 0)  # for the next call (the next kernel's count starts after this one ends)
 
 
@@ -118,13 +132,14 @@ def _rows_per_program(E: int, H: int) -> int:
 
 def add_rms_norm_route(a: torch.Tensor, b: torch.Tensor, norm_weight: torch.Tensor, router_weight: torch.Tensor,
                        ctx=None, *, eps: float, k: int, scoring: str = "softmax", renormalize: bool = False,
-                       rows: int | None = None, num_warps: int | None = None):
+                       rows: int | None = None, num_warps: int | None = None, packed: bool = False):
     """``s = a + b``, ``h = rms_norm(s, norm_weight)``, then ``route(linear(h, router_weight), k, ...)`` in one
     kernel, for 1..32 tokens: returns ``(s, h, weights, ids)`` as ``torch_ref.add_rms_norm_route``.
 
     ``ctx`` (a ``ForwardContext``) keeps the kernel's counter (``counters``), shared by every layer of
-    a call; without one it is allocated per call. ``rows`` (router rows a program, a power of two) and
-    ``num_warps`` override the defaults (``bench/moe_lab.py`` times them). Runs on ``meta`` tensors too."""
+    a call; without one it is allocated per call. ``rows`` (router rows a program, a power of two),
+    ``num_warps`` and ``packed`` (the top-k by one reduction a round, ``_route_row``) override the
+    defaults (``bench/moe_lab.py`` times them). Runs on ``meta`` tensors too."""
     T, H = a.shape
     E = router_weight.shape[0]
     assert 1 <= T <= NORM_ROUTE_MAX_TOKENS, f"add_rms_norm_route: 1..{NORM_ROUTE_MAX_TOKENS} tokens, got {T}"
@@ -146,7 +161,8 @@ def add_rms_norm_route(a: torch.Tensor, b: torch.Tensor, norm_weight: torch.Tens
     launch(norm_route_kernel, (triton.cdiv(E, rows),),
            [a, b, norm_weight, router_weight, s, h, logits, weights, ids, count, T, float(eps)],
            dict(H=H, BLOCK_H=triton.next_power_of_2(H), E=E, ROWS=rows, K=k, BLOCK_E=triton.next_power_of_2(E),
-                BLOCK_K=triton.next_power_of_2(k), SIGMOID=scoring == "sigmoid", RENORMALIZE=bool(renormalize)),
+                BLOCK_K=triton.next_power_of_2(k), SIGMOID=scoring == "sigmoid", RENORMALIZE=bool(renormalize),
+                **({"PACKED": True} if packed else {})),
            num_warps=num_warps or row_warps(H), num_stages=1)
     return s, h, weights, ids
 

@@ -51,20 +51,36 @@ def test_matches_reference(T, H, E, k, scoring, renormalize, dtype):
     torch.testing.assert_close(w.float(), ref_w.float(), atol=2 * TOL[dtype], rtol=2 * TOL[dtype])
 
 
-def test_ties_go_to_the_lower_expert():
+@pytest.mark.parametrize("packed", [False, True])
+def test_ties_go_to_the_lower_expert(packed):
     """Experts 3 and 5 with the same router row (the same logit, the top score): 3 comes first."""
     a, b, nw, rw = _inputs(1, 64, 8, torch.float32, 3)
     rw[3] = rw[5] = 4 * rw[3]
-    _, _, w, ids = _run((a, b, nw, rw), None, eps=1e-6, k=3)
+    _, _, w, ids = _run((a, b, nw, rw), None, eps=1e-6, k=3, packed=packed)
     assert ids[0, :2].tolist() == [3, 5] and w[0, 0] == w[0, 1]
 
 
-@pytest.mark.parametrize("rows,num_warps", [(1, 1), (4, 2), (8, 4)])
-def test_tile_overrides(rows, num_warps):
-    """Other rows a program (E = 12: the last program's rows run past E) and warps: the same result."""
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("scoring,renormalize", [("softmax", True), ("sigmoid", False)])
+def test_packed_top_k_matches_reference(scoring, renormalize, dtype):
+    """The packed top-k (one reduction a round) at the Qwen3-30B-A3B router's shape and a ragged one."""
+    for T, H, E, k in ((2, 2048, 128, 8), (3, 96, 60, 4)):
+        args = _inputs(T, H, E, dtype, seed=E + k)
+        kw = dict(eps=1e-6, k=k, scoring=scoring, renormalize=renormalize)
+        got = _run(args, None, **kw, packed=True)
+        ref = torch_ref.add_rms_norm_route(*args, **kw)
+        assert torch.equal(got[3], ref[3])
+        torch.testing.assert_close(got[2].float(), ref[2].float(), atol=2 * TOL[dtype], rtol=2 * TOL[dtype])
+
+
+@pytest.mark.parametrize("rows,num_warps,packed", [(1, 1, False), (4, 2, True), (8, 4, False), (2, 8, True)])
+def test_tile_overrides(rows, num_warps, packed):
+    """Other rows a program (E = 12: the last program's rows run past E), warps and the packed top-k:
+    the same result."""
     args = _inputs(3, 160, 12, torch.float32, 9)
     kw = dict(eps=1e-6, k=3, scoring="sigmoid", renormalize=True)
-    got = triton_route.add_rms_norm_route(*(t.to(DEVICE) for t in args), None, **kw, rows=rows, num_warps=num_warps)
+    got = triton_route.add_rms_norm_route(*(t.to(DEVICE) for t in args), None, **kw, rows=rows, num_warps=num_warps,
+                                          packed=packed)
     ref = torch_ref.add_rms_norm_route(*args, **kw)
     assert torch.equal(got[3].cpu(), ref[3])
     torch.testing.assert_close(got[2].cpu(), ref[2])
@@ -105,3 +121,40 @@ def test_meta_recording():
     assert [tuple(t.shape) for t in out] == [(1, 2048), (1, 2048), (1, 8), (1, 8)]
     assert seen == [((64,), dict(H=2048, BLOCK_H=2048, E=128, ROWS=2, K=8, BLOCK_E=128, BLOCK_K=8, SIGMOID=False,
                                  RENORMALIZE=True), 8)]
+
+
+_COMPILE = """
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from mxc.kernels import launch as L, triton_route
+meta = dict(dtype=torch.bfloat16, device="meta")
+rec = L.Recorder(pdl=True)
+with L.using(rec):
+    for packed in (False, True):
+        triton_route.add_rms_norm_route(torch.empty(1, 2048, **meta), torch.empty(1, 2048, **meta),
+                                        torch.empty(2048, **meta), torch.empty(128, 2048, **meta), eps=1e-6, k=8,
+                                        renormalize=True, packed=packed)
+fn = triton_route.norm_route_kernel
+for spec in rec.specs.values():
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in spec["signature"].items()
+             if t.startswith("*")}
+    src = ASTSource(fn, signature=spec["signature"], constexprs=spec["constexprs"], attrs=attrs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": spec["num_warps"]}).asm["ptx"]
+    assert "griddepcontrol.wait" in ptx and "atom" in ptx
+    print("ok")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compile check is for machines without a GPU")
+def test_compiles_for_sm90():
+    """Both top-k variants compile for Hopper with PDL (the OLMoE build in tests/build also compiles the
+    default one with the GPU machines' Triton 3.6)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _COMPILE], cwd=Path(__file__).resolve().parents[2], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.count("ok") == 2, r.stderr[-3000:]
