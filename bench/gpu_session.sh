@@ -6,7 +6,8 @@
 #           the bf16 and fp8 prefills,
 #           HF compiled at batch 1, 8, 32
 #   moe     Qwen3-30B-A3B shape: batch 1 vs floor, batch 64 vs HF eager, fused vs per-expert loop
-#   moelab  the Qwen3-30B-A3B batch-1 kernels one by one (pair-MoE configs, attention-side GEMVs)
+#   moelab  the Qwen3-30B-A3B batch-1 kernels one by one (pair-MoE configs, the fused norm + router,
+#           attention-side GEMVs; MOELAB_ARGS="--skip moe,gemv" for the router alone)
 #   tp      the push all-reduce and TP GPU tests, then tp=2 (one-shot and push all-reduce; TP_MODES) vs tp=1
 #           decode and the all-reduce times
 #   ab      after decode, same call: fp8 without fuse_norm_linear
@@ -36,7 +37,7 @@ case "${1:-}" in
             --out "$scratch/b8" ;;
   moe)    # the 61 GB artifact is deleted after: left in /dev/shm it slowed the next part's runs
           run "${MOE_LIMIT:-560}" moe.log python3 bench/moe.py ${MOE_ARGS:---hf} --out "$scratch/moe"; rm -rf "$scratch"/moe* ;;
-  moelab) run 200 moe_lab.log python3 bench/moe_lab.py ;;
+  moelab) run 200 moe_lab.log python3 bench/moe_lab.py ${MOELAB_ARGS:-} ;;
   tp)     run 60 push_test.log python3 -m pytest -q -p no:cacheprovider tests/gpu/test_push_allreduce_gpu.py
           run 120 tp_test.log python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py -k "${TP_TESTS:-one_shot or push}"
           run 400 tp.log python3 bench/decode_tp.py --tp 2 --modes "${TP_MODES:-one_shot,push}" --out "$scratch/btp"; rm -rf "$scratch"/btp* ;;
