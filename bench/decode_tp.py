@@ -89,7 +89,9 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--out", default="build/bench-tp")
     p.add_argument("--config", default=str(HERE / "llama3_8b.json"))
-    p.add_argument("--modes", default="nccl,one_shot,push", help="--tp-allreduce choices to build and measure")
+    p.add_argument("--modes", default="nccl,one_shot,push",
+                   help="--tp-allreduce choices to build and measure; push-unfused: push with the row-parallel "
+                        "GEMV apart from its all-reduce (--disable-pass fuse_linear_all_reduce)")
     p.add_argument("--profile", action="store_true", help="print rank 0's per-kernel breakdown of a batch-1 step")
     args = p.parse_args()
     kw = dict(config=args.config, target="cuda", dtype="bfloat16", max_batch=8, max_seq_len=512, progress=False)
@@ -102,14 +104,17 @@ def main() -> None:
     rows = [("tp=1 decode batch 1", f"{t1 * 1e3:.2f} ms/token")]
     result = Path(f"{args.out}-result.json")
     for mode in args.modes.split(","):
-        art = mxc.build("llama.yaml", out=f"{args.out}-tp{args.tp}-{mode}", tp=args.tp, tp_allreduce=mode, **kw)
+        choice, _, variant = mode.partition("-")
+        disable = ("fuse_linear_all_reduce",) if variant == "unfused" else ()
+        art = mxc.build("llama.yaml", out=f"{args.out}-tp{args.tp}-{mode}", tp=args.tp, tp_allreduce=choice,
+                        disable_passes=disable, **kw)
         run_ranks(_worker, args.tp, "cuda", str(art), str(result), args.profile)
         r = json.loads(result.read_text())
         if r["profile"]:
             print(f"\nper-kernel breakdown of one tp={args.tp} batch-1 step ({mode}), rank 0:\n{r['profile']}\n")
         rows.append((f"tp={args.tp} decode batch 1, {mode}", f"{r['step'] * 1e3:.2f} ms/token ({t1 / r['step']:.2f}x tp=1)"))
         print(rows[-1], flush=True)
-        if mode == "nccl":
+        if choice == "nccl":
             rows.append(("all-reduce 8 KB (NCCL, in a graph)", f"{r['all_reduce'] * 1e6:.1f} us"))
             rows.append(("NCCL all-reduce time per token", f"{r['all_reduce'] * (2 * layers + 1) * 1e3:.2f} ms "
                          f"({2 * layers + 1} per token)"))

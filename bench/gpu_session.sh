@@ -8,8 +8,8 @@
 #   moe     Qwen3-30B-A3B shape: batch 1 vs floor, batch 64 vs HF eager, fused vs per-expert loop
 #   moelab  the Qwen3-30B-A3B batch-1 kernels one by one (pair-MoE configs, the fused norm + router,
 #           attention-side GEMVs; MOELAB_ARGS="--skip moe,gemv" for the router alone)
-#   tp      the push all-reduce and TP GPU tests, then tp=2 (one-shot and push all-reduce; TP_MODES) vs tp=1
-#           decode and the all-reduce times
+#   tp      the push all-reduce and TP GPU tests, then tp=2 (push, with and without the GEMV pushing its rows;
+#           TP_MODES) vs tp=1 decode and the all-reduce times
 #   ab      after decode, same call: fp8 without fuse_norm_linear
 #   lab     bf16 and fp8 GEMVs one by one (fp8: SWAP_AB against the widening kernel);
 #           add --all for the prefill GEMMs too
@@ -40,7 +40,7 @@ case "${1:-}" in
   moelab) run 200 moe_lab.log python3 bench/moe_lab.py ${MOELAB_ARGS:-} ;;
   tp)     run 60 push_test.log python3 -m pytest -q -p no:cacheprovider tests/gpu/test_push_allreduce_gpu.py
           run 120 tp_test.log python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py -k "${TP_TESTS:-one_shot or push}"
-          run 400 tp.log python3 bench/decode_tp.py --tp 2 --modes "${TP_MODES:-one_shot,push}" --out "$scratch/btp"; rm -rf "$scratch"/btp* ;;
+          run 400 tp.log python3 bench/decode_tp.py --tp 2 --modes "${TP_MODES:-push,push-unfused}" --out "$scratch/btp"; rm -rf "$scratch"/btp* ;;
   ab)     # after `decode` in the same call (its bf16 artifact): fp8 without fuse_norm_linear
           run 150 ab_fp8_nofold.log python3 bench/decode.py --reuse --out "$scratch/b8" --batches "" --quant fp8 \
             --disable-pass fuse_norm_linear --hf-batches "" ;;

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from mxc.compiler.options import BuildOptions
 from mxc.errors import MxcError
-from mxc.compiler.passes import (eliminate_dead_code, fuse_add_rms_norm, fuse_all_reduce, fuse_linear_io, fuse_moe,
-                                  fuse_norm_linear, fuse_norm_route, fuse_rope_cache, merge_gate_up, merge_qkv, quantize,
-                                  select_kernels, shard_tp)
+from mxc.compiler.passes import (eliminate_dead_code, fuse_add_rms_norm, fuse_all_reduce, fuse_linear_all_reduce,
+                                  fuse_linear_io, fuse_moe, fuse_norm_linear, fuse_norm_route, fuse_rope_cache,
+                                  merge_gate_up, merge_qkv, quantize, select_kernels, shard_tp)
 from mxc.ir import Graph, dump_graph, verify
 
 PIPELINE = [
@@ -31,6 +31,7 @@ PIPELINE = [
     ("fuse_norm_route", fuse_norm_route.run),
     ("fuse_linear_io", fuse_linear_io.run),
     ("fuse_all_reduce", fuse_all_reduce.run),
+    ("fuse_linear_all_reduce", fuse_linear_all_reduce.run),
     # quantization: fp8 weights + scales (identity without --quant)
     ("quantize", quantize.run),
     # cleanup
@@ -43,7 +44,8 @@ PIPELINE = [
 # fusion's effect, or to work around one). The others carry meaning (sharding, quantization,
 # kernel selection) and always run.
 OPTIONAL = ("merge_qkv", "merge_gate_up", "fuse_moe", "fuse_rope_cache", "fuse_norm_linear",
-            "fuse_add_rms_norm", "fuse_norm_route", "fuse_linear_io", "fuse_all_reduce", "eliminate_dead_code")
+            "fuse_add_rms_norm", "fuse_norm_route", "fuse_linear_io", "fuse_all_reduce",
+            "fuse_linear_all_reduce", "eliminate_dead_code")
 
 
 def check_disabled(names) -> tuple[str, ...]:

@@ -199,6 +199,16 @@ def _all_reduce_add_rms_norm(x, residual, w, bias=None, eps=None, **_):
     return _all_reduce_add(x, residual, bias) + _rms_norm(x, w, eps)
 
 
+def _linear_all_reduce_add(x, w, residual, bias=None, **_):
+    (y,) = _linear(x, w)
+    return _all_reduce_add(y, residual, bias)
+
+
+def _linear_all_reduce_add_rms_norm(x, w, residual, norm_w, bias=None, eps=None, **_):
+    (y,) = _linear(x, w)
+    return _all_reduce_add_rms_norm(y, residual, norm_w, bias, eps)
+
+
 def _all_gather(x, world, **_):
     _need(_positive_int(world), lambda: f"world must be a positive integer, got {world!r}")
     return (TensorType(x.shape[:-1] + (x.shape[-1] * world,), x.dtype),)
@@ -283,6 +293,12 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
     OpDef("all_reduce_add_rms_norm", ("x", "residual", "weight", "bias?"), _all_reduce_add_rms_norm,
           attrs=("eps",), optional_attrs=("world",), uses_context=True,
           doc="s = residual + all_reduce(x, bias); (s, rms_norm(s)) -- fuse_all_reduce"),
+    OpDef("linear_all_reduce_add", ("x", "weight", "residual", "bias?"), _linear_all_reduce_add,
+          optional_attrs=("world",), uses_context=True,
+          doc="residual + all_reduce(linear(x, weight), bias): the GEMV pushes its rows -- fuse_all_reduce"),
+    OpDef("linear_all_reduce_add_rms_norm", ("x", "weight", "residual", "norm_weight", "bias?"),
+          _linear_all_reduce_add_rms_norm, attrs=("eps",), optional_attrs=("world",), uses_context=True,
+          doc="s = residual + all_reduce(linear(x, weight), bias); (s, rms_norm(s)) -- fuse_all_reduce"),
     OpDef("add_rms_norm", ("a", "b", "weight"), _add_rms_norm, attrs=("eps",),
           doc="s = a + b; (s, rms_norm(s)) -- fuse_add_rms_norm"),
     OpDef("add_rms_norm_route", ("a", "b", "norm_weight", "router_weight"), _add_rms_norm_route,
@@ -310,7 +326,8 @@ def n_outputs(op: str, attrs: dict) -> int:
         return len(attrs.get("sizes", ()))
     if op == "add_rms_norm_route":
         return 4
-    return 2 if op in ("rope", "add_rms_norm", "all_reduce_add_rms_norm", "route") else 1
+    return 2 if op in ("rope", "add_rms_norm", "all_reduce_add_rms_norm", "linear_all_reduce_add_rms_norm",
+                       "route") else 1
 
 
 def infer(op: str, in_types: list, attrs: dict) -> tuple[TensorType, ...]:

@@ -202,6 +202,16 @@ _TRITON = [
               tokens=(1, ONE_SHOT_MAX_TOKENS), check=_push_ok),
     Candidate("cuda_ops.all_reduce_add_rms_norm", "all_reduce_add_rms_norm", GPU,
               "the all-reduce (one-shot over peer memory or NCCL), then the Triton add + RMSNorm", check=_dtype_ok),
+    Candidate("cuda_ops.linear_all_reduce_add_push", "linear_all_reduce_add", GPU,
+              f"the row-parallel GEMV pushes its rows into the peers' memory, one kernel waits and adds, at <= "
+              f"{ONE_SHOT_MAX_TOKENS} tokens", tokens=(1, ONE_SHOT_MAX_TOKENS), check=_push_ok),
+    Candidate("cuda_ops.linear_all_reduce_add", "linear_all_reduce_add", GPU,
+              "cuBLAS, then the all-reduce and the Triton add", check=_dtype_ok),
+    Candidate("cuda_ops.linear_all_reduce_add_rms_norm_push", "linear_all_reduce_add_rms_norm", GPU,
+              f"the row-parallel GEMV pushes its rows into the peers' memory, one kernel waits, adds and "
+              f"normalises, at <= {ONE_SHOT_MAX_TOKENS} tokens", tokens=(1, ONE_SHOT_MAX_TOKENS), check=_push_ok),
+    Candidate("cuda_ops.linear_all_reduce_add_rms_norm", "linear_all_reduce_add_rms_norm", GPU,
+              "cuBLAS, then the all-reduce and the Triton add + RMSNorm", check=_dtype_ok),
     # mixture of experts
     Candidate("triton_route.route", "route", GPU,
               "Triton router: softmax or sigmoid, top-k and renormalisation in one kernel", check=_route_ok),

@@ -130,6 +130,63 @@ def all_reduce_add_rms_norm_push(x, residual, weight, bias=None, ctx: ForwardCon
     return comm.add_rms_norm(x, residual, weight, eps, bias)
 
 
+def _record_linear_push(x, w, world, **kw):
+    """The pushing GEMV and the wait kernel, launched for the recorder (the build's trace on ``meta``)."""
+    bufs = torch.empty(world, dtype=torch.int64, device=x.device)
+    state = torch.empty(4, dtype=torch.int32, device=x.device)
+    slot = world * x.shape[0] * w.shape[0]
+    triton_gemv.linear_small_m_push(x, w, bufs, state, 0, slot, world)
+    rows = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device="meta")
+    return peer_allreduce.push_all_reduce(rows, bufs, state, 0, slot, world, pushed=True, **kw)
+
+
+def _linear_push_comm(x, w, ctx, world):
+    """``_push_comm`` for the output of ``x @ w^T``, and None where the GEMV cannot push (a K split)."""
+    if not triton_gemv.pushes(x.shape[0], w.shape[0], w.shape[1], x.dtype):
+        return None
+    if x.device.type == "meta":
+        return "record" if world and world > 1 else None
+    comm, rows = ctx.peer_allreduce, torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device="meta")
+    return comm if ctx.world_size > 1 and hasattr(comm, "linear_add") and comm.fits(rows) else None
+
+
+def linear_all_reduce_add_push(x, weight, residual, bias=None, ctx: ForwardContext = None, world=None):
+    """``residual + all_reduce(x @ weight^T, bias)``: the GEMV pushes its rows into the peers' buffers
+    and one kernel waits, sums and adds; else the GEMV, then ``all_reduce_add_push``."""
+    comm = _linear_push_comm(x, weight, ctx, world)
+    if comm is None:
+        return all_reduce_add_push(triton_gemv.linear_small_m(x, weight), residual, bias, ctx, world)
+    if comm == "record":  # and the unfused path, for a runtime without peer memory
+        all_reduce_add_push(triton_gemv.linear_small_m(x, weight), residual, bias, ctx, world)
+        return _record_linear_push(x, weight, world, residual=residual, bias=bias)
+    return comm.linear_add(x, weight, residual, bias)
+
+
+def linear_all_reduce_add_rms_norm_push(x, weight, residual, norm_weight, bias=None, ctx: ForwardContext = None,
+                                        eps=1e-6, world=None):
+    """``s = residual + all_reduce(x @ weight^T, bias)`` and ``rms_norm(s)``, as ``linear_all_reduce_add_push``."""
+    comm = _linear_push_comm(x, weight, ctx, world)
+    if comm is None:
+        return all_reduce_add_rms_norm_push(triton_gemv.linear_small_m(x, weight), residual, norm_weight, bias, ctx,
+                                            eps, world)
+    if comm == "record":
+        all_reduce_add_rms_norm_push(triton_gemv.linear_small_m(x, weight), residual, norm_weight, bias, ctx, eps,
+                                     world)
+        return _record_linear_push(x, weight, world, residual=residual, weight=norm_weight, bias=bias, eps=eps)
+    return comm.linear_add_rms_norm(x, weight, residual, norm_weight, eps, bias)
+
+
+def linear_all_reduce_add(x, weight, residual, bias=None, ctx: ForwardContext = None, world=None):
+    """More tokens than the pushing GEMV serves: cuBLAS, then ``all_reduce_add``."""
+    return all_reduce_add(cublas.linear(x, weight), residual, bias, ctx)
+
+
+def linear_all_reduce_add_rms_norm(x, weight, residual, norm_weight, bias=None, ctx: ForwardContext = None, eps=1e-6,
+                                   world=None):
+    """More tokens than the pushing GEMV serves: cuBLAS, then ``all_reduce_add_rms_norm``."""
+    return all_reduce_add_rms_norm(cublas.linear(x, weight), residual, norm_weight, bias, ctx, eps)
+
+
 def add_rms_norm_route(a, b, norm_weight, router_weight, ctx: ForwardContext = None, *, eps, k, scoring="softmax",
                        renormalize=False):
     """More tokens than the fused kernel serves (``triton_route.add_rms_norm_route``): the Triton add +

@@ -36,7 +36,7 @@ import torch.distributed as dist
 import triton
 
 from mxc.errors import MxcError
-from mxc.kernels import kernel_templates
+from mxc.kernels import kernel_templates, triton_gemv
 from mxc.kernels.launch import launch
 from mxc.kernels.triton_norm import row_warps
 
@@ -98,33 +98,38 @@ PUSH_DTYPES = (torch.bfloat16, torch.float16)  # 16-bit values: -0.0 is one int1
 MAX_SPINS = 1 << 22  # reads of a slot before a kernel gives up on a peer (seconds, not a hang)
 
 
-def push_kernel(H: int, world: int, residual: bool, norm: bool, bias: bool, max_spins: int = MAX_SPINS):
+def push_kernel(H: int, world: int, residual: bool, norm: bool, bias: bool, max_spins: int = MAX_SPINS,
+                pushed: bool = False):
     return kernel_templates.kernel("push_all_reduce", "push_all_reduce_kernel", H=H,
                                    BLOCK_H=triton.next_power_of_2(H), WORLD=world, RESIDUAL=residual, NORM=norm,
-                                   BIAS=bias, MAX_SPINS=max_spins)
+                                   BIAS=bias, MAX_SPINS=max_spins, PUSHED=pushed)
 
 
 def push_all_reduce(x: torch.Tensor, bufs: torch.Tensor, state: torch.Tensor, rank: int, slot_elems: int,
                     world: int, residual: torch.Tensor | None = None, weight: torch.Tensor | None = None,
-                    bias: torch.Tensor | None = None, eps: float = 1e-6, max_spins: int = MAX_SPINS):
+                    bias: torch.Tensor | None = None, eps: float = 1e-6, max_spins: int = MAX_SPINS,
+                    pushed: bool = False):
     """Launch the push all-reduce of ``x`` [T, H] (this rank's partial sums): returns the sum (+ bias),
     or ``residual +`` it with ``residual``, and with ``weight`` also its RMSNorm, as a pair.
 
     ``bufs`` [world] int64: each rank's symmetric buffer (``3 * slot_elems`` values of x's dtype,
     reset to -0.0) as addressed from this rank; ``state`` [4] int32 on this device, zeros at first.
-    Any device works for recording the launch (``meta`` at build time)."""
+    With ``pushed``, the GEMV before pushed this rank's rows already (``triton_gemv.linear_small_m_push``):
+    ``x`` only gives the shape and dtype (a ``meta`` tensor will do). The outputs are on ``bufs``'s device;
+    any device works for recording the launch (``meta`` at build time)."""
     T, H = x.shape
-    assert x.dtype in PUSH_DTYPES and x.is_contiguous(), f"push all-reduce: x must be contiguous bf16/fp16, got {x.dtype}"
+    assert x.dtype in PUSH_DTYPES and (pushed or x.is_contiguous()), (
+        f"push all-reduce: x must be contiguous bf16/fp16, got {x.dtype}")
     assert T * H * world <= slot_elems, f"push all-reduce: {T} rows of {H} from {world} ranks exceed a slot"
     assert bufs.shape == (world,) and bufs.dtype == torch.int64, "push all-reduce: bufs must be [world] int64"
     assert state.shape == (4,) and state.dtype == torch.int32, "push all-reduce: state must be [4] int32"
     assert weight is None or residual is not None, "push all-reduce: the RMSNorm follows the residual add"
-    out = torch.empty_like(x)
-    norm_out = torch.empty_like(x) if weight is not None else None
-    args = [x, residual, bias, weight, out, norm_out, bufs, state, int(rank), int(slot_elems)]
+    out = torch.empty((T, H), dtype=x.dtype, device=bufs.device)
+    norm_out = torch.empty_like(out) if weight is not None else None
+    args = [None if pushed else x, residual, bias, weight, out, norm_out, bufs, state, int(rank), int(slot_elems)]
     args = [a for a in args if a is not None] + ([float(eps)] if weight is not None else [])
-    launch(push_kernel(H, world, residual is not None, weight is not None, bias is not None, max_spins), (T,), args, {},
-           num_warps=row_warps(H), num_stages=1)
+    launch(push_kernel(H, world, residual is not None, weight is not None, bias is not None, max_spins, pushed), (T,),
+           args, {}, num_warps=row_warps(H), num_stages=1)
     return (out, norm_out) if weight is not None else out
 
 
@@ -148,6 +153,21 @@ class PushAllReduce:
 
     def fits(self, x: torch.Tensor) -> bool:
         return x.dim() == 2 and x.shape[0] <= self.max_tokens and x.shape[1] == self.hidden and x.dtype == self.dtype
+
+    def linear_add(self, x, w, residual, bias=None) -> torch.Tensor:
+        """``residual + (sum over the ranks of x @ w^T + bias)``: the GEMV pushes its rows itself
+        (``triton_gemv.linear_small_m_push``; shapes ``triton_gemv.pushes`` takes), one kernel waits."""
+        return self._pushed(x, w, residual=residual.contiguous(), bias=bias)
+
+    def linear_add_rms_norm(self, x, w, residual, weight, eps, bias=None):
+        """``(s, rms_norm(s))`` of ``s = residual + (sum over the ranks of x @ w^T + bias)``, as ``linear_add``."""
+        return self._pushed(x, w, residual=residual.contiguous(), weight=weight, bias=bias, eps=eps)
+
+    def _pushed(self, x, w, **kw):
+        triton_gemv.linear_small_m_push(x.contiguous(), w, self.bufs, self.state, self.rank, self.slot_elems,
+                                        self.world)
+        rows = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device="meta")
+        return push_all_reduce(rows, self.bufs, self.state, self.rank, self.slot_elems, self.world, pushed=True, **kw)
 
     def _run(self, x, **kw):
         return push_all_reduce(x.contiguous(), self.bufs, self.state, self.rank, self.slot_elems, self.world, **kw)

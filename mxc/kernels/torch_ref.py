@@ -189,6 +189,15 @@ def all_reduce_add_rms_norm(x, residual, weight, bias=None, ctx: ForwardContext 
     return add_rms_norm(residual, all_reduce(x, bias, ctx), weight, eps)
 
 
+def linear_all_reduce_add(x, weight, residual, bias=None, ctx: ForwardContext = None, world=None):
+    return all_reduce_add(linear(x, weight), residual, bias, ctx)
+
+
+def linear_all_reduce_add_rms_norm(x, weight, residual, norm_weight, bias=None, ctx: ForwardContext = None, eps=1e-6,
+                                   world=None):
+    return all_reduce_add_rms_norm(linear(x, weight), residual, norm_weight, bias, ctx, eps)
+
+
 def all_gather(x, ctx: ForwardContext, world):
     if world == 1:
         return x

@@ -84,18 +84,23 @@ def bucket(m: int) -> int:
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M,
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, bufs_ptr, state_ptr, rank, slot_elems,
                  N: tl.constexpr, K: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 HAS_RESIDUAL: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+                 HAS_RESIDUAL: tl.constexpr = False, PUSH_WORLD: tl.constexpr = 0, USE_PDL: tl.constexpr = False):
     """One program: rows [pid_n * BLOCK_N, +BLOCK_N) of y over K slice pid_k.
 
     With SPLIT_K == 1, ``y_ptr`` is y [M, N] (bias and residual added, cast to y's dtype);
     otherwise it is the fp32 scratch [SPLIT_K, M, N] and HAS_BIAS and HAS_RESIDUAL are False.
     ``b_ptr`` / ``r_ptr`` are None (specialised away) when there is no bias / residual.
+    With PUSH_WORLD ranks (> 0; ``y_ptr`` None), y goes into the push all-reduce's buffers instead:
+    rows of this rank in slot ``state[0]`` of every rank's buffer (``bufs_ptr``, its own included),
+    -0.0 sent as +0.0 (``peer_allreduce``); ``bufs_ptr``, ``state_ptr``, ``rank`` and ``slot_elems``
+    are None otherwise.
     """
     tl.static_assert(SPLIT_K == 1 or not (HAS_BIAS or HAS_RESIDUAL))
+    tl.static_assert(PUSH_WORLD == 0 or (SPLIT_K == 1 and not HAS_RESIDUAL))
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     # K slice of this program: a whole number of BLOCK_K steps (the last slices may run past K)
@@ -183,13 +188,21 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M,
     if HAS_BIAS:
         bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         acc_t += bias[:, None]
-    y_ptrs = y_ptr + pid_k * M * N + offs_m[None, :] * N + offs_n[:, None]
     y_mask = n_ok[:, None] & x_row_ok[None, :]
-    y = acc_t.to(y_ptr.dtype.element_ty)
-    if HAS_RESIDUAL:  # torch_ref.add(residual, linear): the linear rounded, then the sum rounded
-        r = tl.load(r_ptr + offs_m[None, :] * N + offs_n[:, None], mask=y_mask, other=0.0)
-        y = (r.to(tl.float32) + y.to(tl.float32)).to(y_ptr.dtype.element_ty)
-    tl.store(y_ptrs, y, mask=y_mask)
+    if PUSH_WORLD > 0:
+        bits = acc_t.to(x_ptr.dtype.element_ty).to(tl.int16, bitcast=True)
+        bits = tl.where(bits == -32768, 0, bits)  # -0.0 marks "not written yet": send +0.0
+        at = (tl.load(state_ptr) % 3).to(tl.int64) * slot_elems + rank * M * N
+        for r in tl.static_range(PUSH_WORLD):
+            buf = tl.load(bufs_ptr + r).to(tl.pointer_type(tl.int16))
+            tl.store(buf + at + offs_m[None, :] * N + offs_n[:, None], bits, mask=y_mask)
+    else:
+        y_ptrs = y_ptr + pid_k * M * N + offs_m[None, :] * N + offs_n[:, None]
+        y = acc_t.to(y_ptr.dtype.element_ty)
+        if HAS_RESIDUAL:  # torch_ref.add(residual, linear): the linear rounded, then the sum rounded
+            r = tl.load(r_ptr + offs_m[None, :] * N + offs_n[:, None], mask=y_mask, other=0.0)
+            y = (r.to(tl.float32) + y.to(tl.float32)).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptrs, y, mask=y_mask)
 
 
 @triton.jit
@@ -408,12 +421,13 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
                   SPLIT_K=cfg.SPLIT_K, USE_DOT=cfg.USE_DOT)
     has_bias, has_residual = bias is not None, residual is not None
     if cfg.SPLIT_K == 1:
-        launch(_gemv_kernel, grid, [x, w, bias, residual, y, M],
+        launch(_gemv_kernel, grid, [x, w, bias, residual, y, M, None, None, None, None],
                dict(consts, HAS_BIAS=has_bias, HAS_RESIDUAL=has_residual),
                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return y
     ws = torch.empty((cfg.SPLIT_K, M, N), dtype=torch.float32, device=x.device)
-    launch(_gemv_kernel, grid, [x, w, None, None, ws, M], dict(consts, HAS_BIAS=False, HAS_RESIDUAL=False),
+    launch(_gemv_kernel, grid, [x, w, None, None, ws, M, None, None, None, None],
+           dict(consts, HAS_BIAS=False, HAS_RESIDUAL=False),
            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     block_r = max(64, 1024 // m_bucket)
     launch(_splitk_reduce_kernel, (triton.cdiv(N, block_r),), [ws, bias, residual, y, M],
@@ -421,6 +435,33 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
                 HAS_RESIDUAL=has_residual),
            num_warps=4, num_stages=1)
     return y
+
+
+def pushes(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
+    """Whether ``linear_small_m_push`` serves this shape: its default config has no K split (the
+    split's reduce kernel would have to push instead)."""
+    return 1 <= m <= M_BUCKETS[-1] and dtype in (torch.float16, torch.bfloat16) and \
+        config_for(bucket(m), n, k, dtype).SPLIT_K == 1
+
+
+def linear_small_m_push(x: torch.Tensor, w: torch.Tensor, bufs: torch.Tensor, state: torch.Tensor, rank: int,
+                        slot_elems: int, world: int) -> None:
+    """``x [M, K] @ w [N, K]^T`` rounded to x's dtype, pushed into the push all-reduce's buffers (rows
+    of ``rank`` in slot ``state[0]`` of every rank's buffer, as ``peer_allreduce.push_all_reduce``
+    pushes them) instead of returned: the row-parallel linear before the all-reduce, whose wait
+    kernel (``push_all_reduce(..., pushed=True)``) then only waits, sums and goes on. Only shapes
+    ``pushes`` takes; bf16/fp16."""
+    M, K = x.shape
+    N = w.shape[0]
+    assert pushes(M, N, K, x.dtype) and w.dtype == x.dtype and w.shape[1] == K, (
+        f"linear_small_m_push: {M} x {K} @ {tuple(w.shape)} {x.dtype} is not a pushed shape")
+    assert x.is_contiguous() and w.is_contiguous() and M * N * world <= slot_elems, "linear_small_m_push: layout"
+    cfg = config_for(bucket(M), N, K, x.dtype)
+    consts = dict(N=N, K=K, BLOCK_M=_tile_m(bucket(M), cfg), BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+                  SPLIT_K=1, USE_DOT=cfg.USE_DOT, HAS_BIAS=False, HAS_RESIDUAL=False, PUSH_WORLD=int(world))
+    launch(_gemv_kernel, (triton.cdiv(N, cfg.BLOCK_N), 1), [x, w, None, None, None, M, bufs, state, int(rank),
+                                                           int(slot_elems)],
+           consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 # ----------------------------------------------------------------------------------------------

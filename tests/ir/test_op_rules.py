@@ -187,6 +187,15 @@ EXAMPLES = {
         ([tt("T", 64), tt("T", 32)], {}, "inputs differ"),
         ([tt("T", 64), tt("T", 64), tt(32)], {}, "bias [32] float32 must match the last dim"),
     ]),
+    "linear_all_reduce_add": (([tt("T", 32), tt(64, 32), tt("T", 64), tt(64)], {"world": 2}), [tt("T", 64)], [
+        ([tt("T", 32), tt(64, 16), tt("T", 64)], {}, "disagree on K"),
+        ([tt("T", 32), tt(64, 32), tt("T", 48)], {}, "inputs differ"),
+    ]),
+    "linear_all_reduce_add_rms_norm": (([tt("T", 32), tt(64, 32), tt("T", 64), tt(64)], {"eps": 1e-5, "world": 2}),
+                                       [tt("T", 64), tt("T", 64)], [
+        ([tt("T", 32), tt(64, 32), tt("T", 64), tt(32)], {"eps": 1e-5}, "does not match the last dim"),
+        ([tt("T", 32), tt(64, 32), tt("T", 64), tt(64)], {}, "missing attribute(s) eps"),
+    ]),
     "all_reduce_add_rms_norm": (([tt("T", 64), tt("T", 64), tt(64)], {"eps": 1e-5, "world": 2}),
                                 [tt("T", 64), tt("T", 64)], [
         ([tt("T", 64), tt("T", 64), tt(32)], {"eps": 1e-5}, "does not match the last dim"),

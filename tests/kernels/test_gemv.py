@@ -153,7 +153,7 @@ def test_meta_recording():
             y = tg.linear_small_m(torch.empty(M, K, dtype=dtype, device="meta"), w, b)
             assert y.shape == (M, N) and y.device.type == "meta"
             (kernel, grid, args, consts, nw, ns), = launches
-            assert args[-1] == M and consts["BLOCK_M"] >= tg.bucket(M)
+            assert args[5] == M and args[6:] == [None] * 4 and consts["BLOCK_M"] >= tg.bucket(M)
             seen[M] = (grid, consts, nw, ns)
         # split K (a small N): two launches, same grids for every M of a bucket
         w_small = torch.empty(256, K, dtype=dtype, device="meta")
@@ -285,7 +285,7 @@ def test_meta_recording_residual():
                 assert y.shape == (M, N) and y.device.type == "meta"
                 assert [grid for _, grid, *_ in fused] == [grid for _, grid, *_ in plain]
                 for (kernel, _, args, consts, nw, ns), (_, _, _, pconsts, _, _) in zip(fused, plain):
-                    assert args[-1] == M
+                    assert (args[5] if kernel is tg._gemv_kernel else args[-1]) == M
                     spec = launch_mod.spec_of(kernel, args, consts, nw, ns)
                     assert spec["signature"]["r_ptr"] in ("*bf16", "constexpr")
                     assert pconsts["HAS_RESIDUAL"] is False

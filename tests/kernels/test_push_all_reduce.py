@@ -115,3 +115,47 @@ def test_missing_peer_sets_the_late_flag():
     for _ in range(2):
         with pytest.raises(MxcError, match="did not deliver its partial sums"):
             comm.check()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("what", ["add", "add_rms_norm+bias"])
+def test_pushing_gemv_then_the_wait_kernel(world, what):
+    """The row-parallel GEMV pushes its rows into every rank's buffer itself (``linear_small_m_push``) and
+    the wait kernel (``pushed=True``) sums them: the same as the GEMV's rounded partials all-reduced,
+    over rotating slots; the previous slot is reset. Every GEMV runs before any wait here (one process),
+    so no row is missing when a wait reads it."""
+    from mxc.kernels.triton_gemv import linear_small_m_push
+
+    dtype, H, K = torch.bfloat16, 96, 80
+    g = torch.Generator().manual_seed(world)
+    ranks = Ranks(world, H, max_tokens=4, dtype=dtype)
+    weight = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype)
+    bias = (0.1 * torch.randn(H, generator=g)).to(dtype) if "bias" in what else None
+    ws = [(torch.randn(H, K, generator=g) * K ** -0.5).to(dtype) for _ in range(world)]
+    for call, T in enumerate([3, 1, 4]):
+        xs = [torch.randn(T, K, generator=g).to(dtype) for _ in range(world)]
+        residual = torch.randn(T, H, generator=g).to(dtype)
+        flags = [int(s[0]) for s in ranks.states]
+        for r in range(world):
+            linear_small_m_push(xs[r], ws[r], ranks.ptrs, ranks.states[r], r, ranks.slot, world)
+        kw = dict(residual=residual, bias=bias)
+        if what.startswith("add_rms_norm"):
+            kw.update(weight=weight, eps=1e-5)
+        rows = torch.empty((T, H), dtype=dtype, device="meta")
+        outs = [push_all_reduce(rows, ranks.ptrs, ranks.states[r], r, ranks.slot, world, max_spins=8, pushed=True,
+                                **kw) for r in range(world)]
+        partials = [torch_ref.linear(x.float(), w.float()).to(dtype) for x, w in zip(xs, ws)]
+        t = _reference_sum(partials) if bias is None else (_reference_sum(partials).float() + bias.float()).to(dtype)
+        want = torch_ref.add_rms_norm(residual, t, weight, 1e-5) if "rms_norm" in what else torch_ref.add(residual, t)
+        for r, out in enumerate(outs):
+            got = out if isinstance(out, tuple) else (out,)
+            want_t = want if isinstance(want, tuple) else (want,)
+            for a, b in zip(got, want_t):
+                # the GEMV's fp32 sums may round an ulp apart from torch's in the partials
+                torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+            assert torch.equal(got[0], outs[0][0] if isinstance(outs[0], tuple) else outs[0])  # the same bits
+        for r in range(world):
+            assert ranks.states[r].tolist()[:3] == [(flags[r] + 1) % 3, world * T * H, 0]
+            if call:
+                prev = (flags[r] + 2) % 3
+                assert bool((ranks.bufs[r][prev * ranks.slot:(prev + 1) * ranks.slot] == EMPTY).all())

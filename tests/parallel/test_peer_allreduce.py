@@ -23,7 +23,8 @@ TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atten
             architectures=["LlamaForCausalLM"])
 
 
-REDUCING = ("all_reduce", "all_reduce_add", "all_reduce_add_rms_norm")
+REDUCING = ("all_reduce", "all_reduce_add", "all_reduce_add_rms_norm", "linear_all_reduce_add",
+            "linear_all_reduce_add_rms_norm")
 
 
 def _graph(dtype="bfloat16", **options):
@@ -63,12 +64,29 @@ def test_one_shot_serves_decode_token_counts_when_asked():
 
 
 def test_push_serves_decode_token_counts_when_asked():
-    for op, attrs in _all_reduces(tp_allreduce="push"):
+    """Under push the row-parallel linears join their all-reduces (the GEMV pushes its rows); each op's
+    push kernel serves up to 32 tokens, a composite the rest."""
+    ops = _all_reduces(tp_allreduce="push")
+    assert [op for op, _ in ops] == ["all_reduce", "linear_all_reduce_add_rms_norm", "linear_all_reduce_add"]
+    for op, attrs in ops:
         fallback = "torch_ref.all_reduce" if op == "all_reduce" else f"cuda_ops.{op}"
         assert attrs["kernel"] == [[ONE_SHOT_MAX_TOKENS, f"cuda_ops.{op}_push"], [None, fallback]]
-        assert "push all-reduce" in attrs["kernel_reason"]
+        assert "push" in attrs["kernel_reason"]
     for op, attrs in _all_reduces("float32", tp_allreduce="push"):  # 16-bit values only
         assert not isinstance(attrs["kernel"], list) and "_push" not in attrs["kernel"]
+
+
+def test_linear_joins_the_all_reduce_only_under_push_and_not_fp8():
+    """fuse_linear_all_reduce: only under push, not fp8, and not when disabled."""
+    for options in (dict(tp_allreduce="one_shot"), dict(tp_allreduce="nccl"),
+                    dict(tp_allreduce="push", quant="fp8"),
+                    dict(tp_allreduce="push", disable_passes=("fuse_linear_all_reduce",))):
+        assert not [op for op, _ in _all_reduces(**options) if op.startswith("linear_")], options
+    graph = _graph(tp_allreduce="push")
+    node = next(n for n, _ in graph.nodes() if n.op == "linear_all_reduce_add")
+    assert node.ins[1] == "w_down" and node.ins[2] == "x_1"
+    in_layers = [n.op for n, rep in graph.nodes() if rep is not None]
+    assert in_layers.count("linear") == 2  # qkv and gate/up: the o and down projections joined their all-reduces
 
 
 def test_auto_is_push_on_cuda_with_tp():
@@ -155,6 +173,14 @@ class _FakePush:
         s = self.add(x, residual, bias)
         return s, torch_ref.rms_norm(s, weight, eps)
 
+    def linear_add(self, x, w, residual, bias=None):
+        self.calls.append("linear_add")
+        return self.add(torch_ref.linear(x, w), residual, bias)
+
+    def linear_add_rms_norm(self, x, w, residual, weight, eps, bias=None):
+        self.calls.append("linear_add_rms_norm")
+        return self.add_rms_norm(torch_ref.linear(x, w), residual, weight, eps, bias)
+
 
 def test_push_adapters_use_the_runtime_collective_or_fall_back():
     x, r, w, b = torch.ones(3, 8), torch.full((3, 8), 0.25), torch.linspace(0.5, 1.5, 8), torch.full((8,), 0.5)
@@ -197,6 +223,33 @@ def test_push_sends_rows_that_do_not_fit_to_nccl(monkeypatch):
     assert push.calls == [] and nccl == [(6, 8)] * 3
 
 
+def test_linear_push_adapters_use_the_runtime_collective_or_fall_back(monkeypatch):
+    """The GEMV pushes when the push all-reduce takes its rows; else the GEMV, then the push adapter (and
+    that one's NCCL fallback for rows the buffers cannot take)."""
+    g = torch.Generator().manual_seed(0)
+    bf16 = lambda *shape: torch.randn(*shape, generator=g).to(torch.bfloat16)  # noqa: E731  (pushed: 16-bit)
+    w, nw = bf16(8, 16), torch.linspace(0.5, 1.5, 8).to(torch.bfloat16)
+    push = _FakePush(max_rows=4)
+    nccl = _nccl_stand_in(monkeypatch)
+    monkeypatch.setattr(cuda_ops.triton_gemv, "linear_small_m", torch_ref.linear)
+    monkeypatch.setattr(cuda_ops.triton_elementwise, "add", torch.add)
+    monkeypatch.setattr(cuda_ops.triton_norm, "add_rms_norm",
+                        lambda t, r, w_, eps: (r + t, torch_ref.rms_norm(r + t, w_, eps)))
+    for rows, pushed in ((3, True), (6, False)):
+        push.calls.clear()
+        x, r = bf16(rows, 16), bf16(rows, 8)
+        ctx = ForwardContext([1] * rows, [0] * rows, list(range(rows)), world_size=2, peer_allreduce=push)
+        factor = 2 if pushed else 3  # the fake push doubles the partial, the NCCL stand-in triples it
+        y = torch_ref.linear(x, w)
+        torch.testing.assert_close(cuda_ops.linear_all_reduce_add_push(x, w, r, None, ctx, world=2), r + factor * y)
+        s_, h = cuda_ops.linear_all_reduce_add_rms_norm_push(x, w, r, nw, None, ctx, eps=1e-6, world=2)
+        torch.testing.assert_close(s_, r + factor * y)
+        torch.testing.assert_close(h, torch_ref.rms_norm(s_, nw, 1e-6))
+        assert push.calls == (["linear_add", "add", "sum", "linear_add_rms_norm", "add_rms_norm", "add", "sum"]
+                              if pushed else [])
+    assert nccl == [(6, 8)] * 2
+
+
 def test_push_records_its_kernel_at_build_time():
     """On ``meta`` (the build's trace) the push adapters launch the kernel for the recorder, without a
     process group: the artifact carries the kernel's cubin."""
@@ -214,6 +267,16 @@ def test_push_records_its_kernel_at_build_time():
     kernels = sorted(spec["kernel"].split(":")[0].split(".")[1].rsplit("_", 1)[0] for spec in rec.specs.values())
     # the push kernels, and the fallback's add and add + RMSNorm (a runtime without peer memory uses NCCL)
     assert kernels == ["add", "push_all_reduce", "push_all_reduce", "push_all_reduce", "rms_norm"], kernels
+    # the pushing GEMV: its kernel with PUSH_WORLD, the wait kernels, and the unfused path's kernels
+    rec = Recorder()
+    with using(rec):
+        cuda_ops.linear_all_reduce_add_push(meta(4, 32), meta(64, 32), meta(4, 64), None, ctx, world=2)
+        cuda_ops.linear_all_reduce_add_rms_norm_push(meta(4, 32), meta(64, 32), meta(4, 64), meta(64), None, ctx,
+                                                     eps=1e-6, world=2)
+    consts = [spec["constexprs"] for spec in rec.specs.values() if spec["kernel"].endswith("_gemv_kernel")]
+    assert sorted(c.get("PUSH_WORLD", 0) for c in consts) == [0, 2]  # plain GEMV (fallback), pushing GEMV
+    pushed = [spec for spec in rec.specs.values() if "push_all_reduce" in spec["kernel"]]
+    assert len(pushed) == 4 and sum("x_ptr" not in spec["signature"] for spec in pushed) == 2
 
 
 def test_peer_memory_needs_cuda(capsys):
