@@ -13,7 +13,7 @@ from pathlib import Path
 
 # 2: kernels rendered from templates, their sources in code/kernels/src/; 3: the RoPE kernel's kv-group grid,
 # the tiled fp8 quantize and the push all-reduce (older artifacts lack those cubins); 4: the MoE norm + router
-# kernel
+# kernel, the GEMV's push arguments
 SCHEMA_VERSION = 4
 
 

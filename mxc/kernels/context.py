@@ -49,8 +49,9 @@ class ForwardContext:
 
     def counters(self, name: str, n: int, device) -> torch.Tensor:
         """int32 zeros [>= n] on ``device`` for kernels that count their finished programs and leave the
-        counts at 0 again (the last program does the rest of the work): one tensor per name for the
-        whole call, so one memset a call (inside a CUDA graph, a step), not one a layer."""
+        counts at 0 again (the last program does the rest of the work): one tensor per name, made on the
+        context's first use (for a CUDA graph, its warm-up call, outside the capture) and shared by every
+        layer and later call, which rely on the kernels leaving it at 0."""
         key = ("counters", name, str(device))
         t = self.memo.get(key)
         if t is None or t.numel() < n:

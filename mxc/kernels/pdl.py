@@ -13,7 +13,10 @@ rows first, ``prefetch_rows_l2``, so the bytes stream in while the
 latency-bound kernels ahead of it -- norm, RoPE, attention -- run) and the
 step's inputs, written before it starts (positions, cache locations: the RoPE
 kernel loads them early).
-A kernel without ``USE_PDL`` is launched the ordinary way. Off by default until it
+Every kernel waits before it finishes, so when a kernel passes its wait, every kernel before it in
+the stream has finished, not only the one right ahead: the push all-reduce relies on that (its GEMV
+reads the slot the all-reduce two kernels back advanced). A kernel that finished before its wait
+would break it. A kernel without ``USE_PDL`` is launched the ordinary way. Off by default until it
 is measured (docs/perf.md).
 """
 

@@ -115,7 +115,8 @@ def norm_route_kernel(a_ptr, b_ptr, norm_w_ptr, router_w_ptr, s_ptr, h_ptr, logi
             tl.store(h_ptr + row + offs_h, h, mask=h_ok)
         logit = tl.sum(wr * h.to(tl.float32)[None, :], axis=1)  # the router linear, rounded to the dtype
         tl.store(logits_ptr + t * E + rows, logit.to(ty), mask=rows_ok)
-    # release: this program's logits are visible to whichever program counts last
+    # release: this program's logits are visible to whichever program counts last (Triton puts a
+    # barrier before a scalar atomic: every warp's stores are in; checked in the sm_90 PTX, 3.6 and 3.9)
     done = tl.atomic_add(count_ptr, 1, sem="acq_rel")
     if done == tl.num_programs(0) - 1:
         offs_e = tl.arange(0, BLOCK_E)

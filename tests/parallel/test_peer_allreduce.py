@@ -82,6 +82,8 @@ def test_linear_joins_the_all_reduce_only_under_push_and_not_fp8():
                     dict(tp_allreduce="push", quant="fp8"),
                     dict(tp_allreduce="push", disable_passes=("fuse_linear_all_reduce",))):
         assert not [op for op, _ in _all_reduces(**options) if op.startswith("linear_")], options
+    assert not [op for op, _ in _all_reduces("float32", tp_allreduce="push") if op.startswith("linear_")]
+    assert [op for op, _ in _all_reduces("float16", tp_allreduce="push") if op.startswith("linear_")]
     graph = _graph(tp_allreduce="push")
     node = next(n for n, _ in graph.nodes() if n.op == "linear_all_reduce_add")
     assert node.ins[1] == "w_down" and node.ins[2] == "x_1"

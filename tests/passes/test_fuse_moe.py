@@ -92,6 +92,7 @@ def test_norm_and_router_fuse(bind_arch, assert_same_logits):
         assert fuse_norm_route.run(after, SimpleNamespace(quant=None)) == after
         assert_same_logits(before, after)
         assert fuse_norm_route.run(before, SimpleNamespace(quant="fp8")) == before
+        assert fuse_norm_route.run(before, SimpleNamespace(quant=None, tp=2)) == before
 
 
 def test_norm_route_leaves_logits_read_elsewhere(bind_arch):

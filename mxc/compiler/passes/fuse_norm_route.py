@@ -12,7 +12,9 @@ Rewrites to::
 
 At decode one kernel does all of it (``triton_route.add_rms_norm_route``: 3 launches fewer a MoE
 layer); larger token counts run the three kernels as before. Not under ``--quant fp8``: there the
-router linear is quantized with the others (the fused kernel reads a router in the model dtype).
+router linear is quantized with the others (the fused kernel reads a router in the model dtype). Not
+at ``--tp`` > 1: there the add + RMSNorm joins the all-reduce before it (``fuse_all_reduce``, the
+push kernel), measured on its own; this fusion was measured at tp = 1.
 Preserves: every output's name and the math (the router logits rounded to the model dtype, as by the
 linear).
 """
@@ -39,6 +41,6 @@ def _match(route: Node, ctx):
 
 
 def run(graph: Graph, options) -> Graph:
-    if options.quant == "fp8":
+    if options.quant == "fp8" or getattr(options, "tp", 1) > 1:
         return graph
     return apply_rules(graph, [("route", _match)])[0]
