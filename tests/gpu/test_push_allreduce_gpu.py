@@ -1,6 +1,7 @@
 """The push all-reduce (``peer_allreduce.PushAllReduce``) on two GPUs: against NCCL + the Triton add and
 RMSNorm, eagerly and replayed from a CUDA graph many times, with row counts that change from call to
-call (the slot reset follows them) and one rank held back (its peer must wait, not read stale rows)."""
+call (the slot reset follows them) and one rank held back (its peer must wait, not read stale rows);
+also with the rows pushed by the GEMV before it (``linear_add``, ``linear_add_rms_norm``)."""
 
 from __future__ import annotations
 
@@ -26,11 +27,17 @@ def _worker(rank, world_size, device, out):
     xs = [torch.randn(t, H, generator=g, device=device).bfloat16() for t in rows]
     res = [torch.randn(t, H, generator=torch.Generator(device).manual_seed(7 + i), device=device).bfloat16()
            for i, t in enumerate(rows)]
-    want = []
-    for x, r in zip(xs, res):
+    K = 2048  # the o projection's per-rank K at tp=2 (Llama-3-8B)
+    w_lin = (torch.randn(H, K, generator=g, device=device) * K ** -0.5).bfloat16()
+    ins = [torch.randn(t, K, generator=g, device=device).bfloat16() for t in rows]
+    want, want_lin = [], []
+    for x, r, a in zip(xs, res, ins):
         total = x.clone()
         dist.all_reduce(total)  # NCCL in bf16; the push kernel sums in fp32 and rounds once
         want.append(torch_ref.add_rms_norm(r, total, weight, 1e-5))
+        part = torch.nn.functional.linear(a, w_lin)  # this rank's rounded partial, as the GEMV rounds it
+        dist.all_reduce(part)
+        want_lin.append(torch_ref.add_rms_norm(r, part, weight, 1e-5))
 
     def once():
         outs = []
@@ -39,15 +46,19 @@ def _worker(rank, world_size, device, out):
                 torch.cuda._sleep(2_000_000)  # rank 1 late: rank 0 must wait for its rows
             outs.append(comm.add_rms_norm(x, r, weight, 1e-5))
             outs.append((comm.add(x, r), comm(x)))
+            outs.append((comm.linear_add_rms_norm(ins[i], w_lin, r, weight, 1e-5), comm.linear_add(ins[i], w_lin, r)))
         return outs
 
-    errors = []
+    errors, linear_errors = [], []
 
     def check(outs):
         for i in range(len(rows)):
-            (s, h), (s2, t) = outs[2 * i], outs[2 * i + 1]
+            (s, h), (s2, t), ((ls, lh), ls2) = outs[3 * i], outs[3 * i + 1], outs[3 * i + 2]
             errors.append(max(float((s - want[i][0]).abs().max()), float((h - want[i][1]).abs().max()),
                               float((s2 - want[i][0]).abs().max())))
+            # the pushing GEMV: its fp32 sums may round a partial an ulp apart from cuBLAS's
+            linear_errors.append(max(float((ls - want_lin[i][0]).abs().max()), float((lh - want_lin[i][1]).abs().max()),
+                              float((ls2 - want_lin[i][0]).abs().max())))
             # same bits on every rank
             gathered = [torch.empty_like(h) for _ in range(world_size)]
             dist.all_gather(gathered, h)
@@ -69,7 +80,8 @@ def _worker(rank, world_size, device, out):
         check(outs)
     comm.check()  # nobody gave up waiting
     if rank == 0:
-        torch.save({"max_error": max(errors), "state": comm.state.tolist()}, out)
+        torch.save({"max_error": max(errors), "max_linear_error": max(linear_errors), "state": comm.state.tolist()},
+                   out)
 
 
 def test_push_all_reduce_two_gpus(tmp_path):
@@ -77,4 +89,6 @@ def test_push_all_reduce_two_gpus(tmp_path):
     result = torch.load(tmp_path / "out.pt", weights_only=True)
     # bf16 rounding of one sum (NCCL rounds the same sum, maybe another way at a tie) through the norm
     assert result["max_error"] < 0.07, result
+    # and the partials' own rounding (GEMV against cuBLAS) besides: a wrong row would be off by ~1 or more
+    assert result["max_linear_error"] < 0.2, result
     assert result["state"][3] == 0
