@@ -15,8 +15,8 @@ the router's E x H), writes its ROWS logits, and the last program to finish (an 
 at 0 for the next call) routes every token from the logits the others wrote. Program 0 also
 writes the residual sum and the normalised rows, which the experts read. On the Qwen3-30B-A3B
 shape at batch 1 (H200, 2026-11-30) it took 5.8 us a layer against ~6.8 us for the three kernels,
-and the step went from 2.73 to 2.65 ms; most of its time is the last program's top-k, 2k block-wide
-reductions over 8 warps (``PACKED`` halves them; ``bench/moe_lab.py`` measures the options).
+and the step went from 2.73 to 2.65 ms; the last program's top-k, 2k block-wide reductions over 8
+warps, is probably most of it (``PACKED`` halves them; ``bench/moe_lab.py`` measures the options).
 """
 
 from __future__ import annotations
