@@ -16,7 +16,12 @@ kernel loads them early).
 Every kernel waits before it finishes, so when a kernel passes its wait, every kernel before it in
 the stream has finished, not only the one right ahead: the push all-reduce relies on that (its GEMV
 reads the slot the all-reduce two kernels back advanced). A kernel that finished before its wait
-would break it. A kernel without ``USE_PDL`` is launched the ordinary way. Off by default until it
+would break it. A kernel without ``USE_PDL`` is launched the ordinary way.
+
+``pdl="early"`` (an experiment: ``USE_PDL`` = 2) lets the next kernel launch before this one waits,
+as soon as all of this kernel's programs have started: two kernels ahead can then be prefetching
+their weights while one runs. The waits are unchanged (each kernel still waits for the whole kernel
+ahead, which waited for its own), so the order of reads and writes is the same. Off by default until it
 is measured (docs/perf.md).
 """
 
@@ -26,7 +31,10 @@ import triton.language as tl
 
 @triton.jit
 def pdl_enter(USE_PDL: tl.constexpr):
-    if USE_PDL:
+    if USE_PDL == 2:  # the build option pdl="early": the next kernel may launch before this one waits
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    elif USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 
