@@ -44,6 +44,16 @@ class Context:
         i = self.producer.get(value) if value is not None else None
         return None if i is None else self.nodes[i]
 
+    def plain_linear(self, value: str | None, reader: Node) -> Node | None:
+        """The ``linear(x, w)`` making ``value`` -- ``w`` a weight; no bias, residual or prologue -- when
+        ``reader`` is its only reader (so a rule may fold the linear into ``reader``), else None."""
+        lin = self.producing(value)
+        if lin is None or lin.op != "linear" or self.sole_user(value) is not reader:
+            return None
+        if len(lin.ins) > 2 or lin.attrs.get("prologue") or lin.ins[1] not in self.weights:
+            return None
+        return lin
+
     def index(self, node: Node) -> int:
         return self.nodes.index(node)
 

@@ -142,6 +142,14 @@ def _torch_ref(op: str) -> Candidate:
 
 
 GPU = ("cuda",)
+
+
+def _push_or_not(op: str, pushed: str, otherwise: str) -> list[Candidate]:
+    """The push all-reduce's kernel of ``op`` for decode token counts (when asked for), and ``cuda_ops.<op>``
+    for the rest and where it is not."""
+    return [Candidate(f"cuda_ops.{op}_push", op, GPU, f"{pushed} at <= {ONE_SHOT_MAX_TOKENS} tokens",
+                      tokens=(1, ONE_SHOT_MAX_TOKENS), check=_push_ok),
+            Candidate(f"cuda_ops.{op}", op, GPU, otherwise, check=_dtype_ok)]
 GEMV_MAX_TOKENS = 32
 
 _TRITON = [
@@ -192,26 +200,16 @@ _TRITON = [
     Candidate("cuda_ops.all_reduce_push", "all_reduce", GPU,
               f"push all-reduce over peer memory at <= {ONE_SHOT_MAX_TOKENS} tokens: one kernel, no barrier",
               tokens=(1, ONE_SHOT_MAX_TOKENS), check=_push_ok),
-    Candidate("cuda_ops.all_reduce_add_push", "all_reduce_add", GPU,
-              f"push all-reduce and the residual add in one kernel at <= {ONE_SHOT_MAX_TOKENS} tokens",
-              tokens=(1, ONE_SHOT_MAX_TOKENS), check=_push_ok),
-    Candidate("cuda_ops.all_reduce_add", "all_reduce_add", GPU,
-              "the all-reduce (one-shot over peer memory or NCCL), then the Triton add", check=_dtype_ok),
-    Candidate("cuda_ops.all_reduce_add_rms_norm_push", "all_reduce_add_rms_norm", GPU,
-              f"push all-reduce, the residual add and RMSNorm in one kernel at <= {ONE_SHOT_MAX_TOKENS} tokens",
-              tokens=(1, ONE_SHOT_MAX_TOKENS), check=_push_ok),
-    Candidate("cuda_ops.all_reduce_add_rms_norm", "all_reduce_add_rms_norm", GPU,
-              "the all-reduce (one-shot over peer memory or NCCL), then the Triton add + RMSNorm", check=_dtype_ok),
-    Candidate("cuda_ops.linear_all_reduce_add_push", "linear_all_reduce_add", GPU,
-              f"the row-parallel GEMV pushes its rows into the peers' memory, one kernel waits and adds, at <= "
-              f"{ONE_SHOT_MAX_TOKENS} tokens", tokens=(1, ONE_SHOT_MAX_TOKENS), check=_push_ok),
-    Candidate("cuda_ops.linear_all_reduce_add", "linear_all_reduce_add", GPU,
-              "cuBLAS, then the all-reduce and the Triton add", check=_dtype_ok),
-    Candidate("cuda_ops.linear_all_reduce_add_rms_norm_push", "linear_all_reduce_add_rms_norm", GPU,
-              f"the row-parallel GEMV pushes its rows into the peers' memory, one kernel waits, adds and "
-              f"normalises, at <= {ONE_SHOT_MAX_TOKENS} tokens", tokens=(1, ONE_SHOT_MAX_TOKENS), check=_push_ok),
-    Candidate("cuda_ops.linear_all_reduce_add_rms_norm", "linear_all_reduce_add_rms_norm", GPU,
-              "cuBLAS, then the all-reduce and the Triton add + RMSNorm", check=_dtype_ok),
+    *_push_or_not("all_reduce_add", "push all-reduce and the residual add in one kernel",
+                  "the all-reduce (one-shot over peer memory or NCCL), then the Triton add"),
+    *_push_or_not("all_reduce_add_rms_norm", "push all-reduce, the residual add and RMSNorm in one kernel",
+                  "the all-reduce (one-shot over peer memory or NCCL), then the Triton add + RMSNorm"),
+    *_push_or_not("linear_all_reduce_add",
+                  "the row-parallel GEMV pushes its rows into the peers' memory, one kernel waits and adds",
+                  "cuBLAS, then the all-reduce and the Triton add"),
+    *_push_or_not("linear_all_reduce_add_rms_norm",
+                  "the row-parallel GEMV pushes its rows into the peers' memory, one kernel waits, adds and "
+                  "normalises", "cuBLAS, then the all-reduce and the Triton add + RMSNorm"),
     # mixture of experts
     Candidate("triton_route.route", "route", GPU,
               "Triton router: softmax or sigmoid, top-k and renormalisation in one kernel", check=_route_ok),

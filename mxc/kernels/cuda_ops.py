@@ -84,20 +84,31 @@ def all_reduce_add_rms_norm(x, residual, weight, bias=None, ctx: ForwardContext 
     return triton_norm.add_rms_norm(all_reduce_one_shot(x, bias, ctx), residual, weight, eps)
 
 
-def _push_comm(x, ctx, world):
-    """The runtime's push all-reduce (``peer_allreduce.PushAllReduce``), or "record" when the build
-    traces on ``meta`` (the kernel's launch is recorded for the artifact), or None (fall back: no push
-    all-reduce here, or more rows than its buffer takes)."""
+def _push_comm(x, ctx, world, w=None):
+    """The runtime's push all-reduce (``peer_allreduce.PushAllReduce``) for ``x`` (with ``w``: for the rows
+    of ``x @ w^T``, which the GEMV pushes itself), or "record" when the build traces on ``meta`` (the
+    kernels' launches are recorded for the artifact), or None (fall back: no push all-reduce here, more
+    rows than its buffer takes, or a GEMV that cannot push: a K split)."""
+    if w is not None and not triton_gemv.pushes(x.shape[0], w.shape[0], w.shape[1], x.dtype):
+        return None
     if x.device.type == "meta":
         return "record" if world and world > 1 else None
     comm = ctx.peer_allreduce
-    return comm if ctx.world_size > 1 and hasattr(comm, "add_rms_norm") and comm.fits(x) else None
+    rows = x if w is None else torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device="meta")
+    return comm if ctx.world_size > 1 and hasattr(comm, "add_rms_norm") and comm.fits(rows) else None
 
 
-def _record_push(x, world, **kw):
+def _record_push(x, world, w=None, **kw):
+    """The push kernel's launch for the recorder (the build's trace on ``meta``); with ``w``, the GEMV
+    ``x @ w^T`` that pushes its rows, then the kernel that waits for them."""
     bufs = torch.empty(world, dtype=torch.int64, device=x.device)
     state = torch.empty(4, dtype=torch.int32, device=x.device)
-    return peer_allreduce.push_all_reduce(x, bufs, state, 0, world * x.shape[0] * x.shape[1], world, **kw)
+    if w is None:
+        return peer_allreduce.push_all_reduce(x, bufs, state, 0, world * x.numel(), world, **kw)
+    slot = world * x.shape[0] * w.shape[0]
+    triton_gemv.linear_small_m_push(x, w, bufs, state, 0, slot, world)
+    rows = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device="meta")
+    return peer_allreduce.push_all_reduce(rows, bufs, state, 0, slot, world, pushed=True, **kw)
 
 
 def all_reduce_push(x, bias=None, ctx: ForwardContext = None, world=None):
@@ -130,49 +141,29 @@ def all_reduce_add_rms_norm_push(x, residual, weight, bias=None, ctx: ForwardCon
     return comm.add_rms_norm(x, residual, weight, eps, bias)
 
 
-def _record_linear_push(x, w, world, **kw):
-    """The pushing GEMV and the wait kernel, launched for the recorder (the build's trace on ``meta``)."""
-    bufs = torch.empty(world, dtype=torch.int64, device=x.device)
-    state = torch.empty(4, dtype=torch.int32, device=x.device)
-    slot = world * x.shape[0] * w.shape[0]
-    triton_gemv.linear_small_m_push(x, w, bufs, state, 0, slot, world)
-    rows = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device="meta")
-    return peer_allreduce.push_all_reduce(rows, bufs, state, 0, slot, world, pushed=True, **kw)
-
-
-def _linear_push_comm(x, w, ctx, world):
-    """``_push_comm`` for the output of ``x @ w^T``, and None where the GEMV cannot push (a K split)."""
-    if not triton_gemv.pushes(x.shape[0], w.shape[0], w.shape[1], x.dtype):
-        return None
-    if x.device.type == "meta":
-        return "record" if world and world > 1 else None
-    comm, rows = ctx.peer_allreduce, torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device="meta")
-    return comm if ctx.world_size > 1 and hasattr(comm, "linear_add") and comm.fits(rows) else None
-
-
 def linear_all_reduce_add_push(x, weight, residual, bias=None, ctx: ForwardContext = None, world=None):
     """``residual + all_reduce(x @ weight^T, bias)``: the GEMV pushes its rows into the peers' buffers
     and one kernel waits, sums and adds; else the GEMV, then ``all_reduce_add_push``."""
-    comm = _linear_push_comm(x, weight, ctx, world)
+    comm = _push_comm(x, ctx, world, weight)
     if comm is None:
         return all_reduce_add_push(triton_gemv.linear_small_m(x, weight), residual, bias, ctx, world)
     if comm == "record":  # and the unfused path, for a runtime without peer memory
         all_reduce_add_push(triton_gemv.linear_small_m(x, weight), residual, bias, ctx, world)
-        return _record_linear_push(x, weight, world, residual=residual, bias=bias)
+        return _record_push(x, world, weight, residual=residual, bias=bias)
     return comm.linear_add(x, weight, residual, bias)
 
 
 def linear_all_reduce_add_rms_norm_push(x, weight, residual, norm_weight, bias=None, ctx: ForwardContext = None,
                                         eps=1e-6, world=None):
     """``s = residual + all_reduce(x @ weight^T, bias)`` and ``rms_norm(s)``, as ``linear_all_reduce_add_push``."""
-    comm = _linear_push_comm(x, weight, ctx, world)
+    comm = _push_comm(x, ctx, world, weight)
     if comm is None:
         return all_reduce_add_rms_norm_push(triton_gemv.linear_small_m(x, weight), residual, norm_weight, bias, ctx,
                                             eps, world)
     if comm == "record":
         all_reduce_add_rms_norm_push(triton_gemv.linear_small_m(x, weight), residual, norm_weight, bias, ctx, eps,
                                      world)
-        return _record_linear_push(x, weight, world, residual=residual, weight=norm_weight, bias=bias, eps=eps)
+        return _record_push(x, world, weight, residual=residual, weight=norm_weight, bias=bias, eps=eps)
     return comm.linear_add_rms_norm(x, weight, residual, norm_weight, eps, bias)
 
 

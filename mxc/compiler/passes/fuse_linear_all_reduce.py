@@ -18,9 +18,8 @@ the rows leave the critical path. Where the GEMV cannot push (a K split, more th
 peer memory at run time) the adapters run the linear, then the all-reduce, as before. Not under
 ``--quant fp8``: the ``quantize`` pass, later, quantizes linears only; not for fp32 models (the push
 all-reduce sums 16-bit values) nor outputs of ``WIDE_N`` features or more (cuBLAS serves their 17..32
-tokens). Preserves: the names of the
-outputs; the math, including the model-dtype rounding of the linear, of the sum, the bias and the
-residual add.
+tokens). Preserves: the names of the outputs; the math, including the model-dtype rounding of the
+linear, of the sum, the bias and the residual add.
 """
 
 from __future__ import annotations
@@ -31,12 +30,8 @@ from mxc.kernels.candidates import WIDE_N
 
 
 def _fold(node: Node, ctx):
-    lin = ctx.producing(node.ins[0])
-    if lin is None or lin.op != "linear" or ctx.sole_user(node.ins[0]) is not node:
-        return None
-    if len(lin.ins) > 2 or lin.attrs.get("prologue") or lin.ins[1] not in ctx.weights:
-        return None
-    if ctx.weights[lin.ins[1]].shape[0] >= WIDE_N:  # cuBLAS serves 17..32 tokens of such outputs better
+    lin = ctx.plain_linear(node.ins[0], node)
+    if lin is None or ctx.weights[lin.ins[1]].shape[0] >= WIDE_N:  # cuBLAS serves 17..32 tokens of such outputs better
         return None
     fused = Node(f"linear_{node.op}", node.outs, (lin.ins[0], lin.ins[1], *node.ins[1:]), node.attrs, node.loc)
     return {ctx.index(lin): [], ctx.index(node): [fused]}

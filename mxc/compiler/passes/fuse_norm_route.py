@@ -26,12 +26,8 @@ from mxc.ir import Graph, Node
 
 
 def _match(route: Node, ctx):
-    lin = ctx.producing(route.ins[0])
-    if lin is None or lin.op != "linear" or ctx.sole_user(route.ins[0]) is not route:
-        return None
-    if len(lin.ins) > 2 or lin.attrs.get("prologue") or lin.ins[1] not in ctx.weights:
-        return None
-    norm = ctx.producing(lin.ins[0])
+    lin = ctx.plain_linear(route.ins[0], route)
+    norm = ctx.producing(lin.ins[0]) if lin is not None else None
     if norm is None or norm.op != "add_rms_norm" or norm.outs[1] != lin.ins[0]:
         return None
     attrs = {"eps": norm.attrs["eps"], "k": route.attrs["k"]}
