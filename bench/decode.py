@@ -172,8 +172,6 @@ def main() -> None:
                    help="also time each batch with the same kernels launched without the PDL attribute")
     p.add_argument("--no-pdl", dest="pdl", action="store_const", const=False, default=None,
                    help="build without programmatic dependent launch (on by default on sm_90)")
-    p.add_argument("--pdl-early", dest="pdl", action="store_const", const="early",
-                   help="build with pdl='early': each kernel lets the next launch before it waits (mxc.kernels.pdl)")
     args = p.parse_args()
     out = Path(args.out)
     rows = _Rows()

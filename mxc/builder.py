@@ -198,12 +198,11 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
           dtype: str | None = None, target: str = "cpu", dump_ir: str | Path | None = None,
           max_batch: int = 32, max_seq_len: int | None = None, arch: int = 90, tp: int = 1,
           quant: str | None = None, quant_granularity: str = "channel", quant_lm_head: bool = False,
-          disable_passes: tuple[str, ...] | list[str] = (), pdl: bool | str | None = None,
+          disable_passes: tuple[str, ...] | list[str] = (), pdl: bool | None = None,
           tp_allreduce: str = "auto", progress: bool = True, log=_log) -> Path:
     """Build an artifact and return its directory.
 
-    ``pdl=None`` turns programmatic dependent launch on where it exists (``--target cuda``, sm_90+);
-    ``pdl="early"`` is an experiment (``mxc.kernels.pdl``).
+    ``pdl=None`` turns programmatic dependent launch on where it exists (``--target cuda``, sm_90+).
     ``tp_allreduce="auto"`` is ``push`` for ``--target cuda`` with ``tp > 1`` in bf16/fp16 (one_shot
     in fp32; on two H200s a tp=2 Llama-3-8B token took 3.09 ms with one_shot, 3.27 ms with NCCL),
     else ``nccl``.
@@ -218,8 +217,6 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     if quant not in (None, "fp8") or quant_granularity not in ("channel", "tensor", "block128"):
         raise MxcError(f"--quant {quant} / --quant-granularity {quant_granularity}: expected fp8 with "
                        f"channel, tensor or block128")
-    if pdl not in (None, True, False, "early"):
-        raise MxcError(f"pdl={pdl!r}: expected True, False, None or 'early'")
     if pdl is None:
         pdl = target == "cuda" and arch >= 90
     if pdl and (target != "cuda" or arch < 90):

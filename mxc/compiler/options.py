@@ -20,7 +20,7 @@ class BuildOptions:
     max_batch: int = 32  # cuda: sequences decoded together (KV-cache slots, CUDA-graph buckets)
     max_seq_len: int = 4096  # cuda: KV-cache length per sequence
     disable_passes: tuple[str, ...] = ()  # optional passes skipped (``--disable-pass``)
-    pdl: bool | str = False  # cuda: programmatic dependent launch between kernels (``mxc.kernels.pdl``; or "early")
+    pdl: bool = False  # cuda: programmatic dependent launch between kernels (``mxc.kernels.pdl``)
     tp_allreduce: str = "nccl"  # cuda, tp > 1: decode all-reduces by "nccl", "one_shot" or "push" (peer
     # memory; push also fuses the residual add and RMSNorm); the builder resolves its "auto" default
 

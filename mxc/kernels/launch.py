@@ -121,11 +121,11 @@ def spec_key(spec: dict) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def with_pdl(kernel, constexprs: dict, pdl) -> dict:
+def with_pdl(kernel, constexprs: dict, pdl: bool) -> dict:
     """``constexprs`` with ``USE_PDL`` set for a kernel that takes it, when the artifact uses
-    programmatic dependent launch (``mxc.kernels.pdl``): True, or 2 for ``pdl="early"``."""
+    programmatic dependent launch (``mxc.kernels.pdl``)."""
     if pdl and "USE_PDL" in getattr(kernel, "arg_names", ()):
-        return {**constexprs, "USE_PDL": 2 if pdl == "early" else True}
+        return {**constexprs, "USE_PDL": True}
     return constexprs
 
 

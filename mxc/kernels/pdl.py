@@ -18,11 +18,9 @@ the stream has finished, not only the one right ahead: the push all-reduce relie
 reads the slot the all-reduce two kernels back advanced). A kernel that finished before its wait
 would break it. A kernel without ``USE_PDL`` is launched the ordinary way.
 
-``pdl="early"`` (an experiment: ``USE_PDL`` = 2) lets the next kernel launch before this one waits,
-as soon as all of this kernel's programs have started: two kernels ahead can then be prefetching
-their weights while one runs. The waits are unchanged (each kernel still waits for the whole kernel
-ahead, which waited for its own), so the order of reads and writes is the same. Off by default until it
-is measured (docs/perf.md).
+Measured and removed: letting the next kernel launch before this one waits (so two kernels ahead
+could prefetch while one runs) made Llama-3-8B decode slower on one H200 (Triton 3.6, 2026-11-30):
+batch 1 4.74 against 4.26 ms, batch 8 5.83 against 5.00, fp8 batch 1 3.20 against 3.02.
 """
 
 import triton
@@ -31,10 +29,7 @@ import triton.language as tl
 
 @triton.jit
 def pdl_enter(USE_PDL: tl.constexpr):
-    if USE_PDL == 2:  # the build option pdl="early": the next kernel may launch before this one waits
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    elif USE_PDL:
+    if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 
