@@ -14,9 +14,10 @@ rows (before its PDL wait: weights), normalises every token's row itself (H valu
 the router's E x H), writes its ROWS logits, and the last program to finish (an atomic count, left
 at 0 for the next call) routes every token from the logits the others wrote. Program 0 also
 writes the residual sum and the normalised rows, which the experts read. On the Qwen3-30B-A3B
-shape at batch 1 (H200, 2026-11-30) it took 5.8 us a layer against ~6.8 us for the three kernels,
-and the step went from 2.73 to 2.65 ms; the last program's top-k, 2k block-wide reductions over 8
-warps, is probably most of it (``PACKED`` halves them; ``bench/moe_lab.py`` measures the options).
+shape at batch 1 (H200, 2026-11-30) it took 5.8 us a layer at 2 rows and 8 warps a program against
+~6.8 us for the three kernels, and the step went from 2.73 to 2.65 ms; one row and one warp a program
+(the default since, ``_config``) took 5.35 us in ``bench/moe_lab.py``. ``PACKED`` (one reduction a
+top-k round instead of two) stays an option: it measured no faster at one warp.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import triton.language as tl
 from mxc.kernels.candidates import NORM_ROUTE_MAX_TOKENS
 from mxc.kernels.launch import launch
 from mxc.kernels.pdl import pdl_enter
-from mxc.kernels.triton_norm import row_warps
 
 MAX_EXPERTS = 1024
 
@@ -127,10 +127,12 @@ def norm_route_kernel(a_ptr, b_ptr, norm_w_ptr, router_w_ptr, s_ptr, h_ptr, logi
         tl.store(count_ptr, 0)  # for the next call (the next kernel's count starts after this one ends)
 
 
-def _rows_per_program(E: int, H: int) -> int:
-    """Router rows a program reads: about 64 programs (128 experts: 2 rows, 8 KB at H = 2048), and at
-    most 16K router values a program (64 fp32 registers a thread at 8 warps)."""
-    return max(1, min(triton.next_power_of_2(E) // 64, 16384 // triton.next_power_of_2(H)))
+def _config(E: int, H: int) -> tuple[int, int]:
+    """(router rows a program, warps): one row and one warp per 2048 features. On the Qwen3-30B-A3B
+    shape at batch 1 (E = 128, H = 2048; H200, Triton 3.6, 2026-11-30, ``bench/moe_lab.py``) one row and
+    one warp took 5.35 us, against 5.7-8.4 us for 2-8 rows at 1-8 warps and 6.99 us for the three
+    kernels; the packed top-k was no faster at one warp (5.45)."""
+    return 1, max(1, min(8, triton.next_power_of_2(H) // 2048))
 
 
 def add_rms_norm_route(a: torch.Tensor, b: torch.Tensor, norm_weight: torch.Tensor, router_weight: torch.Tensor,
@@ -160,13 +162,14 @@ def add_rms_norm_route(a: torch.Tensor, b: torch.Tensor, norm_weight: torch.Tens
     logits = torch.empty((T, E), dtype=a.dtype, device=a.device)
     weights = torch.empty((T, k), dtype=a.dtype, device=a.device)
     ids = torch.empty((T, k), dtype=torch.int64, device=a.device)
-    rows = rows or _rows_per_program(E, H)
+    default_rows, default_warps = _config(E, H)
+    rows = rows or default_rows
     launch(norm_route_kernel, (triton.cdiv(E, rows),),
            [a, b, norm_weight, router_weight, s, h, logits, weights, ids, count, T, float(eps)],
            dict(H=H, BLOCK_H=triton.next_power_of_2(H), E=E, ROWS=rows, K=k, BLOCK_E=triton.next_power_of_2(E),
                 BLOCK_K=triton.next_power_of_2(k), SIGMOID=scoring == "sigmoid", RENORMALIZE=bool(renormalize),
                 **({"PACKED": True} if packed else {})),
-           num_warps=num_warps or row_warps(H), num_stages=1)
+           num_warps=num_warps or default_warps, num_stages=1)
     return s, h, weights, ids
 
 

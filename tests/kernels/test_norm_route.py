@@ -119,8 +119,9 @@ def test_meta_recording():
                                               torch.empty(2048, **meta), torch.empty(128, 2048, **meta),
                                               eps=1e-6, k=8, renormalize=True)
     assert [tuple(t.shape) for t in out] == [(1, 2048), (1, 2048), (1, 8), (1, 8)]
-    assert seen == [((64,), dict(H=2048, BLOCK_H=2048, E=128, ROWS=2, K=8, BLOCK_E=128, BLOCK_K=8, SIGMOID=False,
-                                 RENORMALIZE=True), 8)]
+    # the measured default: one router row and one warp a program (triton_route._config)
+    assert seen == [((128,), dict(H=2048, BLOCK_H=2048, E=128, ROWS=1, K=8, BLOCK_E=128, BLOCK_K=8, SIGMOID=False,
+                                  RENORMALIZE=True), 1)]
 
 
 _COMPILE = """
