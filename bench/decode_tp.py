@@ -60,7 +60,7 @@ def _graph_time(fn, reps=100) -> float:
     return (time.perf_counter() - start) / reps
 
 
-def _worker(rank, world_size, device, art, out, profile=False):
+def _worker(rank, world_size, device, art, out, profile=False, sweep=False):
     import torch.distributed as dist
 
     model = mxc.load(art, device=device, rank=rank, world_size=world_size, verify=False)
@@ -75,9 +75,19 @@ def _worker(rank, world_size, device, art, out, profile=False):
     comm = model._dist.get("peer_allreduce")
     if comm is not None:  # the artifact's peer-memory all-reduce, alone
         result["peer"] = _graph_time(lambda: comm(x))
+        r, wn = torch.randn_like(x), torch.ones(4096, dtype=torch.bfloat16, device=device)
         if hasattr(comm, "add_rms_norm"):
-            r, w = torch.randn_like(x), torch.ones(4096, dtype=torch.bfloat16, device=device)
-            result["peer_norm"] = _graph_time(lambda: comm.add_rms_norm(x, r, w, 1e-5))
+            result["peer_norm"] = _graph_time(lambda: comm.add_rms_norm(x, r, wn, 1e-5))
+        if sweep and hasattr(comm, "add"):  # the push kernel at each warp count (the build's default: row_warps(H))
+            from mxc.kernels import peer_allreduce
+
+            default = peer_allreduce.row_warps
+            result["sweep"] = {}
+            for w in (1, 2, 4, 8):
+                peer_allreduce.row_warps = lambda H, w_=w: w_
+                result["sweep"][w] = (_graph_time(lambda: comm.add(x, r)),
+                                      _graph_time(lambda: comm.add_rms_norm(x, r, wn, 1e-5)))
+            peer_allreduce.row_warps = default
         if hasattr(comm, "check"):
             comm.check()
     if rank == 0:
@@ -93,6 +103,7 @@ def main() -> None:
                    help="--tp-allreduce choices to build and measure; push-unfused: push with the row-parallel "
                         "GEMV apart from its all-reduce (--disable-pass fuse_linear_all_reduce)")
     p.add_argument("--profile", action="store_true", help="print rank 0's per-kernel breakdown of a batch-1 step")
+    p.add_argument("--sweep-warps", action="store_true", help="time the push kernel (add, add + RMSNorm) at 1-8 warps")
     args = p.parse_args()
     kw = dict(config=args.config, target="cuda", dtype="bfloat16", max_batch=8, max_seq_len=512, progress=False)
     single = mxc.load(mxc.build("llama.yaml", out=f"{args.out}-tp1", tp=1, **kw), device="cuda", verify=False)
@@ -108,7 +119,7 @@ def main() -> None:
         disable = ("fuse_linear_all_reduce",) if variant == "unfused" else ()
         art = mxc.build("llama.yaml", out=f"{args.out}-tp{args.tp}-{mode}", tp=args.tp, tp_allreduce=choice,
                         disable_passes=disable, **kw)
-        run_ranks(_worker, args.tp, "cuda", str(art), str(result), args.profile)
+        run_ranks(_worker, args.tp, "cuda", str(art), str(result), args.profile, args.sweep_warps)
         r = json.loads(result.read_text())
         if r["profile"]:
             print(f"\nper-kernel breakdown of one tp={args.tp} batch-1 step ({mode}), rank 0:\n{r['profile']}\n")
@@ -124,6 +135,9 @@ def main() -> None:
             rows.append((f"{mode} all-reduce 8 KB, in a graph", f"{r['peer'] * 1e6:.1f} us"))
             if "peer_norm" in r:
                 rows.append((f"{mode} all-reduce + add + RMSNorm, in a graph", f"{r['peer_norm'] * 1e6:.1f} us"))
+            for w, (t_add, t_norm) in r.get("sweep", {}).items():
+                rows.append((f"{mode} push kernel, {w} warps: + add / + add + RMSNorm",
+                             f"{t_add * 1e6:.1f} / {t_norm * 1e6:.1f} us"))
     print("\n" + "\n".join(f"{k:44s} {v}" for k, v in rows))
 
 

@@ -11,7 +11,7 @@
 #   tp      the push all-reduce and TP GPU tests, then tp=2 (push, with and without the GEMV pushing its rows;
 #           TP_MODES) vs tp=1 decode and the all-reduce times
 #   ab      after decode, same call: fp8 without fuse_norm_linear
-#   pdlab   bf16 decode at batch 1 and 8 built with the default PDL order and with pdl="early"
+#   small   the small decode kernels (norms, RoPE, attention, SiLU) over their warps and splits
 #   lab     bf16 and fp8 GEMVs one by one (fp8: SWAP_AB against the widening kernel);
 #           add --all for the prefill GEMMs too
 # Logs go to $OUT (the device tool's output folder) when set, else to build/gpu-logs.
@@ -45,11 +45,8 @@ case "${1:-}" in
   ab)     # after `decode` in the same call (its bf16 artifact): fp8 without fuse_norm_linear
           run 150 ab_fp8_nofold.log python3 bench/decode.py --reuse --out "$scratch/b8" --batches "" --quant fp8 \
             --disable-pass fuse_norm_linear --hf-batches "" ;;
-  pdlab)  # the PDL order A/B: each kernel lets the next launch after (default) or before (--pdl-early) it waits
-          for v in "" --pdl-early; do
-            run 280 "pdl${v:-default}.log" python3 bench/decode.py --batches 1,8 --hf-batches "" $v --out "$scratch/bp$v"
-          done; rm -rf "$scratch"/bp* ;;
+  small)  run 280 small_lab.log python3 bench/small_lab.py ;;
   lab)    if [ "${2:-}" = "--all" ]; then skip=""; else skip="--skip prefill"; fi
           run 280 lab.log python3 bench/linear_lab.py --m 1,8,32 $skip ;;
-  *) echo "usage: bash bench/gpu_session.sh tests|decode|ab|moe|moelab|tp|pdlab|lab" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu_session.sh tests|decode|ab|moe|moelab|tp|small|lab" >&2; exit 2 ;;
 esac

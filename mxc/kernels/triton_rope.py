@@ -142,8 +142,10 @@ def rope_tables(spec: dict, max_positions: int, device) -> tuple[torch.Tensor, t
 def rope_qkv_write(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, cache_loc: torch.Tensor,
                    q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, num_warps: int | None = None) -> torch.Tensor:
     """Norm (optional) + rotate q and k of ``qkv``, write k/v into the caches at ``cache_loc``; return q [T, HQ, D].
+
+    ``num_warps`` overrides the default (``bench/small_lab.py`` times them).
 
     ``k_cache``/``v_cache`` [S, L, HKV, D] give HKV and D; HQ follows from ``qkv``'s width.
     ``positions`` must lie in [0, P) and ``cache_loc`` in [0, S*L): not checked (device values).
@@ -190,7 +192,7 @@ def rope_qkv_write(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
     qk_norm = "whole" if whole else "head" if has_qk_norm else "none"
     if whole or T > GROUPED_MAX_TOKENS:  # one program per token, [heads, D] tiles
         block_hq = triton.next_power_of_2(HQ)
-        num_warps = max(1, min(8, block_hq * block_d // 512))
+        warps = max(1, min(8, block_hq * block_d // 512))
         kernel = kernel_templates.kernel("rope_qkv_write", "rope_qkv_write_kernel", HQ=HQ, HKV=HKV, D=D, R=R,
                                          BLOCK_HQ=block_hq, BLOCK_HKV=triton.next_power_of_2(HKV),
                                          BLOCK_D=block_d, QK_NORM=qk_norm)
@@ -198,10 +200,10 @@ def rope_qkv_write(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
     else:  # one kv group per program: its HQ/HKV q heads, its k and v head
         group = HQ // HKV
         block_g = triton.next_power_of_2(group)
-        num_warps = max(1, min(4, block_g * block_d // 256))
+        warps = max(1, min(4, block_g * block_d // 256))
         kernel = kernel_templates.kernel("rope_qkv_write", "rope_qkv_write_kernel", HQ=HQ, HKV=HKV, D=D, R=R,
                                          GROUP=group, BLOCK_G=block_g, BLOCK_D=block_d, QK_NORM=qk_norm)
         grid = (T, HKV)
     launch(kernel, grid, [qkv, positions, cos, sin, *norm_args, out, k_cache, v_cache, cache_loc]
-           + ([float(eps)] if has_qk_norm else []), {}, num_warps=num_warps, num_stages=1)
+           + ([float(eps)] if has_qk_norm else []), {}, num_warps=num_warps or warps, num_stages=1)
     return out
