@@ -3,10 +3,12 @@
 Builds Llama-3-8B-shaped artifacts (random bf16 weights) at tp=1 and tp=N,
 measures batch-1 decode ms/token for each (CUDA graphs, collectives captured),
 and times the all-reduce of one decode step's hidden state ([1, 4096] bf16,
-8 KB) with NCCL, which at tp=N happens 2 x layers + 1 times per token. The tp=N artifact
-uses NCCL (``--tp-allreduce nccl``); ``--one-shot`` adds the default one-shot build.
+8 KB), which at tp=N happens 2 x layers + 1 times per token: with NCCL, and with the
+artifact's peer-memory all-reduce alone (and with the residual add and RMSNorm). One tp=N
+artifact per ``--modes`` entry (``--tp-allreduce`` choices; ``push-unfused``: push without
+``fuse_linear_all_reduce``); ``--sweep-warps`` times the push kernel at 1-8 warps.
 Prints a table last. Usage (on a machine with N GPUs):
-    python bench/decode_tp.py --tp 2 --out build/bench-tp
+    python bench/decode_tp.py --tp 2 --modes push,push-unfused --out build/bench-tp
 """
 
 from __future__ import annotations
