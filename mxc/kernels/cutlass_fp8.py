@@ -1,0 +1,415 @@
+"""CUTLASS fp8 GEMM with row-wise scales: generated with the CUTLASS Python interface, built AOT, run via ctypes.
+
+Owns one kernel family, ``y[M, N] = bf16((xq[M, K] @ wq[N, K]^T) * scale_a[M, None] * scale_b[None, N])``:
+e4m3 operands (xq row-major, wq row-major [N, K], i.e. CUTLASS's "TN" layout), fp32 accumulation, fp32
+scales (per token, per output channel) and bf16 row-major output -- what ``torch._scaled_mm(xq, wq.t(),
+scale_a=sa[:, None], scale_b=sb[None, :], out_dtype=torch.bfloat16)`` computes, and what vLLM's
+``scaled_mm_c3x`` sm90 kernel does.
+
+- ``generate`` builds the kernel with ``cutlass_cppgen`` (package ``nvidia-cutlass``): a ``Gemm`` plan
+  for sm90 with e4m3 x e4m3 -> bf16 and no C operand, an epilogue visitor tree traced from
+  ``_scaled_epilogue`` (``accum * scale_a`` as a column broadcast, ``* scale_b`` as a row broadcast, the
+  last multiply converting to bf16), and a TMA warp-specialized tile description; it emits the kernel's
+  C++ (``op.rt_module.emit()``) and appends a hand-written ``extern "C"`` wrapper (``_WRAPPER``) that
+  fills CUTLASS's argument structs and runs ``GemmUniversalAdapter``. No GPU is needed: the option
+  registry is built for a fixed compute capability (90) instead of the device's. ``tile`` is one CTA's
+  tile (vLLM's ``TileShape``); cutlass_cppgen 4.2 takes the whole cluster's tile and divides it by the
+  cluster for the mainloop, but its sm90 EVT emitter declares the broadcasts with the undivided shape,
+  so for clusters other than 1x1x1 that one declaration is corrected here (``_fix_evt_tile``).
+- ``compile_so`` runs nvcc on that source into a shared library (cudart linked statically, so the
+  library needs only the driver, ``libcuda.so.1``, and no CUDA runtime or torch of a particular version).
+- ``load`` opens the library with ctypes; ``CutlassFp8Gemm.__call__`` takes raw device pointers (a
+  tensor's ``data_ptr()``), sizes and a stream handle, so the call path imports nothing from torch.
+- ``build_library`` is what ``mxc build`` calls when ``select_kernels`` chose the CUTLASS GEMM: the
+  ``BUILD_CONFIG`` kernel, compiled once and cached by its source's hash (or a prebuilt library named by
+  ``$MXC_CUTLASS_LIBRARY``, for a build machine without the generator; ``none`` turns CUTLASS off), copied
+  into the artifact;
+  ``use`` opens an artifact's library at load and ``active`` is the one the runtime calls.
+
+Importing ``cutlass_cppgen`` opens a sqlite cache (``compiled_cache.db``) in the working directory; the
+import here happens inside a temporary directory so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+ARCH_CC = 90
+STATUS = {0: "ok", 1: "CUTLASS can_implement rejected the problem (M, N, K, alignment)",
+          2: "workspace too small", 3: "CUTLASS initialize failed", 4: "kernel launch failed"}
+# schedule name -> (kernel schedule, epilogue schedule) names of cutlass_library's enums; fast_accum adds FP8FastAccum
+SCHEDULES = {"pingpong": ("TmaWarpSpecializedPingpong", "TmaWarpSpecialized"),
+             "cooperative": ("TmaWarpSpecializedCooperative", "TmaWarpSpecializedCooperative")}
+
+# The configuration builds use: vLLM's sm90 fp8 kernel (pingpong, 128x128x128 a CTA, clusters of 2x1x1, fast
+# accumulation). On one H200 (2026-11-30, tests/gpu/test_cutlass_fp8_gpu.py, M = 2048): 1435 TFLOP/s at
+# N, K = 6144, 4096 and 1462 at 4096, 14336, against torch._scaled_mm's 1316 and 1395; the cooperative
+# 128x128x128 kernel without fast accumulation ran 1187 and 1284. Fast accumulation's error: 0.5-1% of the
+# largest output against 0.2-0.3% (fp8 rounding of the inputs is several times more).
+BUILD_CONFIG = dict(tile=(128, 128, 128), cluster=(2, 1, 1), schedule="pingpong", fast_accum=True)
+LIBRARY = "code/cutlass/fp8_gemm.so"  # where an artifact keeps its library
+PREBUILT_ENV = "MXC_CUTLASS_LIBRARY"
+
+_import_lock = threading.Lock()
+
+
+def _nvcc() -> str | None:
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
+        if home and os.access(os.path.join(home, "bin", "nvcc"), os.X_OK):
+            return os.path.join(home, "bin", "nvcc")
+    return shutil.which("nvcc") or (
+        "/usr/local/cuda/bin/nvcc" if os.access("/usr/local/cuda/bin/nvcc", os.X_OK) else None)
+
+
+def _nvcc_version(nvcc: str) -> str:
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    return out.split(" release ")[-1].split(",")[0].strip()
+
+
+@functools.lru_cache(maxsize=None)
+def _cppgen():
+    """``cutlass_cppgen``, imported in a scratch directory and set up to generate sm90 kernels without a GPU."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        raise RuntimeError("nvcc not found (CUDA_HOME, PATH, /usr/local/cuda)")
+    with _import_lock, tempfile.TemporaryDirectory(prefix="mxc_cutlass_") as scratch:
+        cwd = os.getcwd()
+        os.chdir(scratch)  # cutlass_cppgen.backend creates compiled_cache.db in the working directory at import
+        try:
+            import cutlass_cppgen
+            from cutlass_cppgen.library_defaults import OptionRegistry
+        finally:
+            os.chdir(cwd)
+        # the kernel generator filters kernels by toolkit version; cutlass_cppgen reads it from nvcc on PATH
+        # only when it initialises a CUDA context, which this machine may not have
+        if cutlass_cppgen._nvcc_version is None:
+            cutlass_cppgen._nvcc_version = _nvcc_version(nvcc)
+        if cutlass_cppgen._option_registry is None:  # normally built for the current device's compute capability
+            cutlass_cppgen._option_registry = OptionRegistry(ARCH_CC)
+    return cutlass_cppgen
+
+
+def available() -> str | None:
+    """None when a build here can have the CUTLASS library (``$MXC_CUTLASS_LIBRARY`` names a prebuilt one, or
+    the generator, ``cutlass_cppgen``, and nvcc are usable), else a one-line reason."""
+    prebuilt = os.environ.get(PREBUILT_ENV)
+    if prebuilt == "none":
+        return f"turned off (${PREBUILT_ENV}=none)"
+    if prebuilt:
+        return None if Path(prebuilt).is_file() else f"${PREBUILT_ENV}={prebuilt} is not a file"
+    if _nvcc() is None:
+        return "nvcc not found (set CUDA_HOME or put nvcc on PATH)"
+    try:
+        import cutlass_library  # noqa: F401  (ships with nvidia-cutlass, holds the CUTLASS headers)
+    except ImportError:
+        return "the CUTLASS Python interface is not installed (pip install nvidia-cutlass==4.2.0.0)"
+    try:
+        _cppgen()
+    except Exception as e:  # noqa: BLE001  (any failure to set the generator up is a reason)
+        return f"cutlass_cppgen cannot be set up: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
+
+def include_dirs() -> list[Path]:
+    """CUTLASS's header directories inside the installed ``nvidia-cutlass`` package."""
+    import cutlass_library
+    root = Path(cutlass_library.source_path)
+    return [root / "include", root / "tools" / "util" / "include"]
+
+
+def _scaled_epilogue(accum, scale_a, scale_b):
+    D = (accum * scale_a) * scale_b
+    return D
+
+
+def _epilogue_visitor(cg):
+    """The EVT traced from ``_scaled_epilogue``: scale_a [M, 1] (column broadcast), scale_b [1, N] (row broadcast)."""
+    DT, LT = cg.DataType, cg.LayoutType
+    m, n = 256, 512  # example sizes: only the broadcast pattern and the element types reach the emitted code
+    examples = {
+        "accum": cg.Tensor(element=DT.f32, shape=(m, n), layout_tag=LT.RowMajor),
+        "scale_a": cg.Tensor(element=DT.f32, shape=(m, 1), layout_tag=LT.RowMajor),
+        "scale_b": cg.Tensor(element=DT.f32, shape=(1, n), layout_tag=LT.RowMajor),
+        "D": cg.Tensor(element=DT.bf16, shape=(m, n), layout_tag=LT.RowMajor),
+    }
+    return cg.epilogue.trace(_scaled_epilogue, examples, cc=ARCH_CC)
+
+
+def kernel_source(tile=(128, 128, 128), cluster=(1, 1, 1), schedule="cooperative", fast_accum=False,
+                  stages=None) -> tuple[str, str, list[str]]:
+    """The CUTLASS kernel as cutlass_cppgen emits it: (kernel type name, C++ definitions, headers it needs)."""
+    cg = _cppgen()
+    DT, LT = cg.DataType, cg.LayoutType
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule {schedule!r}: one of {sorted(SCHEDULES)}")
+    kernel_name, epilogue_name = SCHEDULES[schedule]
+    kernel_schedule = getattr(cg.KernelScheduleType, kernel_name + ("FP8FastAccum" if fast_accum else ""))
+    plan = cg.op.Gemm(element_A=DT.e4m3, element_B=DT.e4m3, element_C=DT.void, element_D=DT.bf16,
+                      element_accumulator=DT.f32, layout_A=LT.RowMajor, layout_B=LT.ColumnMajor,
+                      layout_C=LT.RowMajor, cc=ARCH_CC)
+    plan.epilogue_visitor = _epilogue_visitor(cg)
+    plan.tile_description = {  # cutlass_cppgen's threadblock_shape is the cluster's tile
+        "threadblock_shape": [t * c for t, c in zip(tile, cluster)], "cluster_shape": list(cluster),
+        "stages": stages or 0,
+        "kernel_schedule": kernel_schedule,
+        "epilogue_schedule": getattr(cg.EpilogueScheduleType, epilogue_name),
+        "tile_scheduler": cg.TileSchedulerType.Default,
+    }
+    op = plan.construct(alignment_A=16, alignment_B=16, alignment_C=8)  # 16-byte TMA rows: K % 16, N % 8
+    rt = op.rt_module
+    body = _fix_evt_tile(rt.emit(), tile, cluster)
+    for alias in ("ScaleA", "ScaleB", "EVTCompute0", "EVTCompute1", "Sm90ColBroadcast", "Sm90RowBroadcast"):
+        if alias not in body:  # the wrapper's argument tree below names these
+            raise RuntimeError(f"cutlass_cppgen emitted an epilogue tree without {alias}; _WRAPPER needs updating")
+    return op.procedural_name() + rt.emitter.operation_suffix, body, list(rt.emitter.includes)
+
+
+def _fix_evt_tile(body: str, tile, cluster) -> str:
+    """Declare the EVT's broadcasts with the CTA tile the mainloop and collective epilogue use.
+
+    cutlass_cppgen 4.2's sm90 EVT emitter writes ``EpilogueDescriptor<Shape<cluster tile>, ...>`` (its
+    ``tile_description.threadblock_shape``) while the collectives get ``threadblock_shape / cluster``;
+    the row/column broadcasts would then index scale vectors with the wrong tile.
+    """
+    if tuple(cluster) == (1, 1, 1):
+        return body
+    wrong = "EpilogueDescriptor<\n  cute::Shape<{}>".format(", ".join(f"_{t * c}" for t, c in zip(tile, cluster)))
+    right = "EpilogueDescriptor<\n  cute::Shape<{}>".format(", ".join(f"_{t}" for t in tile))
+    if body.count(wrong) != 1:
+        raise RuntimeError("cutlass_cppgen's EVT EpilogueDescriptor no longer looks as expected; check _fix_evt_tile")
+    return body.replace(wrong, right)
+
+
+_WRAPPER = r"""
+// ---- hand-written entry points (mxc.kernels.cutlass_fp8) ----
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/util/packed_stride.hpp"
+
+namespace mxc_cutlass_fp8 {
+
+using Kernel = @KERNEL@;
+using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+using ElementAB = cutlass::float_e4m3_t;
+using StrideA = typename Kernel::StrideA;
+using StrideB = typename Kernel::StrideB;
+using StrideD = typename Kernel::StrideD;
+
+// SM count of each device, queried once (CUTLASS would query it on every call)
+static int sm_count_of(int device) {
+  static int counts[64] = {0};
+  if (device < 0 || device >= 64) return 0;
+  if (counts[device] == 0) {
+    int n = 0;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) == cudaSuccess) counts[device] = n;
+  }
+  return counts[device];
+}
+
+// y = bf16(((xq @ wq^T) * scale_a[:, None]) * scale_b[None, :]); the epilogue tree's arguments follow its
+// emitted shape: EVTCompute1(EVTCompute0(Accum, ScaleA, Compute0), ScaleB, Compute1)
+static typename Gemm::Arguments make_args(const void* xq, const void* wq, const float* scale_a,
+                                          const float* scale_b, void* y, int M, int N, int K, bool hw) {
+  StrideA stride_a = cutlass::make_cute_packed_stride(StrideA{}, cute::make_shape(M, K, 1));
+  StrideB stride_b = cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(N, K, 1));
+  StrideD stride_d = cutlass::make_cute_packed_stride(StrideD{}, cute::make_shape(M, N, 1));
+  typename ScaleA::Arguments a_args{scale_a, 0.0f, {}};
+  typename ScaleB::Arguments b_args{scale_b, 0.0f, {}};
+  typename EVTCompute0::Arguments evt0_args{{}, a_args, {}};
+  typename EVTCompute1::Arguments evt1_args{evt0_args, b_args, {}};
+  typename Kernel::MainloopArguments mainloop{static_cast<const ElementAB*>(xq), stride_a,
+                                              static_cast<const ElementAB*>(wq), stride_b};
+  typename Kernel::EpilogueArguments epilogue{evt1_args, nullptr, stride_d,
+                                              static_cast<ElementD*>(y), stride_d};
+  cutlass::KernelHardwareInfo hw_info;
+  if (hw) {
+    int device = 0;
+    cudaGetDevice(&device);
+    hw_info.device_id = device;
+    hw_info.sm_count = sm_count_of(device);
+  }
+  return typename Gemm::Arguments{cutlass::gemm::GemmUniversalMode::kGemm, {M, N, K, 1}, mainloop, epilogue,
+                                  hw_info};
+}
+
+}  // namespace mxc_cutlass_fp8
+
+extern "C" {
+
+const char* mxc_cutlass_fp8_name() { return "@KERNEL@"; }
+
+// bytes of device workspace the kernel needs for this problem (host only, no CUDA call)
+size_t mxc_cutlass_fp8_workspace(int M, int N, int K) {
+  using namespace mxc_cutlass_fp8;
+  return Gemm::get_workspace_size(make_args(nullptr, nullptr, nullptr, nullptr, nullptr, M, N, K, false));
+}
+
+// 1 when CUTLASS can run this problem size (alignment: K % 16 == 0, N % 8 == 0), else 0 (host only)
+int mxc_cutlass_fp8_can_implement(int M, int N, int K) {
+  using namespace mxc_cutlass_fp8;
+  auto args = make_args(nullptr, nullptr, nullptr, nullptr, nullptr, M, N, K, false);
+  return Gemm::can_implement(args) == cutlass::Status::kSuccess ? 1 : 0;
+}
+
+// 0: launched; 1: can_implement failed; 2: workspace too small; 3: initialize failed; 4: launch failed
+int mxc_cutlass_fp8_gemm(const void* xq, const void* wq, const float* scale_a, const float* scale_b, void* y,
+                         int M, int N, int K, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  using namespace mxc_cutlass_fp8;
+  auto args = make_args(xq, wq, scale_a, scale_b, y, M, N, K, true);
+  if (Gemm::can_implement(args) != cutlass::Status::kSuccess) return 1;
+  if (Gemm::get_workspace_size(args) > workspace_bytes) return 2;
+  Gemm gemm;
+  if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess) return 3;
+  if (gemm.run(stream) != cutlass::Status::kSuccess) return 4;
+  return cudaPeekAtLastError() == cudaSuccess ? 0 : 4;
+}
+
+}  // extern "C"
+"""
+
+
+def generate(tile=(128, 128, 128), cluster=(1, 1, 1), schedule="cooperative", fast_accum=False, stages=None) -> str:
+    """Full .cu source of one kernel configuration: cutlass_cppgen's kernel plus the ``extern "C"`` entry points.
+
+    ``tile``: one CTA's (M, N, K) tile; ``cluster``: CTAs per cluster along (M, N, K) (TMA multicast).
+    ``schedule``: "cooperative" (two consumer warp groups share one tile; tile M >= 128) or "pingpong"
+    (each warp group its own tile, alternating mainloop and epilogue). ``fast_accum`` selects CUTLASS's
+    FP8FastAccum mainloop: no periodic promotion of the tensor cores' accumulator into fp32 registers,
+    faster and less accurate at large K; ``torch._scaled_mm`` does not use it by default, vLLM's sm90
+    kernel does (pingpong, 128x128x128, cluster 2x1x1, fast accumulation). Pingpong at 128x128 *without*
+    fast accumulation spills registers (two 128x128 fp32 accumulators per warp group; ptxas's warning
+    comes back from ``compile_so``), so the default is cooperative. ``stages`` None lets CUTLASS fit as
+    many stages as shared memory holds.
+    """
+    kernel, body, includes = kernel_source(tile, cluster, schedule, fast_accum, stages)
+    head = "\n".join(f'#include "{h}"' for h in ["cuda_runtime.h", *includes])
+    config = f"tile={tuple(tile)} cluster={tuple(cluster)} schedule={schedule} fast_accum={fast_accum} stages={stages}"
+    return (f"// Generated by mxc.kernels.cutlass_fp8 with cutlass_cppgen {_cppgen().__version__}: {config}\n"
+            f"{head}\n{body}\n{_WRAPPER.replace('@KERNEL@', kernel)}")
+
+
+def compile_so(source: str, out_path, arch: str = "90a", timeout: float = 1800, nvcc: str | None = None,
+               extra_flags=()) -> Path:
+    """Compile ``source`` into a shared library at ``out_path`` (written to a temporary file, then renamed).
+
+    Only ``sm_{arch}`` machine code is embedded (``-gencode=arch=compute_90a,code=sm_90a``; no PTX):
+    wgmma and setmaxnreg exist only for the ``a`` target. cudart is linked statically: the library then
+    needs only the driver (``libcuda.so.1``) on the GPU machine, whatever CUDA runtime its torch ships,
+    and loads (without a driver) on a machine with none. Raises RuntimeError with nvcc's last lines when
+    it fails; warns when ptxas reports register spills.
+    """
+    nvcc = nvcc or _nvcc()
+    if nvcc is None:
+        raise RuntimeError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="mxc_cutlass_build_") as tmp:
+        src = Path(tmp) / "kernel.cu"
+        src.write_text(source)
+        tmp_so = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
+        cmd = [nvcc, "-O3", "-std=c++17", "--expt-relaxed-constexpr", f"-gencode=arch=compute_{arch},code=sm_{arch}",
+               "-shared", "-Xcompiler", "-fPIC", "-cudart", "static", "-DNDEBUG", "-Xptxas=-warn-spills",
+               "-Xcudafe", "--diag_suppress=esa_on_defaulted_function_ignored",
+               *[f"-I{d}" for d in include_dirs()], *extra_flags, str(src), "-o", str(tmp_so)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            tmp_so.unlink(missing_ok=True)
+            raise RuntimeError(f"nvcc timed out after {timeout} s compiling the CUTLASS fp8 kernel") from e
+        if proc.returncode != 0:
+            tmp_so.unlink(missing_ok=True)
+            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-30:])
+            raise RuntimeError(f"nvcc failed ({proc.returncode}) compiling the CUTLASS fp8 kernel:\n{tail}")
+        os.replace(tmp_so, out_path)
+    spills = [line.strip() for line in (proc.stdout + proc.stderr).splitlines() if "spill" in line]
+    if spills:
+        warnings.warn(f"{out_path.name}: ptxas: {spills[0]}", stacklevel=2)
+    return out_path
+
+
+class CutlassFp8Gemm:
+    """A compiled kernel library opened with ctypes; calls take raw device pointers and plain ints."""
+
+    def __init__(self, so_path):
+        self.path = Path(so_path)
+        lib = ctypes.CDLL(str(self.path))
+        p, i, z = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+        lib.mxc_cutlass_fp8_gemm.argtypes = [p, p, p, p, p, i, i, i, p, z, p]
+        lib.mxc_cutlass_fp8_gemm.restype = i
+        lib.mxc_cutlass_fp8_workspace.argtypes = [i, i, i]
+        lib.mxc_cutlass_fp8_workspace.restype = z
+        lib.mxc_cutlass_fp8_can_implement.argtypes = [i, i, i]
+        lib.mxc_cutlass_fp8_can_implement.restype = i
+        lib.mxc_cutlass_fp8_name.argtypes = []
+        lib.mxc_cutlass_fp8_name.restype = ctypes.c_char_p
+        self._lib = lib
+        self.name = lib.mxc_cutlass_fp8_name().decode()
+
+    def workspace_bytes(self, M: int, N: int, K: int) -> int:
+        return int(self._lib.mxc_cutlass_fp8_workspace(M, N, K))
+
+    def can_implement(self, M: int, N: int, K: int) -> bool:
+        return bool(self._lib.mxc_cutlass_fp8_can_implement(M, N, K))
+
+    def __call__(self, xq: int, wq: int, scale_a: int, scale_b: int, y: int, M: int, N: int, K: int,
+                 stream: int = 0, workspace: int = 0, workspace_bytes: int = 0) -> None:
+        """Launch on ``stream`` (a ``cudaStream_t`` as an int, e.g. ``torch.cuda.current_stream().cuda_stream``)."""
+        status = self._lib.mxc_cutlass_fp8_gemm(xq, wq, scale_a, scale_b, y, M, N, K, workspace or None,
+                                                workspace_bytes, stream or None)
+        if status:
+            raise RuntimeError(f"CUTLASS fp8 GEMM (M={M}, N={N}, K={K}): status {status}, "
+                               f"{STATUS.get(status, 'unknown')}")
+
+
+def load(so_path) -> CutlassFp8Gemm:
+    return CutlassFp8Gemm(so_path)
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mxc" / "cutlass"
+
+
+def build_library(out_path, log=print) -> Path:
+    """The library a build ships at ``out_path``: ``$MXC_CUTLASS_LIBRARY`` if set, else ``BUILD_CONFIG``
+    generated and compiled here (about a minute of nvcc; cached by the source's sha256)."""
+    import hashlib
+
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    prebuilt = os.environ.get(PREBUILT_ENV)
+    if prebuilt:
+        log(f"CUTLASS fp8 GEMM: the prebuilt library {prebuilt} (${PREBUILT_ENV})")
+        shutil.copyfile(prebuilt, out_path)
+        return out_path
+    source = generate(**BUILD_CONFIG)
+    cached = _cache_dir() / f"{hashlib.sha256(source.encode()).hexdigest()[:24]}.so"
+    if not cached.is_file():
+        log(f"compiling the CUTLASS fp8 GEMM with nvcc (about a minute; cached in {cached.parent})")
+        compile_so(source, cached)
+    shutil.copyfile(cached, out_path)
+    return out_path
+
+
+_ACTIVE: list[CutlassFp8Gemm] = []
+
+
+def use(so_path) -> CutlassFp8Gemm:
+    """Open an artifact's library for the runtime (``active``). Every artifact's library computes the same
+    function, so the process keeps the last one opened."""
+    gemm = load(so_path)
+    _ACTIVE[:] = [gemm]
+    return gemm
+
+
+def active() -> CutlassFp8Gemm:
+    if not _ACTIVE:
+        raise RuntimeError("no CUTLASS fp8 library is loaded: the artifact's forward calls fp8_gemm.cutlass but "
+                           f"mxc.load found no {LIBRARY} in it")
+    return _ACTIVE[0]

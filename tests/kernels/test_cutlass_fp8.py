@@ -1,0 +1,84 @@
+"""The CUTLASS fp8 GEMM generator on the CPU: source from cutlass_cppgen, nvcc into a .so, its C entry points.
+
+Skipped where the generator (package nvidia-cutlass) or nvcc is missing. The compile test runs nvcc on
+one kernel (about a minute on a 2-core machine); the GPU run is tests/gpu/test_cutlass_fp8_gpu.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from mxc.kernels import cutlass_fp8
+
+_WHY_NOT = cutlass_fp8.available()
+pytestmark = pytest.mark.skipif(_WHY_NOT is not None, reason=f"CUTLASS fp8 generator unusable here: {_WHY_NOT}")
+
+ENTRIES = ("mxc_cutlass_fp8_gemm", "mxc_cutlass_fp8_workspace", "mxc_cutlass_fp8_can_implement",
+           "mxc_cutlass_fp8_name")
+
+
+@pytest.fixture(scope="module")
+def source():
+    return cutlass_fp8.generate()
+
+
+def test_generate_emits_kernel_and_entry_points(source):
+    assert 'extern "C"' in source
+    for entry in ENTRIES:
+        assert f" {entry}(" in source
+    # e4m3 x e4m3 (A row-major, B column-major = wq [N, K] row-major), fp32 accumulation, bf16 out, no C
+    assert "cutlass::float_e4m3_t, cutlass::layout::RowMajor, 16" in source
+    assert "cutlass::float_e4m3_t, cutlass::layout::ColumnMajor, 16" in source
+    assert "using ElementD = cutlass::bfloat16_t;" in source and "using ElementC = void;" in source
+    # the traced epilogue: scale_a per row (column broadcast), scale_b per column (row broadcast), bf16 last
+    assert "Sm90ColBroadcast" in source and "Sm90RowBroadcast" in source
+    assert "cutlass::multiplies, cutlass::bfloat16_t, float" in source
+    assert "cutlass::gemm::KernelTmaWarpSpecializedCooperative\n" in source  # promoted fp32 accumulation
+    assert "cute::Shape<cute::_128, cute::_128, cute::_128>" in source
+
+
+def test_generate_options():
+    fast = cutlass_fp8.generate(tile=(128, 256, 128), cluster=(2, 1, 1), schedule="cooperative", fast_accum=True)
+    assert "KernelTmaWarpSpecializedCooperativeFP8FastAccum" in fast
+    assert "cute::Shape<cute::_2,cute::_1,cute::_1>" in fast
+    # every tile the kernel declares is the CTA's: the collectives' and the EVT broadcasts' (see _fix_evt_tile)
+    assert fast.count("cute::Shape<cute::_128, cute::_256, cute::_128>") == 2
+    assert "EpilogueDescriptor<\n  cute::Shape<_128, _256, _128>" in fast
+    assert "_256, _256" not in fast and "cute::_256, cute::_256" not in fast
+    with pytest.raises(ValueError, match="schedule"):
+        cutlass_fp8.generate(schedule="stream-k")
+
+
+def test_compile_failure_reports_nvcc_output(tmp_path):
+    with pytest.raises(RuntimeError, match="nvcc failed.*\n.*mxc_compile_probe"):
+        cutlass_fp8.compile_so('#error "mxc_compile_probe"\n', tmp_path / "bad.so")
+    assert list(tmp_path.iterdir()) == []  # nothing half-written left behind
+
+
+def test_compile_so_exports_entry_points(source, tmp_path):
+    start = time.perf_counter()
+    so = cutlass_fp8.compile_so(source, tmp_path / "cutlass_fp8.so")
+    seconds = time.perf_counter() - start
+    print(f"nvcc: {seconds:.1f} s, {so.stat().st_size / 2**20:.2f} MiB")
+    assert so.is_file() and [p.name for p in tmp_path.iterdir()] == ["cutlass_fp8.so"]
+    if shutil.which("nm"):
+        symbols = subprocess.run(["nm", "-D", "--defined-only", str(so)], capture_output=True, text=True,
+                                 check=True).stdout
+        for entry in ENTRIES:
+            assert f" T {entry}\n" in symbols
+    # cudart is linked statically and loads the driver lazily: the library opens without a GPU
+    lib = ctypes.CDLL(str(so))
+    for entry in ENTRIES:
+        assert hasattr(lib, entry)
+    gemm = cutlass_fp8.load(so)
+    assert gemm.name.startswith("cutlass3x_sm90_tensorop") and "e4m3_e4m3_f32_void_bf16" in gemm.name
+    assert gemm.can_implement(2048, 6144, 4096) and gemm.can_implement(1, 4096, 14336)
+    assert not gemm.can_implement(16, 4096, 4100)  # K must be a multiple of 16 (16-byte TMA rows)
+    assert gemm.workspace_bytes(2048, 6144, 4096) >= 0
+    with pytest.raises(RuntimeError, match="status 1"):  # rejected before anything touches the GPU
+        gemm(0, 0, 0, 0, 0, 16, 4096, 4100)
