@@ -1,0 +1,155 @@
+"""The CUTLASS fp8 GEMM (mxc.kernels.cutlass_fp8) on the GPU against torch._scaled_mm, and its speed at M = 2048.
+
+Uses the libraries listed in $MXC_CUTLASS_SO (paths separated by ``os.pathsep``, built ahead of time with
+``cutlass_fp8.compile_so``), else generates and compiles the default configuration here (needs nvidia-cutlass
+and nvcc). Run with ``-s`` to see the error and TFLOP/s lines; speed is printed, not asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from mxc.kernels import cutlass_fp8
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+FP8 = torch.float8_e4m3fn
+SHAPES = [(6144, 4096), (4096, 14336)]  # (N, K): Llama-3-8B's fused QKV and down projections
+
+
+_PREBUILT = [p for p in os.environ.get("MXC_CUTLASS_SO", "").split(os.pathsep) if p]
+
+
+@pytest.fixture(scope="module", params=_PREBUILT or [None], ids=lambda p: os.path.basename(p) if p else "default")
+def gemm(request, tmp_path_factory):
+    path = request.param
+    if not path:
+        why = cutlass_fp8.available()
+        if why is not None:
+            pytest.skip(f"no MXC_CUTLASS_SO and cannot build here: {why}")
+        path = cutlass_fp8.compile_so(cutlass_fp8.generate(), tmp_path_factory.mktemp("cutlass") / "fp8.so")
+    return cutlass_fp8.load(path)
+
+
+def _quantized(rows, cols, gen):
+    spread = 1 + torch.rand(rows, 1, device="cuda", generator=gen)  # rows of different magnitudes
+    x = torch.randn(rows, cols, device="cuda", generator=gen) * spread
+    scale = x.abs().amax(dim=1) / 448.0
+    return (x / scale[:, None]).to(FP8), scale.float().contiguous()
+
+
+def _run(gemm, xq, wq, sa, sb, out=None, ws=None):
+    m, k = xq.shape
+    n = wq.shape[0]
+    y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16) if out is None else out
+    need = gemm.workspace_bytes(m, n, k)
+    if ws is None or ws.numel() < need:
+        ws = torch.empty(max(need, 1), device="cuda", dtype=torch.uint8)
+    gemm(xq.data_ptr(), wq.data_ptr(), sa.data_ptr(), sb.data_ptr(), y.data_ptr(), m, n, k,
+         stream=torch.cuda.current_stream().cuda_stream, workspace=ws.data_ptr(), workspace_bytes=need)
+    return y
+
+
+def _scaled_mm(xq, wq, sa, sb):
+    return torch._scaled_mm(xq, wq.t(), scale_a=sa[:, None], scale_b=sb[None, :], out_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 16, 2048, 1000])
+def test_matches_scaled_mm(gemm, m, n, k):
+    gen = torch.Generator(device="cuda").manual_seed(m * 7 + n)
+    xq, sa = _quantized(m, k, gen)
+    wq, sb = _quantized(n, k, gen)
+    y = _run(gemm, xq, wq, sa, sb)
+    torch.cuda.synchronize()
+    ref = _scaled_mm(xq, wq, sa, sb).float()
+    exact = (xq.float() @ wq.float().t()) * sa[:, None] * sb[None, :]
+    scale = float(exact.abs().max())
+    err, err_ref = float((y.float() - exact).abs().max()) / scale, float((ref - exact).abs().max()) / scale
+    print(f"\n{gemm.name} M={m} N={n} K={k}: max error / max |y|: CUTLASS {err:.2e}, _scaled_mm {err_ref:.2e}")
+    # both round an fp32 result to bf16 (2^-8 relative); accumulation orders differ; FP8FastAccum
+    # (no promotion of the tensor cores' accumulator) is allowed twice the error
+    tol = 2e-2 if "fastaccum" in gemm.name else 1e-2
+    torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol * scale)
+    torch.testing.assert_close(y.float(), exact, rtol=tol, atol=tol * scale)
+
+
+def test_cuda_graph_replay(gemm):
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    xq, sa = _quantized(64, 4096, gen)
+    wq, sb = _quantized(6144, 4096, gen)
+    y = _run(gemm, xq, wq, sa, sb)  # eager first: the library's runtime initialises outside capture
+    torch.cuda.synchronize()
+    expected = y.clone()
+    y.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _run(gemm, xq, wq, sa, sb, out=y)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(y, expected, rtol=0, atol=0)
+
+
+def test_rejects_misaligned_k(gemm):
+    with pytest.raises(RuntimeError, match="status 1"):
+        gemm(0, 0, 0, 0, 0, 16, 4096, 4100)
+
+
+def _time_ms(fn, iters=50):
+    for _ in range(10):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_tflops_m2048(gemm, n, k):
+    m = 2048
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    xq, sa = _quantized(m, k, gen)
+    wq, sb = _quantized(n, k, gen)
+    y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    ws = torch.empty(max(gemm.workspace_bytes(m, n, k), 1), device="cuda", dtype=torch.uint8)
+    flop = 2.0 * m * n * k
+    t_cutlass = _time_ms(lambda: _run(gemm, xq, wq, sa, sb, out=y, ws=ws))
+    t_torch = _time_ms(lambda: _scaled_mm(xq, wq, sa, sb))
+    print(f"\nM={m} N={n} K={k}: CUTLASS {gemm.name}: {t_cutlass * 1e3:.1f} us, {flop / t_cutlass / 1e9:.0f} TFLOP/s;"
+          f" torch._scaled_mm: {t_torch * 1e3:.1f} us, {flop / t_torch / 1e9:.0f} TFLOP/s")
+
+
+@pytest.mark.skipif(cutlass_fp8.available() is not None,
+                    reason=f"a build here cannot have the CUTLASS library: {cutlass_fp8.available()}")
+def test_fp8_artifact_with_cutlass_matches_scaled_mm_and_cpu(hf_checkpoint, tmp_path, monkeypatch):
+    """An fp8 artifact whose prefill (80 tokens, above the GEMV's 32) runs the CUTLASS GEMM against the same
+    build with torch._scaled_mm ($MXC_CUTLASS_LIBRARY=none) and the CPU fp8 artifact."""
+    import mxc
+
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM", hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                            num_key_value_heads=4)
+    kw = dict(quant="fp8", dtype="bfloat16", progress=False, log=lambda m: None)
+    with_cutlass = mxc.build(str(ckpt), out=tmp_path / "cutlass", target="cuda", max_batch=4, max_seq_len=64, **kw)
+    assert "cutlass" in json.loads((with_cutlass / "manifest.json").read_text())
+    gpu = mxc.load(with_cutlass, device="cuda")
+    monkeypatch.setenv(cutlass_fp8.PREBUILT_ENV, "none")
+    plain = mxc.build(str(ckpt), out=tmp_path / "plain", target="cuda", max_batch=4, max_seq_len=64, **kw)
+    assert "cutlass" not in json.loads((plain / "manifest.json").read_text())
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(3))
+    got = gpu.logits(ids).float().cpu()
+    plain_logits = mxc.load(plain, device="cuda").logits(ids).float().cpu()
+    cpu_logits = mxc.load(mxc.build(str(ckpt), out=tmp_path / "cpu", **kw)).logits(ids).float()
+
+    def rel(a, b):
+        return float((a - b).norm() / b.norm())
+
+    print(f"\nfp8 logits, CUTLASS against _scaled_mm {rel(got, plain_logits):.2e}, against CPU {rel(got, cpu_logits):.2e}")
+    assert rel(got, plain_logits) < 2e-2  # fast accumulation and bf16 rounding; both quantize alike
+    assert rel(got, cpu_logits) < 5e-2  # as test_fp8_gpu: fp8 roundings flip on last-bit differences
