@@ -240,7 +240,7 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
                            max_batch=max_batch, max_seq_len=max_seq_len, tp=tp, quant=quant,
                            quant_granularity=quant_granularity, quant_lm_head=quant_lm_head,
                            quant_scale_suffix=scale_suffix, disable_passes=check_disabled(disable_passes), pdl=pdl,
-                           tp_allreduce=tp_allreduce)
+                           tp_allreduce=tp_allreduce, arch=arch)
     out = Path(out) if out else Path("build") / src.model_file.stem
     if out.exists() and not (out / "manifest.json").is_file():
         raise MxcError(f"--out {out}: exists and is not an mxc artifact; choose another path or remove it")
@@ -272,8 +272,10 @@ def _write(tmp: Path, graph: Graph, src: Source, options: BuildOptions, arch: in
     ir_hash = hashlib.sha256(ir_text.encode()).hexdigest()
     program_text = render_forward(graph, ir_hash)
     (tmp / "code" / "forward.py").write_text(program_text)
+    cutlass = None
     if options.target == "cuda":
         _compile_kernels(graph, program_text, tmp / "code" / "kernels", options, arch, progress, log)
+        cutlass = _cutlass_library(graph, tmp, log)
     log("writing weights" + (f" from {src.checkpoint}" if src.checkpoint else " (deterministic random: no --checkpoint)"))
     ckpt = open_checkpoint(src.checkpoint) if src.checkpoint else DummyCheckpoint(graph)
     with ckpt:
@@ -298,6 +300,7 @@ def _write(tmp: Path, graph: Graph, src: Source, options: BuildOptions, arch: in
         "ir_sha256": ir_hash,
         "runtime": _runtime_info(graph, src.config),
         "kernels": _kernel_table(graph),
+        **({"cutlass": cutlass} if cutlass else {}),
         "source": {"checkpoint": str(src.checkpoint) if src.checkpoint else None,
                    "weights": "checkpoint" if src.checkpoint else "dummy"},
         "tp": options.tp,
@@ -317,6 +320,23 @@ def _compile_kernels(graph, program_text, out_dir, options, arch, progress, log)
     start = time.perf_counter()
     aot.compile_specs(specs, out_dir, arch=arch, progress=progress)
     log(f"compiled {len(specs)} kernels in {time.perf_counter() - start:.1f} s")
+
+
+def _cutlass_library(graph, tmp: Path, log) -> dict | None:
+    """When ``select_kernels`` chose the CUTLASS fp8 GEMM anywhere, its library in the artifact
+    (``cutlass_fp8.LIBRARY``) and the manifest's record of it; else None."""
+    used = any("cutlass" in json.dumps(n.attrs.get("kernel")) for n, _ in graph.nodes())
+    if not used:
+        return None
+    from mxc.kernels import cutlass_fp8
+
+    try:
+        gemm = cutlass_fp8.load(cutlass_fp8.build_library(tmp / cutlass_fp8.LIBRARY, log))
+    except (RuntimeError, OSError) as e:
+        raise MxcError(f"building the CUTLASS fp8 GEMM failed ({str(e).splitlines()[0]}); "
+                       f"set MXC_CUTLASS_LIBRARY=none to build with torch._scaled_mm instead") from e
+    return {"library": cutlass_fp8.LIBRARY, "kernel": gemm.name,
+            "config": {k: list(v) if isinstance(v, tuple) else v for k, v in cutlass_fp8.BUILD_CONFIG.items()}}
 
 
 def _pid_alive(pid: int) -> bool:

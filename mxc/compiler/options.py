@@ -21,6 +21,7 @@ class BuildOptions:
     max_seq_len: int = 4096  # cuda: KV-cache length per sequence
     disable_passes: tuple[str, ...] = ()  # optional passes skipped (``--disable-pass``)
     pdl: bool = False  # cuda: programmatic dependent launch between kernels (``mxc.kernels.pdl``)
+    arch: int = 90  # cuda: the compute capability kernels are compiled for (sm_90)
     tp_allreduce: str = "nccl"  # cuda, tp > 1: decode all-reduces by "nccl", "one_shot" or "push" (peer
     # memory; push also fuses the residual add and RMSNorm); the builder resolves its "auto" default
 

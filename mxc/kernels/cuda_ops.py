@@ -42,6 +42,12 @@ def rms_norm_qlinear_scaled_mm(x, norm_weight, weight, scale, bias=None, eps=1e-
                               norm_weight=norm_weight, eps=eps)
 
 
+def rms_norm_qlinear_cutlass(x, norm_weight, weight, scale, bias=None, eps=1e-6, granularity="channel"):
+    """Larger token counts, row-wise scales: the quantize kernel normalises the row, then the CUTLASS fp8 GEMM."""
+    return fp8_gemm.cutlass(x, weight, scale, bias, granularity=granularity, prologue="rms_norm",
+                            norm_weight=norm_weight, eps=eps)
+
+
 def rms_norm_qlinear_gemm(x, norm_weight, weight, scale, bias=None, eps=1e-6, granularity="channel"):
     """Larger token counts (block scales): the quantize kernel normalises the row, then the Triton fp8 GEMM."""
     return triton_fp8.qlinear_gemm(x, weight, scale, bias, granularity=granularity, prologue="rms_norm",

@@ -123,4 +123,8 @@ def load(path, device: str = "cpu", rank: int = 0, world_size: int = 1, verify: 
             weights[name] = f.get_tensor(name)
     device = torch.device(device)
     launcher = _kernel_launcher(path, manifest, device, rebuild_kernels)
+    if manifest.get("cutlass"):  # the CUTLASS fp8 GEMM the build compiled (mxc.kernels.cutlass_fp8)
+        from mxc.kernels import cutlass_fp8
+
+        cutlass_fp8.use(path / manifest["cutlass"]["library"])
     return Model(program.forward, weights, manifest, device, path, launcher, rank=rank, world_size=world_size)
