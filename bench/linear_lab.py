@@ -4,9 +4,8 @@ Times each variant as decode runs it (``triton_gemv._time_us``: a CUDA graph of 
 calls over weight copies covering 4x the L2) and prints microseconds and weight TB/s:
   bf16 GEMV: plain, and the MLP down projection fused (SiLU-and-mul prologue + residual
     epilogue) against unfused (silu_mul kernel, GEMV, add kernel);
-  fp8 GEMV: the default config, the other activation-quantization mode, the one-row kernel with
-    the next step's weights loaded first (PRELOAD), w @ x^T on e4m3 wgmma (SWAP_AB) and ``--tune``
-    winners;
+  fp8 GEMV: the default config, the other activation-quantization mode, w @ x^T on e4m3 wgmma
+    (SWAP_AB) and ``--tune`` winners;
   prefill (M = 2048): bf16 cuBLAS, fp8 ``torch._scaled_mm`` alone, with mxc's activation
   quantization, and the Triton fp8 GEMM.
 ``--quant-lab`` times only the activation-quantize kernels at --quant-m rows (2048) for the four
@@ -74,11 +73,6 @@ def fp8_gemv(ms, tune, tune_ms):
                 label = f"PREQUANT={alt.PREQUANT}"
             run = lambda x_, w_: triton_fp8.qlinear_small_m(x_, w_, s, config=alt)  # noqa: E731
             row(f"fp8 {name} M={m} {label}", _time_us(run, x, ws), n * k, str(alt))
-            v1 = cfg if not cfg.USE_DOT else alt if not alt.USE_DOT else None
-            if m == 1 and v1 is not None:  # the one-row kernel with the next step's weights loaded first
-                pre = replace(v1, PRELOAD=True)
-                run = lambda x_, w_: triton_fp8.qlinear_small_m(x_, w_, s, config=pre)  # noqa: E731
-                row(f"fp8 {name} M=1 v1 PRELOAD", _time_us(run, x, ws), n * k, str(pre))
             for bn in (64, 128):  # w @ x^T on e4m3 wgmma, split K to fill the GPU
                 swap = triton_fp8.QGemvConfig(bn, 256, 1, True, True, 4, 4, cfg.QUANT_BLOCK_K, SWAP_AB=True)
                 swap = replace(swap, SPLIT_K=triton_gemv.split_k_for(-(-n // bn), k, 256))

@@ -335,8 +335,9 @@ def _cutlass_library(graph, tmp: Path, log) -> dict | None:
     except (RuntimeError, OSError) as e:
         raise MxcError(f"building the CUTLASS fp8 GEMM failed ({str(e).splitlines()[0]}); "
                        f"set MXC_CUTLASS_LIBRARY=none to build with torch._scaled_mm instead") from e
-    return {"library": cutlass_fp8.LIBRARY, "kernel": gemm.name,
-            "config": {k: list(v) if isinstance(v, tuple) else v for k, v in cutlass_fp8.BUILD_CONFIG.items()}}
+    config = "prebuilt" if os.environ.get(cutlass_fp8.PREBUILT_ENV) else \
+        {k: list(v) if isinstance(v, tuple) else v for k, v in cutlass_fp8.BUILD_CONFIG.items()}
+    return {"library": cutlass_fp8.LIBRARY, "kernel": gemm.name, "config": config}
 
 
 def _pid_alive(pid: int) -> bool:

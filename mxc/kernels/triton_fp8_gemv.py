@@ -3,6 +3,11 @@
 Bandwidth-bound like ``triton_gemv``, whose layout it keeps; versions v1 (FMA, one row), v2 (FMA,
 a few rows), v3 (tensor cores; ``SWAP_AB`` puts the weights on the wgmma side). The module doc of
 ``mxc.kernels.triton_fp8`` describes them and the numerics.
+
+Measured and removed (H200, Triton 3.6, 2026-11-30, ``bench/linear_lab.py``): v1 issuing the next step's
+weight load before its own math (two steps' bytes in flight a thread) was slower at every Llama-3-8B
+shape at one row: qkv 20.0 against 13.6 us, o 15.0 against 9.6, gate/up 76.4 against 40.5, down 28.2
+against 22.0; and weights widened by integer ops instead of cvt, 3-7% slower.
 """
 
 from __future__ import annotations
@@ -27,14 +32,12 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
                   SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_SCALE: tl.constexpr,
                   PREQUANT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                   PROLOGUE_SILU_MUL: tl.constexpr,
-                  USE_PDL: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PRELOAD: tl.constexpr = False):
+                  USE_PDL: tl.constexpr = False, SWAP_AB: tl.constexpr = False):
     """One program: columns [pid_n * BLOCK_N, +BLOCK_N) of y over K slice pid_k.
 
     x_ptr: x [M, K] (or [M, 2K] under PROLOGUE_SILU_MUL) in its float dtype, with xs_ptr None;
     with PREQUANT, xq [M, K] e4m3 and xs_ptr its scales [M] (from ``_quant_rows_kernel``).
     s_ptr: the weight scales, [N] or (BLOCK_SCALE) [ceil(N/128), ceil(K/128)].
-    PRELOAD (v1): each step issues the next step's weight load before its own math, so two steps'
-    bytes are in flight a thread (the raw fp8 bytes wait in registers: 4 a 16-B load).
     With SPLIT_K == 1, y_ptr is y [M, N]; otherwise the fp32 scratch [SPLIT_K, M, N] of scaled
     partial sums, and HAS_BIAS and HAS_RESIDUAL are False.
     """
@@ -124,23 +127,16 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
         x_ptrs = x_ptr + k_start + offs_k
         xs0 = tl.max(xs, axis=0)
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        if PRELOAD:
-            w_next = tl.load(w_ptrs, mask=((k_start + offs_k) < K)[None, :], other=0.0)
         for k in range(0, K_PER_SPLIT, BLOCK_K):
             k_ok = (k_start + k + offs_k) < K
-            if PRELOAD:  # the next step's weights first; this step's arrived during the last one's math
-                w_raw = w_next
-                next_ok = ((k_start + k + BLOCK_K + offs_k) < K) & (k + BLOCK_K < K_PER_SPLIT)
-                w_next = tl.load(w_ptrs + BLOCK_K, mask=next_ok[None, :], other=0.0)
-                w_step = w_raw.to(tl.float32)
             if EVEN_K:
-                w = w_step if PRELOAD else tl.load(w_ptrs).to(tl.float32)
+                w = tl.load(w_ptrs).to(tl.float32)
                 if PREQUANT:
                     xq = tl.load(x_ptrs).to(tl.float32)
                 else:
                     xq = _quant(_load_act(x_ptrs, None, None, K, PROLOGUE_SILU_MUL), xs0).to(tl.float32)
             else:
-                w = w_step if PRELOAD else tl.load(w_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
+                w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
                 if PREQUANT:
                     xq = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
                 else:
@@ -233,7 +229,6 @@ class QGemvConfig:
     num_stages: int = 1
     QUANT_BLOCK_K: int = 1024  # the prequantize kernel's chunk
     SWAP_AB: bool = False
-    PRELOAD: bool = False  # v1: the next step's weight load issued before this step's math
 
 
 # Shapes where ``tune`` found a config >= 3% faster than the rules below (H200, Triton 3.6, bf16
@@ -287,7 +282,7 @@ def _tile_m(m_bucket: int, cfg: QGemvConfig) -> int:
     return max(16, m_bucket) if cfg.USE_DOT else m_bucket
 
 
-def _check_gemv_config(cfg: QGemvConfig, block: bool, m_bucket: int = 1) -> None:
+def _check_gemv_config(cfg: QGemvConfig, block: bool) -> None:
     if not (_pow2(cfg.BLOCK_N) and _pow2(cfg.BLOCK_K) and _pow2(cfg.QUANT_BLOCK_K) and cfg.SPLIT_K >= 1):
         raise ValueError(f"BLOCK_N, BLOCK_K and QUANT_BLOCK_K must be powers of two, SPLIT_K >= 1: {cfg}")
     if cfg.USE_DOT and (cfg.BLOCK_N < 16 or cfg.BLOCK_K < 32):
@@ -296,8 +291,6 @@ def _check_gemv_config(cfg: QGemvConfig, block: bool, m_bucket: int = 1) -> None
         raise ValueError(f"block128 scales need BLOCK_N dividing 128: {cfg}")
     if block and cfg.USE_DOT and cfg.BLOCK_K > 128:
         raise ValueError(f"block128 scales with USE_DOT need BLOCK_K dividing 128: {cfg}")
-    if cfg.PRELOAD and (cfg.USE_DOT or m_bucket > 1):
-        raise ValueError(f"PRELOAD is for the one-row FMA kernel (v1; tl.dot pipelines its own loads): {cfg}")
     if cfg.SWAP_AB and not (cfg.USE_DOT and cfg.PREQUANT and cfg.BLOCK_N >= 64):
         raise ValueError(f"SWAP_AB needs USE_DOT, PREQUANT and BLOCK_N >= 64 (the wgmma side): {cfg}")
 
@@ -323,7 +316,7 @@ def qlinear_small_m(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias:
     m_bucket = bucket(M)
     block = granularity == "block128"
     cfg = config if config is not None else config_for(m_bucket, N, K, x.dtype, granularity)
-    _check_gemv_config(cfg, block, m_bucket)
+    _check_gemv_config(cfg, block)
     y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
     xs = None
     rms = prologue == "rms_norm"
@@ -336,8 +329,7 @@ def qlinear_small_m(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias:
     grid = (triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)
     consts = dict(N=N, K=K, BLOCK_M=_tile_m(m_bucket, cfg), BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
                   SPLIT_K=cfg.SPLIT_K, USE_DOT=cfg.USE_DOT, BLOCK_SCALE=block, PREQUANT=cfg.PREQUANT,
-                  PROLOGUE_SILU_MUL=silu_mul and not cfg.PREQUANT, SWAP_AB=cfg.SWAP_AB,
-                  **({"PRELOAD": True} if cfg.PRELOAD else {}))
+                  PROLOGUE_SILU_MUL=silu_mul and not cfg.PREQUANT, SWAP_AB=cfg.SWAP_AB)
     has_bias, has_residual = bias is not None, residual is not None
     if cfg.SPLIT_K == 1:
         launch(_qgemv_kernel, grid, [x, xs, w, scale, bias, residual, y, M],
@@ -366,8 +358,8 @@ def candidates(m_bucket: int, granularity: str) -> list[QGemvConfig]:
     block = granularity == "block128"
     swap = [QGemvConfig(bn, bk, 1, True, True, 4, ns, SWAP_AB=True) for bn in (64, 128) for bk in (128, 256, 512)
             for ns in (3, 4, 5) if not (block and bk > 128)]
-    v1 = [QGemvConfig(bn, bk, 1, False, pq, nw, 1, PRELOAD=pre) for bn in (8, 16, 32) for bk in (512, 1024, 2048)
-          for nw in (4, 8) for pq in (False, True) for pre in (False, True) if bn * bk <= 128 * 32 * nw]
+    v1 = [QGemvConfig(bn, bk, 1, False, pq, nw, 1) for bn in (8, 16, 32) for bk in (512, 1024, 2048)
+          for nw in (4, 8) for pq in (False, True) if bn * bk <= 128 * 32 * nw]
     v2 = [QGemvConfig(bn, bk, 1, False, pq, 4, 1) for bn in (16, 32) for bk in (512, 1024) for pq in (False, True)]
     v3 = [QGemvConfig(bn, bk, 1, True, pq, nw, ns) for bn in (16, 32, 64, 128) for bk in (64, 128, 256, 512)
           for nw in (4, 8) for ns in (3, 4, 5) for pq in (False, True) if not (block and bk > 128)]

@@ -118,11 +118,6 @@ VARIANTS = [
     (5, replace(SWAP, SPLIT_K=2), "block128", torch.float32, (True, False, True), K),
     (17, SWAP, "tensor", torch.float16, (False, True, False), 300),
     (32, replace(SWAP, BLOCK_N=128, BLOCK_K=128), "block128", torch.float16, (True, True, False), K),
-    # v1 with the next step's weights loaded first (PRELOAD): ragged K, a K split, block scales, fused x
-    (1, replace(V1, PRELOAD=True), "channel", torch.float16, (True, True, True), K),
-    (1, replace(V1, SPLIT_K=3, PRELOAD=True, PREQUANT=True, QUANT_BLOCK_K=64), "block128", torch.float32,
-     (False, True, True), 300),
-    (1, QGemvConfig(BLOCK_N=16, BLOCK_K=64, PRELOAD=True), "tensor", torch.float32, (False, False, False), 256),
 ]
 
 
@@ -130,7 +125,7 @@ def _variant_id(v):
     M, cfg, gran, dtype, fusion, k = v
     version = "v3-swap" if cfg.SWAP_AB else "v3" if cfg.USE_DOT else "v1" if M == 1 else "v2"
     return "-".join([f"M{M}", f"K{k}", version, f"split{cfg.SPLIT_K}", gran, str(dtype)[6:], _fusion_id(fusion)]
-                    + ["prequant"] * cfg.PREQUANT + ["preload"] * cfg.PRELOAD)
+                    + ["prequant"] * cfg.PREQUANT)
 
 
 @pytest.mark.parametrize("M,cfg,gran,dtype,fusion,k", VARIANTS, ids=[_variant_id(v) for v in VARIANTS])
@@ -414,8 +409,6 @@ def test_rejects_bad_inputs():
         tf.qlinear_gemm(x, qb, sb, granularity="block128", config=QGemmConfig(BLOCK_K=256))
     with pytest.raises(ValueError):
         tf.qlinear_small_m(x, q, s, config=QGemvConfig(16, 48), **ok)  # not a power of two
-    with pytest.raises(ValueError, match="PRELOAD"):  # x has 2 rows: v2 has no preloading
-        tf.qlinear_small_m(x, q, s, config=QGemvConfig(16, 64, PRELOAD=True), **ok)
 
 
 def test_meta_recording():
@@ -490,8 +483,6 @@ _COMPILE_SCRIPT = textwrap.dedent("""
             for M in (1, 2, 32):  # v1 fused, v3 fused, v3 prequantized
                 tf.qlinear_small_m(meta(M, 2 * k), w, s, meta(n), meta(M, n), granularity=gran, prologue="silu_mul")
             tf.qlinear_small_m(meta(4, k), w, s, granularity=gran, config=tf.QGemvConfig(32, 512))  # v2
-            tf.qlinear_small_m(meta(1, k), w, s, granularity=gran,  # v1, the next step's weights first
-                               config=tf.QGemvConfig(16, 1024, PREQUANT=True, num_warps=8, PRELOAD=True))
             s512 = meta(4, 32, dtype=torch.float32) if gran == "block128" else meta(512, dtype=torch.float32)
             tf.qlinear_small_m(meta(1, k), meta(512, k, dtype=tf.FP8), s512, meta(512), meta(1, 512),
                                granularity=gran)  # split K + reduce
