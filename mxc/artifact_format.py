@@ -1,8 +1,9 @@
 """The artifact's on-disk contract, shared by the builder and the runtime.
 
 An artifact is a directory: ``manifest.json``, ``graph.yaml`` (the final IR),
-``code/forward.py`` (the generated program), ``weights/rank{r}.safetensors``
-and optionally ``tokenizer/``. The manifest lists the sha256 of every other
+``code/forward.py`` (the generated program), ``weights/rank{r}.safetensors``,
+for ``--target cuda`` ``code/kernels/`` (cubins) and, where the build chose the CUTLASS fp8 GEMM,
+``code/cutlass/fp8_gemm.so`` (the manifest's ``cutlass`` entry), and optionally ``tokenizer/``. The manifest lists the sha256 of every other
 file. ``SCHEMA_VERSION`` changes when this layout changes incompatibly.
 """
 
@@ -13,8 +14,8 @@ from pathlib import Path
 
 # 2: kernels rendered from templates, their sources in code/kernels/src/; 3: the RoPE kernel's kv-group grid,
 # the tiled fp8 quantize and the push all-reduce (older artifacts lack those cubins); 4: the MoE norm + router
-# kernel, the GEMV's push arguments
-SCHEMA_VERSION = 4
+# kernel, the GEMV's push arguments; 5: the CUTLASS fp8 GEMM library and the manifest's cutlass entry
+SCHEMA_VERSION = 5
 
 
 def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
