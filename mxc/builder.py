@@ -325,19 +325,20 @@ def _compile_kernels(graph, program_text, out_dir, options, arch, progress, log)
 def _cutlass_library(graph, tmp: Path, log) -> dict | None:
     """When ``select_kernels`` chose the CUTLASS fp8 GEMM anywhere, its library in the artifact
     (``cutlass_fp8.LIBRARY``) and the manifest's record of it; else None."""
-    used = any("cutlass" in json.dumps(n.attrs.get("kernel")) for n, _ in graph.nodes())
-    if not used:
-        return None
     from mxc.kernels import cutlass_fp8
+    from mxc.kernels.candidates import CUTLASS_KERNELS
+
+    kernels = [n.attrs.get("kernel") for n, _ in graph.nodes()]
+    names = {k for k in kernels if isinstance(k, str)} | {name for k in kernels if isinstance(k, list) for _, name in k}
+    if not names & set(CUTLASS_KERNELS):
+        return None
 
     try:
         gemm = cutlass_fp8.load(cutlass_fp8.build_library(tmp / cutlass_fp8.LIBRARY, log))
     except (RuntimeError, OSError) as e:
         raise MxcError(f"building the CUTLASS fp8 GEMM failed ({str(e).splitlines()[0]}); "
                        f"set MXC_CUTLASS_LIBRARY=none to build with torch._scaled_mm instead") from e
-    config = "prebuilt" if os.environ.get(cutlass_fp8.PREBUILT_ENV) else \
-        {k: list(v) if isinstance(v, tuple) else v for k, v in cutlass_fp8.BUILD_CONFIG.items()}
-    return {"library": cutlass_fp8.LIBRARY, "kernel": gemm.name, "config": config}
+    return {"library": cutlass_fp8.LIBRARY, "kernel": gemm.name, "config": cutlass_fp8.library_config()}
 
 
 def _pid_alive(pid: int) -> bool:

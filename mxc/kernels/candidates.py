@@ -160,6 +160,7 @@ def _push_or_not(op: str, pushed: str, otherwise: str) -> list[Candidate]:
                       tokens=(1, ONE_SHOT_MAX_TOKENS), check=_push_ok),
             Candidate(f"cuda_ops.{op}", op, GPU, otherwise, check=_dtype_ok)]
 GEMV_MAX_TOKENS = 32
+CUTLASS_KERNELS = ("fp8_gemm.cutlass", "cuda_ops.rms_norm_qlinear_cutlass")  # the build ships their library
 CUTLASS_REASON = ("measured: CUTLASS fp8 GEMM (cutlass_fp8.BUILD_CONFIG, built into the artifact), 1435-1462 "
                   "TFLOP/s against torch._scaled_mm's 1316-1395 at 2048 tokens on the H200")
 
@@ -191,14 +192,14 @@ _TRITON = [
     Candidate("triton_fp8.qlinear_small_m", "qlinear", GPU,
               f"default: Triton fp8-weight GEMV, half the bytes of bf16, at <= {GEMV_MAX_TOKENS} tokens",
               tokens=(1, GEMV_MAX_TOKENS), check=_dtype_ok),
-    Candidate("fp8_gemm.cutlass", "qlinear", GPU, CUTLASS_REASON, check=_cutlass_ok),
+    Candidate(CUTLASS_KERNELS[0], "qlinear", GPU, CUTLASS_REASON, check=_cutlass_ok),
     Candidate("fp8_gemm.scaled_mm", "qlinear", GPU, "default: cuBLASLt fp8 GEMM (torch._scaled_mm), row-wise scales",
               check=_scaled_mm_ok),
     Candidate("triton_fp8.qlinear_gemm", "qlinear", GPU, "default: Triton fp8 GEMM (block scales)", check=_dtype_ok),
     Candidate("cuda_ops.rms_norm_qlinear_small_m", "rms_norm_qlinear", GPU,
               f"default: the RMSNorm inside the activation-quantize kernel, then the Triton fp8 GEMV, at <= "
               f"{GEMV_MAX_TOKENS} tokens", tokens=(1, GEMV_MAX_TOKENS), check=_dtype_ok),
-    Candidate("cuda_ops.rms_norm_qlinear_cutlass", "rms_norm_qlinear", GPU,
+    Candidate(CUTLASS_KERNELS[1], "rms_norm_qlinear", GPU,
               "the RMSNorm inside the activation-quantize kernel, then " + CUTLASS_REASON, check=_cutlass_ok),
     Candidate("cuda_ops.rms_norm_qlinear_scaled_mm", "rms_norm_qlinear", GPU,
               "default: the RMSNorm inside the activation-quantize kernel, then cuBLASLt fp8 (torch._scaled_mm)",

@@ -397,6 +397,13 @@ def build_library(out_path, log=print) -> Path:
     return out_path
 
 
+def library_config() -> dict | str:
+    """What ``build_library`` ships, for the manifest: ``BUILD_CONFIG`` (JSON-ready), or "prebuilt"."""
+    if os.environ.get(PREBUILT_ENV):
+        return "prebuilt"
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in BUILD_CONFIG.items()}
+
+
 _ACTIVE: list[CutlassFp8Gemm] = []
 
 

@@ -19,28 +19,31 @@ from mxc.kernels import cutlass_fp8, torch_ref, triton_fp8_quant
 from mxc.kernels.fp8_ref import quantize_rows
 
 
-def scaled_mm(x, weight, scale, bias=None, residual=None, granularity="channel", prologue=None, norm_weight=None,
-              eps=1e-6):
-    m, k = x.shape[0], weight.shape[1]
+def _quantized(x, k, prologue, norm_weight, eps):
+    """Per-token e4m3 activations and their scales, the prologue (SiLU-and-mul or RMSNorm) applied first:
+    torch on the CPU, else the Triton quantize kernel (the row read once)."""
     if x.device.type == "cpu":
         if prologue == "silu_mul":
             gate, up = x.chunk(2, dim=-1)
             x = torch.nn.functional.silu(gate) * up
         elif prologue == "rms_norm":
             x = torch_ref.rms_norm(x, norm_weight, eps)
-        xq, xs = quantize_rows(x)
-    else:  # one Triton kernel: the prologue and the per-token quantization, the row read once
-        xq, xs = triton_fp8_quant._prequantize(x, m, k, prologue == "silu_mul", triton_fp8_quant._quant_block(k),
+        return quantize_rows(x)
+    return triton_fp8_quant._prequantize(x, x.shape[0], k, prologue == "silu_mul", triton_fp8_quant._quant_block(k),
                                          norm_weight if prologue == "rms_norm" else None, eps)
-    y = torch._scaled_mm(xq, weight.t(), scale_a=xs[:, None], scale_b=scale[None, :].float(), out_dtype=x.dtype)
+
+
+def _plus(y, bias, residual):
     if bias is not None:
         y = y + bias
     return y if residual is None else residual + y
 
 
-def cutlass_available() -> str | None:
-    """None when a build here can ship the CUTLASS fp8 GEMM (``cutlass_fp8.available``), else why not."""
-    return cutlass_fp8.available()
+def scaled_mm(x, weight, scale, bias=None, residual=None, granularity="channel", prologue=None, norm_weight=None,
+              eps=1e-6):
+    xq, xs = _quantized(x, weight.shape[1], prologue, norm_weight, eps)
+    y = torch._scaled_mm(xq, weight.t(), scale_a=xs[:, None], scale_b=scale[None, :].float(), out_dtype=x.dtype)
+    return _plus(y, bias, residual)
 
 
 def cutlass(x, weight, scale, bias=None, residual=None, granularity="channel", prologue=None, norm_weight=None,
@@ -48,9 +51,10 @@ def cutlass(x, weight, scale, bias=None, residual=None, granularity="channel", p
     """``scaled_mm`` with the artifact's CUTLASS GEMM: the quantize kernel (prologue folded in), then
     ``y = bf16(xq @ weight^T * x_scale[:, None] * scale[None, :])`` (+ bias, + residual). On ``meta``
     tensors (a build recording its launches) only the quantize kernel is recorded."""
+    if x.device.type not in ("cuda", "meta"):
+        raise ValueError(f"fp8_gemm.cutlass runs on CUDA tensors (meta when recording), not {x.device.type}")
     m, k, n = x.shape[0], weight.shape[1], weight.shape[0]
-    xq, xs = triton_fp8_quant._prequantize(x, m, k, prologue == "silu_mul", triton_fp8_quant._quant_block(k),
-                                           norm_weight if prologue == "rms_norm" else None, eps)
+    xq, xs = _quantized(x, k, prologue, norm_weight, eps)
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     if x.device.type == "cuda":
         gemm = cutlass_fp8.active()
@@ -60,6 +64,4 @@ def cutlass(x, weight, scale, bias=None, residual=None, granularity="channel", p
              scale.float().contiguous().data_ptr(), y.data_ptr(), m, n, k,
              stream=torch.cuda.current_stream(x.device).cuda_stream,
              workspace=workspace.data_ptr() if workspace is not None else 0, workspace_bytes=nbytes)
-    if bias is not None:
-        y = y + bias
-    return y if residual is None else residual + y
+    return _plus(y, bias, residual)

@@ -127,7 +127,7 @@ def norm_route_kernel(a_ptr, b_ptr, norm_w_ptr, router_w_ptr, s_ptr, h_ptr, logi
         tl.store(count_ptr, 0)  # for the next call (the next kernel's count starts after this one ends)
 
 
-def _config(E: int, H: int) -> tuple[int, int]:
+def _config(H: int) -> tuple[int, int]:
     """(router rows a program, warps): one row and one warp per 2048 features. On the Qwen3-30B-A3B
     shape at batch 1 (E = 128, H = 2048; H200, Triton 3.6, 2026-11-30, ``bench/moe_lab.py``) one row and
     one warp took 5.35 us, against 5.7-8.4 us for 2-8 rows at 1-8 warps and 6.99 us for the three
@@ -162,7 +162,7 @@ def add_rms_norm_route(a: torch.Tensor, b: torch.Tensor, norm_weight: torch.Tens
     logits = torch.empty((T, E), dtype=a.dtype, device=a.device)
     weights = torch.empty((T, k), dtype=a.dtype, device=a.device)
     ids = torch.empty((T, k), dtype=torch.int64, device=a.device)
-    default_rows, default_warps = _config(E, H)
+    default_rows, default_warps = _config(H)
     rows = rows or default_rows
     launch(norm_route_kernel, (triton.cdiv(E, rows),),
            [a, b, norm_weight, router_weight, s, h, logits, weights, ids, count, T, float(eps)],

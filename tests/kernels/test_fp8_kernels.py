@@ -569,3 +569,23 @@ def test_swap_ab_runs_on_fp8_wgmma():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().splitlines()[-1] == "e4m3 wgmma", r.stdout
+
+
+@pytest.mark.parametrize("prologue", [None, "silu_mul", "rms_norm"])
+def test_scaled_mm_cpu_against_the_reference(prologue):
+    """fp8_gemm.scaled_mm on the CPU (torch._scaled_mm runs there) against fp8_ref.qlinear, with each prologue,
+    the bias and the residual; fp8_gemm.cutlass refuses CPU tensors."""
+    from mxc.kernels import fp8_gemm
+
+    gen = torch.Generator().manual_seed(11)
+    n, k = 48, 64
+    x = torch.randn(5, 2 * k if prologue == "silu_mul" else k, generator=gen).to(torch.bfloat16)
+    q, s = quantize_fp8(torch.randn(n, k, generator=gen) * k ** -0.5, "channel")
+    bias, residual = torch.randn(n, generator=gen).to(torch.bfloat16), torch.randn(5, n, generator=gen).to(torch.bfloat16)
+    norm_weight = torch.rand(k, generator=gen).to(torch.bfloat16) + 0.5
+    got = fp8_gemm.scaled_mm(x, q, s, bias, residual, prologue=prologue, norm_weight=norm_weight, eps=1e-6)
+    xr = torch_ref.rms_norm(x, norm_weight, 1e-6) if prologue == "rms_norm" else x
+    want = fp8_ref.qlinear(xr, q, s, bias, residual, prologue="silu_mul" if prologue == "silu_mul" else None)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="runs on CUDA tensors"):
+        fp8_gemm.cutlass(x, q, s, prologue=prologue, norm_weight=norm_weight)
