@@ -163,7 +163,8 @@ def main() -> None:
     p.add_argument("--prefill", type=int, default=2048)
     p.add_argument("--reuse", action="store_true", help="reuse an existing artifact at --out")
     p.add_argument("--profile", nargs="?", const="1", default="",
-                   help="print a per-kernel breakdown of a decode step at these batch buckets (default 1)")
+                   help="print a per-kernel breakdown of a decode step at these batch buckets (default 1); "
+                        "with --quant, of the fp8 step at batch 1 too")
     p.add_argument("--profile-prefill", action="store_true",
                    help="print a per-kernel breakdown of the prefill (bf16, and fp8 with --quant)")
     p.add_argument("--quant", choices=["fp8"], help="also build an fp8 artifact and compare it with bf16")
@@ -247,6 +248,11 @@ def main() -> None:
                      f"{fbytes / step / bw * 100:.0f}% of copy BW"))
         if 1 in results:
             rows.append(("ratio fp8 / bf16 decode batch 1", f"{results[1] / step:.2f}x faster"))
+        if args.profile:
+            from profile_step import profile_decode
+
+            print("\nper-kernel breakdown of one batch-1 fp8 decode step:\n" + profile_decode(model, batch=1) + "\n",
+                  flush=True)
         rate = fp8_gemm_rate()
         t_pre = cuda_time(lambda: model.generate(ids, max_new_tokens=1))
         rows.append(("fp8 GEMM 8192^3 torch._scaled_mm (measured)", f"{rate / 1e12:.0f} TFLOP/s"))

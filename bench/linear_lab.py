@@ -144,6 +144,17 @@ def quant_lab(m=2048):
             cfg = q._tile_config(k, silu, rms) if tiled else (block, q._quant_warps(block))
             print(f"quantize {name:24s} M={m} {label:40s} {us:8.1f} us {nbytes / us / 1e3:7.0f} GB/s  {cfg}",
                   flush=True)
+        if m <= 32:  # decode: the tiled kernel's warps (one program a row either way)
+            base = q._tile_config
+            for warps in (4, 8, 16, 32):
+                q._tile_config = lambda k_, s_, r_, w_=warps: base(k_, s_, r_)[:2] + (w_,)
+                try:
+                    fn = lambda _, x_: q._prequantize(x_, m, k, silu, block, g, 1e-5, tiled=True)  # noqa: E731
+                    us = _time_us(fn, None, xs_in)
+                finally:
+                    q._tile_config = base
+                print(f"quantize {name:24s} M={m} {'tiled, ' + str(warps) + ' warps':40s} {us:8.1f} us "
+                      f"{nbytes / us / 1e3:7.0f} GB/s", flush=True)
         (aq, as_), (bq, bs) = out[False], out[True]
         same = torch.equal(aq.view(torch.uint8), bq.view(torch.uint8)) and torch.equal(as_.view(torch.int32),
                                                                                        bs.view(torch.int32))

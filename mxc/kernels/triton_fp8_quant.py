@@ -304,9 +304,14 @@ def _check_norm(x, K, norm_weight):
     check_operand("the rms_norm prologue's norm_weight", norm_weight, (K,), x.dtype, x.device)
 
 
-# _prequantize's rule: the tiled kernel from 33 rows (qlinear's GEMM side), K <= TILED_MAX_K. The switch sits
-# just past a power of two: the AOT build records one prefill a bucket (T = 2^j + 1 tokens, aot.scenarios).
-TILED_MIN_M = 33
+# _prequantize's rules. The tiled kernel wherever it fits (K <= TILED_MAX_K): from one row it beat one
+# program a row, bit for bit alike (H200, Triton 3.6, 2026-11-30, ``bench/linear_lab.py --quant-lab --quant-m
+# 1``, the four launches of a Llama-3-8B layer): 17.8 -> 13.6 us at M = 1, 18.5 -> 14.2 at M = 8.
+# Up to SILU_KERNEL_MAX_M rows (decode), SiLU-and-mul runs first as its own kernel (a program per 1024
+# columns: the exps and divisions spread over the GPU instead of one program a row), then the plain
+# quantize: the fused SiLU took 6.3 us of the layer's 13.6 at M = 1.
+TILED_MIN_M = 1
+SILU_KERNEL_MAX_M = 32
 TILED_MAX_K = 16384
 
 
@@ -340,15 +345,21 @@ def _prequantize(x, M, K, silu_mul, block_k, norm_weight=None, eps=1e-6, tiled=N
     ``torch_ref.rms_norm(x, norm_weight, eps)``: in the same kernel when the row fits one pass
     (``block_k >= K``, K <= 16K), else after the RMSNorm kernel. ``tiled`` (default: by the rule
     below) picks the kernel, which does not change a bit of the result:
-    - ``_quant_rows_kernel`` (one program a row, ``block_k`` its chunk): M <= 32 (the decode GEMV's
-      rows, captured in CUDA graphs), K > 16K, or an RMSNorm that needs two passes;
-    - ``_quant_tile_kernel`` otherwise (M >= TILED_MIN_M = 33: every M of ``qlinear_gemm``); its
-      binary depends on K, the prologue and the dtype only, so a prefill bucket (33 -> 64, ...)
-      records it once."""
+    - ``_quant_rows_kernel`` (one program a row, ``block_k`` its chunk): K > 16K, or an RMSNorm that
+      needs two passes;
+    - ``_quant_tile_kernel`` otherwise (from TILED_MIN_M rows); its binary depends on K, the prologue
+      and the dtype only (M is dynamic), so one serves decode and every prefill bucket.
+    By default (``tiled`` None) SiLU-and-mul at M <= SILU_KERNEL_MAX_M runs first as
+    ``triton_elementwise.silu_mul`` (the same rounding: silu with an IEEE division, rounded to the
+    dtype, times up, rounded), then the plain quantize."""
     rms = norm_weight is not None
     fits = K <= TILED_MAX_K and (not rms or block_k >= K)
     if tiled is None:
         tiled = M >= TILED_MIN_M and fits
+        if silu_mul and tiled and M <= SILU_KERNEL_MAX_M:
+            from mxc.kernels import triton_elementwise
+
+            x, silu_mul = triton_elementwise.silu_mul(x), False
     elif tiled and not fits:
         raise ValueError(f"the tiled quantize kernel needs K <= {TILED_MAX_K} (RMSNorm: block_k >= K), got "
                          f"K={K}, block_k={block_k}")

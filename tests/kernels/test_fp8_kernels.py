@@ -256,8 +256,9 @@ def test_epilogue_rounding_order(fn, cfg):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("prologue", [False, True], ids=["plain", "silu_mul"])
 def test_quantize_rows_exact(dtype, prologue):
-    """The quantize kernel's xq and xs equal ``fp8_ref.quantize_rows`` bit for bit (IEEE divisions,
-    round-to-nearest-even saturating e4m3), including a zero row, a tiny row and ragged K."""
+    """The quantize kernels' xq and xs equal ``fp8_ref.quantize_rows`` bit for bit (IEEE divisions,
+    round-to-nearest-even saturating e4m3), including a zero row, a tiny row and ragged K: by the default
+    rule (at 6 rows: the SiLU-and-mul kernel first, then the tiled kernel), one program a row, tiled."""
     M, k = 6, 200
     x, *_ = _inputs(M, 8, k, dtype, "channel", False, False, prologue, seed=9)
     x[1] = 0
@@ -265,8 +266,8 @@ def test_quantize_rows_exact(dtype, prologue):
     x = x.to(dtype)
     a = F.silu(x[:, :k]) * x[:, k:] if prologue else x
     ref_q, ref_s = fp8_ref.quantize_rows(a)
-    for block in (64, 256):
-        xq, xs = tfq._prequantize(_dev(x), M, k, prologue, block)
+    for block, tiled in ((64, None), (256, None), (64, False), (256, False), (256, True)):
+        xq, xs = tfq._prequantize(_dev(x), M, k, prologue, block, tiled=tiled)
         assert torch.equal(xs.cpu(), ref_s)
         assert torch.equal(xq.cpu().view(torch.uint8), ref_q.view(torch.uint8))
 
@@ -325,9 +326,9 @@ def test_quantize_tiled_bit_identical(dtype, prologue):
 
 
 def test_prequantize_kernel_choice():
-    """``_prequantize``'s rule: one program a row up to 32 rows (the decode GEMV's M, in CUDA graphs: that
-    launch is unchanged), for K > 16K and for an RMSNorm of two passes; the tiled kernel from 33 rows,
-    one binary for every M (grid cdiv(M, BLOCK_M)); the Llama-3-8B prefill shapes' configs."""
+    """``_prequantize``'s rule: the tiled kernel from one row, one binary for every M (grid cdiv(M, BLOCK_M));
+    up to 32 rows SiLU-and-mul runs first as its own kernel, then the plain quantize; one program a row
+    for K > 16K and for an RMSNorm of two passes; the Llama-3-8B prefill shapes' configs."""
     launches = []
     meta = lambda *shape, dtype=torch.bfloat16: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
     with launch_mod.using(lambda kernel, grid, args, consts, nw, ns: launches.append((kernel, grid, consts, nw))):
@@ -337,16 +338,21 @@ def test_prequantize_kernel_choice():
         tfq._prequantize(meta(2048, 200), 2048, 200, False, 64, meta(200), 1e-5)  # RMSNorm in two passes
         with pytest.raises(ValueError, match="K <= 16384"):
             tfq._prequantize(meta(64, 20000), 64, 20000, False, 16384, tiled=True)
-    rows, tiled = launches[:2], launches[2:6]
-    assert all(kn is tfq._quant_rows_kernel and grid == (M,) and nw == 16 and c["BLOCK_K"] == 16384
-               for (kn, grid, c, nw), M in zip(rows, (1, 32)))
+        tfq._prequantize(meta(4, 2 * 14336), 4, 14336, True, tfq._quant_block(14336), tiled=False)  # as asked
+    decode, tiled = launches[:4], launches[4:8]
+    for ((silu, sg, _, _), (kn, grid, c, nw)), M in zip((decode[:2], decode[2:]), (1, 32)):
+        assert silu.__name__ == "silu_mul_kernel" and sg == (M, 14)  # 1024 columns a program
+        assert kn is tfq._quant_tile_kernel and grid == (M,) and nw == 16 and c["PROLOGUE_SILU_MUL"] is False
     assert all(kn is tfq._quant_tile_kernel and grid == (M,) and nw == 16 for (kn, grid, _, nw), M in
                zip(tiled, (33, 64, 65, 2048)))
-    assert all(c == tiled[0][2] for _, _, c, _ in tiled)
+    assert all(c == tiled[0][2] and c["PROLOGUE_SILU_MUL"] for _, _, c, _ in tiled)
     assert (tiled[0][2]["BLOCK_M"], tiled[0][2]["P0"], tiled[0][2]["P1"], tiled[0][2]["P2"]) == (1, 8192, 4096, 2048)
-    assert launches[6][0] is tfq._quant_rows_kernel and launches[6][2]["BLOCK_K"] == 16384
-    assert launches[-1][0] is tfq._quant_rows_kernel and launches[-1][2]["PROLOGUE_RMS_NORM"] is False
-    assert launches[-2][0] is not tfq._quant_rows_kernel  # the RMSNorm kernel first
+    assert {k: v for k, v in decode[1][2].items() if k != "PROLOGUE_SILU_MUL"} == \
+        {k: v for k, v in tiled[0][2].items() if k != "PROLOGUE_SILU_MUL"}
+    assert launches[8][0] is tfq._quant_rows_kernel and launches[8][2]["BLOCK_K"] == 16384
+    assert launches[-2][0] is tfq._quant_rows_kernel and launches[-2][2]["PROLOGUE_RMS_NORM"] is False
+    assert launches[-3][0] is not tfq._quant_rows_kernel  # the RMSNorm kernel first
+    assert launches[-1][0] is tfq._quant_rows_kernel and launches[-1][1] == (4,) and launches[-1][2]["PROLOGUE_SILU_MUL"]
     # the other prefill shapes: RMSNorm as the rows kernel lays a row out (4 warps at 4096); 96 -> 32 rows
     assert tfq._tile_config(4096, False, True) == (1, (4096, 0, 0), 4) == tfq._tile_config(4096, False, False)
     assert tfq._tile_config(96, True, False) == (32, (64, 32, 0), 8)
@@ -372,7 +378,7 @@ def test_qlinear_dispatch():
     with launch_mod.using(lambda kernel, *a: launches.append(kernel)):
         tf.qlinear(meta(32, 512), w, s)
         assert tfm._qgemm_kernel not in launches
-        assert launches[0] is tfq._quant_rows_kernel  # the decode side keeps one program a row
+        assert launches[0] is tfq._quant_tile_kernel  # from one row
         launches.clear()
         tf.qlinear(meta(33, 512), w, s)
         assert launches == [tfq._quant_tile_kernel, tfm._qgemm_kernel]
@@ -433,10 +439,11 @@ def test_meta_recording():
                                        prologue="silu_mul")
                 assert y.shape == (M, n) and y.device.type == "meta"
                 kernels = [lc[0] for lc in launches]
-                pre = True
-                assert kernels[:2] == ([tfq._quant_rows_kernel] if pre else []) + [tfv._qgemv_kernel]
-                assert kernels[2:] in ([], [tfv._qgemv_reduce_kernel])  # split K (SWAP_AB's 64-row tiles)
-                kernel, grid, args, consts, nw, ns = launches[1]
+                pre = True  # SiLU-and-mul's own kernel, the plain quantize, the GEMV
+                assert kernels[0].__name__ == "silu_mul_kernel"
+                assert kernels[1:3] == [tfq._quant_tile_kernel, tfv._qgemv_kernel]
+                assert kernels[3:] in ([], [tfv._qgemv_reduce_kernel])  # split K (SWAP_AB's 64-row tiles)
+                kernel, grid, args, consts, nw, ns = launches[2]
                 assert args[-1] == M and consts["BLOCK_SCALE"] == (gran == "block128")
                 assert consts["PROLOGUE_SILU_MUL"] == (not pre) and consts["PREQUANT"] == pre
                 spec = launch_mod.spec_of(kernel, args, consts, nw, ns)
@@ -459,7 +466,7 @@ def test_meta_recording():
         launches.clear()
         tf.qlinear_small_m(meta(1, k), meta(512, k, dtype=tf.FP8), meta(512, dtype=torch.float32), meta(512),
                            meta(1, 512))
-    assert [lc[0] for lc in launches] == [tfq._quant_rows_kernel, tfv._qgemv_kernel, tfv._qgemv_reduce_kernel]
+    assert [lc[0] for lc in launches] == [tfq._quant_tile_kernel, tfv._qgemv_kernel, tfv._qgemv_reduce_kernel]
     assert launches[1][3]["SPLIT_K"] > 1 and launches[1][3]["HAS_BIAS"] is False
     assert launches[2][3]["HAS_BIAS"] is True and launches[2][3]["HAS_RESIDUAL"] is True
 
@@ -503,6 +510,10 @@ _COMPILE_SCRIPT = textwrap.dedent("""
         assert md.shared <= 227 * 1024, (fn.__name__, md.shared)
         assert not getattr(md, "global_scratch_size", 0), fn.__name__
         name = fn.__name__
+        if name == "silu_mul_kernel":  # the decode side's SiLU before the quantize: IEEE division, as torch's
+            assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx, name
+            print(name, "ok")
+            continue
         if name != "_qgemv_reduce_kernel":
             assert "e4m3" in ptx, name + ": no e4m3 conversion or mma"
         if name in ("_quant_rows_kernel", "_quant_tile_kernel"):

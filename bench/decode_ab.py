@@ -1,0 +1,145 @@
+"""A/B of runtime choices in one artifact: batch-1 decode under variants, interleaved, on one GPU.
+
+Some choices are made by a kernel wrapper each time it launches (which quantize kernel, which
+config), so one artifact can hold every variant's kernels: the build here records the launches
+under each variant (``aot.record`` wrapped) and compiles their union. Then each round times every
+variant's decode (graphs dropped, module attributes patched, graphs re-captured: the patch is
+active while the step is captured) in turn, so machine drift hits all variants alike.
+
+    python bench/decode_ab.py --quant fp8 --out /dev/shm/ab \\
+        --variant old=mxc.kernels.triton_fp8_quant.TILED_MIN_M=33,mxc.kernels.triton_fp8_quant.SILU_KERNEL_MAX_M=0 \\
+        --variant new= [--bf16] [--profile new]
+
+``--bf16`` also builds and times the bf16 artifact of the same config (the fp8 / bf16 ratio of
+issue #5 measured in the same run). Prints ms/step per round and the median per variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import mxc  # noqa: E402
+from decode import bench_generate, copy_bandwidth, weight_bytes  # noqa: E402
+
+HERE = Path(__file__).parent
+
+
+def parse_variant(text: str) -> tuple[str, list[tuple[str, str, object]]]:
+    """``name=module.attr=value,module.attr=value`` -> (name, [(module, attr, value)])."""
+    name, _, rest = text.partition("=")
+    patches = []
+    for item in [p for p in rest.split(",") if p]:
+        target, _, value = item.partition("=")
+        module, _, attr = target.rpartition(".")
+        patches.append((module, attr, ast.literal_eval(value)))
+    return name, patches
+
+
+@contextmanager
+def patched(patches):
+    saved = []
+    try:
+        for module, attr, value in patches:
+            mod = importlib.import_module(module)
+            saved.append((mod, attr, getattr(mod, attr)))
+            setattr(mod, attr, value)
+        yield
+    finally:
+        for mod, attr, value in reversed(saved):
+            setattr(mod, attr, value)
+
+
+@contextmanager
+def recording_all(variants):
+    """Builds inside record every variant's launches."""
+    from mxc.codegen import aot
+
+    original = aot.record
+
+    def record(*args, **kwargs):
+        specs = {}
+        for _, patches in variants:
+            with patched(patches):
+                specs.update(original(*args, **kwargs))
+        return specs
+
+    aot.record = record
+    try:
+        yield
+    finally:
+        aot.record = original
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="build/bench-ab")
+    p.add_argument("--config", default=str(HERE / "llama3_8b.json"))
+    p.add_argument("--quant", choices=["fp8"])
+    p.add_argument("--variant", action="append", default=[], help="name=module.attr=value,... (repeatable)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--bf16", action="store_true", help="also time the bf16 artifact (for the fp8 / bf16 ratio)")
+    p.add_argument("--profile", default="", help="variant to print a per-kernel breakdown of (plain launches)")
+    args = p.parse_args()
+    variants = [parse_variant(v) for v in args.variant] or [("default", [])]
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    common = dict(config=args.config, target="cuda", dtype="bfloat16", max_batch=max(8, args.batch),
+                  max_seq_len=2049, progress=False)
+    out = Path(args.out)
+    t0 = time.perf_counter()
+    with recording_all(variants):
+        mxc.build("llama.yaml", out=out, quant=args.quant, **common)
+    print(f"build {time.perf_counter() - t0:.0f} s", flush=True)
+    model = mxc.load(out, device="cuda", verify=False)
+    import json
+
+    nbytes, _ = weight_bytes(json.loads((out / "manifest.json").read_text()), out)
+    gen = lambda ids, new: model.generate(ids, max_new_tokens=new)  # noqa: E731
+    times = {name: [] for name, _ in variants}
+    for r in range(args.rounds):
+        for name, patches in variants:
+            model._decoder.drop_graphs()
+            with patched(patches):
+                step = bench_generate(gen, args.batch, 128, 128)
+            times[name].append(step)
+            print(f"round {r} {name:12s} {step * 1e3:.3f} ms/step  {nbytes / step / bw * 100:.0f}% of copy BW",
+                  flush=True)
+    if args.profile:
+        from profile_step import profile_decode
+
+        model._decoder.drop_graphs()
+        with patched(dict(variants)[args.profile]):
+            print(f"\nper-kernel breakdown, {args.profile}:\n" + profile_decode(model, batch=args.batch), flush=True)
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    bf16 = None
+    if args.bf16:
+        del model
+        torch.cuda.empty_cache()
+        mxc.build("llama.yaml", out=f"{out}-bf16", **common)
+        model = mxc.load(f"{out}-bf16", device="cuda", verify=False)
+        gen = lambda ids, new: model.generate(ids, max_new_tokens=new)  # noqa: E731
+        bf16 = statistics.median(bench_generate(gen, args.batch, 128, 128) for _ in range(args.rounds))
+    print()
+    for name, m in med.items():
+        ratio = f"  bf16 / this {bf16 / m:.2f}x" if bf16 else ""
+        print(f"{name:12s} median {m * 1e3:.3f} ms/step (rounds: {', '.join(f'{t * 1e3:.3f}' for t in times[name])})"
+              f"{ratio}")
+    if bf16:
+        print(f"{'bf16':12s} median {bf16 * 1e3:.3f} ms/step")
+
+
+if __name__ == "__main__":
+    main()
