@@ -35,12 +35,16 @@ def pdl_enter(USE_PDL: tl.constexpr):
 
 
 @triton.jit
-def prefetch_rows_l2(w_ptr, rows, k_start, K: tl.constexpr):
-    """Ask L2 for the first 2048 columns (from ``k_start``) of weight rows ``rows`` [R] of a row-major
-    [N, K] matrix: 32 prefetches of 64 elements (128 B of bf16) per row. A GEMV calls it before
-    ``pdl_enter``: weights are never written by the kernel ahead, so they may stream in while it
-    finishes, instead of after."""
-    cols = k_start + tl.minimum(tl.arange(0, 32) * 64, K - 1)
+def prefetch_rows_l2(w_ptr, rows, k_start, K: tl.constexpr, BYTES: tl.constexpr = 4096):
+    """Ask L2 for the first ``BYTES`` bytes (from column ``k_start``) of weight rows ``rows`` [R] of a
+    row-major [N, K] matrix: one prefetch per 128-byte line (2048: 16 lines, 1024 bf16 or 2048 e4m3
+    columns). A GEMV calls it before ``pdl_enter``: weights are never written by the kernel ahead, so
+    they may stream in while it finishes, instead of after. How much pays was measured end to end
+    (``triton_gemv.PREFETCH_BYTES``, ``triton_fp8_gemv.PREFETCH_BYTES``): a little; more is slower. A
+    separate kernel prefetching the next GEMV's weights (``bench/prefetch_lab.py``) was slower at every
+    size: the prefetches occupy HBM as loads do, and the small kernels between two GEMVs are too short
+    to hide them."""
+    ELEM: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+    cols = k_start + tl.minimum(tl.arange(0, BYTES // 128) * (128 // ELEM), K - 1)
     ptrs = w_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :]
     tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
-

@@ -22,7 +22,7 @@ from mxc.kernels.launch import launch
 from mxc.kernels.pdl import pdl_enter, prefetch_rows_l2
 from mxc.kernels.triton_fp8_quant import (_DTYPES, GRANULARITIES, _check_inputs, _check_norm, _finish, _load_act,
                                           _pow2, _prequantize, _quant, _quant_block, _row_scale)
-from mxc.kernels.triton_gemv import M_BUCKETS, bucket, fill_gpu, split_k_for
+from mxc.kernels.triton_gemv import M_BUCKETS, bucket, fill_gpu, prefetch_bytes, split_k_for
 
 
 @triton.jit
@@ -32,7 +32,7 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
                   SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_SCALE: tl.constexpr,
                   PREQUANT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                   PROLOGUE_SILU_MUL: tl.constexpr,
-                  USE_PDL: tl.constexpr = False, SWAP_AB: tl.constexpr = False):
+                  USE_PDL: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PREFETCH: tl.constexpr = 2048):
     """One program: columns [pid_n * BLOCK_N, +BLOCK_N) of y over K slice pid_k.
 
     x_ptr: x [M, K] (or [M, 2K] under PROLOGUE_SILU_MUL) in its float dtype, with xs_ptr None;
@@ -58,8 +58,8 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     rn = offs_n % N  # rows past N re-read row n % N: weight loads need no N mask
-    if USE_PDL:  # weights stream into L2 while the kernel ahead finishes; then wait for its output
-        prefetch_rows_l2(w_ptr, rn, k_start, K)
+    if USE_PDL and PREFETCH > 0:  # weights stream into L2 while the kernel ahead finishes; then wait for its output
+        prefetch_rows_l2(w_ptr, rn, k_start, K, PREFETCH)
     pdl_enter(USE_PDL)
     if N * K > 2**31 - 1:
         rn = rn.to(tl.int64)
@@ -215,6 +215,14 @@ def _qgemv_reduce_kernel(ws_ptr, b_ptr, r_ptr, y_ptr, M,
     _finish(acc, y_ptr, b_ptr, r_ptr, offs, offs_n, n_ok, mask, HAS_BIAS, HAS_RESIDUAL)
 
 
+# Bytes of each weight row (from the program's first column) a GEMV built for PDL asks L2 for before it
+# waits for the kernel ahead (``pdl.prefetch_rows_l2``; ``triton_gemv.prefetch_bytes`` caps it at the row).
+# Llama-3-8B fp8 batch-1 decode on one H200 (Triton 3.6, 2026-11-30, ``bench/decode_ab.py``, medians of
+# three interleaved rounds): none 2.798 ms, 512 B 2.770, 1 KB 2.793, 2 KB (the former default) 2.854,
+# 4 KB 3.157, 8 KB 3.170 (the none/512/1K spread is within the rounds' noise).
+PREFETCH_BYTES = 512
+
+
 @dataclass(frozen=True)
 class QGemvConfig:
     """``qlinear_small_m`` tiles. BLOCK_N <= 128 (a power of two); with block128 scales and
@@ -329,7 +337,8 @@ def qlinear_small_m(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias:
     grid = (triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)
     consts = dict(N=N, K=K, BLOCK_M=_tile_m(m_bucket, cfg), BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
                   SPLIT_K=cfg.SPLIT_K, USE_DOT=cfg.USE_DOT, BLOCK_SCALE=block, PREQUANT=cfg.PREQUANT,
-                  PROLOGUE_SILU_MUL=silu_mul and not cfg.PREQUANT, SWAP_AB=cfg.SWAP_AB)
+                  PROLOGUE_SILU_MUL=silu_mul and not cfg.PREQUANT, SWAP_AB=cfg.SWAP_AB,
+                  PREFETCH=prefetch_bytes(K, 1, PREFETCH_BYTES))
     has_bias, has_residual = bias is not None, residual is not None
     if cfg.SPLIT_K == 1:
         launch(_qgemv_kernel, grid, [x, xs, w, scale, bias, residual, y, M],

@@ -88,7 +88,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, bufs_ptr, state_ptr, rank
                  N: tl.constexpr, K: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 HAS_RESIDUAL: tl.constexpr = False, PUSH_WORLD: tl.constexpr = 0, USE_PDL: tl.constexpr = False):
+                 HAS_RESIDUAL: tl.constexpr = False, PUSH_WORLD: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
+                 PREFETCH: tl.constexpr = 4096):
     """One program: rows [pid_n * BLOCK_N, +BLOCK_N) of y over K slice pid_k.
 
     With SPLIT_K == 1, ``y_ptr`` is y [M, N] (bias and residual added, cast to y's dtype);
@@ -113,8 +114,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, bufs_ptr, state_ptr, rank
     offs_k = tl.arange(0, BLOCK_K)
     # Rows past N re-read row (n % N): loads need no N mask (only the store does).
     rn = offs_n % N
-    if USE_PDL:  # weights stream into L2 while the kernel ahead finishes; then wait for its output
-        prefetch_rows_l2(w_ptr, rn, k_start, K)
+    if USE_PDL and PREFETCH > 0:  # weights stream into L2 while the kernel ahead finishes; then wait for its output
+        prefetch_rows_l2(w_ptr, rn, k_start, K, PREFETCH)
     pdl_enter(USE_PDL)
     if N * K > 2**31 - 1:  # element offsets past int32
         rn = rn.to(tl.int64)
@@ -418,7 +419,7 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
         y = out
     grid = (triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)
     consts = dict(N=N, K=K, BLOCK_M=_tile_m(m_bucket, cfg), BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-                  SPLIT_K=cfg.SPLIT_K, USE_DOT=cfg.USE_DOT)
+                  SPLIT_K=cfg.SPLIT_K, USE_DOT=cfg.USE_DOT, PREFETCH=prefetch_bytes(K, x.element_size()))
     has_bias, has_residual = bias is not None, residual is not None
     if cfg.SPLIT_K == 1:
         launch(_gemv_kernel, grid, [x, w, bias, residual, y, M, None, None, None, None],
@@ -435,6 +436,21 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
                 HAS_RESIDUAL=has_residual),
            num_warps=4, num_stages=1)
     return y
+
+
+# Bytes of each weight row (from the program's first column) a GEMV built for PDL asks L2 for before it
+# waits for the kernel ahead (``pdl.prefetch_rows_l2``); ``triton_fp8_gemv`` has its own. Llama-3-8B bf16
+# batch-1 decode on one H200 (Triton 3.6, 2026-11-30, ``bench/decode_ab.py``, medians of three interleaved
+# rounds): none 4.133 ms, 1 KB 4.134, 2 KB 4.120, 4 KB (the former default) 4.279, 8 KB 4.673, 16 KB 4.776.
+# More than the kernel ahead hides competes with the weights that GEMV is still streaming.
+PREFETCH_BYTES = 2048
+
+
+def prefetch_bytes(k: int, elem_size: int, want: int | None = None) -> int:
+    """The PREFETCH constexpr: ``want`` (default PREFETCH_BYTES; 0: none) capped at the row (a power of two,
+    >= 128)."""
+    want = PREFETCH_BYTES if want is None else want
+    return 0 if want <= 0 else max(128, min(want, triton.next_power_of_2(k * elem_size)))
 
 
 def pushes(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
@@ -458,7 +474,8 @@ def linear_small_m_push(x: torch.Tensor, w: torch.Tensor, bufs: torch.Tensor, st
     assert x.is_contiguous() and w.is_contiguous() and M * N * world <= slot_elems, "linear_small_m_push: layout"
     cfg = config_for(bucket(M), N, K, x.dtype)
     consts = dict(N=N, K=K, BLOCK_M=_tile_m(bucket(M), cfg), BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-                  SPLIT_K=1, USE_DOT=cfg.USE_DOT, HAS_BIAS=False, HAS_RESIDUAL=False, PUSH_WORLD=int(world))
+                  SPLIT_K=1, USE_DOT=cfg.USE_DOT, HAS_BIAS=False, HAS_RESIDUAL=False, PUSH_WORLD=int(world),
+                  PREFETCH=prefetch_bytes(K, x.element_size()))
     launch(_gemv_kernel, (triton.cdiv(N, cfg.BLOCK_N), 1), [x, w, None, None, None, M, bufs, state, int(rank),
                                                            int(slot_elems)],
            consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
