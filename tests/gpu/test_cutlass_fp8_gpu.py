@@ -1,8 +1,8 @@
 """The CUTLASS fp8 GEMM (mxc.kernels.cutlass_fp8) on the GPU against torch._scaled_mm, and its speed at M = 2048.
 
 Uses the libraries listed in $MXC_CUTLASS_SO (paths separated by ``os.pathsep``, built ahead of time with
-``cutlass_fp8.compile_so``), else generates and compiles the default configuration here (needs nvidia-cutlass
-and nvcc). Run with ``-s`` to see the error and TFLOP/s lines; speed is printed, not asserted.
+``cutlass_fp8.compile_so``), else the prebuilt library $MXC_CUTLASS_LIBRARY names, else generates and compiles
+the default configuration here (needs nvidia-cutlass and nvcc). Run with ``-s`` to see the error and TFLOP/s lines; speed is printed, not asserted.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ _PREBUILT = [p for p in os.environ.get("MXC_CUTLASS_SO", "").split(os.pathsep) i
 @pytest.fixture(scope="module", params=_PREBUILT or [None], ids=lambda p: os.path.basename(p) if p else "default")
 def gemm(request, tmp_path_factory):
     path = request.param
+    prebuilt = os.environ.get(cutlass_fp8.PREBUILT_ENV, "")
+    if not path and os.path.isfile(prebuilt):  # the library a build would ship
+        path = prebuilt
     if not path:
         why = cutlass_fp8.available()
         if why is not None:
