@@ -25,10 +25,12 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from mxc.kernels import triton_fp8, triton_gemv  # noqa: E402
 from mxc.kernels.triton_gemv import _L2_BYTES, LLAMA3_8B_SHAPES  # noqa: E402
 from mxc.loaders.quantize import quantize_fp8  # noqa: E402
+from moe_lab import time_us  # noqa: E402  (a CUDA graph of back-to-back calls, timed by do_bench)
 
 
 @triton.jit
@@ -54,22 +56,6 @@ def prefetch(w: torch.Tensor, p: int) -> None:
     _prefetch_kernel[(triton.cdiv(n, 8),)](wb, N=n, ROW_BYTES=row, P=p, ROWS=8, num_warps=4)
 
 
-def graph_us(body, iters: int) -> float:
-    from triton.testing import do_bench
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        body(0)
-        body(1)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(iters):
-            body(i)
-    return do_bench(g.replay, warmup=5, rep=60) * 1e3 / iters
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--delay-us", default="3,6")
@@ -80,7 +66,7 @@ def main() -> None:
 
     def delay_for(us: float) -> int:  # calibrate the spin's iterations to ~us
         lo = 256
-        t = graph_us(lambda i: _delay_kernel[(1,)](scratch, lo, num_warps=1), 16)
+        t = time_us(lambda i: _delay_kernel[(1,)](scratch, lo, num_warps=1), 16)
         return max(1, int(lo * us / t))
 
     for dtype in (torch.float8_e4m3fn, torch.bfloat16):
@@ -98,20 +84,20 @@ def main() -> None:
                 ws = [(torch.randn(n, k, device="cuda") * k ** -0.5).to(dtype) for _ in range(copies)]
                 gemv = lambda w: triton_gemv.linear_small_m(x, w)  # noqa: E731
                 label = "bf16"
-            alone = graph_us(lambda i: gemv(ws[i % copies]), 32)
+            alone = time_us(lambda i: gemv(ws[i % copies]), 32)
             print(f"{label} {name} [{n}, {k}] {nbytes / 1e6:.1f} MB: GEMV alone {alone:.1f} us "
                   f"({nbytes / alone / 1e6:.2f} TB/s)", flush=True)
             for d_us in [float(v) for v in args.delay_us.split(",")]:
                 it = delay_for(d_us)
                 delay = lambda: _delay_kernel[(1,)](scratch, it, num_warps=1)  # noqa: E731
-                t_delay = graph_us(lambda i: delay(), 32)
-                base = graph_us(lambda i: (gemv(ws[i % copies]), delay()), 32)
+                t_delay = time_us(lambda i: delay(), 32)
+                base = time_us(lambda i: (gemv(ws[i % copies]), delay()), 32)
                 line = f"  delay {t_delay:4.1f} us: GEMV + delay {base:5.1f} us"
                 for p in [int(v) for v in args.p.split(",")]:
                     row = k * (1 if dtype == torch.float8_e4m3fn else 2)
                     if p > row:
                         continue
-                    t = graph_us(lambda i: (gemv(ws[i % copies]), prefetch(ws[(i + 1) % copies], p), delay()), 32)
+                    t = time_us(lambda i: (gemv(ws[i % copies]), prefetch(ws[(i + 1) % copies], p), delay()), 32)
                     line += f" | P={p // 1024}K ({p * n / 1e6:.0f} MB) {t:5.1f} ({base - t:+.1f})"
                 print(line, flush=True)
             del ws
