@@ -35,7 +35,7 @@ def pdl_enter(USE_PDL: tl.constexpr):
 
 
 @triton.jit
-def prefetch_rows_l2(w_ptr, rows, k_start, K: tl.constexpr, BYTES: tl.constexpr = 4096):
+def prefetch_rows_l2(w_ptr, rows, k_start, K: tl.constexpr, BYTES: tl.constexpr):
     """Ask L2 for the first ``BYTES`` bytes (from column ``k_start``) of weight rows ``rows`` [R] of a
     row-major [N, K] matrix: one prefetch per 128-byte line (2048: 16 lines, 1024 bf16 or 2048 e4m3
     columns). A GEMV calls it before ``pdl_enter``: weights are never written by the kernel ahead, so

@@ -32,7 +32,7 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
                   SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_SCALE: tl.constexpr,
                   PREQUANT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                   PROLOGUE_SILU_MUL: tl.constexpr,
-                  USE_PDL: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PREFETCH: tl.constexpr = 2048):
+                  USE_PDL: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
     """One program: columns [pid_n * BLOCK_N, +BLOCK_N) of y over K slice pid_k.
 
     x_ptr: x [M, K] (or [M, 2K] under PROLOGUE_SILU_MUL) in its float dtype, with xs_ptr None;

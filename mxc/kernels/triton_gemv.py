@@ -89,7 +89,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, bufs_ptr, state_ptr, rank
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr,
                  HAS_RESIDUAL: tl.constexpr = False, PUSH_WORLD: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
-                 PREFETCH: tl.constexpr = 4096):
+                 PREFETCH: tl.constexpr = 0):
     """One program: rows [pid_n * BLOCK_N, +BLOCK_N) of y over K slice pid_k.
 
     With SPLIT_K == 1, ``y_ptr`` is y [M, N] (bias and residual added, cast to y's dtype);
