@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
+import json
 import statistics
 import sys
 import time
@@ -104,8 +105,6 @@ def main() -> None:
         mxc.build("llama.yaml", out=out, quant=args.quant, **common)
     print(f"build {time.perf_counter() - t0:.0f} s", flush=True)
     model = mxc.load(out, device="cuda", verify=False)
-    import json
-
     nbytes, _ = weight_bytes(json.loads((out / "manifest.json").read_text()), out)
     gen = lambda ids, new: model.generate(ids, max_new_tokens=new)  # noqa: E731
     times = {name: [] for name, _ in variants}

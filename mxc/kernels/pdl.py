@@ -48,3 +48,8 @@ def prefetch_rows_l2(w_ptr, rows, k_start, K: tl.constexpr, BYTES: tl.constexpr)
     cols = k_start + tl.minimum(tl.arange(0, BYTES // 128) * (128 // ELEM), K - 1)
     ptrs = w_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :]
     tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+
+
+def prefetch_bytes(want: int, row_bytes: int) -> int:
+    """A GEMV's PREFETCH constexpr: ``want`` bytes a row (0: none) capped at the row, a power of two >= 128."""
+    return 0 if want <= 0 else max(128, min(want, triton.next_power_of_2(row_bytes)))

@@ -19,10 +19,10 @@ import triton
 import triton.language as tl
 
 from mxc.kernels.launch import launch
-from mxc.kernels.pdl import pdl_enter, prefetch_rows_l2
+from mxc.kernels.pdl import pdl_enter, prefetch_bytes, prefetch_rows_l2
 from mxc.kernels.triton_fp8_quant import (_DTYPES, GRANULARITIES, _check_inputs, _check_norm, _finish, _load_act,
                                           _pow2, _prequantize, _quant, _quant_block, _row_scale)
-from mxc.kernels.triton_gemv import M_BUCKETS, bucket, fill_gpu, prefetch_bytes, split_k_for
+from mxc.kernels.triton_gemv import M_BUCKETS, bucket, fill_gpu, split_k_for
 
 
 @triton.jit
@@ -39,7 +39,8 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
     with PREQUANT, xq [M, K] e4m3 and xs_ptr its scales [M] (from ``_quant_rows_kernel``).
     s_ptr: the weight scales, [N] or (BLOCK_SCALE) [ceil(N/128), ceil(K/128)].
     With SPLIT_K == 1, y_ptr is y [M, N]; otherwise the fp32 scratch [SPLIT_K, M, N] of scaled
-    partial sums, and HAS_BIAS and HAS_RESIDUAL are False.
+    partial sums, and HAS_BIAS and HAS_RESIDUAL are False. Built for PDL (USE_PDL), it first asks L2
+    for PREFETCH bytes (0: none) of each of its weight rows.
     """
     tl.static_assert(SPLIT_K == 1 or not (HAS_BIAS or HAS_RESIDUAL))
     tl.static_assert(not PREQUANT or not PROLOGUE_SILU_MUL)
@@ -216,7 +217,7 @@ def _qgemv_reduce_kernel(ws_ptr, b_ptr, r_ptr, y_ptr, M,
 
 
 # Bytes of each weight row (from the program's first column) a GEMV built for PDL asks L2 for before it
-# waits for the kernel ahead (``pdl.prefetch_rows_l2``; ``triton_gemv.prefetch_bytes`` caps it at the row).
+# waits for the kernel ahead (``pdl.prefetch_rows_l2``; ``pdl.prefetch_bytes`` caps it at the row).
 # Llama-3-8B fp8 batch-1 decode on one H200 (Triton 3.6, 2026-11-30, ``bench/decode_ab.py``, medians of
 # three interleaved rounds): none 2.798 ms, 512 B 2.770, 1 KB 2.793, 2 KB (the former default) 2.854,
 # 4 KB 3.157, 8 KB 3.170 (the none/512/1K spread is within the rounds' noise).
@@ -338,7 +339,7 @@ def qlinear_small_m(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias:
     consts = dict(N=N, K=K, BLOCK_M=_tile_m(m_bucket, cfg), BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
                   SPLIT_K=cfg.SPLIT_K, USE_DOT=cfg.USE_DOT, BLOCK_SCALE=block, PREQUANT=cfg.PREQUANT,
                   PROLOGUE_SILU_MUL=silu_mul and not cfg.PREQUANT, SWAP_AB=cfg.SWAP_AB,
-                  PREFETCH=prefetch_bytes(K, 1, PREFETCH_BYTES))
+                  PREFETCH=prefetch_bytes(PREFETCH_BYTES, K))
     has_bias, has_residual = bias is not None, residual is not None
     if cfg.SPLIT_K == 1:
         launch(_qgemv_kernel, grid, [x, xs, w, scale, bias, residual, y, M],

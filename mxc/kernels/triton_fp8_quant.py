@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mxc.kernels import triton_elementwise
 from mxc.kernels.launch import check_operand, launch
 from mxc.kernels.pdl import pdl_enter
 
@@ -357,8 +358,6 @@ def _prequantize(x, M, K, silu_mul, block_k, norm_weight=None, eps=1e-6, tiled=N
     if tiled is None:
         tiled = M >= TILED_MIN_M and fits
         if silu_mul and tiled and M <= SILU_KERNEL_MAX_M:
-            from mxc.kernels import triton_elementwise
-
             x, silu_mul = triton_elementwise.silu_mul(x), False
     elif tiled and not fits:
         raise ValueError(f"the tiled quantize kernel needs K <= {TILED_MAX_K} (RMSNorm: block_k >= K), got "

@@ -65,7 +65,7 @@ import triton
 import triton.language as tl
 
 from mxc.kernels.launch import check_operand, launch
-from mxc.kernels.pdl import pdl_enter, prefetch_rows_l2
+from mxc.kernels.pdl import pdl_enter, prefetch_bytes, prefetch_rows_l2
 
 M_BUCKETS = (1, 2, 4, 8, 16, 32)
 NUM_SMS = 132  # H200 SXM; config_for must stay a pure function of (bucket, N, K, dtype)
@@ -95,6 +95,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, bufs_ptr, state_ptr, rank
     With SPLIT_K == 1, ``y_ptr`` is y [M, N] (bias and residual added, cast to y's dtype);
     otherwise it is the fp32 scratch [SPLIT_K, M, N] and HAS_BIAS and HAS_RESIDUAL are False.
     ``b_ptr`` / ``r_ptr`` are None (specialised away) when there is no bias / residual.
+    Built for PDL (USE_PDL), it first asks L2 for PREFETCH bytes (0: none) of each of its weight rows.
     With PUSH_WORLD ranks (> 0; ``y_ptr`` None), y goes into the push all-reduce's buffers instead:
     rows of this rank in slot ``state[0]`` of every rank's buffer (``bufs_ptr``, its own included),
     -0.0 sent as +0.0 (``peer_allreduce``); ``bufs_ptr``, ``state_ptr``, ``rank`` and ``slot_elems``
@@ -419,7 +420,7 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
         y = out
     grid = (triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)
     consts = dict(N=N, K=K, BLOCK_M=_tile_m(m_bucket, cfg), BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-                  SPLIT_K=cfg.SPLIT_K, USE_DOT=cfg.USE_DOT, PREFETCH=prefetch_bytes(K, x.element_size()))
+                  SPLIT_K=cfg.SPLIT_K, USE_DOT=cfg.USE_DOT, PREFETCH=prefetch_bytes(PREFETCH_BYTES, K * w.element_size()))
     has_bias, has_residual = bias is not None, residual is not None
     if cfg.SPLIT_K == 1:
         launch(_gemv_kernel, grid, [x, w, bias, residual, y, M, None, None, None, None],
@@ -446,13 +447,6 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
 PREFETCH_BYTES = 2048
 
 
-def prefetch_bytes(k: int, elem_size: int, want: int | None = None) -> int:
-    """The PREFETCH constexpr: ``want`` (default PREFETCH_BYTES; 0: none) capped at the row (a power of two,
-    >= 128)."""
-    want = PREFETCH_BYTES if want is None else want
-    return 0 if want <= 0 else max(128, min(want, triton.next_power_of_2(k * elem_size)))
-
-
 def pushes(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
     """Whether ``linear_small_m_push`` serves this shape: its default config has no K split (the
     split's reduce kernel would have to push instead)."""
@@ -475,7 +469,7 @@ def linear_small_m_push(x: torch.Tensor, w: torch.Tensor, bufs: torch.Tensor, st
     cfg = config_for(bucket(M), N, K, x.dtype)
     consts = dict(N=N, K=K, BLOCK_M=_tile_m(bucket(M), cfg), BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
                   SPLIT_K=1, USE_DOT=cfg.USE_DOT, HAS_BIAS=False, HAS_RESIDUAL=False, PUSH_WORLD=int(world),
-                  PREFETCH=prefetch_bytes(K, x.element_size()))
+                  PREFETCH=prefetch_bytes(PREFETCH_BYTES, K * w.element_size()))
     launch(_gemv_kernel, (triton.cdiv(N, cfg.BLOCK_N), 1), [x, w, None, None, None, M, bufs, state, int(rank),
                                                            int(slot_elems)],
            consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
