@@ -94,7 +94,15 @@ def main() -> None:
     p.add_argument("--bf16", action="store_true", help="also time the bf16 artifact (for the fp8 / bf16 ratio)")
     p.add_argument("--profile", default="", help="variant to print a per-kernel breakdown of (plain launches)")
     args = p.parse_args()
-    variants = [parse_variant(v) for v in args.variant] or [("default", [])]
+    try:
+        variants = [parse_variant(v) for v in args.variant] or [("default", [])]
+        for _, patches in variants:
+            for module, attr, _ in patches:
+                getattr(importlib.import_module(module), attr)
+    except (ValueError, SyntaxError, ImportError, AttributeError) as e:
+        p.error(f"--variant: expected name=module.attr=python_literal,...: {type(e).__name__}: {e}")
+    if args.profile and args.profile not in dict(variants):
+        p.error(f"--profile {args.profile}: not one of the variants {sorted(dict(variants))}")
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     common = dict(config=args.config, target="cuda", dtype="bfloat16", max_batch=max(8, args.batch),
