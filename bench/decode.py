@@ -168,6 +168,8 @@ def main() -> None:
     p.add_argument("--profile-prefill", action="store_true",
                    help="print a per-kernel breakdown of the prefill (bf16, and fp8 with --quant)")
     p.add_argument("--quant", choices=["fp8"], help="also build an fp8 artifact and compare it with bf16")
+    p.add_argument("--quant-lm-head", action="store_true",
+                   help="with --quant: also time batch-1 decode of an fp8 build whose LM head is fp8 too")
     p.add_argument("--disable-pass", action="append", default=[], help="build without this optional pass")
     p.add_argument("--pdl-ab", action="store_true",
                    help="also time each batch with the same kernels launched without the PDL attribute")
@@ -253,6 +255,21 @@ def main() -> None:
 
             print("\nper-kernel breakdown of one batch-1 fp8 decode step:\n" + profile_decode(model, batch=1) + "\n",
                   flush=True)
+        if args.quant_lm_head:
+            head_out = Path(f"{out}-fp8-head")
+            mxc.build("llama.yaml", config=args.config, out=head_out, target="cuda", dtype="bfloat16", quant="fp8",
+                      quant_lm_head=True, max_batch=32, max_seq_len=max(args.prefill + 1, args.prompt + args.new),
+                      progress=False, disable_passes=args.disable_pass, pdl=args.pdl)
+            head_model = mxc.load(head_out, device="cuda", verify=False)
+            hbytes, _ = weight_bytes(json.loads((head_out / "manifest.json").read_text()), head_out)
+            hstep = bench_generate(lambda ids, new: head_model.generate(ids, max_new_tokens=new), 1, args.prompt,
+                                   args.new)
+            rows.append(("mxc fp8 + fp8 LM head decode batch 1", f"{hstep * 1e3:.2f} ms/step  {hbytes / 1e9:.2f} GB  "
+                         f"{hbytes / hstep / bw * 100:.0f}% of copy BW"))
+            if 1 in results:
+                rows.append(("ratio fp8 (+ LM head) / bf16 batch 1", f"{results[1] / hstep:.2f}x faster"))
+            del head_model
+            torch.cuda.empty_cache()
         rate = fp8_gemm_rate()
         t_pre = cuda_time(lambda: model.generate(ids, max_new_tokens=1))
         rows.append(("fp8 GEMM 8192^3 torch._scaled_mm (measured)", f"{rate / 1e12:.0f} TFLOP/s"))
