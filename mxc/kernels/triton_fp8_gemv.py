@@ -7,7 +7,11 @@ a few rows), v3 (tensor cores; ``SWAP_AB`` puts the weights on the wgmma side). 
 Measured and removed (H200, Triton 3.6, 2026-11-30, ``bench/linear_lab.py``): v1 issuing the next step's
 weight load before its own math (two steps' bytes in flight a thread) was slower at every Llama-3-8B
 shape at one row: qkv 20.0 against 13.6 us, o 15.0 against 9.6, gate/up 76.4 against 40.5, down 28.2
-against 22.0; and weights widened by integer ops instead of cvt, 3-7% slower.
+against 22.0; and weights widened by integer ops instead of cvt, 3-7% slower. A weight-only mode (x kept
+in bf16, no quantize kernel; the weights widened to bf16, as v1 FMA or as the A operand of a bf16 wgmma
+under SWAP_AB): Llama-3-8B fp8 batch-1 decode 3.97 against 2.75 ms (``bench/decode_ab.py``, 2026-12-01;
+its GEMVs 3389 against 2127 us a step), since the e4m3 wgmma needs both operands in e4m3 and widening the
+weights in registers costs more than the quantize kernels it saves (329 us a step).
 """
 
 from __future__ import annotations
