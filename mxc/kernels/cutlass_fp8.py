@@ -1,17 +1,21 @@
 """CUTLASS fp8 GEMM with row-wise scales: generated with the CUTLASS Python interface, built AOT, run via ctypes.
 
-Owns one kernel family, ``y[M, N] = bf16((xq[M, K] @ wq[N, K]^T) * scale_a[M, None] * scale_b[None, N])``:
+Owns one kernel family, ``y[M, N] = bf16((xq[M, K] @ wq[N, K]^T) * scale_a[M, None] * scale_b[None, N])``,
+and its variant with a residual, ``y = bf16(float(that y) + float(c[M, N]))`` (c bf16, read by the epilogue's
+TMA: the prefill's residual add without a kernel of its own, rounded in the reference's order):
 e4m3 operands (xq row-major, wq row-major [N, K], i.e. CUTLASS's "TN" layout), fp32 accumulation, fp32
 scales (per token, per output channel) and bf16 row-major output -- what ``torch._scaled_mm(xq, wq.t(),
 scale_a=sa[:, None], scale_b=sb[None, :], out_dtype=torch.bfloat16)`` computes, and what vLLM's
 ``scaled_mm_c3x`` sm90 kernel does.
 
-- ``generate`` builds the kernel with ``cutlass_cppgen`` (package ``nvidia-cutlass``): a ``Gemm`` plan
-  for sm90 with e4m3 x e4m3 -> bf16 and no C operand, an epilogue visitor tree traced from
-  ``_scaled_epilogue`` (``accum * scale_a`` as a column broadcast, ``* scale_b`` as a row broadcast, the
-  last multiply converting to bf16), and a TMA warp-specialized tile description; it emits the kernel's
-  C++ (``op.rt_module.emit()``) and appends a hand-written ``extern "C"`` wrapper (``_WRAPPER``) that
-  fills CUTLASS's argument structs and runs ``GemmUniversalAdapter``. No GPU is needed: the option
+- ``generate`` builds the two kernels with ``cutlass_cppgen`` (package ``nvidia-cutlass``): ``Gemm`` plans
+  for sm90 with e4m3 x e4m3 -> bf16, an epilogue visitor tree traced from ``_scaled_epilogue``
+  (``accum * scale_a`` as a column broadcast, ``* scale_b`` as a row broadcast, the last multiply
+  converting to bf16; no C operand) or from ``_scaled_residual_epilogue`` (``+ C`` last, C bf16; the product
+  rounded to bf16 before the add, ``_round_product_first``), and a
+  TMA warp-specialized tile description; it emits each kernel's C++ (``op.rt_module.emit()``) in a
+  namespace of its own and appends a hand-written ``extern "C"`` wrapper (``_WRAPPER``) that fills
+  CUTLASS's argument structs and runs ``GemmUniversalAdapter``. No GPU is needed: the option
   registry is built for a fixed compute capability (90) instead of the device's. ``tile`` is one CTA's
   tile (vLLM's ``TileShape``); cutlass_cppgen 4.2 takes the whole cluster's tile and divides it by the
   cluster for the mainloop, but its sm90 EVT emitter declares the broadcasts with the undivided shape,
@@ -130,8 +134,14 @@ def _scaled_epilogue(accum, scale_a, scale_b):
     return D
 
 
-def _epilogue_visitor(cg):
-    """The EVT traced from ``_scaled_epilogue``: scale_a [M, 1] (column broadcast), scale_b [1, N] (row broadcast)."""
+def _scaled_residual_epilogue(accum, C, scale_a, scale_b):
+    D = (accum * scale_a) * scale_b + C
+    return D
+
+
+def _epilogue_visitor(cg, residual: bool = False):
+    """The EVT traced from ``_scaled_epilogue``: scale_a [M, 1] (column broadcast), scale_b [1, N] (row
+    broadcast); ``residual``: from ``_scaled_residual_epilogue``, C [M, N] bf16 (the GEMM's source operand)."""
     DT, LT = cg.DataType, cg.LayoutType
     m, n = 256, 512  # example sizes: only the broadcast pattern and the element types reach the emitted code
     examples = {
@@ -140,22 +150,26 @@ def _epilogue_visitor(cg):
         "scale_b": cg.Tensor(element=DT.f32, shape=(1, n), layout_tag=LT.RowMajor),
         "D": cg.Tensor(element=DT.bf16, shape=(m, n), layout_tag=LT.RowMajor),
     }
-    return cg.epilogue.trace(_scaled_epilogue, examples, cc=ARCH_CC)
+    if residual:
+        examples["C"] = cg.Tensor(element=DT.bf16, shape=(m, n), layout_tag=LT.RowMajor)
+    fn = _scaled_residual_epilogue if residual else _scaled_epilogue
+    return cg.epilogue.trace(fn, examples, cc=ARCH_CC)
 
 
 def kernel_source(tile=(128, 128, 128), cluster=(1, 1, 1), schedule="cooperative", fast_accum=False,
-                  stages=None) -> tuple[str, str, list[str]]:
-    """The CUTLASS kernel as cutlass_cppgen emits it: (kernel type name, C++ definitions, headers it needs)."""
+                  stages=None, residual: bool = False) -> tuple[str, str, list[str]]:
+    """The CUTLASS kernel as cutlass_cppgen emits it: (kernel type name, C++ definitions, headers it needs);
+    ``residual``: the variant adding a bf16 C [M, N] last."""
     cg = _cppgen()
     DT, LT = cg.DataType, cg.LayoutType
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r}: one of {sorted(SCHEDULES)}")
     kernel_name, epilogue_name = SCHEDULES[schedule]
     kernel_schedule = getattr(cg.KernelScheduleType, kernel_name + ("FP8FastAccum" if fast_accum else ""))
-    plan = cg.op.Gemm(element_A=DT.e4m3, element_B=DT.e4m3, element_C=DT.void, element_D=DT.bf16,
-                      element_accumulator=DT.f32, layout_A=LT.RowMajor, layout_B=LT.ColumnMajor,
-                      layout_C=LT.RowMajor, cc=ARCH_CC)
-    plan.epilogue_visitor = _epilogue_visitor(cg)
+    plan = cg.op.Gemm(element_A=DT.e4m3, element_B=DT.e4m3, element_C=DT.bf16 if residual else DT.void,
+                      element_D=DT.bf16, element_accumulator=DT.f32, layout_A=LT.RowMajor,
+                      layout_B=LT.ColumnMajor, layout_C=LT.RowMajor, cc=ARCH_CC)
+    plan.epilogue_visitor = _epilogue_visitor(cg, residual)
     plan.tile_description = {  # cutlass_cppgen's threadblock_shape is the cluster's tile
         "threadblock_shape": [t * c for t, c in zip(tile, cluster)], "cluster_shape": list(cluster),
         "stages": stages or 0,
@@ -166,10 +180,27 @@ def kernel_source(tile=(128, 128, 128), cluster=(1, 1, 1), schedule="cooperative
     op = plan.construct(alignment_A=16, alignment_B=16, alignment_C=8)  # 16-byte TMA rows: K % 16, N % 8
     rt = op.rt_module
     body = _fix_evt_tile(rt.emit(), tile, cluster)
-    for alias in ("ScaleA", "ScaleB", "EVTCompute0", "EVTCompute1", "Sm90ColBroadcast", "Sm90RowBroadcast"):
+    if residual:
+        body = _round_product_first(body)
+    aliases = ("ScaleA", "ScaleB", "EVTCompute0", "EVTCompute1", "Sm90ColBroadcast", "Sm90RowBroadcast")
+    for alias in aliases + (("TensorC", "EVTCompute2", "Sm90SrcFetch") if residual else ()):
         if alias not in body:  # the wrapper's argument tree below names these
             raise RuntimeError(f"cutlass_cppgen emitted an epilogue tree without {alias}; _WRAPPER needs updating")
     return op.procedural_name() + rt.emitter.operation_suffix, body, list(rt.emitter.includes)
+
+
+def _round_product_first(body: str) -> str:
+    """Make the residual kernel round as the reference does: ``bf16(float(bf16(product)) + float(C))``.
+
+    The traced tree keeps the scaled product in fp32 up to the final add (one rounding); declaring the
+    second multiply's output bf16 rounds the product first, and the add converts it back to fp32, so the
+    residual kernel's output equals the plain kernel's output plus the residual added in fp32, bit for bit.
+    """
+    fp32 = "using Compute1 = cutlass::epilogue::fusion::Sm90Compute<\n    cutlass::multiplies, float, float,"
+    if body.count(fp32) != 1:
+        raise RuntimeError("cutlass_cppgen's residual epilogue tree no longer looks as expected; "
+                           "check _round_product_first")
+    return body.replace(fp32, fp32.replace("multiplies, float, float", "multiplies, cutlass::bfloat16_t, float"))
 
 
 def _fix_evt_tile(body: str, tile, cluster) -> str:
@@ -188,19 +219,50 @@ def _fix_evt_tile(body: str, tile, cluster) -> str:
     return body.replace(wrong, right)
 
 
-_WRAPPER = r"""
+_KERNEL_TAIL = r"""
+using Kernel = @KERNEL@;
+using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+using StrideA = typename Kernel::StrideA;
+using StrideB = typename Kernel::StrideB;
+using StrideD = typename Kernel::StrideD;
+
+// the epilogue tree's arguments follow its emitted shape: EVTCompute1(EVTCompute0(Accum, ScaleA, Compute0),
+// ScaleB, Compute1), and with a residual EVTCompute2(EVTCompute1, TensorC, Compute2)
+static typename Gemm::Arguments make_args(const void* xq, const void* wq, const float* scale_a,
+                                          const float* scale_b, const void* c, void* y, int M, int N, int K,
+                                          bool hw) {
+  StrideA stride_a = cutlass::make_cute_packed_stride(StrideA{}, cute::make_shape(M, K, 1));
+  StrideB stride_b = cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(N, K, 1));
+  StrideD stride_d = cutlass::make_cute_packed_stride(StrideD{}, cute::make_shape(M, N, 1));
+  typename ScaleA::Arguments a_args{scale_a, 0.0f, {}};
+  typename ScaleB::Arguments b_args{scale_b, 0.0f, {}};
+  typename EVTCompute0::Arguments evt0_args{{}, a_args, {}};
+  typename EVTCompute1::Arguments evt1_args{evt0_args, b_args, {}};
+  typename Kernel::MainloopArguments mainloop{static_cast<const mxc_cutlass_fp8::ElementAB*>(xq), stride_a,
+                                              static_cast<const mxc_cutlass_fp8::ElementAB*>(wq), stride_b};
+@EPILOGUE@
+  return typename Gemm::Arguments{cutlass::gemm::GemmUniversalMode::kGemm, {M, N, K, 1}, mainloop, epilogue,
+                                  mxc_cutlass_fp8::hw_info(hw)};
+}
+"""
+
+_PLAIN_EPILOGUE = """\
+  (void)c;
+  typename Kernel::EpilogueArguments epilogue{evt1_args, nullptr, stride_d, static_cast<ElementD*>(y), stride_d};"""
+
+_RESIDUAL_EPILOGUE = """\
+  typename EVTCompute2::Arguments evt2_args{evt1_args, {}, {}};
+  typename Kernel::EpilogueArguments epilogue{evt2_args, static_cast<const ElementC*>(c), stride_d,
+                                              static_cast<ElementD*>(y), stride_d};"""
+
+_COMMON = r"""
 // ---- hand-written entry points (mxc.kernels.cutlass_fp8) ----
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/util/packed_stride.hpp"
 
 namespace mxc_cutlass_fp8 {
 
-using Kernel = @KERNEL@;
-using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 using ElementAB = cutlass::float_e4m3_t;
-using StrideA = typename Kernel::StrideA;
-using StrideB = typename Kernel::StrideB;
-using StrideD = typename Kernel::StrideD;
 
 // SM count of each device, queried once (CUTLASS would query it on every call)
 static int sm_count_of(int device) {
@@ -213,56 +275,20 @@ static int sm_count_of(int device) {
   return counts[device];
 }
 
-// y = bf16(((xq @ wq^T) * scale_a[:, None]) * scale_b[None, :]); the epilogue tree's arguments follow its
-// emitted shape: EVTCompute1(EVTCompute0(Accum, ScaleA, Compute0), ScaleB, Compute1)
-static typename Gemm::Arguments make_args(const void* xq, const void* wq, const float* scale_a,
-                                          const float* scale_b, void* y, int M, int N, int K, bool hw) {
-  StrideA stride_a = cutlass::make_cute_packed_stride(StrideA{}, cute::make_shape(M, K, 1));
-  StrideB stride_b = cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(N, K, 1));
-  StrideD stride_d = cutlass::make_cute_packed_stride(StrideD{}, cute::make_shape(M, N, 1));
-  typename ScaleA::Arguments a_args{scale_a, 0.0f, {}};
-  typename ScaleB::Arguments b_args{scale_b, 0.0f, {}};
-  typename EVTCompute0::Arguments evt0_args{{}, a_args, {}};
-  typename EVTCompute1::Arguments evt1_args{evt0_args, b_args, {}};
-  typename Kernel::MainloopArguments mainloop{static_cast<const ElementAB*>(xq), stride_a,
-                                              static_cast<const ElementAB*>(wq), stride_b};
-  typename Kernel::EpilogueArguments epilogue{evt1_args, nullptr, stride_d,
-                                              static_cast<ElementD*>(y), stride_d};
-  cutlass::KernelHardwareInfo hw_info;
+static cutlass::KernelHardwareInfo hw_info(bool hw) {
+  cutlass::KernelHardwareInfo info;
   if (hw) {
     int device = 0;
     cudaGetDevice(&device);
-    hw_info.device_id = device;
-    hw_info.sm_count = sm_count_of(device);
+    info.device_id = device;
+    info.sm_count = sm_count_of(device);
   }
-  return typename Gemm::Arguments{cutlass::gemm::GemmUniversalMode::kGemm, {M, N, K, 1}, mainloop, epilogue,
-                                  hw_info};
-}
-
-}  // namespace mxc_cutlass_fp8
-
-extern "C" {
-
-const char* mxc_cutlass_fp8_name() { return "@KERNEL@"; }
-
-// bytes of device workspace the kernel needs for this problem (host only, no CUDA call)
-size_t mxc_cutlass_fp8_workspace(int M, int N, int K) {
-  using namespace mxc_cutlass_fp8;
-  return Gemm::get_workspace_size(make_args(nullptr, nullptr, nullptr, nullptr, nullptr, M, N, K, false));
-}
-
-// 1 when CUTLASS can run this problem size (alignment: K % 16 == 0, N % 8 == 0), else 0 (host only)
-int mxc_cutlass_fp8_can_implement(int M, int N, int K) {
-  using namespace mxc_cutlass_fp8;
-  auto args = make_args(nullptr, nullptr, nullptr, nullptr, nullptr, M, N, K, false);
-  return Gemm::can_implement(args) == cutlass::Status::kSuccess ? 1 : 0;
+  return info;
 }
 
 // 0: launched; 1: can_implement failed; 2: workspace too small; 3: initialize failed; 4: launch failed
-int mxc_cutlass_fp8_gemm(const void* xq, const void* wq, const float* scale_a, const float* scale_b, void* y,
-                         int M, int N, int K, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  using namespace mxc_cutlass_fp8;
-  auto args = make_args(xq, wq, scale_a, scale_b, y, M, N, K, true);
+template <class Gemm>
+static int run(typename Gemm::Arguments const& args, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   if (Gemm::can_implement(args) != cutlass::Status::kSuccess) return 1;
   if (Gemm::get_workspace_size(args) > workspace_bytes) return 2;
   Gemm gemm;
@@ -271,12 +297,56 @@ int mxc_cutlass_fp8_gemm(const void* xq, const void* wq, const float* scale_a, c
   return cudaPeekAtLastError() == cudaSuccess ? 0 : 4;
 }
 
+}  // namespace mxc_cutlass_fp8
+"""
+
+_WRAPPER = r"""
+extern "C" {
+
+const char* mxc_cutlass_fp8_name() { return "@KERNEL@"; }
+
+// bytes of device workspace the kernel needs for this problem (host only, no CUDA call)
+size_t mxc_cutlass_fp8_workspace(int M, int N, int K) {
+  using namespace mxc_cutlass_fp8_plain;
+  return Gemm::get_workspace_size(make_args(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, M, N, K, false));
+}
+
+size_t mxc_cutlass_fp8_residual_workspace(int M, int N, int K) {
+  using namespace mxc_cutlass_fp8_residual;
+  return Gemm::get_workspace_size(make_args(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, M, N, K, false));
+}
+
+// 1 when CUTLASS can run this problem size (alignment: K % 16 == 0, N % 8 == 0), else 0 (host only)
+int mxc_cutlass_fp8_can_implement(int M, int N, int K) {
+  using namespace mxc_cutlass_fp8_plain;
+  auto args = make_args(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, M, N, K, false);
+  return Gemm::can_implement(args) == cutlass::Status::kSuccess ? 1 : 0;
+}
+
+// y = bf16(((xq @ wq^T) * scale_a[:, None]) * scale_b[None, :]); status as mxc_cutlass_fp8::run
+int mxc_cutlass_fp8_gemm(const void* xq, const void* wq, const float* scale_a, const float* scale_b, void* y,
+                         int M, int N, int K, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  using namespace mxc_cutlass_fp8_plain;
+  return mxc_cutlass_fp8::run<Gemm>(make_args(xq, wq, scale_a, scale_b, nullptr, y, M, N, K, true), workspace,
+                                    workspace_bytes, stream);
+}
+
+// y = bf16(float(that y) + float(c)), c bf16 [M, N] row-major (y may not alias c)
+int mxc_cutlass_fp8_gemm_residual(const void* xq, const void* wq, const float* scale_a, const float* scale_b,
+                                  const void* c, void* y, int M, int N, int K, void* workspace,
+                                  size_t workspace_bytes, cudaStream_t stream) {
+  using namespace mxc_cutlass_fp8_residual;
+  return mxc_cutlass_fp8::run<Gemm>(make_args(xq, wq, scale_a, scale_b, c, y, M, N, K, true), workspace,
+                                    workspace_bytes, stream);
+}
+
 }  // extern "C"
 """
 
 
 def generate(tile=(128, 128, 128), cluster=(1, 1, 1), schedule="cooperative", fast_accum=False, stages=None) -> str:
-    """Full .cu source of one kernel configuration: cutlass_cppgen's kernel plus the ``extern "C"`` entry points.
+    """Full .cu source of one kernel configuration: cutlass_cppgen's two kernels (without and with the residual
+    C operand, each in a namespace of its own) plus the ``extern "C"`` entry points.
 
     ``tile``: one CTA's (M, N, K) tile; ``cluster``: CTAs per cluster along (M, N, K) (TMA multicast).
     ``schedule``: "cooperative" (two consumer warp groups share one tile; tile M >= 128) or "pingpong"
@@ -288,11 +358,18 @@ def generate(tile=(128, 128, 128), cluster=(1, 1, 1), schedule="cooperative", fa
     comes back from ``compile_so``), so the default is cooperative. ``stages`` None lets CUTLASS fit as
     many stages as shared memory holds.
     """
-    kernel, body, includes = kernel_source(tile, cluster, schedule, fast_accum, stages)
+    parts, includes, names = [], [], []
+    for residual, namespace, epilogue in ((False, "mxc_cutlass_fp8_plain", _PLAIN_EPILOGUE),
+                                          (True, "mxc_cutlass_fp8_residual", _RESIDUAL_EPILOGUE)):
+        kernel, body, incs = kernel_source(tile, cluster, schedule, fast_accum, stages, residual)
+        tail = _KERNEL_TAIL.replace("@KERNEL@", kernel).replace("@EPILOGUE@", epilogue)
+        parts.append(f"namespace {namespace} {{\n{body}\n{tail}\n}}  // namespace {namespace}\n")
+        includes += [h for h in incs if h not in includes]
+        names.append(kernel)
     head = "\n".join(f'#include "{h}"' for h in ["cuda_runtime.h", *includes])
     config = f"tile={tuple(tile)} cluster={tuple(cluster)} schedule={schedule} fast_accum={fast_accum} stages={stages}"
     return (f"// Generated by mxc.kernels.cutlass_fp8 with cutlass_cppgen {_cppgen().__version__}: {config}\n"
-            f"{head}\n{body}\n{_WRAPPER.replace('@KERNEL@', kernel)}")
+            f"{head}\n{_COMMON}\n{''.join(parts)}\n{_WRAPPER.replace('@KERNEL@', names[0])}")
 
 
 def compile_so(source: str, out_path, arch: str = "90a", timeout: float = 1800, nvcc: str | None = None,
@@ -349,20 +426,37 @@ class CutlassFp8Gemm:
         lib.mxc_cutlass_fp8_can_implement.restype = i
         lib.mxc_cutlass_fp8_name.argtypes = []
         lib.mxc_cutlass_fp8_name.restype = ctypes.c_char_p
+        # libraries built before the residual kernel existed lack it: their callers add the residual themselves
+        self.has_residual = hasattr(lib, "mxc_cutlass_fp8_gemm_residual")
+        if self.has_residual:
+            lib.mxc_cutlass_fp8_gemm_residual.argtypes = [p, p, p, p, p, p, i, i, i, p, z, p]
+            lib.mxc_cutlass_fp8_gemm_residual.restype = i
+            lib.mxc_cutlass_fp8_residual_workspace.argtypes = [i, i, i]
+            lib.mxc_cutlass_fp8_residual_workspace.restype = z
         self._lib = lib
         self.name = lib.mxc_cutlass_fp8_name().decode()
 
-    def workspace_bytes(self, M: int, N: int, K: int) -> int:
+    def workspace_bytes(self, M: int, N: int, K: int, residual: bool = False) -> int:
+        if residual:
+            return int(self._lib.mxc_cutlass_fp8_residual_workspace(M, N, K))
         return int(self._lib.mxc_cutlass_fp8_workspace(M, N, K))
 
     def can_implement(self, M: int, N: int, K: int) -> bool:
         return bool(self._lib.mxc_cutlass_fp8_can_implement(M, N, K))
 
     def __call__(self, xq: int, wq: int, scale_a: int, scale_b: int, y: int, M: int, N: int, K: int,
-                 stream: int = 0, workspace: int = 0, workspace_bytes: int = 0) -> None:
-        """Launch on ``stream`` (a ``cudaStream_t`` as an int, e.g. ``torch.cuda.current_stream().cuda_stream``)."""
-        status = self._lib.mxc_cutlass_fp8_gemm(xq, wq, scale_a, scale_b, y, M, N, K, workspace or None,
-                                                workspace_bytes, stream or None)
+                 stream: int = 0, workspace: int = 0, workspace_bytes: int = 0, residual: int = 0) -> None:
+        """Launch on ``stream`` (a ``cudaStream_t`` as an int, e.g. ``torch.cuda.current_stream().cuda_stream``);
+        ``residual``: a bf16 [M, N] row-major device pointer added to the rounded product (not y's memory; needs
+        ``has_residual`` and ``workspace_bytes(..., residual=True)``)."""
+        if residual:
+            if not self.has_residual:
+                raise RuntimeError(f"{self.path} has no residual kernel (built before it existed): rebuild it")
+            status = self._lib.mxc_cutlass_fp8_gemm_residual(xq, wq, scale_a, scale_b, residual, y, M, N, K,
+                                                             workspace or None, workspace_bytes, stream or None)
+        else:
+            status = self._lib.mxc_cutlass_fp8_gemm(xq, wq, scale_a, scale_b, y, M, N, K, workspace or None,
+                                                    workspace_bytes, stream or None)
         if status:
             raise RuntimeError(f"CUTLASS fp8 GEMM (M={M}, N={N}, K={K}): status {status}, "
                                f"{STATUS.get(status, 'unknown')}")

@@ -49,8 +49,10 @@ def scaled_mm(x, weight, scale, bias=None, residual=None, granularity="channel",
 def cutlass(x, weight, scale, bias=None, residual=None, granularity="channel", prologue=None, norm_weight=None,
             eps=1e-6):
     """``scaled_mm`` with the artifact's CUTLASS GEMM: the quantize kernel (prologue folded in), then
-    ``y = bf16(xq @ weight^T * x_scale[:, None] * scale[None, :])`` (+ bias, + residual). On ``meta``
-    tensors (a build recording its launches) only the quantize kernel is recorded."""
+    ``y = bf16(xq @ weight^T * x_scale[:, None] * scale[None, :])`` (+ bias, + residual). Without a bias, a
+    bf16 residual is added in the GEMM's epilogue (the library's residual kernel, rounding as the torch add
+    after the GEMM would: the same bits) instead of by a kernel of its own. On ``meta`` tensors (a build
+    recording its launches) only the quantize kernel is recorded."""
     if x.device.type not in ("cuda", "meta"):
         raise ValueError(f"fp8_gemm.cutlass runs on CUDA tensors (meta when recording), not {x.device.type}")
     m, k, n = x.shape[0], weight.shape[1], weight.shape[0]
@@ -58,10 +60,17 @@ def cutlass(x, weight, scale, bias=None, residual=None, granularity="channel", p
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     if x.device.type == "cuda":
         gemm = cutlass_fp8.active()
-        nbytes = gemm.workspace_bytes(m, n, k)
+        # the residual in the GEMM's epilogue (the same bits as the add after it; a bias would come first)
+        fold = (residual is not None and bias is None and gemm.has_residual and residual.dtype == torch.bfloat16
+                and residual.shape == (m, n) and residual.is_contiguous())
+        c = residual if fold else None
+        nbytes = gemm.workspace_bytes(m, n, k, residual=fold)
         workspace = torch.empty(nbytes, dtype=torch.uint8, device=x.device) if nbytes else None
         gemm(xq.data_ptr(), weight.data_ptr(), xs.float().contiguous().data_ptr(),
              scale.float().contiguous().data_ptr(), y.data_ptr(), m, n, k,
              stream=torch.cuda.current_stream(x.device).cuda_stream,
-             workspace=workspace.data_ptr() if workspace is not None else 0, workspace_bytes=nbytes)
+             workspace=workspace.data_ptr() if workspace is not None else 0, workspace_bytes=nbytes,
+             residual=c.data_ptr() if fold else 0)
+        if fold:
+            return y
     return _plus(y, bias, residual)

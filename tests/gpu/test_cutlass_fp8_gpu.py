@@ -81,6 +81,49 @@ def test_matches_scaled_mm(gemm, m, n, k):
     torch.testing.assert_close(y.float(), exact, rtol=tol, atol=tol * scale)
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 6144, 4096), (1000, 4096, 14336), (2048, 4096, 4096)])
+def test_residual_kernel(gemm, m, n, k):
+    """The residual kernel: the plain kernel's output plus a bf16 residual added in fp32 and rounded, bit for
+    bit (the unfused order), and far from the product alone."""
+    if not gemm.has_residual:
+        pytest.skip(f"{gemm.path} was built before the residual kernel")
+    gen = torch.Generator(device="cuda").manual_seed(m + k)
+    xq, sa = _quantized(m, k, gen)
+    wq, sb = _quantized(n, k, gen)
+    r = (torch.randn(m, n, device="cuda", generator=gen) * 50).to(torch.bfloat16)
+    plain = _run(gemm, xq, wq, sa, sb)
+    y = torch.empty_like(plain)
+    need = gemm.workspace_bytes(m, n, k, residual=True)
+    ws = torch.empty(max(need, 1), device="cuda", dtype=torch.uint8)
+    gemm(xq.data_ptr(), wq.data_ptr(), sa.data_ptr(), sb.data_ptr(), y.data_ptr(), m, n, k,
+         stream=torch.cuda.current_stream().cuda_stream, workspace=ws.data_ptr(), workspace_bytes=need,
+         residual=r.data_ptr())
+    torch.cuda.synchronize()
+    unfused = (plain.float() + r.float()).to(torch.bfloat16)
+    torch.testing.assert_close(y, unfused, rtol=0, atol=0)
+    assert float((y.float() - plain.float()).abs().max()) > 0.5 * float(r.float().abs().max())
+
+
+def test_cutlass_linear_folds_the_residual(gemm, monkeypatch):
+    """fp8_gemm.cutlass with a residual and no bias runs the residual kernel (no torch add) and gives the
+    unfused result (the plain kernel, then the add) bit for bit."""
+    from mxc.kernels import fp8_gemm
+    from mxc.loaders.quantize import quantize_fp8
+
+    if not gemm.has_residual:
+        pytest.skip(f"{gemm.path} was built before the residual kernel")
+    monkeypatch.setattr(cutlass_fp8, "_ACTIVE", [gemm])
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    x = torch.randn(300, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+    q, s = quantize_fp8(torch.randn(1024, 4096, device="cuda", generator=gen) * 0.02, "channel")
+    r = torch.randn(300, 1024, device="cuda", generator=gen).to(torch.bfloat16)
+    fused = fp8_gemm.cutlass(x, q, s, residual=r)
+    unfused = r + fp8_gemm.cutlass(x, q, s)
+    torch.testing.assert_close(fused, unfused, rtol=0, atol=0)
+    monkeypatch.setattr(gemm, "has_residual", False)  # an older library: the torch add after the GEMM
+    torch.testing.assert_close(fp8_gemm.cutlass(x, q, s, residual=r), unfused, rtol=0, atol=0)
+
+
 def test_cuda_graph_replay(gemm):
     gen = torch.Generator(device="cuda").manual_seed(1)
     xq, sa = _quantized(64, 4096, gen)
@@ -127,6 +170,16 @@ def test_tflops_m2048(gemm, n, k):
     t_torch = _time_ms(lambda: _scaled_mm(xq, wq, sa, sb))
     print(f"\nM={m} N={n} K={k}: CUTLASS {gemm.name}: {t_cutlass * 1e3:.1f} us, {flop / t_cutlass / 1e9:.0f} TFLOP/s;"
           f" torch._scaled_mm: {t_torch * 1e3:.1f} us, {flop / t_torch / 1e9:.0f} TFLOP/s")
+    if gemm.has_residual:  # the residual kernel, against the plain one and the torch add it replaces
+        r = torch.randn(m, n, device="cuda", generator=gen).to(torch.bfloat16)
+        need = gemm.workspace_bytes(m, n, k, residual=True)
+        ws_r = torch.empty(max(need, 1), device="cuda", dtype=torch.uint8)
+        t_res = _time_ms(lambda: gemm(xq.data_ptr(), wq.data_ptr(), sa.data_ptr(), sb.data_ptr(), y.data_ptr(), m, n,
+                                      k, stream=torch.cuda.current_stream().cuda_stream, workspace=ws_r.data_ptr(),
+                                      workspace_bytes=need, residual=r.data_ptr()))
+        t_add = _time_ms(lambda: torch.add(r, y))
+        print(f"M={m} N={n} K={k}: CUTLASS with the residual {t_res * 1e3:.1f} us; plain + torch add "
+              f"{(t_cutlass + t_add) * 1e3:.1f} us")
 
 
 @pytest.mark.skipif(cutlass_fp8.available() is not None,

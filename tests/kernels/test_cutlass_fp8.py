@@ -19,7 +19,7 @@ _WHY_NOT = cutlass_fp8.available()
 pytestmark = pytest.mark.skipif(_WHY_NOT is not None, reason=f"CUTLASS fp8 generator unusable here: {_WHY_NOT}")
 
 ENTRIES = ("mxc_cutlass_fp8_gemm", "mxc_cutlass_fp8_workspace", "mxc_cutlass_fp8_can_implement",
-           "mxc_cutlass_fp8_name")
+           "mxc_cutlass_fp8_name", "mxc_cutlass_fp8_gemm_residual", "mxc_cutlass_fp8_residual_workspace")
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +34,17 @@ def test_generate_emits_kernel_and_entry_points(source):
     # e4m3 x e4m3 (A row-major, B column-major = wq [N, K] row-major), fp32 accumulation, bf16 out, no C
     assert "cutlass::float_e4m3_t, cutlass::layout::RowMajor, 16" in source
     assert "cutlass::float_e4m3_t, cutlass::layout::ColumnMajor, 16" in source
-    assert "using ElementD = cutlass::bfloat16_t;" in source and "using ElementC = void;" in source
+    plain, residual = source.split("namespace mxc_cutlass_fp8_plain {")[1].split("namespace mxc_cutlass_fp8_residual {")
+    assert "using ElementD = cutlass::bfloat16_t;" in plain and "using ElementC = void;" in plain
     # the traced epilogue: scale_a per row (column broadcast), scale_b per column (row broadcast), bf16 last
-    assert "Sm90ColBroadcast" in source and "Sm90RowBroadcast" in source
-    assert "cutlass::multiplies, cutlass::bfloat16_t, float" in source
+    assert "Sm90ColBroadcast" in plain and "Sm90RowBroadcast" in plain
+    assert "cutlass::multiplies, cutlass::bfloat16_t, float" in plain
+    # the residual kernel: the same product, + C (bf16, the source operand) ...
+    assert "using ElementC = cutlass::bfloat16_t;" in residual and "Sm90SrcFetch<cutlass::bfloat16_t>" in residual
+    # ... the scaled product rounded to bf16 first (the unfused order), then + C in fp32, rounded to bf16
+    assert "cutlass::multiplies, cutlass::bfloat16_t, float" in residual
+    assert "cutlass::plus, cutlass::bfloat16_t, float" in residual
+    assert "using EVTCompute2" in residual and "using EVTCompute2" not in plain
     assert "cutlass::gemm::KernelTmaWarpSpecializedCooperative\n" in source  # promoted fp32 accumulation
     assert "cute::Shape<cute::_128, cute::_128, cute::_128>" in source
 
@@ -47,8 +54,8 @@ def test_generate_options():
     assert "KernelTmaWarpSpecializedCooperativeFP8FastAccum" in fast
     assert "cute::Shape<cute::_2,cute::_1,cute::_1>" in fast
     # every tile the kernel declares is the CTA's: the collectives' and the EVT broadcasts' (see _fix_evt_tile)
-    assert fast.count("cute::Shape<cute::_128, cute::_256, cute::_128>") == 2
-    assert "EpilogueDescriptor<\n  cute::Shape<_128, _256, _128>" in fast
+    assert fast.count("cute::Shape<cute::_128, cute::_256, cute::_128>") == 4  # two kernels
+    assert fast.count("EpilogueDescriptor<\n  cute::Shape<_128, _256, _128>") == 2
     assert "_256, _256" not in fast and "cute::_256, cute::_256" not in fast
     with pytest.raises(ValueError, match="schedule"):
         cutlass_fp8.generate(schedule="stream-k")
@@ -79,6 +86,9 @@ def test_compile_so_exports_entry_points(source, tmp_path):
     assert gemm.name.startswith("cutlass3x_sm90_tensorop") and "e4m3_e4m3_f32_void_bf16" in gemm.name
     assert gemm.can_implement(2048, 6144, 4096) and gemm.can_implement(1, 4096, 14336)
     assert not gemm.can_implement(16, 4096, 4100)  # K must be a multiple of 16 (16-byte TMA rows)
-    assert gemm.workspace_bytes(2048, 6144, 4096) >= 0
+    assert gemm.workspace_bytes(2048, 6144, 4096) >= 0 and gemm.workspace_bytes(2048, 6144, 4096, residual=True) >= 0
+    assert gemm.has_residual
     with pytest.raises(RuntimeError, match="status 1"):  # rejected before anything touches the GPU
         gemm(0, 0, 0, 0, 0, 16, 4096, 4100)
+    with pytest.raises(RuntimeError, match="status 1"):
+        gemm(0, 0, 0, 0, 0, 16, 4096, 4100, residual=1)
