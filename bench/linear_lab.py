@@ -1,6 +1,6 @@
 """Decode and prefill linears of the Llama-3-8B shape, kernel by kernel, on one GPU.
 
-Times each variant as decode runs it (``triton_gemv._time_us``: a CUDA graph of back-to-back
+Times each variant as decode runs it (``gemv_tuning.time_us``: a CUDA graph of back-to-back
 calls over weight copies covering 4x the L2) and prints microseconds and weight TB/s:
   bf16 GEMV: plain, and the MLP down projection fused (SiLU-and-mul prologue + residual
     epilogue) against unfused (silu_mul kernel, GEMV, add kernel);
@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mxc.kernels import fp8_gemm, triton_fp8, triton_fp8_quant, triton_gemv  # noqa: E402
-from mxc.kernels.triton_gemv import LLAMA3_8B_SHAPES, _time_us, _weight_copies  # noqa: E402
+from mxc.kernels.gemv_tuning import L2_BYTES, LLAMA3_8B_SHAPES, time_us, tune, tune_fp8, weight_copies  # noqa: E402
 from mxc.loaders.quantize import quantize_fp8  # noqa: E402
 
 SHAPES = {k: v for k, v in LLAMA3_8B_SHAPES.items() if k != "lm_head"}
@@ -39,11 +39,11 @@ def row(name, us, nbytes, note=""):
 
 def bf16_gemv(ms):
     for name, (n, k) in SHAPES.items():
-        ws = _weight_copies(n, k, torch.bfloat16)
+        ws = weight_copies(n, k, torch.bfloat16)
         nbytes = n * k * 2
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            row(f"bf16 {name} M={m}", _time_us(lambda x_, w_: triton_gemv.linear_small_m(x_, w_), x, ws), nbytes,
+            row(f"bf16 {name} M={m}", time_us(lambda x_, w_: triton_gemv.linear_small_m(x_, w_), x, ws), nbytes,
                 str(triton_gemv.config_for(triton_gemv.bucket(m), n, k, torch.bfloat16)))
         del ws
 
@@ -51,7 +51,7 @@ def bf16_gemv(ms):
 def fp8_weights(n, k):
     w = torch.randn(n, k, device="cuda") * k ** -0.5
     q, s = quantize_fp8(w.cpu(), "channel")
-    copies = max(1, -(-4 * triton_gemv._L2_BYTES // (n * k)))
+    copies = max(1, -(-4 * L2_BYTES // (n * k)))
     return [q.cuda().clone() for _ in range(copies)], s.cuda()
 
 
@@ -62,7 +62,7 @@ def fp8_gemv(ms, tune, tune_ms):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             cfg = triton_fp8.config_for(triton_gemv.bucket(m), n, k, torch.bfloat16, "channel")
             run = lambda x_, w_: triton_fp8.qlinear_small_m(x_, w_, s, config=cfg)  # noqa: E731
-            row(f"fp8 {name} M={m} default", _time_us(run, x, ws), n * k, str(cfg))
+            row(f"fp8 {name} M={m} default", time_us(run, x, ws), n * k, str(cfg))
             if cfg.SWAP_AB:  # against the widening kernel it replaced (v1 at one row, the 32-row v3 tile)
                 alt = triton_fp8.QGemvConfig(16, 1024, 1, False, True, 8, 1, cfg.QUANT_BLOCK_K) if m == 1 else \
                     triton_fp8.QGemvConfig(32, 512, 1, True, True, 4, 4, cfg.QUANT_BLOCK_K)
@@ -72,20 +72,20 @@ def fp8_gemv(ms, tune, tune_ms):
                 alt = triton_fp8.QGemvConfig(**{**cfg.__dict__, "PREQUANT": not cfg.PREQUANT})
                 label = f"PREQUANT={alt.PREQUANT}"
             run = lambda x_, w_: triton_fp8.qlinear_small_m(x_, w_, s, config=alt)  # noqa: E731
-            row(f"fp8 {name} M={m} {label}", _time_us(run, x, ws), n * k, str(alt))
+            row(f"fp8 {name} M={m} {label}", time_us(run, x, ws), n * k, str(alt))
             for bn in (64, 128):  # w @ x^T on e4m3 wgmma, split K to fill the GPU
                 swap = triton_fp8.QGemvConfig(bn, 256, 1, True, True, 4, 4, cfg.QUANT_BLOCK_K, SWAP_AB=True)
                 swap = replace(swap, SPLIT_K=triton_gemv.split_k_for(-(-n // bn), k, 256))
                 run = lambda x_, w_: triton_fp8.qlinear_small_m(x_, w_, s, config=swap)  # noqa: E731
-                row(f"fp8 {name} M={m} SWAP_AB BLOCK_N={bn}", _time_us(run, x, ws), n * k, str(swap))
+                row(f"fp8 {name} M={m} SWAP_AB BLOCK_N={bn}", time_us(run, x, ws), n * k, str(swap))
             if name == "down":
                 x2 = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
                 r = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
                 run = lambda x_, w_: triton_fp8.qlinear_small_m(x_, w_, s, None, r, prologue="silu_mul")  # noqa: E731
-                row(f"fp8 down M={m} fused silu_mul+residual", _time_us(run, x2, ws), n * k)
+                row(f"fp8 down M={m} fused silu_mul+residual", time_us(run, x2, ws), n * k)
         if name in tune:
             for m in tune_ms:
-                cfg, us = triton_fp8.tune(n, k, torch.bfloat16, triton_gemv.bucket(m))
+                cfg, us = tune_fp8(n, k, torch.bfloat16, triton_gemv.bucket(m))
                 row(f"fp8 {name} M={m} tuned", us, n * k, str(cfg))
         del ws
 
@@ -129,7 +129,7 @@ def quant_lab(m=2048):
         silu, rms = prologue == "silu_mul", prologue == "rms_norm"
         x = torch.randn(m, 2 * k if silu else k, device="cuda", dtype=torch.bfloat16) * 2
         x[:, :7] *= 8
-        copies = max(1, -(-4 * triton_gemv._L2_BYTES // (x.numel() * 2)))
+        copies = max(1, -(-4 * L2_BYTES // (x.numel() * 2)))
         xs_in = [x] + [x.clone() for _ in range(copies - 1)]
         g = (1 + 0.1 * torch.randn(k, device="cuda")).to(torch.bfloat16) if rms else None
         nbytes = x.numel() * 2 + (k * 2 if rms else 0) + m * k + m * 4
@@ -138,7 +138,7 @@ def quant_lab(m=2048):
         for tiled in (False, True):
             fn = lambda _, x_, t=tiled: q._prequantize(x_, m, k, silu, block, g, 1e-5, tiled=t)  # noqa: E731
             out[tiled] = fn(None, x)
-            us = _time_us(fn, None, xs_in)
+            us = time_us(fn, None, xs_in)
             total[tiled] += us
             label = "tiled (_quant_tile_kernel)" if tiled else "one program a row (_quant_rows_kernel)"
             cfg = q._tile_config(k, silu, rms) if tiled else (block, q._quant_warps(block))
@@ -150,7 +150,7 @@ def quant_lab(m=2048):
                 q._tile_config = lambda k_, s_, r_, w_=warps: base(k_, s_, r_)[:2] + (w_,)
                 try:
                     fn = lambda _, x_: q._prequantize(x_, m, k, silu, block, g, 1e-5, tiled=True)  # noqa: E731
-                    us = _time_us(fn, None, xs_in)
+                    us = time_us(fn, None, xs_in)
                 finally:
                     q._tile_config = base
                 print(f"quantize {name:24s} M={m} {'tiled, ' + str(warps) + ' warps':40s} {us:8.1f} us "
@@ -179,11 +179,11 @@ def tune_tp(tp: int, m: int = 1):
     from mxc.kernels import triton_gemv
 
     for name, (n, k) in tp_shapes(tp).items():
-        ws = _weight_copies(n, k, torch.bfloat16)
+        ws = weight_copies(n, k, torch.bfloat16)
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         default = triton_gemv.config_for(triton_gemv.bucket(m), n, k, torch.bfloat16)
-        us0 = _time_us(lambda x_, w_: triton_gemv.linear_small_m(x_, w_), x, ws)
-        cfg, us = triton_gemv.tune(n, k, torch.bfloat16, triton_gemv.bucket(m), ws=ws)
+        us0 = time_us(lambda x_, w_: triton_gemv.linear_small_m(x_, w_), x, ws)
+        cfg, us = tune(n, k, torch.bfloat16, triton_gemv.bucket(m), ws=ws)
         nbytes = n * k * 2
         print(f"tp={tp} {name:8s} {n}x{k} M={m}: default {us0:6.1f} us ({nbytes / us0 / 1e6:.2f} TB/s) {default}; "
               f"tuned {us:6.1f} us ({nbytes / us / 1e6:.2f} TB/s) {cfg}", flush=True)

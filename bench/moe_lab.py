@@ -5,7 +5,7 @@ Times, as decode runs them (a CUDA graph of back-to-back calls, weights from HBM
     the expert-by-expert down kernel and the tiled one (the k experts in one tile); every call
     picks another random set of experts, so the chosen experts' weights come from HBM;
   the MoE block's norm + router: three kernels against the fused one over its tile and warps;
-  the attention-side GEMVs (qkv, o, router) and the Llama-3-8B qkv and o with ``triton_gemv.tune``.
+  the attention-side GEMVs (qkv, o, router) and the Llama-3-8B qkv and o with ``gemv_tuning.tune``.
 Prints microseconds and TB/s of the weights read. Usage: python bench/moe_lab.py [--skip moe,router,gemv]
 """
 
@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mxc.kernels import moe_ref, triton_gemv  # noqa: E402
+from mxc.kernels import gemv_tuning, moe_ref, triton_gemv  # noqa: E402
 from mxc.kernels import triton_moe_decode as tmd  # noqa: E402
 
 E, H, I, K = 128, 2048, 768, 8
@@ -142,11 +142,11 @@ def gemvs() -> None:
     shapes = {"qwen3-moe qkv": (5120, 2048), "qwen3-moe o": (2048, 4096), "qwen3-moe router": (128, 2048),
               "llama qkv": (6144, 4096), "llama o": (4096, 4096)}
     for name, (n, k) in shapes.items():
-        ws = triton_gemv._weight_copies(n, k, torch.bfloat16)
+        ws = gemv_tuning.weight_copies(n, k, torch.bfloat16)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         cfg = triton_gemv.config_for(1, n, k, torch.bfloat16)
-        t = triton_gemv._time_us(lambda x_, w_: triton_gemv.linear_small_m(x_, w_, config=cfg), x, ws)
-        best, bt = triton_gemv.tune(n, k, torch.bfloat16, 1, ws=ws)
+        t = gemv_tuning.time_us(lambda x_, w_: triton_gemv.linear_small_m(x_, w_, config=cfg), x, ws)
+        best, bt = gemv_tuning.tune(n, k, torch.bfloat16, 1, ws=ws)
         print(f"{name:18s} default {t:6.1f} us {n * k * 2 / t / 1e6:5.2f} TB/s {cfg}\n"
               f"{'':18s} tuned   {bt:6.1f} us {n * k * 2 / bt / 1e6:5.2f} TB/s {best}", flush=True)
         del ws

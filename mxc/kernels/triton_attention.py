@@ -268,7 +268,6 @@ def prefill_attention(q, k_cache, v_cache, slots, kv_lens, q_start, max_q_len: i
     assert q_start.dtype == torch.int32 and q_start.shape == (B + 1,), (
         f"q_start must be int32 [B + 1] = [{B + 1}], got {q_start.dtype} {tuple(q_start.shape)}")
     assert max_q_len >= 1, f"max_q_len must be >= 1, got {max_q_len}"
-    L = k_cache.shape[1]
     BLOCK_M, BLOCK_N, num_warps, num_stages = _prefill_config(D, max_q_len)
 
     out = torch.empty((T, HQ, D), dtype=q.dtype, device=q.device)

@@ -42,7 +42,7 @@ Two wrappers (``qlinear`` picks one by M):
      kernel; one program per row, the row held in registers up to 16K elements) writes
      xq [M, K] e4m3 + xs [M] once, and the GEMV reads 1 byte per x element, no divisions.
      A second launch.
-  The block sizes are the bf16 GEMV's measured choices carried over by byte counts; ``tune``
+  The block sizes are the bf16 GEMV's measured choices carried over by byte counts; ``gemv_tuning.tune_fp8``
   times the candidates.
   block128: a program's BLOCK_N rows lie in one 128-row block (128 % BLOCK_N == 0); FMA paths
   multiply the quantized x chunk by the scale of each element's K block (a gathered [BLOCK_K]
@@ -63,7 +63,7 @@ Two wrappers (``qlinear`` picks one by M):
   so one binary serves every M.
 
 The code: ``triton_fp8_quant`` (the activation-quantize kernel and what the kernels share),
-``triton_fp8_gemv`` (``qlinear_small_m``, its configs and ``tune``) and ``triton_fp8_gemm``
+``triton_fp8_gemv`` (``qlinear_small_m`` and its configs; ``gemv_tuning`` times them) and ``triton_fp8_gemm``
 (``qlinear_gemm``); this module is the entry point (``qlinear``, and the public names).
 
 Kernels follow ``mxc.kernels.launch``'s convention (pointers and the dynamic M only; N, K and
@@ -77,12 +77,12 @@ holds fp8 as raw bits).
 from __future__ import annotations
 
 from mxc.kernels.triton_fp8_gemm import QGemmConfig, gemm_config_for, qlinear_gemm
-from mxc.kernels.triton_fp8_gemv import QGemvConfig, candidates, config_for, qlinear_small_m, tune
+from mxc.kernels.triton_fp8_gemv import QGemvConfig, config_for, qlinear_small_m
 from mxc.kernels.triton_fp8_quant import FP8, FP8_MAX, GRANULARITIES
 from mxc.kernels.triton_gemv import M_BUCKETS, NUM_SMS, bucket
 
 __all__ = ["qlinear", "qlinear_small_m", "qlinear_gemm", "QGemvConfig", "QGemmConfig",
-           "config_for", "gemm_config_for", "candidates", "tune", "FP8", "FP8_MAX", "GRANULARITIES",
+           "config_for", "gemm_config_for", "FP8", "FP8_MAX", "GRANULARITIES",
            "M_BUCKETS", "NUM_SMS", "bucket"]
 
 

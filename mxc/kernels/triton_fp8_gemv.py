@@ -1,4 +1,4 @@
-"""The fp8-weight GEMV (``qlinear_small_m``, M <= 32: decode), its configs and its tuner.
+"""The fp8-weight GEMV (``qlinear_small_m``, M <= 32: decode) and its configs (``gemv_tuning.tune_fp8`` times them).
 
 Bandwidth-bound like ``triton_gemv``, whose layout it keeps; versions v1 (FMA, one row), v2 (FMA,
 a few rows), v3 (tensor cores; ``SWAP_AB`` puts the weights on the wgmma side). The module doc of
@@ -16,7 +16,7 @@ weights in registers costs more than the quantize kernels it saves (329 us a ste
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -244,7 +244,7 @@ class QGemvConfig:
     SWAP_AB: bool = False
 
 
-# Shapes where ``tune`` found a config >= 3% faster than the rules below (H200, Triton 3.6, bf16
+# Shapes where ``gemv_tuning.tune_fp8`` found a config >= 3% faster than the rules below (H200, Triton 3.6, bf16
 # activations, channel scales, ``bench/linear_lab.py --tune-fp8``, 2026-11-30; o and gate_up
 # gained under 3%): the place a tuning cache's entries will plug in.
 MEASURED = {
@@ -264,7 +264,7 @@ def config_for(m_bucket: int, n: int, k: int, dtype: torch.dtype, granularity: s
     under block128: one K block a step, so 64 rows), 4 warps, 4 stages. x is quantized in a
     first kernel at every bucket: measured on one H200 (Triton 3.6, 2026-11-30, Llama-3-8B
     shapes), the fused quantization (every program re-reading x) took 1.2-2x longer at M = 1
-    (o 13.9 us vs 9.8, gate_up 82.7 vs 40.8) and 5-9x at M = 8 and 32. ``tune`` at M = 1
+    (o 13.9 us vs 9.8, gate_up 82.7 vs 40.8) and 5-9x at M = 8 and 32. ``tune_fp8`` at M = 1
     preferred BLOCK_N 8 by under 3% (o 9.6 us, down 23.5 us)."""
     if m_bucket not in M_BUCKETS:
         raise ValueError(f"m_bucket must be one of {M_BUCKETS}, got {m_bucket}")
@@ -360,60 +360,3 @@ def qlinear_small_m(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias:
                 HAS_RESIDUAL=has_residual),
            num_warps=4, num_stages=1)
     return y
-
-
-# ----------------------------------------------------------------------------------------------
-# tuning on a real GPU (not used by tests)
-
-
-def candidates(m_bucket: int, granularity: str) -> list[QGemvConfig]:
-    """Configs ``tune`` tries (SPLIT_K added per shape): v1 at M = 1, v3 from 16, v1/v2 and v3
-    between; fused and prequantized activations for each; v3 with SWAP_AB at every bucket."""
-    block = granularity == "block128"
-    swap = [QGemvConfig(bn, bk, 1, True, True, 4, ns, SWAP_AB=True) for bn in (64, 128) for bk in (128, 256, 512)
-            for ns in (3, 4, 5) if not (block and bk > 128)]
-    v1 = [QGemvConfig(bn, bk, 1, False, pq, nw, 1) for bn in (8, 16, 32) for bk in (512, 1024, 2048)
-          for nw in (4, 8) for pq in (False, True) if bn * bk <= 128 * 32 * nw]
-    v2 = [QGemvConfig(bn, bk, 1, False, pq, 4, 1) for bn in (16, 32) for bk in (512, 1024) for pq in (False, True)]
-    v3 = [QGemvConfig(bn, bk, 1, True, pq, nw, ns) for bn in (16, 32, 64, 128) for bk in (64, 128, 256, 512)
-          for nw in (4, 8) for ns in (3, 4, 5) for pq in (False, True) if not (block and bk > 128)]
-    return (v1 if m_bucket == 1 else v3 if m_bucket >= 16 else v2 + v3) + swap
-
-
-def tune(n: int, k: int, dtype: torch.dtype, m_bucket: int, granularity: str = "channel", *, verbose=False):
-    """Time ``candidates`` on the current GPU (CUDA graph of back-to-back calls over weight
-    copies covering 4x the L2); return ``(best_config, best_us)``. Wrong results and compile
-    failures skip a candidate."""
-    from mxc.kernels import fp8_ref
-    from mxc.kernels.triton_gemv import _L2_BYTES, _time_us
-    from mxc.loaders.quantize import quantize_fp8
-
-    w = torch.randn(n, k) * k ** -0.5
-    q, s = quantize_fp8(w, granularity)
-    s = s.cuda()
-    ws = [q.cuda().clone() for _ in range(max(1, -(-4 * _L2_BYTES // (n * k))))]
-    x = torch.randn(m_bucket, k, device="cuda").to(dtype)
-    ref = fp8_ref.qlinear(x, ws[0], s, granularity=granularity).float()
-    best, tried = (None, float("inf")), set()
-    for base in candidates(m_bucket, granularity):
-        for split in sorted({1, split_k_for(triton.cdiv(n, base.BLOCK_N), k, base.BLOCK_K)}):
-            cfg = replace(base, SPLIT_K=split, QUANT_BLOCK_K=_quant_block(k))
-            if cfg in tried:
-                continue
-            tried.add(cfg)
-            run = lambda x_, w_: qlinear_small_m(x_, w_, s, granularity=granularity, config=cfg)  # noqa: E731
-            try:
-                y = run(x, ws[0])
-                torch.cuda.synchronize()
-                if (y.float() - ref).abs().max() > 2e-2 * ref.abs().max():
-                    raise RuntimeError("wrong result")
-                us = _time_us(run, x, ws)
-            except Exception as e:  # out of resources, compile failures: skip
-                if verbose:
-                    print(f"  skip {cfg}: {type(e).__name__}: {str(e)[:80]}")
-                continue
-            if verbose:
-                print(f"  {us:8.1f} us {n * k / us / 1e6:6.2f} TB/s  {cfg}", flush=True)
-            if us < best[1]:
-                best = (cfg, us)
-    return best

@@ -36,7 +36,7 @@ weights from HBM, copy ceiling 4.22 TB/s); numbers in ``config_for``:
      element. 74-105% of the copy ceiling on Llama-3-8B shapes, ahead of cuBLAS.
   v2 FMA, BLOCK_M in {2, 4, 8}: for each of the BLOCK_M rows (a static loop)
      ``sum(w * x_m, axis=1)``, reduced every step, w loaded once per step. Kept
-     for ``tune`` and as the CUDA-core reference; no default uses it: at M = 2 it
+     for ``gemv_tuning.tune`` and as the CUDA-core reference; no default uses it: at M = 2 it
      measured 1.5-2x slower than v3 (a per-row reduction and a move of x through
      shared memory every step, no load pipelining).
   v3 DOT (``USE_DOT``; the default for M >= 2): ``tl.dot(x, w^T)`` on tensor
@@ -328,7 +328,7 @@ def split_k_for(n_programs: int, k: int, block_k: int) -> int:
     return split
 
 
-# Shapes where ``tune`` found a faster config than the rules below (H200, Triton 3.6, bf16,
+# Shapes where ``gemv_tuning.tune`` found a faster config than the rules below (H200, Triton 3.6, bf16,
 # ``bench/moe_lab.py``, 2026-11-30): the place a tuning cache's entries will plug in.
 MEASURED = {
     (1, 6144, 4096, torch.bfloat16): GemvConfig(8, 256, 1, False, 4, 1),  # Llama-3-8B qkv: 16.0 -> 14.2 us
@@ -359,7 +359,7 @@ def config_for(m_bucket: int, n: int, k: int, dtype: torch.dtype) -> GemvConfig:
       M >= 2 v3 with input_precision="tf32x3": o 34.6 us at M = 2, 111.8 us at M = 32 vs
       cuBLAS 26.4 and 47.3 ("ieee", on CUDA cores, was 148 us at M = 2).
     - few rows (N < ~4K): see ``fill_gpu``.
-    ``tune`` times ``candidates`` on a real GPU; its winners can replace rows here.
+    ``gemv_tuning.tune`` times its candidates on a real GPU; its winners can replace rows here.
     """
     if m_bucket not in M_BUCKETS:
         raise ValueError(f"m_bucket must be one of {M_BUCKETS}, got {m_bucket}")
@@ -473,133 +473,3 @@ def linear_small_m_push(x: torch.Tensor, w: torch.Tensor, bufs: torch.Tensor, st
     launch(_gemv_kernel, (triton.cdiv(N, cfg.BLOCK_N), 1), [x, w, None, None, None, M, bufs, state, int(rank),
                                                            int(slot_elems)],
            consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-
-
-# ----------------------------------------------------------------------------------------------
-# tuning and benchmarking on a real GPU (not used by tests)
-
-
-def candidates(m_bucket: int, dtype: torch.dtype) -> list[GemvConfig]:
-    """Configs ``tune`` tries (SPLIT_K is added per shape): v1 at M = 1, v3 from 16, both v2 and
-    v3 between. v1 keeps acc2 (BLOCK_N * BLOCK_K fp32 per program) within 128 registers a thread."""
-    vec = _vec(dtype)
-    paths = (False,) if m_bucket == 1 else (True,) if m_bucket >= 16 else (False, True)
-    v1 = [GemvConfig(bn, steps * 32 * vec, 1, False, nw, 1)  # num_stages: no effect measured
-          for bn in (8, 16, 32) for steps in (1, 2, 4) for nw in (4, 8)
-          if bn * steps * 32 * vec <= 128 * 32 * nw]
-    v2 = [GemvConfig(bn, steps * 32 * vec, 1, False, 4, 1) for bn in (16, 32) for steps in (1, 2)]
-    v3 = [GemvConfig(bn, steps * 32 * vec, 1, True, nw, ns)
-          for bn in (16, 32, 64) for steps in (1, 2) for nw in (4, 8) for ns in (3, 4, 5)]
-    return [c for dot in paths for c in (v3 if dot else v1 if m_bucket == 1 else v2)]
-
-
-_L2_BYTES = 60 << 20  # H200
-
-
-def _weight_copies(n: int, k: int, dtype: torch.dtype) -> list[torch.Tensor]:
-    """Enough copies of a random [n, k] weight to cover 4x the L2, so each call reads HBM."""
-    nbytes = n * k * torch.empty((), dtype=dtype).element_size()
-    return [(torch.randn(n, k, device="cuda") * k ** -0.5).to(dtype)
-            for _ in range(max(1, -(-4 * _L2_BYTES // nbytes)))]
-
-
-def _time_us(fn, x: torch.Tensor, ws: list[torch.Tensor]) -> float:
-    """Microseconds per ``fn(x, w)``: ``triton.testing.do_bench`` of a CUDA graph of back-to-back
-    calls cycling through ``ws`` (as decode runs them: no launch gaps, weights from HBM; one
-    L2 flush per replay instead of one per call)."""
-    from triton.testing import do_bench
-
-    calls = min(64, max(2, len(ws), -(-(2 << 30) // (ws[0].numel() * ws[0].element_size()))))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm up (compile) off the capture
-        for w in ws[:2]:
-            fn(x, w)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(x, ws[i % len(ws)])
-    return do_bench(graph.replay, warmup=5, rep=40) * 1e3 / calls
-
-
-def tune(n: int, k: int, dtype: torch.dtype, m_bucket: int, *, configs=None, verbose: bool = False,
-         ws: list[torch.Tensor] | None = None):
-    """Time candidate configs on the current GPU (``_time_us``: do_bench over a CUDA graph);
-    return ``(best_config, best_us)``. Each candidate is tried with SPLIT_K 1 and with
-    ``split_k_for``'s choice for its BLOCK_N; a wrong result or a compile failure skips it."""
-    ws = ws if ws is not None else _weight_copies(n, k, dtype)
-    x = torch.randn(m_bucket, k, device="cuda").to(dtype)
-    ref = torch.nn.functional.linear(x.float(), ws[0].float())
-    nbytes = ws[0].numel() * ws[0].element_size()
-    best = (None, float("inf"))
-    tried = set()
-    for base in (configs if configs is not None else candidates(m_bucket, dtype)):
-        for split in sorted({1, split_k_for(triton.cdiv(n, base.BLOCK_N), k, base.BLOCK_K)}):
-            cfg = replace(base, SPLIT_K=split)
-            if cfg in tried:
-                continue
-            tried.add(cfg)
-            try:
-                y = linear_small_m(x, ws[0], config=cfg)
-                torch.cuda.synchronize()
-                if not torch.allclose(y.float(), ref, atol=5e-2, rtol=5e-2):
-                    raise RuntimeError("wrong result")
-                us = _time_us(lambda x_, w_: linear_small_m(x_, w_, config=cfg), x, ws)
-            except Exception as e:  # out of resources, compile failures: skip the candidate
-                if verbose:
-                    print(f"  skip {cfg}: {type(e).__name__}: {str(e)[:80]}")
-                continue
-            if verbose:
-                print(f"  {us:8.1f} us {nbytes / us / 1e6:6.2f} TB/s  {cfg}", flush=True)
-            if us < best[1]:
-                best = (cfg, us)
-    return best
-
-
-LLAMA3_8B_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
-                    "down": (4096, 14336), "lm_head": (128256, 4096)}
-
-
-def _bench(shapes, buckets, dtype, *, do_tune=False, verbose=False):
-    """Default (or tuned) configs vs torch (cuBLAS) on the given shapes: weight bytes / time per
-    call (``_time_us``); "of copy" is the share of the copy ceiling measured in the same run."""
-    from triton.testing import do_bench
-
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    copy = 2 * src.numel() / do_bench(lambda: dst.copy_(src), warmup=10, rep=50) / 1e9
-    del src, dst
-    print(f"device-to-device copy: {copy:.2f} TB/s (read + write)")
-    print(f"{'shape':8} {'M':>3} {'mxc us':>8} {'TB/s':>6} {'torch us':>9} {'TB/s':>6} {'of copy':>7}  config")
-    for name in shapes:
-        n, k = LLAMA3_8B_SHAPES[name]
-        ws = _weight_copies(n, k, dtype)
-        nbytes = n * k * ws[0].element_size()
-        for mb in buckets:
-            cfg = config_for(mb, n, k, dtype)
-            if do_tune:
-                cfg, _ = tune(n, k, dtype, mb, verbose=verbose, ws=ws)
-            x = torch.randn(mb, k, device="cuda").to(dtype)
-            y = linear_small_m(x, ws[0], config=cfg)
-            ref = torch.nn.functional.linear(x.float(), ws[0].float())
-            assert torch.allclose(y.float(), ref, atol=5e-2, rtol=5e-2), (name, mb)
-            t = _time_us(lambda x_, w_: linear_small_m(x_, w_, config=cfg), x, ws)
-            tt = _time_us(torch.nn.functional.linear, x, ws)
-            print(f"{name:8} {mb:3d} {t:8.1f} {nbytes / t / 1e6:6.2f} {tt:9.1f} {nbytes / tt / 1e6:6.2f} "
-                  f"{nbytes / t / 1e6 / copy:7.0%}  {cfg}", flush=True)
-        del ws
-
-
-if __name__ == "__main__":
-    import argparse
-
-    ap = argparse.ArgumentParser(description="benchmark (or --tune) linear_small_m on Llama-3-8B shapes")
-    ap.add_argument("--shapes", default=",".join(LLAMA3_8B_SHAPES))
-    ap.add_argument("--m", default=",".join(map(str, M_BUCKETS)))
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--tune", action="store_true")
-    ap.add_argument("--verbose", action="store_true")
-    a = ap.parse_args()
-    _bench(a.shapes.split(","), [int(m) for m in a.m.split(",")], getattr(torch, a.dtype),
-           do_tune=a.tune, verbose=a.verbose)

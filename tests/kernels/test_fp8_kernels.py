@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mxc.kernels import fp8_ref, torch_ref
+from mxc.kernels import fp8_ref, gemv_tuning, torch_ref
 from mxc.kernels import launch as launch_mod
 from mxc.kernels import triton_fp8 as tf
 from mxc.kernels import triton_fp8_gemm as tfm
@@ -173,10 +173,10 @@ def test_config_table():
                 assert cfg.BLOCK_K % 128 == 0  # whole 16-byte loads of e4m3 across a warp
                 # split K where the row tiles cannot fill the GPU (small N; 64-row SWAP_AB tiles: N < 8448)
                 assert (cfg.SPLIT_K > 1) == (n == 512 or (swap and -(-n // 64) < tf.NUM_SMS))
-        assert all(not c.USE_DOT or c.SWAP_AB for c in tf.candidates(1, gran))  # v1, or w @ x^T on wgmma
-        assert all(c.USE_DOT for c in tf.candidates(32, gran))
-        assert {c.USE_DOT for c in tf.candidates(4, gran)} == {False, True}
-        for c in tf.candidates(16, gran):
+        assert all(not c.USE_DOT or c.SWAP_AB for c in gemv_tuning.fp8_candidates(1, gran))  # v1, or w @ x^T on wgmma
+        assert all(c.USE_DOT for c in gemv_tuning.fp8_candidates(32, gran))
+        assert {c.USE_DOT for c in gemv_tuning.fp8_candidates(4, gran)} == {False, True}
+        for c in gemv_tuning.fp8_candidates(16, gran):
             tfv._check_gemv_config(c, gran == "block128")
     small = tf.config_for(1, 512, 4096, torch.bfloat16, "channel")
     assert small.BLOCK_N == 8 and -(-512 // small.BLOCK_N) * small.SPLIT_K >= tf.NUM_SMS // 2

@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mxc.kernels import gemv_tuning
 from mxc.kernels import launch as launch_mod
 from mxc.kernels import torch_ref
 from mxc.kernels import triton_gemv as tg
@@ -106,7 +107,7 @@ def test_writes_only_inside_out():
 def test_config_table():
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for mb in tg.M_BUCKETS:
-            for n, k in tg.LLAMA3_8B_SHAPES.values():
+            for n, k in gemv_tuning.LLAMA3_8B_SHAPES.values():
                 cfg = tg.config_for(mb, n, k, dtype)
                 assert cfg.BLOCK_K * torch.empty((), dtype=dtype).element_size() % 512 == 0  # whole warps of 16 B
                 assert cfg.USE_DOT == (mb > 1)  # v1 at M = 1, tensor cores from 2 (measured on H200)
@@ -117,8 +118,8 @@ def test_config_table():
     assert [tg.bucket(m) for m in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32)] == [1, 2, 4, 4, 8, 8, 16, 16, 32, 32]
     with pytest.raises(ValueError):
         tg.bucket(33)
-    assert all(c.USE_DOT for c in tg.candidates(32, torch.bfloat16))
-    assert {c.USE_DOT for c in tg.candidates(4, torch.bfloat16)} == {False, True}
+    assert all(c.USE_DOT for c in gemv_tuning.candidates(32, torch.bfloat16))
+    assert {c.USE_DOT for c in gemv_tuning.candidates(4, torch.bfloat16)} == {False, True}
 
 
 def test_rejects_bad_inputs():
