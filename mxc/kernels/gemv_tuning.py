@@ -12,6 +12,7 @@ ahead will run these and store their winners where ``config_for`` reads ``MEASUR
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
@@ -66,29 +67,24 @@ def time_us(fn, x: torch.Tensor, ws: list[torch.Tensor]) -> float:
     return do_bench(graph.replay, warmup=5, rep=40) * 1e3 / calls
 
 
-def tune(n: int, k: int, dtype: torch.dtype, m_bucket: int, *, configs=None, verbose: bool = False,
-         ws: list[torch.Tensor] | None = None):
-    """Time candidate configs on the current GPU (``time_us``: do_bench over a CUDA graph);
-    return ``(best_config, best_us)``. Each candidate is tried with SPLIT_K 1 and with
-    ``split_k_for``'s choice for its BLOCK_N; a wrong result or a compile failure skips it."""
-    ws = ws if ws is not None else weight_copies(n, k, dtype)
-    x = torch.randn(m_bucket, k, device="cuda").to(dtype)
-    ref = torch.nn.functional.linear(x.float(), ws[0].float())
+def _best(bases, n: int, k: int, run, ok, x: torch.Tensor, ws: list[torch.Tensor], verbose: bool, **fixed):
+    """Time each base config with SPLIT_K 1 and with ``split_k_for``'s choice for its BLOCK_N (``fixed``
+    fields set too): ``run(x, w, cfg)`` once, checked by ``ok(y)``, then ``time_us``; a wrong result, a
+    compile failure or running out of resources skips it. Returns ``(best_config, best_us)``."""
     nbytes = ws[0].numel() * ws[0].element_size()
-    best = (None, float("inf"))
-    tried = set()
-    for base in (configs if configs is not None else candidates(m_bucket, dtype)):
+    best, tried = (None, float("inf")), set()
+    for base in bases:
         for split in sorted({1, triton_gemv.split_k_for(triton.cdiv(n, base.BLOCK_N), k, base.BLOCK_K)}):
-            cfg = replace(base, SPLIT_K=split)
+            cfg = replace(base, SPLIT_K=split, **fixed)
             if cfg in tried:
                 continue
             tried.add(cfg)
             try:
-                y = triton_gemv.linear_small_m(x, ws[0], config=cfg)
+                y = run(x, ws[0], cfg)
                 torch.cuda.synchronize()
-                if not torch.allclose(y.float(), ref, atol=5e-2, rtol=5e-2):
+                if not ok(y):
                     raise RuntimeError("wrong result")
-                us = time_us(lambda x_, w_: triton_gemv.linear_small_m(x_, w_, config=cfg), x, ws)
+                us = time_us(lambda x_, w_, cfg=cfg: run(x_, w_, cfg), x, ws)
             except Exception as e:  # out of resources, compile failures: skip the candidate
                 if verbose:
                     print(f"  skip {cfg}: {type(e).__name__}: {str(e)[:80]}")
@@ -98,6 +94,18 @@ def tune(n: int, k: int, dtype: torch.dtype, m_bucket: int, *, configs=None, ver
             if us < best[1]:
                 best = (cfg, us)
     return best
+
+
+def tune(n: int, k: int, dtype: torch.dtype, m_bucket: int, *, configs=None, verbose: bool = False,
+         ws: list[torch.Tensor] | None = None):
+    """Time candidate configs of ``triton_gemv.linear_small_m`` on the current GPU (``_best``); return
+    ``(best_config, best_us)``."""
+    ws = ws if ws is not None else weight_copies(n, k, dtype)
+    x = torch.randn(m_bucket, k, device="cuda").to(dtype)
+    ref = torch.nn.functional.linear(x.float(), ws[0].float())
+    return _best(configs if configs is not None else candidates(m_bucket, dtype), n, k,
+                 lambda x_, w_, cfg: triton_gemv.linear_small_m(x_, w_, config=cfg),
+                 lambda y: torch.allclose(y.float(), ref, atol=5e-2, rtol=5e-2), x, ws, verbose)
 
 
 LLAMA3_8B_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
@@ -111,7 +119,7 @@ def bench(shapes, buckets, dtype, *, do_tune=False, verbose=False):
 
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    copy = 2 * src.numel() / do_bench(lambda: dst.copy_(src), warmup=10, rep=50) / 1e9
+    copy = 2 * src.numel() / do_bench(functools.partial(dst.copy_, src), warmup=10, rep=50) / 1e9
     del src, dst
     print(f"device-to-device copy: {copy:.2f} TB/s (read + write)")
     print(f"{'shape':8} {'M':>3} {'mxc us':>8} {'TB/s':>6} {'torch us':>9} {'TB/s':>6} {'of copy':>7}  config")
@@ -149,40 +157,19 @@ def fp8_candidates(m_bucket: int, granularity: str) -> list[QGemvConfig]:
     return (v1 if m_bucket == 1 else v3 if m_bucket >= 16 else v2 + v3) + swap
 
 
-def tune_fp8(n: int, k: int, dtype: torch.dtype, m_bucket: int, granularity: str = "channel", *, verbose=False):
-    """Time ``fp8_candidates`` (``triton_fp8.qlinear_small_m``) on the current GPU (CUDA graph of back-to-back calls over weight
-    copies covering 4x the L2); return ``(best_config, best_us)``. Wrong results and compile
-    failures skip a candidate."""
-
-    w = torch.randn(n, k) * k ** -0.5
-    q, s = quantize_fp8(w, granularity)
+def tune_fp8(n: int, k: int, dtype: torch.dtype, m_bucket: int, granularity: str = "channel", *, configs=None,
+             verbose: bool = False):
+    """Time ``fp8_candidates`` of ``triton_fp8.qlinear_small_m`` on the current GPU (``_best``, over e4m3
+    weight copies covering 4x the L2); return ``(best_config, best_us)``."""
+    q, s = quantize_fp8(torch.randn(n, k) * k ** -0.5, granularity)
     s = s.cuda()
     ws = [q.cuda().clone() for _ in range(max(1, -(-4 * L2_BYTES // (n * k))))]
     x = torch.randn(m_bucket, k, device="cuda").to(dtype)
     ref = fp8_ref.qlinear(x, ws[0], s, granularity=granularity).float()
-    best, tried = (None, float("inf")), set()
-    for base in fp8_candidates(m_bucket, granularity):
-        for split in sorted({1, triton_gemv.split_k_for(triton.cdiv(n, base.BLOCK_N), k, base.BLOCK_K)}):
-            cfg = replace(base, SPLIT_K=split, QUANT_BLOCK_K=triton_fp8_quant._quant_block(k))
-            if cfg in tried:
-                continue
-            tried.add(cfg)
-            run = lambda x_, w_: triton_fp8_gemv.qlinear_small_m(x_, w_, s, granularity=granularity, config=cfg)  # noqa: E731
-            try:
-                y = run(x, ws[0])
-                torch.cuda.synchronize()
-                if (y.float() - ref).abs().max() > 2e-2 * ref.abs().max():
-                    raise RuntimeError("wrong result")
-                us = time_us(run, x, ws)
-            except Exception as e:  # out of resources, compile failures: skip
-                if verbose:
-                    print(f"  skip {cfg}: {type(e).__name__}: {str(e)[:80]}")
-                continue
-            if verbose:
-                print(f"  {us:8.1f} us {n * k / us / 1e6:6.2f} TB/s  {cfg}", flush=True)
-            if us < best[1]:
-                best = (cfg, us)
-    return best
+    return _best(configs if configs is not None else fp8_candidates(m_bucket, granularity), n, k,
+                 lambda x_, w_, cfg: triton_fp8_gemv.qlinear_small_m(x_, w_, s, granularity=granularity, config=cfg),
+                 lambda y: bool((y.float() - ref).abs().max() <= 2e-2 * ref.abs().max()), x, ws, verbose,
+                 QUANT_BLOCK_K=triton_fp8_quant._quant_block(k))
 
 
 if __name__ == "__main__":
