@@ -11,7 +11,10 @@ active while the step is captured) in turn, so machine drift hits all variants a
         --variant new= [--bf16] [--profile new]
 
 ``--bf16`` also builds and times the bf16 artifact of the same config (the fp8 / bf16 ratio of
-issue #5 measured in the same run). Prints ms/step per round and the median per variant.
+issue #5 measured in the same run). ``--prefill N`` also times, each round and variant, a prefill of N
+tokens (median of three after a warm-up): prefill figures move between machines by more than most
+changes, so a prefill choice is judged within one call. Prints ms/step per round and the median per
+variant.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mxc  # noqa: E402
-from decode import bench_generate, copy_bandwidth, weight_bytes  # noqa: E402
+from decode import bench_generate, copy_bandwidth, cuda_time, weight_bytes  # noqa: E402
 
 HERE = Path(__file__).parent
 
@@ -93,6 +96,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--bf16", action="store_true", help="also time the bf16 artifact (for the fp8 / bf16 ratio)")
     p.add_argument("--profile", default="", help="variant to print a per-kernel breakdown of (plain launches)")
+    p.add_argument("--prefill", type=int, default=0, help="also time a prefill of this many tokens per variant")
     args = p.parse_args()
     try:
         variants = [parse_variant(v) for v in args.variant] or [("default", [])]
@@ -106,7 +110,7 @@ def main() -> None:
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     common = dict(config=args.config, target="cuda", dtype="bfloat16", max_batch=max(8, args.batch),
-                  max_seq_len=2049, progress=False)
+                  max_seq_len=max(2049, args.prefill + 1), progress=False)
     out = Path(args.out)
     t0 = time.perf_counter()
     with recording_all(variants):
@@ -116,14 +120,19 @@ def main() -> None:
     nbytes, _ = weight_bytes(json.loads((out / "manifest.json").read_text()), out)
     gen = lambda ids, new: model.generate(ids, max_new_tokens=new)  # noqa: E731
     times = {name: [] for name, _ in variants}
+    prefills = {name: [] for name, _ in variants}
+    prompt = torch.randint(0, 1000, (1, args.prefill))
     for r in range(args.rounds):
         for name, patches in variants:
             model._decoder.drop_graphs()
             with patched(patches):
                 step = bench_generate(gen, args.batch, 128, 128)
+                pre = cuda_time(lambda: model.generate(prompt, max_new_tokens=1)) if args.prefill else None
             times[name].append(step)
-            print(f"round {r} {name:12s} {step * 1e3:.3f} ms/step  {nbytes / step / bw * 100:.0f}% of copy BW",
-                  flush=True)
+            if pre is not None:
+                prefills[name].append(pre)
+            print(f"round {r} {name:12s} {step * 1e3:.3f} ms/step  {nbytes / step / bw * 100:.0f}% of copy BW"
+                  + (f"  prefill {args.prefill}: {pre * 1e3:.2f} ms" if pre is not None else ""), flush=True)
     if args.profile:
         from profile_step import profile_decode
 
@@ -144,6 +153,9 @@ def main() -> None:
         ratio = f"  bf16 / this {bf16 / m:.2f}x" if bf16 else ""
         print(f"{name:12s} median {m * 1e3:.3f} ms/step (rounds: {', '.join(f'{t * 1e3:.3f}' for t in times[name])})"
               f"{ratio}")
+        if prefills[name]:
+            print(f"{'':12s} prefill {args.prefill}: median {statistics.median(prefills[name]) * 1e3:.2f} ms "
+                  f"(rounds: {', '.join(f'{t * 1e3:.2f}' for t in prefills[name])})")
     if bf16:
         print(f"{'bf16':12s} median {bf16 * 1e3:.3f} ms/step")
 
