@@ -76,6 +76,8 @@ holds fp8 as raw bits).
 
 from __future__ import annotations
 
+import torch
+
 from mxc.kernels.triton_fp8_gemm import QGemmConfig, gemm_config_for, qlinear_gemm
 from mxc.kernels.triton_fp8_gemv import QGemvConfig, config_for, qlinear_small_m
 from mxc.kernels.triton_fp8_quant import FP8, FP8_MAX, GRANULARITIES

@@ -53,7 +53,7 @@ def _worker(rank, world_size, device, out):
 
     def check(outs):
         for i in range(len(rows)):
-            (s, h), (s2, t), ((ls, lh), ls2) = outs[3 * i], outs[3 * i + 1], outs[3 * i + 2]
+            (s, h), (s2, _), ((ls, lh), ls2) = outs[3 * i], outs[3 * i + 1], outs[3 * i + 2]
             errors.append(max(float((s - want[i][0]).abs().max()), float((h - want[i][1]).abs().max()),
                               float((s2 - want[i][0]).abs().max())))
             # the pushing GEMV: its fp32 sums may round a partial an ulp apart from cuBLAS's

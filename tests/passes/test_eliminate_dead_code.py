@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from mxc.compiler.passes import eliminate_dead_code
 from mxc.ir import Graph, Node, Repeat, TensorType, Weight, verify
 

@@ -9,7 +9,7 @@ loop-carried values. Ops have no side effects in the IR (the KV cache write of
 
 from __future__ import annotations
 
-from mxc.ir import Graph, Node, Repeat
+from mxc.ir import Graph, Node
 
 
 def _sweep(nodes, live: set) -> list[Node]:
