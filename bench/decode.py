@@ -240,9 +240,10 @@ def main() -> None:
         del model
         torch.cuda.empty_cache()
         fp8_out = Path(f"{out}-fp8")
-        mxc.build("llama.yaml", config=args.config, out=fp8_out, target="cuda", dtype="bfloat16", quant="fp8",
-                  max_batch=32, max_seq_len=max(args.prefill + 1, args.prompt + args.new), progress=False,
-                  disable_passes=args.disable_pass, pdl=args.pdl)
+        fp8_kw = dict(config=args.config, target="cuda", dtype="bfloat16", quant="fp8", max_batch=32,
+                      max_seq_len=max(args.prefill + 1, args.prompt + args.new), progress=False,
+                      disable_passes=args.disable_pass, pdl=args.pdl)
+        mxc.build("llama.yaml", out=fp8_out, **fp8_kw)
         model = mxc.load(fp8_out, device="cuda", verify=False)
         fbytes, _ = weight_bytes(json.loads((fp8_out / "manifest.json").read_text()), fp8_out)
         step = bench_generate(lambda ids, new: model.generate(ids, max_new_tokens=new), 1, args.prompt, args.new)
@@ -257,9 +258,7 @@ def main() -> None:
                   flush=True)
         if args.quant_lm_head:
             head_out = Path(f"{out}-fp8-head")
-            mxc.build("llama.yaml", config=args.config, out=head_out, target="cuda", dtype="bfloat16", quant="fp8",
-                      quant_lm_head=True, max_batch=32, max_seq_len=max(args.prefill + 1, args.prompt + args.new),
-                      progress=False, disable_passes=args.disable_pass, pdl=args.pdl)
+            mxc.build("llama.yaml", out=head_out, quant_lm_head=True, **fp8_kw)
             head_model = mxc.load(head_out, device="cuda", verify=False)
             hbytes, _ = weight_bytes(json.loads((head_out / "manifest.json").read_text()), head_out)
             hstep = bench_generate(lambda ids, new: head_model.generate(ids, max_new_tokens=new), 1, args.prompt,

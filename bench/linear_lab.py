@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mxc.kernels import fp8_gemm, triton_fp8, triton_fp8_quant, triton_gemv  # noqa: E402
-from mxc.kernels.gemv_tuning import L2_BYTES, LLAMA3_8B_SHAPES, time_us, tune, tune_fp8, weight_copies  # noqa: E402
+from mxc.kernels.gemv_tuning import LLAMA3_8B_SHAPES, copies_for, time_us, tune, tune_fp8, weight_copies  # noqa: E402
 from mxc.loaders.quantize import quantize_fp8  # noqa: E402
 
 SHAPES = {k: v for k, v in LLAMA3_8B_SHAPES.items() if k != "lm_head"}
@@ -51,7 +51,7 @@ def bf16_gemv(ms):
 def fp8_weights(n, k):
     w = torch.randn(n, k, device="cuda") * k ** -0.5
     q, s = quantize_fp8(w.cpu(), "channel")
-    copies = max(1, -(-4 * L2_BYTES // (n * k)))
+    copies = copies_for(n * k)
     return [q.cuda().clone() for _ in range(copies)], s.cuda()
 
 
@@ -129,7 +129,7 @@ def quant_lab(m=2048):
         silu, rms = prologue == "silu_mul", prologue == "rms_norm"
         x = torch.randn(m, 2 * k if silu else k, device="cuda", dtype=torch.bfloat16) * 2
         x[:, :7] *= 8
-        copies = max(1, -(-4 * L2_BYTES // (x.numel() * 2)))
+        copies = copies_for(x.numel() * 2)
         xs_in = [x] + [x.clone() for _ in range(copies - 1)]
         g = (1 + 0.1 * torch.randn(k, device="cuda")).to(torch.bfloat16) if rms else None
         nbytes = x.numel() * 2 + (k * 2 if rms else 0) + m * k + m * 4

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from mxc.kernels import triton_fp8, triton_gemv  # noqa: E402
-from mxc.kernels.gemv_tuning import L2_BYTES, LLAMA3_8B_SHAPES  # noqa: E402
+from mxc.kernels.gemv_tuning import LLAMA3_8B_SHAPES, copies_for  # noqa: E402
 from mxc.loaders.quantize import quantize_fp8  # noqa: E402
 from moe_lab import time_us  # noqa: E402  (a CUDA graph of back-to-back calls, timed by do_bench)
 
@@ -73,7 +73,7 @@ def main() -> None:
         for name in args.shapes.split(","):
             n, k = LLAMA3_8B_SHAPES[name]
             nbytes = n * k * (1 if dtype == torch.float8_e4m3fn else 2)
-            copies = max(2, -(-4 * L2_BYTES // nbytes))
+            copies = max(2, copies_for(nbytes))
             x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
             if dtype == torch.float8_e4m3fn:
                 q, s = quantize_fp8(torch.randn(n, k) * k ** -0.5, "channel")

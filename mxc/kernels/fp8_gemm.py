@@ -63,14 +63,13 @@ def cutlass(x, weight, scale, bias=None, residual=None, granularity="channel", p
         # the residual in the GEMM's epilogue (the same bits as the add after it; a bias would come first)
         fold = (residual is not None and bias is None and gemm.has_residual and residual.dtype == torch.bfloat16
                 and residual.shape == (m, n) and residual.is_contiguous())
-        c = residual if fold else None
         nbytes = gemm.workspace_bytes(m, n, k, residual=fold)
         workspace = torch.empty(nbytes, dtype=torch.uint8, device=x.device) if nbytes else None
         gemm(xq.data_ptr(), weight.data_ptr(), xs.float().contiguous().data_ptr(),
              scale.float().contiguous().data_ptr(), y.data_ptr(), m, n, k,
              stream=torch.cuda.current_stream(x.device).cuda_stream,
              workspace=workspace.data_ptr() if workspace is not None else 0, workspace_bytes=nbytes,
-             residual=c.data_ptr() if fold else 0)
+             residual=residual.data_ptr() if fold else 0)
         if fold:
             return y
     return _plus(y, bias, residual)

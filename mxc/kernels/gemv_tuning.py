@@ -40,11 +40,15 @@ def candidates(m_bucket: int, dtype: torch.dtype) -> list[triton_gemv.GemvConfig
 L2_BYTES = 60 << 20  # H200
 
 
+def copies_for(nbytes: int) -> int:
+    """How many copies of an ``nbytes`` tensor cover 4x the L2, so that cycling through them reads HBM."""
+    return max(1, -(-4 * L2_BYTES // nbytes))
+
+
 def weight_copies(n: int, k: int, dtype: torch.dtype) -> list[torch.Tensor]:
     """Enough copies of a random [n, k] weight to cover 4x the L2, so each call reads HBM."""
     nbytes = n * k * torch.empty((), dtype=dtype).element_size()
-    return [(torch.randn(n, k, device="cuda") * k ** -0.5).to(dtype)
-            for _ in range(max(1, -(-4 * L2_BYTES // nbytes)))]
+    return [(torch.randn(n, k, device="cuda") * k ** -0.5).to(dtype) for _ in range(copies_for(nbytes))]
 
 
 def time_us(fn, x: torch.Tensor, ws: list[torch.Tensor]) -> float:
@@ -142,7 +146,6 @@ def bench(shapes, buckets, dtype, *, do_tune=False, verbose=False):
         del ws
 
 
-
 def fp8_candidates(m_bucket: int, granularity: str) -> list[QGemvConfig]:
     """Configs ``tune_fp8`` tries (SPLIT_K added per shape): v1 at M = 1, v3 from 16, v1/v2 and v3
     between; fused and prequantized activations for each; v3 with SWAP_AB at every bucket."""
@@ -163,7 +166,7 @@ def tune_fp8(n: int, k: int, dtype: torch.dtype, m_bucket: int, granularity: str
     weight copies covering 4x the L2); return ``(best_config, best_us)``."""
     q, s = quantize_fp8(torch.randn(n, k) * k ** -0.5, granularity)
     s = s.cuda()
-    ws = [q.cuda().clone() for _ in range(max(1, -(-4 * L2_BYTES // (n * k))))]
+    ws = [q.cuda().clone() for _ in range(copies_for(n * k))]
     x = torch.randn(m_bucket, k, device="cuda").to(dtype)
     ref = fp8_ref.qlinear(x, ws[0], s, granularity=granularity).float()
     return _best(configs if configs is not None else fp8_candidates(m_bucket, granularity), n, k,
@@ -183,4 +186,4 @@ if __name__ == "__main__":
     ap.add_argument("--verbose", action="store_true")
     a = ap.parse_args()
     bench(a.shapes.split(","), [int(m) for m in a.m.split(",")], getattr(torch, a.dtype),
-           do_tune=a.tune, verbose=a.verbose)
+          do_tune=a.tune, verbose=a.verbose)
