@@ -14,6 +14,8 @@
 #   small   the small decode kernels (norms, RoPE, attention, SiLU) over their warps and splits
 #   lab     bf16 and fp8 GEMVs one by one (fp8: SWAP_AB against the widening kernel);
 #           add --all for the prefill GEMMs too
+#   ablate  what each kernel costs the batch-1 step (bench/ablate.py): fp8 Llama-3-8B small kernels and GEMVs,
+#           bf16, then Qwen3-30B-A3B (the router's outputs fixed)
 # Logs go to $OUT (the device tool's output folder) when set, else to build/gpu-logs.
 # Device-time plan for one session (each line one call, under 10 minutes):
 #   nvidia-h200:    tests, then lab  |  decode, then ab  |  moe (MOE_ARGS=--batch1-only: ~4 minutes)
@@ -46,7 +48,17 @@ case "${1:-}" in
           run 150 ab_fp8_nofold.log python3 bench/decode.py --reuse --out "$scratch/b8" --batches "" --quant fp8 \
             --disable-pass fuse_norm_linear --hf-batches "" ;;
   small)  run 280 small_lab.log python3 bench/small_lab.py ;;
+  ablate) run 200 ablate_fp8.log python3 bench/ablate.py --quant fp8 --out "$scratch/abl8" --replay \
+            --skip quant=_quant_tile_kernel --skip silu=silu_mul_kernel --skip attn=decode_split_kernel+decode_reduce_kernel \
+            --skip small=ALL_BUT_GEMV --skip qkv=_qgemv_kernel:N=6144 --skip o=_qgemv_kernel:N=4096:K=4096 \
+            --skip gate_up=_qgemv_kernel:N=28672 --skip down=_qgemv_kernel:K=14336; rm -rf "$scratch"/abl8
+          run 120 ablate_bf16.log python3 bench/ablate.py --out "$scratch/abl16" --rounds 2 --skip small=ALL_BUT_GEMV \
+            --skip gemv=ONLY_GEMV; rm -rf "$scratch"/abl16
+          run 280 ablate_moe.log python3 bench/ablate.py --config bench/qwen3_30b_a3b.json --max-seq-len 512 \
+            --out "$scratch/ablmoe" --skip attn=decode_split_kernel+decode_reduce_kernel --skip router=norm_route_kernel \
+            --skip small=rms_norm_kernel+rope_qkv_write_kernel+decode_split_kernel+decode_reduce_kernel+norm_route_kernel \
+            --skip up=_pair_up_kernel --skip down=_pair_down_tile_kernel; rm -rf "$scratch"/ablmoe ;;
   lab)    if [ "${2:-}" = "--all" ]; then skip=""; else skip="--skip prefill"; fi
           run 280 lab.log python3 bench/linear_lab.py --m 1,8,32 $skip ;;
-  *) echo "usage: bash bench/gpu_session.sh tests|decode|ab|moe|moelab|tp|small|lab" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu_session.sh tests|decode|ab|moe|moelab|tp|small|lab|ablate" >&2; exit 2 ;;
 esac

@@ -68,7 +68,9 @@ LOG2E = 1.4426950408889634
 def _split_rows(kv_len, split, HAS_WINDOW: tl.constexpr, WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr):
     """[lo, hi): this split's share of the rows the new token (position kv_len - 1) sees, cut into
     NUM_SPLITS equal chunks at run time: a short context spreads over every split (one block each)
-    instead of filling the first split's blocks one after another while the others idle."""
+    instead of filling the first split's blocks one after another while the others idle. Measured on
+    the H200 (2026-12-01, ``bench/decode_ab.py``): chunks of at least 128 or 256 rows (fewer busy splits
+    at a short context) were no faster, Llama-3-8B fp8 batch 1 2.797 and 2.850 against 2.774 ms."""
     first = 0
     if HAS_WINDOW:
         first = tl.maximum(kv_len - WINDOW, 0)
@@ -159,6 +161,9 @@ def _prefill_inner(acc, l_i, m_i, q, kt_ptrs, v_ptrs, start, end, pos_m, hi, qk_
 # wrappers: check, allocate, launch (pure functions of shapes, dtypes and static arguments)
 
 
+MAX_SPLITS = 32  # decode splits at most (``bench/ablate.py --set`` varies it)
+
+
 def default_splits(L: int, batch_kv_heads: int = 1) -> int:
     """Decode splits for a cache of L rows and B * HKV (batch_kv_heads) programs per split.
 
@@ -168,7 +173,7 @@ def default_splits(L: int, batch_kv_heads: int = 1) -> int:
     B=8 L=4096 at 4-8 splits 3.5-3.65 TB/s; B=32 L=4096 is best at 1 split (4.4 TB/s).
     """
     splits = 1
-    while splits < 32 and L // (2 * splits) >= 128 and batch_kv_heads * splits * 2 <= 256:
+    while splits < MAX_SPLITS and L // (2 * splits) >= 128 and batch_kv_heads * splits * 2 <= 256:
         splits *= 2
     return splits
 
