@@ -11,7 +11,12 @@ against 22.0; and weights widened by integer ops instead of cvt, 3-7% slower. A 
 in bf16, no quantize kernel; the weights widened to bf16, as v1 FMA or as the A operand of a bf16 wgmma
 under SWAP_AB): Llama-3-8B fp8 batch-1 decode 3.97 against 2.75 ms (``bench/decode_ab.py``, 2026-12-01;
 its GEMVs 3389 against 2127 us a step), since the e4m3 wgmma needs both operands in e4m3 and widening the
-weights in registers costs more than the quantize kernels it saves (329 us a step).
+weights in registers costs more than the quantize kernels it saves (329 us a step). SWAP_AB (e4m3 wgmma)
+for o and down at one row too (64-row tiles, K split 4), with the splits summed by the reduce kernel or
+inside the GEMV by each column block's last program (an atomic count; no second launch): 2.745 and
+2.738 ms a step against 2.755 (``bench/decode_ab.py``, 2026-12-01), within the rounds' spread; in the
+step these two GEMVs already cost about their bytes (``bench/ablate.py``: down 15.3 us a layer for 14.0
+us of bytes at the copy rate; o 6.6 for 4.0).
 """
 
 from __future__ import annotations
