@@ -44,10 +44,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mxc  # noqa: E402
 from decode import bench_generate, copy_bandwidth, cuda_time  # noqa: E402
-from decode_ab import parse_variant, patched  # noqa: E402
+from decode_ab import parse_variant, patched, recording_all  # noqa: E402
 
 HERE = Path(__file__).parent
-GEMVS = {"_gemv_kernel", "_qgemv_kernel", "_gemv_reduce_kernel", "_qgemv_reduce_kernel"}
+GEMVS = {"_gemv_kernel", "_qgemv_kernel", "_splitk_reduce_kernel", "_qgemv_reduce_kernel"}  # with split-K sums
 
 
 def kernel_name(kernel) -> str:
@@ -137,8 +137,6 @@ def main() -> None:
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     t0 = time.perf_counter()
     out = Path(args.out)
-    from decode_ab import recording_all
-
     with recording_all([(name, patches) for name, _, patches in variants]):
         mxc.build("llama.yaml", config=args.config, out=out, target="cuda", dtype="bfloat16", quant=args.quant,
                   max_batch=8, max_seq_len=args.max_seq_len, progress=False)
