@@ -85,10 +85,14 @@ def fixed_routing(layers: int, experts: int, k: int, device):
         triton_route.add_rms_norm_route = original
 
 
+GROUPS = {"ALL_BUT_GEMV", "ONLY_GEMV"}
+
+
 @contextmanager
-def skipping(launcher, skip: set[str], seen: Counter | None = None):
+def skipping(launcher, skip: set[str], seen: Counter | None = None, matched: set | None = None):
     """Launches through ``launcher`` of kernels named in ``skip`` do nothing inside this block
-    (``ALL_BUT_GEMV`` / ``ONLY_GEMV`` as in the module doc); ``seen`` counts every launch by name."""
+    (``ALL_BUT_GEMV`` / ``ONLY_GEMV`` as in the module doc); ``seen`` counts every launch by name,
+    ``matched`` collects the entries of ``skip`` that matched a launch."""
     call = type(launcher).__call__
 
     def maybe(self, kernel, grid, args, constexprs, num_warps, num_stages):
@@ -96,8 +100,10 @@ def skipping(launcher, skip: set[str], seen: Counter | None = None):
         if seen is not None:
             seen[name] += 1
         gemv = name in GEMVS
-        if any(matches(e, name, constexprs) for e in skip) or ("ALL_BUT_GEMV" in skip and not gemv) \
-                or ("ONLY_GEMV" in skip and gemv):
+        hits = [e for e in skip if e not in GROUPS and matches(e, name, constexprs)]
+        if matched is not None:
+            matched.update(hits)
+        if hits or ("ALL_BUT_GEMV" in skip and not gemv) or ("ONLY_GEMV" in skip and gemv):
             return
         call(self, kernel, grid, args, constexprs, num_warps, num_stages)
 
@@ -147,10 +153,8 @@ def main() -> None:
     if args.list:
         seen: Counter = Counter()
         model._decoder.drop_graphs()
-        gen(torch.randint(0, 1000, (1, 16)), 2)  # the prefill, then one step captured
         with skipping(launcher, set(), seen):
-            model._decoder.drop_graphs()
-            gen(torch.randint(0, 1000, (1, 16)), 2)
+            gen(torch.randint(0, 1000, (1, 16)), 2)  # the prefill, then one step captured
         print("launches in a prefill of 16 tokens + one captured step:")
         for name, n in seen.most_common():
             print(f"  {n:5d}  {name}")
@@ -163,8 +167,12 @@ def main() -> None:
     for r in range(args.rounds):
         for name, skip, patches in variants:
             model._decoder.drop_graphs()
-            with skipping(launcher, skip), patched(patches), routing():
+            matched: set = set()
+            with skipping(launcher, skip, matched=matched), patched(patches), routing():
                 step = bench_generate(gen, 1, 128, 128)
+            if skip - GROUPS - matched:  # a misspelt kernel would time the full step under another name
+                sys.exit(f"ablate.py: --skip {name}: {', '.join(sorted(skip - GROUPS - matched))} matched no launch; "
+                         f"--list prints the kernels a step launches")
             times[name].append(step)
             print(f"round {r} {name:14s} {step * 1e3:.3f} ms/step", flush=True)
     model._decoder.drop_graphs()
