@@ -20,8 +20,9 @@ scale_a=sa[:, None], scale_b=sb[None, :], out_dtype=torch.bfloat16)`` computes, 
   tile (vLLM's ``TileShape``); cutlass_cppgen 4.2 takes the whole cluster's tile and divides it by the
   cluster for the mainloop, but its sm90 EVT emitter declares the broadcasts with the undivided shape,
   so for clusters other than 1x1x1 that one declaration is corrected here (``_fix_evt_tile``).
-- ``compile_so`` runs nvcc on that source into a shared library (cudart linked statically, so the
-  library needs only the driver, ``libcuda.so.1``, and no CUDA runtime or torch of a particular version).
+- ``compile_so`` runs nvcc on that source into a shared library (``mxc.kernels.nvcc``: cudart linked
+  statically, so the library needs only the driver, ``libcuda.so.1``, and no CUDA runtime or torch of a
+  particular version).
 - ``load`` opens the library with ctypes; ``CutlassFp8Gemm.__call__`` takes raw device pointers (a
   tensor's ``data_ptr()``), sizes and a stream handle, so the call path imports nothing from torch.
 - ``build_library`` is what ``mxc build`` calls when ``select_kernels`` chose the CUTLASS GEMM: the
@@ -40,11 +41,11 @@ import ctypes
 import functools
 import os
 import shutil
-import subprocess
 import tempfile
 import threading
-import warnings
 from pathlib import Path
+
+from mxc.kernels import nvcc as nvcc_tool
 
 ARCH_CC = 90
 STATUS = {0: "ok", 1: "CUTLASS can_implement rejected the problem (M, N, K, alignment)",
@@ -65,23 +66,10 @@ PREBUILT_ENV = "MXC_CUTLASS_LIBRARY"
 _import_lock = threading.Lock()
 
 
-def _nvcc() -> str | None:
-    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
-        if home and os.access(os.path.join(home, "bin", "nvcc"), os.X_OK):
-            return os.path.join(home, "bin", "nvcc")
-    return shutil.which("nvcc") or (
-        "/usr/local/cuda/bin/nvcc" if os.access("/usr/local/cuda/bin/nvcc", os.X_OK) else None)
-
-
-def _nvcc_version(nvcc: str) -> str:
-    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
-    return out.split(" release ")[-1].split(",")[0].strip()
-
-
 @functools.lru_cache(maxsize=None)
 def _cppgen():
     """``cutlass_cppgen``, imported in a scratch directory and set up to generate sm90 kernels without a GPU."""
-    nvcc = _nvcc()
+    nvcc = nvcc_tool.find()
     if nvcc is None:
         raise RuntimeError("nvcc not found (CUDA_HOME, PATH, /usr/local/cuda)")
     with _import_lock, tempfile.TemporaryDirectory(prefix="mxc_cutlass_") as scratch:
@@ -95,7 +83,7 @@ def _cppgen():
         # the kernel generator filters kernels by toolkit version; cutlass_cppgen reads it from nvcc on PATH
         # only when it initialises a CUDA context, which this machine may not have
         if cutlass_cppgen._nvcc_version is None:
-            cutlass_cppgen._nvcc_version = _nvcc_version(nvcc)
+            cutlass_cppgen._nvcc_version = nvcc_tool.version(nvcc)
         if cutlass_cppgen._option_registry is None:  # normally built for the current device's compute capability
             cutlass_cppgen._option_registry = OptionRegistry(ARCH_CC)
     return cutlass_cppgen
@@ -109,7 +97,7 @@ def available() -> str | None:
         return f"turned off (${PREBUILT_ENV}=none)"
     if prebuilt:
         return None if Path(prebuilt).is_file() else f"${PREBUILT_ENV}={prebuilt} is not a file"
-    if _nvcc() is None:
+    if nvcc_tool.find() is None:
         return "nvcc not found (set CUDA_HOME or put nvcc on PATH)"
     try:
         import cutlass_library  # noqa: F401  (ships with nvidia-cutlass, holds the CUTLASS headers)
@@ -374,41 +362,9 @@ def generate(tile=(128, 128, 128), cluster=(1, 1, 1), schedule="cooperative", fa
 
 def compile_so(source: str, out_path, arch: str = "90a", timeout: float = 1800, nvcc: str | None = None,
                extra_flags=()) -> Path:
-    """Compile ``source`` into a shared library at ``out_path`` (written to a temporary file, then renamed).
-
-    Only ``sm_{arch}`` machine code is embedded (``-gencode=arch=compute_90a,code=sm_90a``; no PTX):
-    wgmma and setmaxnreg exist only for the ``a`` target. cudart is linked statically: the library then
-    needs only the driver (``libcuda.so.1``) on the GPU machine, whatever CUDA runtime its torch ships,
-    and loads (without a driver) on a machine with none. Raises RuntimeError with nvcc's last lines when
-    it fails; warns when ptxas reports register spills.
-    """
-    nvcc = nvcc or _nvcc()
-    if nvcc is None:
-        raise RuntimeError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="mxc_cutlass_build_") as tmp:
-        src = Path(tmp) / "kernel.cu"
-        src.write_text(source)
-        tmp_so = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
-        cmd = [nvcc, "-O3", "-std=c++17", "--expt-relaxed-constexpr", f"-gencode=arch=compute_{arch},code=sm_{arch}",
-               "-shared", "-Xcompiler", "-fPIC", "-cudart", "static", "-DNDEBUG", "-Xptxas=-warn-spills",
-               "-Xcudafe", "--diag_suppress=esa_on_defaulted_function_ignored",
-               *[f"-I{d}" for d in include_dirs()], *extra_flags, str(src), "-o", str(tmp_so)]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired as e:
-            tmp_so.unlink(missing_ok=True)
-            raise RuntimeError(f"nvcc timed out after {timeout} s compiling the CUTLASS fp8 kernel") from e
-        if proc.returncode != 0:
-            tmp_so.unlink(missing_ok=True)
-            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-30:])
-            raise RuntimeError(f"nvcc failed ({proc.returncode}) compiling the CUTLASS fp8 kernel:\n{tail}")
-        os.replace(tmp_so, out_path)
-    spills = [line.strip() for line in (proc.stdout + proc.stderr).splitlines() if "spill" in line]
-    if spills:
-        warnings.warn(f"{out_path.name}: ptxas: {spills[0]}", stacklevel=2)
-    return out_path
+    """Compile ``source`` into a shared library at ``out_path`` with CUTLASS's headers (``mxc.kernels.nvcc``)."""
+    return nvcc_tool.compile_so(source, out_path, what="CUTLASS fp8 kernel", arch=arch, include_dirs=include_dirs(),
+                                timeout=timeout, nvcc=nvcc, extra_flags=extra_flags)
 
 
 class CutlassFp8Gemm:
@@ -467,7 +423,7 @@ def load(so_path) -> CutlassFp8Gemm:
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mxc" / "cutlass"
+    return nvcc_tool.cache_dir("cutlass")
 
 
 def build_library(out_path, log=print) -> Path:

@@ -1,0 +1,71 @@
+"""nvcc for the hand-written and generated CUDA libraries (the CUTLASS fp8 GEMM, the persistent fp8 MLP pair).
+
+``find`` locates nvcc (``$CUDA_HOME``, ``$CUDA_PATH``, PATH, /usr/local/cuda); ``compile_so`` builds one .cu
+source into a shared library for ``sm_90a``. Only machine code for that target is embedded (no PTX: wgmma,
+setmaxnreg and the bulk-copy/mbarrier forms the kernels use exist only for the ``a`` target), and cudart is
+linked statically, so a library needs only the driver (``libcuda.so.1``) on the GPU machine, whatever CUDA
+runtime its torch ships, and opens (without a driver) on a machine with none. No GPU is needed to build.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+
+def find() -> str | None:
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
+        if home and os.access(os.path.join(home, "bin", "nvcc"), os.X_OK):
+            return os.path.join(home, "bin", "nvcc")
+    return shutil.which("nvcc") or (
+        "/usr/local/cuda/bin/nvcc" if os.access("/usr/local/cuda/bin/nvcc", os.X_OK) else None)
+
+
+def version(nvcc: str) -> str:
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    return out.split(" release ")[-1].split(",")[0].strip()
+
+
+def compile_so(source: str, out_path, *, what: str, arch: str = "90a", include_dirs=(), timeout: float = 1800,
+               nvcc: str | None = None, extra_flags=()) -> Path:
+    """Compile ``source`` into a shared library at ``out_path`` (written to a temporary file, then renamed).
+
+    ``what`` names the library in errors. Raises RuntimeError with nvcc's last lines when it fails; warns when
+    ptxas reports register spills.
+    """
+    nvcc = nvcc or find()
+    if nvcc is None:
+        raise RuntimeError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="mxc_nvcc_") as tmp:
+        src = Path(tmp) / "kernel.cu"
+        src.write_text(source)
+        tmp_so = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
+        cmd = [nvcc, "-O3", "-std=c++17", "--expt-relaxed-constexpr", f"-gencode=arch=compute_{arch},code=sm_{arch}",
+               "-shared", "-Xcompiler", "-fPIC", "-cudart", "static", "-DNDEBUG", "-Xptxas=-warn-spills",
+               "-Xcudafe", "--diag_suppress=esa_on_defaulted_function_ignored",
+               *[f"-I{d}" for d in include_dirs], *extra_flags, str(src), "-o", str(tmp_so)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            tmp_so.unlink(missing_ok=True)
+            raise RuntimeError(f"nvcc timed out after {timeout} s compiling the {what}") from e
+        if proc.returncode != 0:
+            tmp_so.unlink(missing_ok=True)
+            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-30:])
+            raise RuntimeError(f"nvcc failed ({proc.returncode}) compiling the {what}:\n{tail}")
+        os.replace(tmp_so, out_path)
+    spills = [line.strip() for line in (proc.stdout + proc.stderr).splitlines() if "spill" in line]
+    if spills:
+        warnings.warn(f"{out_path.name}: ptxas: {spills[0]}", stacklevel=2)
+    return out_path
+
+
+def cache_dir(name: str) -> Path:
+    """Where compiled libraries are kept between builds, by their source's hash: ``$XDG_CACHE_HOME/mxc/<name>``."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mxc" / name
