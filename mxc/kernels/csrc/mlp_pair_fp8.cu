@@ -1,0 +1,500 @@
+// The fp8 MLP pair of batch-1..8 decode in one persistent launch (sm_90a):
+//
+//   h  = silu(bf16(xq @ w_gate^T * xs * s_gate)) * bf16(xq @ w_up^T * xs * s_up)     (each rounded to bf16)
+//   hq, hs = the per-token e4m3 quantization of h (hs = max(amax(|h|) / 448, 1e-12), IEEE division)
+//   y  = bf16(residual + bf16(hq @ w_down^T * hs * s_down))
+//
+// -- what today's chain computes with four launches (gate/up GEMV, SiLU-and-mul, quantize, down GEMV) after the
+// gate/up input's quantize; mxc.kernels.mlp_pair_fp8 owns the contract and the Python side.
+//
+// One CTA an SM, every CTA resident (the host checks). Each CTA has one producer warp and four consumer warps:
+// - the producer streams weight chunks (32 rows x 1024 bytes, one bulk copy a row) into a shared-memory ring and
+//   runs ahead of the consumers, across the gate/up -> down boundary: while the consumers wait for the other
+//   CTAs' h, the ring already holds this CTA's first down chunks. It never waits on activations.
+// - the consumers multiply each chunk with mma.sync m16n8k32 e4m3 (the weights on the M side, the tokens on
+//   N: the "swap AB" of a GEMV), each warp a quarter of the chunk's columns; the four partial products are summed
+//   in a fixed order through shared memory and warp 0 runs the epilogue.
+// - gate/up unit u = 16 gate rows and the same 16 up rows (one chunk holds both, so the SiLU-and-mul is local);
+//   its epilogue writes h's 16 columns and their per-token |max| (a partial of the amax). A CTA that has done its
+//   gate/up units counts itself in sync[0]; a CTA with down units waits for all of them, takes the amax from the
+//   partials, quantizes h into shared memory and runs its down units (32 rows each) with the residual.
+// - the last CTA to finish resets the counters, so the kernel replays in a CUDA graph.
+// Work is assigned statically: gate/up units b, b + G, ...; down units G-1-b, 2G-1-b, ... (the CTAs with the
+// fewest gate/up units take down units first). ``mxc_mlp_pair_fp8_schedule`` exposes the assignment.
+
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <stdint.h>
+#include <cstdio>
+
+namespace mxc_mlp_pair {
+
+constexpr int KT = 1024;                    // bytes of a weight row in one ring stage
+constexpr int ROW_PITCH = KT + 16;          // shared-memory pitch: rows 4 banks apart, conflict-free fragments
+constexpr int STAGE_ROWS = 32;              // two m16 tiles
+constexpr int STAGE_BYTES = STAGE_ROWS * ROW_PITCH;
+constexpr unsigned STAGE_TX = STAGE_ROWS * KT;  // bytes the bulk copies of one stage deliver
+constexpr int CONSUMER_WARPS = 4;
+constexpr int CONSUMERS = CONSUMER_WARPS * 32;
+constexpr int THREADS = CONSUMERS + 32;     // + the producer warp
+constexpr int KSTEPS = KT / 32 / CONSUMER_WARPS;  // m16n8k32 steps a consumer warp takes of a stage
+constexpr int MAX_M = 8;                    // tokens: the mma's N
+constexpr int MAX_STAGES = 8;
+constexpr int ACT_PAD = 16;                 // activation rows in shared memory: pitch K + 16 (4 banks apart)
+constexpr int CONSUMER_BARRIER = 1;         // named barrier of the consumer warps (0 is __syncthreads)
+
+struct Params {
+  const uint8_t* xq;            // [M, H] e4m3: the gate/up input, quantized per token
+  const float* xs;              // [M]
+  const uint8_t* w_gu;          // [2I, H] e4m3: gate rows, then up rows
+  const float* s_gu;            // [2I]
+  const uint8_t* w_d;           // [H, I] e4m3
+  const float* s_d;             // [H]
+  const __nv_bfloat16* residual;  // [M, H] or null
+  __nv_bfloat16* y;             // [M, H] (may be residual)
+  __nv_bfloat16* h;             // workspace [M, I]
+  float* amax_part;             // workspace [M, I / 16]
+  unsigned* sync;               // workspace [2], zero before the first launch: CTAs past gate/up, CTAs done
+  int M, H, I, stages;
+};
+
+// ---- the static schedule (host and device) ----
+__host__ __device__ inline int up_units(int I) { return I / 16; }
+__host__ __device__ inline int down_units(int H) { return H / STAGE_ROWS; }
+__host__ __device__ inline int up_count(int b, int G, int I) {
+  return b < up_units(I) ? (up_units(I) - 1 - b) / G + 1 : 0;
+}
+__host__ __device__ inline int down_first(int b, int G) { return G - 1 - b; }
+__host__ __device__ inline int down_count(int b, int G, int H) {
+  const int f = down_first(b, G);
+  return f < down_units(H) ? (down_units(H) - 1 - f) / G + 1 : 0;
+}
+
+// ---- shared-memory layout (host and device) ----
+__host__ __device__ inline int align128(int v) { return (v + 127) & ~127; }
+constexpr int BAR_BYTES = 2 * MAX_STAGES * 8;                       // full[], empty[]
+constexpr int RED_FLOATS = 2 * CONSUMER_WARPS * 32 * 8;             // two unit buffers of partial products
+constexpr int SMALL_FLOATS = MAX_M + CONSUMER_WARPS * MAX_M;        // scales, per-warp maxima
+__host__ __device__ inline int act_offset() { return align128(BAR_BYTES + 4 * (RED_FLOATS + SMALL_FLOATS)); }
+__host__ __device__ inline int act_bytes(int M, int H, int I) { return M * ((H > I ? H : I) + ACT_PAD); }
+__host__ __device__ inline int ring_offset(int M, int H, int I) { return align128(act_offset() + act_bytes(M, H, I)); }
+__host__ __device__ inline int smem_bytes(int M, int H, int I, int stages) {
+  return ring_offset(M, H, I) + stages * STAGE_BYTES;
+}
+
+// ---- PTX ----
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+// A wait that has not ended after ~2 s (4e9 cycles) is a bug (a counter or a phase out of step): trap, so the
+// launch fails with an error instead of hanging the GPU.
+constexpr long long WAIT_LIMIT_CYCLES = 4000000000LL;
+__device__ __noinline__ void wait_timed_out(const char* what) {
+  printf("mxc_mlp_pair_fp8: block %d thread %d: %s did not complete; trapping\n", blockIdx.x, threadIdx.x, what);
+  __trap();
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
+  uint32_t done = 0;
+  const long long start = clock64();
+  while (true) {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+    if (done) return;
+    if (clock64() - start > WAIT_LIMIT_CYCLES) wait_timed_out("an mbarrier wait");
+  }
+}
+// bytes from global to shared memory through the TMA unit, completing on ``bar``; the weights are read once a
+// step, so they are marked first to evict from L2
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes, uint64_t* bar, uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+      ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)), "l"(policy) : "memory");
+}
+__device__ __forceinline__ uint64_t evict_first_policy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+__device__ __forceinline__ void consumer_sync() {
+  asm volatile("bar.sync %0, %1;" ::"n"(CONSUMER_BARRIER), "n"(CONSUMERS) : "memory");
+}
+__device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint32_t lds32(const uint8_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+// c[0..3] += a (16 x 32 e4m3, row-major fragment) * b (32 x 8 e4m3, column fragment), fp32 accumulation
+__device__ __forceinline__ void mma_e4m3(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float bf(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ __nv_bfloat16 to_bf(float v) { return __float2bfloat16_rn(v); }
+
+// One ring stage: this warp's quarter of the stage's columns against the activation rows ``act`` (pitch
+// ``pitch``, the stage's first column at ``col``); c0 for stage rows 0-15, c1 for rows 16-31.
+__device__ __forceinline__ void stage_mma(const uint8_t* stage, const uint8_t* act, int pitch, int col, int M,
+                                          int warp, int lane, float (&c0)[4], float (&c1)[4]) {
+  const int g = lane >> 2, t = lane & 3;
+  const int k0 = warp * (KT / CONSUMER_WARPS) + t * 4;
+  const uint8_t* a_ptr = stage + g * ROW_PITCH + k0;
+  const bool has_token = g < M;
+  const uint8_t* b_ptr = act + (has_token ? g : 0) * pitch + col + k0;
+#pragma unroll
+  for (int s = 0; s < KSTEPS; ++s) {
+    const int o = s * 32;
+    const uint32_t a_lo[4] = {lds32(a_ptr + o), lds32(a_ptr + 8 * ROW_PITCH + o), lds32(a_ptr + o + 16),
+                              lds32(a_ptr + 8 * ROW_PITCH + o + 16)};
+    const uint8_t* a2 = a_ptr + 16 * ROW_PITCH;
+    const uint32_t a_hi[4] = {lds32(a2 + o), lds32(a2 + 8 * ROW_PITCH + o), lds32(a2 + o + 16),
+                              lds32(a2 + 8 * ROW_PITCH + o + 16)};
+    const uint32_t b0 = has_token ? lds32(b_ptr + o) : 0u;
+    const uint32_t b1 = has_token ? lds32(b_ptr + o + 16) : 0u;
+    mma_e4m3(c0, a_lo, b0, b1);
+    mma_e4m3(c1, a_hi, b0, b1);
+  }
+}
+
+// The four warps' partial products of a unit -> their sum (fixed order) in warp 0's acc[8]: acc[0..3] the
+// fragment of rows 0-15, acc[4..7] rows 16-31. Every consumer warp calls it; only warp 0 gets the sum.
+__device__ __forceinline__ bool reduce_unit(float* red, int parity, int warp, int lane, const float (&c0)[4],
+                                            const float (&c1)[4], float (&acc)[8]) {
+  float* buf = red + parity * (CONSUMER_WARPS * 32 * 8);
+  float4* mine = reinterpret_cast<float4*>(buf + (warp * 32 + lane) * 8);
+  mine[0] = make_float4(c0[0], c0[1], c0[2], c0[3]);
+  mine[1] = make_float4(c1[0], c1[1], c1[2], c1[3]);
+  consumer_sync();
+  if (warp != 0) return false;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+#pragma unroll
+  for (int w = 0; w < CONSUMER_WARPS; ++w) {
+    const float4* p = reinterpret_cast<const float4*>(buf + (w * 32 + lane) * 8);
+    const float4 lo = p[0], hi = p[1];
+    acc[0] += lo.x; acc[1] += lo.y; acc[2] += lo.z; acc[3] += lo.w;
+    acc[4] += hi.x; acc[5] += hi.y; acc[6] += hi.z; acc[7] += hi.w;
+  }
+  return true;
+}
+
+// Gate/up epilogue of unit u (warp 0): h's columns 16u..16u+15 and their per-token |max|.
+__device__ __forceinline__ void up_epilogue(const Params& p, const float* scale, int u, int lane, const float (&acc)[8]) {
+  const int g = lane >> 2, t = lane & 3;
+  float mx[2] = {0.f, 0.f};  // tokens 2t, 2t + 1
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int r = 16 * u + g + (i >= 2 ? 8 : 0), n = 2 * t + (i & 1);
+    if (n < p.M) {
+      const float xs = scale[n];
+      const __nv_bfloat16 gate = to_bf(acc[i] * xs * __ldg(p.s_gu + r));
+      const __nv_bfloat16 up = to_bf(acc[4 + i] * xs * __ldg(p.s_gu + p.I + r));
+      const float gf = bf(gate);
+      const __nv_bfloat16 act = to_bf(__fdiv_rn(gf, 1.f + expf(-gf)));
+      const __nv_bfloat16 hv = to_bf(bf(act) * bf(up));
+      p.h[static_cast<size_t>(n) * p.I + r] = hv;
+      mx[i & 1] = fmaxf(mx[i & 1], fabsf(bf(hv)));
+    }
+  }
+#pragma unroll
+  for (int off = 4; off < 32; off <<= 1) {  // over the 8 lanes of the same t: the unit's 16 rows
+    mx[0] = fmaxf(mx[0], __shfl_xor_sync(0xffffffffu, mx[0], off));
+    mx[1] = fmaxf(mx[1], __shfl_xor_sync(0xffffffffu, mx[1], off));
+  }
+  if (g == 0) {
+    const int parts = up_units(p.I);
+    if (2 * t < p.M) p.amax_part[(2 * t) * parts + u] = mx[0];
+    if (2 * t + 1 < p.M) p.amax_part[(2 * t + 1) * parts + u] = mx[1];
+  }
+}
+
+// Down epilogue of unit v (warp 0): y's rows 32v..32v+31 with the residual.
+__device__ __forceinline__ void down_epilogue(const Params& p, const float* scale, int v, int lane, const float (&acc)[8]) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int r = STAGE_ROWS * v + (i >= 4 ? 16 : 0) + g + ((i & 3) >= 2 ? 8 : 0), n = 2 * t + (i & 1);
+    if (n < p.M) {
+      const size_t at = static_cast<size_t>(n) * p.H + r;
+      __nv_bfloat16 out = to_bf(acc[i] * scale[n] * __ldg(p.s_d + r));
+      if (p.residual != nullptr) out = to_bf(bf(p.residual[at]) + bf(out));
+      p.y[at] = out;
+    }
+  }
+}
+
+__global__ void __launch_bounds__(THREADS, 1) mlp_pair_fp8_kernel(const __grid_constant__ Params p) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem);
+  uint64_t* empty = full + MAX_STAGES;
+  float* red = reinterpret_cast<float*>(smem + BAR_BYTES);
+  float* scale = red + RED_FLOATS;  // [MAX_M]: this phase's activation scales
+  float* warp_max = scale + MAX_M;  // [CONSUMER_WARPS][MAX_M]
+  uint8_t* act = smem + act_offset();
+  uint8_t* ring = smem + ring_offset(p.M, p.H, p.I);
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int G = gridDim.x, b = blockIdx.x;
+  const int n_up = up_count(b, G, p.I), n_down = down_count(b, G, p.H);
+  const int up_chunks = p.H / KT, down_chunks = p.I / KT;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < p.stages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], CONSUMER_WARPS);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp == CONSUMER_WARPS) {
+    // the producer: weights only, so no wait for the kernels ahead (they cannot write them)
+    const uint64_t policy = evict_first_policy();
+    int slot = 0;
+    unsigned parity = 1;  // a fresh barrier's previous phase counts as complete: the first lap does not wait
+    for (int j = 0; j < n_up + n_down; ++j) {
+      const bool up = j < n_up;
+      const int unit = up ? b + j * G : down_first(b, G) + (j - n_up) * G;
+      const int chunks = up ? up_chunks : down_chunks, K = up ? p.H : p.I;
+      const uint8_t* row = up ? p.w_gu + static_cast<size_t>(16 * unit + (lane & 15) + (lane >= 16 ? p.I : 0)) * K
+                              : p.w_d + static_cast<size_t>(STAGE_ROWS * unit + lane) * K;
+      for (int c = 0; c < chunks; ++c) {
+        mbar_wait(&empty[slot], parity);
+        if (lane == 0) mbar_expect_tx(&full[slot], STAGE_TX);
+        __syncwarp();
+        bulk_load(ring + slot * STAGE_BYTES + lane * ROW_PITCH, row + c * KT, KT, &full[slot], policy);
+        if (++slot == p.stages) { slot = 0; parity ^= 1; }
+      }
+    }
+    return;
+  }
+
+  // the consumers: the activations and the residual come from the kernels ahead
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  const int tid = threadIdx.x;  // 0..CONSUMERS-1
+  const int M = p.M;
+  int slot = 0;
+  unsigned parity = 0;
+  int unit_parity = 0;
+  float acc[8];
+
+  // gate/up: xq into shared memory, rows H + 16 apart
+  const int pitch_up = p.H + ACT_PAD;
+#pragma unroll 4
+  for (int i = tid; i < M * (p.H / 16); i += CONSUMERS) {
+    const int m = i / (p.H / 16), k = (i % (p.H / 16)) * 16;
+    *reinterpret_cast<uint4*>(act + m * pitch_up + k) = *reinterpret_cast<const uint4*>(p.xq + static_cast<size_t>(m) * p.H + k);
+  }
+  if (tid < M) scale[tid] = p.xs[tid];
+  consumer_sync();
+
+  int pending = -1;  // the unit whose sum warp 0 holds in acc, its epilogue not yet run
+  for (int j = 0; j < n_up; ++j) {
+    const int u = b + j * G;
+    float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int c = 0; c < up_chunks; ++c) {
+      mbar_wait(&full[slot], parity);
+      stage_mma(ring + slot * STAGE_BYTES, act, pitch_up, c * KT, M, warp, lane, c0, c1);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[slot]);
+      if (++slot == p.stages) { slot = 0; parity ^= 1; }
+    }
+    if (pending >= 0) up_epilogue(p, scale, pending, lane, acc);  // warp 0 only: the previous unit's
+    pending = reduce_unit(red, unit_parity, warp, lane, c0, c1, acc) ? u : -1;
+    unit_parity ^= 1;
+  }
+  if (pending >= 0) up_epilogue(p, scale, pending, lane, acc);
+  consumer_sync();  // every h column and partial of this CTA is written
+
+  if (tid == 0) {
+    __threadfence();
+    atomicAdd(p.sync, 1u);
+  }
+  if (n_down > 0) {
+    if (tid == 0) {
+      const long long start = clock64();
+      while (load_acquire(p.sync) < static_cast<unsigned>(G)) {
+        if (clock64() - start > WAIT_LIMIT_CYCLES) wait_timed_out("the wait for every CTA's gate/up units");
+      }
+      __threadfence();
+    }
+    consumer_sync();
+    if (tid == 0) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+
+    // the per-token scale of h from the gate/up units' partial maxima (read past L1: other CTAs wrote them)
+    const int parts = up_units(p.I);
+    for (int n = 0; n < M; ++n) {
+      float mx = 0.f;
+      const float4* part4 = reinterpret_cast<const float4*>(p.amax_part + n * parts);  // parts % 4 == 0
+#pragma unroll 4
+      for (int i = tid; i < parts / 4; i += CONSUMERS) {
+        const float4 v = __ldcg(part4 + i);
+        mx = fmaxf(mx, fmaxf(fmaxf(v.x, v.y), fmaxf(v.z, v.w)));
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      if (lane == 0) warp_max[warp * MAX_M + n] = mx;
+    }
+    consumer_sync();
+    if (tid < M) {
+      float mx = 0.f;
+      for (int w = 0; w < CONSUMER_WARPS; ++w) mx = fmaxf(mx, warp_max[w * MAX_M + tid]);
+      scale[tid] = fmaxf(__fdiv_rn(mx, 448.f), 1e-12f);
+    }
+    consumer_sync();
+
+    // h -> e4m3 in shared memory, rows I + 16 apart: clamp(h / hs) rounded to nearest even (saturating)
+    const int pitch_down = p.I + ACT_PAD;
+#pragma unroll 8
+    for (int i = tid; i < M * (p.I / 8); i += CONSUMERS) {
+      const int m = i / (p.I / 8), k = (i % (p.I / 8)) * 8;
+      const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(p.h + static_cast<size_t>(m) * p.I + k));
+      const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&raw);
+      const float s = scale[m];
+      uint32_t q[2];
+#pragma unroll
+      for (int w = 0; w < 2; ++w) {
+        const float2 lo = __bfloat1622float2(v[2 * w]), hi = __bfloat1622float2(v[2 * w + 1]);
+        const uint32_t q0 = __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(lo.x, s), __fdiv_rn(lo.y, s)),
+                                                     __NV_SATFINITE, __NV_E4M3);
+        const uint32_t q1 = __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(hi.x, s), __fdiv_rn(hi.y, s)),
+                                                     __NV_SATFINITE, __NV_E4M3);
+        q[w] = q0 | (q1 << 16);
+      }
+      *reinterpret_cast<uint2*>(act + m * pitch_down + k) = make_uint2(q[0], q[1]);
+    }
+    consumer_sync();
+
+    pending = -1;
+    for (int j = 0; j < n_down; ++j) {
+      const int v = down_first(b, G) + j * G;
+      float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int c = 0; c < down_chunks; ++c) {
+        mbar_wait(&full[slot], parity);
+        stage_mma(ring + slot * STAGE_BYTES, act, pitch_down, c * KT, M, warp, lane, c0, c1);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[slot]);
+        if (++slot == p.stages) { slot = 0; parity ^= 1; }
+      }
+      if (pending >= 0) down_epilogue(p, scale, pending, lane, acc);
+      pending = reduce_unit(red, unit_parity, warp, lane, c0, c1, acc) ? v : -1;
+      unit_parity ^= 1;
+    }
+    if (pending >= 0) down_epilogue(p, scale, pending, lane, acc);
+  } else if (tid == 0) {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  }
+
+  // the last CTA out resets the counters for the next launch (every CTA has passed its wait by then)
+  consumer_sync();
+  if (tid == 0) {
+    __threadfence();
+    if (atomicAdd(p.sync + 1, 1u) == static_cast<unsigned>(G) - 1) {
+      p.sync[0] = 0;
+      p.sync[1] = 0;
+      __threadfence();
+    }
+  }
+}
+
+}  // namespace mxc_mlp_pair
+
+using namespace mxc_mlp_pair;
+
+extern "C" {
+
+// Status codes (mxc.kernels.mlp_pair_fp8.STATUS)
+enum { OK = 0, BAD_SHAPE = 1, BAD_ALIGNMENT = 2, NO_FIT = 3, CUDA_ERROR = 4 };
+
+static cudaError_t last_error = cudaSuccess;
+
+const char* mxc_mlp_pair_fp8_error() { return cudaGetErrorString(last_error); }
+
+// 0 where (M, H, I) is a shape the kernel takes, else BAD_SHAPE
+int mxc_mlp_pair_fp8_supports(int M, int H, int I) {
+  return (M >= 1 && M <= MAX_M && H > 0 && I > 0 && H % KT == 0 && I % KT == 0 && H % STAGE_ROWS == 0) ? OK : BAD_SHAPE;
+}
+
+// Fill owner_up[I / 16] and owner_down[H / 32] with the CTA (of G) that runs each unit.
+int mxc_mlp_pair_fp8_schedule(int G, int H, int I, int* owner_up, int* owner_down) {
+  if (G <= 0 || mxc_mlp_pair_fp8_supports(1, H, I) != OK) return BAD_SHAPE;
+  for (int b = 0; b < G; ++b) {
+    for (int j = 0; j < up_count(b, G, I); ++j) owner_up[b + j * G] = b;
+    for (int j = 0; j < down_count(b, G, H); ++j) owner_down[down_first(b, G) + j * G] = b;
+  }
+  return OK;
+}
+
+// Shared memory a CTA needs with ``stages`` ring stages.
+int mxc_mlp_pair_fp8_smem(int M, int H, int I, int stages) { return smem_bytes(M, H, I, stages); }
+
+// The launch plan on the current device: the ring stages that fit beside the activations (at most MAX_STAGES)
+// and the grid (one CTA an SM, checked resident); NO_FIT where two stages do not fit or a CTA cannot be resident.
+int mxc_mlp_pair_fp8_plan(int M, int H, int I, int* stages, int* ctas) {
+  if (mxc_mlp_pair_fp8_supports(M, H, I) != OK) return BAD_SHAPE;
+  int device = 0, optin = 0, sms = 0;
+  if ((last_error = cudaGetDevice(&device)) != cudaSuccess) return CUDA_ERROR;
+  if ((last_error = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device)) != cudaSuccess)
+    return CUDA_ERROR;
+  if ((last_error = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess)
+    return CUDA_ERROR;
+  int s = MAX_STAGES;
+  while (s >= 2 && smem_bytes(M, H, I, s) > optin) --s;
+  if (s < 2) return NO_FIT;
+  const int bytes = smem_bytes(M, H, I, s);
+  if ((last_error = cudaFuncSetAttribute(mlp_pair_fp8_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes)) !=
+      cudaSuccess)
+    return CUDA_ERROR;
+  int per_sm = 0;
+  if ((last_error = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, mlp_pair_fp8_kernel, THREADS, bytes)) !=
+      cudaSuccess)
+    return CUDA_ERROR;
+  if (per_sm < 1) return NO_FIT;
+  *stages = s;
+  *ctas = sms;
+  return OK;
+}
+
+// Launch with a plan from mxc_mlp_pair_fp8_plan (called first, outside graph capture: it sets the kernel's
+// shared-memory limit). ``sync`` must be zero before the first launch; the kernel leaves it zero.
+int mxc_mlp_pair_fp8(const void* xq, const float* xs, const void* w_gu, const float* s_gu, const void* w_d,
+                     const float* s_d, const void* residual, void* y, void* h, float* amax_part, unsigned* sync,
+                     int M, int H, int I, int stages, int ctas, int use_pdl, cudaStream_t stream) {
+  if (mxc_mlp_pair_fp8_supports(M, H, I) != OK || stages < 2 || stages > MAX_STAGES || ctas < 1) return BAD_SHAPE;
+  const void* aligned16[] = {xq, w_gu, w_d, h, amax_part};
+  for (const void* ptr : aligned16)
+    if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return BAD_ALIGNMENT;
+  Params p{static_cast<const uint8_t*>(xq), xs, static_cast<const uint8_t*>(w_gu), s_gu,
+           static_cast<const uint8_t*>(w_d), s_d, static_cast<const __nv_bfloat16*>(residual),
+           static_cast<__nv_bfloat16*>(y), static_cast<__nv_bfloat16*>(h), amax_part, sync, M, H, I, stages};
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(ctas);
+  config.blockDim = dim3(THREADS);
+  config.dynamicSmemBytes = smem_bytes(M, H, I, stages);
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = use_pdl ? 1 : 0;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  if ((last_error = cudaLaunchKernelEx(&config, mlp_pair_fp8_kernel, p)) != cudaSuccess) return CUDA_ERROR;
+  return OK;
+}
+
+}  // extern "C"

@@ -1,0 +1,203 @@
+"""The persistent fp8 MLP pair of batch-1..8 decode: the contract, its CUDA library, the call.
+
+One launch of ``csrc/mlp_pair_fp8.cu`` replaces four (the gate/up GEMV, SiLU-and-mul, the down input's
+quantize, the down GEMV with the residual). Given the gate/up input quantized per token (xq [M, H] e4m3 and
+xs [M] fp32, as the RMSNorm-quantize kernel writes them), w_gu [2I, H] e4m3 (gate rows, then up rows) with
+one fp32 scale a row s_gu [2I], w_d [H, I] e4m3 with s_d [H], and a bf16 residual [M, H], it computes
+
+    y = residual + qlinear(silu_mul(qlinear(x, w_gu, s_gu)), w_d, s_d)        (``reference``)
+
+in today's numerics: each product scaled as ``acc * xs * s`` and rounded to bf16, SiLU with an IEEE
+division rounded to bf16, the product rounded, h quantized per token bit for bit as the Triton quantize
+(``max(amax / 448, 1e-12)``, IEEE division, saturating e4m3), the residual added and rounded. Only the fp32
+summation order differs from the kernel chain (32-column mma steps, four column quarters summed in a fixed
+order), so a launch is deterministic but not bitwise equal to the chain.
+
+Why one launch: at batch 1 the step's time above its weight bytes sits at kernel boundaries
+(``docs/persistent_decode.md``, ``bench/ablate.py``). Here a producer warp in each CTA streams weight chunks
+into a shared-memory ring and runs ahead across the gate/up -> down boundary while the consumers wait for the
+other CTAs' h; the SiLU and the quantize move into the epilogue and the down stage's prologue. It is step 1 of
+that plan.
+
+Limits (``supports``): 1 <= M <= 8, H and I multiples of 1024, bf16 activations and residual, one weight scale
+a row (channel or tensor granularity); sm_90a (mma.sync e4m3, bulk copies, mbarriers) with every CTA resident
+(``plan``). A workspace (``Workspace``: h, the per-unit amax partials, two counters the kernel leaves at zero)
+is shared by every layer of a step.
+
+Status (2026-12-01): built and compiled on the CPU machine; not yet run on a GPU and selected by no build.
+``tests/gpu/test_mlp_pair_fp8_gpu.py`` checks it against ``reference`` and the Triton chain;
+``bench/mlp_pair_lab.py`` times it against the chain over 32 layers' weights in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mxc.kernels import fp8_ref, nvcc, torch_ref
+
+SOURCE = Path(__file__).parent / "csrc" / "mlp_pair_fp8.cu"
+PREBUILT_ENV = "MXC_MLP_PAIR_LIBRARY"
+MAX_M = 8
+KT = 1024  # weight bytes of a row in one ring stage: H and I are multiples of it
+UP_ROWS, DOWN_ROWS = 16, 32  # rows of a gate/up unit (of gate, and as many of up) and of a down unit
+STATUS = {0: "ok", 1: "unsupported shape (1 <= M <= 8, H and I multiples of 1024)",
+          2: "a pointer is not 16-byte aligned", 3: "the ring does not fit shared memory or a CTA cannot be resident",
+          4: "CUDA error"}
+FP8 = torch.float8_e4m3fn
+
+
+def source() -> str:
+    return SOURCE.read_text()
+
+
+def library(out_path=None, log=print) -> Path:
+    """The compiled library (nvcc, about 5 s), cached by the source's hash, or the prebuilt one
+    ``$MXC_MLP_PAIR_LIBRARY`` names (for a machine without nvcc); copied to ``out_path`` if given."""
+    prebuilt = os.environ.get(PREBUILT_ENV)
+    if prebuilt:
+        if not Path(prebuilt).is_file():
+            raise RuntimeError(f"${PREBUILT_ENV}={prebuilt} is not a file")
+        cached = Path(prebuilt)
+        return cached if out_path is None else Path(shutil.copyfile(cached, out_path))
+    text = source()
+    cached = nvcc.cache_dir("mlp_pair") / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.so"
+    if not cached.is_file():
+        log(f"compiling the fp8 MLP pair with nvcc (cached in {cached.parent})")
+        nvcc.compile_so(text, cached, what="fp8 MLP pair kernel")
+    if out_path is None:
+        return cached
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(cached, out_path)
+    return out_path
+
+
+def supports(M: int, H: int, I: int) -> str | None:  # noqa: E741  (I: the intermediate size, as in the configs)
+    """None when the kernel takes the shape, else why not (the library's own check, mirrored without it)."""
+    if not 1 <= M <= MAX_M:
+        return f"{M} tokens (the kernel takes 1 to {MAX_M})"
+    if H % KT or I % KT:
+        return f"hidden {H} and intermediate {I} must be multiples of {KT}"
+    return None
+
+
+@dataclass
+class Workspace:
+    """What the kernel writes between its stages; one serves every layer of a step (launches are ordered)."""
+
+    h: torch.Tensor          # [MAX_M, I] bf16: silu(gate) * up
+    amax_part: torch.Tensor  # [MAX_M, I / 16] fp32: |max| of each gate/up unit's h columns, per token
+    sync: torch.Tensor       # [2] int32, zero: CTAs past gate/up, CTAs done (the kernel leaves both at zero)
+
+    @classmethod
+    def new(cls, I: int, device) -> "Workspace":  # noqa: E741
+        return cls(torch.empty((MAX_M, I), dtype=torch.bfloat16, device=device),
+                   torch.empty((MAX_M, I // UP_ROWS), dtype=torch.float32, device=device),
+                   torch.zeros(2, dtype=torch.int32, device=device))
+
+
+class MlpPairFp8:
+    """The compiled library opened with ctypes."""
+
+    def __init__(self, so_path):
+        self.path = Path(so_path)
+        lib = ctypes.CDLL(str(self.path))
+        p, i, ip = ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_int)
+        lib.mxc_mlp_pair_fp8.argtypes = [p] * 11 + [i] * 6 + [p]
+        lib.mxc_mlp_pair_fp8.restype = i
+        lib.mxc_mlp_pair_fp8_plan.argtypes = [i, i, i, ip, ip]
+        lib.mxc_mlp_pair_fp8_plan.restype = i
+        lib.mxc_mlp_pair_fp8_schedule.argtypes = [i, i, i, ip, ip]
+        lib.mxc_mlp_pair_fp8_schedule.restype = i
+        lib.mxc_mlp_pair_fp8_smem.argtypes = [i, i, i, i]
+        lib.mxc_mlp_pair_fp8_smem.restype = i
+        lib.mxc_mlp_pair_fp8_supports.argtypes = [i, i, i]
+        lib.mxc_mlp_pair_fp8_supports.restype = i
+        lib.mxc_mlp_pair_fp8_error.argtypes = []
+        lib.mxc_mlp_pair_fp8_error.restype = ctypes.c_char_p
+        self._lib = lib
+        self._plans: dict[tuple[int, int, int], tuple[int, int]] = {}
+
+    def _check(self, status: int, what: str) -> None:
+        if status:
+            detail = f": {self._lib.mxc_mlp_pair_fp8_error().decode()}" if status == 4 else ""
+            raise RuntimeError(f"fp8 MLP pair {what}: status {status}, {STATUS.get(status, 'unknown')}{detail}")
+
+    def supports(self, M: int, H: int, I: int) -> bool:  # noqa: E741
+        return self._lib.mxc_mlp_pair_fp8_supports(M, H, I) == 0
+
+    def smem(self, M: int, H: int, I: int, stages: int) -> int:  # noqa: E741
+        return int(self._lib.mxc_mlp_pair_fp8_smem(M, H, I, stages))
+
+    def schedule(self, G: int, H: int, I: int) -> tuple[list[int], list[int]]:  # noqa: E741
+        """The CTA (of G) that runs each gate/up unit (I / 16) and each down unit (H / 32)."""
+        up = (ctypes.c_int * (I // UP_ROWS))(*([-1] * (I // UP_ROWS)))
+        down = (ctypes.c_int * (H // DOWN_ROWS))(*([-1] * (H // DOWN_ROWS)))
+        self._check(self._lib.mxc_mlp_pair_fp8_schedule(G, H, I, up, down), f"schedule (G={G}, H={H}, I={I})")
+        return list(up), list(down)
+
+    def plan(self, M: int, H: int, I: int) -> tuple[int, int]:  # noqa: E741
+        """(ring stages, CTAs) on the current device; call it before capturing a graph (it sets the kernel's
+        shared-memory limit). Cached per shape."""
+        key = (M, H, I)
+        if key not in self._plans:
+            stages, ctas = ctypes.c_int(0), ctypes.c_int(0)
+            self._check(self._lib.mxc_mlp_pair_fp8_plan(M, H, I, ctypes.byref(stages), ctypes.byref(ctas)),
+                        f"plan (M={M}, H={H}, I={I})")
+            self._plans[key] = (stages.value, ctas.value)
+        return self._plans[key]
+
+    def __call__(self, xq, xs, w_gu, s_gu, w_d, s_d, residual, out, ws: Workspace, *, pdl: bool = False,
+                 stream: int | None = None) -> torch.Tensor:
+        """``out`` = the pair (see the module); ``out`` may be ``residual``. Returns ``out``."""
+        M, H = xq.shape
+        I = w_d.shape[1]  # noqa: E741
+        _check_operands(xq, xs, w_gu, s_gu, w_d, s_d, residual, out, ws)
+        stages, ctas = self.plan(M, H, I)
+        if stream is None:
+            stream = torch.cuda.current_stream(xq.device).cuda_stream
+        status = self._lib.mxc_mlp_pair_fp8(
+            xq.data_ptr(), xs.data_ptr(), w_gu.data_ptr(), s_gu.data_ptr(), w_d.data_ptr(), s_d.data_ptr(),
+            residual.data_ptr() if residual is not None else None, out.data_ptr(), ws.h.data_ptr(),
+            ws.amax_part.data_ptr(), ws.sync.data_ptr(), M, H, I, stages, ctas, int(pdl), stream or None)
+        self._check(status, f"launch (M={M}, H={H}, I={I})")
+        return out
+
+
+def _check_operands(xq, xs, w_gu, s_gu, w_d, s_d, residual, out, ws: Workspace) -> None:
+    M, H = xq.shape
+    I = w_d.shape[1]  # noqa: E741
+    why = supports(M, H, I)
+    if why:
+        raise ValueError(f"fp8 MLP pair: {why}")
+    expect = [("xq", xq, (M, H), FP8), ("xs", xs, (M,), torch.float32), ("w_gu", w_gu, (2 * I, H), FP8),
+              ("s_gu", s_gu, (2 * I,), torch.float32), ("w_d", w_d, (H, I), FP8), ("s_d", s_d, (H,), torch.float32),
+              ("out", out, (M, H), torch.bfloat16), ("workspace h", ws.h, (MAX_M, I), torch.bfloat16),
+              ("workspace amax_part", ws.amax_part, (MAX_M, I // UP_ROWS), torch.float32)]
+    if residual is not None:
+        expect.append(("residual", residual, (M, H), torch.bfloat16))
+    for name, t, shape, dtype in expect:
+        if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous() or t.device != xq.device:
+            raise ValueError(f"fp8 MLP pair: {name} must be contiguous {list(shape)} {dtype} on {xq.device}, got "
+                             f"{list(t.shape)} {t.dtype} on {t.device}")
+
+
+@functools.lru_cache(maxsize=None)
+def load(so_path) -> MlpPairFp8:
+    return MlpPairFp8(so_path)
+
+
+def reference(xq, xs, w_gu, s_gu, w_d, s_d, residual=None) -> torch.Tensor:
+    """The pair in torch (``fp8_ref``'s numerics): bf16 [M, H]."""
+    x = xq.float() * xs[:, None]
+    gate_up = (x @ fp8_ref.dequantize_weight(w_gu, s_gu, "channel").t()).to(torch.bfloat16)
+    h = torch_ref.silu_mul(gate_up)
+    return fp8_ref.qlinear(h, w_d, s_d, residual=residual)
