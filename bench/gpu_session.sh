@@ -16,6 +16,10 @@
 #           add --all for the prefill GEMMs too
 #   ablate  what each kernel costs the batch-1 step (bench/ablate.py): fp8 Llama-3-8B small kernels and GEMVs,
 #           bf16, then Qwen3-30B-A3B (the router's outputs fixed)
+#   pair    the persistent fp8 MLP pair (mxc.kernels.mlp_pair_fp8): its GPU tests, then against the kernel chain
+#           it replaces over 32 layers at batch 1 and 8, with PDL and without (bench/mlp_pair_lab.py); carry the
+#           library built here (python -c "from mxc.kernels import mlp_pair_fp8 as m; m.library('build/mlp_pair/mlp_pair_fp8.so')")
+#           and set MXC_MLP_PAIR_LIBRARY=$PWD/build/mlp_pair/mlp_pair_fp8.so where the GPU machine has no nvcc
 # Logs go to $OUT (the device tool's output folder) when set, else to build/gpu-logs.
 # Device-time plan for one session (each line one call, under 10 minutes):
 #   nvidia-h200:    tests, then lab  |  decode, then ab  |  moe (MOE_ARGS=--batch1-only: ~4 minutes)
@@ -58,7 +62,11 @@ case "${1:-}" in
             --out "$scratch/ablmoe" --skip attn=decode_split_kernel+decode_reduce_kernel --skip router=norm_route_kernel \
             --skip small=rms_norm_kernel+rope_qkv_write_kernel+decode_split_kernel+decode_reduce_kernel+norm_route_kernel \
             --skip up=_pair_up_kernel --skip down=_pair_down_tile_kernel; rm -rf "$scratch"/ablmoe ;;
+  pair)   run 150 pair_test.log python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_mlp_pair_fp8_gpu.py -x
+          run 100 pair_lab_m1.log python3 bench/mlp_pair_lab.py --m 1
+          run 100 pair_lab_m8.log python3 bench/mlp_pair_lab.py --m 8
+          run 100 pair_lab_m1_plain.log python3 bench/mlp_pair_lab.py --m 1 --no-pdl ;;
   lab)    if [ "${2:-}" = "--all" ]; then skip=""; else skip="--skip prefill"; fi
           run 280 lab.log python3 bench/linear_lab.py --m 1,8,32 $skip ;;
-  *) echo "usage: bash bench/gpu_session.sh tests|decode|ab|moe|moelab|tp|small|lab|ablate" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu_session.sh tests|decode|ab|moe|moelab|tp|small|lab|ablate|pair" >&2; exit 2 ;;
 esac

@@ -31,6 +31,13 @@ def jit_launch(kernel, grid, args, constexprs, num_warps, num_stages):
     kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
 
 
+def jit_launch_pdl(kernel, grid, args, constexprs, num_warps, num_stages):
+    """``jit_launch`` as the runtime launches a ``pdl`` artifact's kernels: with ``USE_PDL`` where a kernel takes
+    it and the programmatic-stream-serialization attribute (Triton's ``launch_pdl``), for labs and GPU tests."""
+    kernel[grid](*args, **with_pdl(kernel, constexprs, True), num_warps=num_warps, num_stages=num_stages,
+                 launch_pdl=True)
+
+
 _launcher: Launcher = jit_launch
 
 

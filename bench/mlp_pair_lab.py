@@ -1,0 +1,124 @@
+"""The persistent fp8 MLP pair against the kernel chain it replaces, over a model's worth of layers, on one GPU.
+
+Step 1 of docs/persistent_decode.md, measured before anything is built on it. Each variant runs one decode
+step's MLPs (``--layers`` of them, each with its own weights, so nothing is served from L2) captured in a CUDA
+graph, every kernel launched for programmatic dependent launch as a ``pdl`` artifact's are:
+
+- ``chain``: per layer the gate/up input's quantize, the gate/up GEMV, SiLU-and-mul, the down input's quantize
+  and the down GEMV with the residual (``triton_fp8.qlinear_small_m`` twice: today's decode kernels);
+- ``pair``: per layer the same quantize, then ``mlp_pair_fp8`` (one launch).
+
+Rounds interleave the variants (medians of ``--reps`` replays a round); the copy rate measured in the run gives
+the weight bytes' floor. The first layer's outputs are compared (relative to their scale) before timing.
+
+    python bench/mlp_pair_lab.py [--m 1] [--layers 32] [--rounds 3] [--no-pdl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from decode import copy_bandwidth  # noqa: E402
+
+from mxc.kernels import launch, mlp_pair_fp8, triton_fp8, triton_fp8_quant  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+
+
+def layer_weights(H, I, gen):  # noqa: E741
+    def fp8(rows, cols):
+        q = (torch.randn(rows, cols, device="cuda", generator=gen) * 64).clamp(-448, 448).to(FP8)
+        return q, torch.full((rows,), 0.02 / 64, device="cuda") * (1 + 0.1 * torch.rand(rows, device="cuda", generator=gen))
+    return (*fp8(2 * I, H), *fp8(H, I))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--m", type=int, default=1, help="tokens (1-8)")
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--intermediate", type=int, default=14336)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--no-pdl", action="store_true", help="plain launches (no programmatic dependent launch)")
+    args = ap.parse_args()
+    M, H, I, L = args.m, args.hidden, args.intermediate, args.layers  # noqa: E741
+    pdl = not args.no_pdl
+    pair = mlp_pair_fp8.load(str(mlp_pair_fp8.library()))
+    stages, ctas = pair.plan(M, H, I)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    layers = [layer_weights(H, I, gen) for _ in range(L)]
+    x = torch.randn(M, H, device="cuda", generator=gen).to(torch.bfloat16)
+    residual = (torch.randn(M, H, device="cuda", generator=gen) * 0.1).to(torch.bfloat16)
+    ws = mlp_pair_fp8.Workspace.new(I, "cuda")
+    launcher = launch.jit_launch_pdl if pdl else launch.jit_launch
+
+    def chain(out):
+        for w_gu, s_gu, w_d, s_d in layers:
+            gate_up = triton_fp8.qlinear_small_m(x, w_gu, s_gu)
+            triton_fp8.qlinear_small_m(gate_up, w_d, s_d, residual=out, prologue="silu_mul", out=out)
+
+    def fused(out):
+        for w_gu, s_gu, w_d, s_d in layers:
+            xq, xs = triton_fp8_quant._prequantize(x, M, H, False, H)
+            pair(xq, xs, w_gu, s_gu, w_d, s_d, out, out, ws, pdl=pdl)
+
+    variants = {"chain": chain, "pair": fused}
+    outs = {name: residual.clone() for name in variants}
+    with launch.using(launcher):
+        # one layer, eagerly, against each other (and compile the Triton kernels outside capture)
+        saved = list(layers)
+        layers[:] = saved[:1]
+        for name, fn in variants.items():
+            fn(outs[name])
+        layers[:] = saved
+        torch.cuda.synchronize()
+        delta = {k: (v.float() - residual.float()) for k, v in outs.items()}
+        rel = float((delta["pair"] - delta["chain"]).abs().max() / delta["chain"].abs().max())
+        print(f"one layer, pair against chain: {rel:.2e} of the MLP output's scale")
+        graphs = {}
+        for name, fn in variants.items():
+            fn(outs[name])  # warm-up outside capture
+            torch.cuda.synchronize()
+            graphs[name] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[name]):
+                fn(outs[name])
+
+    bw = copy_bandwidth()
+    nbytes = L * (2 * I * H + H * I)
+    floor_us = nbytes / bw * 1e6 / L
+    print(f"M={M} H={H} I={I} layers={L} pdl={pdl}; pair: {stages} ring stages, {ctas} CTAs; "
+          f"copy rate {bw / 1e12:.2f} TB/s: weight bytes' floor {floor_us:.2f} us a layer")
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for r in range(args.rounds):
+        for name, graph in graphs.items():
+            graph.replay()
+            torch.cuda.synchronize()
+            samples = []
+            for _ in range(args.reps):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                torch.cuda.synchronize()
+                samples.append(start.elapsed_time(end) * 1e3 / L)
+            times[name].append(statistics.median(samples))
+        print(f"round {r}: " + ", ".join(f"{n} {t[-1]:.2f} us a layer" for n, t in times.items()))
+    for name, t in times.items():
+        us = statistics.median(t)
+        print(f"{name}: {us:.2f} us a layer, {floor_us / us:.0%} of the bytes' floor, "
+              f"{L * us / 1e3:.3f} ms for {L} layers")
+    chain_us, pair_us = statistics.median(times["chain"]), statistics.median(times["pair"])
+    print(f"pair saves {chain_us - pair_us:.2f} us a layer ({(chain_us - pair_us) * L / 1e3:.3f} ms a step)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""The persistent fp8 MLP pair (mxc.kernels.mlp_pair_fp8) on an sm_90 GPU: against its torch reference and the
+Triton kernel chain it replaces, deterministic launch to launch (its counters reset themselves), inside a CUDA
+graph, in place, after a kernel launched for programmatic dependent launch.
+
+Uses the library $MXC_MLP_PAIR_LIBRARY names, else compiles it here (needs nvcc).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from mxc.kernels import fp8_ref, launch, mlp_pair_fp8, nvcc, triton_fp8, triton_fp8_quant
+from mxc.loaders.quantize import quantize_fp8
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                                reason="needs an sm_90 GPU")
+
+SHAPES = [(1024, 2048), (4096, 14336)]  # (H, I): small, and Llama-3-8B's
+
+
+@pytest.fixture(scope="module")
+def pair():
+    if not os.environ.get(mlp_pair_fp8.PREBUILT_ENV) and nvcc.find() is None:
+        pytest.skip(f"no ${mlp_pair_fp8.PREBUILT_ENV} and no nvcc")
+    return mlp_pair_fp8.load(str(mlp_pair_fp8.library()))
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+def _layer(H, I, seed):  # noqa: E741
+    gen = torch.Generator().manual_seed(seed)
+    w_gu, s_gu = quantize_fp8(torch.randn(2 * I, H, generator=gen) * 0.02, "channel")
+    w_d, s_d = quantize_fp8(torch.randn(H, I, generator=gen) * 0.02, "channel")
+    return w_gu.cuda(), s_gu.cuda(), w_d.cuda(), s_d.cuda()
+
+
+def _activations(M, H, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(M, H, generator=gen) * (1 + torch.rand(M, 1, generator=gen))).to(torch.bfloat16).cuda()
+    xq, xs = fp8_ref.quantize_rows(x)
+    residual = (torch.randn(M, H, generator=gen) * 0.1).to(torch.bfloat16).cuda()
+    return x, xq.contiguous(), xs.contiguous(), residual
+
+
+def _chain(x, w_gu, s_gu, w_d, s_d, residual):
+    """Today's decode kernels: quantize + gate/up GEMV, then SiLU-and-mul + quantize + down GEMV + residual."""
+    gate_up = triton_fp8.qlinear_small_m(x, w_gu, s_gu)
+    return triton_fp8.qlinear_small_m(gate_up, w_d, s_d, residual=residual, prologue="silu_mul")
+
+
+@pytest.mark.parametrize("H, I", SHAPES)
+@pytest.mark.parametrize("M", [1, 2, 3, 8])
+def test_against_reference_and_the_chain(pair, M, H, I):  # noqa: E741
+    w_gu, s_gu, w_d, s_d = _layer(H, I, 1)
+    x, xq, xs, residual = _activations(M, H, 2)
+    ws = mlp_pair_fp8.Workspace.new(I, "cuda")
+    for res in (None, residual):
+        y = torch.empty(M, H, dtype=torch.bfloat16, device="cuda")
+        pair(xq, xs, w_gu, s_gu, w_d, s_d, res, y, ws)
+        ref = mlp_pair_fp8.reference(xq, xs, w_gu, s_gu, w_d, s_d, res)
+        chain = _chain(x, w_gu, s_gu, w_d, s_d, res)
+        err, chain_err = _rel(y, ref), _rel(chain, ref)
+        print(f"M={M} H={H} I={I} residual={res is not None}: pair {err:.2e}, chain {chain_err:.2e} from the reference")
+        # only the fp32 summation order differs from the chain: the same distance from the reference
+        assert err < 2e-2 and err <= 2 * chain_err + 2e-3
+        assert _rel(y, chain) < 2e-2
+    assert ws.sync.tolist() == [0, 0]  # the last CTA reset the counters
+
+
+@pytest.mark.parametrize("M", [1, 8])
+def test_deterministic_in_place_and_in_a_graph(pair, M):
+    H, I = SHAPES[1]  # noqa: E741
+    layers = [_layer(H, I, seed) for seed in (3, 4, 5)]
+    _, xq, xs, residual = _activations(M, H, 6)
+    ws = mlp_pair_fp8.Workspace.new(I, "cuda")
+
+    def step(out):
+        for w_gu, s_gu, w_d, s_d in layers:  # in place: each layer adds to the residual stream
+            pair(xq, xs, w_gu, s_gu, w_d, s_d, out, out, ws)
+        return out
+
+    eager = step(residual.clone())
+    assert torch.equal(step(residual.clone()), eager)  # bit for bit, launch to launch
+    expect = residual.clone()
+    for w_gu, s_gu, w_d, s_d in layers:
+        expect = mlp_pair_fp8.reference(xq, xs, w_gu, s_gu, w_d, s_d, expect)
+    assert _rel(eager, expect) < 2e-2
+
+    out = residual.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(out)
+    for _ in range(2):
+        out.copy_(residual)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+    assert ws.sync.tolist() == [0, 0]
+
+
+def test_after_a_pdl_kernel(pair):
+    """Launched for programmatic dependent launch right behind the Triton quantize (also PDL) that writes its
+    input: the consumers wait for it (griddepcontrol.wait) while the producer already streams weights. Each round
+    quantizes another x, so a read before the quantize's writes would give the last round's result."""
+    H, I = SHAPES[1]  # noqa: E741
+    w_gu, s_gu, w_d, s_d = _layer(H, I, 7)
+    ws = mlp_pair_fp8.Workspace.new(I, "cuda")
+    for seed in range(3):
+        x, _, _, residual = _activations(1, H, 100 + seed)
+        expect = mlp_pair_fp8.reference(*fp8_ref.quantize_rows(x), w_gu, s_gu, w_d, s_d, residual)
+        y = torch.empty(1, H, dtype=torch.bfloat16, device="cuda")
+        with launch.using(launch.jit_launch_pdl):
+            xq, xs = triton_fp8_quant._prequantize(x, 1, H, False, H)
+        pair(xq, xs, w_gu, s_gu, w_d, s_d, residual, y, ws, pdl=True)
+        torch.cuda.synchronize()
+        assert _rel(y, expect) < 2e-2
+
+
+def test_rejects_what_it_cannot_run(pair):
+    H, I = SHAPES[0]  # noqa: E741
+    w_gu, s_gu, w_d, s_d = _layer(H, I, 9)
+    _, xq, xs, residual = _activations(1, H, 10)
+    ws = mlp_pair_fp8.Workspace.new(I, "cuda")
+    with pytest.raises(ValueError, match="1 to 8"):
+        big = xq.expand(9, H).contiguous()
+        pair(big, xs.expand(9).contiguous(), w_gu, s_gu, w_d, s_d, None,
+             torch.empty(9, H, dtype=torch.bfloat16, device="cuda"), ws)
+    with pytest.raises(ValueError, match="s_d must be contiguous"):
+        pair(xq, xs, w_gu, s_gu, w_d, s_d[:-1], residual, torch.empty_like(residual), ws)
