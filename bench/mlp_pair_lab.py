@@ -4,9 +4,10 @@ Step 1 of docs/persistent_decode.md, measured before anything is built on it. Ea
 step's MLPs (``--layers`` of them, each with its own weights, so nothing is served from L2) captured in a CUDA
 graph, every kernel launched for programmatic dependent launch as a ``pdl`` artifact's are:
 
-- ``chain``: per layer the gate/up input's quantize, the gate/up GEMV, SiLU-and-mul, the down input's quantize
-  and the down GEMV with the residual (``triton_fp8.qlinear_small_m`` twice: today's decode kernels);
-- ``pair``: per layer the same quantize, then ``mlp_pair_fp8`` (one launch).
+- ``chain``: per layer the gate/up input's RMSNorm-quantize, the gate/up GEMV, SiLU-and-mul, the down input's
+  quantize and the down GEMV with the residual (``triton_fp8.qlinear_small_m`` twice: today's decode kernels);
+- ``pair``: per layer the same RMSNorm-quantize, then ``mlp_pair_fp8`` (two launches);
+- ``norm_pair``: per layer ``mlp_pair_fp8``'s ``rms_norm_pair`` (the RMSNorm and quantize inside: one launch).
 
 Rounds interleave the variants (medians of ``--reps`` replays a round); the copy rate measured in the run gives
 the weight bytes' floor. The first layer's outputs are compared (relative to their scale) before timing.
@@ -31,6 +32,7 @@ from decode import copy_bandwidth  # noqa: E402
 from mxc.kernels import launch, mlp_pair_fp8, triton_fp8, triton_fp8_quant  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
+EPS = 1e-5
 
 
 def layer_weights(H, I, gen):  # noqa: E741
@@ -57,21 +59,26 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(0)
     layers = [layer_weights(H, I, gen) for _ in range(L)]
     x = torch.randn(M, H, device="cuda", generator=gen).to(torch.bfloat16)
+    g = (1 + 0.1 * torch.randn(H, device="cuda", generator=gen)).to(torch.bfloat16)
     residual = (torch.randn(M, H, device="cuda", generator=gen) * 0.1).to(torch.bfloat16)
     ws = mlp_pair_fp8.Workspace.new(I, "cuda")
     launcher = launch.jit_launch_pdl if pdl else launch.jit_launch
 
     def chain(out):
         for w_gu, s_gu, w_d, s_d in layers:
-            gate_up = triton_fp8.qlinear_small_m(x, w_gu, s_gu)
+            gate_up = triton_fp8.qlinear_small_m(x, w_gu, s_gu, prologue="rms_norm", norm_weight=g, eps=EPS)
             triton_fp8.qlinear_small_m(gate_up, w_d, s_d, residual=out, prologue="silu_mul", out=out)
 
     def fused(out):
         for w_gu, s_gu, w_d, s_d in layers:
-            xq, xs = triton_fp8_quant._prequantize(x, M, H, False, H)
+            xq, xs = triton_fp8_quant._prequantize(x, M, H, False, H, norm_weight=g, eps=EPS)
             pair(xq, xs, w_gu, s_gu, w_d, s_d, out, out, ws, pdl=pdl)
 
-    variants = {"chain": chain, "pair": fused}
+    def norm_fused(out):
+        for w_gu, s_gu, w_d, s_d in layers:
+            pair.rms_norm_pair(x, g, EPS, w_gu, s_gu, w_d, s_d, out, out, ws, pdl=pdl)
+
+    variants = {"chain": chain, "pair": fused, "norm_pair": norm_fused}
     outs = {name: residual.clone() for name in variants}
     with launch.using(launcher):
         # one layer, eagerly, against each other (and compile the Triton kernels outside capture)
@@ -82,8 +89,9 @@ def main():
         layers[:] = saved
         torch.cuda.synchronize()
         delta = {k: (v.float() - residual.float()) for k, v in outs.items()}
-        rel = float((delta["pair"] - delta["chain"]).abs().max() / delta["chain"].abs().max())
-        print(f"one layer, pair against chain: {rel:.2e} of the MLP output's scale")
+        for name in ("pair", "norm_pair"):
+            rel = float((delta[name] - delta["chain"]).abs().max() / delta["chain"].abs().max())
+            print(f"one layer, {name} against chain: {rel:.2e} of the MLP output's scale")
         graphs = {}
         for name, fn in variants.items():
             fn(outs[name])  # warm-up outside capture
@@ -116,8 +124,10 @@ def main():
         us = statistics.median(t)
         print(f"{name}: {us:.2f} us a layer, {floor_us / us:.0%} of the bytes' floor, "
               f"{L * us / 1e3:.3f} ms for {L} layers")
-    chain_us, pair_us = statistics.median(times["chain"]), statistics.median(times["pair"])
-    print(f"pair saves {chain_us - pair_us:.2f} us a layer ({(chain_us - pair_us) * L / 1e3:.3f} ms a step)")
+    chain_us = statistics.median(times["chain"])
+    for name in ("pair", "norm_pair"):
+        us = statistics.median(times[name])
+        print(f"{name} saves {chain_us - us:.2f} us a layer ({(chain_us - us) * L / 1e3:.3f} ms a step)")
 
 
 if __name__ == "__main__":

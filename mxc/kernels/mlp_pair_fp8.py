@@ -7,11 +7,12 @@ one fp32 scale a row s_gu [2I], w_d [H, I] e4m3 with s_d [H], and a bf16 residua
 
     y = residual + qlinear(silu_mul(qlinear(x, w_gu, s_gu)), w_d, s_d)        (``reference``)
 
-in today's numerics: each product scaled as ``acc * xs * s`` and rounded to bf16, SiLU with an IEEE
-division rounded to bf16, the product rounded, h quantized per token bit for bit as the Triton quantize
-(``max(amax / 448, 1e-12)``, IEEE division, saturating e4m3), the residual added and rounded. Only the fp32
-summation order differs from the kernel chain (32-column mma steps, four column quarters summed in a fixed
-order), so a launch is deterministic but not bitwise equal to the chain.
+(``rms_norm_pair``: from x [M, H] bf16 and an RMSNorm weight, the RMSNorm and the quantize in the kernel too,
+one launch for five; ``reference_rms_norm``) in today's numerics: each product scaled as ``acc * xs * s`` and
+rounded to bf16, SiLU with an IEEE division rounded to bf16, the product rounded, h quantized per token as the
+Triton quantize (``max(amax / 448, 1e-12)``, IEEE division, saturating e4m3), the residual added and rounded.
+The fp32 summation orders differ from the kernel chain (32-column mma steps, four column quarters summed in a
+fixed order; the RMSNorm's sum of squares), so a launch is deterministic but not bitwise equal to the chain.
 
 Why one launch: at batch 1 the step's time above its weight bytes sits at kernel boundaries
 (``docs/persistent_decode.md``, ``bench/ablate.py``). Here a producer warp in each CTA streams weight chunks
@@ -111,7 +112,7 @@ class MlpPairFp8:
         self.path = Path(so_path)
         lib = ctypes.CDLL(str(self.path))
         p, i, ip = ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_int)
-        lib.mxc_mlp_pair_fp8.argtypes = [p] * 11 + [i] * 6 + [p]
+        lib.mxc_mlp_pair_fp8.argtypes = [p] * 4 + [ctypes.c_float] + [p] * 9 + [i] * 6 + [p]
         lib.mxc_mlp_pair_fp8.restype = i
         lib.mxc_mlp_pair_fp8_plan.argtypes = [i, i, i, ip, ip]
         lib.mxc_mlp_pair_fp8_plan.restype = i
@@ -157,36 +158,55 @@ class MlpPairFp8:
 
     def __call__(self, xq, xs, w_gu, s_gu, w_d, s_d, residual, out, ws: Workspace, *, pdl: bool = False,
                  stream: int | None = None) -> torch.Tensor:
-        """``out`` = the pair (see the module); ``out`` may be ``residual``. Returns ``out``."""
-        M, H = xq.shape
-        I = w_d.shape[1]  # noqa: E741
-        _check_operands(xq, xs, w_gu, s_gu, w_d, s_d, residual, out, ws)
+        """``out`` = the pair from the quantized gate/up input (see the module); ``out`` may be ``residual``."""
+        _check_operands(xq, xs, None, None, w_gu, s_gu, w_d, s_d, residual, out, ws)
+        return self._launch(xq, xs, None, None, 0.0, w_gu, s_gu, w_d, s_d, residual, out, ws, pdl, stream)
+
+    def rms_norm_pair(self, x, norm_weight, eps: float, w_gu, s_gu, w_d, s_d, residual, out, ws: Workspace, *,
+                      pdl: bool = False, stream: int | None = None) -> torch.Tensor:
+        """``out`` = the pair from x [M, H] bf16: its RMSNorm (``norm_weight`` [H] bf16, ``eps``) and per-token
+        quantize run in the kernel too (``reference_rms_norm``); ``out`` may be ``residual`` (usually x)."""
+        _check_operands(None, None, x, norm_weight, w_gu, s_gu, w_d, s_d, residual, out, ws)
+        return self._launch(None, None, x, norm_weight, eps, w_gu, s_gu, w_d, s_d, residual, out, ws, pdl, stream)
+
+    def _launch(self, xq, xs, x, norm_weight, eps, w_gu, s_gu, w_d, s_d, residual, out, ws, pdl, stream):
+        H, I = w_d.shape  # noqa: E741
+        M = out.shape[0]
         stages, ctas = self.plan(M, H, I)
         if stream is None:
-            stream = torch.cuda.current_stream(xq.device).cuda_stream
+            stream = torch.cuda.current_stream(out.device).cuda_stream
+
+        def ptr(t):
+            return None if t is None else t.data_ptr()
+
         status = self._lib.mxc_mlp_pair_fp8(
-            xq.data_ptr(), xs.data_ptr(), w_gu.data_ptr(), s_gu.data_ptr(), w_d.data_ptr(), s_d.data_ptr(),
-            residual.data_ptr() if residual is not None else None, out.data_ptr(), ws.h.data_ptr(),
-            ws.amax_part.data_ptr(), ws.sync.data_ptr(), M, H, I, stages, ctas, int(pdl), stream or None)
+            ptr(xq), ptr(xs), ptr(x), ptr(norm_weight), float(eps), w_gu.data_ptr(), s_gu.data_ptr(), w_d.data_ptr(),
+            s_d.data_ptr(), ptr(residual), out.data_ptr(), ws.h.data_ptr(), ws.amax_part.data_ptr(),
+            ws.sync.data_ptr(), M, H, I, stages, ctas, int(pdl), stream or None)
         self._check(status, f"launch (M={M}, H={H}, I={I})")
         return out
 
 
-def _check_operands(xq, xs, w_gu, s_gu, w_d, s_d, residual, out, ws: Workspace) -> None:
-    M, H = xq.shape
+def _check_operands(xq, xs, x, norm_weight, w_gu, s_gu, w_d, s_d, residual, out, ws: Workspace) -> None:
+    M, H = (xq if norm_weight is None else x).shape
     I = w_d.shape[1]  # noqa: E741
     why = supports(M, H, I)
     if why:
         raise ValueError(f"fp8 MLP pair: {why}")
-    expect = [("xq", xq, (M, H), FP8), ("xs", xs, (M,), torch.float32), ("w_gu", w_gu, (2 * I, H), FP8),
+    if norm_weight is None:
+        expect = [("xq", xq, (M, H), FP8), ("xs", xs, (M,), torch.float32)]
+    else:
+        expect = [("x", x, (M, H), torch.bfloat16), ("norm_weight", norm_weight, (H,), torch.bfloat16)]
+    device = out.device
+    expect += [("w_gu", w_gu, (2 * I, H), FP8),
               ("s_gu", s_gu, (2 * I,), torch.float32), ("w_d", w_d, (H, I), FP8), ("s_d", s_d, (H,), torch.float32),
               ("out", out, (M, H), torch.bfloat16), ("workspace h", ws.h, (MAX_M, I), torch.bfloat16),
               ("workspace amax_part", ws.amax_part, (MAX_M, I // UP_ROWS), torch.float32)]
     if residual is not None:
         expect.append(("residual", residual, (M, H), torch.bfloat16))
     for name, t, shape, dtype in expect:
-        if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous() or t.device != xq.device:
-            raise ValueError(f"fp8 MLP pair: {name} must be contiguous {list(shape)} {dtype} on {xq.device}, got "
+        if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous() or t.device != device:
+            raise ValueError(f"fp8 MLP pair: {name} must be contiguous {list(shape)} {dtype} on {device}, got "
                              f"{list(t.shape)} {t.dtype} on {t.device}")
 
 
@@ -201,3 +221,9 @@ def reference(xq, xs, w_gu, s_gu, w_d, s_d, residual=None) -> torch.Tensor:
     gate_up = (x @ fp8_ref.dequantize_weight(w_gu, s_gu, "channel").t()).to(torch.bfloat16)
     h = torch_ref.silu_mul(gate_up)
     return fp8_ref.qlinear(h, w_d, s_d, residual=residual)
+
+
+def reference_rms_norm(x, norm_weight, eps, w_gu, s_gu, w_d, s_d, residual=None) -> torch.Tensor:
+    """``rms_norm_pair`` in torch: the RMSNorm (``torch_ref.rms_norm``) and per-token quantize, then ``reference``."""
+    xq, xs = fp8_ref.quantize_rows(torch_ref.rms_norm(x, norm_weight, eps))
+    return reference(xq, xs, w_gu, s_gu, w_d, s_d, residual)

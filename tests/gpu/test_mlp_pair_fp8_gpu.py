@@ -72,6 +72,27 @@ def test_against_reference_and_the_chain(pair, M, H, I):  # noqa: E741
     assert ws.sync.tolist() == [0, 0]  # the last CTA reset the counters
 
 
+@pytest.mark.parametrize("H, I", SHAPES)
+@pytest.mark.parametrize("M", [1, 3, 8])
+def test_rms_norm_pair_against_reference_and_the_chain(pair, M, H, I):  # noqa: E741
+    """x in, the RMSNorm and the quantize inside too; in place (out = x = the residual), as a decoder layer's MLP."""
+    w_gu, s_gu, w_d, s_d = _layer(H, I, 11)
+    x = (torch.randn(M, H, device="cuda") * 3).to(torch.bfloat16)
+    g = (1 + 0.1 * torch.randn(H, device="cuda")).to(torch.bfloat16)
+    ws = mlp_pair_fp8.Workspace.new(I, "cuda")
+    ref = mlp_pair_fp8.reference_rms_norm(x, g, 1e-5, w_gu, s_gu, w_d, s_d, x)
+    gate_up = triton_fp8.qlinear_small_m(x, w_gu, s_gu, prologue="rms_norm", norm_weight=g, eps=1e-5)
+    chain = triton_fp8.qlinear_small_m(gate_up, w_d, s_d, residual=x, prologue="silu_mul")
+    y = pair.rms_norm_pair(x.clone(), g, 1e-5, w_gu, s_gu, w_d, s_d, None, torch.empty_like(x), ws)
+    out = x.clone()
+    pair.rms_norm_pair(out, g, 1e-5, w_gu, s_gu, w_d, s_d, out, out, ws)
+    xf = x.float()
+    err, chain_err = _rel(out.float() - xf, ref.float() - xf), _rel(chain.float() - xf, ref.float() - xf)
+    print(f"rms_norm_pair M={M} H={H} I={I}: {err:.2e}, chain {chain_err:.2e} of the MLP output from the reference")
+    assert err < 3e-2 and err <= 2 * chain_err + 3e-3
+    assert torch.equal(out, (x.float() + y.float()).to(torch.bfloat16))  # y: the same MLP output, no residual
+
+
 @pytest.mark.parametrize("M", [1, 8])
 def test_deterministic_in_place_and_in_a_graph(pair, M):
     H, I = SHAPES[1]  # noqa: E741
@@ -132,3 +153,6 @@ def test_rejects_what_it_cannot_run(pair):
              torch.empty(9, H, dtype=torch.bfloat16, device="cuda"), ws)
     with pytest.raises(ValueError, match="s_d must be contiguous"):
         pair(xq, xs, w_gu, s_gu, w_d, s_d[:-1], residual, torch.empty_like(residual), ws)
+    with pytest.raises(ValueError, match="norm_weight must be contiguous"):
+        pair.rms_norm_pair(residual, torch.ones(H + 1, dtype=torch.bfloat16, device="cuda"), 1e-5, w_gu, s_gu, w_d,
+                           s_d, None, torch.empty_like(residual), ws)

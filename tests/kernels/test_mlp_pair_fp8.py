@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from mxc.kernels import mlp_pair_fp8, nvcc
 
@@ -80,3 +81,25 @@ def test_library_exports_and_is_cached(tmp_path, monkeypatch):
     monkeypatch.setenv(mlp_pair_fp8.PREBUILT_ENV, str(tmp_path / "missing.so"))
     with pytest.raises(RuntimeError, match="MXC_MLP_PAIR_LIBRARY"):
         mlp_pair_fp8.library()
+
+
+def test_operands_are_checked_before_any_launch(pair):
+    """Shapes, dtypes and the token count are refused with the tensor's name, on any device (nothing launches)."""
+    H = I = 1024  # noqa: E741
+    fp8 = mlp_pair_fp8.FP8
+    w_gu, s_gu = torch.zeros(2 * I, H, dtype=fp8), torch.ones(2 * I)
+    w_d, s_d = torch.zeros(H, I, dtype=fp8), torch.ones(H)
+    ws = mlp_pair_fp8.Workspace.new(I, "cpu")
+    x = torch.zeros(1, H, dtype=torch.bfloat16)
+    xq, xs = torch.zeros(1, H, dtype=fp8), torch.ones(1)
+    out = torch.empty_like(x)
+    with pytest.raises(ValueError, match="9 tokens"):
+        pair(torch.zeros(9, H, dtype=fp8), torch.ones(9), w_gu, s_gu, w_d, s_d, None, out, ws)
+    with pytest.raises(ValueError, match=r"w_d must be contiguous \[1024, 1024\]"):
+        pair(xq, xs, w_gu, s_gu, w_d.t().contiguous().t(), s_d, None, out, ws)
+    with pytest.raises(ValueError, match=r"xs must be contiguous \[1\] torch.float32"):
+        pair(xq, xs.double(), w_gu, s_gu, w_d, s_d, None, out, ws)
+    with pytest.raises(ValueError, match="norm_weight must be contiguous"):
+        pair.rms_norm_pair(x, torch.ones(H), 1e-5, w_gu, s_gu, w_d, s_d, x, out, ws)
+    with pytest.raises(ValueError, match="residual must be contiguous"):
+        pair.rms_norm_pair(x, torch.ones(H, dtype=torch.bfloat16), 1e-5, w_gu, s_gu, w_d, s_d, x.float(), out, ws)

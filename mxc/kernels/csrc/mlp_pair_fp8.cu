@@ -5,7 +5,9 @@
 //   y  = bf16(residual + bf16(hq @ w_down^T * hs * s_down))
 //
 // -- what today's chain computes with four launches (gate/up GEMV, SiLU-and-mul, quantize, down GEMV) after the
-// gate/up input's quantize; mxc.kernels.mlp_pair_fp8 owns the contract and the Python side.
+// gate/up input's quantize. With a norm weight the kernel takes x (bf16) instead of (xq, xs) and computes that
+// quantize too: xq, xs = the per-token e4m3 quantization of rms_norm(x, norm_w, eps) (five launches in one).
+// mxc.kernels.mlp_pair_fp8 owns the contract and the Python side.
 //
 // One CTA an SM, every CTA resident (the host checks). Each CTA has one producer warp and four consumer warps:
 // - the producer streams weight chunks (32 rows x 1024 bytes, one bulk copy a row) into a shared-memory ring and
@@ -45,8 +47,11 @@ constexpr int ACT_PAD = 16;                 // activation rows in shared memory:
 constexpr int CONSUMER_BARRIER = 1;         // named barrier of the consumer warps (0 is __syncthreads)
 
 struct Params {
-  const uint8_t* xq;            // [M, H] e4m3: the gate/up input, quantized per token
+  const uint8_t* xq;            // [M, H] e4m3: the gate/up input, quantized per token (unused with norm_w)
   const float* xs;              // [M]
+  const __nv_bfloat16* x;       // [M, H]: the gate/up input before RMSNorm (with norm_w)
+  const __nv_bfloat16* norm_w;  // [H] or null: the RMSNorm weight
+  float eps;
   const uint8_t* w_gu;          // [2I, H] e4m3: gate rows, then up rows
   const float* s_gu;            // [2I]
   const uint8_t* w_d;           // [H, I] e4m3
@@ -239,6 +244,85 @@ __device__ __forceinline__ void down_epilogue(const Params& p, const float* scal
   }
 }
 
+// Sum or max of one value per consumer thread, in a fixed order (lanes by a shuffle tree, then the warps in
+// order); every consumer thread gets the result. ``slots``: CONSUMER_WARPS floats of shared memory.
+template <bool MAX>
+__device__ __forceinline__ float consumer_reduce(float v, float* slots, int warp, int lane) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const float o = __shfl_xor_sync(0xffffffffu, v, off);
+    v = MAX ? fmaxf(v, o) : v + o;
+  }
+  if (lane == 0) slots[warp] = v;
+  consumer_sync();
+  float r = slots[0];
+#pragma unroll
+  for (int w = 1; w < CONSUMER_WARPS; ++w) r = MAX ? fmaxf(r, slots[w]) : r + slots[w];
+  consumer_sync();  // the slots may be reused
+  return r;
+}
+
+// Eight elements of rms_norm(x, w, eps) as the reference rounds them: bf16(w * bf16(x * rstd)).
+__device__ __forceinline__ void norm8(const uint4& xr, const uint4& wr, float rstd, float (&out)[8]) {
+  const __nv_bfloat162* xv = reinterpret_cast<const __nv_bfloat162*>(&xr);
+  const __nv_bfloat162* wv = reinterpret_cast<const __nv_bfloat162*>(&wr);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 a = __bfloat1622float2(xv[j]), g = __bfloat1622float2(wv[j]);
+    out[2 * j] = bf(to_bf(g.x * bf(to_bf(a.x * rstd))));
+    out[2 * j + 1] = bf(to_bf(g.y * bf(to_bf(a.y * rstd))));
+  }
+}
+
+// The gate/up input from x: RMSNorm, the per-token scale, e4m3 into ``act`` (rows ``pitch`` apart) and the scale
+// into scale[m]; three passes over each row (from L1/L2: a row is H bf16), no row held in registers.
+__device__ void rms_norm_quantize(const Params& p, uint8_t* act, int pitch, float* scale, float* slots, int tid,
+                                  int warp, int lane) {
+  const int vecs = p.H / 8;  // uint4 of 8 bf16 a row
+  for (int m = 0; m < p.M; ++m) {
+    const uint4* xr = reinterpret_cast<const uint4*>(p.x + static_cast<size_t>(m) * p.H);
+    const uint4* wr = reinterpret_cast<const uint4*>(p.norm_w);
+    float ss = 0.f;
+#pragma unroll 4
+    for (int i = tid; i < vecs; i += CONSUMERS) {
+      const uint4 raw = xr[i];
+      const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 a = __bfloat1622float2(v[j]);
+        ss = fmaf(a.x, a.x, ss);
+        ss = fmaf(a.y, a.y, ss);
+      }
+    }
+    const float rstd = rsqrtf(__fdiv_rn(consumer_reduce<false>(ss, slots, warp, lane), static_cast<float>(p.H)) + p.eps);
+    float mx = 0.f;
+#pragma unroll 4
+    for (int i = tid; i < vecs; i += CONSUMERS) {
+      float a[8];
+      norm8(xr[i], __ldg(wr + i), rstd, a);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) mx = fmaxf(mx, fabsf(a[j]));
+    }
+    const float xs = fmaxf(__fdiv_rn(consumer_reduce<true>(mx, slots, warp, lane), 448.f), 1e-12f);
+    if (tid == 0) scale[m] = xs;
+#pragma unroll 4
+    for (int i = tid; i < vecs; i += CONSUMERS) {
+      float a[8];
+      norm8(xr[i], __ldg(wr + i), rstd, a);
+      uint32_t q[2];
+#pragma unroll
+      for (int w = 0; w < 2; ++w) {
+        const uint32_t q0 = __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(a[4 * w], xs), __fdiv_rn(a[4 * w + 1], xs)),
+                                                     __NV_SATFINITE, __NV_E4M3);
+        const uint32_t q1 = __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(a[4 * w + 2], xs), __fdiv_rn(a[4 * w + 3], xs)),
+                                                     __NV_SATFINITE, __NV_E4M3);
+        q[w] = q0 | (q1 << 16);
+      }
+      *reinterpret_cast<uint2*>(act + m * pitch + 8 * i) = make_uint2(q[0], q[1]);
+    }
+  }
+}
+
 __global__ void __launch_bounds__(THREADS, 1) mlp_pair_fp8_kernel(const __grid_constant__ Params p) {
   extern __shared__ __align__(128) uint8_t smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);
@@ -294,14 +378,19 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_pair_fp8_kernel(const __grid_c
   int unit_parity = 0;
   float acc[8];
 
-  // gate/up: xq into shared memory, rows H + 16 apart
+  // gate/up: xq into shared memory, rows H + 16 apart (quantized here from x with a norm weight)
   const int pitch_up = p.H + ACT_PAD;
+  if (p.norm_w != nullptr) {
+    rms_norm_quantize(p, act, pitch_up, scale, warp_max, tid, warp, lane);
+  } else {
 #pragma unroll 4
-  for (int i = tid; i < M * (p.H / 16); i += CONSUMERS) {
-    const int m = i / (p.H / 16), k = (i % (p.H / 16)) * 16;
-    *reinterpret_cast<uint4*>(act + m * pitch_up + k) = *reinterpret_cast<const uint4*>(p.xq + static_cast<size_t>(m) * p.H + k);
+    for (int i = tid; i < M * (p.H / 16); i += CONSUMERS) {
+      const int m = i / (p.H / 16), k = (i % (p.H / 16)) * 16;
+      *reinterpret_cast<uint4*>(act + m * pitch_up + k) =
+          *reinterpret_cast<const uint4*>(p.xq + static_cast<size_t>(m) * p.H + k);
+    }
+    if (tid < M) scale[tid] = p.xs[tid];
   }
-  if (tid < M) scale[tid] = p.xs[tid];
   consumer_sync();
 
   int pending = -1;  // the unit whose sum warp 0 holds in acc, its epilogue not yet run
@@ -473,14 +562,18 @@ int mxc_mlp_pair_fp8_plan(int M, int H, int I, int* stages, int* ctas) {
 
 // Launch with a plan from mxc_mlp_pair_fp8_plan (called first, outside graph capture: it sets the kernel's
 // shared-memory limit). ``sync`` must be zero before the first launch; the kernel leaves it zero.
-int mxc_mlp_pair_fp8(const void* xq, const float* xs, const void* w_gu, const float* s_gu, const void* w_d,
-                     const float* s_d, const void* residual, void* y, void* h, float* amax_part, unsigned* sync,
-                     int M, int H, int I, int stages, int ctas, int use_pdl, cudaStream_t stream) {
+// The gate/up input is (xq, xs), or with ``norm_w`` non-null x normalised (and quantized) in the kernel.
+int mxc_mlp_pair_fp8(const void* xq, const float* xs, const void* x, const void* norm_w, float eps, const void* w_gu,
+                     const float* s_gu, const void* w_d, const float* s_d, const void* residual, void* y, void* h,
+                     float* amax_part, unsigned* sync, int M, int H, int I, int stages, int ctas, int use_pdl,
+                     cudaStream_t stream) {
   if (mxc_mlp_pair_fp8_supports(M, H, I) != OK || stages < 2 || stages > MAX_STAGES || ctas < 1) return BAD_SHAPE;
-  const void* aligned16[] = {xq, w_gu, w_d, h, amax_part};
+  if (norm_w == nullptr ? (xq == nullptr || xs == nullptr) : x == nullptr) return BAD_SHAPE;
+  const void* aligned16[] = {norm_w == nullptr ? xq : x, norm_w == nullptr ? w_gu : norm_w, w_gu, w_d, h, amax_part};
   for (const void* ptr : aligned16)
     if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return BAD_ALIGNMENT;
-  Params p{static_cast<const uint8_t*>(xq), xs, static_cast<const uint8_t*>(w_gu), s_gu,
+  Params p{static_cast<const uint8_t*>(xq), xs, static_cast<const __nv_bfloat16*>(x),
+           static_cast<const __nv_bfloat16*>(norm_w), eps, static_cast<const uint8_t*>(w_gu), s_gu,
            static_cast<const uint8_t*>(w_d), s_d, static_cast<const __nv_bfloat16*>(residual),
            static_cast<__nv_bfloat16*>(y), static_cast<__nv_bfloat16*>(h), amax_part, sync, M, H, I, stages};
   cudaLaunchConfig_t config = {};
