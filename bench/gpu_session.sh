@@ -20,6 +20,8 @@
 #           it replaces over 32 layers at batch 1 and 8, with PDL and without (bench/mlp_pair_lab.py); carry the
 #           library built here (python -c "from mxc.kernels import mlp_pair_fp8 as m; m.library('build/mlp_pair/mlp_pair_fp8.so')")
 #           and set MXC_MLP_PAIR_LIBRARY=$PWD/build/mlp_pair/mlp_pair_fp8.so where the GPU machine has no nvcc
+#   pairab  Llama-3-8B fp8 built with --mlp-pair: batch-1 decode with the pair against the chain in one artifact
+#           (bench/decode_ab.py, cuda_ops.MLP_PAIR), and bf16 for the ratio
 # Logs go to $OUT (the device tool's output folder) when set, else to build/gpu-logs.
 # Device-time plan for one session (each line one call, under 10 minutes):
 #   nvidia-h200:    tests, then lab  |  decode, then ab  |  moe (MOE_ARGS=--batch1-only: ~4 minutes)
@@ -66,7 +68,9 @@ case "${1:-}" in
           run 100 pair_lab_m1.log python3 bench/mlp_pair_lab.py --m 1
           run 100 pair_lab_m8.log python3 bench/mlp_pair_lab.py --m 8
           run 100 pair_lab_m1_plain.log python3 bench/mlp_pair_lab.py --m 1 --no-pdl ;;
+  pairab) run 560 pair_ab.log python3 bench/decode_ab.py --quant fp8 --mlp-pair --bf16 --out "$scratch/abp" \
+            --variant chain=mxc.kernels.cuda_ops.MLP_PAIR=False --variant pair=; rm -rf "$scratch"/abp* ;;
   lab)    if [ "${2:-}" = "--all" ]; then skip=""; else skip="--skip prefill"; fi
           run 280 lab.log python3 bench/linear_lab.py --m 1,8,32 $skip ;;
-  *) echo "usage: bash bench/gpu_session.sh tests|decode|ab|moe|moelab|tp|small|lab|ablate|pair" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu_session.sh tests|decode|ab|moe|moelab|tp|small|lab|ablate|pair|pairab" >&2; exit 2 ;;
 esac

@@ -3,7 +3,9 @@
 An artifact is a directory: ``manifest.json``, ``graph.yaml`` (the final IR),
 ``code/forward.py`` (the generated program), ``weights/rank{r}.safetensors``,
 for ``--target cuda`` ``code/kernels/`` (cubins) and, where the build chose the CUTLASS fp8 GEMM,
-``code/cutlass/fp8_gemm.so`` (the manifest's ``cutlass`` entry), and optionally ``tokenizer/``. The manifest lists the sha256 of every other
+``code/cutlass/fp8_gemm.so`` (the manifest's ``cutlass`` entry), with ``--mlp-pair``
+``code/mlp_pair/mlp_pair_fp8.so`` (the manifest's ``mlp_pair`` entry; optional, so no new schema), and optionally
+``tokenizer/``. The manifest lists the sha256 of every other
 file. ``SCHEMA_VERSION`` changes when this layout changes incompatibly.
 """
 

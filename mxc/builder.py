@@ -199,13 +199,15 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
           max_batch: int = 32, max_seq_len: int | None = None, arch: int = 90, tp: int = 1,
           quant: str | None = None, quant_granularity: str = "channel", quant_lm_head: bool = False,
           disable_passes: tuple[str, ...] | list[str] = (), pdl: bool | None = None,
-          tp_allreduce: str = "auto", progress: bool = True, log=_log) -> Path:
+          tp_allreduce: str = "auto", mlp_pair: bool = False, progress: bool = True, log=_log) -> Path:
     """Build an artifact and return its directory.
 
     ``pdl=None`` turns programmatic dependent launch on where it exists (``--target cuda``, sm_90+).
     ``tp_allreduce="auto"`` is ``push`` for ``--target cuda`` with ``tp > 1`` in bf16/fp16 (one_shot
     in fp32; on two H200s a tp=2 Llama-3-8B token took 3.09 ms with one_shot, 3.27 ms with NCCL),
-    else ``nccl``.
+    else ``nccl``. ``mlp_pair`` (fp8, tp=1; experimental): each layer's MLP as one op (``fuse_mlp``), which
+    on cuda runs as one persistent launch at <= 8 tokens (``mxc.kernels.mlp_pair_fp8``) and elsewhere as the
+    unfused kernels (the CPU target's references: the same results).
     """
     if target not in ("cpu", "cuda"):
         raise MxcError(f"--target {target}: expected cpu or cuda")
@@ -236,11 +238,14 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
             raise MxcError(f"{src.config_path}: the checkpoint is already fp8 ({prequant[0]} scales); "
                            f"--quant-granularity {quant_granularity} cannot change that")
         quant, (quant_granularity, scale_suffix) = "fp8", prequant
+    if mlp_pair and (quant != "fp8" or tp != 1):
+        raise MxcError(f"--mlp-pair: the fused MLP op is fp8 at --tp 1 (got --quant {quant}, --tp {tp}); add "
+                       f"--quant fp8, or drop --mlp-pair")
     options = BuildOptions(target=target, dtype=dtype or ("float32" if target == "cpu" else "bfloat16"),
                            max_batch=max_batch, max_seq_len=max_seq_len, tp=tp, quant=quant,
                            quant_granularity=quant_granularity, quant_lm_head=quant_lm_head,
                            quant_scale_suffix=scale_suffix, disable_passes=check_disabled(disable_passes), pdl=pdl,
-                           tp_allreduce=tp_allreduce, arch=arch)
+                           tp_allreduce=tp_allreduce, arch=arch, mlp_pair=mlp_pair)
     out = Path(out) if out else Path("build") / src.model_file.stem
     if out.exists() and not (out / "manifest.json").is_file():
         raise MxcError(f"--out {out}: exists and is not an mxc artifact; choose another path or remove it")
@@ -272,10 +277,11 @@ def _write(tmp: Path, graph: Graph, src: Source, options: BuildOptions, arch: in
     ir_hash = hashlib.sha256(ir_text.encode()).hexdigest()
     program_text = render_forward(graph, ir_hash)
     (tmp / "code" / "forward.py").write_text(program_text)
-    cutlass = None
+    cutlass = mlp_pair = None
     if options.target == "cuda":
         _compile_kernels(graph, program_text, tmp / "code" / "kernels", options, arch, progress, log)
         cutlass = _cutlass_library(graph, tmp, log)
+        mlp_pair = _mlp_pair_library(graph, options, tmp, log)
     log("writing weights" + (f" from {src.checkpoint}" if src.checkpoint else " (deterministic random: no --checkpoint)"))
     ckpt = open_checkpoint(src.checkpoint) if src.checkpoint else DummyCheckpoint(graph)
     with ckpt:
@@ -301,6 +307,7 @@ def _write(tmp: Path, graph: Graph, src: Source, options: BuildOptions, arch: in
         "runtime": _runtime_info(graph, src.config),
         "kernels": _kernel_table(graph),
         **({"cutlass": cutlass} if cutlass else {}),
+        **({"mlp_pair": mlp_pair} if mlp_pair else {}),
         "source": {"checkpoint": str(src.checkpoint) if src.checkpoint else None,
                    "weights": "checkpoint" if src.checkpoint else "dummy"},
         "tp": options.tp,
@@ -322,15 +329,18 @@ def _compile_kernels(graph, program_text, out_dir, options, arch, progress, log)
     log(f"compiled {len(specs)} kernels in {time.perf_counter() - start:.1f} s")
 
 
+def _chosen_kernels(graph) -> set[str]:
+    kernels = [n.attrs.get("kernel") for n, _ in graph.nodes()]
+    return {k for k in kernels if isinstance(k, str)} | {name for k in kernels if isinstance(k, list) for _, name in k}
+
+
 def _cutlass_library(graph, tmp: Path, log) -> dict | None:
     """When ``select_kernels`` chose the CUTLASS fp8 GEMM anywhere, its library in the artifact
     (``cutlass_fp8.LIBRARY``) and the manifest's record of it; else None."""
     from mxc.kernels import cutlass_fp8
     from mxc.kernels.candidates import CUTLASS_KERNELS
 
-    kernels = [n.attrs.get("kernel") for n, _ in graph.nodes()]
-    names = {k for k in kernels if isinstance(k, str)} | {name for k in kernels if isinstance(k, list) for _, name in k}
-    if not names & set(CUTLASS_KERNELS):
+    if not _chosen_kernels(graph) & set(CUTLASS_KERNELS):
         return None
 
     try:
@@ -339,6 +349,25 @@ def _cutlass_library(graph, tmp: Path, log) -> dict | None:
         raise MxcError(f"building the CUTLASS fp8 GEMM failed ({str(e).splitlines()[0]}); "
                        f"set MXC_CUTLASS_LIBRARY=none to build with torch._scaled_mm instead") from e
     return {"library": cutlass_fp8.LIBRARY, "kernel": gemm.name, "config": cutlass_fp8.library_config()}
+
+
+def _mlp_pair_library(graph, options: BuildOptions, tmp: Path, log) -> dict | None:
+    """When ``select_kernels`` chose the persistent fp8 MLP kernel, its library in the artifact
+    (``mlp_pair_fp8.LIBRARY``) and the manifest's record of it; else None."""
+    from mxc.kernels import mlp_pair_fp8
+    from mxc.kernels.candidates import MLP_PAIR_KERNEL
+
+    if MLP_PAIR_KERNEL not in _chosen_kernels(graph):
+        if options.mlp_pair:
+            log("--mlp-pair: no node runs the persistent MLP kernel (graph.yaml's rms_norm_mlp nodes say which kernels "
+                "do; it needs hidden and intermediate sizes that are multiples of 1024, bf16, one scale a row, sm_90)")
+        return None
+    try:
+        mlp_pair_fp8.library(tmp / mlp_pair_fp8.LIBRARY, log)
+    except (RuntimeError, OSError) as e:
+        raise MxcError(f"building the fp8 MLP pair kernel failed ({str(e).splitlines()[0]}); "
+                       f"build without --mlp-pair") from e
+    return {"library": mlp_pair_fp8.LIBRARY, "source_sha256": hashlib.sha256(mlp_pair_fp8.source().encode()).hexdigest()}
 
 
 def _pid_alive(pid: int) -> bool:

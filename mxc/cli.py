@@ -31,7 +31,7 @@ def cmd_build(args) -> None:
     build(args.source, out=args.out, checkpoint=args.checkpoint, config=args.config, dtype=args.dtype, target=args.target,
           dump_ir=args.dump_ir, max_batch=args.max_batch, max_seq_len=args.max_seq_len, tp=args.tp,
           quant=args.quant, quant_granularity=args.quant_granularity, quant_lm_head=args.quant_lm_head,
-          disable_passes=args.disable_pass, pdl=args.pdl, tp_allreduce=args.tp_allreduce)
+          disable_passes=args.disable_pass, pdl=args.pdl, tp_allreduce=args.tp_allreduce, mlp_pair=args.mlp_pair)
 
 
 def _generate_and_print(rank: int, world_size: int, device: str, args, ids: list[int]) -> None:
@@ -127,6 +127,9 @@ def parser() -> argparse.ArgumentParser:
                         "fused with the residual add and RMSNorm (push), one-shot over peer memory, or by NCCL "
                         "(default auto: push for bf16/fp16 on cuda with --tp > 1; the runtime falls back to NCCL "
                         "where peer memory is not usable)")
+    b.add_argument("--mlp-pair", action="store_true",
+                   help="fp8, tp 1 (experimental, not yet measured): each layer's MLP as one op, run on cuda at "
+                        "<= 8 tokens as one persistent launch (mxc.kernels.mlp_pair_fp8, compiled with nvcc at build)")
     b.add_argument("--disable-pass", metavar="PASS", action="append", default=[],
                    help="skip an optional fusion pass (repeatable), e.g. fuse_linear_io")
     b.add_argument("--max-batch", type=int, default=32, help="cuda: sequences decoded together (default 32)")

@@ -24,6 +24,8 @@ class BuildOptions:
     arch: int = 90  # cuda: the compute capability kernels are compiled for (sm_90)
     tp_allreduce: str = "nccl"  # cuda, tp > 1: decode all-reduces by "nccl", "one_shot" or "push" (peer
     # memory; push also fuses the residual add and RMSNorm); the builder resolves its "auto" default
+    mlp_pair: bool = False  # fp8: each layer's MLP as one op (``fuse_mlp``), on cuda one persistent launch at
+    # <= 8 tokens (``mxc.kernels.mlp_pair_fp8``); off until measured on a GPU
 
     def __post_init__(self):
         if self.target not in TARGETS:

@@ -13,7 +13,7 @@ from pathlib import Path
 from mxc.compiler.options import BuildOptions
 from mxc.errors import MxcError
 from mxc.compiler.passes import (eliminate_dead_code, fuse_add_rms_norm, fuse_all_reduce, fuse_linear_all_reduce,
-                                  fuse_linear_io, fuse_moe, fuse_norm_linear, fuse_norm_route, fuse_rope_cache,
+                                  fuse_linear_io, fuse_mlp, fuse_moe, fuse_norm_linear, fuse_norm_route, fuse_rope_cache,
                                   merge_gate_up, merge_qkv, quantize, select_kernels, shard_tp)
 from mxc.ir import Graph, dump_graph, verify
 
@@ -34,6 +34,8 @@ PIPELINE = [
     ("fuse_linear_all_reduce", fuse_linear_all_reduce.run),
     # quantization: fp8 weights + scales (identity without --quant)
     ("quantize", quantize.run),
+    # fusion over quantized ops: the fp8 MLP as one op for the persistent decode kernel (only with --mlp-pair)
+    ("fuse_mlp", fuse_mlp.run),
     # cleanup
     ("eliminate_dead_code", eliminate_dead_code.run),
     # lowering: every node claimed by a kernel for the target
@@ -45,7 +47,7 @@ PIPELINE = [
 # kernel selection) and always run.
 OPTIONAL = ("merge_qkv", "merge_gate_up", "fuse_moe", "fuse_rope_cache", "fuse_norm_linear",
             "fuse_add_rms_norm", "fuse_norm_route", "fuse_linear_io", "fuse_all_reduce",
-            "fuse_linear_all_reduce", "eliminate_dead_code")
+            "fuse_linear_all_reduce", "fuse_mlp", "eliminate_dead_code")
 
 
 def check_disabled(names) -> tuple[str, ...]:

@@ -137,6 +137,13 @@ def _rms_norm_qlinear(x, norm, w, scale, bias=None, eps=None, granularity=None, 
     return _qlinear(x, w, scale, bias, granularity=granularity)
 
 
+def _rms_norm_mlp(x, norm, w_gate_up, s_gate_up, w_down, s_down, eps=None, granularity=None, **_):
+    (gate_up,) = _rms_norm_qlinear(x, norm, w_gate_up, s_gate_up, eps=eps, granularity=granularity)
+    _need(gate_up.shape[-1] % 2 == 0, lambda: f"gate/up weight {w_gate_up} must have an even number of rows")
+    return _qlinear(TensorType(gate_up.shape[:-1] + (gate_up.shape[-1] // 2,), x.dtype), w_down, s_down,
+                    residual=x, granularity=granularity)
+
+
 def _route(logits, k, scoring="softmax", renormalize=False, **_):
     _need(len(logits.shape) == 2, lambda: f"router logits must be [T, experts], got {logits}")
     _need(_positive_int(k) and k <= logits.shape[1], lambda: f"k={k!r} must be in 1..{logits.shape[1]}")
@@ -309,6 +316,10 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
     OpDef("rms_norm_qlinear", ("x", "norm_weight", "weight", "scale", "bias?"), _rms_norm_qlinear,
           attrs=("eps", "granularity"),
           doc="qlinear(rms_norm(x, norm_weight), weight, scale, bias) -- fuse_norm_linear, then quantize"),
+    OpDef("rms_norm_mlp", ("x", "norm_weight", "w_gate_up", "s_gate_up", "w_down", "s_down"), _rms_norm_mlp,
+          attrs=("eps", "granularity"),
+          doc="x + qlinear(silu_mul(rms_norm_qlinear(x, norm_weight, w_gate_up, s_gate_up)), w_down, s_down): a "
+              "decoder layer's fp8 MLP and its residual add, one op -- fuse_mlp (--mlp-pair)"),
     OpDef("qkv_rope_cache", ("qkv", "positions", "q_norm?", "k_norm?"), _qkv_rope_cache,
           attrs=("heads", "kv_heads", "head_dim", "spec", "layer"), optional_attrs=("eps",),
           doc="split merged qkv, optional q/k RMSNorm (per head, or over the whole projection when the weights "

@@ -58,13 +58,19 @@ def _attention_ok(node, in_types, options):
     return _dtype_ok(node, in_types, options)
 
 
+def _fp8_weights(node, in_types):
+    """The fp8 weights' types of a quantized op: one, or the gate/up and down of ``rms_norm_mlp``."""
+    at = {"qlinear": (1,), "rms_norm_qlinear": (2,), "rms_norm_mlp": (2, 4)}[node.op]
+    return [in_types[i] for i in at]
+
+
 def _scaled_mm_ok(node, in_types, options):
     if node.attrs["granularity"] == "block128":
         return "torch._scaled_mm takes row-wise scales here, not 128x128 blocks"
-    weight = in_types[2 if node.op == "rms_norm_qlinear" else 1]
-    n, k = weight.shape
-    if n % 16 or k % 16:
-        return f"N={n} and K={k} must be multiples of 16"
+    for weight in _fp8_weights(node, in_types):
+        n, k = weight.shape
+        if n % 16 or k % 16:
+            return f"N={n} and K={k} must be multiples of 16"
     return None if in_types[0].dtype in ("bfloat16", "float16") else f"needs a bf16/fp16 output, not {in_types[0].dtype}"
 
 
@@ -128,14 +134,33 @@ def _cutlass_ok(node, in_types, options):
         return "its epilogue takes row-wise scales, not 128x128 blocks"
     if getattr(options, "arch", 90) != 90:
         return f"its kernel is built for sm_90a only, not sm_{options.arch}"
-    n, k = in_types[2 if node.op == "rms_norm_qlinear" else 1].shape
-    if n % 8 or k % 16:
-        return f"N={n} must be a multiple of 8 and K={k} of 16 (16-byte TMA rows)"
+    for weight in _fp8_weights(node, in_types):
+        n, k = weight.shape
+        if n % 8 or k % 16:
+            return f"N={n} must be a multiple of 8 and K={k} of 16 (16-byte TMA rows)"
     if in_types[0].dtype != "bfloat16":
         return f"writes bf16, the model computes in {in_types[0].dtype}"
     from mxc.kernels.cutlass_fp8 import available  # imports no CUDA or torch at module level
 
     return available()
+
+
+MLP_PAIR_MAX_TOKENS = 8  # token counts the persistent fp8 MLP kernel serves (the mma's N)
+
+
+def _mlp_pair_ok(node, in_types, options):
+    if not getattr(options, "mlp_pair", False):
+        return "not asked for (--mlp-pair)"
+    if getattr(options, "arch", 90) != 90:
+        return f"its kernel is built for sm_90a only, not sm_{options.arch}"
+    if node.attrs["granularity"] == "block128":
+        return "takes one weight scale a row, not 128x128 blocks"
+    if in_types[0].dtype != "bfloat16":
+        return f"computes in bf16, the model in {in_types[0].dtype}"
+    from mxc.kernels import mlp_pair_fp8  # the check runs at build time only
+
+    h, i = in_types[4].shape
+    return mlp_pair_fp8.supports(1, h, i) or mlp_pair_fp8.available()
 
 
 # References that read sequence layout or expert ids on the host: right on the CPU, wrong inside a
@@ -160,7 +185,9 @@ def _push_or_not(op: str, pushed: str, otherwise: str) -> list[Candidate]:
                       tokens=(1, ONE_SHOT_MAX_TOKENS), check=_push_ok),
             Candidate(f"cuda_ops.{op}", op, GPU, otherwise, check=_dtype_ok)]
 GEMV_MAX_TOKENS = 32
-CUTLASS_KERNELS = ("fp8_gemm.cutlass", "cuda_ops.rms_norm_qlinear_cutlass")  # the build ships their library
+CUTLASS_KERNELS = ("fp8_gemm.cutlass", "cuda_ops.rms_norm_qlinear_cutlass",
+                   "cuda_ops.rms_norm_mlp_cutlass")  # the build ships their library
+MLP_PAIR_KERNEL = "cuda_ops.rms_norm_mlp_pair"  # the build ships mxc.kernels.mlp_pair_fp8's library
 CUTLASS_REASON = ("measured: CUTLASS fp8 GEMM (cutlass_fp8.BUILD_CONFIG, built into the artifact), 1435-1462 "
                   "TFLOP/s against torch._scaled_mm's 1316-1395 at 2048 tokens on the H200")
 
@@ -207,6 +234,22 @@ _TRITON = [
     Candidate("cuda_ops.rms_norm_qlinear_gemm", "rms_norm_qlinear", GPU,
               "default: the RMSNorm inside the activation-quantize kernel, then the Triton fp8 GEMM (block scales)",
               check=_dtype_ok),
+    # the fp8 MLP as one op (fuse_mlp): one persistent launch at decode, else the unfused nodes' kernels
+    Candidate(MLP_PAIR_KERNEL, "rms_norm_mlp", GPU,
+              f"the persistent fp8 MLP kernel (mlp_pair_fp8: RMSNorm, quantize, gate/up, SiLU, quantize, down and "
+              f"the residual in one launch) at <= {MLP_PAIR_MAX_TOKENS} tokens", tokens=(1, MLP_PAIR_MAX_TOKENS),
+              check=_mlp_pair_ok),
+    Candidate("cuda_ops.rms_norm_mlp_small_m", "rms_norm_mlp", GPU,
+              f"default: the RMSNorm-quantize, the Triton fp8 GEMV, SiLU-and-mul, the quantize and the Triton fp8 "
+              f"GEMV with the residual, at <= {GEMV_MAX_TOKENS} tokens", tokens=(1, GEMV_MAX_TOKENS), check=_dtype_ok),
+    Candidate(CUTLASS_KERNELS[2], "rms_norm_mlp", GPU,
+              "the RMSNorm-quantize and SiLU-quantize kernels, each linear the " + CUTLASS_REASON, check=_cutlass_ok),
+    Candidate("cuda_ops.rms_norm_mlp_scaled_mm", "rms_norm_mlp", GPU,
+              "default: the RMSNorm-quantize and SiLU-quantize kernels, each linear cuBLASLt fp8 (torch._scaled_mm)",
+              check=_scaled_mm_ok),
+    Candidate("cuda_ops.rms_norm_mlp_gemm", "rms_norm_mlp", GPU,
+              "default: the RMSNorm-quantize and SiLU-quantize kernels, each linear the Triton fp8 GEMM (block "
+              "scales)", check=_dtype_ok),
     # tensor parallelism
     Candidate("cuda_ops.all_reduce_one_shot", "all_reduce", GPU,
               f"one-shot all-reduce over peer memory (torch symmetric memory) at <= {ONE_SHOT_MAX_TOKENS} tokens: "

@@ -14,8 +14,8 @@ import json
 
 import torch
 
-from mxc.kernels import (cublas, fp8_gemm, peer_allreduce, torch_ref, triton_attention, triton_elementwise,
-                         triton_fp8, triton_gemv, triton_norm, triton_rope, triton_route)
+from mxc.kernels import (cublas, fp8_gemm, launch, mlp_pair_fp8, peer_allreduce, torch_ref, triton_attention,
+                         triton_elementwise, triton_fp8, triton_gemv, triton_norm, triton_rope, triton_route)
 from mxc.kernels.context import ForwardContext
 
 
@@ -52,6 +52,48 @@ def rms_norm_qlinear_gemm(x, norm_weight, weight, scale, bias=None, eps=1e-6, gr
     """Larger token counts (block scales): the quantize kernel normalises the row, then the Triton fp8 GEMM."""
     return triton_fp8.qlinear_gemm(x, weight, scale, bias, granularity=granularity, prologue="rms_norm",
                                    norm_weight=norm_weight, eps=eps)
+
+
+# ``rms_norm_mlp`` (fuse_mlp): x + down(silu_mul(gate_up(rms_norm(x)))). Above the persistent kernel's token
+# counts each runs the unfused nodes' kernels, in the same order, so the results are theirs.
+
+def rms_norm_mlp_small_m(x, norm_weight, w_gate_up, s_gate_up, w_down, s_down, eps=1e-6, granularity="channel"):
+    """<= 32 tokens: the RMSNorm-quantize and Triton fp8 GEMV, then SiLU-and-mul, the quantize and the GEMV
+    with the residual."""
+    gate_up = rms_norm_qlinear_small_m(x, norm_weight, w_gate_up, s_gate_up, None, eps, granularity)
+    return triton_fp8.qlinear_small_m(gate_up, w_down, s_down, None, x, granularity=granularity, prologue="silu_mul")
+
+
+def rms_norm_mlp_cutlass(x, norm_weight, w_gate_up, s_gate_up, w_down, s_down, eps=1e-6, granularity="channel"):
+    gate_up = rms_norm_qlinear_cutlass(x, norm_weight, w_gate_up, s_gate_up, None, eps, granularity)
+    return fp8_gemm.cutlass(gate_up, w_down, s_down, None, x, granularity=granularity, prologue="silu_mul")
+
+
+def rms_norm_mlp_scaled_mm(x, norm_weight, w_gate_up, s_gate_up, w_down, s_down, eps=1e-6, granularity="channel"):
+    gate_up = rms_norm_qlinear_scaled_mm(x, norm_weight, w_gate_up, s_gate_up, None, eps, granularity)
+    return fp8_gemm.scaled_mm(gate_up, w_down, s_down, None, x, granularity=granularity, prologue="silu_mul")
+
+
+def rms_norm_mlp_gemm(x, norm_weight, w_gate_up, s_gate_up, w_down, s_down, eps=1e-6, granularity="channel"):
+    gate_up = rms_norm_qlinear_gemm(x, norm_weight, w_gate_up, s_gate_up, None, eps, granularity)
+    return triton_fp8.qlinear_gemm(gate_up, w_down, s_down, None, x, granularity=granularity, prologue="silu_mul")
+
+
+MLP_PAIR = True  # False: rms_norm_mlp_pair runs rms_norm_mlp_small_m's kernels instead (A/B in one artifact)
+
+
+def rms_norm_mlp_pair(x, norm_weight, w_gate_up, s_gate_up, w_down, s_down, eps=1e-6, granularity="channel"):
+    """<= 8 tokens: ``mlp_pair_fp8``'s persistent kernel, one launch (the artifact's library; programmatic
+    dependent launch where the kernels around it use it). Launches no Triton kernel, so a build records none."""
+    if not MLP_PAIR:
+        return rms_norm_mlp_small_m(x, norm_weight, w_gate_up, s_gate_up, w_down, s_down, eps, granularity)
+    out = torch.empty_like(x)
+    if x.device.type == "meta":
+        return out
+    pair = mlp_pair_fp8.active()
+    pair.rms_norm_pair(x, norm_weight, eps, w_gate_up, s_gate_up, w_down, s_down, x, out,
+                       mlp_pair_fp8.workspace(w_down.shape[1], x.device), pdl=launch.pdl_active())
+    return out
 
 
 def _tables(ctx: ForwardContext, spec: dict):

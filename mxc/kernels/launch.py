@@ -38,7 +38,17 @@ def jit_launch_pdl(kernel, grid, args, constexprs, num_warps, num_stages):
                  launch_pdl=True)
 
 
+jit_launch_pdl.pdl = True
+
+
 _launcher: Launcher = jit_launch
+
+
+def pdl_active() -> bool:
+    """Whether the launcher in use launches kernels for programmatic dependent launch now (the runtime's for a
+    ``pdl`` artifact outside its plain-launch buckets, or ``jit_launch_pdl``): what a kernel launched outside
+    ``launch`` (a ctypes library's) should do to match its neighbours."""
+    return bool(getattr(_launcher, "pdl", False) and getattr(_launcher, "pdl_launch", True))
 
 
 def launch(kernel, grid: tuple[int, ...], args: list, constexprs: dict, *, num_warps: int = 4,

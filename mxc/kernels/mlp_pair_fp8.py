@@ -25,9 +25,12 @@ a row (channel or tensor granularity); sm_90a (mma.sync e4m3, bulk copies, mbarr
 (``plan``). A workspace (``Workspace``: h, the per-unit amax partials, two counters the kernel leaves at zero)
 is shared by every layer of a step.
 
-Status (2026-12-01): built and compiled on the CPU machine; not yet run on a GPU and selected by no build.
+Builds use it only when asked: ``mxc build --mlp-pair`` (``fuse_mlp`` makes each layer's MLP one
+``rms_norm_mlp`` op; ``cuda_ops.rms_norm_mlp_pair`` runs it at <= 8 tokens through ``use``/``active`` and the
+process's ``workspace``). Status (2026-12-01): built and compiled on the CPU machine, not yet run on a GPU.
 ``tests/gpu/test_mlp_pair_fp8_gpu.py`` checks it against ``reference`` and the Triton chain;
-``bench/mlp_pair_lab.py`` times it against the chain over 32 layers' weights in a CUDA graph.
+``bench/mlp_pair_lab.py`` times it against the chain over 32 layers' weights in a CUDA graph, and
+``bench/decode_ab.py --mlp-pair`` end to end.
 """
 
 from __future__ import annotations
@@ -53,6 +56,18 @@ STATUS = {0: "ok", 1: "unsupported shape (1 <= M <= 8, H and I multiples of 1024
           2: "a pointer is not 16-byte aligned", 3: "the ring does not fit shared memory or a CTA cannot be resident",
           4: "CUDA error"}
 FP8 = torch.float8_e4m3fn
+
+
+LIBRARY = "code/mlp_pair/mlp_pair_fp8.so"  # where an artifact keeps its library
+
+
+def available() -> str | None:
+    """None when a build here can have the library (``$MXC_MLP_PAIR_LIBRARY`` names one, or nvcc is found),
+    else a one-line reason."""
+    prebuilt = os.environ.get(PREBUILT_ENV)
+    if prebuilt:
+        return None if Path(prebuilt).is_file() else f"${PREBUILT_ENV}={prebuilt} is not a file"
+    return None if nvcc.find() else "nvcc not found (set CUDA_HOME or put nvcc on PATH)"
 
 
 def source() -> str:
@@ -213,6 +228,33 @@ def _check_operands(xq, xs, x, norm_weight, w_gu, s_gu, w_d, s_d, residual, out,
 @functools.lru_cache(maxsize=None)
 def load(so_path) -> MlpPairFp8:
     return MlpPairFp8(so_path)
+
+
+_ACTIVE: list[MlpPairFp8] = []
+_WORKSPACES: dict[tuple[int, str], Workspace] = {}
+
+
+def use(so_path) -> MlpPairFp8:
+    """Open an artifact's library for the runtime (``active``); every build's library computes the same function."""
+    pair = load(str(so_path))
+    _ACTIVE[:] = [pair]
+    return pair
+
+
+def active() -> MlpPairFp8:
+    if not _ACTIVE:
+        raise RuntimeError(f"no fp8 MLP pair library is loaded: the artifact's forward calls cuda_ops.rms_norm_mlp_pair "
+                           f"but mxc.load found no {LIBRARY} in it")
+    return _ACTIVE[0]
+
+
+def workspace(I: int, device) -> Workspace:  # noqa: E741
+    """The process's workspace for intermediate size I on ``device``, shared by every layer and step (launches on
+    one stream are ordered); made by the first, eager, call, before any graph is captured."""
+    key = (I, str(device))
+    if key not in _WORKSPACES:
+        _WORKSPACES[key] = Workspace.new(I, device)
+    return _WORKSPACES[key]
 
 
 def reference(xq, xs, w_gu, s_gu, w_d, s_d, residual=None) -> torch.Tensor:

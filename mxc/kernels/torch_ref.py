@@ -216,6 +216,11 @@ def rms_norm_qlinear(x, norm_weight, weight, scale, bias=None, eps=1e-6, granula
     return qlinear(rms_norm(x, norm_weight, eps), weight, scale, bias, granularity=granularity)
 
 
+def rms_norm_mlp(x, norm_weight, w_gate_up, s_gate_up, w_down, s_down, eps=1e-6, granularity="channel"):
+    gate_up = rms_norm_qlinear(x, norm_weight, w_gate_up, s_gate_up, None, eps, granularity)
+    return qlinear(gate_up, w_down, s_down, None, x, granularity, prologue="silu_mul")
+
+
 def qlinear(x, weight, scale, bias=None, residual=None, granularity="channel", prologue=None):
     from mxc.kernels import fp8_ref
 

@@ -127,4 +127,8 @@ def load(path, device: str = "cpu", rank: int = 0, world_size: int = 1, verify: 
         from mxc.kernels import cutlass_fp8
 
         cutlass_fp8.use(path / manifest["cutlass"]["library"])
+    if manifest.get("mlp_pair"):  # the persistent fp8 MLP kernel (--mlp-pair; mxc.kernels.mlp_pair_fp8)
+        from mxc.kernels import mlp_pair_fp8
+
+        mlp_pair_fp8.use(path / manifest["mlp_pair"]["library"])
     return Model(program.forward, weights, manifest, device, path, launcher, rank=rank, world_size=world_size)

@@ -136,6 +136,16 @@ EXAMPLES = {
         ([tt("T", 64), tt(64), tt(32, 64, dtype="float8_e4m3fn"), tt(16)], {"eps": 1e-5, "granularity": "channel"},
          "channel scale"),
     ]),
+    "rms_norm_mlp": (([tt("T", 64), tt(64), tt(192, 64, dtype="float8_e4m3fn"), tt(192),
+                       tt(64, 96, dtype="float8_e4m3fn"), tt(64)], {"eps": 1e-5, "granularity": "channel"}),
+                     [tt("T", 64)], [
+        ([tt("T", 64), tt(64), tt(191, 64, dtype="float8_e4m3fn"), tt(191), tt(64, 96, dtype="float8_e4m3fn"),
+          tt(64)], {"eps": 1e-5, "granularity": "channel"}, "even number of rows"),
+        ([tt("T", 64), tt(64), tt(192, 64, dtype="float8_e4m3fn"), tt(192), tt(64, 95, dtype="float8_e4m3fn"),
+          tt(64)], {"eps": 1e-5, "granularity": "channel"}, "disagree on K"),
+        ([tt("T", 64), tt(64), tt(192, 64, dtype="float8_e4m3fn"), tt(192), tt(32, 96, dtype="float8_e4m3fn"),
+          tt(32)], {"eps": 1e-5, "granularity": "channel"}, "must match the output"),
+    ]),
     # mixture of experts: 8 experts, top 2, hidden 64, expert intermediate 96
     "route": (([tt("T", 8)], {"k": 2, "scoring": "softmax", "renormalize": True}),
               [tt("T", 2), tt("T", 2, dtype="int64")], [

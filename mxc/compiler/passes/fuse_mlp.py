@@ -1,0 +1,42 @@
+"""fuse_mlp: a decoder layer's fp8 MLP and its residual add become one op (``--mlp-pair``).
+
+Matches (after ``quantize``)::
+
+    gu = rms_norm_qlinear(x, g, w_gu, s_gu, eps=e)           # no bias; gu read only by the next qlinear
+    y = qlinear(gu, w_down, s_down, None, x, prologue='silu_mul')   # the residual is the norm's input
+
+Rewrites to::
+
+    y = rms_norm_mlp(x, g, w_gu, s_gu, w_down, s_down, eps=e)
+
+so that at decode token counts one kernel can run the whole MLP: ``mxc.kernels.mlp_pair_fp8`` (its
+persistent CUDA kernel, one launch for the RMSNorm-quantize, gate/up GEMV, SiLU-and-mul, quantize and
+down GEMV with the residual). The other token counts run the same kernels as the unfused nodes
+(``select_kernels``: ``cuda_ops.rms_norm_mlp_*``), and the CPU target the same references, so the
+rewrite changes no result there. Only with ``--mlp-pair`` (off by default until the kernel is measured
+on a GPU: ``docs/persistent_decode.md``). Preserves: the output name and the math of each step.
+"""
+
+from __future__ import annotations
+
+from mxc.compiler.rewrite import apply_rules
+from mxc.ir import Graph, Node
+
+
+def _match(down: Node, ctx):
+    if down.attrs.get("prologue") != "silu_mul" or len(down.ins) != 5 or down.ins[3] is not None:
+        return None
+    up = ctx.producing(down.ins[0])
+    if up is None or up.op != "rms_norm_qlinear" or len(up.ins) != 4 or ctx.sole_user(up.outs[0]) is not down:
+        return None
+    if down.ins[4] != up.ins[0] or up.attrs["granularity"] != down.attrs["granularity"]:
+        return None
+    ins = (up.ins[0], up.ins[1], up.ins[2], up.ins[3], down.ins[1], down.ins[2])
+    attrs = {"eps": up.attrs["eps"], "granularity": up.attrs["granularity"]}
+    return {ctx.index(up): [], ctx.index(down): [Node("rms_norm_mlp", down.outs, ins, attrs, down.loc)]}
+
+
+def run(graph: Graph, options) -> Graph:
+    if options.quant != "fp8" or not getattr(options, "mlp_pair", False):
+        return graph
+    return apply_rules(graph, [("qlinear", _match)])[0]
