@@ -82,12 +82,13 @@ def library(out_path=None, log=print) -> Path:
         if not Path(prebuilt).is_file():
             raise RuntimeError(f"${PREBUILT_ENV}={prebuilt} is not a file")
         cached = Path(prebuilt)
-        return cached if out_path is None else Path(shutil.copyfile(cached, out_path))
-    text = source()
-    cached = nvcc.cache_dir("mlp_pair") / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.so"
-    if not cached.is_file():
-        log(f"compiling the fp8 MLP pair with nvcc (cached in {cached.parent})")
-        nvcc.compile_so(text, cached, what="fp8 MLP pair kernel")
+        log(f"fp8 MLP pair: the prebuilt library {prebuilt} (${PREBUILT_ENV})")
+    else:
+        text = source()
+        cached = nvcc.cache_dir("mlp_pair") / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.so"
+        if not cached.is_file():
+            log(f"compiling the fp8 MLP pair with nvcc (cached in {cached.parent})")
+            nvcc.compile_so(text, cached, what="fp8 MLP pair kernel")
     if out_path is None:
         return cached
     out_path = Path(out_path)

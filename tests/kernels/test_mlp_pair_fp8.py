@@ -77,7 +77,9 @@ def test_library_exports_and_is_cached(tmp_path, monkeypatch):
     copy = mlp_pair_fp8.library(tmp_path / "artifact" / "code" / "mlp_pair_fp8.so", log=logs.append)
     assert copy.read_bytes() == first.read_bytes() and len(logs) == 1  # the second call compiled nothing
     monkeypatch.setenv(mlp_pair_fp8.PREBUILT_ENV, str(first))
-    assert mlp_pair_fp8.library() == first
+    assert mlp_pair_fp8.library(log=logs.append) == first and "prebuilt" in logs[-1]
+    shipped = mlp_pair_fp8.library(tmp_path / "other" / "code" / "mlp_pair" / "lib.so", log=logs.append)
+    assert shipped.read_bytes() == first.read_bytes()
     monkeypatch.setenv(mlp_pair_fp8.PREBUILT_ENV, str(tmp_path / "missing.so"))
     with pytest.raises(RuntimeError, match="MXC_MLP_PAIR_LIBRARY"):
         mlp_pair_fp8.library()
@@ -103,3 +105,21 @@ def test_operands_are_checked_before_any_launch(pair):
         pair.rms_norm_pair(x, torch.ones(H), 1e-5, w_gu, s_gu, w_d, s_d, x, out, ws)
     with pytest.raises(ValueError, match="residual must be contiguous"):
         pair.rms_norm_pair(x, torch.ones(H, dtype=torch.bfloat16), 1e-5, w_gu, s_gu, w_d, s_d, x.float(), out, ws)
+
+
+def test_pdl_active_follows_the_launcher(tmp_path):
+    """The pair (a ctypes launch, outside ``launch``) asks ``launch.pdl_active`` whether to launch for PDL: yes
+    under a PDL artifact's launcher outside its plain-launch buckets and under ``jit_launch_pdl``, else no."""
+    from mxc.kernels import launch
+    from mxc.runtime.cuda_launch import CubinLauncher
+
+    (tmp_path / "index.json").write_text("{}")
+    assert not launch.pdl_active()  # the JIT launcher
+    with launch.using(launch.jit_launch_pdl):
+        assert launch.pdl_active()
+    for built_with_pdl in (False, True):
+        launcher = CubinLauncher(tmp_path, pdl=built_with_pdl, driver=object())
+        with launch.using(launcher):
+            assert launch.pdl_active() == built_with_pdl
+            with launcher.plain():  # buckets past PDL_MAX_BUCKET
+                assert not launch.pdl_active()
