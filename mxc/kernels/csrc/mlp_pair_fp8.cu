@@ -177,6 +177,25 @@ __device__ __forceinline__ void stage_mma(const uint8_t* stage, const uint8_t* a
   }
 }
 
+// One unit's chunks as the ring delivers them (``slot``/``parity``: the consumer's place in the ring, advanced):
+// this warp's partial products of the unit's two m16 tiles, the chunks' activation columns at 0, KT, 2KT, ...
+__device__ __forceinline__ void consume_unit(const uint8_t* ring, uint64_t* full, uint64_t* empty, int stages,
+                                             int& slot, unsigned& parity, int chunks, const uint8_t* act, int pitch,
+                                             int M, int warp, int lane, float (&c0)[4], float (&c1)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) c0[i] = c1[i] = 0.f;
+  for (int c = 0; c < chunks; ++c) {
+    mbar_wait(&full[slot], parity);
+    stage_mma(ring + slot * STAGE_BYTES, act, pitch, c * KT, M, warp, lane, c0, c1);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[slot]);  // this warp is done with the stage
+    if (++slot == stages) {
+      slot = 0;
+      parity ^= 1;
+    }
+  }
+}
+
 // The four warps' partial products of a unit -> their sum (fixed order) in warp 0's acc[8]: acc[0..3] the
 // fragment of rows 0-15, acc[4..7] rows 16-31. Every consumer warp calls it; only warp 0 gets the sum.
 __device__ __forceinline__ bool reduce_unit(float* red, int parity, int warp, int lane, const float (&c0)[4],
@@ -396,14 +415,8 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_pair_fp8_kernel(const __grid_c
   int pending = -1;  // the unit whose sum warp 0 holds in acc, its epilogue not yet run
   for (int j = 0; j < n_up; ++j) {
     const int u = b + j * G;
-    float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int c = 0; c < up_chunks; ++c) {
-      mbar_wait(&full[slot], parity);
-      stage_mma(ring + slot * STAGE_BYTES, act, pitch_up, c * KT, M, warp, lane, c0, c1);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&empty[slot]);
-      if (++slot == p.stages) { slot = 0; parity ^= 1; }
-    }
+    float c0[4], c1[4];
+    consume_unit(ring, full, empty, p.stages, slot, parity, up_chunks, act, pitch_up, M, warp, lane, c0, c1);
     if (pending >= 0) up_epilogue(p, scale, pending, lane, acc);  // warp 0 only: the previous unit's
     pending = reduce_unit(red, unit_parity, warp, lane, c0, c1, acc) ? u : -1;
     unit_parity ^= 1;
@@ -473,14 +486,8 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_pair_fp8_kernel(const __grid_c
     pending = -1;
     for (int j = 0; j < n_down; ++j) {
       const int v = down_first(b, G) + j * G;
-      float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
-      for (int c = 0; c < down_chunks; ++c) {
-        mbar_wait(&full[slot], parity);
-        stage_mma(ring + slot * STAGE_BYTES, act, pitch_down, c * KT, M, warp, lane, c0, c1);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&empty[slot]);
-        if (++slot == p.stages) { slot = 0; parity ^= 1; }
-      }
+      float c0[4], c1[4];
+      consume_unit(ring, full, empty, p.stages, slot, parity, down_chunks, act, pitch_down, M, warp, lane, c0, c1);
       if (pending >= 0) down_epilogue(p, scale, pending, lane, acc);
       pending = reduce_unit(red, unit_parity, warp, lane, c0, c1, acc) ? v : -1;
       unit_parity ^= 1;
