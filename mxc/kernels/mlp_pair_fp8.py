@@ -172,23 +172,30 @@ class MlpPairFp8:
             self._plans[key] = (stages.value, ctas.value)
         return self._plans[key]
 
-    def __call__(self, xq, xs, w_gu, s_gu, w_d, s_d, residual, out, ws: Workspace, *, pdl: bool = False,
-                 stream: int | None = None) -> torch.Tensor:
-        """``out`` = the pair from the quantized gate/up input (see the module); ``out`` may be ``residual``."""
+    def __call__(self, xq, xs, w_gu, s_gu, w_d, s_d, residual, out, ws: Workspace, **launch) -> torch.Tensor:
+        """``out`` = the pair from the quantized gate/up input (see the module); ``out`` may be ``residual``.
+        ``launch``: ``pdl``, ``stream`` and the tests' ``ctas``/``stages`` (``_launch``)."""
         _check_operands(xq, xs, None, None, w_gu, s_gu, w_d, s_d, residual, out, ws)
-        return self._launch(xq, xs, None, None, 0.0, w_gu, s_gu, w_d, s_d, residual, out, ws, pdl, stream)
+        return self._launch(xq, xs, None, None, 0.0, w_gu, s_gu, w_d, s_d, residual, out, ws, **launch)
 
-    def rms_norm_pair(self, x, norm_weight, eps: float, w_gu, s_gu, w_d, s_d, residual, out, ws: Workspace, *,
-                      pdl: bool = False, stream: int | None = None) -> torch.Tensor:
+    def rms_norm_pair(self, x, norm_weight, eps: float, w_gu, s_gu, w_d, s_d, residual, out, ws: Workspace,
+                      **launch) -> torch.Tensor:
         """``out`` = the pair from x [M, H] bf16: its RMSNorm (``norm_weight`` [H] bf16, ``eps``) and per-token
         quantize run in the kernel too (``reference_rms_norm``); ``out`` may be ``residual`` (usually x)."""
         _check_operands(None, None, x, norm_weight, w_gu, s_gu, w_d, s_d, residual, out, ws)
-        return self._launch(None, None, x, norm_weight, eps, w_gu, s_gu, w_d, s_d, residual, out, ws, pdl, stream)
+        return self._launch(None, None, x, norm_weight, eps, w_gu, s_gu, w_d, s_d, residual, out, ws, **launch)
 
-    def _launch(self, xq, xs, x, norm_weight, eps, w_gu, s_gu, w_d, s_d, residual, out, ws, pdl, stream):
+    def _launch(self, xq, xs, x, norm_weight, eps, w_gu, s_gu, w_d, s_d, residual, out, ws, *, pdl: bool = False,
+                stream: int | None = None, ctas: int | None = None, stages: int | None = None):
+        """``ctas``/``stages``: fewer CTAs or ring stages than the plan's (tests: one CTA has no other CTA to wait
+        for, two stages wrap the ring most often), else the plan."""
         H, I = w_d.shape  # noqa: E741
         M = out.shape[0]
-        stages, ctas = self.plan(M, H, I)
+        plan_stages, plan_ctas = self.plan(M, H, I)
+        if not (ctas is None or 1 <= ctas <= plan_ctas) or not (stages is None or 2 <= stages <= plan_stages):
+            raise ValueError(f"fp8 MLP pair: ctas {ctas} / stages {stages} outside the plan's 1..{plan_ctas} / "
+                             f"2..{plan_stages}")
+        stages, ctas = stages or plan_stages, ctas or plan_ctas
         if stream is None:
             stream = torch.cuda.current_stream(out.device).cuda_stream
 

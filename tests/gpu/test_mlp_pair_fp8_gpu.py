@@ -53,6 +53,22 @@ def _chain(x, w_gu, s_gu, w_d, s_d, residual):
     return triton_fp8.qlinear_small_m(gate_up, w_d, s_d, residual=residual, prologue="silu_mul")
 
 
+@pytest.mark.parametrize("ctas, stages", [(1, 2), (1, None), (3, 2), (None, 2)])
+def test_small_grids_and_rings_first(pair, ctas, stages):
+    """The simplest launches first, so a failure says where: one CTA (the ring alone, no CTA to wait for), then
+    three (the counter), each also with a two-stage ring (the most wraps)."""
+    H, I = SHAPES[0]  # noqa: E741
+    w_gu, s_gu, w_d, s_d = _layer(H, I, 12)
+    _, xq, xs, residual = _activations(2, H, 13)
+    ws = mlp_pair_fp8.Workspace.new(I, "cuda")
+    y = pair(xq, xs, w_gu, s_gu, w_d, s_d, residual, torch.empty_like(residual), ws, ctas=ctas, stages=stages)
+    torch.cuda.synchronize()
+    assert ws.sync.tolist() == [0, 0]
+    assert _rel(y, mlp_pair_fp8.reference(xq, xs, w_gu, s_gu, w_d, s_d, residual)) < 2e-2
+    full = pair(xq, xs, w_gu, s_gu, w_d, s_d, residual, torch.empty_like(residual), ws)
+    assert torch.equal(y, full)  # the sums' order does not depend on the grid or the ring
+
+
 @pytest.mark.parametrize("H, I", SHAPES)
 @pytest.mark.parametrize("M", [1, 2, 3, 8])
 def test_against_reference_and_the_chain(pair, M, H, I):  # noqa: E741
