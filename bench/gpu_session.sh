@@ -18,8 +18,8 @@
 #           bf16, then Qwen3-30B-A3B (the router's outputs fixed)
 #   pair    the persistent fp8 MLP pair (mxc.kernels.mlp_pair_fp8): its GPU tests, then against the kernel chain
 #           it replaces over 32 layers at batch 1 and 8, with PDL and without (bench/mlp_pair_lab.py); carry the
-#           library built here (python -c "from mxc.kernels import mlp_pair_fp8 as m; m.library('build/mlp_pair/mlp_pair_fp8.so')")
-#           and set MXC_MLP_PAIR_LIBRARY=$PWD/build/mlp_pair/mlp_pair_fp8.so where the GPU machine has no nvcc
+#           library built here (python -c "from mxc.kernels import mlp_pair_fp8 as m; m.library('build/mlp_pair/mlp_pair_fp8.so')"):
+#           this script then sets MXC_MLP_PAIR_LIBRARY to it (the GPU machine may have no nvcc)
 #   pairab  Llama-3-8B fp8 built with --mlp-pair: batch-1 decode with the pair against the chain in one artifact
 #           (bench/decode_ab.py, cuda_ops.MLP_PAIR), and bf16 for the ratio
 # Logs go to $OUT (the device tool's output folder) when set, else to build/gpu-logs.
@@ -28,6 +28,10 @@
 #   nvidia-h200-x2: tp
 set -u
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
+# libraries built on the CPU machine and carried (the GPU machine may have no nvcc)
+if [ -f build/mlp_pair/mlp_pair_fp8.so ] && [ -z "${MXC_MLP_PAIR_LIBRARY:-}" ]; then
+  export MXC_MLP_PAIR_LIBRARY="$PWD/build/mlp_pair/mlp_pair_fp8.so"
+fi
 logs="${OUT:-build/gpu-logs}"
 mkdir -p "$logs"
 # large artifacts go to memory-backed storage where it is big enough (the MoE one is 61 GB)
