@@ -48,10 +48,16 @@ def test_fuse_mlp_makes_one_op_a_layer_and_the_pair_claims_decode(monkeypatch):
                                    [None, "cuda_ops.rms_norm_mlp_cutlass"]]
     assert not [n for n in body if n.op == "qlinear" and n.attrs.get("prologue")]  # the down projection is inside
     assert [n.op for n in body].count("rms_norm_qlinear") == 1  # qkv keeps its own
-    # without the option (the default) the graph keeps the two nodes
-    plain = _layer_nodes(WIDE)
-    assert "rms_norm_mlp" not in [n.op for n in plain]
-    assert [n.attrs.get("prologue") for n in plain if n.op == "qlinear"] == [None, "silu_mul"]
+    # without the option (the default), or with the pass disabled, the graph keeps the two nodes
+    for plain in (_layer_nodes(WIDE), _layer_nodes(WIDE, mlp_pair=True, disable_passes=("fuse_mlp",))):
+        assert "rms_norm_mlp" not in [n.op for n in plain]
+        assert [n.attrs.get("prologue") for n in plain if n.op == "qlinear"] == [None, "silu_mul"]
+    # a MoE layer has no dense MLP to fuse
+    moe = {**WIDE, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 1024}
+    graph = bind_model(MODELS_DIR / "llama.yaml", moe, "bfloat16", lookup("Qwen3MoeForCausalLM"))
+    g = compile_graph(graph, BuildOptions(target="cuda", dtype="bfloat16", quant="fp8", mlp_pair=True))
+    assert "rms_norm_mlp" not in [n.op for n, _ in g.nodes()] and "fused_moe" in [n.op for n, _ in g.nodes()]
 
 
 def test_pair_says_why_not(monkeypatch):
