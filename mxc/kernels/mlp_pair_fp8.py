@@ -22,7 +22,7 @@ that plan.
 
 Limits (``supports``): 1 <= M <= 8, H and I multiples of 1024, bf16 activations and residual, one weight scale
 a row (channel or tensor granularity); sm_90a (mma.sync e4m3, bulk copies, mbarriers) with every CTA resident
-(``plan``). A workspace (``Workspace``: h, the per-unit amax partials, two counters the kernel leaves at zero)
+(``plan``). A workspace (``Workspace``: h, two counters and the per-token amax, which the kernel leaves at zero)
 is shared by every layer of a step.
 
 Builds use it only when asked: ``mxc build --mlp-pair`` (``fuse_mlp`` makes each layer's MLP one
@@ -110,15 +110,14 @@ def supports(M: int, H: int, I: int) -> str | None:  # noqa: E741  (I: the inter
 class Workspace:
     """What the kernel writes between its stages; one serves every layer of a step (launches are ordered)."""
 
-    h: torch.Tensor          # [MAX_M, I] bf16: silu(gate) * up
-    amax_part: torch.Tensor  # [MAX_M, I / 16] fp32: |max| of each gate/up unit's h columns, per token
-    sync: torch.Tensor       # [2] int32, zero: CTAs past gate/up, CTAs done (the kernel leaves both at zero)
+    h: torch.Tensor     # [MAX_M, I] bf16: silu(gate) * up
+    sync: torch.Tensor  # [2 + MAX_M] int32, zero: CTAs past gate/up, CTAs done, each token's amax(|h|) (float
+    # bits, folded in by atomic max); the kernel leaves it zero
 
     @classmethod
     def new(cls, I: int, device) -> "Workspace":  # noqa: E741
         return cls(torch.empty((MAX_M, I), dtype=torch.bfloat16, device=device),
-                   torch.empty((MAX_M, I // UP_ROWS), dtype=torch.float32, device=device),
-                   torch.zeros(2, dtype=torch.int32, device=device))
+                   torch.zeros(2 + MAX_M, dtype=torch.int32, device=device))
 
 
 class MlpPairFp8:
@@ -128,7 +127,7 @@ class MlpPairFp8:
         self.path = Path(so_path)
         lib = ctypes.CDLL(str(self.path))
         p, i, ip = ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_int)
-        lib.mxc_mlp_pair_fp8.argtypes = [p] * 4 + [ctypes.c_float] + [p] * 9 + [i] * 6 + [p]
+        lib.mxc_mlp_pair_fp8.argtypes = [p] * 4 + [ctypes.c_float] + [p] * 8 + [i] * 6 + [p]
         lib.mxc_mlp_pair_fp8.restype = i
         lib.mxc_mlp_pair_fp8_plan.argtypes = [i, i, i, ip, ip]
         lib.mxc_mlp_pair_fp8_plan.restype = i
@@ -204,8 +203,8 @@ class MlpPairFp8:
 
         status = self._lib.mxc_mlp_pair_fp8(
             ptr(xq), ptr(xs), ptr(x), ptr(norm_weight), float(eps), w_gu.data_ptr(), s_gu.data_ptr(), w_d.data_ptr(),
-            s_d.data_ptr(), ptr(residual), out.data_ptr(), ws.h.data_ptr(), ws.amax_part.data_ptr(),
-            ws.sync.data_ptr(), M, H, I, stages, ctas, int(pdl), stream or None)
+            s_d.data_ptr(), ptr(residual), out.data_ptr(), ws.h.data_ptr(), ws.sync.data_ptr(), M, H, I, stages,
+            ctas, int(pdl), stream or None)
         self._check(status, f"launch (M={M}, H={H}, I={I})")
         return out
 
@@ -224,7 +223,7 @@ def _check_operands(xq, xs, x, norm_weight, w_gu, s_gu, w_d, s_d, residual, out,
     expect += [("w_gu", w_gu, (2 * I, H), FP8),
               ("s_gu", s_gu, (2 * I,), torch.float32), ("w_d", w_d, (H, I), FP8), ("s_d", s_d, (H,), torch.float32),
               ("out", out, (M, H), torch.bfloat16), ("workspace h", ws.h, (MAX_M, I), torch.bfloat16),
-              ("workspace amax_part", ws.amax_part, (MAX_M, I // UP_ROWS), torch.float32)]
+              ("workspace sync", ws.sync, (2 + MAX_M,), torch.int32)]
     if residual is not None:
         expect.append(("residual", residual, (M, H), torch.bfloat16))
     for name, t, shape, dtype in expect:

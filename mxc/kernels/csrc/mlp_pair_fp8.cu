@@ -17,10 +17,10 @@
 //   N: the "swap AB" of a GEMV), each warp a quarter of the chunk's columns; the four partial products are summed
 //   in a fixed order through shared memory and warp 0 runs the epilogue.
 // - gate/up unit u = 16 gate rows and the same 16 up rows (one chunk holds both, so the SiLU-and-mul is local);
-//   its epilogue writes h's 16 columns and their per-token |max| (a partial of the amax). A CTA that has done its
-//   gate/up units counts itself in sync[0]; a CTA with down units waits for all of them, takes the amax from the
-//   partials, quantizes h into shared memory and runs its down units (32 rows each) with the residual.
-// - the last CTA to finish resets the counters, so the kernel replays in a CUDA graph.
+//   its epilogue writes h's 16 columns and folds their per-token |max| into the token's amax (an atomic max). A CTA
+//   that has done its gate/up units counts itself in sync[0]; a CTA with down units waits for all of them, reads
+//   the amax, quantizes h into shared memory and runs its down units (32 rows each) with the residual.
+// - the last CTA to finish resets the counters and the amax, so the kernel replays in a CUDA graph.
 // Work is assigned statically: gate/up units b, b + G, ...; down units G-1-b, 2G-1-b, ... (the CTAs with the
 // fewest gate/up units take down units first). ``mxc_mlp_pair_fp8_schedule`` exposes the assignment.
 
@@ -59,8 +59,8 @@ struct Params {
   const __nv_bfloat16* residual;  // [M, H] or null
   __nv_bfloat16* y;             // [M, H] (may be residual)
   __nv_bfloat16* h;             // workspace [M, I]
-  float* amax_part;             // workspace [M, I / 16]
-  unsigned* sync;               // workspace [2], zero before the first launch: CTAs past gate/up, CTAs done
+  unsigned* sync;               // workspace [2 + MAX_M], zero before the first launch: CTAs past gate/up, CTAs
+                                // done, then each token's amax(|h|) (float bits: max as unsigned for x >= 0)
   int M, H, I, stages;
 };
 
@@ -218,7 +218,7 @@ __device__ __forceinline__ bool reduce_unit(float* red, int parity, int warp, in
   return true;
 }
 
-// Gate/up epilogue of unit u (warp 0): h's columns 16u..16u+15 and their per-token |max|.
+// Gate/up epilogue of unit u (warp 0): h's columns 16u..16u+15; their per-token |max| into the amax.
 __device__ __forceinline__ void up_epilogue(const Params& p, const float* scale, int u, int lane, const float (&acc)[8]) {
   const int g = lane >> 2, t = lane & 3;
   float mx[2] = {0.f, 0.f};  // tokens 2t, 2t + 1
@@ -242,9 +242,8 @@ __device__ __forceinline__ void up_epilogue(const Params& p, const float* scale,
     mx[1] = fmaxf(mx[1], __shfl_xor_sync(0xffffffffu, mx[1], off));
   }
   if (g == 0) {
-    const int parts = up_units(p.I);
-    if (2 * t < p.M) p.amax_part[(2 * t) * parts + u] = mx[0];
-    if (2 * t + 1 < p.M) p.amax_part[(2 * t + 1) * parts + u] = mx[1];
+    if (2 * t < p.M) atomicMax(p.sync + 2 + 2 * t, __float_as_uint(mx[0]));
+    if (2 * t + 1 < p.M) atomicMax(p.sync + 2 + 2 * t + 1, __float_as_uint(mx[1]));
   }
 }
 
@@ -422,7 +421,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_pair_fp8_kernel(const __grid_c
     unit_parity ^= 1;
   }
   if (pending >= 0) up_epilogue(p, scale, pending, lane, acc);
-  consumer_sync();  // every h column and partial of this CTA is written
+  consumer_sync();  // every h column and amax of this CTA is written
 
   if (tid == 0) {
     __threadfence();
@@ -439,26 +438,8 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_pair_fp8_kernel(const __grid_c
     consumer_sync();
     if (tid == 0) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 
-    // the per-token scale of h from the gate/up units' partial maxima (read past L1: other CTAs wrote them)
-    const int parts = up_units(p.I);
-    for (int n = 0; n < M; ++n) {
-      float mx = 0.f;
-      const float4* part4 = reinterpret_cast<const float4*>(p.amax_part + n * parts);  // parts % 4 == 0
-#pragma unroll 4
-      for (int i = tid; i < parts / 4; i += CONSUMERS) {
-        const float4 v = __ldcg(part4 + i);
-        mx = fmaxf(mx, fmaxf(fmaxf(v.x, v.y), fmaxf(v.z, v.w)));
-      }
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-      if (lane == 0) warp_max[warp * MAX_M + n] = mx;
-    }
-    consumer_sync();
-    if (tid < M) {
-      float mx = 0.f;
-      for (int w = 0; w < CONSUMER_WARPS; ++w) mx = fmaxf(mx, warp_max[w * MAX_M + tid]);
-      scale[tid] = fmaxf(__fdiv_rn(mx, 448.f), 1e-12f);
-    }
+    // the per-token scale of h from the maxima every gate/up unit folded in (read past L1: other CTAs wrote them)
+    if (tid < M) scale[tid] = fmaxf(__fdiv_rn(__uint_as_float(__ldcg(p.sync + 2 + tid)), 448.f), 1e-12f);
     consumer_sync();
 
     // h -> e4m3 in shared memory, rows I + 16 apart: clamp(h / hs) rounded to nearest even (saturating)
@@ -502,8 +483,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_pair_fp8_kernel(const __grid_c
   if (tid == 0) {
     __threadfence();
     if (atomicAdd(p.sync + 1, 1u) == static_cast<unsigned>(G) - 1) {
-      p.sync[0] = 0;
-      p.sync[1] = 0;
+      for (int i = 0; i < 2 + MAX_M; ++i) p.sync[i] = 0;
       __threadfence();
     }
   }
@@ -572,17 +552,17 @@ int mxc_mlp_pair_fp8_plan(int M, int H, int I, int* stages, int* ctas) {
 // The gate/up input is (xq, xs), or with ``norm_w`` non-null x normalised (and quantized) in the kernel.
 int mxc_mlp_pair_fp8(const void* xq, const float* xs, const void* x, const void* norm_w, float eps, const void* w_gu,
                      const float* s_gu, const void* w_d, const float* s_d, const void* residual, void* y, void* h,
-                     float* amax_part, unsigned* sync, int M, int H, int I, int stages, int ctas, int use_pdl,
+                     unsigned* sync, int M, int H, int I, int stages, int ctas, int use_pdl,
                      cudaStream_t stream) {
   if (mxc_mlp_pair_fp8_supports(M, H, I) != OK || stages < 2 || stages > MAX_STAGES || ctas < 1) return BAD_SHAPE;
   if (norm_w == nullptr ? (xq == nullptr || xs == nullptr) : x == nullptr) return BAD_SHAPE;
-  const void* aligned16[] = {norm_w == nullptr ? xq : x, norm_w == nullptr ? w_gu : norm_w, w_gu, w_d, h, amax_part};
+  const void* aligned16[] = {norm_w == nullptr ? xq : x, norm_w == nullptr ? w_gu : norm_w, w_gu, w_d, h};
   for (const void* ptr : aligned16)
     if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return BAD_ALIGNMENT;
   Params p{static_cast<const uint8_t*>(xq), xs, static_cast<const __nv_bfloat16*>(x),
            static_cast<const __nv_bfloat16*>(norm_w), eps, static_cast<const uint8_t*>(w_gu), s_gu,
            static_cast<const uint8_t*>(w_d), s_d, static_cast<const __nv_bfloat16*>(residual),
-           static_cast<__nv_bfloat16*>(y), static_cast<__nv_bfloat16*>(h), amax_part, sync, M, H, I, stages};
+           static_cast<__nv_bfloat16*>(y), static_cast<__nv_bfloat16*>(h), sync, M, H, I, stages};
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(ctas);
   config.blockDim = dim3(THREADS);
