@@ -367,7 +367,7 @@ def _mlp_pair_library(graph, options: BuildOptions, tmp: Path, log) -> dict | No
     except (RuntimeError, OSError) as e:
         raise MxcError(f"building the fp8 MLP pair kernel failed ({str(e).splitlines()[0]}); "
                        f"build without --mlp-pair") from e
-    return {"library": mlp_pair_fp8.LIBRARY, "source_sha256": hashlib.sha256(mlp_pair_fp8.source().encode()).hexdigest()}
+    return {"library": mlp_pair_fp8.LIBRARY, "source": mlp_pair_fp8.library_source()}
 
 
 def _pid_alive(pid: int) -> bool:

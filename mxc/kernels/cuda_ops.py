@@ -57,26 +57,25 @@ def rms_norm_qlinear_gemm(x, norm_weight, weight, scale, bias=None, eps=1e-6, gr
 # ``rms_norm_mlp`` (fuse_mlp): x + down(silu_mul(gate_up(rms_norm(x)))). Above the persistent kernel's token
 # counts each runs the unfused nodes' kernels, in the same order, so the results are theirs.
 
-def rms_norm_mlp_small_m(x, norm_weight, w_gate_up, s_gate_up, w_down, s_down, eps=1e-6, granularity="channel"):
-    """<= 32 tokens: the RMSNorm-quantize and Triton fp8 GEMV, then SiLU-and-mul, the quantize and the GEMV
-    with the residual."""
-    gate_up = rms_norm_qlinear_small_m(x, norm_weight, w_gate_up, s_gate_up, None, eps, granularity)
-    return triton_fp8.qlinear_small_m(gate_up, w_down, s_down, None, x, granularity=granularity, prologue="silu_mul")
+def _mlp_chain(gate_up_fn, down_fn, doc: str):
+    """The fused op as its two unfused nodes' kernels: ``gate_up_fn`` (an ``rms_norm_qlinear_*``), then ``down_fn``
+    (a qlinear kernel) with the SiLU-and-mul prologue and x as the residual."""
+    def run(x, norm_weight, w_gate_up, s_gate_up, w_down, s_down, eps=1e-6, granularity="channel"):
+        gate_up = gate_up_fn(x, norm_weight, w_gate_up, s_gate_up, None, eps, granularity)
+        return down_fn(gate_up, w_down, s_down, None, x, granularity=granularity, prologue="silu_mul")
+
+    run.__doc__ = doc
+    return run
 
 
-def rms_norm_mlp_cutlass(x, norm_weight, w_gate_up, s_gate_up, w_down, s_down, eps=1e-6, granularity="channel"):
-    gate_up = rms_norm_qlinear_cutlass(x, norm_weight, w_gate_up, s_gate_up, None, eps, granularity)
-    return fp8_gemm.cutlass(gate_up, w_down, s_down, None, x, granularity=granularity, prologue="silu_mul")
-
-
-def rms_norm_mlp_scaled_mm(x, norm_weight, w_gate_up, s_gate_up, w_down, s_down, eps=1e-6, granularity="channel"):
-    gate_up = rms_norm_qlinear_scaled_mm(x, norm_weight, w_gate_up, s_gate_up, None, eps, granularity)
-    return fp8_gemm.scaled_mm(gate_up, w_down, s_down, None, x, granularity=granularity, prologue="silu_mul")
-
-
-def rms_norm_mlp_gemm(x, norm_weight, w_gate_up, s_gate_up, w_down, s_down, eps=1e-6, granularity="channel"):
-    gate_up = rms_norm_qlinear_gemm(x, norm_weight, w_gate_up, s_gate_up, None, eps, granularity)
-    return triton_fp8.qlinear_gemm(gate_up, w_down, s_down, None, x, granularity=granularity, prologue="silu_mul")
+rms_norm_mlp_small_m = _mlp_chain(rms_norm_qlinear_small_m, triton_fp8.qlinear_small_m,
+                                  "<= 32 tokens: the RMSNorm-quantize and Triton fp8 GEMV, then SiLU-and-mul, the "
+                                  "quantize and the GEMV with the residual.")
+rms_norm_mlp_cutlass = _mlp_chain(rms_norm_qlinear_cutlass, fp8_gemm.cutlass, "Each linear the CUTLASS fp8 GEMM.")
+rms_norm_mlp_scaled_mm = _mlp_chain(rms_norm_qlinear_scaled_mm, fp8_gemm.scaled_mm,
+                                    "Each linear cuBLASLt fp8 (torch._scaled_mm).")
+rms_norm_mlp_gemm = _mlp_chain(rms_norm_qlinear_gemm, triton_fp8.qlinear_gemm,
+                               "Each linear the Triton fp8 GEMM (block scales).")
 
 
 MLP_PAIR = True  # False: rms_norm_mlp_pair runs rms_norm_mlp_small_m's kernels instead (A/B in one artifact)

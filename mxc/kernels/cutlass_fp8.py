@@ -40,7 +40,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import shutil
 import tempfile
 import threading
 from pathlib import Path
@@ -422,29 +421,11 @@ def load(so_path) -> CutlassFp8Gemm:
     return CutlassFp8Gemm(so_path)
 
 
-def _cache_dir() -> Path:
-    return nvcc_tool.cache_dir("cutlass")
-
-
 def build_library(out_path, log=print) -> Path:
     """The library a build ships at ``out_path``: ``$MXC_CUTLASS_LIBRARY`` if set, else ``BUILD_CONFIG``
     generated and compiled here (about a minute of nvcc; cached by the source's sha256)."""
-    import hashlib
-
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    prebuilt = os.environ.get(PREBUILT_ENV)
-    if prebuilt:
-        log(f"CUTLASS fp8 GEMM: the prebuilt library {prebuilt} (${PREBUILT_ENV})")
-        shutil.copyfile(prebuilt, out_path)
-        return out_path
-    source = generate(**BUILD_CONFIG)
-    cached = _cache_dir() / f"{hashlib.sha256(source.encode()).hexdigest()[:24]}.so"
-    if not cached.is_file():
-        log(f"compiling the CUTLASS fp8 GEMM with nvcc (about a minute; cached in {cached.parent})")
-        compile_so(source, cached)
-    shutil.copyfile(cached, out_path)
-    return out_path
+    return nvcc_tool.cached_library("CUTLASS fp8 GEMM", "cutlass", lambda: generate(**BUILD_CONFIG), compile_so,
+                                    PREBUILT_ENV, out_path, log, note=" (about a minute)")
 
 
 def library_config() -> dict | str:

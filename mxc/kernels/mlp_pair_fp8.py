@@ -39,7 +39,6 @@ import ctypes
 import functools
 import hashlib
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,24 +76,14 @@ def source() -> str:
 def library(out_path=None, log=print) -> Path:
     """The compiled library (nvcc, about 5 s), cached by the source's hash, or the prebuilt one
     ``$MXC_MLP_PAIR_LIBRARY`` names (for a machine without nvcc); copied to ``out_path`` if given."""
-    prebuilt = os.environ.get(PREBUILT_ENV)
-    if prebuilt:
-        if not Path(prebuilt).is_file():
-            raise RuntimeError(f"${PREBUILT_ENV}={prebuilt} is not a file")
-        cached = Path(prebuilt)
-        log(f"fp8 MLP pair: the prebuilt library {prebuilt} (${PREBUILT_ENV})")
-    else:
-        text = source()
-        cached = nvcc.cache_dir("mlp_pair") / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.so"
-        if not cached.is_file():
-            log(f"compiling the fp8 MLP pair with nvcc (cached in {cached.parent})")
-            nvcc.compile_so(text, cached, what="fp8 MLP pair kernel")
-    if out_path is None:
-        return cached
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(cached, out_path)
-    return out_path
+    return nvcc.cached_library("fp8 MLP pair", "mlp_pair", source,
+                               lambda text, path: nvcc.compile_so(text, path, what="fp8 MLP pair kernel"),
+                               PREBUILT_ENV, out_path, log)
+
+
+def library_source() -> str:
+    """What ``library`` ships, for the manifest: the source's sha256, or "prebuilt" (``$MXC_MLP_PAIR_LIBRARY``)."""
+    return "prebuilt" if os.environ.get(PREBUILT_ENV) else hashlib.sha256(source().encode()).hexdigest()
 
 
 def supports(M: int, H: int, I: int) -> str | None:  # noqa: E741  (I: the intermediate size, as in the configs)

@@ -1,7 +1,8 @@
 """nvcc for the hand-written and generated CUDA libraries (the CUTLASS fp8 GEMM, the persistent fp8 MLP pair).
 
 ``find`` locates nvcc (``$CUDA_HOME``, ``$CUDA_PATH``, PATH, /usr/local/cuda); ``compile_so`` builds one .cu
-source into a shared library for ``sm_90a``. Only machine code for that target is embedded (no PTX: wgmma,
+source into a shared library for ``sm_90a``; ``cached_library`` is what a build ships: a prebuilt library an
+environment variable names, else the source compiled once into a cache keyed by its sha256. Only machine code for that target is embedded (no PTX: wgmma,
 setmaxnreg and the bulk-copy/mbarrier forms the kernels use exist only for the ``a`` target), and cudart is
 linked statically, so a library needs only the driver (``libcuda.so.1``) on the GPU machine, whatever CUDA
 runtime its torch ships, and opens (without a driver) on a machine with none. No GPU is needed to build.
@@ -9,6 +10,7 @@ runtime its torch ships, and opens (without a driver) on a machine with none. No
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -69,3 +71,28 @@ def compile_so(source: str, out_path, *, what: str, arch: str = "90a", include_d
 def cache_dir(name: str) -> Path:
     """Where compiled libraries are kept between builds, by their source's hash: ``$XDG_CACHE_HOME/mxc/<name>``."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mxc" / name
+
+
+def cached_library(what: str, cache_name: str, source, compile, prebuilt_env: str, out_path=None,
+                   log=print, note: str = "") -> Path:
+    """The library ``$prebuilt_env`` names (a machine without nvcc), else ``source()`` compiled by
+    ``compile(text, path)`` into ``cache_dir(cache_name)`` under its sha256 (once); copied to ``out_path`` if given.
+    ``source`` is called only when there is no prebuilt library (generating it may need more than nvcc)."""
+    prebuilt = os.environ.get(prebuilt_env)
+    if prebuilt:
+        if not Path(prebuilt).is_file():
+            raise RuntimeError(f"${prebuilt_env}={prebuilt} is not a file")
+        cached = Path(prebuilt)
+        log(f"{what}: the prebuilt library {prebuilt} (${prebuilt_env})")
+    else:
+        text = source()
+        cached = cache_dir(cache_name) / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.so"
+        if not cached.is_file():
+            log(f"compiling the {what} with nvcc{note} (cached in {cached.parent})")
+            compile(text, cached)
+    if out_path is None:
+        return cached
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(cached, out_path)
+    return out_path

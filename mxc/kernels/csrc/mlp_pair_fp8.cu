@@ -80,7 +80,7 @@ __host__ __device__ inline int down_count(int b, int G, int H) {
 __host__ __device__ inline int align128(int v) { return (v + 127) & ~127; }
 constexpr int BAR_BYTES = 2 * MAX_STAGES * 8;                       // full[], empty[]
 constexpr int RED_FLOATS = 2 * CONSUMER_WARPS * 32 * 8;             // two unit buffers of partial products
-constexpr int SMALL_FLOATS = MAX_M + CONSUMER_WARPS * MAX_M;        // scales, per-warp maxima
+constexpr int SMALL_FLOATS = MAX_M + CONSUMER_WARPS;                // scales, the reductions' slots
 __host__ __device__ inline int act_offset() { return align128(BAR_BYTES + 4 * (RED_FLOATS + SMALL_FLOATS)); }
 __host__ __device__ inline int act_bytes(int M, int H, int I) { return M * ((H > I ? H : I) + ACT_PAD); }
 __host__ __device__ inline int ring_offset(int M, int H, int I) { return align128(act_offset() + act_bytes(M, H, I)); }
@@ -347,7 +347,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_pair_fp8_kernel(const __grid_c
   uint64_t* empty = full + MAX_STAGES;
   float* red = reinterpret_cast<float*>(smem + BAR_BYTES);
   float* scale = red + RED_FLOATS;  // [MAX_M]: this phase's activation scales
-  float* warp_max = scale + MAX_M;  // [CONSUMER_WARPS][MAX_M]
+  float* slots = scale + MAX_M;     // [CONSUMER_WARPS]: consumer_reduce's
   uint8_t* act = smem + act_offset();
   uint8_t* ring = smem + ring_offset(p.M, p.H, p.I);
 
@@ -399,7 +399,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_pair_fp8_kernel(const __grid_c
   // gate/up: xq into shared memory, rows H + 16 apart (quantized here from x with a norm weight)
   const int pitch_up = p.H + ACT_PAD;
   if (p.norm_w != nullptr) {
-    rms_norm_quantize(p, act, pitch_up, scale, warp_max, tid, warp, lane);
+    rms_norm_quantize(p, act, pitch_up, scale, slots, tid, warp, lane);
   } else {
 #pragma unroll 4
     for (int i = tid; i < M * (p.H / 16); i += CONSUMERS) {
