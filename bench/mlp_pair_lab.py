@@ -12,7 +12,12 @@ graph, every kernel launched for programmatic dependent launch as a ``pdl`` arti
 Rounds interleave the variants (medians of ``--reps`` replays a round); the copy rate measured in the run gives
 the weight bytes' floor. The first layer's outputs are compared (relative to their scale) before timing.
 
-    python bench/mlp_pair_lab.py [--m 1] [--layers 32] [--rounds 3] [--no-pdl]
+Where the pair's time goes: ``--stages 2,3,4`` adds the pair with fewer ring stages; ``--pair-lib DIR`` adds
+``pair`` and ``norm_pair`` of every library in DIR, built on a machine with nvcc by ``--compile-variants DIR``
+with the kernel's lab knobs (``LAB_VARIANTS``: some skip work and give wrong results, timing only).
+
+    python bench/mlp_pair_lab.py [--m 1] [--layers 32] [--rounds 3] [--no-pdl] [--stages 2,4] [--pair-lib DIR]
+    python bench/mlp_pair_lab.py --compile-variants build/mlp_pair/lab      (no GPU needed)
 """
 
 from __future__ import annotations
@@ -33,6 +38,26 @@ from mxc.kernels import launch, mlp_pair_fp8, triton_fp8, triton_fp8_quant  # no
 
 FP8 = torch.float8_e4m3fn
 EPS = 1e-5
+# name -> nvcc flags (the knobs at the top of mlp_pair_fp8.cu)
+LAB_VARIANTS = {
+    "nomma": ["-DMXC_PAIR_DIAG=1"],           # consumers skip the MMAs (wrong results)
+    "noepi": ["-DMXC_PAIR_DIAG=2"],           # consumers skip the epilogues (wrong results)
+    "stream": ["-DMXC_PAIR_DIAG=3"],          # both: the ring and the boundary alone
+    "bigcopy": ["-DMXC_PAIR_DIAG=4"],         # 8 KB contiguous copies instead of 1 KB rows (wrong results)
+    "stream_big": ["-DMXC_PAIR_DIAG=7"],
+    "nohint": ["-DMXC_PAIR_DIAG=8"],           # the weight copies without the L2 evict-first hint
+    "noprefetch": ["-DMXC_PAIR_PREFETCH=0"],  # epilogue operands loaded in the epilogue
+    "div": ["-DMXC_PAIR_RCP=0"],              # quantize by IEEE division (the chain's)
+}
+
+
+def compile_variants(out_dir):
+    from mxc.kernels import nvcc
+    out_dir = Path(out_dir)
+    for name, flags in LAB_VARIANTS.items():
+        nvcc.compile_so(mlp_pair_fp8.source(), out_dir / f"{name}.so", what=f"fp8 MLP pair ({name})",
+                        extra_flags=flags)
+        print(f"{out_dir / name}.so: {' '.join(flags)}")
 
 
 def layer_weights(H, I, gen):  # noqa: E741
@@ -51,7 +76,12 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--no-pdl", action="store_true", help="plain launches (no programmatic dependent launch)")
+    ap.add_argument("--stages", default="", help="comma-separated ring depths to time the pair with as well")
+    ap.add_argument("--pair-lib", default=None, help="a folder of variant libraries (--compile-variants) to time")
+    ap.add_argument("--compile-variants", default=None, metavar="DIR", help="build the lab variants into DIR, exit")
     args = ap.parse_args()
+    if args.compile_variants:
+        return compile_variants(args.compile_variants)
     M, H, I, L = args.m, args.hidden, args.intermediate, args.layers  # noqa: E741
     pdl = not args.no_pdl
     pair = mlp_pair_fp8.load(str(mlp_pair_fp8.library()))
@@ -79,6 +109,22 @@ def main():
             pair.rms_norm_pair(x, g, EPS, w_gu, s_gu, w_d, s_d, out, out, ws, pdl=pdl)
 
     variants = {"chain": chain, "pair": fused, "norm_pair": norm_fused}
+    for s in filter(None, args.stages.split(",")):
+        variants[f"pair@{s}stages"] = lambda out, layers, s=int(s): [
+            pair(*triton_fp8_quant._prequantize(x, M, H, False, H, norm_weight=g, eps=EPS), w_gu, s_gu, w_d, s_d,
+                 out, out, ws, pdl=pdl, stages=s) for w_gu, s_gu, w_d, s_d in layers]
+        variants[f"norm_pair@{s}stages"] = lambda out, layers, s=int(s): [
+            pair.rms_norm_pair(x, g, EPS, w_gu, s_gu, w_d, s_d, out, out, ws, pdl=pdl, stages=s)
+            for w_gu, s_gu, w_d, s_d in layers]
+    for so in sorted(Path(args.pair_lib).glob("*.so")) if args.pair_lib else ():
+        lib = mlp_pair_fp8.load(str(so))
+        lib.plan(M, H, I)
+        variants[f"pair:{so.stem}"] = lambda out, layers, lib=lib: [
+            lib(*triton_fp8_quant._prequantize(x, M, H, False, H, norm_weight=g, eps=EPS), w_gu, s_gu, w_d, s_d,
+                out, out, ws, pdl=pdl) for w_gu, s_gu, w_d, s_d in layers]
+        variants[f"norm_pair:{so.stem}"] = lambda out, layers, lib=lib: [
+            lib.rms_norm_pair(x, g, EPS, w_gu, s_gu, w_d, s_d, out, out, ws, pdl=pdl)
+            for w_gu, s_gu, w_d, s_d in layers]
     outs = {name: residual.clone() for name in variants}
     with launch.using(launcher):
         # one layer, eagerly, against each other (and compile the Triton kernels outside capture)
@@ -86,7 +132,9 @@ def main():
             fn(outs[name], layers[:1])
         torch.cuda.synchronize()
         delta = {k: (v.float() - residual.float()) for k, v in outs.items()}
-        for name in ("pair", "norm_pair"):
+        for name in variants:
+            if name == "chain":
+                continue
             rel = float((delta[name] - delta["chain"]).abs().max() / delta["chain"].abs().max())
             print(f"one layer, {name} against chain: {rel:.2e} of the MLP output's scale")
         graphs = {}
@@ -122,7 +170,9 @@ def main():
         print(f"{name}: {us:.2f} us a layer, {floor_us / us:.0%} of the bytes' floor, "
               f"{L * us / 1e3:.3f} ms for {L} layers")
     chain_us = statistics.median(times["chain"])
-    for name in ("pair", "norm_pair"):
+    for name in variants:
+        if name == "chain":
+            continue
         us = statistics.median(times[name])
         print(f"{name} saves {chain_us - us:.2f} us a layer ({(chain_us - us) * L / 1e3:.3f} ms a step)")
 

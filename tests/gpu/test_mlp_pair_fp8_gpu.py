@@ -69,6 +69,19 @@ def test_small_grids_and_rings_first(pair, ctas, stages):
     assert torch.equal(y, full)  # the sums' order does not depend on the grid or the ring
 
 
+def test_a_plan_for_another_shape_keeps_a_planned_launch_valid(pair):
+    """The kernel's shared-memory limit is one setting for every shape: planning a shape that needs less must not
+    lower it under a shape planned before (fourteenth run: "invalid argument" at M=8, H=1024 after H=4096)."""
+    fresh = mlp_pair_fp8.MlpPairFp8(pair.path)  # no cached plans
+    big, small = (8, *SHAPES[0]), (8, *SHAPES[1])
+    assert fresh.smem(*big, fresh.plan(*big)[0]) > fresh.smem(*small, fresh.plan(*small)[0])
+    w_gu, s_gu, w_d, s_d = _layer(*SHAPES[0], 14)
+    _, xq, xs, residual = _activations(8, SHAPES[0][0], 15)
+    ws = mlp_pair_fp8.Workspace.new(SHAPES[0][1], "cuda")
+    y = fresh(xq, xs, w_gu, s_gu, w_d, s_d, residual, torch.empty_like(residual), ws)
+    assert _rel(y, mlp_pair_fp8.reference(xq, xs, w_gu, s_gu, w_d, s_d, residual)) < 2e-2
+
+
 @pytest.mark.parametrize("H, I", SHAPES)
 @pytest.mark.parametrize("M", [1, 2, 3, 8])
 def test_against_reference_and_the_chain(pair, M, H, I):  # noqa: E741
@@ -82,9 +95,11 @@ def test_against_reference_and_the_chain(pair, M, H, I):  # noqa: E741
         chain = _chain(x, w_gu, s_gu, w_d, s_d, res)
         err, chain_err = _rel(y, ref), _rel(chain, ref)
         print(f"M={M} H={H} I={I} residual={res is not None}: pair {err:.2e}, chain {chain_err:.2e} from the reference")
-        # only the fp32 summation order differs from the chain: the same distance from the reference
+        # only the fp32 summation order and the quantizes' reciprocal multiply differ from the chain: about the
+        # same distance from the reference. Against the chain itself: two paths whose h can round to neighbouring
+        # e4m3 values, each flip moving outputs by one e4m3 step of that h (measured: up to 2.6e-2 at M=8)
         assert err < 2e-2 and err <= 2 * chain_err + 2e-3
-        assert _rel(y, chain) < 2e-2
+        assert _rel(y, chain) < 5e-2
     assert not ws.sync.any()  # the last CTA reset the counters and the amax
 
 
@@ -190,7 +205,9 @@ def test_mlp_pair_artifact_against_the_plain_fp8_build(hf_checkpoint, tmp_path):
     long = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(5))
     assert torch.equal(fused.logits(long), plain.logits(long))
     short = long[:1, :5]  # 5 tokens: the pair kernel in the prefill too
-    assert _rel(fused.logits(short), plain.logits(short)) < 3e-2
+    # fp8 against fp8: h's e4m3 roundings flip between the pair and the chain (the kernel tests bound that); a
+    # miswired operand (norm weight, scales, residual) gives errors of order one
+    assert _rel(fused.logits(short), plain.logits(short)) < 5e-2
     for rows in (long[:1], long):
         a, b = fused.generate(rows, max_new_tokens=16), plain.generate(rows, max_new_tokens=16)
         agree = float((a == b).float().mean())

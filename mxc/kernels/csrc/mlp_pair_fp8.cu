@@ -32,6 +32,22 @@
 
 namespace mxc_mlp_pair {
 
+// Lab knobs (bench/mlp_pair_lab.py --pair-lib; all 0 in a shipped build). MXC_PAIR_DIAG bits, timing only (the
+// results are wrong): 1 the consumers skip the MMAs, 2 they skip the epilogues, 4 the producer copies each stage
+// as four contiguous 8 KB blocks instead of 32 rows of 1 KB, 8 the copies carry no L2 evict-first hint.
+// MXC_PAIR_PREFETCH=0: warp 0 loads a unit's epilogue operands (scales, residual) in the epilogue instead of a
+// unit ahead. MXC_PAIR_RCP=0: the quantizes divide by the scale (IEEE, as the chain's kernels) instead of
+// multiplying by its reciprocal. (Fourteenth run, batch 1: the two defaults save 4.5 us of a layer's 68.)
+#ifndef MXC_PAIR_DIAG
+#define MXC_PAIR_DIAG 0
+#endif
+#ifndef MXC_PAIR_PREFETCH
+#define MXC_PAIR_PREFETCH 1
+#endif
+#ifndef MXC_PAIR_RCP
+#define MXC_PAIR_RCP 1
+#endif
+
 constexpr int KT = 1024;                    // bytes of a weight row in one ring stage
 constexpr int ROW_PITCH = KT + 16;          // shared-memory pitch: rows 4 banks apart, conflict-free fragments
 constexpr int STAGE_ROWS = 32;              // two m16 tiles
@@ -122,6 +138,11 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
 // bytes from global to shared memory through the TMA unit, completing on ``bar``; the weights are read once a
 // step, so they are marked first to evict from L2
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes, uint64_t* bar, uint64_t policy) {
+  if (MXC_PAIR_DIAG & 8) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
+    return;
+  }
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
       ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)), "l"(policy) : "memory");
@@ -148,6 +169,17 @@ __device__ __forceinline__ void mma_e4m3(float (&c)[4], const uint32_t (&a)[4], 
       "{%0, %1, %2, %3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// x / s for the quantizes (inv = 1 / s): a multiply (MXC_PAIR_RCP), or IEEE division as the chain's kernels
+__device__ __forceinline__ float qdiv(float x, float s, float inv) {
+#if MXC_PAIR_RCP
+  (void)s;
+  return x * inv;
+#else
+  (void)inv;
+  return __fdiv_rn(x, s);
+#endif
 }
 
 __device__ __forceinline__ float bf(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -186,7 +218,7 @@ __device__ __forceinline__ void consume_unit(const uint8_t* ring, uint64_t* full
   for (int i = 0; i < 4; ++i) c0[i] = c1[i] = 0.f;
   for (int c = 0; c < chunks; ++c) {
     mbar_wait(&full[slot], parity);
-    stage_mma(ring + slot * STAGE_BYTES, act, pitch, c * KT, M, warp, lane, c0, c1);
+    if (!(MXC_PAIR_DIAG & 1)) stage_mma(ring + slot * STAGE_BYTES, act, pitch, c * KT, M, warp, lane, c0, c1);
     __syncwarp();
     if (lane == 0) mbar_arrive(&empty[slot]);  // this warp is done with the stage
     if (++slot == stages) {
@@ -218,8 +250,36 @@ __device__ __forceinline__ bool reduce_unit(float* red, int parity, int warp, in
   return true;
 }
 
+// The global operands of a unit's epilogue in warp 0's lanes (loaded ahead of the epilogue with
+// MXC_PAIR_PREFETCH, so their latency hides behind the next unit's chunks)
+struct UpOps {
+  float s_gate[2], s_up[2];  // rows g, g + 8 of the unit
+};
+__device__ __forceinline__ UpOps up_ops(const Params& p, int u, int lane) {
+  const int r = 16 * u + (lane >> 2);
+  return {{__ldg(p.s_gu + r), __ldg(p.s_gu + r + 8)}, {__ldg(p.s_gu + p.I + r), __ldg(p.s_gu + p.I + r + 8)}};
+}
+struct DownOps {
+  float s_d[4];                // rows g, g + 8, g + 16, g + 24 of the unit
+  __nv_bfloat16 residual[8];   // acc[i]'s element (zero without a residual or past M)
+};
+__device__ __forceinline__ DownOps down_ops(const Params& p, int v, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  DownOps o;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) o.s_d[q] = __ldg(p.s_d + STAGE_ROWS * v + g + 8 * q);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int r = STAGE_ROWS * v + g + 8 * (i >> 1), n = 2 * t + (i & 1);
+    o.residual[i] = (p.residual != nullptr && n < p.M) ? p.residual[static_cast<size_t>(n) * p.H + r] : to_bf(0.f);
+  }
+  return o;
+}
+
 // Gate/up epilogue of unit u (warp 0): h's columns 16u..16u+15; their per-token |max| into the amax.
-__device__ __forceinline__ void up_epilogue(const Params& p, const float* scale, int u, int lane, const float (&acc)[8]) {
+__device__ __forceinline__ void up_epilogue(const Params& p, const float* scale, int u, int lane, const float (&acc)[8],
+                                            const UpOps& ops) {
+  if (MXC_PAIR_DIAG & 2) return;
   const int g = lane >> 2, t = lane & 3;
   float mx[2] = {0.f, 0.f};  // tokens 2t, 2t + 1
 #pragma unroll
@@ -227,8 +287,8 @@ __device__ __forceinline__ void up_epilogue(const Params& p, const float* scale,
     const int r = 16 * u + g + (i >= 2 ? 8 : 0), n = 2 * t + (i & 1);
     if (n < p.M) {
       const float xs = scale[n];
-      const __nv_bfloat16 gate = to_bf(acc[i] * xs * __ldg(p.s_gu + r));
-      const __nv_bfloat16 up = to_bf(acc[4 + i] * xs * __ldg(p.s_gu + p.I + r));
+      const __nv_bfloat16 gate = to_bf(acc[i] * xs * ops.s_gate[i >> 1]);
+      const __nv_bfloat16 up = to_bf(acc[4 + i] * xs * ops.s_up[i >> 1]);
       const float gf = bf(gate);
       const __nv_bfloat16 act = to_bf(__fdiv_rn(gf, 1.f + expf(-gf)));
       const __nv_bfloat16 hv = to_bf(bf(act) * bf(up));
@@ -248,15 +308,17 @@ __device__ __forceinline__ void up_epilogue(const Params& p, const float* scale,
 }
 
 // Down epilogue of unit v (warp 0): y's rows 32v..32v+31 with the residual.
-__device__ __forceinline__ void down_epilogue(const Params& p, const float* scale, int v, int lane, const float (&acc)[8]) {
+__device__ __forceinline__ void down_epilogue(const Params& p, const float* scale, int v, int lane, const float (&acc)[8],
+                                              const DownOps& ops) {
+  if (MXC_PAIR_DIAG & 2) return;
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const int r = STAGE_ROWS * v + (i >= 4 ? 16 : 0) + g + ((i & 3) >= 2 ? 8 : 0), n = 2 * t + (i & 1);
+    const int r = STAGE_ROWS * v + g + 8 * (i >> 1), n = 2 * t + (i & 1);
     if (n < p.M) {
       const size_t at = static_cast<size_t>(n) * p.H + r;
-      __nv_bfloat16 out = to_bf(acc[i] * scale[n] * __ldg(p.s_d + r));
-      if (p.residual != nullptr) out = to_bf(bf(p.residual[at]) + bf(out));
+      __nv_bfloat16 out = to_bf(acc[i] * scale[n] * ops.s_d[i >> 1]);
+      if (p.residual != nullptr) out = to_bf(bf(ops.residual[i]) + bf(out));
       p.y[at] = out;
     }
   }
@@ -323,6 +385,7 @@ __device__ void rms_norm_quantize(const Params& p, uint8_t* act, int pitch, floa
     }
     const float xs = fmaxf(__fdiv_rn(consumer_reduce<true>(mx, slots, warp, lane), 448.f), 1e-12f);
     if (tid == 0) scale[m] = xs;
+    const float inv = __frcp_rn(xs);
 #pragma unroll 4
     for (int i = tid; i < vecs; i += CONSUMERS) {
       float a[8];
@@ -330,9 +393,9 @@ __device__ void rms_norm_quantize(const Params& p, uint8_t* act, int pitch, floa
       uint32_t q[2];
 #pragma unroll
       for (int w = 0; w < 2; ++w) {
-        const uint32_t q0 = __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(a[4 * w], xs), __fdiv_rn(a[4 * w + 1], xs)),
+        const uint32_t q0 = __nv_cvt_float2_to_fp8x2(make_float2(qdiv(a[4 * w], xs, inv), qdiv(a[4 * w + 1], xs, inv)),
                                                      __NV_SATFINITE, __NV_E4M3);
-        const uint32_t q1 = __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(a[4 * w + 2], xs), __fdiv_rn(a[4 * w + 3], xs)),
+        const uint32_t q1 = __nv_cvt_float2_to_fp8x2(make_float2(qdiv(a[4 * w + 2], xs, inv), qdiv(a[4 * w + 3], xs, inv)),
                                                      __NV_SATFINITE, __NV_E4M3);
         q[w] = q0 | (q1 << 16);
       }
@@ -380,7 +443,13 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_pair_fp8_kernel(const __grid_c
         mbar_wait(&empty[slot], parity);
         if (lane == 0) mbar_expect_tx(&full[slot], STAGE_TX);
         __syncwarp();
-        bulk_load(ring + slot * STAGE_BYTES + lane * ROW_PITCH, row + c * KT, KT, &full[slot], policy);
+        if (MXC_PAIR_DIAG & 4) {  // timing only: the stage as four contiguous 8 KB blocks
+          const uint8_t* blocks = (up ? p.w_gu : p.w_d) + (static_cast<size_t>(unit) * chunks + c) * STAGE_TX;
+          if (lane < 4) bulk_load(ring + slot * STAGE_BYTES + lane * (STAGE_TX / 4), blocks + lane * (STAGE_TX / 4),
+                                  STAGE_TX / 4, &full[slot], policy);
+        } else {
+          bulk_load(ring + slot * STAGE_BYTES + lane * ROW_PITCH, row + c * KT, KT, &full[slot], policy);
+        }
         if (++slot == p.stages) { slot = 0; parity ^= 1; }
       }
     }
@@ -415,12 +484,17 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_pair_fp8_kernel(const __grid_c
   for (int j = 0; j < n_up; ++j) {
     const int u = b + j * G;
     float c0[4], c1[4];
+    UpOps ops;
+    if (MXC_PAIR_PREFETCH && pending >= 0) ops = up_ops(p, pending, lane);
     consume_unit(ring, full, empty, p.stages, slot, parity, up_chunks, act, pitch_up, M, warp, lane, c0, c1);
-    if (pending >= 0) up_epilogue(p, scale, pending, lane, acc);  // warp 0 only: the previous unit's
+    if (pending >= 0) {  // warp 0 only: the previous unit's
+      if (!MXC_PAIR_PREFETCH) ops = up_ops(p, pending, lane);
+      up_epilogue(p, scale, pending, lane, acc, ops);
+    }
     pending = reduce_unit(red, unit_parity, warp, lane, c0, c1, acc) ? u : -1;
     unit_parity ^= 1;
   }
-  if (pending >= 0) up_epilogue(p, scale, pending, lane, acc);
+  if (pending >= 0) up_epilogue(p, scale, pending, lane, acc, up_ops(p, pending, lane));
   consumer_sync();  // every h column and amax of this CTA is written
 
   if (tid == 0) {
@@ -449,14 +523,14 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_pair_fp8_kernel(const __grid_c
       const int m = i / (p.I / 8), k = (i % (p.I / 8)) * 8;
       const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(p.h + static_cast<size_t>(m) * p.I + k));
       const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&raw);
-      const float s = scale[m];
+      const float s = scale[m], inv = __frcp_rn(s);
       uint32_t q[2];
 #pragma unroll
       for (int w = 0; w < 2; ++w) {
         const float2 lo = __bfloat1622float2(v[2 * w]), hi = __bfloat1622float2(v[2 * w + 1]);
-        const uint32_t q0 = __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(lo.x, s), __fdiv_rn(lo.y, s)),
+        const uint32_t q0 = __nv_cvt_float2_to_fp8x2(make_float2(qdiv(lo.x, s, inv), qdiv(lo.y, s, inv)),
                                                      __NV_SATFINITE, __NV_E4M3);
-        const uint32_t q1 = __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(hi.x, s), __fdiv_rn(hi.y, s)),
+        const uint32_t q1 = __nv_cvt_float2_to_fp8x2(make_float2(qdiv(hi.x, s, inv), qdiv(hi.y, s, inv)),
                                                      __NV_SATFINITE, __NV_E4M3);
         q[w] = q0 | (q1 << 16);
       }
@@ -468,12 +542,17 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_pair_fp8_kernel(const __grid_c
     for (int j = 0; j < n_down; ++j) {
       const int v = down_first(b, G) + j * G;
       float c0[4], c1[4];
+      DownOps ops;
+      if (MXC_PAIR_PREFETCH && pending >= 0) ops = down_ops(p, pending, lane);
       consume_unit(ring, full, empty, p.stages, slot, parity, down_chunks, act, pitch_down, M, warp, lane, c0, c1);
-      if (pending >= 0) down_epilogue(p, scale, pending, lane, acc);
+      if (pending >= 0) {
+        if (!MXC_PAIR_PREFETCH) ops = down_ops(p, pending, lane);
+        down_epilogue(p, scale, pending, lane, acc, ops);
+      }
       pending = reduce_unit(red, unit_parity, warp, lane, c0, c1, acc) ? v : -1;
       unit_parity ^= 1;
     }
-    if (pending >= 0) down_epilogue(p, scale, pending, lane, acc);
+    if (pending >= 0) down_epilogue(p, scale, pending, lane, acc, down_ops(p, pending, lane));
   } else if (tid == 0) {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   }
@@ -534,7 +613,9 @@ int mxc_mlp_pair_fp8_plan(int M, int H, int I, int* stages, int* ctas) {
   while (s >= 2 && smem_bytes(M, H, I, s) > optin) --s;
   if (s < 2) return NO_FIT;
   const int bytes = smem_bytes(M, H, I, s);
-  if ((last_error = cudaFuncSetAttribute(mlp_pair_fp8_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes)) !=
+  // the limit is the kernel's, not a shape's: set to the device's, so a later plan for a smaller shape does not
+  // lower it under a launch planned earlier
+  if ((last_error = cudaFuncSetAttribute(mlp_pair_fp8_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin)) !=
       cudaSuccess)
     return CUDA_ERROR;
   int per_sm = 0;
