@@ -46,6 +46,11 @@ LAB_VARIANTS = {
     "bigcopy": ["-DMXC_PAIR_DIAG=4"],         # 8 KB contiguous copies instead of 1 KB rows (wrong results)
     "stream_big": ["-DMXC_PAIR_DIAG=7"],
     "nohint": ["-DMXC_PAIR_DIAG=8"],           # the weight copies without the L2 evict-first hint
+    "pitch128": ["-DMXC_PAIR_DIAG=16"],        # rows 128-byte aligned in the ring (bank conflicts)
+    "pitch128_nomma": ["-DMXC_PAIR_DIAG=17"],
+    "stagger": ["-DMXC_PAIR_STAGGER=1"],       # each unit's chunks from chunk u % chunks on
+    "lds32": ["-DMXC_PAIR_LDSM=0"],            # weight fragments by four 32-bit shared loads
+    "kt2048": ["-DMXC_PAIR_KT=2048"],          # 2 KB a row a stage (half the copies, 66 KB stages; batch <= 4)
     "noprefetch": ["-DMXC_PAIR_PREFETCH=0"],  # epilogue operands loaded in the epilogue
     "div": ["-DMXC_PAIR_RCP=0"],              # quantize by IEEE division (the chain's)
 }

@@ -34,7 +34,8 @@ namespace mxc_mlp_pair {
 
 // Lab knobs (bench/mlp_pair_lab.py --pair-lib; all 0 in a shipped build). MXC_PAIR_DIAG bits, timing only (the
 // results are wrong): 1 the consumers skip the MMAs, 2 they skip the epilogues, 4 the producer copies each stage
-// as four contiguous 8 KB blocks instead of 32 rows of 1 KB, 8 the copies carry no L2 evict-first hint.
+// as four contiguous 8 KB blocks instead of 32 rows of 1 KB, 8 the copies carry no L2 evict-first hint, 16 the
+// rows' pitch in the ring is 1152 bytes (128-byte aligned copies) instead of 1040.
 // MXC_PAIR_PREFETCH=0: warp 0 loads a unit's epilogue operands (scales, residual) in the epilogue instead of a
 // unit ahead. MXC_PAIR_RCP=0: the quantizes divide by the scale (IEEE, as the chain's kernels) instead of
 // multiplying by its reciprocal. (Fourteenth run, batch 1: the two defaults save 4.5 us of a layer's 68.)
@@ -47,9 +48,25 @@ namespace mxc_mlp_pair {
 #ifndef MXC_PAIR_RCP
 #define MXC_PAIR_RCP 1
 #endif
+// MXC_PAIR_STAGGER: unit u streams its chunks from chunk u % chunks on (wrapping), so the CTAs, which move in
+// step, read different column blocks of their rows at a time instead of all the same one
+// MXC_PAIR_LDSM: the weight fragments by ldmatrix.x4 (one instruction an m16 tile and k-step; 0: four 32-bit
+// shared loads, 2.5 us slower a layer at batch 1)
+#ifndef MXC_PAIR_LDSM
+#define MXC_PAIR_LDSM 1
+#endif
+#ifndef MXC_PAIR_STAGGER
+#define MXC_PAIR_STAGGER 0
+#endif
+__host__ __device__ inline int first_chunk(int unit, int chunks) { return MXC_PAIR_STAGGER ? unit % chunks : 0; }
 
-constexpr int KT = 1024;                    // bytes of a weight row in one ring stage
-constexpr int ROW_PITCH = KT + 16;          // shared-memory pitch: rows 4 banks apart, conflict-free fragments
+#ifndef MXC_PAIR_KT
+#define MXC_PAIR_KT 1024
+#endif
+constexpr int KT = MXC_PAIR_KT;             // bytes of a weight row in one ring stage (one bulk copy)
+// shared-memory pitch: rows 4 banks apart, conflict-free fragments (lab bit 16: rows 128-byte aligned, 8-way
+// bank conflicts in the fragment loads)
+constexpr int ROW_PITCH = (MXC_PAIR_DIAG & 16) ? KT + 128 : KT + 16;
 constexpr int STAGE_ROWS = 32;              // two m16 tiles
 constexpr int STAGE_BYTES = STAGE_ROWS * ROW_PITCH;
 constexpr unsigned STAGE_TX = STAGE_ROWS * KT;  // bytes the bulk copies of one stage deliver
@@ -161,6 +178,11 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
   return v;
 }
 __device__ __forceinline__ uint32_t lds32(const uint8_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
+// four 8x8 b16 matrices (8 rows x 16 bytes each); lanes 8i..8i+7 give matrix i's row addresses
+__device__ __forceinline__ void ldsm_x4(uint32_t (&a)[4], const uint8_t* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(smem_u32(p)) : "memory");
+}
 
 // c[0..3] += a (16 x 32 e4m3, row-major fragment) * b (32 x 8 e4m3, column fragment), fp32 accumulation
 __device__ __forceinline__ void mma_e4m3(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -194,6 +216,24 @@ __device__ __forceinline__ void stage_mma(const uint8_t* stage, const uint8_t* a
   const uint8_t* a_ptr = stage + g * ROW_PITCH + k0;
   const bool has_token = g < M;
   const uint8_t* b_ptr = act + (has_token ? g : 0) * pitch + col + k0;
+#if MXC_PAIR_LDSM
+  // this lane's row address for ldmatrix: matrices (rows 0-7, k 0-15), (rows 8-15, k 0-15), (rows 0-7, k 16-31),
+  // (rows 8-15, k 16-31) of the k-step: the m16n8k32 A fragment's a0..a3
+  const uint8_t* m_ptr = stage + ((lane & 7) + ((lane >> 3) & 1) * 8) * ROW_PITCH + warp * (KT / CONSUMER_WARPS) +
+                         ((lane >> 4) & 1) * 16;
+#pragma unroll
+  for (int s = 0; s < KSTEPS; ++s) {
+    const int o = s * 32;
+    uint32_t a_lo[4], a_hi[4];
+    ldsm_x4(a_lo, m_ptr + o);
+    ldsm_x4(a_hi, m_ptr + 16 * ROW_PITCH + o);
+    const uint32_t b0 = has_token ? lds32(b_ptr + o) : 0u;
+    const uint32_t b1 = has_token ? lds32(b_ptr + o + 16) : 0u;
+    mma_e4m3(c0, a_lo, b0, b1);
+    mma_e4m3(c1, a_hi, b0, b1);
+  }
+  (void)a_ptr;
+#else
 #pragma unroll
   for (int s = 0; s < KSTEPS; ++s) {
     const int o = s * 32;
@@ -207,16 +247,17 @@ __device__ __forceinline__ void stage_mma(const uint8_t* stage, const uint8_t* a
     mma_e4m3(c0, a_lo, b0, b1);
     mma_e4m3(c1, a_hi, b0, b1);
   }
+#endif
 }
 
 // One unit's chunks as the ring delivers them (``slot``/``parity``: the consumer's place in the ring, advanced):
 // this warp's partial products of the unit's two m16 tiles, the chunks' activation columns at 0, KT, 2KT, ...
 __device__ __forceinline__ void consume_unit(const uint8_t* ring, uint64_t* full, uint64_t* empty, int stages,
-                                             int& slot, unsigned& parity, int chunks, const uint8_t* act, int pitch,
-                                             int M, int warp, int lane, float (&c0)[4], float (&c1)[4]) {
+                                             int& slot, unsigned& parity, int chunks, int first, const uint8_t* act,
+                                             int pitch, int M, int warp, int lane, float (&c0)[4], float (&c1)[4]) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) c0[i] = c1[i] = 0.f;
-  for (int c = 0; c < chunks; ++c) {
+  for (int i = 0, c = first; i < chunks; ++i, c = c + 1 == chunks ? 0 : c + 1) {
     mbar_wait(&full[slot], parity);
     if (!(MXC_PAIR_DIAG & 1)) stage_mma(ring + slot * STAGE_BYTES, act, pitch, c * KT, M, warp, lane, c0, c1);
     __syncwarp();
@@ -439,7 +480,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_pair_fp8_kernel(const __grid_c
       const int chunks = up ? up_chunks : down_chunks, K = up ? p.H : p.I;
       const uint8_t* row = up ? p.w_gu + static_cast<size_t>(16 * unit + (lane & 15) + (lane >= 16 ? p.I : 0)) * K
                               : p.w_d + static_cast<size_t>(STAGE_ROWS * unit + lane) * K;
-      for (int c = 0; c < chunks; ++c) {
+      for (int i = 0, c = first_chunk(unit, chunks); i < chunks; ++i, c = c + 1 == chunks ? 0 : c + 1) {
         mbar_wait(&empty[slot], parity);
         if (lane == 0) mbar_expect_tx(&full[slot], STAGE_TX);
         __syncwarp();
@@ -486,7 +527,8 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_pair_fp8_kernel(const __grid_c
     float c0[4], c1[4];
     UpOps ops;
     if (MXC_PAIR_PREFETCH && pending >= 0) ops = up_ops(p, pending, lane);
-    consume_unit(ring, full, empty, p.stages, slot, parity, up_chunks, act, pitch_up, M, warp, lane, c0, c1);
+    consume_unit(ring, full, empty, p.stages, slot, parity, up_chunks, first_chunk(u, up_chunks), act, pitch_up, M,
+                 warp, lane, c0, c1);
     if (pending >= 0) {  // warp 0 only: the previous unit's
       if (!MXC_PAIR_PREFETCH) ops = up_ops(p, pending, lane);
       up_epilogue(p, scale, pending, lane, acc, ops);
@@ -544,7 +586,8 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_pair_fp8_kernel(const __grid_c
       float c0[4], c1[4];
       DownOps ops;
       if (MXC_PAIR_PREFETCH && pending >= 0) ops = down_ops(p, pending, lane);
-      consume_unit(ring, full, empty, p.stages, slot, parity, down_chunks, act, pitch_down, M, warp, lane, c0, c1);
+      consume_unit(ring, full, empty, p.stages, slot, parity, down_chunks, first_chunk(v, down_chunks), act,
+                   pitch_down, M, warp, lane, c0, c1);
       if (pending >= 0) {
         if (!MXC_PAIR_PREFETCH) ops = down_ops(p, pending, lane);
         down_epilogue(p, scale, pending, lane, acc, ops);
