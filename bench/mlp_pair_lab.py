@@ -48,7 +48,6 @@ LAB_VARIANTS = {
     "nohint": ["-DMXC_PAIR_DIAG=8"],           # the weight copies without the L2 evict-first hint
     "pitch128": ["-DMXC_PAIR_DIAG=16"],        # rows 128-byte aligned in the ring (bank conflicts)
     "pitch128_nomma": ["-DMXC_PAIR_DIAG=17"],
-    "stagger": ["-DMXC_PAIR_STAGGER=1"],       # each unit's chunks from chunk u % chunks on
     "lds32": ["-DMXC_PAIR_LDSM=0"],            # weight fragments by four 32-bit shared loads
     "kt2048": ["-DMXC_PAIR_KT=2048"],          # 2 KB a row a stage (half the copies, 66 KB stages; batch <= 4)
     "noprefetch": ["-DMXC_PAIR_PREFETCH=0"],  # epilogue operands loaded in the epilogue

@@ -128,8 +128,9 @@ def parser() -> argparse.ArgumentParser:
                         "(default auto: push for bf16/fp16 on cuda with --tp > 1; the runtime falls back to NCCL "
                         "where peer memory is not usable)")
     b.add_argument("--mlp-pair", action="store_true",
-                   help="fp8, tp 1 (experimental, not yet measured): each layer's MLP as one op, run on cuda at "
-                        "<= 8 tokens as one persistent launch (mxc.kernels.mlp_pair_fp8, compiled with nvcc at build)")
+                   help="fp8, tp 1 (experimental; slower than the default kernels on an H200, docs/perf.md): each "
+                        "layer's MLP as one op, run on cuda at <= 8 tokens as one persistent launch "
+                        "(mxc.kernels.mlp_pair_fp8, compiled with nvcc at build)")
     b.add_argument("--disable-pass", metavar="PASS", action="append", default=[],
                    help="skip an optional fusion pass (repeatable), e.g. fuse_linear_io")
     b.add_argument("--max-batch", type=int, default=32, help="cuda: sequences decoded together (default 32)")

@@ -9,10 +9,12 @@ one fp32 scale a row s_gu [2I], w_d [H, I] e4m3 with s_d [H], and a bf16 residua
 
 (``rms_norm_pair``: from x [M, H] bf16 and an RMSNorm weight, the RMSNorm and the quantize in the kernel too,
 one launch for five; ``reference_rms_norm``) in today's numerics: each product scaled as ``acc * xs * s`` and
-rounded to bf16, SiLU with an IEEE division rounded to bf16, the product rounded, h quantized per token as the
-Triton quantize (``max(amax / 448, 1e-12)``, IEEE division, saturating e4m3), the residual added and rounded.
-The fp32 summation orders differ from the kernel chain (32-column mma steps, four column quarters summed in a
-fixed order; the RMSNorm's sum of squares), so a launch is deterministic but not bitwise equal to the chain.
+rounded to bf16, SiLU with an IEEE division rounded to bf16, the product rounded, h quantized per token with
+the Triton quantize's scale (``max(amax / 448, 1e-12)``, saturating e4m3), the residual added and rounded.
+Two things differ from the kernel chain, so a launch is deterministic but not bitwise equal to it: the fp32
+summation orders (32-column mma steps, four column quarters summed in a fixed order; the RMSNorm's sum of
+squares), and the quantizes multiply by the scale's correctly rounded reciprocal instead of dividing (an e4m3
+value can land one step apart where x / s sits on a rounding boundary).
 
 Why one launch: at batch 1 the step's time above its weight bytes sits at kernel boundaries
 (``docs/persistent_decode.md``, ``bench/ablate.py``). Here a producer warp in each CTA streams weight chunks
@@ -27,10 +29,10 @@ is shared by every layer of a step.
 
 Builds use it only when asked: ``mxc build --mlp-pair`` (``fuse_mlp`` makes each layer's MLP one
 ``rms_norm_mlp`` op; ``cuda_ops.rms_norm_mlp_pair`` runs it at <= 8 tokens through ``use``/``active`` and the
-process's ``workspace``). Status (2026-12-01): built and compiled on the CPU machine, not yet run on a GPU.
-``tests/gpu/test_mlp_pair_fp8_gpu.py`` checks it against ``reference`` and the Triton chain;
-``bench/mlp_pair_lab.py`` times it against the chain over 32 layers' weights in a CUDA graph, and
-``bench/decode_ab.py --mlp-pair`` end to end.
+process's ``workspace``). Status (H200, 2026-12-01): correct (``tests/gpu/test_mlp_pair_fp8_gpu.py``, against
+``reference`` and the Triton chain) and slower than the chain (``bench/mlp_pair_lab.py``, 32 layers' weights in
+a CUDA graph: 58.8 against 54.3 us a layer at batch 1, 102 against 56 at batch 8; why, and what a design that
+pays needs: ``docs/persistent_decode.md``, "Step 1, measured"), so builds leave it off.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 // The fp8 MLP pair of batch-1..8 decode in one persistent launch (sm_90a):
 //
 //   h  = silu(bf16(xq @ w_gate^T * xs * s_gate)) * bf16(xq @ w_up^T * xs * s_up)     (each rounded to bf16)
-//   hq, hs = the per-token e4m3 quantization of h (hs = max(amax(|h|) / 448, 1e-12), IEEE division)
+//   hq, hs = the per-token e4m3 quantization of h (hs = max(amax(|h|) / 448, 1e-12); hq = e4m3(h * (1 / hs)))
 //   y  = bf16(residual + bf16(hq @ w_down^T * hs * s_down))
 //
 // -- what today's chain computes with four launches (gate/up GEMV, SiLU-and-mul, quantize, down GEMV) after the
@@ -23,6 +23,11 @@
 // - the last CTA to finish resets the counters and the amax, so the kernel replays in a CUDA graph.
 // Work is assigned statically: gate/up units b, b + G, ...; down units G-1-b, 2G-1-b, ... (the CTAs with the
 // fewest gate/up units take down units first). ``mxc_mlp_pair_fp8_schedule`` exposes the assignment.
+//
+// Measured (H200, 2026-12-01): correct, and slower than the chain it replaces (batch 1: 58.8 against 54.3 us a
+// layer). The 32 one-row bulk copies a stage are the limit under the consumers' shared-memory reads (four 8 KB
+// copies a stage: 51.8), and the mid-layer boundary costs what the chain's boundaries cost; the lab knobs below
+// and docs/persistent_decode.md ("Step 1, measured") say how that was found.
 
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -48,17 +53,11 @@ namespace mxc_mlp_pair {
 #ifndef MXC_PAIR_RCP
 #define MXC_PAIR_RCP 1
 #endif
-// MXC_PAIR_STAGGER: unit u streams its chunks from chunk u % chunks on (wrapping), so the CTAs, which move in
-// step, read different column blocks of their rows at a time instead of all the same one
 // MXC_PAIR_LDSM: the weight fragments by ldmatrix.x4 (one instruction an m16 tile and k-step; 0: four 32-bit
 // shared loads, 2.5 us slower a layer at batch 1)
 #ifndef MXC_PAIR_LDSM
 #define MXC_PAIR_LDSM 1
 #endif
-#ifndef MXC_PAIR_STAGGER
-#define MXC_PAIR_STAGGER 0
-#endif
-__host__ __device__ inline int first_chunk(int unit, int chunks) { return MXC_PAIR_STAGGER ? unit % chunks : 0; }
 
 #ifndef MXC_PAIR_KT
 #define MXC_PAIR_KT 1024
@@ -253,11 +252,11 @@ __device__ __forceinline__ void stage_mma(const uint8_t* stage, const uint8_t* a
 // One unit's chunks as the ring delivers them (``slot``/``parity``: the consumer's place in the ring, advanced):
 // this warp's partial products of the unit's two m16 tiles, the chunks' activation columns at 0, KT, 2KT, ...
 __device__ __forceinline__ void consume_unit(const uint8_t* ring, uint64_t* full, uint64_t* empty, int stages,
-                                             int& slot, unsigned& parity, int chunks, int first, const uint8_t* act,
-                                             int pitch, int M, int warp, int lane, float (&c0)[4], float (&c1)[4]) {
+                                             int& slot, unsigned& parity, int chunks, const uint8_t* act, int pitch,
+                                             int M, int warp, int lane, float (&c0)[4], float (&c1)[4]) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) c0[i] = c1[i] = 0.f;
-  for (int i = 0, c = first; i < chunks; ++i, c = c + 1 == chunks ? 0 : c + 1) {
+  for (int c = 0; c < chunks; ++c) {
     mbar_wait(&full[slot], parity);
     if (!(MXC_PAIR_DIAG & 1)) stage_mma(ring + slot * STAGE_BYTES, act, pitch, c * KT, M, warp, lane, c0, c1);
     __syncwarp();
@@ -480,7 +479,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_pair_fp8_kernel(const __grid_c
       const int chunks = up ? up_chunks : down_chunks, K = up ? p.H : p.I;
       const uint8_t* row = up ? p.w_gu + static_cast<size_t>(16 * unit + (lane & 15) + (lane >= 16 ? p.I : 0)) * K
                               : p.w_d + static_cast<size_t>(STAGE_ROWS * unit + lane) * K;
-      for (int i = 0, c = first_chunk(unit, chunks); i < chunks; ++i, c = c + 1 == chunks ? 0 : c + 1) {
+      for (int c = 0; c < chunks; ++c) {
         mbar_wait(&empty[slot], parity);
         if (lane == 0) mbar_expect_tx(&full[slot], STAGE_TX);
         __syncwarp();
@@ -527,8 +526,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_pair_fp8_kernel(const __grid_c
     float c0[4], c1[4];
     UpOps ops;
     if (MXC_PAIR_PREFETCH && pending >= 0) ops = up_ops(p, pending, lane);
-    consume_unit(ring, full, empty, p.stages, slot, parity, up_chunks, first_chunk(u, up_chunks), act, pitch_up, M,
-                 warp, lane, c0, c1);
+    consume_unit(ring, full, empty, p.stages, slot, parity, up_chunks, act, pitch_up, M, warp, lane, c0, c1);
     if (pending >= 0) {  // warp 0 only: the previous unit's
       if (!MXC_PAIR_PREFETCH) ops = up_ops(p, pending, lane);
       up_epilogue(p, scale, pending, lane, acc, ops);
@@ -586,8 +584,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_pair_fp8_kernel(const __grid_c
       float c0[4], c1[4];
       DownOps ops;
       if (MXC_PAIR_PREFETCH && pending >= 0) ops = down_ops(p, pending, lane);
-      consume_unit(ring, full, empty, p.stages, slot, parity, down_chunks, first_chunk(v, down_chunks), act,
-                   pitch_down, M, warp, lane, c0, c1);
+      consume_unit(ring, full, empty, p.stages, slot, parity, down_chunks, act, pitch_down, M, warp, lane, c0, c1);
       if (pending >= 0) {
         if (!MXC_PAIR_PREFETCH) ops = down_ops(p, pending, lane);
         down_epilogue(p, scale, pending, lane, acc, ops);
