@@ -49,10 +49,36 @@ LAB_VARIANTS = {
     "pitch128": ["-DMXC_PAIR_DIAG=16"],        # rows 128-byte aligned in the ring (bank conflicts)
     "pitch128_nomma": ["-DMXC_PAIR_DIAG=17"],
     "lds32": ["-DMXC_PAIR_LDSM=0"],            # weight fragments by four 32-bit shared loads
+    "tiled": ["-DMXC_PAIR_TILED=1"],           # the weights in ring-stage order (stage_order): 4 copies a stage
     "kt2048": ["-DMXC_PAIR_KT=2048"],          # 2 KB a row a stage (half the copies, 66 KB stages; batch <= 4)
     "noprefetch": ["-DMXC_PAIR_PREFETCH=0"],  # epilogue operands loaded in the epilogue
     "div": ["-DMXC_PAIR_RCP=0"],              # quantize by IEEE division (the chain's)
 }
+
+
+def stage_order(w: torch.Tensor, unit_rows: list[torch.Tensor], kt: int = 1024) -> torch.Tensor:
+    """``w`` [R, K] e4m3 in the order an MXC_PAIR_TILED ring reads it: for each unit (``unit_rows[u]``: its 32
+    row indices, as the ring stage holds them) and each KT-column chunk, one contiguous block of 32 rows x KT
+    bytes, each row's 16-byte chunks at chunk ^ (row & 7) within their 128 bytes. Same shape as ``w``."""
+    K = w.shape[1]
+    rows = torch.stack(unit_rows)                                           # [U, 32]
+    blocks = w.view(torch.uint8)[rows].view(len(unit_rows), 32, K // kt, kt // 128, 8, 16)
+    swizzled = torch.empty_like(blocks)
+    for r in range(8):  # row r & 7 == r: stored chunk p holds chunk p ^ r
+        perm = torch.tensor([p ^ r for p in range(8)], device=w.device)
+        swizzled[:, r::8] = blocks[:, r::8][:, :, :, :, perm]
+    return swizzled.permute(0, 2, 1, 3, 4, 5).contiguous().view(w.shape).view(FP8)
+
+
+def tiled_layer(w_gu, s_gu, w_d, s_d):
+    """A layer's weights in stage order: gate/up unit u = gate rows 16u.. and up rows I + 16u..; down unit v =
+    rows 32v..32v+31."""
+    I, H = w_d.shape[1], w_d.shape[0]  # noqa: E741
+    dev = w_gu.device
+    up_units = [torch.cat([torch.arange(16 * u, 16 * u + 16), torch.arange(I + 16 * u, I + 16 * u + 16)]).to(dev)
+                for u in range(I // 16)]
+    down_units = [torch.arange(32 * v, 32 * v + 32, device=dev) for v in range(H // 32)]
+    return stage_order(w_gu, up_units), s_gu, stage_order(w_d, down_units), s_d
 
 
 def compile_variants(out_dir):
@@ -120,15 +146,18 @@ def main():
         variants[f"norm_pair@{s}stages"] = lambda out, layers, s=int(s): [
             pair.rms_norm_pair(x, g, EPS, w_gu, s_gu, w_d, s_d, out, out, ws, pdl=pdl, stages=s)
             for w_gu, s_gu, w_d, s_d in layers]
+    tiled = {}  # the layers in stage order, for the MXC_PAIR_TILED variants (their own weights)
     for so in sorted(Path(args.pair_lib).glob("*.so")) if args.pair_lib else ():
         lib = mlp_pair_fp8.load(str(so))
         lib.plan(M, H, I)
-        variants[f"pair:{so.stem}"] = lambda out, layers, lib=lib: [
-            lib(*triton_fp8_quant._prequantize(x, M, H, False, H, norm_weight=g, eps=EPS), w_gu, s_gu, w_d, s_d,
-                out, out, ws, pdl=pdl) for w_gu, s_gu, w_d, s_d in layers]
-        variants[f"norm_pair:{so.stem}"] = lambda out, layers, lib=lib: [
-            lib.rms_norm_pair(x, g, EPS, w_gu, s_gu, w_d, s_d, out, out, ws, pdl=pdl)
-            for w_gu, s_gu, w_d, s_d in layers]
+        if so.stem.startswith("tiled") and not tiled:
+            tiled.update({id(layer): tiled_layer(*layer) for layer in layers})
+        own = (lambda layer: tiled[id(layer)]) if so.stem.startswith("tiled") else (lambda layer: layer)
+        variants[f"pair:{so.stem}"] = lambda out, layers, lib=lib, own=own: [
+            lib(*triton_fp8_quant._prequantize(x, M, H, False, H, norm_weight=g, eps=EPS), *own(layer), out, out, ws,
+                pdl=pdl) for layer in layers]
+        variants[f"norm_pair:{so.stem}"] = lambda out, layers, lib=lib, own=own: [
+            lib.rms_norm_pair(x, g, EPS, *own(layer), out, out, ws, pdl=pdl) for layer in layers]
     outs = {name: residual.clone() for name in variants}
     with launch.using(launcher):
         # one layer, eagerly, against each other (and compile the Triton kernels outside capture)
@@ -136,6 +165,8 @@ def main():
             fn(outs[name], layers[:1])
         torch.cuda.synchronize()
         delta = {k: (v.float() - residual.float()) for k, v in outs.items()}
+        for name in (n for n in variants if n.startswith("pair:tiled")):
+            print(f"one layer, {name} equals pair bit for bit: {torch.equal(outs[name], outs['pair'])}")
         for name in variants:
             if name == "chain":
                 continue

@@ -25,9 +25,10 @@
 // fewest gate/up units take down units first). ``mxc_mlp_pair_fp8_schedule`` exposes the assignment.
 //
 // Measured (H200, 2026-12-01): correct, and slower than the chain it replaces (batch 1: 58.8 against 54.3 us a
-// layer). The 32 one-row bulk copies a stage are the limit under the consumers' shared-memory reads (four 8 KB
-// copies a stage: 51.8), and the mid-layer boundary costs what the chain's boundaries cost; the lab knobs below
-// and docs/persistent_decode.md ("Step 1, measured") say how that was found.
+// layer). The 32 one-row bulk copies a stage are the limit under the consumers' shared-memory reads (the weights
+// in stage order, four 8 KB copies a stage, MXC_PAIR_TILED: 50.2), and the mid-layer boundary costs what the
+// chain's boundaries cost; the lab knobs below and docs/persistent_decode.md ("Step 1, measured") say how that
+// was found.
 
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -65,7 +66,14 @@ namespace mxc_mlp_pair {
 constexpr int KT = MXC_PAIR_KT;             // bytes of a weight row in one ring stage (one bulk copy)
 // shared-memory pitch: rows 4 banks apart, conflict-free fragments (lab bit 16: rows 128-byte aligned, 8-way
 // bank conflicts in the fragment loads)
-constexpr int ROW_PITCH = (MXC_PAIR_DIAG & 16) ? KT + 128 : KT + 16;
+// MXC_PAIR_TILED (lab): the weights come in ring-stage order (bench/mlp_pair_lab.py stage_order): each stage's
+// 32 rows x KT bytes one contiguous block, copied as four bulk copies, rows dense in the ring with each row's
+// 16-byte chunks at chunk ^ (row & 7) within their 128 bytes (conflict-free ldmatrix); needs MXC_PAIR_LDSM
+#ifndef MXC_PAIR_TILED
+#define MXC_PAIR_TILED 0
+#endif
+static_assert(!MXC_PAIR_TILED || MXC_PAIR_LDSM, "MXC_PAIR_TILED reads its fragments with ldmatrix");
+constexpr int ROW_PITCH = MXC_PAIR_TILED ? KT : (MXC_PAIR_DIAG & 16) ? KT + 128 : KT + 16;
 constexpr int STAGE_ROWS = 32;              // two m16 tiles
 constexpr int STAGE_BYTES = STAGE_ROWS * ROW_PITCH;
 constexpr unsigned STAGE_TX = STAGE_ROWS * KT;  // bytes the bulk copies of one stage deliver
@@ -215,7 +223,23 @@ __device__ __forceinline__ void stage_mma(const uint8_t* stage, const uint8_t* a
   const uint8_t* a_ptr = stage + g * ROW_PITCH + k0;
   const bool has_token = g < M;
   const uint8_t* b_ptr = act + (has_token ? g : 0) * pitch + col + k0;
-#if MXC_PAIR_LDSM
+#if MXC_PAIR_TILED
+  const int row = (lane & 7) + ((lane >> 3) & 1) * 8, half = (lane >> 4) & 1;  // row & 7 the same at row + 16
+  const uint8_t* r_ptr = stage + row * KT + warp * (KT / CONSUMER_WARPS);
+#pragma unroll
+  for (int s = 0; s < KSTEPS; ++s) {
+    const int o = s * 32, k = o + half * 16;  // this lane's 16 bytes within the warp's quarter of the row
+    const uint8_t* m = r_ptr + (k & ~127) + ((((k & 127) >> 4) ^ (row & 7)) << 4);
+    uint32_t a_lo[4], a_hi[4];
+    ldsm_x4(a_lo, m);
+    ldsm_x4(a_hi, m + 16 * KT);
+    const uint32_t b0 = has_token ? lds32(b_ptr + o) : 0u;
+    const uint32_t b1 = has_token ? lds32(b_ptr + o + 16) : 0u;
+    mma_e4m3(c0, a_lo, b0, b1);
+    mma_e4m3(c1, a_hi, b0, b1);
+  }
+  (void)a_ptr;
+#elif MXC_PAIR_LDSM
   // this lane's row address for ldmatrix: matrices (rows 0-7, k 0-15), (rows 8-15, k 0-15), (rows 0-7, k 16-31),
   // (rows 8-15, k 16-31) of the k-step: the m16n8k32 A fragment's a0..a3
   const uint8_t* m_ptr = stage + ((lane & 7) + ((lane >> 3) & 1) * 8) * ROW_PITCH + warp * (KT / CONSUMER_WARPS) +
@@ -483,7 +507,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_pair_fp8_kernel(const __grid_c
         mbar_wait(&empty[slot], parity);
         if (lane == 0) mbar_expect_tx(&full[slot], STAGE_TX);
         __syncwarp();
-        if (MXC_PAIR_DIAG & 4) {  // timing only: the stage as four contiguous 8 KB blocks
+        if ((MXC_PAIR_DIAG & 4) || MXC_PAIR_TILED) {  // the stage as four contiguous 8 KB blocks (DIAG 4: wrong data)
           const uint8_t* blocks = (up ? p.w_gu : p.w_d) + (static_cast<size_t>(unit) * chunks + c) * STAGE_TX;
           if (lane < 4) bulk_load(ring + slot * STAGE_BYTES + lane * (STAGE_TX / 4), blocks + lane * (STAGE_TX / 4),
                                   STAGE_TX / 4, &full[slot], policy);
