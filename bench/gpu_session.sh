@@ -19,7 +19,8 @@
 #   pair    the persistent fp8 MLP pair (mxc.kernels.mlp_pair_fp8): its GPU tests, then against the kernel chain
 #           it replaces over 32 layers at batch 1 and 8, with PDL and without (bench/mlp_pair_lab.py); carry the
 #           library built here (python -c "from mxc.kernels import mlp_pair_fp8 as m; m.library('build/mlp_pair/mlp_pair_fp8.so')"):
-#           this script then sets MXC_MLP_PAIR_LIBRARY to it (the GPU machine may have no nvcc)
+#           this script then sets MXC_MLP_PAIR_LIBRARY to it (the GPU machine may have no nvcc); lab variants
+#           built into build/mlp_pair/lab (bench/mlp_pair_lab.py --compile-variants) are timed too when carried
 #   pairab  Llama-3-8B fp8 built with --mlp-pair: batch-1 decode with the pair against the chain in one artifact
 #           (bench/decode_ab.py, cuda_ops.MLP_PAIR), and bf16 for the ratio
 # Logs go to $OUT (the device tool's output folder) when set, else to build/gpu-logs.
@@ -69,8 +70,9 @@ case "${1:-}" in
             --skip small=rms_norm_kernel+rope_qkv_write_kernel+decode_split_kernel+decode_reduce_kernel+norm_route_kernel \
             --skip up=_pair_up_kernel --skip down=_pair_down_tile_kernel; rm -rf "$scratch"/ablmoe ;;
   pair)   run 150 pair_test.log python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_mlp_pair_fp8_gpu.py -x
-          run 100 pair_lab_m1.log python3 bench/mlp_pair_lab.py --m 1
-          run 100 pair_lab_m8.log python3 bench/mlp_pair_lab.py --m 8
+          variants=""; [ -d build/mlp_pair/lab ] && variants="--pair-lib build/mlp_pair/lab"
+          run 150 pair_lab_m1.log python3 bench/mlp_pair_lab.py --m 1 $variants
+          run 150 pair_lab_m8.log python3 bench/mlp_pair_lab.py --m 8 $variants
           run 100 pair_lab_m1_plain.log python3 bench/mlp_pair_lab.py --m 1 --no-pdl ;;
   pairab) run 560 pair_ab.log python3 bench/decode_ab.py --quant fp8 --mlp-pair --bf16 --out "$scratch/abp" \
             --variant chain=mxc.kernels.cuda_ops.MLP_PAIR=False --variant pair=; rm -rf "$scratch"/abp* ;;
