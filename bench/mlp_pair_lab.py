@@ -50,6 +50,8 @@ LAB_VARIANTS = {
     "pitch128_nomma": ["-DMXC_PAIR_DIAG=17"],
     "lds32": ["-DMXC_PAIR_LDSM=0"],            # weight fragments by four 32-bit shared loads
     "tiled": ["-DMXC_PAIR_TILED=1"],           # the weights in ring-stage order (stage_order): 4 copies a stage
+    "tiled_nowait": ["-DMXC_PAIR_TILED=1", "-DMXC_PAIR_DIAG=32"],  # no boundary wait (wrong results)
+    "tiled_stream": ["-DMXC_PAIR_TILED=1", "-DMXC_PAIR_DIAG=3"],   # the stage-ordered ring alone
     "kt2048": ["-DMXC_PAIR_KT=2048"],          # 2 KB a row a stage (half the copies, 66 KB stages; batch <= 4)
     "noprefetch": ["-DMXC_PAIR_PREFETCH=0"],  # epilogue operands loaded in the epilogue
     "div": ["-DMXC_PAIR_RCP=0"],              # quantize by IEEE division (the chain's)

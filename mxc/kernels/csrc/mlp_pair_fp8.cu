@@ -41,7 +41,8 @@ namespace mxc_mlp_pair {
 // Lab knobs (bench/mlp_pair_lab.py --pair-lib; all 0 in a shipped build). MXC_PAIR_DIAG bits, timing only (the
 // results are wrong): 1 the consumers skip the MMAs, 2 they skip the epilogues, 4 the producer copies each stage
 // as four contiguous 8 KB blocks instead of 32 rows of 1 KB, 8 the copies carry no L2 evict-first hint, 16 the
-// rows' pitch in the ring is 1152 bytes (128-byte aligned copies) instead of 1040.
+// rows' pitch in the ring is 1152 bytes (128-byte aligned copies) instead of 1040, 32 the
+// CTAs do not wait for each other at the gate/up -> down boundary (h and its scale partial).
 // MXC_PAIR_PREFETCH=0: warp 0 loads a unit's epilogue operands (scales, residual) in the epilogue instead of a
 // unit ahead. MXC_PAIR_RCP=0: the quantizes divide by the scale (IEEE, as the chain's kernels) instead of
 // multiplying by its reciprocal. (Fourteenth run, batch 1: the two defaults save 4.5 us of a layer's 68.)
@@ -568,7 +569,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_pair_fp8_kernel(const __grid_c
   if (n_down > 0) {
     if (tid == 0) {
       const long long start = clock64();
-      while (load_acquire(p.sync) < static_cast<unsigned>(G)) {
+      while (!(MXC_PAIR_DIAG & 32) && load_acquire(p.sync) < static_cast<unsigned>(G)) {
         if (clock64() - start > WAIT_LIMIT_CYCLES) wait_timed_out("the wait for every CTA's gate/up units");
       }
       __threadfence();
