@@ -38,7 +38,7 @@
 
 namespace mxc_mlp_pair {
 
-// Lab knobs (bench/mlp_pair_lab.py --pair-lib; all 0 in a shipped build). MXC_PAIR_DIAG bits, timing only (the
+// Lab knobs (bench/mlp_pair_lab.py --pair-lib; a shipped build takes the defaults). MXC_PAIR_DIAG bits, timing only (the
 // results are wrong): 1 the consumers skip the MMAs, 2 they skip the epilogues, 4 the producer copies each stage
 // as four contiguous 8 KB blocks instead of 32 rows of 1 KB, 8 the copies carry no L2 evict-first hint, 16 the
 // rows' pitch in the ring is 1152 bytes (128-byte aligned copies) instead of 1040, 32 the
@@ -65,8 +65,6 @@ namespace mxc_mlp_pair {
 #define MXC_PAIR_KT 1024
 #endif
 constexpr int KT = MXC_PAIR_KT;             // bytes of a weight row in one ring stage (one bulk copy)
-// shared-memory pitch: rows 4 banks apart, conflict-free fragments (lab bit 16: rows 128-byte aligned, 8-way
-// bank conflicts in the fragment loads)
 // MXC_PAIR_TILED (lab): the weights come in ring-stage order (bench/mlp_pair_lab.py stage_order): each stage's
 // 32 rows x KT bytes one contiguous block, copied as four bulk copies, rows dense in the ring with each row's
 // 16-byte chunks at chunk ^ (row & 7) within their 128 bytes (conflict-free ldmatrix); needs MXC_PAIR_LDSM
@@ -74,6 +72,8 @@ constexpr int KT = MXC_PAIR_KT;             // bytes of a weight row in one ring
 #define MXC_PAIR_TILED 0
 #endif
 static_assert(!MXC_PAIR_TILED || MXC_PAIR_LDSM, "MXC_PAIR_TILED reads its fragments with ldmatrix");
+// shared-memory pitch: rows 4 banks apart, conflict-free fragments (lab bit 16: rows 128-byte aligned, 8-way
+// bank conflicts in the fragment loads; tiled: dense, the chunks swizzled instead)
 constexpr int ROW_PITCH = MXC_PAIR_TILED ? KT : (MXC_PAIR_DIAG & 16) ? KT + 128 : KT + 16;
 constexpr int STAGE_ROWS = 32;              // two m16 tiles
 constexpr int STAGE_BYTES = STAGE_ROWS * ROW_PITCH;
