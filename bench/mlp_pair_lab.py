@@ -131,23 +131,25 @@ def main():
             gate_up = triton_fp8.qlinear_small_m(x, w_gu, s_gu, prologue="rms_norm", norm_weight=g, eps=EPS)
             triton_fp8.qlinear_small_m(gate_up, w_d, s_d, residual=out, prologue="silu_mul", out=out)
 
-    def fused(out, layers):
-        for w_gu, s_gu, w_d, s_d in layers:
-            xq, xs = triton_fp8_quant._prequantize(x, M, H, False, H, norm_weight=g, eps=EPS)
-            pair(xq, xs, w_gu, s_gu, w_d, s_d, out, out, ws, pdl=pdl)
+    def fused(lib=pair, weights=lambda layer: layer, **kw):
+        """Per layer the RMSNorm-quantize, then ``lib``'s pair on ``weights(layer)``."""
+        def run(out, layers):
+            for layer in layers:
+                xq, xs = triton_fp8_quant._prequantize(x, M, H, False, H, norm_weight=g, eps=EPS)
+                lib(xq, xs, *weights(layer), out, out, ws, pdl=pdl, **kw)
+        return run
 
-    def norm_fused(out, layers):
-        for w_gu, s_gu, w_d, s_d in layers:
-            pair.rms_norm_pair(x, g, EPS, w_gu, s_gu, w_d, s_d, out, out, ws, pdl=pdl)
+    def norm_fused(lib=pair, weights=lambda layer: layer, **kw):
+        """Per layer ``lib``'s rms_norm_pair on ``weights(layer)``."""
+        def run(out, layers):
+            for layer in layers:
+                lib.rms_norm_pair(x, g, EPS, *weights(layer), out, out, ws, pdl=pdl, **kw)
+        return run
 
-    variants = {"chain": chain, "pair": fused, "norm_pair": norm_fused}
+    variants = {"chain": chain, "pair": fused(), "norm_pair": norm_fused()}
     for s in filter(None, args.stages.split(",")):
-        variants[f"pair@{s}stages"] = lambda out, layers, s=int(s): [
-            pair(*triton_fp8_quant._prequantize(x, M, H, False, H, norm_weight=g, eps=EPS), w_gu, s_gu, w_d, s_d,
-                 out, out, ws, pdl=pdl, stages=s) for w_gu, s_gu, w_d, s_d in layers]
-        variants[f"norm_pair@{s}stages"] = lambda out, layers, s=int(s): [
-            pair.rms_norm_pair(x, g, EPS, w_gu, s_gu, w_d, s_d, out, out, ws, pdl=pdl, stages=s)
-            for w_gu, s_gu, w_d, s_d in layers]
+        variants[f"pair@{s}stages"] = fused(stages=int(s))
+        variants[f"norm_pair@{s}stages"] = norm_fused(stages=int(s))
     tiled = {}  # the layers in stage order, for the MXC_PAIR_TILED variants (their own weights)
     for so in sorted(Path(args.pair_lib).glob("*.so")) if args.pair_lib else ():
         lib = mlp_pair_fp8.load(str(so))
@@ -159,11 +161,8 @@ def main():
         if so.stem.startswith("tiled") and not tiled:
             tiled.update({id(layer): tiled_layer(*layer) for layer in layers})
         own = (lambda layer: tiled[id(layer)]) if so.stem.startswith("tiled") else (lambda layer: layer)
-        variants[f"pair:{so.stem}"] = lambda out, layers, lib=lib, own=own: [
-            lib(*triton_fp8_quant._prequantize(x, M, H, False, H, norm_weight=g, eps=EPS), *own(layer), out, out, ws,
-                pdl=pdl) for layer in layers]
-        variants[f"norm_pair:{so.stem}"] = lambda out, layers, lib=lib, own=own: [
-            lib.rms_norm_pair(x, g, EPS, *own(layer), out, out, ws, pdl=pdl) for layer in layers]
+        variants[f"pair:{so.stem}"] = fused(lib, own)
+        variants[f"norm_pair:{so.stem}"] = norm_fused(lib, own)
     outs = {name: residual.clone() for name in variants}
     with launch.using(launcher):
         # one layer, eagerly, against each other (and compile the Triton kernels outside capture)

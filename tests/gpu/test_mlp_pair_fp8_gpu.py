@@ -73,8 +73,8 @@ def test_a_plan_for_another_shape_keeps_a_planned_launch_valid(pair):
     """The kernel's shared-memory limit is one setting for every shape: planning a shape that needs less must not
     lower it under a shape planned before (fourteenth run: "invalid argument" at M=8, H=1024 after H=4096)."""
     fresh = mlp_pair_fp8.MlpPairFp8(pair.path)  # no cached plans
-    big, small = (8, *SHAPES[0]), (8, *SHAPES[1])
-    assert fresh.smem(*big, fresh.plan(*big)[0]) > fresh.smem(*small, fresh.plan(*small)[0])
+    first, then = (8, *SHAPES[0]), (8, *SHAPES[1])  # the first plan needs more shared memory than the second
+    assert fresh.smem(*first, fresh.plan(*first)[0]) > fresh.smem(*then, fresh.plan(*then)[0])
     w_gu, s_gu, w_d, s_d = _layer(*SHAPES[0], 14)
     _, xq, xs, residual = _activations(8, SHAPES[0][0], 15)
     ws = mlp_pair_fp8.Workspace.new(SHAPES[0][1], "cuda")

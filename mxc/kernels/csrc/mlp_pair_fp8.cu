@@ -221,7 +221,6 @@ __device__ __forceinline__ void stage_mma(const uint8_t* stage, const uint8_t* a
                                           int warp, int lane, float (&c0)[4], float (&c1)[4]) {
   const int g = lane >> 2, t = lane & 3;
   const int k0 = warp * (KT / CONSUMER_WARPS) + t * 4;
-  const uint8_t* a_ptr = stage + g * ROW_PITCH + k0;
   const bool has_token = g < M;
   const uint8_t* b_ptr = act + (has_token ? g : 0) * pitch + col + k0;
 #if MXC_PAIR_TILED
@@ -239,7 +238,6 @@ __device__ __forceinline__ void stage_mma(const uint8_t* stage, const uint8_t* a
     mma_e4m3(c0, a_lo, b0, b1);
     mma_e4m3(c1, a_hi, b0, b1);
   }
-  (void)a_ptr;
 #elif MXC_PAIR_LDSM
   // this lane's row address for ldmatrix: matrices (rows 0-7, k 0-15), (rows 8-15, k 0-15), (rows 0-7, k 16-31),
   // (rows 8-15, k 16-31) of the k-step: the m16n8k32 A fragment's a0..a3
@@ -256,8 +254,8 @@ __device__ __forceinline__ void stage_mma(const uint8_t* stage, const uint8_t* a
     mma_e4m3(c0, a_lo, b0, b1);
     mma_e4m3(c1, a_hi, b0, b1);
   }
-  (void)a_ptr;
 #else
+  const uint8_t* a_ptr = stage + g * ROW_PITCH + k0;
 #pragma unroll
   for (int s = 0; s < KSTEPS; ++s) {
     const int o = s * 32;
