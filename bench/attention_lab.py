@@ -8,8 +8,9 @@ One sequence of T tokens with nothing cached before it (a prompt's prefill), Lla
 Prints ms, TFLOP/s (causal: 2 * T^2 * D * HQ multiply-adds, i.e. half the square) and the max
 difference from mxc's output. ``--sweep`` also times mxc's kernel over tile configs (BLOCK_M,
 BLOCK_N, warps, stages); ``--new-lengths`` times the first cuDNN call at prompt lengths it has not
-seen (its execution plan is built per shape). Usage:
-python bench/attention_lab.py [--tokens 2048,4096] [--sweep] [--new-lengths 5]
+seen (its execution plan is built per shape); ``--orders`` times mxc's grid in both orders (the
+short query blocks first, or the longest first). Usage:
+python bench/attention_lab.py [--tokens 2048,4096] [--sweep] [--orders] [--no-sdpa] [--new-lengths 5]
 """
 
 from __future__ import annotations
@@ -43,7 +44,11 @@ def main() -> None:
     p.add_argument("--tokens", default="2048,4096")
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--new-lengths", type=int, default=0)
+    p.add_argument("--orders", action="store_true",
+                   help="time mxc's grid in both orders (triton_attention.PREFILL_LONGEST_FIRST off and on)")
+    p.add_argument("--no-sdpa", action="store_true", help="mxc's kernel only")
     args = p.parse_args()
+    orders = (False, True) if args.orders else (triton_attention.PREFILL_LONGEST_FIRST,)
     dev = "cuda"
     print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, {torch.cuda.get_device_name()}")
     for T in [int(t) for t in args.tokens.split(",")]:
@@ -60,27 +65,34 @@ def main() -> None:
         def mxc_attn():
             return triton_attention.prefill_attention(q, kc, vc, slots, kv_lens, q_start, T, scale)
 
+        shipped = triton_attention.PREFILL_LONGEST_FIRST
         ref = mxc_attn()
-        t = ms(mxc_attn)
-        print(f"T={T:5d} {'mxc Triton (FA2)':34s} {t:7.3f} ms {flops / t / 1e9:6.0f} TFLOP/s")
-        if args.sweep:
-            default = triton_attention._prefill_config
-            for cfg in SWEEP:
-                triton_attention._prefill_config = lambda D, n, cfg=cfg: cfg
-                try:
-                    o = mxc_attn()
-                    tc = ms(mxc_attn)
-                    diff = (o.float() - ref.float()).abs().max().item()
-                    print(f"T={T:5d}   mxc {str(cfg):28s} {tc:7.3f} ms {flops / tc / 1e9:6.0f} TFLOP/s  "
-                          f"max diff {diff:.2e}", flush=True)
-                except Exception as e:  # out of shared memory
-                    print(f"T={T:5d}   mxc {str(cfg):28s} failed: {str(e).splitlines()[0][:80]}")
-                finally:
-                    triton_attention._prefill_config = default
+        for order in orders:
+            triton_attention.PREFILL_LONGEST_FIRST = order
+            o = mxc_attn()
+            t = ms(mxc_attn)
+            diff = (o.float() - ref.float()).abs().max().item()
+            label = "mxc Triton (FA2)" + (", longest first" if order else "")
+            print(f"T={T:5d} {label:34s} {t:7.3f} ms {flops / t / 1e9:6.0f} TFLOP/s  max diff {diff:.2e}")
+            if args.sweep:
+                default = triton_attention._prefill_config
+                for cfg in SWEEP:
+                    triton_attention._prefill_config = lambda D, n, cfg=cfg: cfg
+                    try:
+                        o = mxc_attn()
+                        tc = ms(mxc_attn)
+                        diff = (o.float() - ref.float()).abs().max().item()
+                        print(f"T={T:5d}   mxc {str(cfg):28s} {tc:7.3f} ms {flops / tc / 1e9:6.0f} TFLOP/s  "
+                              f"max diff {diff:.2e}", flush=True)
+                    except Exception as e:  # out of shared memory
+                        print(f"T={T:5d}   mxc {str(cfg):28s} failed: {str(e).splitlines()[0][:80]}")
+                    finally:
+                        triton_attention._prefill_config = default
+        triton_attention.PREFILL_LONGEST_FIRST = shipped
         qv = q.transpose(0, 1).unsqueeze(0)  # [1, HQ, T, D] view
         kv_ = kc[0, :T].transpose(0, 1).unsqueeze(0)  # [1, HKV, T, D] view
         vv = vc[0, :T].transpose(0, 1).unsqueeze(0)
-        for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+        for name, backend in () if args.no_sdpa else (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
                               ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
             for gqa in (True, False):
                 k_in = kv_ if gqa else kv_.repeat_interleave(HQ // HKV, dim=1)

@@ -124,6 +124,18 @@ def _prefill_cases():
 
 @pytest.mark.parametrize("dtype, D, heads, window, shape", list(_prefill_cases()))
 def test_prefill_attention(dtype, D, heads, window, shape):
+    _prefill_against_reference(dtype, D, heads, window, shape)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+@pytest.mark.parametrize("shape", ["bigger-grid", "multi-m-block", "long-prefix"])
+def test_prefill_attention_query_blocks_first(monkeypatch, shape, window):
+    """The grid's other order (query blocks fastest, from the first): the same blocks, in another order."""
+    monkeypatch.setattr(ta, "PREFILL_LONGEST_FIRST", False)
+    _prefill_against_reference(torch.float32, 16, GQA, window, shape)
+
+
+def _prefill_against_reference(dtype, D, heads, window, shape):
     HQ, HKV = heads
     seq_lens, past_lens, max_q_len = PREFILL_SHAPES[shape]
     slots = [3, 1, 0][:len(seq_lens)]
@@ -181,8 +193,8 @@ def test_prefill_launches_are_static():
         return _record(lambda: ta.prefill_attention(q, cache, cache, i32([1, 0]), kv_lens, q_start, 300, 0.1, None))
 
     meta = run("meta", [100, 200], [0, 0])
-    assert [(c[0], c[1]) for c in meta] == [("prefill_kernel", (5, 2, 8))]
-    assert meta[0][2]["BLOCK_M"] == meta[0][2]["BLOCK_N"] == 64
+    assert [(c[0], c[1]) for c in meta] == [("prefill_kernel", (8, 2, 5))]  # heads, sequences, query blocks
+    assert meta[0][2]["BLOCK_M"] == meta[0][2]["BLOCK_N"] == 64 and meta[0][2]["LONGEST_FIRST"]
     assert run("cpu", [100, 200], [0, 0]) == run("cpu", [300, 0], [10, 50]) == meta
 
 
