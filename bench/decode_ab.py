@@ -13,8 +13,8 @@ active while the step is captured) in turn, so machine drift hits all variants a
 ``--bf16`` also builds and times the bf16 artifact of the same config (the fp8 / bf16 ratio of
 issue #5 measured in the same run). ``--prefill N`` also times, each round and variant, a prefill of N
 tokens (median of three after a warm-up): prefill figures move between machines by more than most
-changes, so a prefill choice is judged within one call. Prints ms/step per round and the median per
-variant.
+changes, so a prefill choice is judged within one call; ``--profile-prefill`` adds each variant's
+per-kernel breakdown of it. Prints ms/step per round and the median per variant.
 """
 
 from __future__ import annotations
@@ -99,6 +99,8 @@ def main() -> None:
     p.add_argument("--bf16", action="store_true", help="also time the bf16 artifact (for the fp8 / bf16 ratio)")
     p.add_argument("--profile", default="", help="variant to print a per-kernel breakdown of (plain launches)")
     p.add_argument("--prefill", type=int, default=0, help="also time a prefill of this many tokens per variant")
+    p.add_argument("--profile-prefill", action="store_true",
+                   help="with --prefill: a per-kernel breakdown of the prefill under each variant (plain launches)")
     args = p.parse_args()
     try:
         variants = [parse_variant(v) for v in args.variant] or [("default", [])]
@@ -141,6 +143,13 @@ def main() -> None:
         model._decoder.drop_graphs()
         with patched(dict(variants)[args.profile]):
             print(f"\nper-kernel breakdown, {args.profile}:\n" + profile_decode(model, batch=args.batch), flush=True)
+    if args.profile_prefill:
+        from profile_step import profile_prefill
+
+        for name, patches in variants:
+            with patched(patches):
+                print(f"\nper-kernel breakdown of a {args.prefill}-token prefill (plain launches), {name}:\n"
+                      + profile_prefill(model, args.prefill), flush=True)
     med = {name: statistics.median(ts) for name, ts in times.items()}
     bf16 = None
     if args.bf16:

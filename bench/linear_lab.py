@@ -11,7 +11,7 @@ calls over weight copies covering 4x the L2) and prints microseconds and weight 
 ``--quant-lab`` times only the activation-quantize kernels at --quant-m rows (2048) for the four
 launches of a Llama-3-8B fp8 prefill layer: one program a row (``_quant_rows_kernel``) against the
 tiled large-M kernel (``_quant_tile_kernel``) as ``_time_us`` times them, us and GB/s, and whether they
-agree bit for bit.
+agree bit for bit; then the tiled kernel's warps (decode M) or rows a program and warps (prefill M).
 Usage: python bench/linear_lab.py [--m 1,8,32] [--tune-fp8 o,down] [--quant-lab [--quant-m 2048]]
 """
 
@@ -118,6 +118,15 @@ QUANT_SHAPES = {"qkv in (RMSNorm)": (4096, "rms_norm"), "o in": (4096, None),
                 "gate_up in (RMSNorm)": (4096, "rms_norm"), "down in (SiLU-and-mul)": (14336, "silu_mul")}
 
 
+QUANT_SWEEP = [(1, 4), (1, 8), (1, 16), (2, 8), (2, 16), (4, 16)]  # (rows a program, warps) at prefill M
+
+
+def _same(a, b) -> bool:
+    """xq and xs of two quantizations equal bit for bit."""
+    return torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1].view(torch.int32),
+                                                                                       b[1].view(torch.int32))
+
+
 def quant_lab(m=2048):
     """One program a row against the tiled kernel at M = m for each launch in QUANT_SHAPES (bf16), timed
     as ``_time_us`` does (CUDA events over a CUDA graph of back-to-back calls cycling through copies
@@ -155,10 +164,27 @@ def quant_lab(m=2048):
                     q._tile_config = base
                 print(f"quantize {name:24s} M={m} {'tiled, ' + str(warps) + ' warps':40s} {us:8.1f} us "
                       f"{nbytes / us / 1e3:7.0f} GB/s", flush=True)
-        (aq, as_), (bq, bs) = out[False], out[True]
-        same = torch.equal(aq.view(torch.uint8), bq.view(torch.uint8)) and torch.equal(as_.view(torch.int32),
-                                                                                       bs.view(torch.int32))
-        print(f"quantize {name:24s} M={m} bit-identical: {same}", flush=True)
+        else:  # prefill: the tiled kernel's rows a program and warps
+            base = q._tile_config
+            shipped = base(k, silu, rms)
+            for block_m, warps in QUANT_SWEEP:
+                if rms and block_m > 1 or (block_m, warps) == (shipped[0], shipped[2]):
+                    continue  # RMSNorm: one row a program
+                q._tile_config = lambda k_, s_, r_, b_=block_m, w_=warps: (b_, base(k_, s_, r_)[1], w_)
+                try:
+                    fn = lambda _, x_: q._prequantize(x_, m, k, silu, block, g, 1e-5, tiled=True)  # noqa: E731
+                    bq, bs = fn(None, x)
+                    us = time_us(fn, None, xs_in)
+                    same = _same(out[True], (bq, bs))
+                except Exception as e:  # out of registers / shared memory
+                    print(f"quantize {name:24s} M={m} tiled {block_m} rows, {warps} warps: failed "
+                          f"{str(e).splitlines()[0][:60]}", flush=True)
+                    continue
+                finally:
+                    q._tile_config = base
+                print(f"quantize {name:24s} M={m} {f'tiled, {block_m} rows, {warps} warps':40s} {us:8.1f} us "
+                      f"{nbytes / us / 1e3:7.0f} GB/s  same bits as shipped: {same}", flush=True)
+        print(f"quantize {name:24s} M={m} bit-identical: {_same(out[False], out[True])}", flush=True)
         del xs_in
     print(f"quantize, the four launches of a layer: rows {total[False]:.1f} us, tiled {total[True]:.1f} us "
           f"(x32 layers: {total[False] * 32 / 1e3:.2f} ms -> {total[True] * 32 / 1e3:.2f} ms)", flush=True)

@@ -1,0 +1,80 @@
+"""The fp8 prefill's MLP, kernel by kernel: what SiLU-and-mul in the gate/up GEMM's epilogue would save.
+
+Today a Llama-3-8B fp8 prefill layer runs the merged gate/up GEMM ([M, 4096] x [28672, 4096]^T, CUTLASS,
+bf16 out: 2 x 117 MB at M = 2048 written), then one quantize kernel that reads both halves, applies
+``silu(gate) * up`` (an exp and an IEEE division an element) and writes the e4m3 down input. The
+alternative: the gate GEMM alone (N = 14336), then the up GEMM with an epilogue that reads the gate
+output as its C operand and writes ``h = silu(C) * up`` (half the bytes), then the plain quantize of h.
+The library's residual kernel (C read by TMA, added) stands in for that epilogue here: same operand
+traffic, less arithmetic. Times each piece (``triton.testing.do_bench``, L2 cleared between calls) and
+both totals. Needs the CUTLASS library: ``MXC_CUTLASS_LIBRARY`` names it.
+
+    python bench/prefill_lab.py [--m 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mxc.kernels import cutlass_fp8, triton_fp8_quant  # noqa: E402
+
+HIDDEN, INTER = 4096, 14336
+
+
+def us(fn) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=200) * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--m", type=int, default=2048)
+    args = p.parse_args()
+    M, dev = args.m, "cuda"
+    gemm = cutlass_fp8.use(os.environ[cutlass_fp8.PREBUILT_ENV])
+    stream = torch.cuda.current_stream().cuda_stream
+    xq = torch.randn(M, HIDDEN, device=dev).to(torch.float8_e4m3fn)
+    xs = torch.rand(M, device=dev) + 0.5
+    w = torch.randn(2 * INTER, HIDDEN, device=dev).to(torch.float8_e4m3fn)
+    ws = torch.rand(2 * INTER, device=dev) / 100
+    gu = torch.empty(M, 2 * INTER, dtype=torch.bfloat16, device=dev)
+    g = torch.empty(M, INTER, dtype=torch.bfloat16, device=dev)
+    h = torch.empty(M, INTER, dtype=torch.bfloat16, device=dev)
+    workspace = torch.empty(1 << 24, dtype=torch.uint8, device=dev)
+
+    def run(wq, sb, y, n, residual=0):
+        gemm(xq.data_ptr(), wq.data_ptr(), xs.data_ptr(), sb.data_ptr(), y.data_ptr(), M, n, HIDDEN, stream=stream,
+             workspace=workspace.data_ptr(), workspace_bytes=workspace.numel(), residual=residual)
+
+    w_gate, w_up, s_gate, s_up = w[:INTER], w[INTER:], ws[:INTER], ws[INTER:]
+    merged = us(lambda: run(w, ws, gu, 2 * INTER))
+    gate = us(lambda: run(w_gate, s_gate, g, INTER))
+    up_c = us(lambda: run(w_up, s_up, h, INTER, residual=g.data_ptr()))
+    up_plain = us(lambda: run(w_up, s_up, h, INTER))
+    block = triton_fp8_quant._quant_block(INTER)
+    q_silu = us(lambda: triton_fp8_quant._prequantize(gu, M, INTER, True, block))
+    q_plain = us(lambda: triton_fp8_quant._prequantize(h, M, INTER, False, block))
+    flops = 2 * M * 2 * INTER * HIDDEN
+    print(f"M = {M}, {torch.cuda.get_device_name()}, CUTLASS {gemm.name}")
+    print(f"gate/up merged, N = {2 * INTER}:       {merged:7.1f} us  {flops / merged / 1e6:5.0f} TFLOP/s")
+    print(f"gate alone, N = {INTER}:              {gate:7.1f} us")
+    print(f"up alone, N = {INTER}:                {up_plain:7.1f} us")
+    print(f"up with the gate output as C:        {up_c:7.1f} us  (the epilogue's operand traffic)")
+    print(f"quantize with SiLU-and-mul, [M, 2x{INTER}]: {q_silu:6.1f} us")
+    print(f"quantize of h, [M, {INTER}]:          {q_plain:7.1f} us")
+    today, split = merged + q_silu, gate + up_c + q_plain
+    print(f"today (merged GEMM + SiLU quantize): {today:7.1f} us a layer")
+    print(f"split (gate, up with C, quantize h): {split:7.1f} us a layer  ({(today - split) * 32 / 1e3:+.2f} ms "
+          f"over 32 layers saved)")
+
+
+if __name__ == "__main__":
+    main()
