@@ -1,4 +1,4 @@
-"""The fp8 prefill's MLP, kernel by kernel: what SiLU-and-mul in the gate/up GEMM's epilogue would save.
+"""The fp8 prefill's GEMMs, kernel by kernel: what SiLU-and-mul in the gate/up GEMM's epilogue would save.
 
 Today a Llama-3-8B fp8 prefill layer runs the merged gate/up GEMM ([M, 4096] x [28672, 4096]^T, CUTLASS,
 bf16 out: 2 x 117 MB at M = 2048 written), then one quantize kernel that reads both halves, applies
@@ -7,7 +7,8 @@ alternative: the gate GEMM alone (N = 14336), then the up GEMM with an epilogue 
 output as its C operand and writes ``h = silu(C) * up`` (half the bytes), then the plain quantize of h.
 The library's residual kernel (C read by TMA, added) stands in for that epilogue here: same operand
 traffic, less arithmetic. Times each piece (``triton.testing.do_bench``, L2 cleared between calls) and
-both totals. Needs the CUTLASS library: ``MXC_CUTLASS_LIBRARY`` names it.
+both totals, and every prefill GEMM shape of the layer on the library's kernel (with and without the
+residual) against ``torch._scaled_mm``. Needs the CUTLASS library: ``MXC_CUTLASS_LIBRARY`` names it.
 
     python bench/prefill_lab.py [--m 2048]
 """
@@ -70,6 +71,26 @@ def main() -> None:
     print(f"up with the gate output as C:        {up_c:7.1f} us  (the epilogue's operand traffic)")
     print(f"quantize with SiLU-and-mul, [M, 2x{INTER}]: {q_silu:6.1f} us")
     print(f"quantize of h, [M, {INTER}]:          {q_plain:7.1f} us")
+    # every prefill GEMM of the layer: the library's kernel (with the residual where the model folds it) against
+    # cuBLASLt's (torch._scaled_mm, row-wise scales) at the same shape
+    for name, n, k, res in (("qkv", 6144, HIDDEN, False), ("o", HIDDEN, HIDDEN, True), ("gate_up", 2 * INTER, HIDDEN, False),
+                            ("down", HIDDEN, INTER, True)):
+        a = torch.randn(M, k, device=dev).to(torch.float8_e4m3fn)
+        b = torch.randn(n, k, device=dev).to(torch.float8_e4m3fn)
+        sa, sb = torch.rand(M, device=dev) + 0.5, torch.rand(n, device=dev) / 100
+        y = torch.empty(M, n, dtype=torch.bfloat16, device=dev)
+        c = torch.randn(M, n, device=dev).to(torch.bfloat16)
+
+        def cut(residual=0, a=a, b=b, sa=sa, sb=sb, y=y, n=n, k=k):
+            gemm(a.data_ptr(), b.data_ptr(), sa.data_ptr(), sb.data_ptr(), y.data_ptr(), M, n, k, stream=stream,
+                 workspace=workspace.data_ptr(), workspace_bytes=workspace.numel(), residual=residual)
+
+        t_cut, t_res = us(cut), us(lambda c=c: cut(c.data_ptr()))
+        t_mm = us(lambda a=a, b=b, sa=sa, sb=sb: torch._scaled_mm(a, b.t(), scale_a=sa[:, None], scale_b=sb[None, :],
+                                                               out_dtype=torch.bfloat16))
+        f = 2 * M * n * k
+        print(f"{name:8s} N={n:5d} K={k:5d}: CUTLASS {t_cut:6.1f} us {f / t_cut / 1e6:5.0f} TFLOP/s, with the "
+              f"residual {t_res:6.1f}{' (used)' if res else ''}; _scaled_mm {t_mm:6.1f} us {f / t_mm / 1e6:5.0f}")
     today, split = merged + q_silu, gate + up_c + q_plain
     print(f"today (merged GEMM + SiLU quantize): {today:7.1f} us a layer")
     print(f"split (gate, up with C, quantize h): {split:7.1f} us a layer  ({(today - split) * 32 / 1e3:+.2f} ms "
