@@ -282,8 +282,12 @@ def prefill_attention(q, k_cache, v_cache, slots, kv_lens, q_start, max_q_len: i
     out = torch.empty((T, HQ, D), dtype=q.dtype, device=q.device)
     kernel = kernel_templates.kernel("prefill_attention", "prefill_kernel", **_layout(k_cache, HQ, sliding_window))
     blocks = triton.cdiv(max_q_len, BLOCK_M)
-    grid = (HQ, B, blocks) if PREFILL_LONGEST_FIRST else (blocks, B, HQ)
-    launch(kernel, grid, [q, k_cache, v_cache, slots, kv_lens, q_start, out, float(scale)],
-           dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, LONGEST_FIRST=PREFILL_LONGEST_FIRST), num_warps=num_warps,
-           num_stages=num_stages)
+    constexprs = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    # an artifact built before the order existed pins a kernel without LONGEST_FIRST: its grid, its binary
+    longest_first = PREFILL_LONGEST_FIRST and "LONGEST_FIRST" in kernel.arg_names
+    if "LONGEST_FIRST" in kernel.arg_names:
+        constexprs["LONGEST_FIRST"] = longest_first
+    grid = (HQ, B, blocks) if longest_first else (blocks, B, HQ)
+    launch(kernel, grid, [q, k_cache, v_cache, slots, kv_lens, q_start, out, float(scale)], constexprs,
+           num_warps=num_warps, num_stages=num_stages)
     return out

@@ -10,6 +10,7 @@ and ragged (the interpreter costs ~0.4 ms per Triton op per program).
 from __future__ import annotations
 
 import itertools
+import types
 from pathlib import Path
 
 import pytest
@@ -183,19 +184,35 @@ def test_decode_launches_are_static():
     assert [(c[0], c[1]) for c in one] == [("decode_split_kernel", (3, 2, 1))]
 
 
-def test_prefill_launches_are_static():
-    def run(device, seq_lens, past_lens):
-        q = torch.empty(sum(seq_lens), 8, 128, dtype=torch.float16, device=device)
-        cache = torch.empty(4, 512, 2, 128, dtype=torch.float16, device=device)
-        i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
-        kv_lens = i32([p + n for p, n in zip(past_lens, seq_lens)])
-        q_start = i32([0] + list(torch.tensor(seq_lens).cumsum(0)))
-        return _record(lambda: ta.prefill_attention(q, cache, cache, i32([1, 0]), kv_lens, q_start, 300, 0.1, None))
+def _prefill_launches(device, seq_lens, past_lens):
+    q = torch.empty(sum(seq_lens), 8, 128, dtype=torch.float16, device=device)
+    cache = torch.empty(4, 512, 2, 128, dtype=torch.float16, device=device)
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+    kv_lens = i32([p + n for p, n in zip(past_lens, seq_lens)])
+    q_start = i32([0] + list(torch.tensor(seq_lens).cumsum(0)))
+    return _record(lambda: ta.prefill_attention(q, cache, cache, i32([1, 0]), kv_lens, q_start, 300, 0.1, None))
 
-    meta = run("meta", [100, 200], [0, 0])
+
+def test_prefill_launches_are_static():
+    meta = _prefill_launches("meta", [100, 200], [0, 0])
     assert [(c[0], c[1]) for c in meta] == [("prefill_kernel", (8, 2, 5))]  # heads, sequences, query blocks
     assert meta[0][2]["BLOCK_M"] == meta[0][2]["BLOCK_N"] == 64 and meta[0][2]["LONGEST_FIRST"]
-    assert run("cpu", [100, 200], [0, 0]) == run("cpu", [300, 0], [10, 50]) == meta
+    assert _prefill_launches("cpu", [100, 200], [0, 0]) == _prefill_launches("cpu", [300, 0], [10, 50]) == meta
+
+
+def test_prefill_launch_of_a_kernel_without_the_order(monkeypatch):
+    """An artifact built before LONGEST_FIRST pins its stored kernel, which lacks the constexpr: the
+    launch keeps that kernel's grid (query blocks fastest) and constexprs, so its binary is found."""
+    render = ta.kernel_templates.kernel
+
+    def pinned_old(*args, **kw):
+        new = render(*args, **kw)
+        return types.SimpleNamespace(fn=new.fn, arg_names=[n for n in new.arg_names if n != "LONGEST_FIRST"])
+
+    monkeypatch.setattr(ta.kernel_templates, "kernel", pinned_old)
+    calls = _prefill_launches("meta", [100, 200], [0, 0])
+    assert [(c[0], c[1]) for c in calls] == [("prefill_kernel", (5, 2, 8))]
+    assert calls[0][2] == {"BLOCK_M": 64, "BLOCK_N": 64}
 
 
 def test_default_splits():
