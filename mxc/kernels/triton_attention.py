@@ -195,11 +195,13 @@ def _decode_config(D: int) -> tuple[int, int, int]:
 
 def _prefill_config(D: int, max_q_len: int) -> tuple[int, int, int, int]:
     """BLOCK_M, BLOCK_N, num_warps, num_stages: the best of seven to eleven configs measured on the
-    H200 (causal, 2048 and 4096 tokens, bf16, D = 64, 128 and 256)."""
+    H200 (causal, 2048 and 4096 tokens, bf16, D = 64, 128 and 256). Constant over each power-of-two bucket
+    of ``max_q_len`` ((2^(k-1), 2^k]): ``aot.scenarios`` records one prefill a bucket."""
     if D <= 32:  # toy head sizes (tests), as in decode
         bm, bn, nw, ns = 16, 16, 4, 2
     elif D <= 128:  # longest first: 64 x 64 best at 2048 tokens (0.093 ms; 128 x 128 0.099), 128 x 128 at 4096
-        bm, bn, nw, ns = (128, 128, 8, 3) if max_q_len >= 4096 else (64, 64, 4, 3)  # (0.321 ms; 64 x 64 0.335)
+        # (0.321 ms; 64 x 64 0.335); the switch at a power-of-two bucket's edge, as the AOT build records them
+        bm, bn, nw, ns = (128, 128, 8, 3) if max_q_len > 4096 else (64, 64, 4, 3)
     else:  # D = 256: 364 TFLOP/s (SDPA 579); 8 warps halve that
         bm, bn, nw, ns = 64, 32, 4, 2
     return min(bm, max(16, triton.next_power_of_2(max_q_len))), bn, nw, ns

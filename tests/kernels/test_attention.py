@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
 
 from mxc.kernels import kernel_templates
 from mxc.kernels import launch as launch_mod
@@ -198,6 +199,15 @@ def test_prefill_launches_are_static():
     assert [(c[0], c[1]) for c in meta] == [("prefill_kernel", (8, 2, 5))]  # heads, sequences, query blocks
     assert meta[0][2]["BLOCK_M"] == meta[0][2]["BLOCK_N"] == 64 and meta[0][2]["LONGEST_FIRST"]
     assert _prefill_launches("cpu", [100, 200], [0, 0]) == _prefill_launches("cpu", [300, 0], [10, 50]) == meta
+
+
+def test_prefill_config_is_constant_over_each_recorded_bucket():
+    """The AOT build records one prefill a power-of-two bucket of tokens a sequence (its smallest length,
+    2^(k-1) + 1: ``aot.scenarios``), so every length of the bucket must pick that length's tiles."""
+    for D in (16, 64, 128, 256):
+        for n in list(range(1, 300)) + [2047, 2048, 2049, 4095, 4096, 4097, 8191, 8192, 8193, 20000]:
+            smallest = 1 if n == 1 else triton.next_power_of_2(n) // 2 + 1
+            assert ta._prefill_config(D, n) == ta._prefill_config(D, smallest), (D, n)
 
 
 def test_prefill_launch_of_a_kernel_without_the_order(monkeypatch):
