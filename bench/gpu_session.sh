@@ -23,6 +23,9 @@
 #           built into build/mlp_pair/lab (bench/mlp_pair_lab.py --compile-variants) are timed too when carried
 #   pairab  Llama-3-8B fp8 built with --mlp-pair: batch-1 decode with the pair against the chain in one artifact
 #           (bench/decode_ab.py, cuda_ops.MLP_PAIR), and bf16 for the ratio
+#   prefill the fp8 prefill's pieces: attention in both grid orders, the CUTLASS GEMMs against _scaled_mm per shape,
+#           the quantize kernels' configs, then a 7-round prefill A/B of PREFILL_VARIANTS ("--variant a=... --variant
+#           b=", bench/decode_ab.py syntax) with per-kernel profiles; prefill figures move 1-2 ms between rounds
 # Logs go to $OUT (the device tool's output folder) when set, else to build/gpu-logs.
 # Device-time plan for one session (each line one call, under 10 minutes):
 #   nvidia-h200:    tests, then lab  |  decode, then ab  |  moe (MOE_ARGS=--batch1-only: ~4 minutes)
@@ -78,5 +81,12 @@ case "${1:-}" in
             --variant chain=mxc.kernels.cuda_ops.MLP_PAIR=False --variant pair=; rm -rf "$scratch"/abp* ;;
   lab)    if [ "${2:-}" = "--all" ]; then skip=""; else skip="--skip prefill"; fi
           run 280 lab.log python3 bench/linear_lab.py --m 1,8,32 $skip ;;
-  *) echo "usage: bash bench/gpu_session.sh tests|decode|ab|moe|moelab|tp|small|lab|ablate|pair|pairab" >&2; exit 2 ;;
+  prefill) # the fp8 prefill's pieces (MXC_CUTLASS_LIBRARY set), then a prefill A/B of PREFILL_VARIANTS in one artifact
+          run 120 attention_lab.log python3 bench/attention_lab.py --tokens 2048,4096 --orders
+          run 90 prefill_lab.log python3 bench/prefill_lab.py
+          run 120 quant_lab.log python3 bench/linear_lab.py --quant-lab --quant-m 2048
+          run 240 prefill_ab.log python3 bench/decode_ab.py --quant fp8 --prefill 2048 --rounds 7 --profile-prefill \
+            --out "$scratch/abpre" ${PREFILL_VARIANTS:---variant default=}; rm -rf "$scratch"/abpre* ;;
+  *) echo "usage: bash bench/gpu_session.sh tests|decode|ab|moe|moelab|tp|small|lab|ablate|pair|pairab|prefill" >&2
+     exit 2 ;;
 esac
