@@ -92,8 +92,9 @@ def main() -> None:
         qv = q.transpose(0, 1).unsqueeze(0)  # [1, HQ, T, D] view
         kv_ = kc[0, :T].transpose(0, 1).unsqueeze(0)  # [1, HKV, T, D] view
         vv = vc[0, :T].transpose(0, 1).unsqueeze(0)
-        for name, backend in () if args.no_sdpa else (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
-                              ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        backends = (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                    ("efficient", SDPBackend.EFFICIENT_ATTENTION))
+        for name, backend in () if args.no_sdpa else backends:
             for gqa in (True, False):
                 k_in = kv_ if gqa else kv_.repeat_interleave(HQ // HKV, dim=1)
                 v_in = vv if gqa else vv.repeat_interleave(HQ // HKV, dim=1)

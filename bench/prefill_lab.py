@@ -51,15 +51,16 @@ def main() -> None:
     h = torch.empty(M, INTER, dtype=torch.bfloat16, device=dev)
     workspace = torch.empty(1 << 24, dtype=torch.uint8, device=dev)
 
-    def run(wq, sb, y, n, residual=0):
-        gemm(xq.data_ptr(), wq.data_ptr(), xs.data_ptr(), sb.data_ptr(), y.data_ptr(), M, n, HIDDEN, stream=stream,
-             workspace=workspace.data_ptr(), workspace_bytes=workspace.numel(), residual=residual)
+    def run(a, sa, b, sb, y, residual=0):
+        """y = the library's GEMM of a [M, K] and b [N, K] (+ residual, a pointer)."""
+        gemm(a.data_ptr(), b.data_ptr(), sa.data_ptr(), sb.data_ptr(), y.data_ptr(), M, b.shape[0], a.shape[1],
+             stream=stream, workspace=workspace.data_ptr(), workspace_bytes=workspace.numel(), residual=residual)
 
     w_gate, w_up, s_gate, s_up = w[:INTER], w[INTER:], ws[:INTER], ws[INTER:]
-    merged = us(lambda: run(w, ws, gu, 2 * INTER))
-    gate = us(lambda: run(w_gate, s_gate, g, INTER))
-    up_c = us(lambda: run(w_up, s_up, h, INTER, residual=g.data_ptr()))
-    up_plain = us(lambda: run(w_up, s_up, h, INTER))
+    merged = us(lambda: run(xq, xs, w, ws, gu))
+    gate = us(lambda: run(xq, xs, w_gate, s_gate, g))
+    up_c = us(lambda: run(xq, xs, w_up, s_up, h, residual=g.data_ptr()))
+    up_plain = us(lambda: run(xq, xs, w_up, s_up, h))
     block = triton_fp8_quant._quant_block(INTER)
     q_silu = us(lambda: triton_fp8_quant._prequantize(gu, M, INTER, True, block))
     q_plain = us(lambda: triton_fp8_quant._prequantize(h, M, INTER, False, block))
@@ -73,21 +74,18 @@ def main() -> None:
     print(f"quantize of h, [M, {INTER}]:          {q_plain:7.1f} us")
     # every prefill GEMM of the layer: the library's kernel (with the residual where the model folds it) against
     # cuBLASLt's (torch._scaled_mm, row-wise scales) at the same shape
-    for name, n, k, res in (("qkv", 6144, HIDDEN, False), ("o", HIDDEN, HIDDEN, True), ("gate_up", 2 * INTER, HIDDEN, False),
-                            ("down", HIDDEN, INTER, True)):
+    for name, n, k, res in (("qkv", 6144, HIDDEN, False), ("o", HIDDEN, HIDDEN, True),
+                            ("gate_up", 2 * INTER, HIDDEN, False), ("down", HIDDEN, INTER, True)):
         a = torch.randn(M, k, device=dev).to(torch.float8_e4m3fn)
         b = torch.randn(n, k, device=dev).to(torch.float8_e4m3fn)
         sa, sb = torch.rand(M, device=dev) + 0.5, torch.rand(n, device=dev) / 100
         y = torch.empty(M, n, dtype=torch.bfloat16, device=dev)
         c = torch.randn(M, n, device=dev).to(torch.bfloat16)
-
-        def cut(residual=0, a=a, b=b, sa=sa, sb=sb, y=y, n=n, k=k):
-            gemm(a.data_ptr(), b.data_ptr(), sa.data_ptr(), sb.data_ptr(), y.data_ptr(), M, n, k, stream=stream,
-                 workspace=workspace.data_ptr(), workspace_bytes=workspace.numel(), residual=residual)
-
-        t_cut, t_res = us(cut), us(lambda c=c: cut(c.data_ptr()))
-        t_mm = us(lambda a=a, b=b, sa=sa, sb=sb: torch._scaled_mm(a, b.t(), scale_a=sa[:, None], scale_b=sb[None, :],
-                                                               out_dtype=torch.bfloat16))
+        # (each closure is timed at once, inside this iteration)
+        t_cut = us(lambda: run(a, sa, b, sb, y))
+        t_res = us(lambda: run(a, sa, b, sb, y, residual=c.data_ptr()))
+        t_mm = us(lambda: torch._scaled_mm(a, b.t(), scale_a=sa[:, None], scale_b=sb[None, :],
+                                           out_dtype=torch.bfloat16))
         f = 2 * M * n * k
         print(f"{name:8s} N={n:5d} K={k:5d}: CUTLASS {t_cut:6.1f} us {f / t_cut / 1e6:5.0f} TFLOP/s, with the "
               f"residual {t_res:6.1f}{' (used)' if res else ''}; _scaled_mm {t_mm:6.1f} us {f / t_mm / 1e6:5.0f}")

@@ -3,9 +3,10 @@
 ``find`` locates nvcc (``$CUDA_HOME``, ``$CUDA_PATH``, PATH, /usr/local/cuda); ``compile_so`` builds one .cu
 source into a shared library for ``sm_90a``; ``cached_library`` is what a build ships: a prebuilt library an
 environment variable names, else the source compiled once into a cache keyed by its sha256. Only machine code
-for that target is embedded (no PTX: wgmma, setmaxnreg and the bulk-copy/mbarrier forms the kernels use exist only for the ``a`` target), and cudart is
-linked statically, so a library needs only the driver (``libcuda.so.1``) on the GPU machine, whatever CUDA
-runtime its torch ships, and opens (without a driver) on a machine with none. No GPU is needed to build.
+for that target is embedded (no PTX: wgmma, setmaxnreg and the bulk-copy/mbarrier forms the kernels use exist
+only for the ``a`` target), and cudart is linked statically, so a library needs only the driver
+(``libcuda.so.1``) on the GPU machine, whatever CUDA runtime its torch ships, and opens (without a driver) on a
+machine with none. No GPU is needed to build.
 """
 
 from __future__ import annotations

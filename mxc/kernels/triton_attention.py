@@ -286,8 +286,9 @@ def prefill_attention(q, k_cache, v_cache, slots, kv_lens, q_start, max_q_len: i
     blocks = triton.cdiv(max_q_len, BLOCK_M)
     constexprs = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     # an artifact built before the order existed pins a kernel without LONGEST_FIRST: its grid, its binary
-    longest_first = PREFILL_LONGEST_FIRST and "LONGEST_FIRST" in kernel.arg_names
-    if "LONGEST_FIRST" in kernel.arg_names:
+    takes_order = "LONGEST_FIRST" in kernel.arg_names
+    longest_first = PREFILL_LONGEST_FIRST and takes_order
+    if takes_order:
         constexprs["LONGEST_FIRST"] = longest_first
     grid = (HQ, B, blocks) if longest_first else (blocks, B, HQ)
     launch(kernel, grid, [q, k_cache, v_cache, slots, kv_lens, q_start, out, float(scale)], constexprs,
