@@ -9,7 +9,8 @@ The IR's tokens are all sequences flattened into one ``[T]`` batch.
   graphs): ``cache_loc [T] int64`` = slot * max_len + position of each token,
   ``kv_lens [B] int32`` = past + new, ``slots_t [B] int32``, ``q_start [B+1]
   int32`` (prefix sums of seq_lens), ``max_q_len`` and ``decode`` (every
-  sequence has exactly one new token);
+  sequence has exactly one new token); ``positions [T]`` and ``last_rows [B]``
+  (int64), the forward's position and logit-row inputs;
 - ``k_cache[layer]``/``v_cache[layer]``: ``[slots, max_len, kv_heads, head_dim]``;
 - ``rope_tables``: RoPE cos/sin tables prepared at load, by spec;
 - ``memo``: values shared by every layer of one call (``counters``: the zeroed
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -46,6 +48,8 @@ class ForwardContext:
     world_size: int = 1
     group: object = None
     peer_allreduce: object = None  # ``peer_allreduce.OneShotAllReduce`` or ``PushAllReduce``, as the artifact asks
+    positions: torch.Tensor | None = None  # [T] int64: each token's position (``build`` fills it)
+    last_rows: torch.Tensor | None = None  # [B] int64: each sequence's last token row (``build`` fills it)
 
     def counters(self, name: str, n: int, device) -> torch.Tensor:
         """int32 zeros [>= n] on ``device`` for kernels that count their finished programs and leave the
@@ -61,15 +65,51 @@ class ForwardContext:
     @classmethod
     def build(cls, seq_lens: list[int], past_lens: list[int], slots: list[int], k_cache, v_cache,
               device, **extra) -> "ForwardContext":
-        """A context with both the host lists and their device tensors."""
+        """A context with both the host lists and their device tensors, plus ``positions`` [T] int64 (each token's
+        position: past + its index in the sequence) and ``last_rows`` [B] int64 (each sequence's last token row).
+        The device tensors are computed on the host by numpy (a few microseconds: torch's CPU ops cost ~10 us
+        each, a per-token Python list ~100 us at 2048 tokens) and reach the device in one copy (``to_device``):
+        a prefill's first kernel waits for them."""
         max_len = k_cache[0].shape[1] if k_cache else 0
-        loc = [s * max_len + p + j for s, p, n in zip(slots, past_lens, seq_lens) for j in range(n)]
-        starts = [0]
-        for n in seq_lens:
-            starts.append(starts[-1] + n)
-        i32 = dict(dtype=torch.int32, device=device)
+        lens = np.asarray(seq_lens, dtype=np.int64)
+        past = np.asarray(past_lens, dtype=np.int64)
+        slots_h = np.asarray(slots, dtype=np.int64)
+        starts = np.zeros(len(seq_lens) + 1, dtype=np.int64)
+        np.cumsum(lens, out=starts[1:])
+        # token t of sequence b: position past[b] + (t - starts[b]), cache row slot[b] * max_len + position
+        positions = np.arange(starts[-1], dtype=np.int64) + np.repeat(past - starts[:-1], lens)
+        cache_loc = positions + np.repeat(slots_h * max_len, lens)
+        cache_loc_d, positions_d, last_rows_d, kv_lens_d, slots_d, q_start_d = to_device(
+            device, cache_loc, positions, starts[1:] - 1, (past + lens).astype(np.int32), slots_h.astype(np.int32),
+            starts.astype(np.int32))
         return cls(list(seq_lens), list(past_lens), list(slots), k_cache, v_cache,
-                   cache_loc=torch.tensor(loc, dtype=torch.int64, device=device),
-                   kv_lens=torch.tensor([p + n for p, n in zip(past_lens, seq_lens)], **i32),
-                   slots_t=torch.tensor(slots, **i32), q_start=torch.tensor(starts, **i32),
-                   max_q_len=max(seq_lens), decode=all(n == 1 for n in seq_lens), **extra)
+                   cache_loc=cache_loc_d, kv_lens=kv_lens_d, slots_t=slots_d, q_start=q_start_d,
+                   max_q_len=max(seq_lens), decode=all(n == 1 for n in seq_lens), positions=positions_d,
+                   last_rows=last_rows_d, **extra)
+
+
+_ALIGN = 16  # bytes: each tensor of a staged copy starts where a kernel's vector loads may assume it does
+
+
+def to_device(device, *arrays: np.ndarray) -> list[torch.Tensor]:
+    """Tensors on ``device`` with the values, shapes and dtypes of host ``arrays`` (numpy). On CUDA, packed into one
+    pinned host buffer (each at a 16-byte boundary) and sent by one asynchronous copy: nothing waits for the
+    GPU (a copy from pageable memory makes the host wait until the stream is idle), and a few small arrays
+    cost one copy, not one each. The pinned buffer comes from torch's caching host allocator, which keeps it
+    until the copy is done."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return [torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in arrays]
+    offsets, size = [], 0
+    for a in arrays:
+        offsets.append(size)
+        size += -(-a.nbytes // _ALIGN) * _ALIGN
+    stage = torch.empty(max(size, _ALIGN), dtype=torch.uint8, pin_memory=True)
+    host = stage.numpy()
+    for a, off in zip(arrays, offsets):
+        host[off:off + a.nbytes].view(a.dtype).reshape(a.shape)[...] = a
+    dev = stage.to(device, non_blocking=True)
+    return [dev[off:off + a.nbytes].view(_DTYPES[a.dtype]).view(a.shape) for a, off in zip(arrays, offsets)]
+
+
+_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32, np.dtype(np.float32): torch.float32}

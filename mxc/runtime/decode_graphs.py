@@ -116,10 +116,8 @@ class CudaDecoder:
         ctx = ForwardContext.build([s] * b, [0] * b, list(range(b)), self.k_cache, self.v_cache, self.device,
                                    **self.dist)
         ctx.rope_tables = self.rope_tables
-        positions = torch.arange(s, device=self.device).repeat(b)
-        rows = torch.arange(b, device=self.device) * s + (s - 1)
         with launch.using(self.launcher):
-            return self.forward(ctx, ids.reshape(-1), positions, rows)
+            return self.forward(ctx, ids.reshape(-1), ctx.positions, ctx.last_rows)
 
     def generate(self, ids: torch.Tensor, max_new_tokens: int, sampling: dict, generator,
                  agree=lambda tokens, temperature: tokens) -> torch.Tensor:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from mxc.errors import MxcError
-from mxc.kernels.context import ForwardContext
+from mxc.kernels.context import ForwardContext, to_device
 from mxc.runtime.sampling import sample
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -62,7 +62,8 @@ class Model:
             where = bad.nonzero()[0].tolist()
             raise MxcError(f"token id {int(ids[tuple(where)])} at {where} is outside the vocabulary "
                            f"(0..{self.vocab_size - 1})")
-        return ids.to(self.device, torch.int64)
+        ids = ids.to(torch.int64)
+        return to_device(self.device, ids.numpy())[0] if ids.device.type == "cpu" else ids.to(self.device)
 
     def _run(self, ctx: ForwardContext, tokens, positions, logit_rows) -> torch.Tensor:
         from mxc.kernels import launch
@@ -89,11 +90,10 @@ class Model:
         ids = self._ids(input_ids)
         b, s = ids.shape
         self._check_capacity(b, s)
-        positions = torch.arange(s, device=self.device).repeat(b)
         rows = torch.arange(b * s, device=self.device)
         k_cache, v_cache = (self._decoder.k_cache, self._decoder.v_cache) if self._decoder else self.new_cache(b, s)
         ctx = ForwardContext.build([s] * b, [0] * b, list(range(b)), k_cache, v_cache, self.device, **self._dist)
-        out = self._run(ctx, ids.reshape(-1), positions, rows)
+        out = self._run(ctx, ids.reshape(-1), ctx.positions, rows)
         self._check_peers()
         return out.float().reshape(b, s, -1)
 
@@ -136,9 +136,7 @@ class Model:
         done = torch.zeros(b, dtype=torch.bool, device=self.device)
 
         ctx = ForwardContext.build([s] * b, [0] * b, slots, k_cache, v_cache, self.device, **self._dist)
-        positions = torch.arange(s, device=self.device).repeat(b)
-        rows = torch.arange(b, device=self.device) * s + (s - 1)
-        logits = self._run(ctx, ids.reshape(-1), positions, rows)
+        logits = self._run(ctx, ids.reshape(-1), ctx.positions, ctx.last_rows)
         out = []
         for step in range(max_new_tokens):
             nxt = self._agree(sample(logits, temperature, top_k, top_p, gen), temperature)
@@ -150,7 +148,7 @@ class Model:
                 break
             pos = s + step
             ctx = ForwardContext.build([1] * b, [pos] * b, slots, k_cache, v_cache, self.device, **self._dist)
-            logits = self._run(ctx, nxt, torch.full((b,), pos, device=self.device), torch.arange(b, device=self.device))
+            logits = self._run(ctx, nxt, ctx.positions, ctx.last_rows)
         return torch.stack(out, dim=1).cpu()
 
 

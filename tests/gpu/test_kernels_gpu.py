@@ -92,3 +92,21 @@ def test_attention_llama8b_heads(lens):
     assert _rel(out, ref) < 2e-2
 
 
+
+
+@pytest.mark.parametrize("case", [([2048], [0], [0], 2049), ([3, 1, 4], [0, 6, 2], [2, 0, 1], 16),
+                                  ([1, 1, 1], [7, 0, 3], [1, 2, 0], 9)])
+def test_context_build_on_cuda_equals_the_cpu_build(case):
+    """One pinned, asynchronous copy for every device tensor: the same values as on the CPU, each tensor at a
+    16-byte boundary (the kernels' vector loads), and still right after the host buffer is reused."""
+    seq_lens, past_lens, slots, max_len = case
+    cache = [torch.zeros(len(slots), max_len, 1, 2)]
+    names = ("cache_loc", "positions", "last_rows", "kv_lens", "slots_t", "q_start")
+    want = ForwardContext.build(seq_lens, past_lens, slots, cache, cache, torch.device("cpu"))
+    ctxs = [ForwardContext.build(seq_lens, past_lens, slots, cache, cache, torch.device("cuda")) for _ in range(3)]
+    torch.cuda.synchronize()
+    for ctx in ctxs:
+        for name in names:
+            got = getattr(ctx, name)
+            assert got.device.type == "cuda" and got.data_ptr() % 16 == 0, name
+            assert torch.equal(got.cpu(), getattr(want, name)), name

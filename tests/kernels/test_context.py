@@ -1,0 +1,61 @@
+"""``ForwardContext.build``: the device tensors a forward reads, against their definitions written out token by token."""
+
+import numpy as np
+import pytest
+import torch
+
+from mxc.kernels.context import ForwardContext, to_device
+
+CASES = [  # seq_lens, past_lens, slots, max_len
+    ([5], [0], [0], 8),  # one prompt
+    ([3, 1, 4], [0, 6, 2], [2, 0, 1], 16),  # ragged, cached prefixes, slots out of order
+    ([1, 1, 1], [7, 0, 3], [1, 2, 0], 9),  # a decode step
+    ([2, 0, 3], [1, 4, 0], [0, 1, 2], 5),  # a sequence with no new token
+]
+
+
+def _reference(seq_lens, past_lens, slots, max_len):
+    loc = [s * max_len + p + j for s, p, n in zip(slots, past_lens, seq_lens) for j in range(n)]
+    positions = [p + j for p, n in zip(past_lens, seq_lens) for j in range(n)]
+    starts = [0]
+    for n in seq_lens:
+        starts.append(starts[-1] + n)
+    return dict(cache_loc=(loc, torch.int64), positions=(positions, torch.int64),
+                last_rows=([e - 1 for e in starts[1:]], torch.int64),
+                kv_lens=([p + n for p, n in zip(past_lens, seq_lens)], torch.int32), slots_t=(slots, torch.int32),
+                q_start=(starts, torch.int32))
+
+
+def _check(ctx, case):
+    seq_lens, past_lens, slots, _ = case
+    for name, (want, dtype) in _reference(*case).items():
+        got = getattr(ctx, name)
+        assert got.dtype == dtype and got.is_contiguous(), name
+        assert got.cpu().tolist() == want, name
+    assert (ctx.seq_lens, ctx.past_lens, ctx.slots) == (seq_lens, past_lens, slots)
+    assert ctx.max_q_len == max(seq_lens) and ctx.decode == all(n == 1 for n in seq_lens)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_build_matches_the_token_by_token_definitions(case):
+    seq_lens, past_lens, slots, max_len = case
+    cache = [torch.zeros(len(slots), max_len, 1, 2)]
+    _check(ForwardContext.build(seq_lens, past_lens, slots, cache, cache, torch.device("cpu")), case)
+
+
+def _arrays():
+    return [np.arange(5, dtype=np.int64), np.array([[1, 2], [3, 4]], dtype=np.int32), np.array([], dtype=np.int32),
+            np.array([0.5, -1.0], dtype=np.float32), np.arange(7, dtype=np.int64)[::2]]
+
+
+def test_to_device_keeps_values_shapes_and_dtypes():
+    for a, got in zip(_arrays(), to_device("cpu", *_arrays())):
+        assert got.shape == a.shape and got.is_contiguous() and torch.equal(got, torch.from_numpy(a.copy()))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned, packed copy runs on CUDA")
+def test_to_device_on_cuda_packs_one_aligned_copy():
+    got = to_device("cuda", *_arrays())
+    for a, t in zip(_arrays(), got):
+        assert t.device.type == "cuda" and t.data_ptr() % 16 == 0 and t.shape == a.shape
+        assert torch.equal(t.cpu(), torch.from_numpy(a.copy()))
