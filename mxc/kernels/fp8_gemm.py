@@ -17,6 +17,7 @@ import torch
 
 from mxc.kernels import cutlass_fp8, torch_ref, triton_fp8_quant
 from mxc.kernels.fp8_ref import quantize_rows
+from mxc.kernels.launch import stream_handle
 
 
 def _quantized(x, k, prologue, norm_weight, eps):
@@ -67,7 +68,7 @@ def cutlass(x, weight, scale, bias=None, residual=None, granularity="channel", p
         workspace = torch.empty(nbytes, dtype=torch.uint8, device=x.device) if nbytes else None
         gemm(xq.data_ptr(), weight.data_ptr(), xs.float().contiguous().data_ptr(),
              scale.float().contiguous().data_ptr(), y.data_ptr(), m, n, k,
-             stream=torch.cuda.current_stream(x.device).cuda_stream,
+             stream=stream_handle(x.device),
              workspace=workspace.data_ptr() if workspace is not None else 0, workspace_bytes=nbytes,
              residual=residual.data_ptr() if fold else 0)
         if fold:

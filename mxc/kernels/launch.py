@@ -24,6 +24,8 @@ import inspect
 import json
 from typing import Callable
 
+import torch
+
 Launcher = Callable[..., None]
 
 
@@ -42,6 +44,19 @@ jit_launch_pdl.pdl = True
 
 
 _launcher: Launcher = jit_launch
+
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU-only builds
+
+
+def stream_handle(device: torch.device | None = None) -> int:
+    """The current CUDA stream of ``device`` (default: the current device) as the driver's handle, an int, for
+    launches made outside torch (the artifact's cubins, a ctypes library's kernels). Through torch's C accessor,
+    as Triton's own launcher does: ``torch.cuda.current_stream()`` spends several microseconds a call in
+    Python finding the device, and every launch pays it."""
+    if _RAW_STREAM is None:
+        return (torch.cuda.current_stream() if device is None else torch.cuda.current_stream(device)).cuda_stream
+    index = device.index if device is not None else None
+    return _RAW_STREAM(torch._C._cuda_getDevice() if index is None else index)
 
 
 def pdl_active() -> bool:

@@ -25,7 +25,7 @@ import torch
 
 from mxc.kernels import kernel_templates
 from mxc.errors import MxcError
-from mxc.kernels.launch import spec_key, spec_of, with_pdl
+from mxc.kernels.launch import spec_key, spec_of, stream_handle, with_pdl
 
 _CTYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "i64": ctypes.c_int64, "f32": ctypes.c_float,
            "f64": ctypes.c_double, "i8": ctypes.c_int8, "i16": ctypes.c_int16}
@@ -108,7 +108,7 @@ class _Binary:
             else:
                 value.value = arg
         g = tuple(grid) + (1,) * (3 - len(grid))
-        stream = torch.cuda.current_stream().cuda_stream
+        stream = stream_handle()
         if pdl and self.entry.get("pdl"):  # may start before the previous kernel ends; it waits on it first
             attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
             attr.value.programmaticStreamSerializationAllowed = 1
