@@ -10,8 +10,10 @@ fp32, is scaled by ``xs[m]`` and the weight scale, rounded to x's dtype, then ``
 (rounded), then ``residual +`` (rounded) -- the reference's order, not the bf16 linear's (which
 adds the bias before rounding). Optional prologue ``silu_mul``: x is [M, 2K] and the row is
 ``silu(gate) * up`` rounded as ``torch_ref.silu_mul`` (silu in fp32 rounded to the dtype, the
-product rounded to the dtype), computed before the amax, so the scale is the post-prologue one.
-The activation quantization is bit-exact to the reference (``test_quantize_rows_exact``); the
+product rounded to the dtype; on the GPU Triton's exp and fp32 division are approximate, within 2 ulp
+before the rounding), computed before the amax, so the scale is the post-prologue one.
+The activation quantization is bit-exact to the reference in the interpreter
+(``test_quantize_rows_exact``); the
 results differ from it only by fp32 summation order (the reference rounds ``xq * xs`` and
 ``w * scale`` per element and sums; here ``sum(xq * w)`` is scaled once, per 128-block of K for
 ``block128``).

@@ -7,7 +7,8 @@ of x, of ``silu(gate) * up`` (``PROLOGUE_SILU_MUL``) or of ``rms_norm(x, g, eps)
 - ``_quant_rows_kernel`` (decode, M <= 32; K > 16K): one program a row, sized for a few rows.
 - ``_quant_tile_kernel`` (M >= 33, K <= 16K; the prefill GEMM's input). At large M the rows kernel
   ran ~3x off the bytes' floor: at K = 14336 under SiLU its 16 warps need 96 registers, so one
-  program (one row) an SM, loads, the exps and two ``div.rn`` an element (branchy sequences)
+  program (one row) an SM, loads, the exps and two ``div.rn`` an element (branchy sequences; the
+  SiLU's is now ``div.full``, see ``_load_act``)
   serialised; the last 2048 of its 16384 lanes idle. The tiled kernel reads each input byte once
   and writes each output byte once (bytes a row: K*s in, or 2K*s under SiLU, + K + 4 out, s = x's
   element size; the norm weight from L2 once a program) and cuts registers and instructions: K is
@@ -44,12 +45,19 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def _load_act(x_ptrs, mask, other, K: tl.constexpr, PROLOGUE_SILU_MUL: tl.constexpr):
     """A chunk of the (post-prologue) activation rows as fp32 values of x's dtype. With
     PROLOGUE_SILU_MUL, ``x_ptrs`` point into the gate half of x [M, 2K] and the chunk is
-    ``silu(gate) * up`` rounded as ``torch_ref.silu_mul``; masked lanes give 0."""
+    ``silu(gate) * up`` rounded as ``torch_ref.silu_mul``; masked lanes give 0. For a 16-bit x the
+    sigmoid's division is Triton's fp32 division, approximate on the GPU as its exp is (``div.full.f32``,
+    within 2 ulp, far below the rounding to x's dtype; exact in the interpreter): the IEEE division cost
+    the prefill's down quantize 63.6 against 56.7 us at 2048 x 14336 bf16 and changed none of its 29M
+    e4m3 values (H200, 2026-12-01, sixteenth run in docs/perf.md). fp32 x keeps the IEEE division."""
     if PROLOGUE_SILU_MUL:
         ty = x_ptrs.dtype.element_ty
         gate = tl.load(x_ptrs, mask=mask, other=other).to(tl.float32)
         up = tl.load(x_ptrs + K, mask=mask, other=other).to(tl.float32)
-        act = tl.div_rn(gate, 1.0 + tl.exp(-gate)).to(ty).to(tl.float32)
+        if ty == tl.float32:
+            act = tl.div_rn(gate, 1.0 + tl.exp(-gate))
+        else:
+            act = (gate / (1.0 + tl.exp(-gate))).to(ty).to(tl.float32)
         return (act * up).to(ty).to(tl.float32)
     else:
         return tl.load(x_ptrs, mask=mask, other=other).to(tl.float32)
@@ -351,8 +359,8 @@ def _prequantize(x, M, K, silu_mul, block_k, norm_weight=None, eps=1e-6, tiled=N
     - ``_quant_tile_kernel`` otherwise (from TILED_MIN_M rows); its binary depends on K, the prologue
       and the dtype only (M is dynamic), so one serves decode and every prefill bucket.
     By default (``tiled`` None) SiLU-and-mul at M <= SILU_KERNEL_MAX_M runs first as
-    ``triton_elementwise.silu_mul`` (the same rounding: silu with an IEEE division, rounded to the
-    dtype, times up, rounded), then the plain quantize."""
+    ``triton_elementwise.silu_mul`` (the same arithmetic: ``_load_act``'s silu rounded to the dtype, times
+    up, rounded), then the plain quantize."""
     rms = norm_weight is not None
     fits = K <= TILED_MAX_K and (not rms or block_k >= K)
     if tiled is None:
