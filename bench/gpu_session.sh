@@ -23,6 +23,9 @@
 #           built into build/mlp_pair/lab (bench/mlp_pair_lab.py --compile-variants) are timed too when carried
 #   pairab  Llama-3-8B fp8 built with --mlp-pair: batch-1 decode with the pair against the chain in one artifact
 #           (bench/decode_ab.py, cuda_ops.MLP_PAIR), and bf16 for the ratio
+#   gaps    where the fp8 prefill's time between kernels goes (bench/prefill_gaps.py: eager against a CUDA graph
+#           replay, the idle time by kernel pair) and the power check (the GEMM rate and the prefill, burst and
+#           sustained)
 #   prefill the fp8 prefill's pieces: attention in both grid orders, the CUTLASS GEMMs against _scaled_mm per shape,
 #           the quantize kernels' configs, then a 7-round prefill A/B of PREFILL_VARIANTS ("--variant a=... --variant
 #           b=", bench/decode_ab.py syntax) with per-kernel profiles; prefill figures move 1-2 ms between rounds
@@ -81,12 +84,13 @@ case "${1:-}" in
             --variant chain=mxc.kernels.cuda_ops.MLP_PAIR=False --variant pair=; rm -rf "$scratch"/abp* ;;
   lab)    if [ "${2:-}" = "--all" ]; then skip=""; else skip="--skip prefill"; fi
           run 280 lab.log python3 bench/linear_lab.py --m 1,8,32 $skip ;;
+  gaps)   run 300 prefill_gaps.log python3 bench/prefill_gaps.py --out "$scratch/pg" --power; rm -rf "$scratch"/pg ;;
   prefill) # the fp8 prefill's pieces (MXC_CUTLASS_LIBRARY set), then a prefill A/B of PREFILL_VARIANTS in one artifact
           run 120 attention_lab.log python3 bench/attention_lab.py --tokens 2048,4096 --orders
           run 90 prefill_lab.log python3 bench/prefill_lab.py
           run 120 quant_lab.log python3 bench/linear_lab.py --quant-lab --quant-m 2048
           run 240 prefill_ab.log python3 bench/decode_ab.py --quant fp8 --prefill 2048 --rounds 7 --profile-prefill \
             --out "$scratch/abpre" ${PREFILL_VARIANTS:---variant default=}; rm -rf "$scratch"/abpre* ;;
-  *) echo "usage: bash bench/gpu_session.sh tests|decode|ab|moe|moelab|tp|small|lab|ablate|pair|pairab|prefill" >&2
+  *) echo "usage: bash bench/gpu_session.sh tests|decode|ab|moe|moelab|tp|small|lab|ablate|pair|pairab|gaps|prefill" >&2
      exit 2 ;;
 esac

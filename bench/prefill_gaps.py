@@ -1,0 +1,224 @@
+"""Where the fp8 prefill's time between kernels goes, and how much of its time the GPU's clock sets.
+
+The plain-launch profiles leave 1.6-2.6 ms of a 2048-token fp8 prefill (30 ms) outside every kernel, and
+``bench/prefill_host.py`` showed the host enqueues the forward in half the GPU's time. This script builds (or
+reuses) a Llama-3-8B-shaped ``--quant fp8`` artifact and, for one prompt of ``--tokens`` tokens, times with
+CUDA events (medians of ``--reps``), with PDL launches and plain:
+
+- ``generate(max_new_tokens=1)`` (what ``bench/decode.py`` reports), the runtime's prefill alone, the prefill
+  enqueued behind a 20 ms GPU sleep (the sleep's time subtracted; the host's start-up work hidden, but the
+  clock also recovers during the sleep: see ``--power``) and the forward captured in a CUDA graph and replayed
+  (no launch work at all);
+- under torch.profiler, the idle intervals between consecutive kernels summed by the pair of kernels around
+  them (a prefix of each name; any name with "cutlass" in it, cuBLAS's included, reads ``cutlass_gemm``), the
+  largest first; ``--trace-dir``: also each mode's host and GPU timeline with Python stacks (Chrome JSON; the
+  profiler's own buffer requests show up as host time there);
+- ``--power`` first: the 8192^3 ``torch._scaled_mm`` rate as a burst, timed as the prefill is and after 2 s of
+  load, and the prefill and its graph back to back and after 200 ms of idle GPU.
+
+Usage: python bench/prefill_gaps.py [--out DIR] [--tokens 2048] [--reuse] [--reps 7] [--power] [--trace-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections import defaultdict
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import mxc  # noqa: E402
+from mxc.kernels.context import ForwardContext  # noqa: E402
+
+HERE = Path(__file__).parent
+
+
+def events_ms(fn, reps: int) -> float:
+    """Median over ``reps`` of one call's CUDA-event time (a warm-up first)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def short(name: str) -> str:
+    for key in ("cutlass", "nvjet", "gemm", "Gemm"):
+        if key in name:
+            return "cutlass_gemm" if "cutlass" in name or "Gemm" in name else name[:28]
+    return name.split("(")[0][:28]
+
+
+def idle_table(fn, top: int = 14, trace: Path | None = None) -> str:
+    """Profile one call of ``fn``: its kernels in start order, the idle time before each one (from the end
+    of the latest-ending kernel before it), summed by (previous, next) kernel. ``trace``: also write the
+    host and GPU timeline there (Chrome trace JSON: which host call launched each kernel, and when)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if trace else [])
+    with profile(activities=acts, with_stack=bool(trace)) as prof:
+        fn()
+        torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(str(trace))
+    kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda k: k[0])
+    pairs = defaultdict(list)
+    busy_end, prev = None, None
+    overlap = 0.0
+    for start, end, name in kernels:
+        if busy_end is not None:
+            gap = start - busy_end
+            if gap >= 0:
+                pairs[(short(prev), short(name))].append(gap)
+            else:
+                overlap -= gap
+        busy_end = end if busy_end is None else max(busy_end, end)
+        prev = name
+    span = (kernels[-1][1] - kernels[0][0]) / 1e3
+    busy = sum(e - s for s, e, _ in kernels) / 1e3
+    idle = sum(sum(v) for v in pairs.values()) / 1e3
+    lines = [f"  {len(kernels)} kernels over {span:.2f} ms (first start to last end): kernel time {busy:.2f} ms, "
+             f"idle between kernels {idle:.2f} ms, overlapping {overlap / 1e3:.2f} ms",
+             f"  {'previous kernel':30s} {'next kernel':30s} {'count':>6s} {'idle us':>9s} {'median':>7s}"]
+    for (a, b), gaps in sorted(pairs.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        lines.append(f"  {a:30s} {b:30s} {len(gaps):6d} {sum(gaps):9.1f} {statistics.median(gaps):7.2f}")
+    return "\n".join(lines)
+
+
+def power_check(forward, replay, tokens: int) -> None:
+    """Is the prefill's time set by the GPU's clock under sustained load? ``bench/decode.py`` times the
+    prefill over four back-to-back calls (~120 ms) and ``torch._scaled_mm``'s 8192^3 rate over 13 short
+    calls (~10 ms, from an idle GPU). Here, each measured both ways: the 8192^3 GEMM in that burst, after 2 s
+    of back-to-back calls, and in 37-call (~30 ms, a prefill's length) timed groups as the prefill is timed;
+    the prefill back to back and each call after 200 ms of idle GPU (a sleep kernel: the clock recovers)."""
+    import time
+
+    from decode import cuda_time, fp8_gemm_rate
+
+    n = 8192
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+
+    def mm():
+        torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+    time.sleep(1.0)
+    burst = fp8_gemm_rate(n)
+    group = cuda_time(lambda: [mm() for _ in range(37)], warmup=1, reps=3) / 37
+    end = time.perf_counter() + 2.0
+    while time.perf_counter() < end:
+        for _ in range(50):
+            mm()
+        torch.cuda.synchronize()
+    hot = cuda_time(mm, warmup=0, reps=10)
+    flops = 2 * n**3
+    print(f"_scaled_mm 8192^3: burst (bench/decode.py's method) {burst / 1e12:.0f} TFLOP/s, in 37-call groups "
+          f"timed as the prefill {flops / group / 1e12:.0f}, after 2 s of back-to-back calls {flops / hot / 1e12:.0f}",
+          flush=True)
+    for name, fn in (("forward", forward), ("its CUDA graph", replay)):
+        time.sleep(1.0)
+        warm = cuda_time(fn, warmup=1, reps=3)
+        cold = []
+        for _ in range(5):
+            torch.cuda._sleep(400_000_000)  # ~200 ms of an idle GPU
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            stop.record()
+            torch.cuda.synchronize()
+            cold.append(start.elapsed_time(stop))
+        print(f"{tokens}-token prefill, {name}: back to back (bench/decode.py's method) {warm * 1e3:.2f} ms, after "
+              f"200 ms idle {statistics.median(cold):.2f} ms (median of 5; the host enqueues during the sleep)",
+              flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="build/bench-prefill-gaps")
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--reuse", action="store_true")
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--power", action="store_true", help="first: the GEMM rate and the prefill, burst against sustained")
+    p.add_argument("--trace-dir", default="", help="also write each mode's host + GPU timeline (Chrome JSON) here")
+    args = p.parse_args()
+    out = Path(args.out)
+    if not (args.reuse and (out / "manifest.json").exists()):
+        mxc.build("llama.yaml", config=str(HERE / "llama3_8b.json"), out=out, target="cuda", dtype="bfloat16",
+                  quant="fp8", max_batch=1, max_seq_len=args.tokens + 1, progress=False)
+    model = mxc.load(out, device="cuda", verify=False)
+    s = args.tokens
+    ids = torch.randint(0, 1000, (s,), device="cuda")
+    ids_cpu = ids.cpu().reshape(1, s)
+    positions = torch.arange(s, device="cuda")
+    rows = torch.tensor([s - 1], device="cuda")
+    d = model._decoder
+    ids2d = ids.reshape(1, s)
+
+    def forward():  # the prefill of ``generate``, without its sampling and copy to the host
+        return d.prefill(ids2d)
+
+    def generate():
+        return model.generate(ids_cpu, max_new_tokens=1)
+
+    if args.power:
+        ctx = ForwardContext.build([s], [0], [0], d.k_cache, d.v_cache, model.device, **model._dist)
+        ctx.rope_tables = d.rope_tables
+        model._run(ctx, ids, positions, rows)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            model._run(ctx, ids, positions, rows)
+        power_check(forward, graph.replay, s)
+        del graph
+    launcher = model._launcher
+    for mode in ("pdl", "plain"):
+        if mode == "pdl" and not getattr(launcher, "pdl", False):
+            continue
+        with launcher.plain() if mode == "plain" else nullcontext():
+            t_gen = events_ms(generate, args.reps)
+            t_fwd = events_ms(forward, args.reps)
+            t_graph = None
+            try:
+                ctx = ForwardContext.build([s], [0], [0], d.k_cache, d.v_cache, model.device, **model._dist)
+                ctx.rope_tables = d.rope_tables
+                model._run(ctx, ids, positions, rows)  # the context's tensors built outside the capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    model._run(ctx, ids, positions, rows)
+                t_graph = events_ms(graph.replay, args.reps)
+                del graph
+            except Exception as e:  # a launch that cannot be captured: say so and go on
+                print(f"{mode}: the forward could not be captured in a CUDA graph: {str(e).splitlines()[0]}")
+            # the forward behind a 20 ms GPU sleep: the host enqueues its start while the GPU is busy
+            sleep = lambda: torch.cuda._sleep(40_000_000)  # noqa: E731
+            t_sleep = events_ms(sleep, args.reps)
+            t_ahead = events_ms(lambda: (sleep(), forward()), args.reps) - t_sleep
+            print(f"{mode}: {s}-token fp8 prefill, medians of {args.reps}: generate(max_new_tokens=1) {t_gen:.2f} ms, "
+                  f"forward {t_fwd:.2f} ms, forward enqueued behind a GPU sleep {t_ahead:.2f} ms"
+                  + (f", forward as a CUDA graph replay {t_graph:.2f} ms" if t_graph else ""), flush=True)
+            print(idle_table(forward), flush=True)
+            if args.trace_dir:
+                Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
+                idle_table(forward, trace=Path(args.trace_dir) / f"prefill_{mode}.json")
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
