@@ -390,11 +390,18 @@ class CutlassFp8Gemm:
             lib.mxc_cutlass_fp8_residual_workspace.restype = z
         self._lib = lib
         self.name = lib.mxc_cutlass_fp8_name().decode()
+        self._workspace: dict[tuple, int] = {}
 
     def workspace_bytes(self, M: int, N: int, K: int, residual: bool = False) -> int:
-        if residual:
-            return int(self._lib.mxc_cutlass_fp8_residual_workspace(M, N, K))
-        return int(self._lib.mxc_cutlass_fp8_workspace(M, N, K))
+        """The launch's workspace, asked of the library once a shape (a prefill asks for each of its linears)."""
+        key = (M, N, K, residual)
+        nbytes = self._workspace.get(key)
+        if nbytes is None:
+            if len(self._workspace) >= 4096:  # one entry a prompt length and linear: bounded for a long-lived server
+                self._workspace.clear()
+            fn = self._lib.mxc_cutlass_fp8_residual_workspace if residual else self._lib.mxc_cutlass_fp8_workspace
+            nbytes = self._workspace[key] = int(fn(M, N, K))
+        return nbytes
 
     def can_implement(self, M: int, N: int, K: int) -> bool:
         return bool(self._lib.mxc_cutlass_fp8_can_implement(M, N, K))

@@ -34,6 +34,11 @@ def _quantized(x, k, prologue, norm_weight, eps):
                                          norm_weight if prologue == "rms_norm" else None, eps)
 
 
+def _fp32(t):
+    """``t`` as contiguous float32 (as the quantize kernel and the loader give scales: no conversion then)."""
+    return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
+
+
 def _plus(y, bias, residual):
     if bias is not None:
         y = y + bias
@@ -66,8 +71,7 @@ def cutlass(x, weight, scale, bias=None, residual=None, granularity="channel", p
                 and residual.shape == (m, n) and residual.is_contiguous())
         nbytes = gemm.workspace_bytes(m, n, k, residual=fold)
         workspace = torch.empty(nbytes, dtype=torch.uint8, device=x.device) if nbytes else None
-        gemm(xq.data_ptr(), weight.data_ptr(), xs.float().contiguous().data_ptr(),
-             scale.float().contiguous().data_ptr(), y.data_ptr(), m, n, k,
+        gemm(xq.data_ptr(), weight.data_ptr(), _fp32(xs).data_ptr(), _fp32(scale).data_ptr(), y.data_ptr(), m, n, k,
              stream=stream_handle(x.device),
              workspace=workspace.data_ptr() if workspace is not None else 0, workspace_bytes=nbytes,
              residual=residual.data_ptr() if fold else 0)

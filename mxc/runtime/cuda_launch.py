@@ -84,20 +84,26 @@ class _Binary:
             raise MxcError(f"{entry['kernel']}: parameters past its {self.n_args} arguments are not all Triton's "
                            f"scratch pointers ({self.kinds}); rebuild the artifact")
         self._tensor = [kind == "ptr" for kind in self.kinds]
+        self.pdl = bool(entry.get("pdl"))
         self._local = threading.local()
 
     def _slots(self):
-        """This thread's ctypes value for each parameter and the array of their addresses the driver
-        reads: filled in place at each launch (the driver copies the values when the launch is made,
-        captured launches included). Triton's scratch pointers are never written: NULL."""
+        """This thread's ctypes value for each parameter, the array of their addresses the driver reads, and
+        the PDL launch's config (its programmatic-serialization attribute set once): filled in place at each
+        launch (the driver copies what it reads when the launch is made, captured launches included).
+        Triton's scratch pointers are never written: NULL."""
         slots = getattr(self._local, "slots", None)
         if slots is None:
             values = [_CTYPES[kind]() for kind in self.kinds]
-            slots = self._local.slots = (values, (ctypes.c_void_p * len(values))(*map(ctypes.addressof, values)))
+            attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+            attr.value.programmaticStreamSerializationAllowed = 1
+            config = _LaunchConfig(1, 1, 1, self.threads, 1, 1, self.entry["shared"], None, ctypes.pointer(attr), 1)
+            slots = self._local.slots = (values, (ctypes.c_void_p * len(values))(*map(ctypes.addressof, values)),
+                                         config, attr, ctypes.byref(config))
         return slots
 
     def launch(self, grid, args, pdl: bool = True) -> None:
-        values, params = self._slots()
+        values, params, config, _attr, config_ref = self._slots()
         for value, is_ptr, arg in zip(values, self._tensor, args):  # args: no None (absent = constexpr)
             if is_ptr:
                 ptr = arg.data_ptr()
@@ -107,17 +113,13 @@ class _Binary:
                 value.value = ptr
             else:
                 value.value = arg
-        g = tuple(grid) + (1,) * (3 - len(grid))
+        gx, gy, gz = (tuple(grid) + (1, 1))[:3]
         stream = stream_handle()
-        if pdl and self.entry.get("pdl"):  # may start before the previous kernel ends; it waits on it first
-            attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
-            attr.value.programmaticStreamSerializationAllowed = 1
-            config = _LaunchConfig(g[0], g[1], g[2], self.threads, 1, 1, self.entry["shared"], stream,
-                                   ctypes.pointer(attr), 1)
-            _check(self.lib.cuLaunchKernelEx(ctypes.byref(config), self.func, params, None),
-                   f"launching {self.entry['kernel']}")
+        if pdl and self.pdl:  # may start before the previous kernel ends; it waits on it first
+            config.gridDimX, config.gridDimY, config.gridDimZ, config.hStream = gx, gy, gz, stream
+            _check(self.lib.cuLaunchKernelEx(config_ref, self.func, params, None), f"launching {self.entry['kernel']}")
             return
-        _check(self.lib.cuLaunchKernel(self.func, g[0], g[1], g[2], self.threads, 1, 1, self.entry["shared"],
+        _check(self.lib.cuLaunchKernel(self.func, gx, gy, gz, self.threads, 1, 1, self.entry["shared"],
                                        stream, params, None), f"launching {self.entry['kernel']}")
 
 
@@ -154,11 +156,13 @@ class CubinLauncher:
 
     def __call__(self, kernel, grid, args, constexprs, num_warps, num_stages):
         present = [a for a in args if a is not None]  # absent optionals are specialised away
-        constexprs = with_pdl(kernel, constexprs, self.pdl)
-        fast_key = (id(kernel), tuple(getattr(a, "dtype", type(a)) for a in args),
-                    tuple(sorted(constexprs.items())), num_warps, num_stages)
+        # what picks the binary, as the call gives it (a wrapper builds its constexprs in one order; another
+        # order is only another entry for the same binary); USE_PDL follows from the kernel and self.pdl
+        fast_key = (id(kernel), tuple([a.dtype if isinstance(a, torch.Tensor) else type(a) for a in args]),
+                    tuple(constexprs.items()), num_warps, num_stages)
         binary = self._fast.get(fast_key)
         if binary is None:
+            constexprs = with_pdl(kernel, constexprs, self.pdl)
             spec = spec_of(kernel, args, constexprs, num_warps, num_stages)
             binary = self.binaries.get(spec_key(spec))
             if binary is None:

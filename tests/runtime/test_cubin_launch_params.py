@@ -17,7 +17,7 @@ class _Driver:
     """Records what a launch passes: grid, threads and the parameter values read through the pointers."""
 
     def __init__(self, kinds):
-        self.kinds, self.launches = kinds, []
+        self.kinds, self.launches, self.configs = kinds, [], []
 
     def cuModuleLoadData(self, *_):
         return 0
@@ -39,6 +39,8 @@ class _Driver:
     def cuLaunchKernelEx(self, config, func, params, extra):
         c = ctypes.cast(config, ctypes.POINTER(cuda_launch._LaunchConfig)).contents
         self.launches.append(("pdl", (c.gridDimX, c.gridDimY, c.gridDimZ), c.blockDimX, self._read(params)))
+        self.configs.append((c.blockDimY, c.blockDimZ, c.sharedMemBytes, c.hStream, c.numAttrs, c.attrs[0].id,
+                             c.attrs[0].value.programmaticStreamSerializationAllowed))
         return 0
 
 
@@ -62,6 +64,19 @@ def test_parameters_reach_the_driver(binary):
     b.launch((5,), [y, x, -1, 2.0], pdl=False)
     assert driver.launches[0] == ("pdl", (3, 2, 1), 128, [x.data_ptr(), y.data_ptr(), 7, 0.5, None, None])
     assert driver.launches[1] == ("plain", (5, 1, 1), 128, [y.data_ptr(), x.data_ptr(), -1, 2.0, None, None])
+
+
+def test_the_pdl_config_is_reused_with_each_launch_s_grid_and_stream(binary, monkeypatch):
+    """The PDL launch's config is built once a thread and refilled in place: every launch still gets its own
+    grid and stream, one block of threads, and the programmatic-serialization attribute."""
+    b, driver = binary
+    x = torch.empty(8)
+    for grid, stream in (((3, 2), 0x10), ((7,), 0x20), ((1, 2, 3), 0x30)):
+        monkeypatch.setattr(cuda_launch, "stream_handle", lambda s=stream: s)
+        b.launch(grid, [x, x, 1, 1.0], pdl=True)
+    assert [g for _, g, _, _ in driver.launches] == [(3, 2, 1), (7, 1, 1), (1, 2, 3)]
+    assert [c[3] for c in driver.configs] == [0x10, 0x20, 0x30]
+    assert {c[:3] + c[4:] for c in driver.configs} == {(1, 1, 0, 1, cuda_launch._PROGRAMMATIC_STREAM_SERIALIZATION, 1)}
 
 
 def test_misaligned_tensor_is_refused(binary):
