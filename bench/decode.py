@@ -30,19 +30,22 @@ import mxc  # noqa: E402
 HERE = Path(__file__).parent
 
 
+def event_seconds(fn) -> float:
+    """Seconds of one fn() timed with CUDA events (the host waits for it)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
 def cuda_time(fn, warmup=1, reps=3) -> float:
     """Median seconds of fn() timed with CUDA events."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
+    times = sorted(event_seconds(fn) for _ in range(reps))
+    return times[len(times) // 2]
 
 
 def copy_bandwidth() -> float:
@@ -84,12 +87,7 @@ def after_idle_time(fn, idle_s=0.2, reps=5) -> float:
     times = []
     for _ in range(reps):
         torch.cuda._sleep(int(idle_s * 2e9))  # cycles, ~2 GHz
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        times.append(event_seconds(fn))
     return sorted(times)[len(times) // 2]
 
 

@@ -33,25 +33,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import mxc  # noqa: E402
-from mxc.kernels.context import ForwardContext  # noqa: E402
+from decode import after_idle_time, cuda_time, fp8_gemm_rate, fp8_gemm_rate_as_timed  # noqa: E402
+from prefill_host import fp8_prefill_model  # noqa: E402
 
-HERE = Path(__file__).parent
+from mxc.kernels.context import ForwardContext  # noqa: E402
 
 
 def events_ms(fn, reps: int) -> float:
-    """Median over ``reps`` of one call's CUDA-event time (a warm-up first)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median milliseconds of ``reps`` calls timed with CUDA events (a warm-up first)."""
+    return cuda_time(fn, warmup=1, reps=reps) * 1e3
 
 
 def short(name: str) -> str:
@@ -103,49 +93,36 @@ def idle_table(fn, top: int = 14, trace: Path | None = None) -> str:
 def power_check(forward, replay, tokens: int) -> None:
     """Is the prefill's time set by the GPU's clock under sustained load? ``bench/decode.py`` times the
     prefill over four back-to-back calls (~120 ms) and ``torch._scaled_mm``'s 8192^3 rate over 13 short
-    calls (~10 ms, from an idle GPU). Here, each measured both ways: the 8192^3 GEMM in that burst, after 2 s
-    of back-to-back calls, and in 37-call (~30 ms, a prefill's length) timed groups as the prefill is timed;
-    the prefill back to back and each call after 200 ms of idle GPU (a sleep kernel: the clock recovers)."""
+    calls (~10 ms, from an idle GPU). Here, each measured both ways: the 8192^3 GEMM in that burst, in groups
+    as long as a prefill timed as the prefill is, and after 2 s of back-to-back calls; the prefill and its
+    CUDA graph back to back and each call after 200 ms of idle GPU (a sleep kernel: the clock recovers)."""
     import time
 
-    from decode import cuda_time, fp8_gemm_rate
-
-    n = 8192
-    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
-    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
-    one = torch.ones((), device="cuda")
-
-    def mm():
-        torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-
     time.sleep(1.0)
-    burst = fp8_gemm_rate(n)
-    group = cuda_time(lambda: [mm() for _ in range(37)], warmup=1, reps=3) / 37
-    end = time.perf_counter() + 2.0
-    while time.perf_counter() < end:
-        for _ in range(50):
-            mm()
-        torch.cuda.synchronize()
-    hot = cuda_time(mm, warmup=0, reps=10)
-    flops = 2 * n**3
-    print(f"_scaled_mm 8192^3: burst (bench/decode.py's method) {burst / 1e12:.0f} TFLOP/s, in 37-call groups "
-          f"timed as the prefill {flops / group / 1e12:.0f}, after 2 s of back-to-back calls {flops / hot / 1e12:.0f}",
-          flush=True)
+    burst = fp8_gemm_rate()
+    matched = fp8_gemm_rate_as_timed(cuda_time(forward))
+    hot = fp8_gemm_rate_as_timed(2.0)  # one 2 s group a call: the rate after seconds of load
+    print(f"_scaled_mm 8192^3: burst (bench/decode.py's method) {burst / 1e12:.0f} TFLOP/s, in groups as long as "
+          f"a prefill timed as the prefill {matched / 1e12:.0f}, in 2 s groups {hot / 1e12:.0f}", flush=True)
     for name, fn in (("forward", forward), ("its CUDA graph", replay)):
         time.sleep(1.0)
-        warm = cuda_time(fn, warmup=1, reps=3)
-        cold = []
-        for _ in range(5):
-            torch.cuda._sleep(400_000_000)  # ~200 ms of an idle GPU
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            stop.record()
-            torch.cuda.synchronize()
-            cold.append(start.elapsed_time(stop))
+        warm = cuda_time(fn)
+        cold = after_idle_time(fn)
         print(f"{tokens}-token prefill, {name}: back to back (bench/decode.py's method) {warm * 1e3:.2f} ms, after "
-              f"200 ms idle {statistics.median(cold):.2f} ms (median of 5; the host enqueues during the sleep)",
-              flush=True)
+              f"200 ms idle {cold * 1e3:.2f} ms (median of 5; the host enqueues during the sleep)", flush=True)
+
+
+def captured(model, ids, positions, rows):
+    """The forward of ``ids`` captured in a CUDA graph (its context's tensors built outside the capture)."""
+    d = model._decoder
+    ctx = ForwardContext.build([len(ids)], [0], [0], d.k_cache, d.v_cache, model.device, **model._dist)
+    ctx.rope_tables = d.rope_tables
+    model._run(ctx, ids, positions, rows)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        model._run(ctx, ids, positions, rows)
+    return graph
 
 
 def main() -> None:
@@ -157,13 +134,8 @@ def main() -> None:
     p.add_argument("--power", action="store_true", help="first: the GEMM rate and the prefill, burst against sustained")
     p.add_argument("--trace-dir", default="", help="also write each mode's host + GPU timeline (Chrome JSON) here")
     args = p.parse_args()
-    out = Path(args.out)
-    if not (args.reuse and (out / "manifest.json").exists()):
-        mxc.build("llama.yaml", config=str(HERE / "llama3_8b.json"), out=out, target="cuda", dtype="bfloat16",
-                  quant="fp8", max_batch=1, max_seq_len=args.tokens + 1, progress=False)
-    model = mxc.load(out, device="cuda", verify=False)
+    model, ids = fp8_prefill_model(Path(args.out), args.tokens, args.reuse)
     s = args.tokens
-    ids = torch.randint(0, 1000, (s,), device="cuda")
     ids_cpu = ids.cpu().reshape(1, s)
     positions = torch.arange(s, device="cuda")
     rows = torch.tensor([s - 1], device="cuda")
@@ -177,13 +149,7 @@ def main() -> None:
         return model.generate(ids_cpu, max_new_tokens=1)
 
     if args.power:
-        ctx = ForwardContext.build([s], [0], [0], d.k_cache, d.v_cache, model.device, **model._dist)
-        ctx.rope_tables = d.rope_tables
-        model._run(ctx, ids, positions, rows)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            model._run(ctx, ids, positions, rows)
+        graph = captured(model, ids, positions, rows)
         power_check(forward, graph.replay, s)
         del graph
     launcher = model._launcher
@@ -195,13 +161,7 @@ def main() -> None:
             t_fwd = events_ms(forward, args.reps)
             t_graph = None
             try:
-                ctx = ForwardContext.build([s], [0], [0], d.k_cache, d.v_cache, model.device, **model._dist)
-                ctx.rope_tables = d.rope_tables
-                model._run(ctx, ids, positions, rows)  # the context's tensors built outside the capture
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    model._run(ctx, ids, positions, rows)
+                graph = captured(model, ids, positions, rows)
                 t_graph = events_ms(graph.replay, args.reps)
                 del graph
             except Exception as e:  # a launch that cannot be captured: say so and go on

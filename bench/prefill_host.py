@@ -29,19 +29,23 @@ from mxc.kernels.context import ForwardContext  # noqa: E402
 HERE = Path(__file__).parent
 
 
+def fp8_prefill_model(out: Path, tokens: int, reuse: bool):
+    """The Llama-3-8B-shaped ``--quant fp8`` cuda artifact at ``out`` (built unless ``reuse`` finds one), loaded, and
+    a prompt of ``tokens`` random ids on the GPU: (model, ids [tokens])."""
+    if not (reuse and (out / "manifest.json").exists()):
+        mxc.build("llama.yaml", config=str(HERE / "llama3_8b.json"), out=out, target="cuda", dtype="bfloat16",
+                  quant="fp8", max_batch=1, max_seq_len=tokens + 1, progress=False)
+    return mxc.load(out, device="cuda", verify=False), torch.randint(0, 1000, (tokens,), device="cuda")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="build/bench-prefill-host")
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--reuse", action="store_true")
     args = p.parse_args()
-    out = Path(args.out)
-    if not (args.reuse and (out / "manifest.json").exists()):
-        mxc.build("llama.yaml", config=str(HERE / "llama3_8b.json"), out=out, target="cuda", dtype="bfloat16",
-                  quant="fp8", max_batch=1, max_seq_len=args.tokens + 1, progress=False)
-    model = mxc.load(out, device="cuda", verify=False)
+    model, ids = fp8_prefill_model(Path(args.out), args.tokens, args.reuse)
     s = args.tokens
-    ids = torch.randint(0, 1000, (s,), device="cuda")
     positions = torch.arange(s, device="cuda")
     rows = torch.tensor([s - 1], device="cuda")
 
