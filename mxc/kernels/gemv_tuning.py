@@ -16,9 +16,9 @@ import functools
 from dataclasses import replace
 
 import torch
-import triton
 
 from mxc.kernels import fp8_ref, triton_fp8_gemv, triton_fp8_quant, triton_gemv
+from mxc.kernels.launch import cdiv
 from mxc.kernels.triton_fp8_gemv import QGemvConfig
 from mxc.loaders.quantize import quantize_fp8
 
@@ -78,7 +78,7 @@ def _best(bases, n: int, k: int, run, ok, x: torch.Tensor, ws: list[torch.Tensor
     nbytes = ws[0].numel() * ws[0].element_size()
     best, tried = (None, float("inf")), set()
     for base in bases:
-        for split in sorted({1, triton_gemv.split_k_for(triton.cdiv(n, base.BLOCK_N), k, base.BLOCK_K)}):
+        for split in sorted({1, triton_gemv.split_k_for(cdiv(n, base.BLOCK_N), k, base.BLOCK_K)}):
             cfg = replace(base, SPLIT_K=split, **fixed)
             if cfg in tried:
                 continue

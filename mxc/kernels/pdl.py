@@ -26,6 +26,8 @@ batch 1 4.74 against 4.26 ms, batch 8 5.83 against 5.00, fp8 batch 1 3.20 agains
 import triton
 import triton.language as tl
 
+from mxc.kernels.launch import next_pow2
+
 
 @triton.jit
 def pdl_enter(USE_PDL: tl.constexpr):
@@ -54,4 +56,4 @@ def prefetch_rows_l2(w_ptr, rows, k_start, K: tl.constexpr, BYTES: tl.constexpr)
 
 def prefetch_bytes(want: int, row_bytes: int) -> int:
     """A GEMV's PREFETCH constexpr: ``want`` bytes a row (0: none) capped at the row, a power of two >= 128."""
-    return 0 if want <= 0 else max(128, min(want, triton.next_power_of_2(row_bytes)))
+    return 0 if want <= 0 else max(128, min(want, next_pow2(row_bytes)))

@@ -33,11 +33,10 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import triton
 
 from mxc.errors import MxcError
 from mxc.kernels import kernel_templates, triton_gemv
-from mxc.kernels.launch import launch
+from mxc.kernels.launch import launch, next_pow2
 from mxc.kernels.triton_norm import row_warps
 
 
@@ -101,7 +100,7 @@ MAX_SPINS = 1 << 22  # reads of a slot before a kernel gives up on a peer (secon
 def push_kernel(H: int, world: int, residual: bool, norm: bool, bias: bool, max_spins: int = MAX_SPINS,
                 pushed: bool = False):
     return kernel_templates.kernel("push_all_reduce", "push_all_reduce_kernel", H=H,
-                                   BLOCK_H=triton.next_power_of_2(H), WORLD=world, RESIDUAL=residual, NORM=norm,
+                                   BLOCK_H=next_pow2(H), WORLD=world, RESIDUAL=residual, NORM=norm,
                                    BIAS=bias, MAX_SPINS=max_spins, PUSHED=pushed)
 
 

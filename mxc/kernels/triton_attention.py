@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 
 from mxc.kernels import kernel_templates
-from mxc.kernels.launch import launch
+from mxc.kernels.launch import cdiv, launch, next_pow2
 
 LOG2E = 1.4426950408889634
 
@@ -183,7 +183,7 @@ def default_splits(L: int, batch_kv_heads: int = 1) -> int:
 
 
 def _block_d(D: int) -> int:
-    return max(16, triton.next_power_of_2(D))
+    return max(16, next_pow2(D))
 
 
 def _decode_config(D: int) -> tuple[int, int, int]:
@@ -204,7 +204,7 @@ def _prefill_config(D: int, max_q_len: int) -> tuple[int, int, int, int]:
         bm, bn, nw, ns = (128, 128, 8, 3) if max_q_len > 4096 else (64, 64, 4, 3)
     else:  # D = 256: 364 TFLOP/s (SDPA 579); 8 warps halve that
         bm, bn, nw, ns = 64, 32, 4, 2
-    return min(bm, max(16, triton.next_power_of_2(max_q_len))), bn, nw, ns
+    return min(bm, max(16, next_pow2(max_q_len))), bn, nw, ns
 
 
 def _check_cache(q, k_cache, v_cache, slots, kv_lens, HQ, D):
@@ -255,7 +255,7 @@ def decode_attention(q, k_cache, v_cache, slots, kv_lens, scale: float, sliding_
     else:  # the split kernel writes out directly; scratch pointers are unused
         part_out = part_lse = out
     split_kernel = kernel_templates.kernel("decode_attention", "decode_split_kernel", **layout,
-                                           BLOCK_G=max(16, triton.next_power_of_2(HQ // HKV)))
+                                           BLOCK_G=max(16, next_pow2(HQ // HKV)))
     launch(split_kernel, (B, HKV, NUM_SPLITS), [q, k_cache, v_cache, slots, kv_lens, out, part_out, part_lse,
                                                 float(scale)],
            dict(NUM_SPLITS=NUM_SPLITS, BLOCK_N=BLOCK_N), num_warps=num_warps, num_stages=num_stages)
@@ -263,7 +263,7 @@ def decode_attention(q, k_cache, v_cache, slots, kv_lens, scale: float, sliding_
         reduce_kernel = kernel_templates.kernel("decode_merge", "decode_reduce_kernel", HQ=HQ, HEAD_DIM=D,
                                                 BLOCK_D=layout["BLOCK_D"])
         launch(reduce_kernel, (B, HQ), [part_out, part_lse, out],
-               dict(NUM_SPLITS=NUM_SPLITS, BLOCK_S=triton.next_power_of_2(NUM_SPLITS)), num_warps=1, num_stages=1)
+               dict(NUM_SPLITS=NUM_SPLITS, BLOCK_S=next_pow2(NUM_SPLITS)), num_warps=1, num_stages=1)
     return out
 
 
@@ -283,7 +283,7 @@ def prefill_attention(q, k_cache, v_cache, slots, kv_lens, q_start, max_q_len: i
 
     out = torch.empty((T, HQ, D), dtype=q.dtype, device=q.device)
     kernel = kernel_templates.kernel("prefill_attention", "prefill_kernel", **_layout(k_cache, HQ, sliding_window))
-    blocks = triton.cdiv(max_q_len, BLOCK_M)
+    blocks = cdiv(max_q_len, BLOCK_M)
     constexprs = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     # an artifact built before the order existed pins a kernel without LONGEST_FIRST: its grid, its binary
     takes_order = "LONGEST_FIRST" in kernel.arg_names

@@ -17,10 +17,9 @@ allocate and launch them.
 from __future__ import annotations
 
 import torch
-import triton
 
 from mxc.kernels import kernel_templates
-from mxc.kernels.launch import launch
+from mxc.kernels.launch import cdiv, launch, next_pow2
 
 MAX_BLOCK_N = 1024
 
@@ -34,7 +33,7 @@ def _kernel(template: str, size_name: str, n: int):
 
 def _config(n: int) -> tuple[int, int]:
     """(BLOCK_N, num_warps) for rows of ``n`` elements."""
-    block_n = min(triton.next_power_of_2(n), MAX_BLOCK_N)
+    block_n = min(next_pow2(n), MAX_BLOCK_N)
     return block_n, max(1, min(4, block_n // 256))
 
 
@@ -55,7 +54,7 @@ def silu_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
     _check_out("silu_mul", out, shape, x.dtype, x.device)
     kernel, block_n, num_warps = _kernel("silu_mul", "I", I)
-    launch(kernel, (x.numel() // (2 * I), triton.cdiv(I, block_n)), [x, out], {}, num_warps=num_warps, num_stages=1)
+    launch(kernel, (x.numel() // (2 * I), cdiv(I, block_n)), [x, out], {}, num_warps=num_warps, num_stages=1)
     return out
 
 
@@ -71,7 +70,7 @@ def embedding(ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor | None =
         out = torch.empty((T, H), dtype=table.dtype, device=table.device)
     _check_out("embedding", out, (T, H), table.dtype, table.device)
     kernel, block_n, num_warps = _kernel("embedding", "H", H)
-    launch(kernel, (T, triton.cdiv(H, block_n)), [ids, table, out], {}, num_warps=num_warps, num_stages=1)
+    launch(kernel, (T, cdiv(H, block_n)), [ids, table, out], {}, num_warps=num_warps, num_stages=1)
     return out
 
 
@@ -87,5 +86,5 @@ def add(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> to
     N = a.shape[-1] if a.dim() else 1
     assert N > 0, "add: last dim is empty"
     kernel, block_n, num_warps = _kernel("add", "N", N)
-    launch(kernel, (a.numel() // N, triton.cdiv(N, block_n)), [a, b, out], {}, num_warps=num_warps, num_stages=1)
+    launch(kernel, (a.numel() // N, cdiv(N, block_n)), [a, b, out], {}, num_warps=num_warps, num_stages=1)
     return out

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mxc.kernels.launch import launch
+from mxc.kernels.launch import cdiv, launch
 from mxc.kernels.pdl import pdl_enter
 from mxc.kernels.triton_fp8_quant import (_DTYPES, GRANULARITIES, _check_inputs, _check_norm, _finish, _pow2,
                                           _prequantize, _quant_block)
@@ -131,7 +131,7 @@ def qlinear_gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: to
     if rms:
         _check_norm(x, K, norm_weight)
     xq, xs = _prequantize(x, M, K, silu_mul, cfg.QUANT_BLOCK_K, norm_weight if rms else None, eps)
-    grid = (triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
+    grid = (cdiv(M, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N),)
     launch(_qgemm_kernel, grid, [xq, xs, w, scale, bias, residual, y, M],
            dict(N=N, K=K, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
                 BLOCK_SCALE=block, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None),

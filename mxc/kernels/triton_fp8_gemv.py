@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mxc.kernels.launch import launch
+from mxc.kernels.launch import cdiv, launch
 from mxc.kernels.pdl import pdl_enter, prefetch_bytes, prefetch_rows_l2
 from mxc.kernels.triton_fp8_quant import (_DTYPES, GRANULARITIES, _check_inputs, _check_norm, _finish, _load_act,
                                           _pow2, _prequantize, _quant, _quant_block, _row_scale)
@@ -282,7 +282,7 @@ def config_for(m_bucket: int, n: int, k: int, dtype: torch.dtype, granularity: s
     qbk = _quant_block(k)
     if granularity != "block128" and (m_bucket > 1 or n > k):
         # w @ x^T on e4m3 wgmma (SWAP_AB), [64 rows, 256 B] steps, K split to ~1 program per SM
-        return QGemvConfig(BLOCK_N=64, BLOCK_K=256, SPLIT_K=split_k_for(triton.cdiv(n, 64), k, 256), USE_DOT=True,
+        return QGemvConfig(BLOCK_N=64, BLOCK_K=256, SPLIT_K=split_k_for(cdiv(n, 64), k, 256), USE_DOT=True,
                            PREQUANT=True, num_warps=4, num_stages=4, QUANT_BLOCK_K=qbk, SWAP_AB=True)
     if m_bucket == 1:
         cfg = QGemvConfig(BLOCK_N=16, BLOCK_K=1024, PREQUANT=True, num_warps=8, num_stages=1, QUANT_BLOCK_K=qbk)
@@ -344,7 +344,7 @@ def qlinear_small_m(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias:
             raise ValueError(f"the rms_norm prologue runs in the quantize kernel: needs PREQUANT, got {cfg}")
     if cfg.PREQUANT:
         x, xs = _prequantize(x, M, K, silu_mul, cfg.QUANT_BLOCK_K, norm_weight if rms else None, eps)
-    grid = (triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)
+    grid = (cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)
     consts = dict(N=N, K=K, BLOCK_M=_tile_m(m_bucket, cfg), BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
                   SPLIT_K=cfg.SPLIT_K, USE_DOT=cfg.USE_DOT, BLOCK_SCALE=block, PREQUANT=cfg.PREQUANT,
                   PROLOGUE_SILU_MUL=silu_mul and not cfg.PREQUANT, SWAP_AB=cfg.SWAP_AB,
@@ -360,7 +360,7 @@ def qlinear_small_m(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias:
            dict(consts, HAS_BIAS=False, HAS_RESIDUAL=False),
            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     block_r = max(64, 1024 // m_bucket)
-    launch(_qgemv_reduce_kernel, (triton.cdiv(N, block_r),), [ws, bias, residual, y, M],
+    launch(_qgemv_reduce_kernel, (cdiv(N, block_r),), [ws, bias, residual, y, M],
            dict(N=N, SPLIT_K=cfg.SPLIT_K, BLOCK_M=m_bucket, BLOCK_R=block_r, HAS_BIAS=has_bias,
                 HAS_RESIDUAL=has_residual),
            num_warps=4, num_stages=1)

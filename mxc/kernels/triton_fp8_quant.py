@@ -27,12 +27,14 @@ numerics: ``mxc.kernels.triton_fp8``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from mxc.kernels import triton_elementwise
-from mxc.kernels.launch import check_operand, launch
+from mxc.kernels.launch import cdiv, check_operand, launch, next_pow2
 from mxc.kernels.pdl import pdl_enter
 
 FP8 = torch.float8_e4m3fn
@@ -262,9 +264,10 @@ def _quant_tile_kernel(x_ptr, xq_ptr, xs_ptr, g_ptr, eps, M, K: tl.constexpr, BL
         _store_piece(xq_ptr, h2, nxs, y, rows, row_ok, P0 + P1, K, P2, not EVEN_K, MASK_M)
 
 
+@functools.lru_cache(maxsize=None)
 def _quant_block(k: int) -> int:
     """The quantize kernel's chunk: the whole row up to 16K elements (one pass, no re-read)."""
-    return min(16384, triton.next_power_of_2(k))
+    return min(16384, next_pow2(k))
 
 
 def _quant_warps(block_k: int) -> int:
@@ -295,7 +298,7 @@ def _check_inputs(x, w, scale, bias, residual, granularity, prologue, out):
         raise ValueError(f"x must be one of {_DTYPES}, got {x.dtype}")
     if w.dtype != FP8:
         raise ValueError(f"w must be {FP8}, got {w.dtype}")
-    want = (N,) if granularity in ("channel", "tensor") else (triton.cdiv(N, 128), triton.cdiv(K, 128))
+    want = (N,) if granularity in ("channel", "tensor") else (cdiv(N, 128), cdiv(K, 128))
     if scale.dtype != torch.float32 or tuple(scale.shape) != want:
         raise ValueError(f"{granularity} scale must be float32 {list(want)}, got {scale.dtype} {list(scale.shape)}")
     for name, t in (("x", x), ("w", w), ("scale", scale)):
@@ -332,16 +335,17 @@ def _pieces(k: int) -> tuple[int, int, int]:
         out.append(1 << (rem.bit_length() - 1))
         rem -= out[-1]
     if rem:
-        out.append(triton.next_power_of_2(rem))
+        out.append(next_pow2(rem))
     return tuple(out + [0] * (3 - len(out)))
 
 
+@functools.lru_cache(maxsize=None)  # every fp8 linear of a forward asks: computed once a shape
 def _tile_config(k: int, silu_mul: bool, rms_norm: bool) -> tuple[int, tuple[int, int, int], int]:
     """(BLOCK_M, pieces, warps) of ``_quant_tile_kernel``. RMSNorm: one row, one piece of next_pow2(K)
     and ``_quant_warps`` (``_quant_rows_kernel``'s layout, so its sum of squares). Otherwise rows for
     4096 elements a program, 32 elements a thread (16 under SiLU: its exps and divisions need the
     registers; at K = 14336, 16 warps of 28 elements fit 64 registers, two programs an SM)."""
-    padded = triton.next_power_of_2(k)
+    padded = next_pow2(k)
     if rms_norm:
         return 1, (padded, 0, 0), _quant_warps(padded)
     block_m = max(1, 4096 // padded)
@@ -378,7 +382,7 @@ def _prequantize(x, M, K, silu_mul, block_k, norm_weight=None, eps=1e-6, tiled=N
     xs = torch.empty((M,), dtype=torch.float32, device=x.device)
     if tiled:
         block_m, (p0, p1, p2), warps = _tile_config(K, silu_mul, rms)
-        launch(_quant_tile_kernel, (triton.cdiv(M, block_m),), [x, xq, xs, norm_weight, float(eps), M],
+        launch(_quant_tile_kernel, (cdiv(M, block_m),), [x, xq, xs, norm_weight, float(eps), M],
                dict(K=K, BLOCK_M=block_m, P0=p0, P1=p1, P2=p2, PROLOGUE_SILU_MUL=silu_mul, PROLOGUE_RMS_NORM=rms),
                num_warps=warps, num_stages=1)
         return xq, xs

@@ -64,7 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mxc.kernels.launch import check_operand, launch
+from mxc.kernels.launch import cdiv, check_operand, launch
 from mxc.kernels.pdl import pdl_enter, prefetch_bytes, prefetch_rows_l2
 
 M_BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -315,9 +315,9 @@ def fill_gpu(cfg, n: int, k: int):
     in powers of two up to ~1 program per SM (a split costs a second launch: o_proj measured
     slower split 4 ways), keeping >= 2 BLOCK_K steps per slice."""
     min_bn, want = (16, NUM_SMS // 2) if cfg.USE_DOT else (8, NUM_SMS)
-    while triton.cdiv(n, cfg.BLOCK_N) < want and cfg.BLOCK_N > min_bn:
+    while cdiv(n, cfg.BLOCK_N) < want and cfg.BLOCK_N > min_bn:
         cfg = replace(cfg, BLOCK_N=cfg.BLOCK_N // 2)
-    programs = triton.cdiv(n, cfg.BLOCK_N)
+    programs = cdiv(n, cfg.BLOCK_N)
     return replace(cfg, SPLIT_K=split_k_for(programs, k, cfg.BLOCK_K) if programs < want else 1)
 
 
@@ -418,7 +418,7 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
     else:
         check_operand("out", out, (M, N), x.dtype, x.device)
         y = out
-    grid = (triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)
+    grid = (cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)
     consts = dict(N=N, K=K, BLOCK_M=_tile_m(m_bucket, cfg), BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
                   SPLIT_K=cfg.SPLIT_K, USE_DOT=cfg.USE_DOT, PREFETCH=prefetch_bytes(PREFETCH_BYTES, K * w.element_size()))
     has_bias, has_residual = bias is not None, residual is not None
@@ -432,7 +432,7 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
            dict(consts, HAS_BIAS=False, HAS_RESIDUAL=False),
            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     block_r = max(64, 1024 // m_bucket)
-    launch(_splitk_reduce_kernel, (triton.cdiv(N, block_r),), [ws, bias, residual, y, M],
+    launch(_splitk_reduce_kernel, (cdiv(N, block_r),), [ws, bias, residual, y, M],
            dict(N=N, SPLIT_K=cfg.SPLIT_K, BLOCK_M=m_bucket, BLOCK_R=block_r, HAS_BIAS=has_bias,
                 HAS_RESIDUAL=has_residual),
            num_warps=4, num_stages=1)
@@ -470,6 +470,6 @@ def linear_small_m_push(x: torch.Tensor, w: torch.Tensor, bufs: torch.Tensor, st
     consts = dict(N=N, K=K, BLOCK_M=_tile_m(bucket(M), cfg), BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
                   SPLIT_K=1, USE_DOT=cfg.USE_DOT, HAS_BIAS=False, HAS_RESIDUAL=False, PUSH_WORLD=int(world),
                   PREFETCH=prefetch_bytes(PREFETCH_BYTES, K * w.element_size()))
-    launch(_gemv_kernel, (triton.cdiv(N, cfg.BLOCK_N), 1), [x, w, None, None, None, M, bufs, state, int(rank),
+    launch(_gemv_kernel, (cdiv(N, cfg.BLOCK_N), 1), [x, w, None, None, None, M, bufs, state, int(rank),
                                                            int(slot_elems)],
            consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)

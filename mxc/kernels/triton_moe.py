@@ -78,7 +78,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mxc.kernels.launch import check_operand, launch
+from mxc.kernels.launch import cdiv, check_operand, launch
 from mxc.kernels.pdl import pdl_enter
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -406,11 +406,11 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int, *, chunk: int =
     sorted_ids = torch.empty(P, dtype=torch.int32, device=dev)
     expert_of_block = torch.empty(P // block_m, dtype=torch.int32, device=dev)
     ntpp = torch.empty(1, dtype=torch.int32, device=dev)
-    n_chunks = triton.cdiv(numel, chunk)
+    n_chunks = cdiv(numel, chunk)
     counts = torch.empty((n_chunks, num_experts), dtype=torch.int32, device=dev)
     starts = torch.empty(num_experts, dtype=torch.int32, device=dev)
     e_pad = _pow2(num_experts + 1)  # room for the discard bin
-    launch(_moe_count_kernel, (triton.cdiv(P, chunk),), [ids, counts, sorted_ids, numel, P],
+    launch(_moe_count_kernel, (cdiv(P, chunk),), [ids, counts, sorted_ids, numel, P],
            dict(E=num_experts, E_PAD=e_pad, CHUNK=chunk), num_warps=4)
     launch(_moe_offsets_kernel, (1,), [counts, starts, expert_of_block, ntpp, numel, P],
            dict(E=num_experts, E_PAD=e_pad, BLOCK_M=block_m, CHUNK=chunk,
@@ -481,14 +481,14 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_
     sums = top_k > 1 or residual is not None  # the sum kernel also adds the residual
     y = torch.empty((numel, H), dtype=x.dtype, device=x.device) if sums else out
     tiles = dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K)
-    launch(_moe_gemm1_kernel, (n_blocks, triton.cdiv(I, cfg.BLOCK_N)),
+    launch(_moe_gemm1_kernel, (n_blocks, cdiv(I, cfg.BLOCK_N)),
            [x, w_gate_up, s_gate_up, sorted_ids, expert_of_block, ntpp, h, numel],
            dict(H=H, I=I, TOP_K=top_k, **tiles), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    launch(_moe_gemm2_kernel, (n_blocks, triton.cdiv(H, cfg.BLOCK_N)),
+    launch(_moe_gemm2_kernel, (n_blocks, cdiv(H, cfg.BLOCK_N)),
            [h, w_down, s_down, weights, sorted_ids, expert_of_block, ntpp, y, numel],
            dict(H=H, I=I, **tiles), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if sums:
         block_h = min(1024, _pow2(H))
-        launch(_moe_sum_kernel, (T, triton.cdiv(H, block_h)), [y, residual, out],
+        launch(_moe_sum_kernel, (T, cdiv(H, block_h)), [y, residual, out],
                dict(H=H, TOP_K=top_k, BLOCK_H=block_h), num_warps=4)
     return out

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mxc.kernels.launch import launch
+from mxc.kernels.launch import cdiv, launch, next_pow2
 from mxc.kernels.pdl import pdl_enter
 from mxc.kernels.triton_gemv import dot_gate_up_rows, dot_rows
 
@@ -150,12 +150,12 @@ def config_for(hidden: int, inter: int, dtype: torch.dtype, top_k: int = 8) -> t
     (2.96 TB/s of expert weights). The down loop's best was 31.5 us. Elements per step stay
     those of x's dtype (fp8 experts: not measured). A k that is not a power of two takes the loop."""
     elems = 256 // torch.empty((), dtype=dtype).element_size()  # 256 B of x
-    up = PairConfig(BLOCK_N=16, BLOCK_K=max(16, min(2 * elems, triton.next_power_of_2(hidden))), num_warps=4)
+    up = PairConfig(BLOCK_N=16, BLOCK_K=max(16, min(2 * elems, next_pow2(hidden))), num_warps=4)
     if top_k & (top_k - 1) == 0:
-        down = PairConfig(BLOCK_N=2, BLOCK_K=max(16, min(elems, triton.next_power_of_2(inter))), num_warps=4,
+        down = PairConfig(BLOCK_N=2, BLOCK_K=max(16, min(elems, next_pow2(inter))), num_warps=4,
                           TILE=True)
     else:
-        down = PairConfig(BLOCK_N=16, BLOCK_K=max(16, min(4 * elems, triton.next_power_of_2(inter))))
+        down = PairConfig(BLOCK_N=16, BLOCK_K=max(16, min(4 * elems, next_pow2(inter))))
     return up, down
 
 
@@ -173,11 +173,11 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     if T == 0:
         return out
-    launch(_pair_up_kernel, (T * top_k, triton.cdiv(I, up.BLOCK_N)), [x, w_gate_up, s_gate_up, ids, h],
+    launch(_pair_up_kernel, (T * top_k, cdiv(I, up.BLOCK_N)), [x, w_gate_up, s_gate_up, ids, h],
            dict(E=E, H=H, I=I, TOP_K=top_k, BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K), num_warps=up.num_warps,
            num_stages=1)
     tile = down.TILE and top_k & (top_k - 1) == 0  # a tile's rows are a power of two
-    launch(_pair_down_tile_kernel if tile else _pair_down_sum_kernel, (T, triton.cdiv(H, down.BLOCK_N)),
+    launch(_pair_down_tile_kernel if tile else _pair_down_sum_kernel, (T, cdiv(H, down.BLOCK_N)),
            [h, w_down, s_down, weights, ids, residual, out],
            dict(E=E, H=H, I=I, TOP_K=top_k, BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K), num_warps=down.num_warps,
            num_stages=1)

@@ -20,21 +20,20 @@ the functions here check, allocate and launch it.
 from __future__ import annotations
 
 import torch
-import triton
 
 from mxc.kernels import kernel_templates
-from mxc.kernels.launch import launch
+from mxc.kernels.launch import launch, next_pow2
 
 
 def norm_kernel(H: int, residual: bool):
     """The rendered RMSNorm kernel for rows of H features (with the residual add or not)."""
-    return kernel_templates.kernel("rms_norm", "rms_norm_kernel", H=H, BLOCK_H=triton.next_power_of_2(H),
+    return kernel_templates.kernel("rms_norm", "rms_norm_kernel", H=H, BLOCK_H=next_pow2(H),
                                    RESIDUAL=residual)
 
 
 def row_warps(H: int) -> int:
     """Warps of a kernel holding one row of H features in one block (RMSNorm, the push all-reduce)."""
-    return max(1, min(8, triton.next_power_of_2(H) // 256))
+    return max(1, min(8, next_pow2(H) // 256))
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:

@@ -43,7 +43,7 @@ import triton.language as tl
 
 from mxc.kernels import kernel_templates
 from mxc.kernels import rope as rope_ref
-from mxc.kernels.launch import launch
+from mxc.kernels.launch import launch, next_pow2
 
 
 # Token counts up to this many spread each token over its kv groups (a (T, HKV) grid: decode); more
@@ -187,19 +187,19 @@ def rope_qkv_write(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
     assert out.shape == (T, HQ, D) and out.dtype == qkv.dtype and out.is_contiguous(), (
         f"rope_qkv_write: out must be contiguous {qkv.dtype} [{T}, {HQ}, {D}], got {out.dtype} {tuple(out.shape)}")
 
-    block_d = triton.next_power_of_2(D)
+    block_d = next_pow2(D)
     norm_args = [q_norm, k_norm] if has_qk_norm else []
     qk_norm = "whole" if whole else "head" if has_qk_norm else "none"
     if whole or T > GROUPED_MAX_TOKENS:  # one program per token, [heads, D] tiles
-        block_hq = triton.next_power_of_2(HQ)
+        block_hq = next_pow2(HQ)
         warps = max(1, min(8, block_hq * block_d // 512))
         kernel = kernel_templates.kernel("rope_qkv_write", "rope_qkv_write_kernel", HQ=HQ, HKV=HKV, D=D, R=R,
-                                         BLOCK_HQ=block_hq, BLOCK_HKV=triton.next_power_of_2(HKV),
+                                         BLOCK_HQ=block_hq, BLOCK_HKV=next_pow2(HKV),
                                          BLOCK_D=block_d, QK_NORM=qk_norm)
         grid = (T,)
     else:  # one kv group per program: its HQ/HKV q heads, its k and v head
         group = HQ // HKV
-        block_g = triton.next_power_of_2(group)
+        block_g = next_pow2(group)
         warps = max(1, min(4, block_g * block_d // 256))
         kernel = kernel_templates.kernel("rope_qkv_write", "rope_qkv_write_kernel", HQ=HQ, HKV=HKV, D=D, R=R,
                                          GROUP=group, BLOCK_G=block_g, BLOCK_D=block_d, QK_NORM=qk_norm)

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from mxc.kernels.candidates import NORM_ROUTE_MAX_TOKENS
-from mxc.kernels.launch import launch
+from mxc.kernels.launch import cdiv, launch, next_pow2
 from mxc.kernels.pdl import pdl_enter
 
 MAX_EXPERTS = 1024
@@ -132,7 +132,7 @@ def _config(H: int) -> tuple[int, int]:
     shape at batch 1 (E = 128, H = 2048; H200, Triton 3.6, 2026-11-30, ``bench/moe_lab.py``) one row and
     one warp took 5.35 us, against 5.7-8.4 us for 2-8 rows at 1-8 warps and 6.99 us for the three
     kernels; the packed top-k was no faster at one warp (5.45)."""
-    return 1, max(1, min(8, triton.next_power_of_2(H) // 2048))
+    return 1, max(1, min(8, next_pow2(H) // 2048))
 
 
 def add_rms_norm_route(a: torch.Tensor, b: torch.Tensor, norm_weight: torch.Tensor, router_weight: torch.Tensor,
@@ -164,10 +164,10 @@ def add_rms_norm_route(a: torch.Tensor, b: torch.Tensor, norm_weight: torch.Tens
     ids = torch.empty((T, k), dtype=torch.int64, device=a.device)
     default_rows, default_warps = _config(H)
     rows = rows or default_rows
-    launch(norm_route_kernel, (triton.cdiv(E, rows),),
+    launch(norm_route_kernel, (cdiv(E, rows),),
            [a, b, norm_weight, router_weight, s, h, logits, weights, ids, count, T, float(eps)],
-           dict(H=H, BLOCK_H=triton.next_power_of_2(H), E=E, ROWS=rows, K=k, BLOCK_E=triton.next_power_of_2(E),
-                BLOCK_K=triton.next_power_of_2(k), SIGMOID=scoring == "sigmoid", RENORMALIZE=bool(renormalize),
+           dict(H=H, BLOCK_H=next_pow2(H), E=E, ROWS=rows, K=k, BLOCK_E=next_pow2(E),
+                BLOCK_K=next_pow2(k), SIGMOID=scoring == "sigmoid", RENORMALIZE=bool(renormalize),
                 **({"PACKED": True} if packed else {})),
            num_warps=num_warps or default_warps, num_stages=1)
     return s, h, weights, ids
@@ -187,7 +187,7 @@ def route(logits: torch.Tensor, k: int, scoring: str = "softmax", renormalize: b
     ids = torch.empty((T, k), dtype=torch.int64, device=logits.device)
     if T:
         launch(route_kernel, (T,), [logits, weights, ids],
-               dict(E=E, K=k, BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(k),
+               dict(E=E, K=k, BLOCK_E=next_pow2(E), BLOCK_K=next_pow2(k),
                     SIGMOID=scoring == "sigmoid", RENORMALIZE=bool(renormalize)),
                num_warps=4 if E > 256 else 1, num_stages=1)
     return weights, ids
