@@ -95,8 +95,21 @@ def rms_norm_mlp_pair(x, norm_weight, w_gate_up, s_gate_up, w_down, s_down, eps=
     return out
 
 
+_SPEC_KEYS: dict[int, tuple[dict, str]] = {}  # id(spec) -> (spec, its JSON): a forward passes the same dicts
+
+
+def _spec_key(spec: dict) -> str:
+    """The RoPE spec's JSON, the tables' key: serialised once a spec object (a layer's call asks for it)."""
+    known = _SPEC_KEYS.get(id(spec))  # holding the spec keeps its id from being reused
+    if known is None:
+        if len(_SPEC_KEYS) >= 256:
+            _SPEC_KEYS.clear()
+        known = _SPEC_KEYS[id(spec)] = (spec, json.dumps(spec, sort_keys=True))
+    return known[1]
+
+
 def _tables(ctx: ForwardContext, spec: dict):
-    key = json.dumps(spec, sort_keys=True)
+    key = _spec_key(spec)
     if key not in ctx.rope_tables:  # filled by the first (eager) call, reused by every later one
         max_len = ctx.k_cache[0].shape[1]
         ctx.rope_tables[key] = triton_rope.rope_tables(spec, max_len, ctx.k_cache[0].device)

@@ -48,6 +48,8 @@ _ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).parent /
 _ORIGINS: dict[str, tuple[str, dict]] = {}  # module name -> (template, params)
 _PINNED: dict[tuple, str] = {}  # (template, params key) -> module name, from an artifact
 _KERNELS: dict[tuple, object] = {}  # (pins in use, template, entry, params key) -> jit function
+# the same by the call's parameters as given (their order and types; no sort): the lookup every launch makes
+_FAST: dict[tuple, object] = {}
 _STATE = {"use_pins": True}
 
 
@@ -99,6 +101,7 @@ def pin(template: str, params: dict, module_name: str, source: str) -> None:
     _PINNED[(template, key)] = module_name
     for k in [k for k in _KERNELS if k[0] and k[1] == template and k[3] == key]:
         del _KERNELS[k]  # looked up before this pin: look up again
+    _FAST.clear()
 
 
 @contextlib.contextmanager
@@ -125,10 +128,18 @@ def _module(template: str, params: dict, use_pins: bool) -> types.ModuleType:
 def kernel(template: str, entry: str, **params):
     """The ``@triton.jit`` function ``entry`` of ``template`` rendered for ``params`` (JSON values)."""
     use_pins = _STATE["use_pins"]
-    key = (use_pins, template, entry, params_key(params))
-    fn = _KERNELS.get(key)
+    try:  # 1, 1.0 and True hash alike: their types are in the key
+        fast = (use_pins, template, entry, tuple(params.items()), tuple(map(type, params.values())))
+        fn = _FAST.get(fast)
+    except TypeError:  # a list value: only the sorted key
+        fast, fn = None, None
     if fn is None:
-        fn = _KERNELS[key] = getattr(_module(template, params, use_pins), entry)
+        key = (use_pins, template, entry, params_key(params))
+        fn = _KERNELS.get(key)
+        if fn is None:
+            fn = _KERNELS[key] = getattr(_module(template, params, use_pins), entry)
+        if fast is not None:
+            _FAST[fast] = fn
     return fn
 
 
