@@ -45,6 +45,7 @@ jit_launch_pdl.pdl = True
 
 _launcher: Launcher = jit_launch
 
+
 def cdiv(a: int, b: int) -> int:
     """``triton.cdiv`` for the wrappers' grid and block arithmetic on the host: Triton's is a constexpr function
     (3.5 on), whose Python call costs ~6 us, and a forward's wrappers make hundreds of calls."""
