@@ -55,13 +55,16 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() * 2 / t
 
 
-def fp8_gemm_rate(n=8192) -> float:
+def _fp8_mm(n: int):
+    """One ``torch._scaled_mm`` of random n x n e4m3 operands, as a call."""
     a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
     b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
     one = torch.ones((), device="cuda")
-    t = cuda_time(lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
-                  warmup=3, reps=10)
-    return 2 * n**3 / t
+    return lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+
+def fp8_gemm_rate(n=8192) -> float:
+    return 2 * n**3 / cuda_time(_fp8_mm(n), warmup=3, reps=10)
 
 
 def fp8_gemm_rate_as_timed(seconds: float, n=8192) -> float:
@@ -69,15 +72,9 @@ def fp8_gemm_rate_as_timed(seconds: float, n=8192) -> float:
     timed call a group of back-to-back GEMMs lasting ``seconds`` (one prefill). Under sustained load the GPU's
     power limit lowers its clock (the 13-call burst of ``fp8_gemm_rate`` runs before it does): this is the
     rate under the load a prefill benchmark puts on it."""
-    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
-    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
-    one = torch.ones((), device="cuda")
-    t_one = cuda_time(lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
-                      warmup=3, reps=5)
-    calls = max(1, round(seconds / t_one))
-    t = cuda_time(lambda: [torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-                           for _ in range(calls)])
-    return 2 * n**3 * calls / t
+    mm = _fp8_mm(n)
+    calls = max(1, round(seconds / cuda_time(mm, warmup=3, reps=5)))
+    return 2 * n**3 * calls / cuda_time(lambda: [mm() for _ in range(calls)])
 
 
 def after_idle_time(fn, idle_s=0.2, reps=5) -> float:

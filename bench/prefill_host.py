@@ -24,7 +24,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mxc  # noqa: E402
-from mxc.kernels.context import ForwardContext  # noqa: E402
 
 HERE = Path(__file__).parent
 
@@ -46,13 +45,10 @@ def main() -> None:
     args = p.parse_args()
     model, ids = fp8_prefill_model(Path(args.out), args.tokens, args.reuse)
     s = args.tokens
-    positions = torch.arange(s, device="cuda")
-    rows = torch.tensor([s - 1], device="cuda")
+    ids2d = ids.reshape(1, s)
 
-    def forward():
-        d = model._decoder
-        ctx = ForwardContext.build([s], [0], [0], d.k_cache, d.v_cache, model.device, **model._dist)
-        return model._run(ctx, ids, positions, rows)
+    def forward():  # the runtime's prefill (``generate``'s, without its sampling): its RoPE tables made at load
+        return model._decoder.prefill(ids2d)
 
     for _ in range(2):
         forward()
