@@ -32,6 +32,7 @@ from mxc.loaders.convert import write_weights
 from mxc.loaders.dummy import DummyCheckpoint
 from mxc.models import MODELS_DIR, Entry, architecture_of, bind_model, lookup
 from mxc.ir.template import read_model_file
+from mxc.runtime_buckets import PREFILL_GRAPH_TOKENS
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "generation_config.json")
@@ -199,7 +200,8 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
           max_batch: int = 32, max_seq_len: int | None = None, arch: int = 90, tp: int = 1,
           quant: str | None = None, quant_granularity: str = "channel", quant_lm_head: bool = False,
           disable_passes: tuple[str, ...] | list[str] = (), pdl: bool | None = None,
-          tp_allreduce: str = "auto", mlp_pair: bool = False, progress: bool = True, log=_log) -> Path:
+          tp_allreduce: str = "auto", mlp_pair: bool = False, prefill_graphs: int | None = None,
+          progress: bool = True, log=_log) -> Path:
     """Build an artifact and return its directory.
 
     ``pdl=None`` turns programmatic dependent launch on where it exists (``--target cuda``, sm_90+).
@@ -207,7 +209,9 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     in fp32; on two H200s a tp=2 Llama-3-8B token took 3.09 ms with one_shot, 3.27 ms with NCCL),
     else ``nccl``. ``mlp_pair`` (fp8, tp=1; experimental): each layer's MLP as one op (``fuse_mlp``), which
     on cuda runs as one persistent launch at <= 8 tokens (``mxc.kernels.mlp_pair_fp8``) and elsewhere as the
-    unfused kernels (the CPU target's references: the same results).
+    unfused kernels (the CPU target's references: the same results). ``prefill_graphs=None`` is
+    ``PREFILL_GRAPH_TOKENS`` for ``--target cuda`` (0 elsewhere): batch-1 prompts up to that many tokens
+    replay a CUDA graph per power-of-two length.
     """
     if target not in ("cpu", "cuda"):
         raise MxcError(f"--target {target}: expected cpu or cuda")
@@ -231,6 +235,11 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
         raise MxcError(f"--tp {tp}: expected a positive integer")
     if max_batch < 1 or max_seq_len < 1:
         raise MxcError(f"--max-batch {max_batch} / --max-seq-len {max_seq_len}: expected positive integers")
+    if prefill_graphs is None:
+        prefill_graphs = PREFILL_GRAPH_TOKENS if target == "cuda" else 0
+    if not isinstance(prefill_graphs, int) or prefill_graphs < 0 or (prefill_graphs and target != "cuda"):
+        raise MxcError(f"--prefill-graphs {prefill_graphs}: expected a token count >= 0 (0: off), with --target "
+                       f"cuda (got --target {target})")
     prequant = checkpoint_quantization(src.config, src.config_path) if src.checkpoint else None
     scale_suffix = None
     if prequant is not None:
@@ -245,7 +254,8 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
                            max_batch=max_batch, max_seq_len=max_seq_len, tp=tp, quant=quant,
                            quant_granularity=quant_granularity, quant_lm_head=quant_lm_head,
                            quant_scale_suffix=scale_suffix, disable_passes=check_disabled(disable_passes), pdl=pdl,
-                           tp_allreduce=tp_allreduce, arch=arch, mlp_pair=mlp_pair)
+                           tp_allreduce=tp_allreduce, arch=arch, mlp_pair=mlp_pair,
+                           prefill_graph_tokens=prefill_graphs)
     out = Path(out) if out else Path("build") / src.model_file.stem
     if out.exists() and not (out / "manifest.json").is_file():
         raise MxcError(f"--out {out}: exists and is not an mxc artifact; choose another path or remove it")
@@ -322,7 +332,8 @@ def _compile_kernels(graph, program_text, out_dir, options, arch, progress, log)
 
     program = types.ModuleType("mxc_build_program")
     exec(compile(program_text, "forward.py", "exec"), program.__dict__)
-    specs = aot.record(program, graph, options.max_batch, options.max_seq_len, pdl=options.pdl)
+    specs = aot.record(program, graph, options.max_batch, options.max_seq_len, pdl=options.pdl,
+                       prefill_graph_tokens=options.prefill_graph_tokens)
     log(f"compiling {len(specs)} kernels for sm_{arch} (Triton {aot.triton_version()})")
     start = time.perf_counter()
     aot.compile_specs(specs, out_dir, arch=arch, progress=progress)

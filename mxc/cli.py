@@ -31,7 +31,8 @@ def cmd_build(args) -> None:
     build(args.source, out=args.out, checkpoint=args.checkpoint, config=args.config, dtype=args.dtype, target=args.target,
           dump_ir=args.dump_ir, max_batch=args.max_batch, max_seq_len=args.max_seq_len, tp=args.tp,
           quant=args.quant, quant_granularity=args.quant_granularity, quant_lm_head=args.quant_lm_head,
-          disable_passes=args.disable_pass, pdl=args.pdl, tp_allreduce=args.tp_allreduce, mlp_pair=args.mlp_pair)
+          disable_passes=args.disable_pass, pdl=args.pdl, tp_allreduce=args.tp_allreduce, mlp_pair=args.mlp_pair,
+          prefill_graphs=args.prefill_graphs)
 
 
 def _generate_and_print(rank: int, world_size: int, device: str, args, ids: list[int]) -> None:
@@ -136,6 +137,10 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--max-batch", type=int, default=32, help="cuda: sequences decoded together (default 32)")
     b.add_argument("--max-seq-len", type=int,
                    help="cuda: KV-cache length per sequence (default: min(4096, max_position_embeddings))")
+    b.add_argument("--prefill-graphs", type=int, metavar="TOKENS",
+                   help="cuda: one-prompt prefills up to TOKENS tokens replay a CUDA graph per power-of-two length, "
+                        "padded up to it (short prompts wait on the host's ~10-20 ms of launches otherwise; "
+                        "default 512, 0: off)")
     b.set_defaults(fn=cmd_build)
 
     g = sub.add_parser("generate", help="generate tokens with a built artifact")

@@ -148,17 +148,20 @@ def scenarios(max_batch: int, max_seq_len: int) -> list[tuple[int, int]]:
     return decode + prefill
 
 
-def record(program, graph, max_batch: int, max_seq_len: int, pdl: bool = False) -> dict[str, dict]:
+def record(program, graph, max_batch: int, max_seq_len: int, pdl: bool = False,
+           prefill_graph_tokens: int = 0) -> dict[str, dict]:
     """Every kernel launch the forward program makes in the runtime's scenarios, as specs.
 
     The KV cache has ``max_batch + 1`` slots: the last one absorbs the rows that
-    pad a batch up to its bucket.
+    pad a batch up to its bucket, and a short prompt up to its prefill graph's length (a second
+    sequence: ``runtime.prefill_graphs``).
     """
     import torch
 
     from mxc.kernels import launch
     from mxc.kernels.context import ForwardContext
     from mxc.loaders.convert import DTYPES
+    from mxc.runtime_buckets import padded_prefill, prefill_graph_buckets
 
     meta = lambda shape, dtype: torch.empty(shape, dtype=dtype, device="meta")  # noqa: E731
     w = {k: meta(v.shape, DTYPES[v.dtype]) for k, v in graph.weights.items()}
@@ -168,20 +171,25 @@ def record(program, graph, max_batch: int, max_seq_len: int, pdl: bool = False) 
     for node, rep in graph.nodes():
         if node.op == "qkv_rope_cache":
             kv = (rep.count if rep else 1, node.attrs["kv_heads"], node.attrs["head_dim"])
-    recorder = launch.Recorder(pdl=pdl)
     dtype = DTYPES[graph.dtype]
+
+    def forward(seq_lens: list[int], slots: list[int], max_q_len: int, rows: int) -> None:
+        b, t = len(seq_lens), sum(seq_lens)
+        caches = [[meta((max_batch + 1, max_seq_len, kv[1], kv[2]), dtype) for _ in range(kv[0])]
+                  for _ in range(2)] if kv else [None, None]
+        ctx = ForwardContext(seq_lens, [0] * b, slots, caches[0], caches[1], cache_loc=meta((t,), torch.int64),
+                             kv_lens=meta((b,), torch.int32), slots_t=meta((b,), torch.int32),
+                             q_start=meta((b + 1,), torch.int32), max_q_len=max_q_len, decode=max_q_len == 1)
+        program.forward(w, layers, ctx, meta((t,), torch.int64), meta((t,), torch.int64), meta((rows,), torch.int64))
+
+    recorder = launch.Recorder(pdl=pdl)
     # a build renders the current templates, whatever artifact this process has loaded
     with launch.using(recorder), kernel_templates.unpinned():
         for b, t in scenarios(max_batch, max_seq_len):
-            caches = [[meta((max_batch + 1, max_seq_len, kv[1], kv[2]), dtype) for _ in range(kv[0])]
-                      for _ in range(2)] if kv else [None, None]
-            ctx = ForwardContext([t] * b, [0] * b, list(range(b)), caches[0], caches[1],
-                                 cache_loc=meta((b * t,), torch.int64), kv_lens=meta((b,), torch.int32),
-                                 slots_t=meta((b,), torch.int32), q_start=meta((b + 1,), torch.int32),
-                                 max_q_len=t, decode=t == 1)
-            tokens, positions = meta((b * t,), torch.int64), meta((b * t,), torch.int64)
             # a prefill asks for the logits of every row (``Model.logits``) or of each sequence's
             # last row (generate: M = sequences, the decode scenarios' LM-head shapes)
-            rows = b * t if t > 1 else b
-            program.forward(w, layers, ctx, tokens, positions, meta((rows,), torch.int64))
+            forward([t] * b, list(range(b)), t, b * t if t > 1 else b)
+        for t in prefill_graph_buckets(prefill_graph_tokens, max_seq_len):  # the prompt's last row only
+            seq_lens, _, slots = padded_prefill(t, t, max_batch)
+            forward(seq_lens, slots, t, 1)
     return recorder.specs

@@ -19,6 +19,8 @@ class BuildOptions:
     quant_scale_suffix: str | None = None  # checkpoint already fp8: its scale tensors' name suffix
     max_batch: int = 32  # cuda: sequences decoded together (KV-cache slots, CUDA-graph buckets)
     max_seq_len: int = 4096  # cuda: KV-cache length per sequence
+    prefill_graph_tokens: int = 0  # cuda: batch-1 prompts up to this many tokens replay a CUDA graph per
+    # power-of-two length bucket (``runtime.prefill_graphs``); 0: every prefill eager
     disable_passes: tuple[str, ...] = ()  # optional passes skipped (``--disable-pass``)
     pdl: bool = False  # cuda: programmatic dependent launch between kernels (``mxc.kernels.pdl``)
     arch: int = 90  # cuda: the compute capability kernels are compiled for (sm_90)

@@ -71,21 +71,27 @@ class ForwardContext:
         each, a per-token Python list ~100 us at 2048 tokens) and reach the device in one copy (``to_device``):
         a prefill's first kernel waits for them."""
         max_len = k_cache[0].shape[1] if k_cache else 0
-        lens = np.asarray(seq_lens, dtype=np.int64)
-        past = np.asarray(past_lens, dtype=np.int64)
-        slots_h = np.asarray(slots, dtype=np.int64)
-        starts = np.zeros(len(seq_lens) + 1, dtype=np.int64)
-        np.cumsum(lens, out=starts[1:])
-        # token t of sequence b: position past[b] + (t - starts[b]), cache row slot[b] * max_len + position
-        positions = np.arange(starts[-1], dtype=np.int64) + np.repeat(past - starts[:-1], lens)
-        cache_loc = positions + np.repeat(slots_h * max_len, lens)
-        cache_loc_d, positions_d, last_rows_d, kv_lens_d, slots_d, q_start_d = to_device(
-            device, cache_loc, positions, starts[1:] - 1, (past + lens).astype(np.int32), slots_h.astype(np.int32),
-            starts.astype(np.int32))
+        arrays = host_arrays(seq_lens, past_lens, slots, max_len)
+        t = dict(zip(arrays, to_device(device, *arrays.values())))
         return cls(list(seq_lens), list(past_lens), list(slots), k_cache, v_cache,
-                   cache_loc=cache_loc_d, kv_lens=kv_lens_d, slots_t=slots_d, q_start=q_start_d,
-                   max_q_len=max(seq_lens), decode=all(n == 1 for n in seq_lens), positions=positions_d,
-                   last_rows=last_rows_d, **extra)
+                   cache_loc=t["cache_loc"], kv_lens=t["kv_lens"], slots_t=t["slots"], q_start=t["q_start"],
+                   max_q_len=max(seq_lens), decode=all(n == 1 for n in seq_lens), positions=t["positions"],
+                   last_rows=t["last_rows"], **extra)
+
+
+def host_arrays(seq_lens, past_lens, slots, max_len: int) -> dict[str, np.ndarray]:
+    """The device tensors of a context, as numpy arrays: ``cache_loc``, ``positions``, ``last_rows`` [T] / [B]
+    int64 and ``kv_lens``, ``slots``, ``q_start`` int32."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    past = np.asarray(past_lens, dtype=np.int64)
+    slots_h = np.asarray(slots, dtype=np.int64)
+    starts = np.zeros(len(seq_lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=starts[1:])
+    # token t of sequence b: position past[b] + (t - starts[b]), cache row slot[b] * max_len + position
+    positions = np.arange(starts[-1], dtype=np.int64) + np.repeat(past - starts[:-1], lens)
+    cache_loc = positions + np.repeat(slots_h * max_len, lens)
+    return dict(cache_loc=cache_loc, positions=positions, last_rows=starts[1:] - 1,
+                kv_lens=(past + lens).astype(np.int32), slots=slots_h.astype(np.int32), q_start=starts.astype(np.int32))
 
 
 _ALIGN = 16  # bytes: each tensor of a staged copy starts where a kernel's vector loads may assume it does
@@ -100,16 +106,52 @@ def to_device(device, *arrays: np.ndarray) -> list[torch.Tensor]:
     device = torch.device(device)
     if device.type != "cuda":
         return [torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in arrays]
+    offsets, size = _packing(arrays)
+    dev = _staged(arrays, offsets, size).to(device, non_blocking=True)
+    return _views(dev, arrays, offsets)
+
+
+class StaticInputs:
+    """Device tensors at fixed addresses (a CUDA graph's inputs), refilled from host arrays by one copy.
+
+    Made from example arrays (their names, shapes and dtypes fix the layout); ``fill`` takes arrays of the
+    same shapes and dtypes, packs them as ``to_device`` does and copies them into place asynchronously on
+    the current stream. ``tensors`` maps each name to its view of the one device buffer."""
+
+    def __init__(self, device, **arrays: np.ndarray):
+        self.device = torch.device(device)
+        self._spec = {k: (a.shape, a.dtype) for k, a in arrays.items()}
+        self._offsets, size = _packing(arrays.values())
+        self._buffer = torch.zeros(size, dtype=torch.uint8, device=self.device)
+        self.tensors = dict(zip(arrays, _views(self._buffer, arrays.values(), self._offsets)))
+        self.fill(**arrays)
+
+    def fill(self, **arrays: np.ndarray) -> None:
+        assert {k: (a.shape, a.dtype) for k, a in arrays.items()} == self._spec, "inputs differ from the layout"
+        stage = _staged(arrays.values(), self._offsets, self._buffer.numel(), pin=self.device.type == "cuda")
+        self._buffer.copy_(stage, non_blocking=True)
+
+
+def _packing(arrays) -> tuple[list[int], int]:
+    """Each array's byte offset in one buffer (each at a 16-byte boundary) and the buffer's size."""
     offsets, size = [], 0
     for a in arrays:
         offsets.append(size)
         size += -(-a.nbytes // _ALIGN) * _ALIGN
-    stage = torch.empty(max(size, _ALIGN), dtype=torch.uint8, pin_memory=True)
+    return offsets, max(size, _ALIGN)
+
+
+def _staged(arrays, offsets, size: int, pin: bool = True) -> torch.Tensor:
+    """A host uint8 buffer (pinned: from torch's caching host allocator) holding ``arrays`` at ``offsets``."""
+    stage = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
     host = stage.numpy()
     for a, off in zip(arrays, offsets):
         host[off:off + a.nbytes].view(a.dtype).reshape(a.shape)[...] = a
-    dev = stage.to(device, non_blocking=True)
-    return [dev[off:off + a.nbytes].view(_DTYPES[a.dtype]).view(a.shape) for a, off in zip(arrays, offsets)]
+    return stage
+
+
+def _views(buffer: torch.Tensor, arrays, offsets) -> list[torch.Tensor]:
+    return [buffer[off:off + a.nbytes].view(_DTYPES[a.dtype]).view(a.shape) for a, off in zip(arrays, offsets)]
 
 
 _DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32, np.dtype(np.float32): torch.float32}

@@ -6,18 +6,18 @@ bucket, static input buffers and a captured decode step. A step copies the
 new tokens, positions and cache locations into the bucket's buffers with
 device-side ops and replays the graph: no host synchronisation inside the
 decode loop; tokens are gathered on the device and copied out once at the end.
+A short batch-1 prompt's prefill replays a graph too (``prefill_graphs``).
 """
 
 from __future__ import annotations
-
-import contextlib
-import gc
 
 import torch
 
 from mxc.kernels import launch
 from mxc.kernels.context import ForwardContext
-from mxc.runtime_buckets import batch_bucket, batch_buckets
+from mxc.runtime_buckets import batch_bucket, batch_buckets, prefill_graph_bucket, prefill_graph_buckets
+from mxc.runtime.graph_capture import capture
+from mxc.runtime.prefill_graphs import PrefillGraph
 from mxc.runtime.sampling import sample
 
 # Buckets above this many rows are captured with plain launches even from a PDL artifact: on the
@@ -54,38 +54,12 @@ class _Bucket:
 
     def _capture(self, dec: "CudaDecoder") -> None:
         run = lambda: dec.forward(self.ctx, self.tokens, self.positions, self.rows)  # noqa: E731
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), launch.using(dec.launcher):
-            for _ in range(2):  # warm up allocations outside the graph (writes go to the scratch slot)
-                run()
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        plain = getattr(dec.launcher, "plain", None) if self.size > PDL_MAX_BUCKET else None
-        with _no_collection(), torch.cuda.graph(self.graph, pool=dec.pool), launch.using(dec.launcher), \
-                (plain() if plain else contextlib.nullcontext()):
-            self.logits = run()
-
-
-@contextlib.contextmanager
-def _no_collection():
-    """No Python garbage collection during a capture: a collection there can free an unreachable
-    model's CUDA graphs, and destroying a graph while a stream captures invalidates the capture
-    (torch 2.11 no longer collects before capturing; seen on the H200 when a test's model was
-    collected during the next test's capture). Collected once before instead."""
-    gc.collect()
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
+        self.graph, self.logits = capture(run, dec.launcher, dec.pool, plain=self.size > PDL_MAX_BUCKET)
 
 
 class CudaDecoder:
     def __init__(self, forward_fn, launcher, kv: dict, dtype, device, max_batch: int, max_len: int,
-                 dist: dict | None = None):
+                 dist: dict | None = None, prefill_graph_tokens: int = 0):
         self.dist = dist or {}
         self.forward_fn, self.launcher, self.device = forward_fn, launcher, device
         self.max_batch, self.max_len = max_batch, max_len
@@ -96,23 +70,31 @@ class CudaDecoder:
         self.rope_tables: dict = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.buckets = {b: _Bucket(self, b) for b in batch_buckets(max_batch)}
+        self.prefill_graph_tokens = prefill_graph_tokens
+        self.prefill_graphs = {t: PrefillGraph(self, t) for t in prefill_graph_buckets(prefill_graph_tokens, max_len)}
 
     def drop_graphs(self) -> None:
-        """Forget every captured decode step; the next step of each bucket captures again.
+        """Forget every captured decode step and prefill; the next run of each bucket captures again.
 
         The new captures take a fresh memory pool: capturing into the pool of graphs that were
         all freed trips PyTorch's allocator (``use_count > 0`` assert, torch 2.11).
         """
-        for bucket in self.buckets.values():
+        for bucket in (*self.buckets.values(), *self.prefill_graphs.values()):
             bucket.graph = bucket.logits = None
         self.pool = torch.cuda.graph_pool_handle()
 
     def forward(self, ctx, tokens, positions, rows):
         return self.forward_fn(ctx, tokens, positions, rows)
 
-    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        """Run the prompts [B, S] into slots 0..B-1; returns the last position's logits [B, V]."""
+    def prefill(self, ids: torch.Tensor, graphs: bool = True) -> torch.Tensor:
+        """Run the prompts [B, S] into slots 0..B-1; returns the last position's logits [B, V]. One prompt of
+        at most ``prefill_graph_tokens`` replays its bucket's CUDA graph (``graphs=False``: eager)."""
         b, s = ids.shape
+        if b > self.max_batch or s > self.max_len:  # the cache has no rows for more: the kernels would write past it
+            raise ValueError(f"prefill of {b} x {s} tokens: the cache holds {self.max_batch} x {self.max_len}")
+        size = prefill_graph_bucket(s, self.prefill_graph_tokens, self.max_len) if graphs and b == 1 else None
+        if size is not None:
+            return self.prefill_graphs[size].run(self, ids.reshape(-1))
         ctx = ForwardContext.build([s] * b, [0] * b, list(range(b)), self.k_cache, self.v_cache, self.device,
                                    **self.dist)
         ctx.rope_tables = self.rope_tables

@@ -46,7 +46,8 @@ class Model:
             from mxc.runtime.decode_graphs import CudaDecoder
 
             self._decoder = CudaDecoder(self._bound_forward, launcher, self._kv, self.dtype, self.device,
-                                        options["max_batch"], options["max_seq_len"], self._dist)
+                                        options["max_batch"], options["max_seq_len"], self._dist,
+                                        options.get("prefill_graph_tokens", 0))
 
     def _bound_forward(self, ctx, tokens, positions, rows):
         return self._forward(self._top, self._layers, ctx, tokens, positions, rows)

@@ -201,3 +201,12 @@ def test_pdl_needs_cuda_sm90(ckpt, tmp_path):
     with pytest.raises(MxcError, match="sm_80"):
         _build(ckpt, tmp_path / "art", pdl=True, target="cuda", arch=80)
     assert not (tmp_path / "art").exists()
+
+
+def test_prefill_graphs_needs_cuda_and_a_count(ckpt, tmp_path):
+    with pytest.raises(MxcError, match="--prefill-graphs 256: .* with --target cuda") as e:
+        _build(ckpt, tmp_path / "art", prefill_graphs=256)
+    _one_line(e)
+    with pytest.raises(MxcError, match="--prefill-graphs -1: expected a token count >= 0"):
+        _build(ckpt, tmp_path / "art", prefill_graphs=-1, target="cuda")
+    assert not (tmp_path / "art").exists()

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from mxc.kernels.context import ForwardContext, to_device
+from mxc.kernels.context import ForwardContext, StaticInputs, to_device
 
 CASES = [  # seq_lens, past_lens, slots, max_len
     ([5], [0], [0], 8),  # one prompt
@@ -59,3 +59,21 @@ def test_to_device_on_cuda_packs_one_aligned_copy():
     for a, t in zip(_arrays(), got):
         assert t.device.type == "cuda" and t.data_ptr() % 16 == 0 and t.shape == a.shape
         assert torch.equal(t.cpu(), torch.from_numpy(a.copy()))
+
+
+def test_static_inputs_refill_in_place():
+    """A CUDA graph's inputs: each refill writes new values into the same tensors (same addresses, 16-byte
+    aligned), and inputs shaped unlike the layout are refused."""
+    first = dict(a=np.arange(5, dtype=np.int64), b=np.array([3, 4], dtype=np.int32), c=np.zeros(3, dtype=np.int32))
+    inputs = StaticInputs("cpu", **first)
+    ptrs = {k: t.data_ptr() for k, t in inputs.tensors.items()}
+    assert all(p % 16 == 0 for p in ptrs.values())
+    for k, a in first.items():
+        assert torch.equal(inputs.tensors[k], torch.from_numpy(a))
+    second = dict(a=np.arange(5, 10, dtype=np.int64), b=np.array([7, 8], dtype=np.int32), c=np.ones(3, dtype=np.int32))
+    inputs.fill(**second)
+    assert {k: t.data_ptr() for k, t in inputs.tensors.items()} == ptrs
+    for k, a in second.items():
+        assert torch.equal(inputs.tensors[k], torch.from_numpy(a)) and inputs.tensors[k].dtype == torch.from_numpy(a).dtype
+    with pytest.raises(AssertionError, match="differ from the layout"):
+        inputs.fill(a=np.arange(6, dtype=np.int64), b=second["b"], c=second["c"])

@@ -85,3 +85,43 @@ def test_cuda_program_matches_cpu_program(arch, fields, B):
         # (a wiring slip) moves them by ~6e-3
         err = float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
         assert err < 3e-3, err
+
+
+@pytest.mark.parametrize("s", [9, 16])  # padded by 7 tokens, and by none (a zero-length second sequence)
+@pytest.mark.parametrize("arch,fields", [("LlamaForCausalLM", {}), ("Qwen3MoeForCausalLM", MOE)],
+                         ids=["llama", "qwen3-moe"])
+def test_padded_prefill_matches_the_prompt_alone(arch, fields, s):
+    """A prefill graph's forward (``runtime.prefill_graphs``): a prompt of ``s`` tokens in slot 0 and padding up to
+    16 tokens in the scratch slot, with the kernels' host side seeing 16 tokens in two sequences whatever ``s``,
+    gives the prompt's last-row logits and slot-0 cache rows of the prompt run alone; the padding writes nowhere
+    but the scratch slot."""
+    from mxc.kernels.context import host_arrays
+    from mxc.runtime_buckets import padded_prefill
+
+    graph, forward = _program(arch, "cuda", **fields)
+    c = graph.config
+    B, T = 2, 16  # cache slots 0..B-1, scratch slot B; the bucket's tokens
+    shape = (B + 1, L, c["num_key_value_heads"], c["head_dim"])
+    fresh = lambda: [[torch.zeros(shape, dtype=torch.float16) for _ in range(c["num_hidden_layers"])]  # noqa: E731
+                     for _ in range(2)]
+    top, layers = _weights(graph, DummyCheckpoint(graph))
+    ids = torch.randint(0, c["vocab_size"], (T,), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        alone = fresh()
+        ctx = ForwardContext.build([s], [0], [0], *alone, torch.device("cpu"))
+        want = forward(top, layers, ctx, ids[:s], ctx.positions, ctx.last_rows)
+        padded = fresh()
+        seq_lens, past_lens, slots = padded_prefill(s, T, B)
+        t = {k: torch.from_numpy(a) for k, a in host_arrays(seq_lens, past_lens, slots, L).items()}
+        host_seq, _, host_slots = padded_prefill(T, T, B)  # what the captured forward's host side saw
+        ctx = ForwardContext(host_seq, [0, 0], host_slots, *padded, cache_loc=t["cache_loc"], kv_lens=t["kv_lens"],
+                             slots_t=t["slots"], q_start=t["q_start"], max_q_len=T)
+        got = forward(top, layers, ctx, ids, t["positions"], t["last_rows"][:1])
+    assert got.shape == want.shape == (1, c["vocab_size"])
+    err = float((got.float() - want.float()).abs().max() / want.float().abs().max())
+    assert err < 3e-3, err  # the same math; kernels chosen for 16 tokens instead of s
+    for layer in range(c["num_hidden_layers"]):
+        for cache_p, cache_a in zip((padded[0][layer], padded[1][layer]), (alone[0][layer], alone[1][layer])):
+            torch.testing.assert_close(cache_p[0, :s], cache_a[0, :s], atol=2e-3, rtol=2e-3)
+            assert not cache_p[0, s:].any() and not cache_p[1].any()  # nothing past the prompt, nothing in slot 1
+            assert bool(cache_p[B, :T - s].any()) == (s < T) and not cache_p[B, T - s:].any()  # the padding's rows

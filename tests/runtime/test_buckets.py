@@ -1,8 +1,10 @@
-"""Batch buckets: powers of two up to the first that holds max_batch (the runtime pads a batch to one)."""
+"""Buckets: decode batches in powers of two up to the first that holds max_batch, and short prompts in powers
+of two up to the build's limit (the runtime pads a batch, or a prompt, to one)."""
 
 import pytest
 
-from mxc.runtime_buckets import batch_bucket, batch_buckets
+from mxc.runtime_buckets import (batch_bucket, batch_buckets, padded_prefill, prefill_graph_bucket,
+                                  prefill_graph_buckets)
 
 
 def test_buckets_cover_max_batch():
@@ -14,3 +16,18 @@ def test_buckets_cover_max_batch():
     assert batch_bucket(5, 5) == 8
     with pytest.raises(ValueError, match="max_batch 64"):
         batch_bucket(65, 64)
+
+
+def test_prefill_graph_buckets():
+    """Powers of two from 16 up to the build's limit, none longer than a cache slot; a prompt's bucket is the
+    smallest that holds it, and its padding (a second sequence in the scratch slot) fits a slot."""
+    assert prefill_graph_buckets(512, 4096) == (16, 32, 64, 128, 256, 512)
+    assert prefill_graph_buckets(600, 4096)[-1] == 512 and prefill_graph_buckets(512, 100) == (16, 32, 64)
+    assert prefill_graph_buckets(0, 4096) == () == prefill_graph_buckets(512, 15)
+    assert [prefill_graph_bucket(s, 512, 4096) for s in (1, 16, 17, 64, 65, 512, 513)] == [16, 16, 32, 64, 128, 512,
+                                                                                           None]
+    assert prefill_graph_bucket(65, 512, 100) is None
+    for s in range(1, 129):
+        t = prefill_graph_bucket(s, 128, 128)
+        seq_lens, past_lens, slots = padded_prefill(s, t, 4)
+        assert seq_lens == [s, t - s] and past_lens == [0, 0] and slots == [0, 4] and t - s < t <= 128

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import gc
 
-from mxc.runtime.decode_graphs import _no_collection
+from mxc.runtime.graph_capture import _no_collection
 
 
 class _Cycle:

@@ -76,8 +76,9 @@ def test_every_launch_finds_its_binary(tmp_path, monkeypatch):
     monkeypatch.setattr(kernel_templates, "render", lambda *a, **k: render(*a, **k) + "# edited after the build\n")
     program = types.ModuleType("forward")
     exec(compile((art / "code" / "forward.py").read_text(), "forward.py", "exec"), program.__dict__)
+    assert options["prefill_graph_tokens"] == 512  # the cuda default: the prompt buckets' forwards run too
     aot.record(program, load_graph((art / "graph.yaml").read_text()), options["max_batch"], options["max_seq_len"],
-               pdl=options.get("pdl", False))
+               pdl=options.get("pdl", False), prefill_graph_tokens=options["prefill_graph_tokens"])
     assert {f for _, f in driver.launched} == set(driver.names) and len(driver.names) == len(launcher.binaries) > 10
     assert {how for how, _ in driver.launched} == ({"pdl"} if options.get("pdl") else {"plain"})
     index = json.loads((art / "code" / "kernels" / "index.json").read_text())
