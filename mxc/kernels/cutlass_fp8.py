@@ -52,13 +52,22 @@ STATUS = {0: "ok", 1: "CUTLASS can_implement rejected the problem (M, N, K, alig
 # schedule name -> (kernel schedule, epilogue schedule) names of cutlass_library's enums; fast_accum adds FP8FastAccum
 SCHEDULES = {"pingpong": ("TmaWarpSpecializedPingpong", "TmaWarpSpecialized"),
              "cooperative": ("TmaWarpSpecializedCooperative", "TmaWarpSpecializedCooperative")}
+SCHEDULERS = {"default": "Default", "persistent": "Persistent", "streamk": "StreamK"}  # cutlass_cppgen's names
 
 # The configuration builds use: vLLM's sm90 fp8 kernel (pingpong, 128x128x128 a CTA, clusters of 2x1x1, fast
 # accumulation). On one H200 (2026-11-30, tests/gpu/test_cutlass_fp8_gpu.py, M = 2048): 1435 TFLOP/s at
 # N, K = 6144, 4096 and 1462 at 4096, 14336, against torch._scaled_mm's 1316 and 1395; the cooperative
 # 128x128x128 kernel without fast accumulation ran 1187 and 1284. Fast accumulation's error: 0.5-1% of the
 # largest output against 0.2-0.3% (fp8 rounding of the inputs is several times more).
-BUILD_CONFIG = dict(tile=(128, 128, 128), cluster=(2, 1, 1), schedule="pingpong", fast_accum=True)
+# Problems of at most 256 rows (prefills of 33-256 tokens, decode batches of 64-256) run a second pair of kernels,
+# pingpong 64x128x128 a CTA, cluster 1x1x1, fast accumulation: the 128x128 tiles left most SMs idle there (an o
+# projection at M = 64: 32 CTAs on 132 SMs). bench/cutlass_small_m_lab.py, one H200, 2026-12-01, the four GEMMs of a
+# Llama-3-8B layer (us, L2 cleared): M = 64 105.7 against 159.9, M = 128 107.5 against 150.3, M = 256 125.4
+# against 138.2, M = 512 203.9 against 194.5 (so not above 256); 64x64 tiles won at 64 and 128 rows (95.8-102.6)
+# and lost at 256 (145.9); stream-K (cooperative 128x128 and 128x64) won only on the down projection.
+BUILD_CONFIG = dict(tile=(128, 128, 128), cluster=(2, 1, 1), schedule="pingpong", fast_accum=True,
+                    small_m=dict(tile=(64, 128, 128), cluster=(1, 1, 1), schedule="pingpong", fast_accum=True,
+                                 max_m=256))
 LIBRARY = "code/cutlass/fp8_gemm.so"  # where an artifact keeps its library
 PREBUILT_ENV = "MXC_CUTLASS_LIBRARY"
 
@@ -144,13 +153,14 @@ def _epilogue_visitor(cg, residual: bool = False):
 
 
 def kernel_source(tile=(128, 128, 128), cluster=(1, 1, 1), schedule="cooperative", fast_accum=False,
-                  stages=None, residual: bool = False) -> tuple[str, str, list[str]]:
+                  stages=None, residual: bool = False, scheduler: str = "default") -> tuple[str, str, list[str]]:
     """The CUTLASS kernel as cutlass_cppgen emits it: (kernel type name, C++ definitions, headers it needs);
     ``residual``: the variant adding a bf16 C [M, N] last."""
     cg = _cppgen()
     DT, LT = cg.DataType, cg.LayoutType
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule {schedule!r}: one of {sorted(SCHEDULES)}")
+    if schedule not in SCHEDULES or scheduler not in SCHEDULERS:
+        raise ValueError(f"schedule {schedule!r} / scheduler {scheduler!r}: one of {sorted(SCHEDULES)} / "
+                         f"{sorted(SCHEDULERS)}")
     kernel_name, epilogue_name = SCHEDULES[schedule]
     kernel_schedule = getattr(cg.KernelScheduleType, kernel_name + ("FP8FastAccum" if fast_accum else ""))
     plan = cg.op.Gemm(element_A=DT.e4m3, element_B=DT.e4m3, element_C=DT.bf16 if residual else DT.void,
@@ -162,7 +172,7 @@ def kernel_source(tile=(128, 128, 128), cluster=(1, 1, 1), schedule="cooperative
         "stages": stages or 0,
         "kernel_schedule": kernel_schedule,
         "epilogue_schedule": getattr(cg.EpilogueScheduleType, epilogue_name),
-        "tile_scheduler": cg.TileSchedulerType.Default,
+        "tile_scheduler": getattr(cg.TileSchedulerType, SCHEDULERS[scheduler]),
     }
     op = plan.construct(alignment_A=16, alignment_B=16, alignment_C=8)  # 16-byte TMA rows: K % 16, N % 8
     rt = op.rt_module
@@ -288,50 +298,54 @@ static int run(typename Gemm::Arguments const& args, void* workspace, size_t wor
 """
 
 _WRAPPER = r"""
+// a problem of at most MXC_SMALL_M_MAX rows runs the small-M kernels (namespaces ..._small_*), others the main ones
+#define MXC_SMALL_M_MAX @SMALL_M_MAX@
+#define MXC_BY_M(M, KIND, ...)                                                                 \
+  if ((M) <= MXC_SMALL_M_MAX) { using namespace mxc_cutlass_fp8_small_##KIND; __VA_ARGS__ } \
+  { using namespace mxc_cutlass_fp8_##KIND; __VA_ARGS__ }
+
 extern "C" {
 
 const char* mxc_cutlass_fp8_name() { return "@KERNEL@"; }
 
 // bytes of device workspace the kernel needs for this problem (host only, no CUDA call)
 size_t mxc_cutlass_fp8_workspace(int M, int N, int K) {
-  using namespace mxc_cutlass_fp8_plain;
-  return Gemm::get_workspace_size(make_args(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, M, N, K, false));
+  MXC_BY_M(M, plain, return Gemm::get_workspace_size(make_args(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                                               M, N, K, false));)
 }
 
 size_t mxc_cutlass_fp8_residual_workspace(int M, int N, int K) {
-  using namespace mxc_cutlass_fp8_residual;
-  return Gemm::get_workspace_size(make_args(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, M, N, K, false));
+  MXC_BY_M(M, residual, return Gemm::get_workspace_size(make_args(nullptr, nullptr, nullptr, nullptr, nullptr,
+                                                                  nullptr, M, N, K, false));)
 }
 
 // 1 when CUTLASS can run this problem size (alignment: K % 16 == 0, N % 8 == 0), else 0 (host only)
 int mxc_cutlass_fp8_can_implement(int M, int N, int K) {
-  using namespace mxc_cutlass_fp8_plain;
-  auto args = make_args(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, M, N, K, false);
-  return Gemm::can_implement(args) == cutlass::Status::kSuccess ? 1 : 0;
+  MXC_BY_M(M, plain, auto args = make_args(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, M, N, K, false);
+           return Gemm::can_implement(args) == cutlass::Status::kSuccess ? 1 : 0;)
 }
 
 // y = bf16(((xq @ wq^T) * scale_a[:, None]) * scale_b[None, :]); status as mxc_cutlass_fp8::run
 int mxc_cutlass_fp8_gemm(const void* xq, const void* wq, const float* scale_a, const float* scale_b, void* y,
                          int M, int N, int K, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  using namespace mxc_cutlass_fp8_plain;
-  return mxc_cutlass_fp8::run<Gemm>(make_args(xq, wq, scale_a, scale_b, nullptr, y, M, N, K, true), workspace,
-                                    workspace_bytes, stream);
+  MXC_BY_M(M, plain, return mxc_cutlass_fp8::run<Gemm>(make_args(xq, wq, scale_a, scale_b, nullptr, y, M, N, K, true),
+                                                       workspace, workspace_bytes, stream);)
 }
 
 // y = bf16(float(that y) + float(c)), c bf16 [M, N] row-major (y may not alias c)
 int mxc_cutlass_fp8_gemm_residual(const void* xq, const void* wq, const float* scale_a, const float* scale_b,
                                   const void* c, void* y, int M, int N, int K, void* workspace,
                                   size_t workspace_bytes, cudaStream_t stream) {
-  using namespace mxc_cutlass_fp8_residual;
-  return mxc_cutlass_fp8::run<Gemm>(make_args(xq, wq, scale_a, scale_b, c, y, M, N, K, true), workspace,
-                                    workspace_bytes, stream);
+  MXC_BY_M(M, residual, return mxc_cutlass_fp8::run<Gemm>(make_args(xq, wq, scale_a, scale_b, c, y, M, N, K, true),
+                                                          workspace, workspace_bytes, stream);)
 }
 
 }  // extern "C"
 """
 
 
-def generate(tile=(128, 128, 128), cluster=(1, 1, 1), schedule="cooperative", fast_accum=False, stages=None) -> str:
+def generate(tile=(128, 128, 128), cluster=(1, 1, 1), schedule="cooperative", fast_accum=False, stages=None,
+             scheduler: str = "default", small_m: dict | None = None) -> str:
     """Full .cu source of one kernel configuration: cutlass_cppgen's two kernels (without and with the residual
     C operand, each in a namespace of its own) plus the ``extern "C"`` entry points.
 
@@ -342,21 +356,41 @@ def generate(tile=(128, 128, 128), cluster=(1, 1, 1), schedule="cooperative", fa
     faster and less accurate at large K; ``torch._scaled_mm`` does not use it by default, vLLM's sm90
     kernel does (pingpong, 128x128x128, cluster 2x1x1, fast accumulation). Pingpong at 128x128 *without*
     fast accumulation spills registers (two 128x128 fp32 accumulators per warp group; ptxas's warning
-    comes back from ``compile_so``), so the default is cooperative. ``stages`` None lets CUTLASS fit as
-    many stages as shared memory holds.
+    comes back from ``compile_so``), so the default is cooperative. ``stages`` None lets CUTLASS fit
+    as many stages as shared memory holds. ``scheduler``: how tiles map to CTAs, "default" (a CTA a tile),
+    "persistent" or "streamk" (the K loops of all tiles spread over every SM: for problems with fewer tiles
+    than SMs, as the short prefills' GEMMs; partial sums meet in the workspace; cooperative only).
+    ``small_m``: a second configuration (the same keys, plus ``max_m``) whose two kernels serve problems of
+    at most ``max_m`` rows; the entry points choose by M, so callers see one function.
     """
+    config = dict(tile=tile, cluster=cluster, schedule=schedule, fast_accum=fast_accum, stages=stages,
+                  scheduler=scheduler)
+    small = dict(small_m or {})
+    max_m = small.pop("max_m", 0)
     parts, includes, names = [], [], []
-    for residual, namespace, epilogue in ((False, "mxc_cutlass_fp8_plain", _PLAIN_EPILOGUE),
-                                          (True, "mxc_cutlass_fp8_residual", _RESIDUAL_EPILOGUE)):
-        kernel, body, incs = kernel_source(tile, cluster, schedule, fast_accum, stages, residual)
-        tail = _KERNEL_TAIL.replace("@KERNEL@", kernel).replace("@EPILOGUE@", epilogue)
-        parts.append(f"namespace {namespace} {{\n{body}\n{tail}\n}}  // namespace {namespace}\n")
-        includes += [h for h in incs if h not in includes]
-        names.append(kernel)
+    for prefix, cfg in (("mxc_cutlass_fp8", config), ("mxc_cutlass_fp8_small", small if max_m else None)):
+        if cfg is None:  # no small-M kernels: their names stand for the main ones (the M test is never true)
+            parts.append("namespace mxc_cutlass_fp8_small_plain = mxc_cutlass_fp8_plain;\n"
+                         "namespace mxc_cutlass_fp8_small_residual = mxc_cutlass_fp8_residual;\n")
+            continue
+        for residual, kind, epilogue in ((False, "plain", _PLAIN_EPILOGUE), (True, "residual", _RESIDUAL_EPILOGUE)):
+            kernel, body, incs = kernel_source(residual=residual, **cfg)
+            tail = _KERNEL_TAIL.replace("@KERNEL@", kernel).replace("@EPILOGUE@", epilogue)
+            parts.append(f"namespace {prefix}_{kind} {{\n{body}\n{tail}\n}}  // namespace {prefix}_{kind}\n")
+            includes += [h for h in incs if h not in includes]
+            names.append(kernel)
     head = "\n".join(f'#include "{h}"' for h in ["cuda_runtime.h", *includes])
-    config = f"tile={tuple(tile)} cluster={tuple(cluster)} schedule={schedule} fast_accum={fast_accum} stages={stages}"
-    return (f"// Generated by mxc.kernels.cutlass_fp8 with cutlass_cppgen {_cppgen().__version__}: {config}\n"
-            f"{head}\n{_COMMON}\n{''.join(parts)}\n{_WRAPPER.replace('@KERNEL@', names[0])}")
+    name = names[0] + (f"; M <= {max_m}: {names[2]}" if max_m else "")
+    return (f"// Generated by mxc.kernels.cutlass_fp8 with cutlass_cppgen {_cppgen().__version__}: {_describe(config)}"
+            + (f"; M <= {max_m}: {_describe(small)}" if max_m else "") + "\n"
+            f"{head}\n{_COMMON}\n{''.join(parts)}\n"
+            f"{_WRAPPER.replace('@KERNEL@', name).replace('@SMALL_M_MAX@', str(max_m))}")
+
+
+def _describe(cfg: dict) -> str:
+    text = " ".join(f"{k}={tuple(v) if isinstance(v, (list, tuple)) else v}" for k, v in cfg.items()
+                    if k != "scheduler")
+    return text + (f" scheduler={cfg['scheduler']}" if cfg.get("scheduler", "default") != "default" else "")
 
 
 def compile_so(source: str, out_path, arch: str = "90a", timeout: float = 1800, nvcc: str | None = None,
@@ -439,7 +473,10 @@ def library_config() -> dict | str:
     """What ``build_library`` ships, for the manifest: ``BUILD_CONFIG`` (JSON-ready), or "prebuilt"."""
     if os.environ.get(PREBUILT_ENV):
         return "prebuilt"
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in BUILD_CONFIG.items()}
+    def plain(v):
+        return {k: plain(x) for k, x in v.items()} if isinstance(v, dict) else list(v) if isinstance(v, tuple) else v
+
+    return plain(BUILD_CONFIG)
 
 
 _ACTIVE: list[CutlassFp8Gemm] = []

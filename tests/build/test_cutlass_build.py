@@ -88,7 +88,9 @@ def test_fp8_cuda_build_ships_the_library(tmp_path):
     entry = manifest["cutlass"]
     assert entry["library"] == cutlass_fp8.LIBRARY and entry["library"] in manifest["files"]
     assert entry["config"] == {"tile": [128, 128, 128], "cluster": [2, 1, 1], "schedule": "pingpong",
-                               "fast_accum": True}
+                               "fast_accum": True, "small_m": {"tile": [64, 128, 128], "cluster": [1, 1, 1],
+                                                               "schedule": "pingpong", "fast_accum": True,
+                                                               "max_m": 256}}
     gemm = cutlass_fp8.load(out / entry["library"])  # opens without a GPU (cudart is static)
     assert gemm.name == entry["kernel"] and "pingpong_fp8_fastaccum" in gemm.name
     program = (out / "code" / "forward.py").read_text()

@@ -62,7 +62,7 @@ def _scaled_mm(xq, wq, sa, sb):
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("m", [1, 16, 2048, 1000])
+@pytest.mark.parametrize("m", [1, 16, 64, 200, 256, 257, 2048, 1000])  # the small-M kernels serve M <= 256
 def test_matches_scaled_mm(gemm, m, n, k):
     gen = torch.Generator(device="cuda").manual_seed(m * 7 + n)
     xq, sa = _quantized(m, k, gen)
@@ -81,7 +81,7 @@ def test_matches_scaled_mm(gemm, m, n, k):
     torch.testing.assert_close(y.float(), exact, rtol=tol, atol=tol * scale)
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 6144, 4096), (1000, 4096, 14336), (2048, 4096, 4096)])
+@pytest.mark.parametrize("m,n,k", [(1, 6144, 4096), (100, 4096, 4096), (1000, 4096, 14336), (2048, 4096, 4096)])
 def test_residual_kernel(gemm, m, n, k):
     """The residual kernel: the plain kernel's output plus a bf16 residual added in fp32 and rounded, bit for
     bit (the unfused order), and far from the product alone."""

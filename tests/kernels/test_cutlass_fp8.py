@@ -50,6 +50,22 @@ def test_generate_emits_kernel_and_entry_points(source):
     assert "cute::Shape<cute::_128, cute::_128, cute::_128>" in source
 
 
+def test_small_m_kernels_and_the_dispatch(monkeypatch):
+    """The shipped library's second configuration: two more kernels, and every entry point picks by M."""
+    source = cutlass_fp8.generate(**cutlass_fp8.BUILD_CONFIG)
+    small = cutlass_fp8.BUILD_CONFIG["small_m"]
+    assert "#define MXC_SMALL_M_MAX 256" in source and small["max_m"] == 256
+    for kind in ("plain", "residual"):
+        assert f"namespace mxc_cutlass_fp8_{kind} {{" in source and f"namespace mxc_cutlass_fp8_small_{kind} {{" in source
+    assert source.count("cute::Shape<cute::_64, cute::_128, cute::_128>") == 4  # the small-M pair's CTA tile (2 each)
+    assert source.count("KernelTmaWarpSpecializedPingpongFP8FastAccum") == 4
+    assert source.count("MXC_BY_M(M, ") == 6  # the macro, then every entry point but name()
+    single = cutlass_fp8.generate()
+    assert "#define MXC_SMALL_M_MAX 0" in single and "namespace mxc_cutlass_fp8_small_plain = mxc_cutlass_fp8_plain;" in single
+    monkeypatch.delenv(cutlass_fp8.PREBUILT_ENV, raising=False)
+    assert cutlass_fp8.library_config()["small_m"] == {**small, "tile": [64, 128, 128], "cluster": [1, 1, 1]}
+
+
 def test_generate_options():
     fast = cutlass_fp8.generate(tile=(128, 256, 128), cluster=(2, 1, 1), schedule="cooperative", fast_accum=True)
     assert "KernelTmaWarpSpecializedCooperativeFP8FastAccum" in fast
@@ -86,7 +102,9 @@ def test_compile_so_exports_entry_points(tmp_path, monkeypatch):
         assert hasattr(lib, entry)
     gemm = cutlass_fp8.load(so)
     assert gemm.name.startswith("cutlass3x_sm90_tensorop") and "e4m3_e4m3_f32_void_bf16" in gemm.name
+    assert "; M <= 256: " in gemm.name and "64x128x128_1x1x1" in gemm.name.split("; ")[1]
     assert gemm.can_implement(2048, 6144, 4096) and gemm.can_implement(1, 4096, 14336)
+    assert gemm.can_implement(256, 6144, 4096) and gemm.workspace_bytes(100, 4096, 4096, residual=True) >= 0
     assert not gemm.can_implement(16, 4096, 4100)  # K must be a multiple of 16 (16-byte TMA rows)
     assert gemm.workspace_bytes(2048, 6144, 4096) >= 0 and gemm.workspace_bytes(2048, 6144, 4096, residual=True) >= 0
     assert gemm.has_residual
