@@ -64,7 +64,7 @@ SCHEDULERS = {"default": "Default", "persistent": "Persistent", "streamk": "Stre
 # projection at M = 64: 32 CTAs on 132 SMs). bench/cutlass_small_m_lab.py, one H200, 2026-12-01, the four GEMMs of a
 # Llama-3-8B layer (us, L2 cleared): M = 64 105.7 against 159.9, M = 128 107.5 against 150.3, M = 256 125.4
 # against 138.2, M = 512 203.9 against 194.5 (so not above 256); 64x64 tiles won at 64 and 128 rows (95.8-102.6)
-# and lost at 256 (145.9); stream-K (cooperative 128x128 and 128x64) won only on the down projection.
+# and lost at 256 (145.9); stream-K (cooperative 128x128 and 128x64) lost to 64x128 at every M (121.7-161.8).
 BUILD_CONFIG = dict(tile=(128, 128, 128), cluster=(2, 1, 1), schedule="pingpong", fast_accum=True,
                     small_m=dict(tile=(64, 128, 128), cluster=(1, 1, 1), schedule="pingpong", fast_accum=True,
                                  max_m=256))
