@@ -26,7 +26,8 @@ scale_a=sa[:, None], scale_b=sb[None, :], out_dtype=torch.bfloat16)`` computes, 
 - ``load`` opens the library with ctypes; ``CutlassFp8Gemm.__call__`` takes raw device pointers (a
   tensor's ``data_ptr()``), sizes and a stream handle, so the call path imports nothing from torch.
 - ``build_library`` is what ``mxc build`` calls when ``select_kernels`` chose the CUTLASS GEMM: the
-  ``BUILD_CONFIG`` kernel, compiled once and cached by its source's hash (or a prebuilt library named by
+  ``BUILD_CONFIG`` kernels (a second pair for problems of at most ``small_m["max_m"]`` rows, which the entry
+  points choose by M), compiled once and cached by the source's hash (or a prebuilt library named by
   ``$MXC_CUTLASS_LIBRARY``, for a build machine without the generator; ``none`` turns CUTLASS off), copied
   into the artifact;
   ``use`` opens an artifact's library at load and ``active`` is the one the runtime calls.
