@@ -38,6 +38,16 @@ def _compiled(path: Path) -> list[str]:
     return lines
 
 
+def _cuda_options(options: dict) -> list[str]:
+    """The runtime's sizes and launch modes of a cuda artifact: its KV cache, graph buckets and PDL."""
+    if options["target"] != "cuda":
+        return []
+    graphs = options.get("prefill_graph_tokens", 0)
+    return [f"cuda         KV cache {options['max_batch']} x {options['max_seq_len']} tokens (decode graphs per "
+            f"batch bucket), prefill graphs {f'up to {graphs} tokens' if graphs else 'off'}, "
+            f"PDL {'on' if options.get('pdl') else 'off'}"]
+
+
 def summary(path) -> str:
     path = Path(path)
     m = read_manifest(path)
@@ -53,6 +63,7 @@ def summary(path) -> str:
         f"rope         {c.get('rope', {}).get('type')} (theta {c.get('rope', {}).get('theta')})",
         f"build        target {m['options']['target']}, dtype {m['options']['dtype']}, tp {m.get('tp', 1)}, "
         f"quant {m['options'].get('quant') or 'none'}",
+        *_cuda_options(m["options"]),
         f"built by     mxc {m['mxc_version']} (torch {m['target'].get('torch')}), IR sha256 {m['ir_sha256'][:16]}",
         f"weights      {m['source']['weights']}" + (f" from {m['source']['checkpoint']}" if m['source']['checkpoint'] else ""),
         "kernels      " + ", ".join(f"{k} x{n}" for k, n in kernels.items()),

@@ -111,6 +111,8 @@ def test_cuda_build_compiles_every_kernel_for_sm90(config, tp, quant, tmp_path):
         text = summary(art)
         assert "triton_gemv.linear_small_m (<= 16 tokens) / " in text and "cublas.linear" in text
         assert "kernel modules rendered from templates" in text and "  rms_norm(BLOCK_H=" in text
+        assert f"prefill graphs up to {manifest['options']['prefill_graph_tokens']} tokens" in text
+        assert f"KV cache {manifest['options']['max_batch']} x {manifest['options']['max_seq_len']} tokens" in text
 
 
 # Records the artifact's launches again in a new process (another hash seed and working directory) with
@@ -131,7 +133,8 @@ program = types.ModuleType("forward")
 exec(compile((art / "code/forward.py").read_text(), "forward.py", "exec"), program.__dict__)
 options = json.loads((art / "manifest.json").read_text())["options"]
 specs = aot.record(program, load_graph((art / "graph.yaml").read_text()), options["max_batch"],
-                   options["max_seq_len"], pdl=options.get("pdl", False))
+                   options["max_seq_len"], pdl=options.get("pdl", False),
+                   prefill_graph_tokens=options.get("prefill_graph_tokens", 0))
 print(json.dumps({"recorded": len(specs), "missing": [s["kernel"] for k, s in specs.items() if k not in index]}))
 """
 

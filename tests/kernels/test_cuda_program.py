@@ -87,9 +87,9 @@ def test_cuda_program_matches_cpu_program(arch, fields, B):
         assert err < 3e-3, err
 
 
-@pytest.mark.parametrize("s", [9, 16])  # padded by 7 tokens, and by none (a zero-length second sequence)
-@pytest.mark.parametrize("arch,fields", [("LlamaForCausalLM", {}), ("Qwen3MoeForCausalLM", MOE)],
-                         ids=["llama", "qwen3-moe"])
+@pytest.mark.parametrize("arch,fields,s", [  # padded by 7 tokens, and by none (a zero-length second sequence)
+    ("LlamaForCausalLM", {}, 9), ("LlamaForCausalLM", {}, 16), ("Qwen3MoeForCausalLM", MOE, 9),
+], ids=["llama-9", "llama-16", "qwen3-moe-9"])
 def test_padded_prefill_matches_the_prompt_alone(arch, fields, s):
     """A prefill graph's forward (``runtime.prefill_graphs``): a prompt of ``s`` tokens in slot 0 and padding up to
     16 tokens in the scratch slot, with the kernels' host side seeing 16 tokens in two sequences whatever ``s``,
