@@ -20,10 +20,10 @@ def batch_bucket(n: int, max_batch: int) -> int:
     raise ValueError(f"batch {n} exceeds max_batch {max_batch}")
 
 
-# The builds' default largest prompt bucket (``--prefill-graphs``). H200, Llama-3-8B fp8 (2026-12-01): the host
-# took 11.8-12.6 ms to enqueue an eager prefill of 64 to 2048 tokens, the GPU 12.3 ms at 512 tokens (host-bound)
-# and 14.6 at 1024; a bucket pays for its padding (up to twice the tokens) while its GPU time stays under the
-# eager host time.
+# The builds' default largest prompt bucket (``--prefill-graphs``). A bucket pays for its padding (up to twice a
+# prompt's tokens) and wins while its GPU time stays under the eager prefill's host time. H200, Llama-3-8B fp8
+# (2026-12-01, bench/prefill_host.py): the 512 bucket's replay took 7.5-7.7 ms against 8.9-14.5 ms eager; the 1024
+# bucket lost at its bottom (768 tokens: 14.7 ms against 14.2 eager).
 PREFILL_GRAPH_TOKENS = 512
 
 # The smallest prompt bucket captured as a CUDA graph: below it the GPU time is the weights' read whatever

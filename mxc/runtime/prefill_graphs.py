@@ -1,6 +1,6 @@
 """Short prompts' prefills replayed as CUDA graphs, one per prompt-length bucket.
 
-Enqueueing a forward costs the host ~10-20 ms whatever the prompt's length (hundreds of launches), more
+Enqueueing a forward costs the host 8-20 ms whatever the prompt's length (hundreds of launches), more
 than the GPU needs for a few hundred tokens: eager, a short prompt's time to first token is the host's.
 A ``PrefillGraph`` holds one bucket of ``T`` tokens: a batch-1 prompt of ``s <= T`` tokens goes into slot 0
 and a padding sequence of ``T - s`` tokens into the KV cache's scratch slot, so the captured forward
