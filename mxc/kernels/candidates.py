@@ -218,7 +218,8 @@ _TRITON = [
               check=_dtype_ok),
     # fp8 (qlinear); a tuning cache will turn these "default" reasons into measured ones
     Candidate("triton_fp8.qlinear_small_m", "qlinear", GPU,
-              f"default: Triton fp8-weight GEMV, half the bytes of bf16, at <= {GEMV_MAX_TOKENS} tokens",
+              f"default: Triton fp8-weight GEMV, half the bytes of bf16, at <= {GEMV_MAX_TOKENS} tokens (one "
+              f"token on CUDA cores: x unquantized, no quantize kernel)",
               tokens=(1, GEMV_MAX_TOKENS), check=_dtype_ok),
     Candidate(CUTLASS_KERNELS[0], "qlinear", GPU, CUTLASS_REASON, check=_cutlass_ok),
     Candidate("fp8_gemm.scaled_mm", "qlinear", GPU, "default: cuBLASLt fp8 GEMM (torch._scaled_mm), row-wise scales",
@@ -241,8 +242,8 @@ _TRITON = [
               f"the residual in one launch) at <= {MLP_PAIR_MAX_TOKENS} tokens", tokens=(1, MLP_PAIR_MAX_TOKENS),
               check=_mlp_pair_ok),
     Candidate("cuda_ops.rms_norm_mlp_small_m", "rms_norm_mlp", GPU,
-              f"default: the RMSNorm-quantize, the Triton fp8 GEMV, SiLU-and-mul, the quantize and the Triton fp8 "
-              f"GEMV with the residual, at <= {GEMV_MAX_TOKENS} tokens", tokens=(1, GEMV_MAX_TOKENS), check=_dtype_ok),
+              f"default: the RMSNorm-quantize, the Triton fp8 GEMV with SiLU-and-mul in its epilogue, then the "
+              f"Triton fp8 GEMV with the residual, at <= {GEMV_MAX_TOKENS} tokens", tokens=(1, GEMV_MAX_TOKENS), check=_dtype_ok),
     Candidate(CUTLASS_KERNELS[2], "rms_norm_mlp", GPU,
               "the RMSNorm-quantize and SiLU-quantize kernels, each linear the " + CUTLASS_REASON, check=_cutlass_ok),
     Candidate("cuda_ops.rms_norm_mlp_scaled_mm", "rms_norm_mlp", GPU,

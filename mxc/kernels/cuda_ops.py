@@ -54,8 +54,8 @@ def rms_norm_qlinear_gemm(x, norm_weight, weight, scale, bias=None, eps=1e-6, gr
                                    norm_weight=norm_weight, eps=eps)
 
 
-# ``rms_norm_mlp`` (fuse_mlp): x + down(silu_mul(gate_up(rms_norm(x)))). Above the persistent kernel's token
-# counts each runs the unfused nodes' kernels, in the same order, so the results are theirs.
+# ``rms_norm_mlp`` (fuse_mlp): x + down(silu_mul(gate_up(rms_norm(x)))). Each runs the unfused nodes' kernels, in
+# the same order, so the results are theirs; at decode token counts the SiLU moves into the gate/up GEMV.
 
 def _mlp_chain(gate_up_fn, down_fn, doc: str):
     """The fused op as its two unfused nodes' kernels: ``gate_up_fn`` (an ``rms_norm_qlinear_*``), then ``down_fn``
@@ -68,9 +68,14 @@ def _mlp_chain(gate_up_fn, down_fn, doc: str):
     return run
 
 
-rms_norm_mlp_small_m = _mlp_chain(rms_norm_qlinear_small_m, triton_fp8.qlinear_small_m,
-                                  "<= 32 tokens: the RMSNorm-quantize and Triton fp8 GEMV, then SiLU-and-mul, the "
-                                  "quantize and the GEMV with the residual.")
+def rms_norm_mlp_small_m(x, norm_weight, w_gate_up, s_gate_up, w_down, s_down, eps=1e-6, granularity="channel"):
+    """<= 32 tokens: the RMSNorm-quantize, the fp8 GEMV with SiLU-and-mul in its epilogue (where its config
+    allows; else the SiLU kernel after it), then the GEMV with the residual (after its quantize kernel, or
+    none: ``WEIGHT_ONLY``). The unfused nodes' values: the epilogue rounds gate and up as their GEMV's output."""
+    act = triton_fp8.qlinear_small_m(x, w_gate_up, s_gate_up, granularity=granularity, prologue="rms_norm",
+                                     norm_weight=norm_weight, eps=eps, epilogue="silu_mul")
+    return triton_fp8.qlinear_small_m(act, w_down, s_down, None, x, granularity=granularity)
+
 rms_norm_mlp_cutlass = _mlp_chain(rms_norm_qlinear_cutlass, fp8_gemm.cutlass, "Each linear the CUTLASS fp8 GEMM.")
 rms_norm_mlp_scaled_mm = _mlp_chain(rms_norm_qlinear_scaled_mm, fp8_gemm.scaled_mm,
                                     "Each linear cuBLASLt fp8 (torch._scaled_mm).")

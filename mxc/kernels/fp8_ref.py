@@ -3,7 +3,8 @@
 The oracle for the fp8 kernels and the CPU target's path for fp8 artifacts:
 ``qlinear`` quantizes each token's activations to e4m3 with its own scale
 (amax / 448), multiplies by the dequantized weight in float32, and rounds the
-result to the activation dtype (then bias, then residual, as ``linear``).
+result to the activation dtype (then bias, then residual, as ``linear``); with ``weight_only`` the
+activations multiply unquantized.
 """
 
 from __future__ import annotations
@@ -31,12 +32,17 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (xf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-def qlinear(x, weight, scale, bias=None, residual=None, granularity="channel", prologue=None):
+def qlinear(x, weight, scale, bias=None, residual=None, granularity="channel", prologue=None, weight_only=False):
+    """``weight_only``: x multiplies the dequantized weight as it is (the one-row GEMV's ``WEIGHT_ONLY``)."""
     if prologue == "silu_mul":
         gate, up = x.chunk(2, dim=-1)
         x = F.silu(gate) * up
-    xq, xs = quantize_rows(x)
-    y = (xq.float() * xs[:, None]) @ dequantize_weight(weight, scale, granularity).t()
+    if weight_only:
+        xf = x.float()
+    else:
+        xq, xs = quantize_rows(x)
+        xf = xq.float() * xs[:, None]
+    y = xf @ dequantize_weight(weight, scale, granularity).t()
     y = y.to(x.dtype)
     if bias is not None:
         y = y + bias

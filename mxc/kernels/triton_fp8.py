@@ -32,7 +32,10 @@ Two wrappers (``qlinear`` picks one by M):
      for M >= 2, as the bf16 GEMV's v3. On sm_90 a 16- or 32-row tile is below wgmma's 64 rows
      and Triton has no e4m3 mma.sync there, so it widens both operands to fp16 in registers
      (exact) and issues mma.sync m16n8k16 (seen in the PTX): the weight bytes are still fp8.
-  Activation quantization, two ways (``PREQUANT``):
+  Weight-only (``WEIGHT_ONLY``, FMA versions; the default at one row where the config is v1 --
+     ``triton_fp8_gemv.WEIGHT_ONLY_M1``): x multiplies as it is, no quantize kernel (the RMSNorm and
+     SiLU prologues run as their own kernels first); the reference is ``fp8_ref.qlinear(...,
+     weight_only=True)``. Otherwise, activation quantization, two ways (``PREQUANT``):
   fused (PREQUANT=False; no default uses it: measured 1.2-9x slower, see ``config_for``):
      every program first reads its x rows over
      the whole K (from L2; x is at most 32 x K) for the row amax (after the prologue), then
@@ -50,6 +53,9 @@ Two wrappers (``qlinear`` picks one by M):
   multiply the quantized x chunk by the scale of each element's K block (a gathered [BLOCK_K]
   vector from one scale row, any BLOCK_K); v3 scales each step's dot product, so there BLOCK_K
   must divide 128 (one K block per step).
+  ``epilogue="silu_mul"`` (the fp8 MLP's gate/up at decode, ``cuda_ops.rms_norm_mlp_small_m``): a
+     program takes BLOCK_N/2 gate rows and the matching up rows and stores silu(gate) * up, [M, N/2],
+     with the SiLU kernel's numerics (one K slice, channel/tensor scales; else that kernel after it).
   SPLIT_K > 1: fp32 partials (already scaled) in a scratch [SPLIT_K, M, N], summed in a fixed
   order by ``_qgemv_reduce_kernel`` (deterministic, no atomics), which rounds, adds bias and
   residual.

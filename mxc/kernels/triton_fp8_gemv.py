@@ -7,11 +7,12 @@ a few rows), v3 (tensor cores; ``SWAP_AB`` puts the weights on the wgmma side). 
 Measured and removed (H200, Triton 3.6, 2026-11-30, ``bench/linear_lab.py``): v1 issuing the next step's
 weight load before its own math (two steps' bytes in flight a thread) was slower at every Llama-3-8B
 shape at one row: qkv 20.0 against 13.6 us, o 15.0 against 9.6, gate/up 76.4 against 40.5, down 28.2
-against 22.0; and weights widened by integer ops instead of cvt, 3-7% slower. A weight-only mode (x kept
-in bf16, no quantize kernel; the weights widened to bf16, as v1 FMA or as the A operand of a bf16 wgmma
-under SWAP_AB): Llama-3-8B fp8 batch-1 decode 3.97 against 2.75 ms (``bench/decode_ab.py``, 2026-12-01;
-its GEMVs 3389 against 2127 us a step), since the e4m3 wgmma needs both operands in e4m3 and widening the
-weights in registers costs more than the quantize kernels it saves (329 us a step). SWAP_AB (e4m3 wgmma)
+against 22.0; and weights widened by integer ops instead of cvt, 3-7% slower. A weight-only mode for every
+GEMV (x kept in bf16, no quantize kernel; the weights widened to bf16, as v1 FMA or as the A operand of a
+bf16 wgmma under SWAP_AB): Llama-3-8B fp8 batch-1 decode 3.97 against 2.75 ms (``bench/decode_ab.py``,
+2026-12-01; its GEMVs 3389 against 2127 us a step), since the e4m3 wgmma needs both operands in e4m3 and
+widening the weights in registers costs more than the quantize kernels it saves (329 us a step). Kept:
+weight-only where the GEMV is v1 anyway (``WEIGHT_ONLY_M1``: the FMAs are the same, the quantize goes). SWAP_AB (e4m3 wgmma)
 for o and down at one row too (64-row tiles, K split 4), with the splits summed by the reduce kernel or
 inside the GEMV by each column block's last program (an atomic count; no second launch): 2.745 and
 2.738 ms a step against 2.755 (``bench/decode_ab.py``, 2026-12-01), within the rounds' spread; in the
@@ -21,16 +22,17 @@ us of bytes at the copy rate; o 6.6 for 4.0).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
+from mxc.kernels import triton_elementwise, triton_norm
 from mxc.kernels.launch import cdiv, launch
 from mxc.kernels.pdl import pdl_enter, prefetch_bytes, prefetch_rows_l2
 from mxc.kernels.triton_fp8_quant import (_DTYPES, GRANULARITIES, _check_inputs, _check_norm, _finish, _load_act,
-                                          _pow2, _prequantize, _quant, _quant_block, _row_scale)
+                                          _pow2, _prequantize, _quant, _quant_block, _row_scale, _silu_mul)
 from mxc.kernels.triton_gemv import M_BUCKETS, bucket, fill_gpu, split_k_for
 
 
@@ -41,19 +43,27 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
                   SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_SCALE: tl.constexpr,
                   PREQUANT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                   PROLOGUE_SILU_MUL: tl.constexpr,
-                  USE_PDL: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
+                  USE_PDL: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+                  WEIGHT_ONLY: tl.constexpr = False, EPILOGUE_SILU_MUL: tl.constexpr = False):
     """One program: columns [pid_n * BLOCK_N, +BLOCK_N) of y over K slice pid_k.
 
     x_ptr: x [M, K] (or [M, 2K] under PROLOGUE_SILU_MUL) in its float dtype, with xs_ptr None;
-    with PREQUANT, xq [M, K] e4m3 and xs_ptr its scales [M] (from ``_quant_rows_kernel``).
+    with PREQUANT, xq [M, K] e4m3 and xs_ptr its scales [M] (from ``_quant_rows_kernel``); with
+    WEIGHT_ONLY (FMA versions), x [M, K] in its float dtype taken as it is (no activation quantization).
     s_ptr: the weight scales, [N] or (BLOCK_SCALE) [ceil(N/128), ceil(K/128)].
     With SPLIT_K == 1, y_ptr is y [M, N]; otherwise the fp32 scratch [SPLIT_K, M, N] of scaled
-    partial sums, and HAS_BIAS and HAS_RESIDUAL are False. Built for PDL (USE_PDL), it first asks L2
+    partial sums, and HAS_BIAS and HAS_RESIDUAL are False. EPILOGUE_SILU_MUL (SPLIT_K == 1, no bias,
+    residual or block scales): the weight is [gate; up] ([N/2, K] each) and y [M, N/2] is
+    silu(gate) * up; the program's rows are gate rows [pid_n * BLOCK_N/2, +BLOCK_N/2) and the up rows
+    N/2 below them. Built for PDL (USE_PDL), it first asks L2
     for PREFETCH bytes (0: none) of each of its weight rows.
     """
     tl.static_assert(SPLIT_K == 1 or not (HAS_BIAS or HAS_RESIDUAL))
     tl.static_assert(not PREQUANT or not PROLOGUE_SILU_MUL)
     tl.static_assert(not SWAP_AB or (USE_DOT and PREQUANT))
+    tl.static_assert(not WEIGHT_ONLY or not (USE_DOT or PREQUANT or PROLOGUE_SILU_MUL))
+    tl.static_assert(not EPILOGUE_SILU_MUL or (SPLIT_K == 1 and not (HAS_BIAS or HAS_RESIDUAL or BLOCK_SCALE)))
+    LOAD_X: tl.constexpr = PREQUANT or WEIGHT_ONLY  # x's values are the factors as loaded
     tl.static_assert(not BLOCK_SCALE or 128 % BLOCK_N == 0)
     tl.static_assert(not (BLOCK_SCALE and USE_DOT) or 128 % BLOCK_K == 0)
     X_STRIDE: tl.constexpr = 2 * K if PROLOGUE_SILU_MUL else K
@@ -64,7 +74,12 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
     EVEN_K: tl.constexpr = K % (SPLIT_K * BLOCK_K) == 0
     k_start = pid_k * K_PER_SPLIT
 
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if EPILOGUE_SILU_MUL:  # BLOCK_N / 2 gate rows, then the up rows N / 2 below them
+        HALF: tl.constexpr = BLOCK_N // 2
+        offs_j = tl.arange(0, BLOCK_N)
+        offs_n = pid_n * HALF + offs_j % HALF + (offs_j // HALF) * (N // 2)
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     rn = offs_n % N  # rows past N re-read row n % N: weight loads need no N mask
@@ -81,6 +96,8 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
     # per-token activation scales xs [BLOCK_M] (padding rows: 0 if prequantized, else 1e-12)
     if PREQUANT:
         xs = tl.load(xs_ptr + offs_m, mask=row_ok, other=0.0)
+    elif WEIGHT_ONLY:
+        xs = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
     else:
         amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
         a_ptrs = x_ptr + offs_m[:, None] * X_STRIDE + offs_k[None, :]
@@ -141,13 +158,13 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
             k_ok = (k_start + k + offs_k) < K
             if EVEN_K:
                 w = tl.load(w_ptrs).to(tl.float32)
-                if PREQUANT:
+                if LOAD_X:
                     xq = tl.load(x_ptrs).to(tl.float32)
                 else:
                     xq = _quant(_load_act(x_ptrs, None, None, K, PROLOGUE_SILU_MUL), xs0).to(tl.float32)
             else:
                 w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
-                if PREQUANT:
+                if LOAD_X:
                     xq = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
                 else:
                     xq = _quant(_load_act(x_ptrs, k_ok, 0.0, K, PROLOGUE_SILU_MUL), xs0).to(tl.float32)
@@ -172,7 +189,7 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
             for m in tl.static_range(BLOCK_M):
                 # rows past M re-read row M - 1 (no mask); their sums are never stored
                 xm_ptrs = x_ptrs + tl.minimum(M - 1, m) * X_STRIDE
-                if PREQUANT:
+                if LOAD_X:
                     if EVEN_K:
                         xq = tl.load(xm_ptrs).to(tl.float32)
                     else:
@@ -200,10 +217,23 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
         acc = acc * xs[:, None] * ws[None, :]
     mask = row_ok[:, None] & n_ok[None, :]
     offs = offs_m[:, None] * N + offs_n[None, :]
-    if SPLIT_K == 1:
+    if EPILOGUE_SILU_MUL:
+        _store_silu_mul(acc, y_ptr, pid_n, offs_m, row_ok, N // 2, BLOCK_M, BLOCK_N // 2)
+    elif SPLIT_K == 1:
         _finish(acc, y_ptr, b_ptr, r_ptr, offs, offs_n, n_ok, mask, HAS_BIAS, HAS_RESIDUAL)
     else:
         tl.store(y_ptr + pid_k * M * N + offs, acc, mask=mask)
+
+
+@triton.jit
+def _store_silu_mul(acc, y_ptr, pid_n, offs_m, row_ok, I: tl.constexpr, BLOCK_M: tl.constexpr, HALF: tl.constexpr):
+    """y[:, cols] = silu(gate) * up of acc [BLOCK_M, 2 * HALF] = [gate | up] of columns cols (of I): each half
+    rounded to y's dtype first, as the unfused GEMV's output, then ``_silu_mul`` (the SiLU kernel's numerics)."""
+    ty: tl.constexpr = y_ptr.dtype.element_ty
+    gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+    act = _silu_mul(gate.to(ty).to(tl.float32), up.to(ty).to(tl.float32), ty)
+    cols = pid_n * HALF + tl.arange(0, HALF)
+    tl.store(y_ptr + offs_m[:, None] * I + cols[None, :], act, mask=row_ok[:, None] & (cols < I)[None, :])
 
 
 @triton.jit
@@ -237,6 +267,7 @@ PREFETCH_BYTES = 512
 class QGemvConfig:
     """``qlinear_small_m`` tiles. BLOCK_N <= 128 (a power of two); with block128 scales and
     USE_DOT, BLOCK_K divides 128. PREQUANT: quantize x in a first kernel (see the module doc).
+    WEIGHT_ONLY (FMA, instead of PREQUANT): multiply x's own values, unquantized.
     SWAP_AB (v3 with PREQUANT, BLOCK_N >= 64): the product as w @ x^T, weights on the wgmma side."""
     BLOCK_N: int
     BLOCK_K: int
@@ -247,6 +278,7 @@ class QGemvConfig:
     num_stages: int = 1
     QUANT_BLOCK_K: int = 1024  # the prequantize kernel's chunk
     SWAP_AB: bool = False
+    WEIGHT_ONLY: bool = False  # FMA versions: x as it is, no activation quantization (nor its kernel)
 
 
 # Shapes where ``gemv_tuning.tune_fp8`` found a config >= 3% faster than the rules below (H200, Triton 3.6, bf16
@@ -260,8 +292,25 @@ MEASURED = {
 }
 
 
+# One-row FMA configs (v1: the o and down projections of Llama-3-8B) multiply x unquantized: the
+# GEMV does the same FMAs on bf16 x as on e4m3 xq, and the quantize kernel ahead of it goes (more
+# accurate too: only the weights are rounded). Llama-3-8B fp8 batch-1 decode on one H200 (Triton 3.6,
+# 2026-12-01, ``bench/decode_ab.py``, medians of three interleaved rounds): 2.670 against 2.753 ms;
+# with the SiLU in the gate/up epilogue and the attention's cache prefetch too, 2.604 against 2.735.
+WEIGHT_ONLY_M1 = True
+
+
 def config_for(m_bucket: int, n: int, k: int, dtype: torch.dtype, granularity: str) -> QGemvConfig:
-    """Default ``qlinear_small_m`` config; a pure function of its arguments (for the AOT build).
+    """Default ``qlinear_small_m`` config; a pure function of its arguments (for the AOT build): the
+    rules of ``_base_config``, with one-row FMA configs made ``WEIGHT_ONLY`` under ``WEIGHT_ONLY_M1``."""
+    cfg = _base_config(m_bucket, n, k, dtype, granularity)
+    if WEIGHT_ONLY_M1 and m_bucket == 1 and not cfg.USE_DOT:
+        cfg = replace(cfg, PREQUANT=False, WEIGHT_ONLY=True)
+    return cfg
+
+
+def _base_config(m_bucket: int, n: int, k: int, dtype: torch.dtype, granularity: str) -> QGemvConfig:
+    """``config_for`` before ``WEIGHT_ONLY_M1``.
 
     The bf16 GEMV's measured shapes (``triton_gemv.config_for``) carried over in bytes. M = 1,
     v1: [16 rows, 1 KB] fp8 steps, 8 warps (acc 64 fp32 registers a thread, 4 x 16-B weight
@@ -295,6 +344,17 @@ def config_for(m_bucket: int, n: int, k: int, dtype: torch.dtype, granularity: s
     return fill_gpu(cfg, n, k)
 
 
+# False: the silu_mul epilogue always runs as the SiLU kernel after the GEMV (A/B in one artifact). Measured as
+# ``WEIGHT_ONLY_M1``: 2.604 against 2.652 ms with the other two changes, 2.724 against 2.735 without them.
+SILU_EPILOGUE = True
+
+
+def _silu_epilogue_fits(cfg: QGemvConfig, block: bool) -> bool:
+    """Whether the GEMV's epilogue can take SiLU-and-mul: one K slice (no reduce kernel), channel or
+    tensor scales (a program's gate and up rows lie in different 128-row blocks)."""
+    return SILU_EPILOGUE and cfg.SPLIT_K == 1 and not block and cfg.BLOCK_N >= 2
+
+
 def _tile_m(m_bucket: int, cfg: QGemvConfig) -> int:
     """Rows of the kernel's tile: the bucket, or 16 at least for tensor cores (tl.dot)."""
     return max(16, m_bucket) if cfg.USE_DOT else m_bucket
@@ -311,13 +371,15 @@ def _check_gemv_config(cfg: QGemvConfig, block: bool) -> None:
         raise ValueError(f"block128 scales with USE_DOT need BLOCK_K dividing 128: {cfg}")
     if cfg.SWAP_AB and not (cfg.USE_DOT and cfg.PREQUANT and cfg.BLOCK_N >= 64):
         raise ValueError(f"SWAP_AB needs USE_DOT, PREQUANT and BLOCK_N >= 64 (the wgmma side): {cfg}")
+    if cfg.WEIGHT_ONLY and (cfg.USE_DOT or cfg.PREQUANT):
+        raise ValueError(f"WEIGHT_ONLY is an FMA version (no USE_DOT) and quantizes nothing (no PREQUANT): {cfg}")
 
 
 def qlinear_small_m(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                     residual: torch.Tensor | None = None, *, granularity: str = "channel",
                     prologue: str | None = None, norm_weight: torch.Tensor | None = None,
                     eps: float = 1e-6, config: QGemvConfig | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, epilogue: str | None = None) -> torch.Tensor:
     """``fp8_ref.qlinear(x, w, scale, bias, residual, granularity, prologue)`` for 1 <= M <= 32.
 
     x [M, K] (``prologue="silu_mul"``: [M, 2K]; ``prologue="rms_norm"``: x is normalised with
@@ -325,30 +387,47 @@ def qlinear_small_m(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias:
     scale float32 [N] (channel, tensor) or [ceil(N/128), ceil(K/128)] (block128); bias [N] and
     residual [M, N] in x's dtype; all contiguous. ``config`` overrides ``config_for``; ``out``
     (contiguous [M, N], x's dtype; may be ``residual`` itself, not x) receives the result.
+    ``epilogue="silu_mul"``: w is [gate; up] and the result [M, N/2] is ``torch_ref.silu_mul`` of the
+    product: in the GEMV's epilogue where its config allows (``_silu_epilogue_fits``), else by the SiLU
+    kernel after it (no ``out``, bias or residual then).
     Never reads tensor values on the host: runs on ``meta`` tensors under a recording launcher.
     The GEMV's grid and constexprs depend on (bucket(M), N, K, dtypes, granularity, fusions)
     only (M is a dynamic argument); the prequantize kernel (``PREQUANT``) has one program per
     row, grid (M,), and one binary for every M.
     """
+    if epilogue not in (None, "silu_mul"):
+        raise ValueError(f"epilogue must be None or 'silu_mul', got {epilogue!r}")
+    if epilogue and (out is not None or bias is not None or residual is not None or w.shape[0] % 2):
+        raise ValueError("the silu_mul epilogue takes no out, bias or residual, and an even number of weight rows")
     M, N, K, silu_mul = _check_inputs(x, w, scale, bias, residual, granularity, prologue, out)
     m_bucket = bucket(M)
     block = granularity == "block128"
     cfg = config if config is not None else config_for(m_bucket, N, K, x.dtype, granularity)
     _check_gemv_config(cfg, block)
-    y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if epilogue and not _silu_epilogue_fits(cfg, block):
+        y = qlinear_small_m(x, w, scale, granularity=granularity, prologue=prologue, norm_weight=norm_weight, eps=eps,
+                            config=cfg)
+        return triton_elementwise.silu_mul(y)
+    y = out if out is not None else torch.empty((M, N // 2 if epilogue else N), dtype=x.dtype, device=x.device)
     xs = None
     rms = prologue == "rms_norm"
     if rms:
         _check_norm(x, K, norm_weight)
-        if not cfg.PREQUANT:
+        if not (cfg.PREQUANT or cfg.WEIGHT_ONLY):
             raise ValueError(f"the rms_norm prologue runs in the quantize kernel: needs PREQUANT, got {cfg}")
-    if cfg.PREQUANT:
+    if cfg.WEIGHT_ONLY:  # the prologues as their own kernels, as the quantize would run them
+        if rms:
+            x = triton_norm.rms_norm(x, norm_weight, eps)
+        if silu_mul:
+            x = triton_elementwise.silu_mul(x)
+    elif cfg.PREQUANT:
         x, xs = _prequantize(x, M, K, silu_mul, cfg.QUANT_BLOCK_K, norm_weight if rms else None, eps)
-    grid = (cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)
+    grid = (cdiv(N // 2, cfg.BLOCK_N // 2) if epilogue else cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)
     consts = dict(N=N, K=K, BLOCK_M=_tile_m(m_bucket, cfg), BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
                   SPLIT_K=cfg.SPLIT_K, USE_DOT=cfg.USE_DOT, BLOCK_SCALE=block, PREQUANT=cfg.PREQUANT,
-                  PROLOGUE_SILU_MUL=silu_mul and not cfg.PREQUANT, SWAP_AB=cfg.SWAP_AB,
-                  PREFETCH=prefetch_bytes(PREFETCH_BYTES, K))
+                  PROLOGUE_SILU_MUL=silu_mul and not (cfg.PREQUANT or cfg.WEIGHT_ONLY), SWAP_AB=cfg.SWAP_AB,
+                  PREFETCH=prefetch_bytes(PREFETCH_BYTES, K), WEIGHT_ONLY=cfg.WEIGHT_ONLY,
+                  EPILOGUE_SILU_MUL=epilogue is not None)
     has_bias, has_residual = bias is not None, residual is not None
     if cfg.SPLIT_K == 1:
         launch(_qgemv_kernel, grid, [x, xs, w, scale, bias, residual, y, M],

@@ -56,13 +56,19 @@ def _load_act(x_ptrs, mask, other, K: tl.constexpr, PROLOGUE_SILU_MUL: tl.conste
         ty = x_ptrs.dtype.element_ty
         gate = tl.load(x_ptrs, mask=mask, other=other).to(tl.float32)
         up = tl.load(x_ptrs + K, mask=mask, other=other).to(tl.float32)
-        if ty == tl.float32:
-            act = tl.div_rn(gate, 1.0 + tl.exp(-gate))
-        else:
-            act = (gate / (1.0 + tl.exp(-gate))).to(ty).to(tl.float32)
-        return (act * up).to(ty).to(tl.float32)
+        return _silu_mul(gate, up, ty).to(tl.float32)
     else:
         return tl.load(x_ptrs, mask=mask, other=other).to(tl.float32)
+
+
+@triton.jit
+def _silu_mul(gate, up, ty: tl.constexpr):
+    """``silu(gate) * up`` in dtype ``ty`` from fp32 values of ``ty`` (``_load_act``'s numerics)."""
+    if ty == tl.float32:
+        act = tl.div_rn(gate, 1.0 + tl.exp(-gate))
+    else:
+        act = (gate / (1.0 + tl.exp(-gate))).to(ty).to(tl.float32)
+    return (act * up).to(ty)
 
 
 @triton.jit

@@ -48,10 +48,13 @@ def test_fuse_mlp_makes_one_op_a_layer_and_the_pair_claims_decode(monkeypatch):
                                    [None, "cuda_ops.rms_norm_mlp_cutlass"]]
     assert not [n for n in body if n.op == "qlinear" and n.attrs.get("prologue")]  # the down projection is inside
     assert [n.op for n in body].count("rms_norm_qlinear") == 1  # qkv keeps its own
-    # without the option (the default), or with the pass disabled, the graph keeps the two nodes
-    for plain in (_layer_nodes(WIDE), _layer_nodes(WIDE, mlp_pair=True, disable_passes=("fuse_mlp",))):
-        assert "rms_norm_mlp" not in [n.op for n in plain]
-        assert [n.attrs.get("prologue") for n in plain if n.op == "qlinear"] == [None, "silu_mul"]
+    # without the option (the default) the op stays and the GEMVs claim decode (the SiLU in the gate/up epilogue)
+    (mlp,) = [n for n in _layer_nodes(WIDE) if n.op == "rms_norm_mlp"]
+    assert mlp.attrs["kernel"] == [[32, "cuda_ops.rms_norm_mlp_small_m"], [None, "cuda_ops.rms_norm_mlp_cutlass"]]
+    # with the pass disabled, the graph keeps the two nodes
+    plain = _layer_nodes(WIDE, mlp_pair=True, disable_passes=("fuse_mlp",))
+    assert "rms_norm_mlp" not in [n.op for n in plain]
+    assert [n.attrs.get("prologue") for n in plain if n.op == "qlinear"] == [None, "silu_mul"]
     # a MoE layer has no dense MLP to fuse
     moe = {**WIDE, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2,
            "moe_intermediate_size": 1024}

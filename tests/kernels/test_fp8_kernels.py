@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mxc.kernels import fp8_ref, gemv_tuning, torch_ref
+from mxc.kernels import fp8_ref, gemv_tuning, torch_ref, triton_elementwise
 from mxc.kernels import launch as launch_mod
 from mxc.kernels import triton_fp8 as tf
 from mxc.kernels import triton_fp8_gemm as tfm
@@ -66,12 +66,13 @@ def _check(y, ref, dtype):
     assert err <= TOL[dtype] * ref.abs().max().item(), f"max error {err}, output scale {ref.abs().max().item()}"
 
 
-def _run(fn, M, dtype, gran, fusion, cfg, seed, n=N, k=K):
+def _run(fn, M, dtype, gran, fusion, cfg, seed, n=N, k=K, weight_only=False):
     bias, residual, prologue = fusion
     x, q, s, b, r = _inputs(M, n, k, dtype, gran, bias, residual, prologue, seed)
     pro = "silu_mul" if prologue else None
     y = fn(_dev(x), _dev(q), _dev(s), _dev(b), _dev(r), granularity=gran, prologue=pro, config=cfg)
-    _check(y, fp8_ref.qlinear(x, q, s, b, r, gran, pro), dtype)
+    weight_only = weight_only or getattr(cfg, "WEIGHT_ONLY", False)
+    _check(y, fp8_ref.qlinear(x, q, s, b, r, gran, pro, weight_only=weight_only), dtype)
     return y
 
 
@@ -129,6 +130,99 @@ def test_small_m_variants(M, cfg, gran, dtype, fusion, k):
     _run(tf.qlinear_small_m, M, dtype, gran, fusion, cfg, seed=M + k, k=k)
 
 
+# WEIGHT_ONLY: x multiplies as it is (v1 and v2); the prologues run as their own kernels first
+WEIGHT_ONLY = [
+    (1, replace(V1, WEIGHT_ONLY=True), "channel", torch.float16, (True, True, True)),
+    (1, replace(V1, WEIGHT_ONLY=True, SPLIT_K=3), "block128", torch.float32, (False, True, False)),
+    (1, QGemvConfig(BLOCK_N=8, BLOCK_K=128, WEIGHT_ONLY=True), "tensor", torch.float32, (False, False, True)),
+    (3, replace(V2, WEIGHT_ONLY=True), "block128", torch.float16, (True, False, True)),
+]
+
+
+@pytest.mark.parametrize("M,cfg,gran,dtype,fusion", WEIGHT_ONLY,
+                         ids=[f"M{v[0]}-split{v[1].SPLIT_K}-{v[2]}-{_fusion_id(v[4])}" for v in WEIGHT_ONLY])
+def test_small_m_weight_only(M, cfg, gran, dtype, fusion):
+    """Against the reference's unquantized product, and launching no quantize kernel."""
+    bias, residual, prologue = fusion
+    x, q, s, b, r = _inputs(M, N, K, dtype, gran, bias, residual, prologue, seed=31 + M)
+    pro = "silu_mul" if prologue else None
+    names = []
+    with launch_mod.using(lambda kernel, grid, args, constexprs, num_warps, num_stages: (
+            names.append(getattr(kernel, "__name__", "")), launch_mod.jit_launch(kernel, grid, args, constexprs, num_warps,
+                                                                                 num_stages))):
+        y = tf.qlinear_small_m(_dev(x), _dev(q), _dev(s), _dev(b), _dev(r), granularity=gran, prologue=pro,
+                               config=cfg)
+    _check(y, fp8_ref.qlinear(x, q, s, b, r, gran, pro, weight_only=True), dtype)
+    assert not any("quant" in n for n in names), names
+    quantized = fp8_ref.qlinear(x, q, s, b, r, gran, pro)
+    assert not torch.equal(y.cpu(), quantized)  # the product is not the quantized one
+
+
+def test_weight_only_rms_norm_prologue():
+    """The RMSNorm prologue under WEIGHT_ONLY: the norm kernel, then the unquantized product."""
+    dtype = torch.float16
+    x, q, s, _, _ = _inputs(1, N, K, dtype, "channel", False, False, False, seed=41)
+    g = torch.randn(K, generator=torch.Generator().manual_seed(3)).to(dtype)
+    y = tf.qlinear_small_m(_dev(x), _dev(q), _dev(s), prologue="rms_norm", norm_weight=_dev(g), eps=1e-5,
+                           config=replace(V1, WEIGHT_ONLY=True))
+    ref = fp8_ref.qlinear(torch_ref.rms_norm(x, g, 1e-5), q, s, weight_only=True)
+    _check(y, ref, dtype)
+
+
+def test_weight_only_config_rule(monkeypatch):
+    """Under WEIGHT_ONLY_M1 (the default) the one-row FMA configs (o, down) multiply x unquantized;
+    tensor-core configs (qkv, gate/up at one row; every config from two rows) keep the quantize kernel."""
+    assert tfv.WEIGHT_ONLY_M1
+    for n, k in [(4096, 4096), (4096, 14336), (6144, 4096), (28672, 4096)]:
+        for mb in (1, 2, 8):
+            cfg = tf.config_for(mb, n, k, torch.bfloat16, "channel")
+            assert cfg.WEIGHT_ONLY == (mb == 1 and not cfg.USE_DOT) and cfg.WEIGHT_ONLY != cfg.PREQUANT
+            tfv._check_gemv_config(cfg, False)
+    monkeypatch.setattr(tfv, "WEIGHT_ONLY_M1", False)
+    assert tf.config_for(1, 4096, 4096, torch.bfloat16, "channel").PREQUANT
+    with pytest.raises(ValueError, match="WEIGHT_ONLY"):
+        tfv._check_gemv_config(QGemvConfig(32, 64, USE_DOT=True, WEIGHT_ONLY=True), False)
+
+
+# the silu_mul epilogue: (M, config, granularity, dtype, N) -- every version; N / 2 = 75 leaves the last
+# program's gate columns partial; block128 and split K fall back to the SiLU kernel after the GEMV
+SILU_EPILOGUE = [
+    (1, replace(V1, PREQUANT=True, QUANT_BLOCK_K=256), "channel", torch.float16, N),
+    (1, replace(V1, WEIGHT_ONLY=True, BLOCK_N=16), "tensor", torch.float32, 2 * 64),
+    (3, replace(V2, PREQUANT=True, QUANT_BLOCK_K=256), "tensor", torch.float32, N),
+    (17, replace(DOT, PREQUANT=True, QUANT_BLOCK_K=256), "channel", torch.float16, N),
+    (5, SWAP, "channel", torch.float16, 2 * 96),
+    (1, SWAP, "block128", torch.float16, N),
+    (1, replace(SWAP, SPLIT_K=2), "channel", torch.float32, N),
+]
+
+
+@pytest.mark.parametrize("M,cfg,gran,dtype,n", SILU_EPILOGUE,
+                         ids=[f"M{v[0]}-{_variant_id((v[0], v[1], v[2], v[3], (0, 0, 0), K))}-N{v[4]}"
+                              for v in SILU_EPILOGUE])
+def test_small_m_silu_epilogue(M, cfg, gran, dtype, n):
+    """silu(gate) * up of [gate; up]'s product equals, bit for bit, the SiLU kernel on the GEMV's own output."""
+    x, q, s, _, _ = _inputs(M, n, K, dtype, gran, False, False, False, seed=51 + M)
+    x, q, s = _dev(x), _dev(q), _dev(s)
+    names = []
+    with launch_mod.using(lambda kernel, grid, args, constexprs, num_warps, num_stages: (
+            names.append(getattr(kernel, "__name__", "")), launch_mod.jit_launch(kernel, grid, args, constexprs,
+                                                                                 num_warps, num_stages))):
+        fused = tf.qlinear_small_m(x, q, s, granularity=gran, config=cfg, epilogue="silu_mul")
+    plain = tf.qlinear_small_m(x, q, s, granularity=gran, config=cfg)
+    assert fused.shape == (M, n // 2)
+    assert torch.equal(fused, triton_elementwise.silu_mul(plain))  # the unfused nodes' kernels
+    assert ("silu_mul_kernel" in names) == (gran == "block128" or cfg.SPLIT_K > 1), names
+
+
+def test_silu_epilogue_errors():
+    x, q, s, b, r = _inputs(1, N, K, torch.float32, "channel", True, True, False, seed=5)
+    with pytest.raises(ValueError, match="epilogue"):
+        tf.qlinear_small_m(_dev(x), _dev(q), _dev(s), _dev(b), granularity="channel", epilogue="silu_mul")
+    with pytest.raises(ValueError, match="epilogue must be"):
+        tf.qlinear_small_m(_dev(x), _dev(q), _dev(s), granularity="channel", epilogue="gelu")
+
+
 @pytest.mark.parametrize("gran", ["channel", "block128"])
 @pytest.mark.parametrize("M,cfg", [(1, V1), (3, V2), (17, DOT)], ids=["v1", "v2", "v3"])
 def test_fused_quantization_matches_prequantized(M, cfg, gran):
@@ -145,12 +239,15 @@ def test_fused_quantization_matches_prequantized(M, cfg, gran):
 
 @pytest.mark.parametrize("M", [1, 4, 17])
 def test_small_m_default_config(M):
-    """config_for's choice (large tiles, split K for a small N, prequantized activations) runs."""
+    """config_for's choice (large tiles, split K for a small N, prequantized activations; at one row
+    the FMA version, unquantized) runs."""
     n, k, dtype = 24, 300, torch.float16
     for gran in ("channel", "block128"):
         cfg = tf.config_for(tf.bucket(M), n, k, dtype, gran)
-        assert cfg == tf.config_for(tf.bucket(M), n, k, dtype, gran) and cfg.PREQUANT
-        _run(tf.qlinear_small_m, M, dtype, gran, (True, False, False), None, seed=M, n=n, k=k)
+        assert cfg == tf.config_for(tf.bucket(M), n, k, dtype, gran)
+        assert (cfg.WEIGHT_ONLY, cfg.PREQUANT) == ((True, False) if M == 1 else (False, True))
+        _run(tf.qlinear_small_m, M, dtype, gran, (True, False, False), None, seed=M, n=n, k=k,
+             weight_only=cfg.WEIGHT_ONLY)
 
 
 def test_config_table():
@@ -161,11 +258,14 @@ def test_config_table():
                 cfg = tf.config_for(mb, n, k, torch.bfloat16, gran)
                 tfv._check_gemv_config(cfg, gran == "block128")
                 if (mb, n, k, torch.bfloat16, gran) in tfv.MEASURED:  # tuned on the GPU: not the rules below
-                    assert cfg == tfv.MEASURED[(mb, n, k, torch.bfloat16, gran)]
+                    tuned = tfv.MEASURED[(mb, n, k, torch.bfloat16, gran)]
+                    assert cfg == (replace(tuned, PREQUANT=False, WEIGHT_ONLY=True) if mb == 1 and not tuned.USE_DOT
+                                   else tuned)
                     continue
                 # w @ x^T on wgmma from 2 rows, and at one row for N > K (measured faster), not block128
                 swap = gran != "block128" and (mb > 1 or n > k)
-                assert cfg.SWAP_AB == swap and cfg.USE_DOT == (mb > 1 or swap) and cfg.PREQUANT
+                assert cfg.SWAP_AB == swap and cfg.USE_DOT == (mb > 1 or swap)
+                assert cfg.PREQUANT != cfg.WEIGHT_ONLY and cfg.WEIGHT_ONLY == (mb == 1 and not swap)  # x as it is
                 assert cfg.BLOCK_K % 128 == 0  # whole 16-byte loads of e4m3 across a warp
                 # split K where the row tiles cannot fill the GPU (small N; 64-row SWAP_AB tiles: N < 8448)
                 assert (cfg.SPLIT_K > 1) == (n == 512 or (swap and -(-n // 64) < tf.NUM_SMS))
@@ -363,7 +463,12 @@ def test_qlinear_rms_norm_prologue(M):
     g = (1 + 0.1 * torch.randn(k, generator=torch.Generator().manual_seed(2))).to(dtype)
     y = tf.qlinear(_dev(x), _dev(w), _dev(s), _dev(b), granularity="channel", prologue="rms_norm",
                    norm_weight=_dev(g), eps=1e-6)
-    _check(y, torch_ref.rms_norm_qlinear(x, g, w, s, b, 1e-6, "channel"), dtype)
+    if M == 1:  # one row, N <= K: the FMA GEMV, x unquantized after the RMSNorm kernel
+        assert tf.config_for(1, n, k, dtype, "channel").WEIGHT_ONLY
+        ref = fp8_ref.qlinear(torch_ref.rms_norm(x, g, 1e-6), w, s, b, weight_only=True)
+    else:
+        ref = torch_ref.rms_norm_qlinear(x, g, w, s, b, 1e-6, "channel")
+    _check(y, ref, dtype)
     with pytest.raises(ValueError, match="norm_weight"):
         tf.qlinear(_dev(x), _dev(w), _dev(s), prologue="rms_norm")
 
@@ -436,13 +541,15 @@ def test_meta_recording():
                                        prologue="silu_mul")
                 assert y.shape == (M, n) and y.device.type == "meta"
                 kernels = [lc[0] for lc in launches]
-                pre = True  # SiLU-and-mul's own kernel, the plain quantize, the GEMV
+                # SiLU-and-mul's own kernel, the plain quantize (none at one row on CUDA cores), the GEMV
+                pre = M > 1  # N = K: v1 at one row, x unquantized
                 assert kernels[0].__name__ == "silu_mul_kernel"
-                assert kernels[1:3] == [tfq._quant_tile_kernel, tfv._qgemv_kernel]
-                assert kernels[3:] in ([], [tfv._qgemv_reduce_kernel])  # split K (SWAP_AB's 64-row tiles)
-                kernel, grid, args, consts, nw, ns = launches[2]
+                gemv = 1 + pre
+                assert kernels[1:gemv + 1] == [tfq._quant_tile_kernel] * pre + [tfv._qgemv_kernel]
+                assert kernels[gemv + 1:] in ([], [tfv._qgemv_reduce_kernel])  # split K (SWAP_AB's 64-row tiles)
+                kernel, grid, args, consts, nw, ns = launches[gemv]
                 assert args[-1] == M and consts["BLOCK_SCALE"] == (gran == "block128")
-                assert consts["PROLOGUE_SILU_MUL"] == (not pre) and consts["PREQUANT"] == pre
+                assert not consts["PROLOGUE_SILU_MUL"] and consts["PREQUANT"] == pre and consts["WEIGHT_ONLY"] != pre
                 spec = launch_mod.spec_of(kernel, args, consts, nw, ns)
                 assert spec["signature"]["w_ptr"] == "*fp8e4nv"
                 assert spec["signature"]["x_ptr"] == ("*fp8e4nv" if pre else "*bf16")
@@ -463,9 +570,9 @@ def test_meta_recording():
         launches.clear()
         tf.qlinear_small_m(meta(1, k), meta(512, k, dtype=tf.FP8), meta(512, dtype=torch.float32), meta(512),
                            meta(1, 512))
-    assert [lc[0] for lc in launches] == [tfq._quant_tile_kernel, tfv._qgemv_kernel, tfv._qgemv_reduce_kernel]
-    assert launches[1][3]["SPLIT_K"] > 1 and launches[1][3]["HAS_BIAS"] is False
-    assert launches[2][3]["HAS_BIAS"] is True and launches[2][3]["HAS_RESIDUAL"] is True
+    assert [lc[0] for lc in launches] == [tfv._qgemv_kernel, tfv._qgemv_reduce_kernel]  # x unquantized at one row
+    assert launches[0][3]["SPLIT_K"] > 1 and launches[0][3]["HAS_BIAS"] is False
+    assert launches[1][3]["HAS_BIAS"] is True and launches[1][3]["HAS_RESIDUAL"] is True
 
 
 @pytest.mark.parametrize("prologue", [None, "silu_mul", "rms_norm"])

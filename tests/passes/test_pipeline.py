@@ -37,7 +37,8 @@ def test_compiled_layer(bind_arch):
     assert ops.count("linear") == 4 and "rms_norm_linear" not in ops  # qkv, o, gate_up, down (bf16: no norm fold)
     assert ops.count("add_rms_norm") == 1 and ops.count("rms_norm") == 1  # post-attention; input norm
     q = [n.op for n in compile_graph(bind_arch("Qwen2ForCausalLM"), BuildOptions(quant="fp8")).repeats()[0].body]
-    assert q.count("qlinear") == 2 and q.count("rms_norm_qlinear") == 2  # o, down; qkv, gate_up take the norms
+    assert q.count("qlinear") == 1 and q.count("rms_norm_qlinear") == 1  # o; qkv takes the input norm
+    assert q.count("rms_norm_mlp") == 1  # the MLP with its norm and residual (fuse_mlp)
     assert "rms_norm" not in q and "add_rms_norm" not in q
     assert all("kernel" in n.attrs for n, _ in g.nodes())
 

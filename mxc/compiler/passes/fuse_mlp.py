@@ -1,4 +1,4 @@
-"""fuse_mlp: a decoder layer's fp8 MLP and its residual add become one op (``--mlp-pair``).
+"""fuse_mlp: a decoder layer's fp8 MLP and its residual add become one op.
 
 Matches (after ``quantize``)::
 
@@ -9,12 +9,11 @@ Rewrites to::
 
     y = rms_norm_mlp(x, g, w_gu, s_gu, w_down, s_down, eps=e)
 
-so that at decode token counts one kernel can run the whole MLP: ``mxc.kernels.mlp_pair_fp8`` (its
-persistent CUDA kernel, one launch for the RMSNorm-quantize, gate/up GEMV, SiLU-and-mul, quantize and
-down GEMV with the residual). The other token counts run the same kernels as the unfused nodes
-(``select_kernels``: ``cuda_ops.rms_norm_mlp_*``), and the CPU target the same references, so the
-rewrite changes no result there. Only with ``--mlp-pair`` (off by default until the kernel is measured
-on a GPU: ``docs/persistent_decode.md``). Preserves: the output name and the math of each step.
+so that at decode token counts the MLP's kernels can cross the two linears' boundary: the gate/up GEMV
+computes SiLU-and-mul in its epilogue (``cuda_ops.rms_norm_mlp_small_m``), or, with ``--mlp-pair``, one
+persistent CUDA kernel runs the whole MLP (``mxc.kernels.mlp_pair_fp8``). The other token counts run
+the same kernels as the unfused nodes (``select_kernels``: ``cuda_ops.rms_norm_mlp_*``), and the CPU
+target the same references, so the rewrite changes no result there. Preserves: the output name and the math of each step.
 """
 
 from __future__ import annotations
@@ -37,6 +36,6 @@ def _match(down: Node, ctx):
 
 
 def run(graph: Graph, options) -> Graph:
-    if options.quant != "fp8" or not getattr(options, "mlp_pair", False):
+    if options.quant != "fp8":
         return graph
     return apply_rules(graph, [("qlinear", _match)])[0]
