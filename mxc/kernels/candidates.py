@@ -243,7 +243,8 @@ _TRITON = [
               check=_mlp_pair_ok),
     Candidate("cuda_ops.rms_norm_mlp_small_m", "rms_norm_mlp", GPU,
               f"default: the RMSNorm-quantize, the Triton fp8 GEMV with SiLU-and-mul in its epilogue, then the "
-              f"Triton fp8 GEMV with the residual, at <= {GEMV_MAX_TOKENS} tokens", tokens=(1, GEMV_MAX_TOKENS), check=_dtype_ok),
+              f"Triton fp8 GEMV with the residual, at <= {GEMV_MAX_TOKENS} tokens", tokens=(1, GEMV_MAX_TOKENS),
+              check=_dtype_ok),
     Candidate(CUTLASS_KERNELS[2], "rms_norm_mlp", GPU,
               "the RMSNorm-quantize and SiLU-quantize kernels, each linear the " + CUTLASS_REASON, check=_cutlass_ok),
     Candidate("cuda_ops.rms_norm_mlp_scaled_mm", "rms_norm_mlp", GPU,

@@ -12,9 +12,9 @@ GEMV (x kept in bf16, no quantize kernel; the weights widened to bf16, as v1 FMA
 bf16 wgmma under SWAP_AB): Llama-3-8B fp8 batch-1 decode 3.97 against 2.75 ms (``bench/decode_ab.py``,
 2026-12-01; its GEMVs 3389 against 2127 us a step), since the e4m3 wgmma needs both operands in e4m3 and
 widening the weights in registers costs more than the quantize kernels it saves (329 us a step). Kept:
-weight-only where the GEMV is v1 anyway (``WEIGHT_ONLY_M1``: the FMAs are the same, the quantize goes). SWAP_AB (e4m3 wgmma)
-for o and down at one row too (64-row tiles, K split 4), with the splits summed by the reduce kernel or
-inside the GEMV by each column block's last program (an atomic count; no second launch): 2.745 and
+weight-only where the GEMV is v1 anyway (``WEIGHT_ONLY_M1``: the FMAs are the same, the quantize goes).
+SWAP_AB (e4m3 wgmma) for o and down at one row too (64-row tiles, K split 4), with the splits summed by
+the reduce kernel or inside the GEMV by each column block's last program (an atomic count; no second launch): 2.745 and
 2.738 ms a step against 2.755 (``bench/decode_ab.py``, 2026-12-01), within the rounds' spread; in the
 step these two GEMVs already cost about their bytes (``bench/ablate.py``: down 15.3 us a layer for 14.0
 us of bytes at the copy rate; o 6.6 for 4.0).

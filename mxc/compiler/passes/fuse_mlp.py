@@ -13,7 +13,8 @@ so that at decode token counts the MLP's kernels can cross the two linears' boun
 computes SiLU-and-mul in its epilogue (``cuda_ops.rms_norm_mlp_small_m``), or, with ``--mlp-pair``, one
 persistent CUDA kernel runs the whole MLP (``mxc.kernels.mlp_pair_fp8``). The other token counts run
 the same kernels as the unfused nodes (``select_kernels``: ``cuda_ops.rms_norm_mlp_*``), and the CPU
-target the same references, so the rewrite changes no result there. Preserves: the output name and the math of each step.
+target the same references, so the rewrite changes no result there. Preserves: the output name and the
+math of each step.
 """
 
 from __future__ import annotations
