@@ -274,6 +274,8 @@ def test_config_table():
                 # split K where the row tiles cannot fill the GPU (small N; 64-row SWAP_AB tiles: N < 8448)
                 assert (cfg.SPLIT_K > 1) == (n == 512 or (swap and -(-n // 64) < tf.NUM_SMS))
         assert all(not c.USE_DOT or c.SWAP_AB for c in gemv_tuning.fp8_candidates(1, gran))  # v1, or w @ x^T on wgmma
+        assert any(c.WEIGHT_ONLY for c in gemv_tuning.fp8_candidates(1, gran))  # what config_for runs at one row
+        assert not any(c.WEIGHT_ONLY for c in gemv_tuning.fp8_candidates(4, gran))
         assert all(c.USE_DOT for c in gemv_tuning.fp8_candidates(32, gran))
         assert {c.USE_DOT for c in gemv_tuning.fp8_candidates(4, gran)} == {False, True}
         for c in gemv_tuning.fp8_candidates(16, gran):
