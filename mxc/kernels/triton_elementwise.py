@@ -17,11 +17,26 @@ allocate and launch them.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from mxc.kernels import kernel_templates
 from mxc.kernels.launch import cdiv, launch, next_pow2
 
 MAX_BLOCK_N = 1024
+
+
+@triton.jit
+def _silu_mul(gate, up, ty: tl.constexpr):
+    """``silu(gate) * up`` rounded to ``ty`` from fp32 values of ``ty``, as ``torch_ref.silu_mul``: the silu rounded
+    to ``ty`` before the multiply. A 16-bit ``ty`` divides with Triton's fp32 division (approximate on the GPU,
+    within 2 ulp before the rounding), fp32 with the IEEE one. Shared by the SiLU kernel, the fp8 quantize's
+    SiLU prologue and the fp8 GEMV's SiLU epilogue, so every path computes the same values."""
+    if ty == tl.float32:
+        act = tl.div_rn(gate, 1.0 + tl.exp(-gate))
+    else:
+        act = (gate / (1.0 + tl.exp(-gate))).to(ty).to(tl.float32)
+    return (act * up).to(ty)
 
 
 def _kernel(template: str, size_name: str, n: int):

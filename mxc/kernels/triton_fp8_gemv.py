@@ -30,9 +30,10 @@ import triton.language as tl
 
 from mxc.kernels import triton_elementwise, triton_norm
 from mxc.kernels.launch import cdiv, launch
+from mxc.kernels.triton_elementwise import _silu_mul
 from mxc.kernels.pdl import pdl_enter, prefetch_bytes, prefetch_rows_l2
 from mxc.kernels.triton_fp8_quant import (_DTYPES, GRANULARITIES, _check_inputs, _check_norm, _finish, _load_act,
-                                          _pow2, _prequantize, _quant, _quant_block, _row_scale, _silu_mul)
+                                          _pow2, _prequantize, _quant, _quant_block, _row_scale)
 from mxc.kernels.triton_gemv import M_BUCKETS, bucket, fill_gpu, split_k_for
 
 
@@ -414,7 +415,8 @@ def qlinear_small_m(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias:
     if rms:
         _check_norm(x, K, norm_weight)
         if not (cfg.PREQUANT or cfg.WEIGHT_ONLY):
-            raise ValueError(f"the rms_norm prologue runs in the quantize kernel: needs PREQUANT, got {cfg}")
+            raise ValueError(f"the rms_norm prologue runs in the quantize or norm kernel: needs PREQUANT or "
+                             f"WEIGHT_ONLY, got {cfg}")
     if cfg.WEIGHT_ONLY:  # the prologues as their own kernels, as the quantize would run them
         if rms:
             x = triton_norm.rms_norm(x, norm_weight, eps)

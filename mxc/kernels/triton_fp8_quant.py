@@ -36,6 +36,7 @@ import triton.language as tl
 from mxc.kernels import triton_elementwise
 from mxc.kernels.launch import cdiv, check_operand, launch, next_pow2
 from mxc.kernels.pdl import pdl_enter
+from mxc.kernels.triton_elementwise import _silu_mul
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -59,16 +60,6 @@ def _load_act(x_ptrs, mask, other, K: tl.constexpr, PROLOGUE_SILU_MUL: tl.conste
         return _silu_mul(gate, up, ty).to(tl.float32)
     else:
         return tl.load(x_ptrs, mask=mask, other=other).to(tl.float32)
-
-
-@triton.jit
-def _silu_mul(gate, up, ty: tl.constexpr):
-    """``silu(gate) * up`` in dtype ``ty`` from fp32 values of ``ty`` (``_load_act``'s numerics)."""
-    if ty == tl.float32:
-        act = tl.div_rn(gate, 1.0 + tl.exp(-gate))
-    else:
-        act = (gate / (1.0 + tl.exp(-gate))).to(ty).to(tl.float32)
-    return (act * up).to(ty)
 
 
 @triton.jit
