@@ -24,6 +24,7 @@ import ast
 import importlib
 import json
 import statistics
+import re
 import sys
 import time
 from contextlib import contextmanager
@@ -44,7 +45,7 @@ def parse_variant(text: str) -> tuple[str, list[tuple[str, str, object]]]:
     """``name=module.attr=value,module.attr=value`` -> (name, [(module, attr, value)])."""
     name, _, rest = text.partition("=")
     patches = []
-    for item in [p for p in rest.split(",") if p]:
+    for item in [p for p in re.split(r",(?=[\w.]+=)", rest) if p]:  # a value may hold commas
         target, _, value = item.partition("=")
         module, _, attr = target.rpartition(".")
         patches.append((module, attr, ast.literal_eval(value)))
