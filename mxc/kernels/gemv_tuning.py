@@ -149,12 +149,14 @@ def bench(shapes, buckets, dtype, *, do_tune=False, verbose=False):
 def fp8_candidates(m_bucket: int, granularity: str) -> list[QGemvConfig]:
     """Configs ``tune_fp8`` tries (SPLIT_K added per shape): v1 at M = 1, v3 from 16, v1/v2 and v3
     between; fused and prequantized activations for each (and v1 weight-only, as ``config_for`` runs it
-    at one row); v3 with SWAP_AB at every bucket."""
+    at one row, also under REDUCE_STEPS); v3 with SWAP_AB at every bucket."""
     block = granularity == "block128"
     swap = [QGemvConfig(bn, bk, 1, True, True, 4, ns, SWAP_AB=True) for bn in (64, 128) for bk in (128, 256, 512)
             for ns in (3, 4, 5) if not (block and bk > 128)]
     v1 = [QGemvConfig(bn, bk, 1, False, pq, nw, 1, WEIGHT_ONLY=wo) for bn in (8, 16, 32) for bk in (512, 1024, 2048)
           for nw in (4, 8) for pq, wo in ((False, False), (True, False), (False, True)) if bn * bk <= 128 * 32 * nw]
+    v1 += [QGemvConfig(bn, bk, 1, False, False, 8, 1, WEIGHT_ONLY=True, REDUCE_STEPS=True) for bn in (8, 16)
+           for bk in (1024, 2048, 4096)]
     v2 = [QGemvConfig(bn, bk, 1, False, pq, 4, 1) for bn in (16, 32) for bk in (512, 1024) for pq in (False, True)]
     v3 = [QGemvConfig(bn, bk, 1, True, pq, nw, ns) for bn in (16, 32, 64, 128) for bk in (64, 128, 256, 512)
           for nw in (4, 8) for ns in (3, 4, 5) for pq in (False, True) if not (block and bk > 128)]

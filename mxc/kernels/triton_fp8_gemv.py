@@ -17,7 +17,14 @@ SWAP_AB (e4m3 wgmma) for o and down at one row too (64-row tiles, K split 4), wi
 the reduce kernel or inside the GEMV by each column block's last program (an atomic count; no second launch): 2.745 and
 2.738 ms a step against 2.755 (``bench/decode_ab.py``, 2026-12-01), within the rounds' spread; in the
 step these two GEMVs already cost about their bytes (``bench/ablate.py``: down 15.3 us a layer for 14.0
-us of bytes at the copy rate; o 6.6 for 4.0).
+us of bytes at the copy rate; o 6.6 for 4.0). The gate/up and down GEMVs at one token linked by counters
+instead of a kernel boundary (2026-12-01): each gate/up program counted its SiLU columns into a per-chunk
+counter (bar.sync, then a gpu-scope release by one thread); the down GEMV, launched under PDL while the
+gate/up's last programs ran, awaited each 1024-column chunk of x a step ahead (one thread polling with an
+acquire, nanosleep between polls) and passed the PDL wait only before its epilogue. Bit for bit the
+unlinked values in a replayed PDL graph, but slower: 2.673 against 2.614 ms a step (the counting alone
+2.638); every thread polling the counters' line took 2.954. The down GEMV's ramp overlapping the gate/up's
+tail gained nothing measurable. Removed.
 """
 
 from __future__ import annotations
@@ -45,7 +52,8 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
                   PREQUANT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                   PROLOGUE_SILU_MUL: tl.constexpr,
                   USE_PDL: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-                  WEIGHT_ONLY: tl.constexpr = False, EPILOGUE_SILU_MUL: tl.constexpr = False):
+                  WEIGHT_ONLY: tl.constexpr = False, EPILOGUE_SILU_MUL: tl.constexpr = False,
+                  REDUCE_STEPS: tl.constexpr = False):
     """One program: columns [pid_n * BLOCK_N, +BLOCK_N) of y over K slice pid_k.
 
     x_ptr: x [M, K] (or [M, 2K] under PROLOGUE_SILU_MUL) in its float dtype, with xs_ptr None;
@@ -56,7 +64,8 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
     partial sums, and HAS_BIAS and HAS_RESIDUAL are False. EPILOGUE_SILU_MUL (SPLIT_K == 1, no bias,
     residual or block scales): the weight is [gate; up] ([N/2, K] each) and y [M, N/2] is
     silu(gate) * up; the program's rows are gate rows [pid_n * BLOCK_N/2, +BLOCK_N/2) and the up rows
-    N/2 below them. Built for PDL (USE_PDL), it first asks L2
+    N/2 below them. REDUCE_STEPS (one row): v2's loop, each step's products summed to BLOCK_N values,
+    instead of v1's [BLOCK_N, BLOCK_K] accumulator. Built for PDL (USE_PDL), it first asks L2
     for PREFETCH bytes (0: none) of each of its weight rows.
     """
     tl.static_assert(SPLIT_K == 1 or not (HAS_BIAS or HAS_RESIDUAL))
@@ -150,7 +159,7 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
             x_ptrs += BLOCK_K
         if SWAP_AB:
             acc = tl.trans(acc_t)
-    elif BLOCK_M == 1:
+    elif BLOCK_M == 1 and not REDUCE_STEPS:
         # v1: per-thread partial products, one reduction at the end
         x_ptrs = x_ptr + k_start + offs_k
         xs0 = tl.max(xs, axis=0)
@@ -280,6 +289,7 @@ class QGemvConfig:
     QUANT_BLOCK_K: int = 1024  # the prequantize kernel's chunk
     SWAP_AB: bool = False
     WEIGHT_ONLY: bool = False  # FMA versions: x as it is, no activation quantization (nor its kernel)
+    REDUCE_STEPS: bool = False  # one row, FMA: v2's loop (each step summed to BLOCK_N values), not v1's
 
 
 # Shapes where ``gemv_tuning.tune_fp8`` found a config >= 3% faster than the rules below (H200, Triton 3.6, bf16
@@ -300,13 +310,33 @@ MEASURED = {
 # with the SiLU in the gate/up epilogue and the attention's cache prefetch too, 2.604 against 2.735.
 WEIGHT_ONLY_M1 = True
 
+# Rows of at least this many elements, in a one-row weight-only GEMV, run [8 rows, 2048] steps under
+# REDUCE_STEPS (0: never): 63 registers a thread against v1's 76 at [8, 1024], so four 8-warp programs fit
+# an SM and Llama-3-8B's down GEMV (512 programs) runs in one wave, with twice the bytes in flight a
+# step. Llama-3-8B fp8 batch-1 decode on one H200 (Triton 3.6, 2026-12-01, ``bench/decode_ab.py``,
+# medians of three interleaved rounds, two calls): 2.553 and 2.560 against 2.600 and 2.606 ms. Slower
+# there: [8, 4096] 2.668 (two programs an SM), [16, 2048] 2.592, [4, 2048] 2.690, [8, 1024] 2.782,
+# [8, 2048] at 4 warps 2.656. The o GEMV (K = 4096) gained nothing: [16, 4096] 2.610, [16, 2048] 2.599,
+# [16, 1024] 2.582 and [8, 2048] 2.552 against 2.560 with the down rule alone (within the rounds' spread).
+# Measured with channel scales; block128 takes the same tiles (8 rows divide a 128-row block).
+REDUCE_STEPS_MIN_K = 8192
+
+# Field overrides of the default configs by (bucket, N, K), applied after the rules: what
+# ``bench/decode_ab.py`` variants set to time other tiles in the whole step.
+OVERRIDES: dict[tuple[int, int, int], dict] = {}
+
 
 def config_for(m_bucket: int, n: int, k: int, dtype: torch.dtype, granularity: str) -> QGemvConfig:
     """Default ``qlinear_small_m`` config; a pure function of its arguments (for the AOT build): the
-    rules of ``_base_config``, with one-row FMA configs made ``WEIGHT_ONLY`` under ``WEIGHT_ONLY_M1``."""
+    rules of ``_base_config``, with one-row FMA configs made ``WEIGHT_ONLY`` under ``WEIGHT_ONLY_M1`` (and
+    long rows' tiles ``REDUCE_STEPS``), then ``OVERRIDES``."""
     cfg = _base_config(m_bucket, n, k, dtype, granularity)
     if WEIGHT_ONLY_M1 and m_bucket == 1 and not cfg.USE_DOT:
         cfg = replace(cfg, PREQUANT=False, WEIGHT_ONLY=True)
+        if 0 < REDUCE_STEPS_MIN_K <= k:
+            cfg = fill_gpu(replace(cfg, BLOCK_N=8, BLOCK_K=2048, SPLIT_K=1, num_warps=8, REDUCE_STEPS=True), n, k)
+    if (m_bucket, n, k) in OVERRIDES:
+        cfg = replace(cfg, **OVERRIDES[(m_bucket, n, k)])
     return cfg
 
 
@@ -372,6 +402,8 @@ def _check_gemv_config(cfg: QGemvConfig, block: bool) -> None:
         raise ValueError(f"block128 scales with USE_DOT need BLOCK_K dividing 128: {cfg}")
     if cfg.SWAP_AB and not (cfg.USE_DOT and cfg.PREQUANT and cfg.BLOCK_N >= 64):
         raise ValueError(f"SWAP_AB needs USE_DOT, PREQUANT and BLOCK_N >= 64 (the wgmma side): {cfg}")
+    if cfg.REDUCE_STEPS and cfg.USE_DOT:
+        raise ValueError(f"REDUCE_STEPS is an FMA loop (no USE_DOT): {cfg}")
     if cfg.WEIGHT_ONLY and (cfg.USE_DOT or cfg.PREQUANT):
         raise ValueError(f"WEIGHT_ONLY is an FMA version (no USE_DOT) and quantizes nothing (no PREQUANT): {cfg}")
 
@@ -429,7 +461,7 @@ def qlinear_small_m(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias:
                   SPLIT_K=cfg.SPLIT_K, USE_DOT=cfg.USE_DOT, BLOCK_SCALE=block, PREQUANT=cfg.PREQUANT,
                   PROLOGUE_SILU_MUL=silu_mul and not (cfg.PREQUANT or cfg.WEIGHT_ONLY), SWAP_AB=cfg.SWAP_AB,
                   PREFETCH=prefetch_bytes(PREFETCH_BYTES, K), WEIGHT_ONLY=cfg.WEIGHT_ONLY,
-                  EPILOGUE_SILU_MUL=epilogue is not None)
+                  EPILOGUE_SILU_MUL=epilogue is not None, **({"REDUCE_STEPS": True} if cfg.REDUCE_STEPS else {}))
     has_bias, has_residual = bias is not None, residual is not None
     if cfg.SPLIT_K == 1:
         launch(_qgemv_kernel, grid, [x, xs, w, scale, bias, residual, y, M],

@@ -3,7 +3,7 @@
 Runs Triton's compiler (not the interpreter) in a subprocess on a machine without a GPU: saturating e4m3
 quantization with IEEE divisions (the SiLU's sigmoid excepted), widened e4m3 weights or fp8 wgmma in the GEMV (SWAP_AB puts the weights
 on the wgmma side), fp8 wgmma in the GEMM, shared memory within the SM's, no global scratch. The kernels'
-numerics are tested in test_fp8_kernels.py.
+numerics are tested in test_fp8_kernels.py and test_fp8_quant_kernels.py.
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ _COMPILE_SCRIPT = textwrap.dedent("""
             tf.qlinear_gemm(meta(300, 2 * k), w, s, meta(n), meta(300, n), granularity=gran, prologue="silu_mul")
             tf.qlinear_gemm(meta(300, k, dtype=torch.float16), w, s, granularity=gran)
             tf.qlinear_gemm(meta(300, k), w, s, granularity=gran, prologue="rms_norm", norm_weight=meta(k))
+        # the Llama-3-8B down GEMV at one row: weight-only in v2's loop (REDUCE_STEPS)
+        tf.qlinear_small_m(meta(1, 14336), meta(n, 14336, dtype=tf.FP8), meta(n, dtype=torch.float32), None, meta(1, n))
         # the Llama-3-8B down projection's input: K = 14336 in three pieces under SiLU-and-mul
         tf.qlinear_gemm(meta(300, 2 * 14336), meta(n, 14336, dtype=tf.FP8), meta(n, dtype=torch.float32),
                         prologue="silu_mul")

@@ -127,12 +127,16 @@ VARIANTS = [
     (5, replace(SWAP, SPLIT_K=2), "block128", torch.float32, (True, False, True), K),
     (17, SWAP, "tensor", torch.float16, (False, True, False), 300),
     (32, replace(SWAP, BLOCK_N=128, BLOCK_K=128), "block128", torch.float16, (True, True, False), K),
+    # one row in v2's loop (REDUCE_STEPS): fused and prequantized x, a split ragged K
+    (1, replace(V1, REDUCE_STEPS=True, SPLIT_K=2), "block128", torch.float32, (True, True, True), K),
+    (1, replace(V1, REDUCE_STEPS=True, PREQUANT=True, QUANT_BLOCK_K=64), "tensor", torch.float16, (False, True, False),
+     300),
 ]
 
 
 def _variant_id(v):
     M, cfg, gran, dtype, fusion, k = v
-    version = "v3-swap" if cfg.SWAP_AB else "v3" if cfg.USE_DOT else "v1" if M == 1 else "v2"
+    version = "v3-swap" if cfg.SWAP_AB else "v3" if cfg.USE_DOT else "v1" if M == 1 and not cfg.REDUCE_STEPS else "v2"
     return "-".join([f"M{M}", f"K{k}", version, f"split{cfg.SPLIT_K}", gran, str(dtype)[6:], _fusion_id(fusion)]
                     + ["prequant"] * cfg.PREQUANT)
 
@@ -148,11 +152,16 @@ WEIGHT_ONLY = [
     (1, replace(V1, WEIGHT_ONLY=True, SPLIT_K=3), "block128", torch.float32, (False, True, False)),
     (1, QGemvConfig(BLOCK_N=8, BLOCK_K=128, WEIGHT_ONLY=True), "tensor", torch.float32, (False, False, True)),
     (3, replace(V2, WEIGHT_ONLY=True), "block128", torch.float16, (True, False, True)),
+    (1, QGemvConfig(BLOCK_N=8, BLOCK_K=64, WEIGHT_ONLY=True, REDUCE_STEPS=True), "channel", torch.float16,
+     (False, True, False)),  # Llama-3-8B's down GEMV's loop (``REDUCE_STEPS_MIN_K``)
+    (1, QGemvConfig(BLOCK_N=8, BLOCK_K=128, WEIGHT_ONLY=True, REDUCE_STEPS=True, SPLIT_K=2), "block128",
+     torch.float32, (True, False, True)),
 ]
 
 
 @pytest.mark.parametrize("M,cfg,gran,dtype,fusion", WEIGHT_ONLY,
-                         ids=[f"M{v[0]}-split{v[1].SPLIT_K}-{v[2]}-{_fusion_id(v[4])}" for v in WEIGHT_ONLY])
+                         ids=[f"M{v[0]}-split{v[1].SPLIT_K}-{v[2]}-{_fusion_id(v[4])}" + "-reduce" * v[1].REDUCE_STEPS
+                              for v in WEIGHT_ONLY])
 def test_small_m_weight_only(M, cfg, gran, dtype, fusion):
     """Against the reference's unquantized product, and launching no quantize kernel."""
     bias, residual, prologue = fusion
@@ -186,10 +195,19 @@ def test_weight_only_config_rule(monkeypatch):
             cfg = tf.config_for(mb, n, k, torch.bfloat16, "channel")
             assert cfg.WEIGHT_ONLY == (mb == 1 and not cfg.USE_DOT) and cfg.WEIGHT_ONLY != cfg.PREQUANT
             tfv._check_gemv_config(cfg, False)
+    # long rows (the down GEMV's 14336) in v2's loop, [8, 2048] steps; o's 4096 stays v1
+    assert [tf.config_for(1, 4096, k, torch.bfloat16, "channel").REDUCE_STEPS for k in (4096, 14336)] == [False, True]
+    assert tf.config_for(1, 4096, 14336, torch.bfloat16, "channel").BLOCK_K == 2048
+    monkeypatch.setattr(tfv, "OVERRIDES", {(1, 4096, 14336): {"BLOCK_K": 1024}})  # a bench's override, after the rules
+    assert tf.config_for(1, 4096, 14336, torch.bfloat16, "channel").BLOCK_K == 1024
+    monkeypatch.setattr(tfv, "REDUCE_STEPS_MIN_K", 0)
+    assert not tf.config_for(1, 4096, 14336, torch.bfloat16, "block128").REDUCE_STEPS
     monkeypatch.setattr(tfv, "WEIGHT_ONLY_M1", False)
     assert tf.config_for(1, 4096, 4096, torch.bfloat16, "channel").PREQUANT
     with pytest.raises(ValueError, match="WEIGHT_ONLY"):
         tfv._check_gemv_config(QGemvConfig(32, 64, USE_DOT=True, WEIGHT_ONLY=True), False)
+    with pytest.raises(ValueError, match="REDUCE_STEPS"):
+        tfv._check_gemv_config(QGemvConfig(32, 64, USE_DOT=True, REDUCE_STEPS=True), False)
 
 
 # the silu_mul epilogue: (M, config, granularity, dtype, N) -- every version; N / 2 = 75 leaves the last
@@ -263,8 +281,10 @@ def test_config_table():
                 tfv._check_gemv_config(cfg, gran == "block128")
                 if (mb, n, k, torch.bfloat16, gran) in tfv.MEASURED:  # tuned on the GPU: not the rules below
                     tuned = tfv.MEASURED[(mb, n, k, torch.bfloat16, gran)]
-                    assert cfg == (replace(tuned, PREQUANT=False, WEIGHT_ONLY=True) if mb == 1 and not tuned.USE_DOT
-                                   else tuned)
+                    want = replace(tuned, PREQUANT=False, WEIGHT_ONLY=True) if mb == 1 and not tuned.USE_DOT else tuned
+                    if want.WEIGHT_ONLY and k >= tfv.REDUCE_STEPS_MIN_K:  # long rows: [8, 2048] in v2's loop
+                        want = replace(want, BLOCK_N=8, BLOCK_K=2048, REDUCE_STEPS=True)
+                    assert cfg == want
                     continue
                 # w @ x^T on wgmma from 2 rows, and at one row for N > K (measured faster), not block128
                 swap = gran != "block128" and (mb > 1 or n > k)
