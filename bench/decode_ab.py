@@ -23,8 +23,8 @@ import argparse
 import ast
 import importlib
 import json
-import statistics
 import re
+import statistics
 import sys
 import time
 from contextlib import contextmanager

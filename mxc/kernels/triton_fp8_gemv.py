@@ -314,8 +314,8 @@ WEIGHT_ONLY_M1 = True
 # REDUCE_STEPS (0: never): 63 registers a thread against v1's 76 at [8, 1024], so four 8-warp programs fit
 # an SM and Llama-3-8B's down GEMV (512 programs) runs in one wave, with twice the bytes in flight a
 # step. Llama-3-8B fp8 batch-1 decode on one H200 (Triton 3.6, 2026-12-01, ``bench/decode_ab.py``,
-# medians of three interleaved rounds, two calls): 2.553 and 2.560 against 2.600 and 2.606 ms. Slower
-# there: [8, 4096] 2.668 (two programs an SM), [16, 2048] 2.592, [4, 2048] 2.690, [8, 1024] 2.782,
+# medians of three interleaved rounds, three calls): 2.553, 2.560 and 2.634 against 2.600, 2.606 and
+# 2.680 ms. Slower there: [8, 4096] 2.668 (two programs an SM), [16, 2048] 2.592, [4, 2048] 2.690, [8, 1024] 2.782,
 # [8, 2048] at 4 warps 2.656. The o GEMV (K = 4096) gained nothing: [16, 4096] 2.610, [16, 2048] 2.599,
 # [16, 1024] 2.582 and [8, 2048] 2.552 against 2.560 with the down rule alone (within the rounds' spread).
 # Measured with channel scales; block128 takes the same tiles (8 rows divide a 128-row block).
