@@ -294,12 +294,11 @@ class QGemvConfig:
 
 # Shapes where ``gemv_tuning.tune_fp8`` found a config >= 3% faster than the rules below (H200, Triton 3.6, bf16
 # activations, channel scales, ``bench/linear_lab.py --tune-fp8``, 2026-11-30; o and gate_up
-# gained under 3%): the place a tuning cache's entries will plug in.
+# gained under 3%): the place a tuning cache's entries will plug in. The Llama-3-8B down entry (prequantized v1,
+# [8, 1024]: 22.7 -> 21.9 us) gave way to ``REDUCE_STEPS_MIN_K``'s rule, measured in the whole step.
 MEASURED = {
     # Llama-3-8B qkv: 12.4 -> 11.0 us (no K split, 5 stages)
     (1, 6144, 4096, torch.bfloat16, "channel"): QGemvConfig(64, 256, 1, True, True, 4, 5, 4096, SWAP_AB=True),
-    # Llama-3-8B down: 22.7 -> 21.9 us (8 rows a program)
-    (1, 4096, 14336, torch.bfloat16, "channel"): QGemvConfig(8, 1024, 1, False, True, 8, 1, 16384),
 }
 
 
@@ -329,11 +328,11 @@ OVERRIDES: dict[tuple[int, int, int], dict] = {}
 def config_for(m_bucket: int, n: int, k: int, dtype: torch.dtype, granularity: str) -> QGemvConfig:
     """Default ``qlinear_small_m`` config; a pure function of its arguments (for the AOT build): the
     rules of ``_base_config``, with one-row FMA configs made ``WEIGHT_ONLY`` under ``WEIGHT_ONLY_M1`` (and
-    long rows' tiles ``REDUCE_STEPS``), then ``OVERRIDES``."""
+    long rows' tiles ``REDUCE_STEPS``, unless ``MEASURED`` has the shape), then ``OVERRIDES``."""
     cfg = _base_config(m_bucket, n, k, dtype, granularity)
     if WEIGHT_ONLY_M1 and m_bucket == 1 and not cfg.USE_DOT:
         cfg = replace(cfg, PREQUANT=False, WEIGHT_ONLY=True)
-        if 0 < REDUCE_STEPS_MIN_K <= k:
+        if 0 < REDUCE_STEPS_MIN_K <= k and (m_bucket, n, k, dtype, granularity) not in MEASURED:
             cfg = fill_gpu(replace(cfg, BLOCK_N=8, BLOCK_K=2048, SPLIT_K=1, num_warps=8, REDUCE_STEPS=True), n, k)
     if (m_bucket, n, k) in OVERRIDES:
         cfg = replace(cfg, **OVERRIDES[(m_bucket, n, k)])

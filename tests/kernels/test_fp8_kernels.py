@@ -197,6 +197,9 @@ def test_weight_only_config_rule(monkeypatch):
     # long rows (the down GEMV's 14336) in v2's loop, [8, 2048] steps; o's 4096 stays v1
     assert [tf.config_for(1, 4096, k, torch.bfloat16, "channel").REDUCE_STEPS for k in (4096, 14336)] == [False, True]
     assert tf.config_for(1, 4096, 14336, torch.bfloat16, "channel").BLOCK_K == 2048
+    tuned = QGemvConfig(8, 1024, num_warps=8, WEIGHT_ONLY=True)  # a measured config wins over the long-row rule
+    monkeypatch.setattr(tfv, "MEASURED", {(1, 4096, 14336, torch.bfloat16, "channel"): tuned})
+    assert tf.config_for(1, 4096, 14336, torch.bfloat16, "channel") == tuned
     monkeypatch.setattr(tfv, "OVERRIDES", {(1, 4096, 14336): {"BLOCK_K": 1024}})  # a bench's override, after the rules
     assert tf.config_for(1, 4096, 14336, torch.bfloat16, "channel").BLOCK_K == 1024
     monkeypatch.setattr(tfv, "REDUCE_STEPS_MIN_K", 0)
@@ -280,15 +283,14 @@ def test_config_table():
                 tfv._check_gemv_config(cfg, gran == "block128")
                 if (mb, n, k, torch.bfloat16, gran) in tfv.MEASURED:  # tuned on the GPU: not the rules below
                     tuned = tfv.MEASURED[(mb, n, k, torch.bfloat16, gran)]
-                    want = replace(tuned, PREQUANT=False, WEIGHT_ONLY=True) if mb == 1 and not tuned.USE_DOT else tuned
-                    if want.WEIGHT_ONLY and k >= tfv.REDUCE_STEPS_MIN_K:  # long rows: [8, 2048] in v2's loop
-                        want = replace(want, BLOCK_N=8, BLOCK_K=2048, REDUCE_STEPS=True)
-                    assert cfg == want
+                    assert cfg == (replace(tuned, PREQUANT=False, WEIGHT_ONLY=True) if mb == 1 and not tuned.USE_DOT
+                                   else tuned)  # the long-row rule does not override a measured config
                     continue
                 # w @ x^T on wgmma from 2 rows, and at one row for N > K (measured faster), not block128
                 swap = gran != "block128" and (mb > 1 or n > k)
                 assert cfg.SWAP_AB == swap and cfg.USE_DOT == (mb > 1 or swap)
                 assert cfg.PREQUANT != cfg.WEIGHT_ONLY and cfg.WEIGHT_ONLY == (mb == 1 and not swap)  # x as it is
+                assert cfg.REDUCE_STEPS == (cfg.WEIGHT_ONLY and k >= tfv.REDUCE_STEPS_MIN_K)  # long rows: v2's loop
                 assert cfg.BLOCK_K % 128 == 0  # whole 16-byte loads of e4m3 across a warp
                 # split K where the row tiles cannot fill the GPU (small N; 64-row SWAP_AB tiles: N < 8448)
                 assert (cfg.SPLIT_K > 1) == (n == 512 or (swap and -(-n // 64) < tf.NUM_SMS))
