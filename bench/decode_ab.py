@@ -14,7 +14,10 @@ active while the step is captured) in turn, so machine drift hits all variants a
 issue #5 measured in the same run). ``--prefill N`` also times, each round and variant, a prefill of N
 tokens (median of three after a warm-up): prefill figures move between machines by more than most
 changes, so a prefill choice is judged within one call; ``--profile-prefill`` adds each variant's
-per-kernel breakdown of it. Prints ms/step per round and the median per variant.
+per-kernel breakdown of it. ``--timeline a,b`` prints, for those variants, one layer's kernels as the PDL graph
+runs them (``profile_step.timeline_decode``: each kernel's start against the previous one's end, its span, and
+the time it adds to the step), and writes the raw kernel list to ``$OUT/timeline_<variant>.json`` on the device
+machine. Prints ms/step per round and the median per variant.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import argparse
 import ast
 import importlib
 import json
+import os
 import re
 import statistics
 import sys
@@ -99,6 +103,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--bf16", action="store_true", help="also time the bf16 artifact (for the fp8 / bf16 ratio)")
     p.add_argument("--profile", default="", help="variant to print a per-kernel breakdown of (plain launches)")
+    p.add_argument("--timeline", default="", help="variants (comma-separated) to print one layer's kernel timeline "
+                   "of, under PDL as run")
     p.add_argument("--prefill", type=int, default=0, help="also time a prefill of this many tokens per variant")
     p.add_argument("--profile-prefill", action="store_true",
                    help="with --prefill: a per-kernel breakdown of the prefill under each variant (plain launches)")
@@ -112,6 +118,9 @@ def main() -> None:
         p.error(f"--variant: expected name=module.attr=python_literal,...: {type(e).__name__}: {e}")
     if args.profile and args.profile not in dict(variants):
         p.error(f"--profile {args.profile}: not one of the variants {sorted(dict(variants))}")
+    unknown = [t for t in args.timeline.split(",") if t and t not in dict(variants)]
+    if unknown:
+        p.error(f"--timeline {unknown[0]}: not one of the variants {sorted(dict(variants))}")
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     common = dict(config=args.config, target="cuda", dtype="bfloat16", max_batch=max(8, args.batch),
@@ -144,6 +153,14 @@ def main() -> None:
         model._decoder.drop_graphs()
         with patched(dict(variants)[args.profile]):
             print(f"\nper-kernel breakdown, {args.profile}:\n" + profile_decode(model, batch=args.batch), flush=True)
+    for name in [t for t in args.timeline.split(",") if t]:
+        from profile_step import timeline_decode
+
+        model._decoder.drop_graphs()
+        with patched(dict(variants)[name]):
+            print(f"\none layer's kernels as run (PDL graph), {name}:\n" + timeline_decode(
+                model, batch=args.batch, dump=f"{os.environ['OUT']}/timeline_{name}.json" if "OUT" in os.environ else None),
+                  flush=True)
     if args.profile_prefill:
         from profile_step import profile_prefill
 

@@ -14,8 +14,10 @@ cubins launched plainly for the profile, and the PDL graph restored after.
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
@@ -47,6 +49,69 @@ def profile_decode(model, steps: int = 10, prompt: int = 128, batch: int = 1, pl
     for _ in range(3):
         bucket.step(dec)
     return _timed_profile(lambda: bucket.step(dec), steps, "step (graph replay, CUDA events)")
+
+
+def timeline_decode(model, steps: int = 5, prompt: int = 128, batch: int = 1, dump: str | None = None) -> str:
+    """One layer of the decode step as run: the PDL graph replayed under torch.profiler, kernels in
+    launch order, the step's layers folded onto the layer's kernel sequence. Per position: median over
+    layers and steps of its start after the previous kernel's end (negative: it started earlier, under
+    PDL), its span, and the time it adds to the step (its end after the previous kernel's end).
+    ``dump``: a JSON file for the raw (start, end, name) list."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dec = model._decoder
+    model.generate(torch.randint(0, 1000, (batch, prompt)), max_new_tokens=4)
+    bucket = dec.buckets[batch]
+    for _ in range(3):
+        bucket.step(dec)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            bucket.step(dec)
+        torch.cuda.synchronize()
+    kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda k: k[1])
+    if dump:
+        Path(dump).write_text(json.dumps(kernels))
+    return layer_table(kernels)
+
+
+def layer_table(kernels: list) -> str:
+    """``timeline_decode``'s table from (start, end, name) kernels in launch order: sorted by end, since under
+    PDL a kernel may start before the one ahead of it does, but each waits for it before it ends."""
+    from statistics import median
+
+    names = [k[2] for k in kernels]
+    n = len(names)
+    lo, hi = n // 8, n - n // 8
+
+    def repeats(p: int) -> bool:  # the step's first and last kernels break the pattern once a step
+        return sum(names[i] == names[i + p] for i in range(lo, hi - p)) >= 0.9 * (hi - p - lo)
+
+    period = next((p for p in range(2, 64) if repeats(p)), None)
+    if period is None:
+        return "timeline: no repeating layer found"
+    pattern = names[lo:lo + period]
+    rows = [[] for _ in range(period)]
+    phase, prev_in_layer = 0, False
+    for i in range(lo + 1, hi):  # the step's other kernels (embedding, LM head, sampling) are skipped
+        if names[i] != pattern[(phase + 1) % period]:
+            prev_in_layer = False
+            continue
+        phase = (phase + 1) % period
+        if prev_in_layer:
+            prev_end = kernels[i - 1][1]
+            start, end, _ = kernels[i]
+            rows[phase].append((start - prev_end, end - start, end - prev_end))
+        prev_in_layer = True
+    lines = [f"{'kernel (one layer, launch order)':48s} {'start':>7s} {'span':>7s} {'adds':>7s}   us"]
+    total = 0.0
+    for j in range(period):
+        gap, span, adds = (median(r[k] for r in rows[j]) for k in range(3))
+        total += adds
+        lines.append(f"{pattern[j][:48]:48s} {gap:7.2f} {span:7.2f} {adds:7.2f}")
+    lines.append(f"{'layer':48s} {'':7s} {'':7s} {total:7.2f}")
+    return "\n".join(lines)
 
 
 def profile_prefill(model, tokens: int = 2048, reps: int = 3) -> str:
