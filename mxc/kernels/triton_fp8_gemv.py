@@ -41,7 +41,7 @@ from mxc.kernels.triton_elementwise import _silu_mul
 from mxc.kernels.pdl import pdl_enter, prefetch_bytes, prefetch_rows_l2
 from mxc.kernels.triton_fp8_quant import (_DTYPES, GRANULARITIES, _check_inputs, _check_norm, _finish, _load_act,
                                           _pow2, _prequantize, _quant, _quant_block, _row_scale)
-from mxc.kernels.triton_gemv import M_BUCKETS, bucket, fill_gpu, split_k_for
+from mxc.kernels.triton_gemv import M_BUCKETS, bucket, fill_gpu, preload_config, split_k_for
 
 
 @triton.jit
@@ -53,7 +53,7 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
                   PROLOGUE_SILU_MUL: tl.constexpr,
                   USE_PDL: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
                   WEIGHT_ONLY: tl.constexpr = False, EPILOGUE_SILU_MUL: tl.constexpr = False,
-                  REDUCE_STEPS: tl.constexpr = False):
+                  REDUCE_STEPS: tl.constexpr = False, PRELOAD: tl.constexpr = False):
     """One program: columns [pid_n * BLOCK_N, +BLOCK_N) of y over K slice pid_k.
 
     x_ptr: x [M, K] (or [M, 2K] under PROLOGUE_SILU_MUL) in its float dtype, with xs_ptr None;
@@ -93,7 +93,11 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     rn = offs_n % N  # rows past N re-read row n % N: weight loads need no N mask
-    if USE_PDL and PREFETCH > 0:  # weights stream into L2 while the kernel ahead finishes; then wait for its output
+    if PRELOAD:  # one row, one K slice: the program's whole [BLOCK_N, K] tile in registers before the wait
+        tl.static_assert(BLOCK_M == 1 and SPLIT_K == 1 and LOAD_X and not BLOCK_SCALE and not EPILOGUE_SILU_MUL)
+        offs_kk = tl.arange(0, K)
+        w_all = tl.load(w_ptr + rn[:, None] * K + offs_kk[None, :])
+    elif USE_PDL and PREFETCH > 0:  # weights stream into L2 while the kernel ahead finishes; then wait for its output
         prefetch_rows_l2(w_ptr, rn, k_start, K, PREFETCH)
     pdl_enter(USE_PDL)
     if N * K > 2**31 - 1:
@@ -159,6 +163,9 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
             x_ptrs += BLOCK_K
         if SWAP_AB:
             acc = tl.trans(acc_t)
+    elif PRELOAD:
+        xk = tl.load(x_ptr + offs_kk).to(tl.float32)
+        acc = tl.sum(w_all.to(tl.float32) * xk[None, :], axis=1)[None, :]  # [1, BLOCK_N]
     elif BLOCK_M == 1 and not REDUCE_STEPS:
         # v1: per-thread partial products, one reduction at the end
         x_ptrs = x_ptr + k_start + offs_k
@@ -290,6 +297,7 @@ class QGemvConfig:
     SWAP_AB: bool = False
     WEIGHT_ONLY: bool = False  # FMA versions: x as it is, no activation quantization (nor its kernel)
     REDUCE_STEPS: bool = False  # one row, FMA: v2's loop (each step summed to BLOCK_N values), not v1's
+    PRELOAD: bool = False  # one row, weight-only, K a power of two: the whole tile loaded before the PDL wait
 
 
 # Shapes where ``gemv_tuning.tune_fp8`` found a config >= 3% faster than the rules below (H200, Triton 3.6, bf16
@@ -328,15 +336,24 @@ OVERRIDES: dict[tuple[int, int, int], dict] = {}
 def config_for(m_bucket: int, n: int, k: int, dtype: torch.dtype, granularity: str) -> QGemvConfig:
     """Default ``qlinear_small_m`` config; a pure function of its arguments (for the AOT build): the
     rules of ``_base_config``, with one-row FMA configs made ``WEIGHT_ONLY`` under ``WEIGHT_ONLY_M1`` (and
-    long rows' tiles ``REDUCE_STEPS``, unless ``MEASURED`` has the shape), then ``OVERRIDES``."""
+    long rows' tiles ``REDUCE_STEPS``, small matrices' ``PRELOAD`` (``triton_gemv.preload_config``; channel or
+    tensor scales), unless ``MEASURED`` has the shape), then ``OVERRIDES``."""
     cfg = _base_config(m_bucket, n, k, dtype, granularity)
     if WEIGHT_ONLY_M1 and m_bucket == 1 and not cfg.USE_DOT:
         cfg = replace(cfg, PREQUANT=False, WEIGHT_ONLY=True)
         if 0 < REDUCE_STEPS_MIN_K <= k and (m_bucket, n, k, dtype, granularity) not in MEASURED:
             cfg = fill_gpu(replace(cfg, BLOCK_N=8, BLOCK_K=2048, SPLIT_K=1, num_warps=8, REDUCE_STEPS=True), n, k)
+        elif granularity != "block128" and (m_bucket, n, k, dtype, granularity) not in MEASURED:
+            cfg = preload_config(cfg, n, k, 1)  # e4m3 weights: one byte an element (``triton_gemv``'s rule)
     if (m_bucket, n, k) in OVERRIDES:
         cfg = replace(cfg, **OVERRIDES[(m_bucket, n, k)])
     return cfg
+
+
+def preloads(n: int, k: int, dtype: torch.dtype, granularity: str) -> bool:
+    """Whether the one-token GEMV of an [n, k] weight loads its tiles before the PDL wait (``PRELOAD``): the
+    compiler's ``early_launch_o_proj`` asks, to let the kernel ahead launch it early."""
+    return config_for(1, n, k, dtype, granularity).PRELOAD
 
 
 def _base_config(m_bucket: int, n: int, k: int, dtype: torch.dtype, granularity: str) -> QGemvConfig:
@@ -403,6 +420,9 @@ def _check_gemv_config(cfg: QGemvConfig, block: bool) -> None:
         raise ValueError(f"SWAP_AB needs USE_DOT, PREQUANT and BLOCK_N >= 64 (the wgmma side): {cfg}")
     if cfg.REDUCE_STEPS and cfg.USE_DOT:
         raise ValueError(f"REDUCE_STEPS is an FMA loop (no USE_DOT): {cfg}")
+    if cfg.PRELOAD and not (cfg.WEIGHT_ONLY and cfg.SPLIT_K == 1 and not (block or cfg.REDUCE_STEPS)):
+        raise ValueError(f"PRELOAD is a one-row weight-only loop over one K slice (no REDUCE_STEPS), channel or tensor "
+                         f"scales: {cfg}")
     if cfg.WEIGHT_ONLY and (cfg.USE_DOT or cfg.PREQUANT):
         raise ValueError(f"WEIGHT_ONLY is an FMA version (no USE_DOT) and quantizes nothing (no PREQUANT): {cfg}")
 
@@ -436,6 +456,8 @@ def qlinear_small_m(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias:
     block = granularity == "block128"
     cfg = config if config is not None else config_for(m_bucket, N, K, x.dtype, granularity)
     _check_gemv_config(cfg, block)
+    if cfg.PRELOAD and (m_bucket != 1 or K & (K - 1) or epilogue):
+        raise ValueError(f"PRELOAD needs one row, K a power of two and no epilogue: {cfg}, M={M}, K={K}")
     if epilogue and not _silu_epilogue_fits(cfg, block):
         y = qlinear_small_m(x, w, scale, granularity=granularity, prologue=prologue, norm_weight=norm_weight, eps=eps,
                             config=cfg)
@@ -460,7 +482,8 @@ def qlinear_small_m(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias:
                   SPLIT_K=cfg.SPLIT_K, USE_DOT=cfg.USE_DOT, BLOCK_SCALE=block, PREQUANT=cfg.PREQUANT,
                   PROLOGUE_SILU_MUL=silu_mul and not (cfg.PREQUANT or cfg.WEIGHT_ONLY), SWAP_AB=cfg.SWAP_AB,
                   PREFETCH=prefetch_bytes(PREFETCH_BYTES, K), WEIGHT_ONLY=cfg.WEIGHT_ONLY,
-                  EPILOGUE_SILU_MUL=epilogue is not None, **({"REDUCE_STEPS": True} if cfg.REDUCE_STEPS else {}))
+                  EPILOGUE_SILU_MUL=epilogue is not None, **({"REDUCE_STEPS": True} if cfg.REDUCE_STEPS else {}),
+                  **({"PRELOAD": True} if cfg.PRELOAD else {}))
     has_bias, has_residual = bias is not None, residual is not None
     if cfg.SPLIT_K == 1:
         launch(_qgemv_kernel, grid, [x, xs, w, scale, bias, residual, y, M],

@@ -133,3 +133,42 @@ def test_swap_ab_runs_on_fp8_wgmma():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().splitlines()[-1] == "e4m3 wgmma", r.stdout
+
+
+_PRELOAD_PTX = """
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from mxc.kernels import launch as L, triton_fp8 as tf, triton_fp8_gemv as tfv, triton_gemv as tg
+meta = lambda *s, dtype=torch.bfloat16: torch.empty(*s, dtype=dtype, device="meta")
+rec = L.Recorder(pdl=True)
+with L.using(rec):  # Llama-3-8B's o GEMV in fp8 (the default), Qwen3-30B-A3B's in bf16 (a tuning option)
+    tf.qlinear_small_m(meta(1, 4096), meta(4096, 4096, dtype=torch.float8_e4m3fn), meta(4096, dtype=torch.float32),
+                       None, meta(1, 4096))
+    pre = tg.preload_config(tg.config_for(1, 2048, 4096, torch.bfloat16), 2048, 4096, 2)
+    tg.linear_small_m(meta(1, 4096), meta(2048, 4096), None, meta(1, 2048), config=pre)
+fns = {"_qgemv_kernel": tfv._qgemv_kernel, "_gemv_kernel": tg._gemv_kernel}
+for spec in rec.specs.values():
+    fn = fns[spec["kernel"].split(":")[1]]
+    assert spec["constexprs"]["PRELOAD"] and spec["constexprs"]["USE_PDL"], spec["constexprs"]
+    aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in spec["signature"].items()
+               if t.startswith("*")}
+    ptx = triton.compile(ASTSource(fn, signature=spec["signature"], constexprs=spec["constexprs"], attrs=aligned),
+                         target=GPUTarget("cuda", 90, 32), options={"num_warps": spec["num_warps"]}).asm["ptx"]
+    before, after = ptx.split("griddepcontrol.wait", 1)
+    print(fn.__name__, before.count("ld.global.v4"), after.count("ld.global.v4"))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compile check is for machines without a GPU")
+def test_preload_loads_weights_before_the_wait():
+    """A PRELOAD GEMV (one row, small matrix) issues its whole tile's weight loads before ``griddepcontrol.wait``:
+    32 KB a program over 256 threads, eight 16-byte loads a thread; after the wait only x (and the epilogue)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _PRELOAD_PTX], cwd=Path(__file__).resolve().parents[2], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    counts = {name: (int(b), int(a)) for name, b, a in (line.split() for line in r.stdout.strip().splitlines())}
+    assert set(counts) == {"_qgemv_kernel", "_gemv_kernel"}, r.stdout
+    for name, (before, after) in counts.items():
+        assert before >= 8 and after < before, (name, before, after)

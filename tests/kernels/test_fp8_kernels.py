@@ -25,6 +25,7 @@ from mxc.kernels import triton_fp8 as tf
 from mxc.kernels import triton_fp8_gemm as tfm
 from mxc.kernels import triton_fp8_gemv as tfv
 from mxc.kernels import triton_fp8_quant as tfq
+from mxc.kernels import triton_gemv as tgemv
 from mxc.kernels.triton_fp8 import QGemmConfig, QGemvConfig
 from mxc.loaders.quantize import quantize_fp8
 
@@ -174,6 +175,29 @@ def test_small_m_weight_only(M, cfg, gran, dtype, fusion):
     assert not torch.equal(y.cpu(), quantized)  # the product is not the quantized one
 
 
+@pytest.mark.parametrize("gran,dtype,fusion,block_n", [("channel", torch.bfloat16, (False, True, False), 8),
+                                                        ("tensor", torch.float16, (True, False, True), 32),
+                                                        ("channel", torch.float32, (True, True, False), 256)])
+def test_small_m_preload(gran, dtype, fusion, block_n):
+    """PRELOAD (the whole [BLOCK_N, K] tile loaded before the PDL wait): the weight-only product on ragged N,
+    tiles past N included; the config rule picks it for small matrices with rows of a power of two."""
+    cfg = QGemvConfig(BLOCK_N=block_n, BLOCK_K=256, WEIGHT_ONLY=True, PRELOAD=True, num_warps=4)
+    _run(tf.qlinear_small_m, 1, dtype, gran, fusion, cfg, seed=block_n, k=256)
+    assert tf.config_for(1, N, 256, dtype, gran).PRELOAD and not tf.config_for(1, N, K, dtype, gran).PRELOAD
+
+
+def test_preload_rejects_bad_configs():
+    x, q, s, _, _ = _inputs(2, N, 256, torch.float16, "channel", False, False, False, seed=5)
+    pre = QGemvConfig(BLOCK_N=8, BLOCK_K=256, WEIGHT_ONLY=True, PRELOAD=True)
+    with pytest.raises(ValueError, match="PRELOAD"):
+        tf.qlinear_small_m(_dev(x), _dev(q), _dev(s), config=pre)  # two rows
+    with pytest.raises(ValueError, match="PRELOAD"):
+        tf.qlinear_small_m(_dev(x[:1]), _dev(q), _dev(s), config=replace(pre, SPLIT_K=2))
+    x, q, s, _, _ = _inputs(1, N, K, torch.float16, "channel", False, False, False, seed=5)
+    with pytest.raises(ValueError, match="PRELOAD"):
+        tf.qlinear_small_m(_dev(x), _dev(q), _dev(s), config=pre)  # K = 200: not a power of two
+
+
 def test_weight_only_rms_norm_prologue():
     """The RMSNorm prologue under WEIGHT_ONLY: the norm kernel, then the unquantized product."""
     dtype = torch.float16
@@ -292,8 +316,11 @@ def test_config_table():
                 assert cfg.PREQUANT != cfg.WEIGHT_ONLY and cfg.WEIGHT_ONLY == (mb == 1 and not swap)  # x as it is
                 assert cfg.REDUCE_STEPS == (cfg.WEIGHT_ONLY and k >= tfv.REDUCE_STEPS_MIN_K)  # long rows: v2's loop
                 assert cfg.BLOCK_K % 128 == 0  # whole 16-byte loads of e4m3 across a warp
+                # small one-row weight-only matrices load whole tiles before the PDL wait
+                assert cfg.PRELOAD == (cfg.WEIGHT_ONLY and not cfg.REDUCE_STEPS and gran != "block128"
+                                       and n * k <= tgemv.PRELOAD_MAX_BYTES)
                 # split K where the row tiles cannot fill the GPU (small N; 64-row SWAP_AB tiles: N < 8448)
-                assert (cfg.SPLIT_K > 1) == (n == 512 or (swap and -(-n // 64) < tf.NUM_SMS))
+                assert (cfg.SPLIT_K > 1) == ((n == 512 and not cfg.PRELOAD) or (swap and -(-n // 64) < tf.NUM_SMS))
         assert all(not c.USE_DOT or c.SWAP_AB for c in gemv_tuning.fp8_candidates(1, gran))  # v1, or w @ x^T on wgmma
         assert any(c.WEIGHT_ONLY for c in gemv_tuning.fp8_candidates(1, gran))  # what config_for runs at one row
         assert not any(c.WEIGHT_ONLY for c in gemv_tuning.fp8_candidates(4, gran))
@@ -301,8 +328,10 @@ def test_config_table():
         assert {c.USE_DOT for c in gemv_tuning.fp8_candidates(4, gran)} == {False, True}
         for c in gemv_tuning.fp8_candidates(16, gran):
             tfv._check_gemv_config(c, gran == "block128")
-    small = tf.config_for(1, 512, 4096, torch.bfloat16, "channel")
+    small = tf.config_for(1, 512, 4096, torch.bfloat16, "block128")
     assert small.BLOCK_N == 8 and -(-512 // small.BLOCK_N) * small.SPLIT_K >= tf.NUM_SMS // 2
+    small = tf.config_for(1, 512, 4096, torch.bfloat16, "channel")  # preloaded: smaller tiles instead of a K split
+    assert small.PRELOAD and small.SPLIT_K == 1 and -(-512 // small.BLOCK_N) >= tf.NUM_SMS
     assert tf.gemm_config_for(4096, 4096, torch.bfloat16, "block128") == QGemmConfig(QUANT_BLOCK_K=4096)
 
 
@@ -486,8 +515,9 @@ def test_meta_recording():
         assert seen[3] == seen[4] and seen[5] == seen[8] and seen[17] == seen[32]
         assert seen[1] != seen[2]
         assert gemm[33] == gemm[100] == gemm[1000]
-    # split K (a small N): the reduce kernel rounds and adds bias and residual
-    with launch_mod.using(record):
+    # split K (a small N, not preloaded): the reduce kernel rounds and adds bias and residual
+    with launch_mod.using(record), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tgemv, "PRELOAD_MAX_BYTES", 0)
         launches.clear()
         tf.qlinear_small_m(meta(1, k), meta(512, k, dtype=tf.FP8), meta(512, dtype=torch.float32), meta(512),
                            meta(1, 512))
