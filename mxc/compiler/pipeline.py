@@ -14,7 +14,7 @@ from mxc.compiler.options import BuildOptions
 from mxc.errors import MxcError
 from mxc.compiler.passes import (eliminate_dead_code, fuse_add_rms_norm, fuse_all_reduce, fuse_linear_all_reduce,
                                   fuse_linear_io, fuse_mlp, fuse_moe, fuse_norm_linear, fuse_norm_route, fuse_rope_cache,
-                                  merge_gate_up, merge_qkv, quantize, select_kernels, shard_tp)
+                                  early_launch_o_proj, merge_gate_up, merge_qkv, quantize, select_kernels, shard_tp)
 from mxc.ir import Graph, dump_graph, verify
 
 PIPELINE = [
@@ -36,6 +36,8 @@ PIPELINE = [
     ("quantize", quantize.run),
     # fusion over quantized ops: the fp8 MLP as one op for the persistent decode kernel (only with --mlp-pair)
     ("fuse_mlp", fuse_mlp.run),
+    # launch order under PDL: the o projection's GEMV launched during the decode attention when it preloads
+    ("early_launch_o_proj", early_launch_o_proj.run),
     # cleanup
     ("eliminate_dead_code", eliminate_dead_code.run),
     # lowering: every node claimed by a kernel for the target
@@ -47,7 +49,7 @@ PIPELINE = [
 # kernel selection) and always run.
 OPTIONAL = ("merge_qkv", "merge_gate_up", "fuse_moe", "fuse_rope_cache", "fuse_norm_linear",
             "fuse_add_rms_norm", "fuse_norm_route", "fuse_linear_io", "fuse_all_reduce",
-            "fuse_linear_all_reduce", "fuse_mlp", "eliminate_dead_code")
+            "fuse_linear_all_reduce", "fuse_mlp", "early_launch_o_proj", "eliminate_dead_code")
 
 
 def check_disabled(names) -> tuple[str, ...]:

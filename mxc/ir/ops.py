@@ -326,8 +326,9 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
               "are that wide), rotate q and k, write k and v to KV cache "
               "slot `layer`; returns q -- fuse_rope_cache", uses_context=True),
     OpDef("cached_attention", ("q",), lambda q, **_: (q,), attrs=("scale", "layer"),
-          optional_attrs=("causal", "sliding_window"),
-          doc="attention over KV cache slot `layer`, which the preceding qkv_rope_cache filled -- fuse_rope_cache",
+          optional_attrs=("causal", "sliding_window", "early_dependents"),
+          doc="attention over KV cache slot `layer`, which the preceding qkv_rope_cache filled -- fuse_rope_cache; "
+              "early_dependents: at decode its last kernel lets the next one launch early -- early_launch_o_proj",
           uses_context=True),
 ]}
 

@@ -265,10 +265,10 @@ def fused_moe_pairs(x, weights, ids, w_gate_up, w_down, s_gate_up=None, s_down=N
                                        residual=residual)
 
 
-def cached_attention(q, ctx: ForwardContext, scale, layer, causal=True, sliding_window=None):
+def cached_attention(q, ctx: ForwardContext, scale, layer, causal=True, sliding_window=None, early_dependents=False):
     k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
     if ctx.decode:
         return triton_attention.decode_attention(q, k_cache, v_cache, ctx.slots_t, ctx.kv_lens, scale,
-                                                 sliding_window)
+                                                 sliding_window, early_dependents=early_dependents)
     return triton_attention.prefill_attention(q, k_cache, v_cache, ctx.slots_t, ctx.kv_lens, ctx.q_start,
                                               ctx.max_q_len, scale, sliding_window)

@@ -20,7 +20,11 @@ would break it. A kernel without ``USE_PDL`` is launched the ordinary way.
 
 Measured and removed: letting the next kernel launch before this one waits (so two kernels ahead
 could prefetch while one runs) made Llama-3-8B decode slower on one H200 (Triton 3.6, 2026-11-30):
-batch 1 4.74 against 4.26 ms, batch 8 5.83 against 5.00, fp8 batch 1 3.20 against 3.02.
+batch 1 4.74 against 4.26 ms, batch 8 5.83 against 5.00, fp8 batch 1 3.20 against 3.02. Kept in one place
+(``pdl_enter_early``): the decode attention's merge kernel, when the GEMV after it loads its whole weight
+tiles before its wait (the compiler's ``early_launch_o_proj``); there the kernels ahead are latency-bound
+and HBM is otherwise idle. The RMSNorm-quantize kernels doing the same (so the qkv and gate/up GEMVs
+launched during the GEMV ahead of them) took 2.691 against 2.521 ms (fp8 batch 1, 2026-12-01).
 """
 
 import triton
@@ -34,6 +38,17 @@ def pdl_enter(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_enter_early(USE_PDL: tl.constexpr):
+    """``pdl_enter`` with the next kernel let launch first, before this one waits: for a latency-bound
+    kernel whose successor has bytes to stream that no kernel of the step writes (weights), so they
+    stream while the kernels ahead run. Safe for the stream order: the successor still passes its own
+    wait only once this kernel has finished, which is after this kernel's wait."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit

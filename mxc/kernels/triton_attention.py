@@ -189,6 +189,12 @@ def _prefill_inner(acc, l_i, m_i, q, kt_ptrs, v_ptrs, start, end, pos_m, hi, qk_
 # or query blocks fastest from the first. On one H200 (2026-12-01, bench/attention_lab.py --orders, causal,
 # one sequence, 32/8 heads of 128, bf16): 2048 tokens 0.093 ms against 0.111, 4096 0.331 against 0.360.
 PREFILL_LONGEST_FIRST = True
+# ``decode_attention(..., early_dependents=True)`` at one sequence: the merge kernel lets the next kernel (the
+# o projection's GEMV, which preloads its weights: ``triton_gemv.PRELOAD_MAX_BYTES``) launch before it waits for
+# the splits (``pdl.pdl_enter_early``), so those loads overlap the attention. The compiler asks for it
+# (``early_launch_o_proj``); False turns it off everywhere (A/B). Measured in ``triton_gemv``'s comment.
+MERGE_EARLY_DEPENDENTS = True
+
 MAX_SPLITS = 32  # decode splits at most (``bench/ablate.py --set`` varies it)
 
 
@@ -259,10 +265,11 @@ def _layout(k_cache, HQ: int, sliding_window) -> dict:
 
 
 def decode_attention(q, k_cache, v_cache, slots, kv_lens, scale: float, sliding_window: int | None = None,
-                     num_splits: int | None = None):
+                     num_splits: int | None = None, early_dependents: bool = False):
     """q [B, HQ, D] (the token at position kv_lens[b] - 1) -> out [B, HQ, D].
 
-    Launches the split kernel and, with more than one split, the merge kernel."""
+    Launches the split kernel and, with more than one split, the merge kernel; with ``early_dependents``
+    and one sequence, the merge lets the next kernel launch before it waits (``MERGE_EARLY_DEPENDENTS``)."""
     assert q.dim() == 3, f"q must be [B, HQ, D], got {tuple(q.shape)}"
     B, HQ, D = q.shape
     Bc, HKV = _check_cache(q, k_cache, v_cache, slots, kv_lens, HQ, D)
@@ -289,7 +296,9 @@ def decode_attention(q, k_cache, v_cache, slots, kv_lens, scale: float, sliding_
         reduce_kernel = kernel_templates.kernel("decode_merge", "decode_reduce_kernel", HQ=HQ, HEAD_DIM=D,
                                                 BLOCK_D=layout["BLOCK_D"])
         launch(reduce_kernel, (B, HQ), [part_out, part_lse, out],
-               dict(NUM_SPLITS=NUM_SPLITS, BLOCK_S=next_pow2(NUM_SPLITS)), num_warps=1, num_stages=1)
+               dict(NUM_SPLITS=NUM_SPLITS, BLOCK_S=next_pow2(NUM_SPLITS),
+                    **({"EARLY_DEPENDENTS": True} if early_dependents and MERGE_EARLY_DEPENDENTS and B == 1 else {})),
+               num_warps=1, num_stages=1)
     return out
 
 
