@@ -85,10 +85,10 @@ def layer_table(kernels: list) -> str:
     n = len(names)
     lo, hi = n // 8, n - n // 8
 
-    def repeats(p: int) -> bool:  # the step's first and last kernels break the pattern once a step
-        return sum(names[i] == names[i + p] for i in range(lo, hi - p)) >= 0.9 * (hi - p - lo)
-
-    period = next((p for p in range(2, 64) if repeats(p)), None)
+    # the layer's period: the step's first and last kernels break the pattern once a step, so the step's own
+    # period matches best; take the shortest period that matches at least 80% and no worse than its double
+    share = {p: sum(names[i] == names[i + p] for i in range(lo, hi - p)) / max(1, hi - p - lo) for p in range(2, 128)}
+    period = next((p for p in range(2, 64) if share[p] >= 0.8 and share[p] >= share[2 * p]), None)
     if period is None:
         return "timeline: no repeating layer found"
     pattern = names[lo:lo + period]
