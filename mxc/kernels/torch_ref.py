@@ -149,8 +149,9 @@ def qkv_rope_cache(qkv, positions, q_norm=None, k_norm=None, ctx: ForwardContext
     return q
 
 
-def cached_attention(q, ctx: ForwardContext, scale, layer, causal=True, sliding_window=None):
-    """Attention of q over KV-cache slot ``layer`` (already holding this call's keys and values)."""
+def cached_attention(q, ctx: ForwardContext, scale, layer, causal=True, sliding_window=None, early_dependents=False):
+    """Attention of q over KV-cache slot ``layer`` (already holding this call's keys and values).
+    ``early_dependents`` orders GPU launches (``early_launch_o_proj``); nothing here."""
     out = torch.empty_like(q)
     start = 0
     for b, n in enumerate(ctx.seq_lens):
