@@ -6,9 +6,11 @@ and times the all-reduce of one decode step's hidden state ([1, 4096] bf16,
 8 KB), which at tp=N happens 2 x layers + 1 times per token: with NCCL, and with the
 artifact's peer-memory all-reduce alone (and with the residual add and RMSNorm). One tp=N
 artifact per ``--modes`` entry (``--tp-allreduce`` choices; ``push-unfused``: push without
-``fuse_linear_all_reduce``); ``--sweep-warps`` times the push kernel at 1-8 warps.
+``fuse_linear_all_reduce``; ``push-noearly``: push without ``early_launch_o_proj``); ``--sweep-warps`` times
+the push kernel at 1-8 warps; ``--quant fp8`` builds every artifact, tp=1 included, with fp8 weights.
 Prints a table last. Usage (on a machine with N GPUs):
     python bench/decode_tp.py --tp 2 --modes push,push-unfused --out build/bench-tp
+    python bench/decode_tp.py --tp 2 --quant fp8 --modes push,push-noearly --out build/bench-tp
 """
 
 from __future__ import annotations
@@ -104,10 +106,12 @@ def main() -> None:
     p.add_argument("--modes", default="nccl,one_shot,push",
                    help="--tp-allreduce choices to build and measure; push-unfused: push with the row-parallel "
                         "GEMV apart from its all-reduce (--disable-pass fuse_linear_all_reduce)")
+    p.add_argument("--quant", choices=["fp8"], help="fp8 weights in every artifact (tp=1 included)")
     p.add_argument("--profile", action="store_true", help="print rank 0's per-kernel breakdown of a batch-1 step")
     p.add_argument("--sweep-warps", action="store_true", help="time the push kernel (add, add + RMSNorm) at 1-8 warps")
     args = p.parse_args()
-    kw = dict(config=args.config, target="cuda", dtype="bfloat16", max_batch=8, max_seq_len=512, progress=False)
+    kw = dict(config=args.config, target="cuda", dtype="bfloat16", max_batch=8, max_seq_len=512, progress=False,
+              quant=args.quant)
     single = mxc.load(mxc.build("llama.yaml", out=f"{args.out}-tp1", tp=1, **kw), device="cuda", verify=False)
     t1 = _step_time(single)
     layers = single.manifest["config"]["num_hidden_layers"]
@@ -118,7 +122,7 @@ def main() -> None:
     result = Path(f"{args.out}-result.json")
     for mode in args.modes.split(","):
         choice, _, variant = mode.partition("-")
-        disable = ("fuse_linear_all_reduce",) if variant == "unfused" else ()
+        disable = {"unfused": ("fuse_linear_all_reduce",), "noearly": ("early_launch_o_proj",)}.get(variant, ())
         art = mxc.build("llama.yaml", out=f"{args.out}-tp{args.tp}-{mode}", tp=args.tp, tp_allreduce=choice,
                         disable_passes=disable, **kw)
         run_ranks(_worker, args.tp, "cuda", str(art), str(result), args.profile, args.sweep_warps)
