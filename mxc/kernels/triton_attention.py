@@ -190,9 +190,9 @@ def _prefill_inner(acc, l_i, m_i, q, kt_ptrs, v_ptrs, start, end, pos_m, hi, qk_
 # one sequence, 32/8 heads of 128, bf16): 2048 tokens 0.093 ms against 0.111, 4096 0.331 against 0.360.
 PREFILL_LONGEST_FIRST = True
 # ``decode_attention(..., early_dependents=True)`` at one sequence: the merge kernel lets the next kernel (the
-# o projection's GEMV, which preloads its weights: ``triton_gemv.PRELOAD_MAX_BYTES``) launch before it waits for
+# o projection's GEMV, which preloads its weights: ``triton_fp8_gemv.PRELOAD_MAX_BYTES``) launch before it waits for
 # the splits (``pdl.pdl_enter_early``), so those loads overlap the attention. The compiler asks for it
-# (``early_launch_o_proj``); False turns it off everywhere (A/B). Measured in ``triton_gemv``'s comment.
+# (``early_launch_o_proj``); False turns it off everywhere (A/B). Measured in ``triton_fp8_gemv``'s comment.
 MERGE_EARLY_DEPENDENTS = True
 
 MAX_SPLITS = 32  # decode splits at most (``bench/ablate.py --set`` varies it)

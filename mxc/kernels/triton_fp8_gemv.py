@@ -36,12 +36,12 @@ import triton
 import triton.language as tl
 
 from mxc.kernels import triton_elementwise, triton_norm
-from mxc.kernels.launch import cdiv, launch
+from mxc.kernels.launch import cdiv, launch, next_pow2
 from mxc.kernels.triton_elementwise import _silu_mul
 from mxc.kernels.pdl import pdl_enter, prefetch_bytes, prefetch_rows_l2
 from mxc.kernels.triton_fp8_quant import (_DTYPES, GRANULARITIES, _check_inputs, _check_norm, _finish, _load_act,
                                           _pow2, _prequantize, _quant, _quant_block, _row_scale)
-from mxc.kernels.triton_gemv import M_BUCKETS, bucket, fill_gpu, preload_config, split_k_for
+from mxc.kernels.triton_gemv import M_BUCKETS, NUM_SMS, bucket, fill_gpu, split_k_for
 
 
 @triton.jit
@@ -328,6 +328,36 @@ WEIGHT_ONLY_M1 = True
 # Measured with channel scales; block128 takes the same tiles (8 rows divide a 128-row block).
 REDUCE_STEPS_MIN_K = 8192
 
+# One-row weight-only GEMVs whose weights take at most PRELOAD_MAX_BYTES, with rows of a power of two elements,
+# load each program's whole [BLOCK_N, K] tile (PRELOAD_TILE_BYTES, held in registers: 128 B a thread at 8 warps)
+# before their PDL wait, instead of asking L2 for the start of each row: the weights stream while the kernels
+# ahead run, and after the wait only x is read. 16 MiB is half the H200's register file: with 32 KB tiles four
+# 8-warp programs (61 registers a thread at [8, 4096]) fit an SM, so every program is resident at once. The
+# decode attention's merge kernel then lets the GEMV after it launch before it waits (the compiler's
+# ``early_launch_o_proj``), so these loads overlap the attention itself. Llama-3-8B fp8 batch 1 on one H200
+# (o: 4096 x 4096, [8, 4096] tiles; Triton 3.6, 2026-12-01, ``bench/decode_ab.py``, medians of three
+# interleaved rounds): 2.519-2.523 ms against 2.566-2.569 in three calls; the preload alone 2.534, the early
+# launch alone 2.579; a [32, 4096] tile at 16 warps (105 registers: one program an SM beside the attention's)
+# 2.545. Measured and removed: the same mode in ``triton_gemv`` for Qwen3-30B-A3B's bf16 o GEMV (2048 x 4096,
+# [4, 4096] tiles) was slower, 2.654 against 2.555 ms (the o GEMV 2.1 us a layer faster, the attention's
+# split kernel 2.4 us slower under the loads, ``bench/decode_ab.py --timeline``). Not measured: a preloading
+# GEMV right after another GEMV (a small model's down projection), whose loads then compete with that
+# GEMV's. 0 turns it off.
+PRELOAD_MAX_BYTES = 16 << 20
+PRELOAD_TILE_BYTES = 32 << 10
+
+
+def _preload_config(cfg: QGemvConfig, n: int, k: int) -> QGemvConfig:
+    """``cfg`` (a one-row weight-only config) made PRELOAD where the rule above applies (rows of at most a
+    quarter tile; fewer rows a tile where the tiles would not fill the GPU, as ``fill_gpu``), else ``cfg``."""
+    if not (PRELOAD_MAX_BYTES and n * k <= PRELOAD_MAX_BYTES and k & (k - 1) == 0 and 4 * k <= PRELOAD_TILE_BYTES):
+        return cfg
+    block_n = min(PRELOAD_TILE_BYTES // k, next_pow2(n))
+    while cdiv(n, block_n) < NUM_SMS and block_n > 1:
+        block_n //= 2
+    return replace(cfg, BLOCK_N=block_n, BLOCK_K=k, SPLIT_K=1, num_warps=8, PRELOAD=True)
+
+
 # Field overrides of the default configs by (bucket, N, K), applied after the rules: what
 # ``bench/decode_ab.py`` variants set to time other tiles in the whole step.
 OVERRIDES: dict[tuple[int, int, int], dict] = {}
@@ -336,15 +366,16 @@ OVERRIDES: dict[tuple[int, int, int], dict] = {}
 def config_for(m_bucket: int, n: int, k: int, dtype: torch.dtype, granularity: str) -> QGemvConfig:
     """Default ``qlinear_small_m`` config; a pure function of its arguments (for the AOT build): the
     rules of ``_base_config``, with one-row FMA configs made ``WEIGHT_ONLY`` under ``WEIGHT_ONLY_M1`` (and
-    long rows' tiles ``REDUCE_STEPS``, small matrices' ``PRELOAD`` (``triton_gemv.preload_config``; channel or
-    tensor scales), unless ``MEASURED`` has the shape), then ``OVERRIDES``."""
+    long rows' tiles ``REDUCE_STEPS``, small matrices' ``PRELOAD`` (``PRELOAD_MAX_BYTES``; channel or tensor
+    scales), unless ``MEASURED`` has the shape), then ``OVERRIDES``."""
     cfg = _base_config(m_bucket, n, k, dtype, granularity)
     if WEIGHT_ONLY_M1 and m_bucket == 1 and not cfg.USE_DOT:
         cfg = replace(cfg, PREQUANT=False, WEIGHT_ONLY=True)
-        if 0 < REDUCE_STEPS_MIN_K <= k and (m_bucket, n, k, dtype, granularity) not in MEASURED:
+        measured = (m_bucket, n, k, dtype, granularity) in MEASURED
+        if not measured and 0 < REDUCE_STEPS_MIN_K <= k:
             cfg = fill_gpu(replace(cfg, BLOCK_N=8, BLOCK_K=2048, SPLIT_K=1, num_warps=8, REDUCE_STEPS=True), n, k)
-        elif granularity != "block128" and (m_bucket, n, k, dtype, granularity) not in MEASURED:
-            cfg = preload_config(cfg, n, k, 1)  # e4m3 weights: one byte an element (``triton_gemv``'s rule)
+        elif not measured and granularity != "block128":
+            cfg = _preload_config(cfg, n, k)
     if (m_bucket, n, k) in OVERRIDES:
         cfg = replace(cfg, **OVERRIDES[(m_bucket, n, k)])
     return cfg

@@ -64,7 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mxc.kernels.launch import cdiv, check_operand, launch, next_pow2
+from mxc.kernels.launch import cdiv, check_operand, launch
 from mxc.kernels.pdl import pdl_enter, prefetch_bytes, prefetch_rows_l2
 
 M_BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -89,15 +89,13 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, bufs_ptr, state_ptr, rank
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr,
                  HAS_RESIDUAL: tl.constexpr = False, PUSH_WORLD: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
-                 PREFETCH: tl.constexpr = 0, PRELOAD: tl.constexpr = False):
+                 PREFETCH: tl.constexpr = 0):
     """One program: rows [pid_n * BLOCK_N, +BLOCK_N) of y over K slice pid_k.
 
     With SPLIT_K == 1, ``y_ptr`` is y [M, N] (bias and residual added, cast to y's dtype);
     otherwise it is the fp32 scratch [SPLIT_K, M, N] and HAS_BIAS and HAS_RESIDUAL are False.
     ``b_ptr`` / ``r_ptr`` are None (specialised away) when there is no bias / residual.
-    Built for PDL (USE_PDL), it first asks L2 for PREFETCH bytes (0: none) of each of its weight rows;
-    with PRELOAD (one row, one K slice, K a power of two) it loads its whole [BLOCK_N, K] tile before the
-    wait instead (see ``PRELOAD_MAX_BYTES``).
+    Built for PDL (USE_PDL), it first asks L2 for PREFETCH bytes (0: none) of each of its weight rows.
     With PUSH_WORLD ranks (> 0; ``y_ptr`` None), y goes into the push all-reduce's buffers instead:
     rows of this rank in slot ``state[0]`` of every rank's buffer (``bufs_ptr``, its own included),
     -0.0 sent as +0.0 (``peer_allreduce``); ``bufs_ptr``, ``state_ptr``, ``rank`` and ``slot_elems``
@@ -117,11 +115,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, bufs_ptr, state_ptr, rank
     offs_k = tl.arange(0, BLOCK_K)
     # Rows past N re-read row (n % N): loads need no N mask (only the store does).
     rn = offs_n % N
-    if PRELOAD:  # the program's whole weight tile in registers while the kernels ahead run
-        tl.static_assert(BLOCK_M == 1 and SPLIT_K == 1 and not USE_DOT)
-        offs_kk = tl.arange(0, K)
-        w_all = tl.load(w_ptr + rn[:, None] * K + offs_kk[None, :])
-    elif USE_PDL and PREFETCH > 0:  # weights stream into L2 while the kernel ahead finishes; then wait for its output
+    if USE_PDL and PREFETCH > 0:  # weights stream into L2 while the kernel ahead finishes; then wait for its output
         prefetch_rows_l2(w_ptr, rn, k_start, K, PREFETCH)
     pdl_enter(USE_PDL)
     if N * K > 2**31 - 1:  # element offsets past int32
@@ -150,9 +144,6 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, bufs_ptr, state_ptr, rank
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         acc_t = tl.trans(acc)  # [BLOCK_N, BLOCK_M]
-    elif PRELOAD:
-        xk = tl.load(x_ptr + offs_kk).to(tl.float32)
-        acc_t = tl.sum(w_all.to(tl.float32) * xk[None, :], axis=1)[:, None]  # [BLOCK_N, 1]
     elif BLOCK_M == 1:
         # v1: per-thread partial products, one reduction at the end
         x_ptrs = x_ptr + k_start + offs_k
@@ -308,7 +299,6 @@ class GemvConfig:
     USE_DOT: bool = False
     num_warps: int = 4
     num_stages: int = 1
-    PRELOAD: bool = False  # one row: the whole [BLOCK_N, K] tile loaded before the PDL wait (``PRELOAD_MAX_BYTES``)
 
 
 def _vec(dtype: torch.dtype) -> int:
@@ -385,40 +375,6 @@ def config_for(m_bucket: int, n: int, k: int, dtype: torch.dtype) -> GemvConfig:
     return fill_gpu(cfg, n, k)
 
 
-# One-row FMA GEMVs (v1) whose weights take at most PRELOAD_MAX_BYTES, with rows of a power of two elements,
-# may load each program's whole [BLOCK_N, K] tile (PRELOAD_TILE_BYTES, held in registers: 128 B a thread at
-# 8 warps) before their PDL wait, instead of asking L2 for the start of each row: the weights stream while
-# the kernels ahead run, and after the wait only x is read. 16 MiB is half the H200's register file: with
-# 32 KB tiles four 8-warp programs (64 registers a thread) fit an SM, so every program is resident at once.
-# The decode attention's merge kernel then lets the GEMV after it launch before it waits (the compiler's
-# ``early_launch_o_proj``), so these loads overlap the attention itself. ``triton_fp8_gemv`` applies the rule
-# to the o projection at one token: Llama-3-8B fp8 batch 1 on one H200 (o: 4096 x 4096 e4m3, [8, 4096]
-# tiles; Triton 3.6, 2026-12-01, ``bench/decode_ab.py``, medians of three interleaved rounds): 2.519-2.523
-# ms against 2.566-2.569 in three calls; the preload alone 2.534, the early launch alone 2.579; a [32, 4096]
-# tile at 16 warps (105 registers: one program an SM beside the attention's) 2.545. The same for the bf16
-# o GEMV of Qwen3-30B-A3B (2048 x 4096, [4, 4096] tiles) was slower: 2.654 against 2.555 ms (the o GEMV
-# 2.1 us a layer faster, the attention's split kernel 2.4 us slower under the loads, ``--timeline``), so
-# this module's ``config_for`` does not preload (the mode stays, for a tuning cache to pick where it measures
-# faster). Not measured: a preloading GEMV right after another GEMV (a small model's down projection), whose
-# loads then compete with that GEMV's. 0 turns it off.
-PRELOAD_MAX_BYTES = 16 << 20
-PRELOAD_TILE_BYTES = 32 << 10
-
-
-def preload_config(cfg, n: int, k: int, elem: int):
-    """``cfg`` (a one-row FMA config: this module's or ``triton_fp8_gemv``'s) made PRELOAD where the rule above
-    applies (rows of at most a quarter tile; fewer rows a tile where the tiles would not fill the GPU), else
-    ``cfg`` itself."""
-    row = k * elem
-    if not (PRELOAD_MAX_BYTES and n * row <= PRELOAD_MAX_BYTES and k & (k - 1) == 0
-            and 4 * row <= PRELOAD_TILE_BYTES):
-        return cfg
-    block_n = min(PRELOAD_TILE_BYTES // row, next_pow2(n))
-    while cdiv(n, block_n) < NUM_SMS and block_n > 1:  # a program an SM at least, as ``fill_gpu``
-        block_n //= 2
-    return replace(cfg, BLOCK_N=block_n, BLOCK_K=k, SPLIT_K=1, num_warps=8, PRELOAD=True)
-
-
 def _tile_m(m_bucket: int, cfg: GemvConfig) -> int:
     """Rows of the kernel's tile: the bucket, or 16 at least for tensor cores (tl.dot)."""
     return max(16, m_bucket) if cfg.USE_DOT else m_bucket
@@ -462,12 +418,9 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
     else:
         check_operand("out", out, (M, N), x.dtype, x.device)
         y = out
-    if cfg.PRELOAD and (m_bucket != 1 or cfg.SPLIT_K != 1 or cfg.USE_DOT or K & (K - 1)):
-        raise ValueError(f"PRELOAD needs one row, no K split, no USE_DOT and K a power of two: {cfg}, M={M}, K={K}")
     grid = (cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)
     consts = dict(N=N, K=K, BLOCK_M=_tile_m(m_bucket, cfg), BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-                  SPLIT_K=cfg.SPLIT_K, USE_DOT=cfg.USE_DOT, PREFETCH=prefetch_bytes(PREFETCH_BYTES, K * w.element_size()),
-                  **({"PRELOAD": True} if cfg.PRELOAD else {}))
+                  SPLIT_K=cfg.SPLIT_K, USE_DOT=cfg.USE_DOT, PREFETCH=prefetch_bytes(PREFETCH_BYTES, K * w.element_size()))
     has_bias, has_residual = bias is not None, residual is not None
     if cfg.SPLIT_K == 1:
         launch(_gemv_kernel, grid, [x, w, bias, residual, y, M, None, None, None, None],

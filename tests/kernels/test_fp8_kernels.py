@@ -25,7 +25,6 @@ from mxc.kernels import triton_fp8 as tf
 from mxc.kernels import triton_fp8_gemm as tfm
 from mxc.kernels import triton_fp8_gemv as tfv
 from mxc.kernels import triton_fp8_quant as tfq
-from mxc.kernels import triton_gemv as tgemv
 from mxc.kernels.triton_fp8 import QGemmConfig, QGemvConfig
 from mxc.loaders.quantize import quantize_fp8
 
@@ -186,6 +185,22 @@ def test_small_m_preload(gran, dtype, fusion, block_n):
     assert tf.config_for(1, N, 256, dtype, gran).PRELOAD and not tf.config_for(1, N, K, dtype, gran).PRELOAD
 
 
+def test_preload_rule(monkeypatch):
+    """Small one-row matrices (rows of a power of two, at most PRELOAD_MAX_BYTES) preload, in tiles that fill
+    the GPU; larger ones, ragged or long rows, block scales and more rows do not."""
+    o = tf.config_for(1, 4096, 4096, torch.bfloat16, "channel")  # Llama-3-8B's o projection: 16 MiB
+    assert o.PRELOAD and o.SPLIT_K == 1 and o.BLOCK_N * 4096 == tfv.PRELOAD_TILE_BYTES and o.num_warps == 8
+    assert tfv.preloads(4096, 4096, torch.bfloat16, "tensor")
+    assert not tfv.preloads(4096, 4096, torch.bfloat16, "block128")
+    assert not tfv.preloads(8192, 4096, torch.bfloat16, "channel")  # 32 MiB
+    assert not tfv.preloads(2048, 3000, torch.bfloat16, "channel")  # K not a power of two
+    assert not tf.config_for(2, 4096, 4096, torch.bfloat16, "channel").PRELOAD
+    small = tf.config_for(1, 512, 4096, torch.bfloat16, "channel")
+    assert small.PRELOAD and -(-512 // small.BLOCK_N) >= tf.NUM_SMS
+    monkeypatch.setattr(tfv, "PRELOAD_MAX_BYTES", 0)
+    assert not tfv.preloads(4096, 4096, torch.bfloat16, "channel")
+
+
 def test_preload_rejects_bad_configs():
     x, q, s, _, _ = _inputs(2, N, 256, torch.float16, "channel", False, False, False, seed=5)
     pre = QGemvConfig(BLOCK_N=8, BLOCK_K=256, WEIGHT_ONLY=True, PRELOAD=True)
@@ -318,7 +333,7 @@ def test_config_table():
                 assert cfg.BLOCK_K % 128 == 0  # whole 16-byte loads of e4m3 across a warp
                 # small one-row weight-only matrices load whole tiles before the PDL wait
                 assert cfg.PRELOAD == (cfg.WEIGHT_ONLY and not cfg.REDUCE_STEPS and gran != "block128"
-                                       and n * k <= tgemv.PRELOAD_MAX_BYTES)
+                                       and n * k <= tfv.PRELOAD_MAX_BYTES)
                 # split K where the row tiles cannot fill the GPU (small N; 64-row SWAP_AB tiles: N < 8448)
                 assert (cfg.SPLIT_K > 1) == ((n == 512 and not cfg.PRELOAD) or (swap and -(-n // 64) < tf.NUM_SMS))
         assert all(not c.USE_DOT or c.SWAP_AB for c in gemv_tuning.fp8_candidates(1, gran))  # v1, or w @ x^T on wgmma
@@ -517,7 +532,7 @@ def test_meta_recording():
         assert gemm[33] == gemm[100] == gemm[1000]
     # split K (a small N, not preloaded): the reduce kernel rounds and adds bias and residual
     with launch_mod.using(record), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tgemv, "PRELOAD_MAX_BYTES", 0)
+        mp.setattr(tfv, "PRELOAD_MAX_BYTES", 0)
         launches.clear()
         tf.qlinear_small_m(meta(1, k), meta(512, k, dtype=tf.FP8), meta(512, dtype=torch.float32), meta(512),
                            meta(1, 512))
