@@ -193,6 +193,11 @@ PREFILL_LONGEST_FIRST = True
 # o projection's GEMV, which preloads its weights: ``triton_fp8_gemv.PRELOAD_MAX_BYTES``) launch before it waits for
 # the splits (``pdl.pdl_enter_early``), so those loads overlap the attention. The compiler asks for it
 # (``early_launch_o_proj``); False turns it off everywhere (A/B). Measured in ``triton_fp8_gemv``'s comment.
+# The attention's last kernel lets the o GEMV after it launch before it waits, where the compiler's
+# ``early_launch_o_proj`` asked (``early_dependents``): the GEMV then loads its weights during the attention.
+# Measured with it (Llama-3-8B fp8 batch 1, one H200, 2026-12-02, ``bench/decode_ab.py``, medians of three
+# interleaved rounds): one split and no merge kernel (``MAX_SPLITS = 1``, the split kernel launching the GEMV)
+# 2.518 against 2.518 ms with up to 32 splits and the merge, at the benchmark's 128-256-row contexts.
 MERGE_EARLY_DEPENDENTS = True
 
 MAX_SPLITS = 32  # decode splits at most (``bench/ablate.py --set`` varies it)
@@ -269,7 +274,8 @@ def decode_attention(q, k_cache, v_cache, slots, kv_lens, scale: float, sliding_
     """q [B, HQ, D] (the token at position kv_lens[b] - 1) -> out [B, HQ, D].
 
     Launches the split kernel and, with more than one split, the merge kernel; with ``early_dependents``
-    and one sequence, the merge lets the next kernel launch before it waits (``MERGE_EARLY_DEPENDENTS``)."""
+    and one sequence, the last of them (the merge, or the split kernel alone) lets the next kernel launch before
+    it waits (``MERGE_EARLY_DEPENDENTS``)."""
     assert q.dim() == 3, f"q must be [B, HQ, D], got {tuple(q.shape)}"
     B, HQ, D = q.shape
     Bc, HKV = _check_cache(q, k_cache, v_cache, slots, kv_lens, HQ, D)
@@ -288,16 +294,18 @@ def decode_attention(q, k_cache, v_cache, slots, kv_lens, scale: float, sliding_
     split_kernel = kernel_templates.kernel("decode_attention", "decode_split_kernel", **layout,
                                            BLOCK_G=max(16, next_pow2(HQ // HKV)))
     lines = next_pow2(cdiv(D * k_cache.element_size(), 128)) if DECODE_PREFETCH_KV else 0
+    early = early_dependents and MERGE_EARLY_DEPENDENTS and B == 1
     launch(split_kernel, (B, HKV, NUM_SPLITS), [q, k_cache, v_cache, slots, kv_lens, out, part_out, part_lse,
                                                 float(scale)],
-           dict(NUM_SPLITS=NUM_SPLITS, BLOCK_N=BLOCK_N, PREFETCH_LINES=lines), num_warps=num_warps,
-           num_stages=num_stages)
+           dict(NUM_SPLITS=NUM_SPLITS, BLOCK_N=BLOCK_N, PREFETCH_LINES=lines,
+                **({"EARLY_DEPENDENTS": True} if early and NUM_SPLITS == 1 else {})),
+           num_warps=num_warps, num_stages=num_stages)
     if NUM_SPLITS > 1:
         reduce_kernel = kernel_templates.kernel("decode_merge", "decode_reduce_kernel", HQ=HQ, HEAD_DIM=D,
                                                 BLOCK_D=layout["BLOCK_D"])
         launch(reduce_kernel, (B, HQ), [part_out, part_lse, out],
                dict(NUM_SPLITS=NUM_SPLITS, BLOCK_S=next_pow2(NUM_SPLITS),
-                    **({"EARLY_DEPENDENTS": True} if early_dependents and MERGE_EARLY_DEPENDENTS and B == 1 else {})),
+                    **({"EARLY_DEPENDENTS": True} if early else {})),
                num_warps=1, num_stages=1)
     return out
 

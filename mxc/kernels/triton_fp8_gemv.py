@@ -276,7 +276,8 @@ def _qgemv_reduce_kernel(ws_ptr, b_ptr, r_ptr, y_ptr, M,
 # waits for the kernel ahead (``pdl.prefetch_rows_l2``; ``pdl.prefetch_bytes`` caps it at the row).
 # Llama-3-8B fp8 batch-1 decode on one H200 (Triton 3.6, 2026-11-30, ``bench/decode_ab.py``, medians of
 # three interleaved rounds): none 2.798 ms, 512 B 2.770, 1 KB 2.793, 2 KB (the former default) 2.854,
-# 4 KB 3.157, 8 KB 3.170 (the none/512/1K spread is within the rounds' noise).
+# 4 KB 3.157, 8 KB 3.170 (the none/512/1K spread is within the rounds' noise). Only the qkv GEMV's rows at
+# 2 KB (6144 x 4096: 12 MB asked during the RMSNorm-quantize ahead of it; 2026-12-02): 2.536 against 2.518.
 PREFETCH_BYTES = 512
 
 
@@ -342,7 +343,10 @@ REDUCE_STEPS_MIN_K = 8192
 # [4, 4096] tiles) was slower, 2.654 against 2.555 ms (the o GEMV 2.1 us a layer faster, the attention's
 # split kernel 2.4 us slower under the loads, ``bench/decode_ab.py --timeline``). Not measured: a preloading
 # GEMV right after another GEMV (a small model's down projection), whose loads then compete with that
-# GEMV's. 0 turns it off.
+# GEMV's. Measured and removed (2026-12-02, same bench): the preload delayed by a %globaltimer spin of 1, 2 or
+# 3 us after the GEMV's programs start, so that the attention's split kernel loads first: 2.521, 2.538 and
+# 2.568 against 2.518 ms. At 2 us the split kernel ran as fast as with no GEMV beside it (3.55 against 5.39 us
+# a layer, ``--timeline``) but the GEMV then added 6.88 us instead of 3.81. 0 turns it off.
 PRELOAD_MAX_BYTES = 16 << 20
 PRELOAD_TILE_BYTES = 32 << 10
 

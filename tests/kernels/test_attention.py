@@ -185,6 +185,20 @@ def test_decode_launches_are_static():
     assert [(c[0], c[1]) for c in one] == [("decode_split_kernel", (3, 2, 1))]
 
 
+def test_decode_early_dependents_go_to_the_last_kernel():
+    """``early_dependents`` (the compiler's ``early_launch_o_proj``) makes the attention's last kernel let the next
+    one launch before it waits: the merge, or the split kernel when one split writes the output. One sequence only."""
+    def early(B, splits, flag=True):
+        args = _decode_args("meta", [1] * B, B=B)
+        calls = _record(lambda: ta.decode_attention(*args, 0.1, None, num_splits=splits, early_dependents=flag))
+        return [c[0] for c in calls if c[2].get("EARLY_DEPENDENTS")]
+
+    assert early(1, 4) == ["decode_reduce_kernel"]
+    assert early(1, 1) == ["decode_split_kernel"]
+    assert early(1, 4, flag=False) == early(1, 1, flag=False) == []
+    assert early(3, 4) == early(3, 1) == []
+
+
 def _prefill_launches(device, seq_lens, past_lens):
     q = torch.empty(sum(seq_lens), 8, 128, dtype=torch.float16, device=device)
     cache = torch.empty(4, 512, 2, 128, dtype=torch.float16, device=device)
