@@ -278,6 +278,10 @@ def _qgemv_reduce_kernel(ws_ptr, b_ptr, r_ptr, y_ptr, M,
 # three interleaved rounds): none 2.798 ms, 512 B 2.770, 1 KB 2.793, 2 KB (the former default) 2.854,
 # 4 KB 3.157, 8 KB 3.170 (the none/512/1K spread is within the rounds' noise). Only the qkv GEMV's rows at
 # 2 KB (6144 x 4096: 12 MB asked during the RMSNorm-quantize ahead of it; 2026-12-02): 2.536 against 2.518.
+# Nor is L2 residency what limits it (2026-12-02, same bench): every weight load evict_first (the weights are
+# read once) and the prefetches evict_last, 2.524 against 2.522 ms at 512 B; at 1 KB / 2 KB 2.598 / 2.707
+# (1 KB without the hints: 2.550). The prefetched rows are not lost to eviction: the next GEMV's prefetches
+# slow the current GEMV's last loads.
 PREFETCH_BYTES = 512
 
 
