@@ -310,7 +310,9 @@ class QGemvConfig:
 # gained under 3%): the place a tuning cache's entries will plug in. The Llama-3-8B down entry (prequantized v1,
 # [8, 1024]: 22.7 -> 21.9 us) gave way to ``REDUCE_STEPS_MIN_K``'s rule, measured in the whole step.
 MEASURED = {
-    # Llama-3-8B qkv: 12.4 -> 11.0 us (no K split, 5 stages)
+    # Llama-3-8B qkv: 12.4 -> 11.0 us (no K split, 5 stages). In the whole step (2026-12-02, ``bench/decode_ab.py``)
+    # K split 2 (192 programs instead of 96, and the reduce kernel) took 2.558 against 2.508 ms: the GEMV itself
+    # added 7.04 us a layer instead of ~7.2, the reduce kernel and the RoPE kernel after it 2.6 instead of 1.1.
     (1, 6144, 4096, torch.bfloat16, "channel"): QGemvConfig(64, 256, 1, True, True, 4, 5, 4096, SWAP_AB=True),
 }
 
