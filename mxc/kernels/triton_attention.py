@@ -189,15 +189,14 @@ def _prefill_inner(acc, l_i, m_i, q, kt_ptrs, v_ptrs, start, end, pos_m, hi, qk_
 # or query blocks fastest from the first. On one H200 (2026-12-01, bench/attention_lab.py --orders, causal,
 # one sequence, 32/8 heads of 128, bf16): 2048 tokens 0.093 ms against 0.111, 4096 0.331 against 0.360.
 PREFILL_LONGEST_FIRST = True
-# ``decode_attention(..., early_dependents=True)`` at one sequence: the merge kernel lets the next kernel (the
-# o projection's GEMV, which preloads its weights: ``triton_fp8_gemv.PRELOAD_MAX_BYTES``) launch before it waits for
-# the splits (``pdl.pdl_enter_early``), so those loads overlap the attention. The compiler asks for it
-# (``early_launch_o_proj``); False turns it off everywhere (A/B). Measured in ``triton_fp8_gemv``'s comment.
-# The attention's last kernel lets the o GEMV after it launch before it waits, where the compiler's
-# ``early_launch_o_proj`` asked (``early_dependents``): the GEMV then loads its weights during the attention.
-# Measured with it (Llama-3-8B fp8 batch 1, one H200, 2026-12-02, ``bench/decode_ab.py``, medians of three
-# interleaved rounds): one split and no merge kernel (``MAX_SPLITS = 1``, the split kernel launching the GEMV)
-# 2.518 against 2.518 ms with up to 32 splits and the merge, at the benchmark's 128-256-row contexts.
+
+# ``decode_attention(..., early_dependents=True)`` at one sequence: the attention's last kernel (the merge, or the
+# split kernel when one split writes the output) lets the next kernel (the o projection's GEMV, which preloads
+# its weights: ``triton_fp8_gemv.PRELOAD_MAX_BYTES``) launch before it waits (``pdl.pdl_enter_early``), so those
+# loads overlap the attention. The compiler asks for it (``early_launch_o_proj``); False turns it off everywhere
+# (A/B). Measured in ``triton_fp8_gemv``'s comment; with it, one split and no merge kernel (``MAX_SPLITS = 1``)
+# took 2.518 against 2.518 ms with up to 32 splits and the merge (Llama-3-8B fp8 batch 1, one H200, 2026-12-02,
+# ``bench/decode_ab.py``, medians of three interleaved rounds; the benchmark's 128-256-row contexts).
 MERGE_EARLY_DEPENDENTS = True
 
 MAX_SPLITS = 32  # decode splits at most (``bench/ablate.py --set`` varies it)
