@@ -96,10 +96,13 @@ def gemm_rate(n=8192) -> float:
 
 
 def weight_bytes(manifest: dict, art: Path) -> tuple[int, int]:
-    """(bytes read per decode step = all weights but the embedding table, linear params for FLOPs)."""
+    """(bytes one token's decode step reads = all weights but the embedding table, with only the top-k of a MoE
+    model's stacked experts (``.we_`` tensors, k / E of them); linear params for FLOPs)."""
     from safetensors import safe_open
 
     size = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1}
+    cfg = manifest.get("config", {})
+    active = cfg.get("num_experts_per_tok", 1) / cfg.get("num_experts", 1) if cfg.get("num_experts") else 1.0
     total, linear = 0, 0
     with safe_open(art / "weights" / "rank0.safetensors", "pt") as f:
         for name in f.keys():
@@ -110,10 +113,10 @@ def weight_bytes(manifest: dict, art: Path) -> tuple[int, int]:
                 n *= d
             if name == "embed":
                 continue
-            total += n * size[sl.get_dtype()]
+            total += n * size[sl.get_dtype()] * (active if ".we_" in name else 1)
             if len(shape) == 2 and not name.endswith("_scale"):
                 linear += n
-    return total, linear
+    return int(total), linear
 
 
 def executed_prefill_flops(config_path, nlinear: int, tokens: int) -> int:

@@ -21,25 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mxc  # noqa: E402
-from decode import _Rows, bench_generate, copy_bandwidth, cuda_time, hf_model  # noqa: E402
+from decode import _Rows, bench_generate, copy_bandwidth, cuda_time, hf_model, weight_bytes  # noqa: E402
 from profile_step import profile_decode  # noqa: E402
 
 HERE = Path(__file__).parent
-
-
-def active_bytes(art: Path, k: int, experts: int) -> int:
-    from safetensors import safe_open
-
-    total = 0
-    with safe_open(art / "weights" / "rank0.safetensors", "pt") as f:
-        for name in f.keys():
-            if name == "embed":
-                continue
-            n = 1
-            for d in f.get_slice(name).get_shape():
-                n *= d
-            total += n * 2 * (k / experts if ".we_" in name else 1)
-    return int(total)
 
 
 def kernel_vs_loop(rows) -> None:
@@ -74,13 +59,12 @@ def main() -> None:
     rows = _Rows()  # each row also printed as measured
     bw = copy_bandwidth()
     rows.append(("copy bandwidth (measured)", f"{bw / 1e12:.2f} TB/s"))
-    cfg = json.loads(Path(args.config).read_text())
     t0 = time.perf_counter()
     art = mxc.build("llama.yaml", config=args.config, out=args.out, target="cuda", dtype="bfloat16", max_batch=64,
                     max_seq_len=512, progress=False)
     rows.append(("build", f"{time.perf_counter() - t0:.0f} s"))
     model = mxc.load(art, device="cuda", verify=False)
-    nbytes = active_bytes(Path(art), cfg["num_experts_per_tok"], cfg["num_experts"])
+    nbytes, _ = weight_bytes(json.loads((Path(art) / "manifest.json").read_text()), Path(art))
     floor = nbytes / bw
     rows.append(("active weights per token", f"{nbytes / 1e9:.2f} GB (floor {floor * 1e3:.2f} ms)"))
     if args.batch1:

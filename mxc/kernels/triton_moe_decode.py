@@ -27,7 +27,7 @@ pair reads expert 0), as ``triton_moe`` drops them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -142,7 +142,20 @@ class PairConfig:
     TILE: bool = False  # down only: the k experts in one tile (``_pair_down_tile_kernel``; power-of-two k)
 
 
+# Field overrides of the default configs by (hidden, inter, "up" or "down"), applied after the rules: what
+# ``bench/decode_ab.py`` variants set to time other tiles in the whole step.
+OVERRIDES: dict[tuple[int, int, str], dict] = {}
+
+
 def config_for(hidden: int, inter: int, dtype: torch.dtype, top_k: int = 8) -> tuple[PairConfig, PairConfig]:
+    """``_default_configs``, then ``OVERRIDES``."""
+    up, down = _default_configs(hidden, inter, dtype, top_k)
+    up = replace(up, **OVERRIDES.get((hidden, inter, "up"), {}))
+    down = replace(down, **OVERRIDES.get((hidden, inter, "down"), {}))
+    return up, down
+
+
+def _default_configs(hidden: int, inter: int, dtype: torch.dtype, top_k: int = 8) -> tuple[PairConfig, PairConfig]:
     """(up, down) configs. Measured on the H200 at the Qwen3-30B-A3B shape, one token, bf16
     (``bench/moe_lab.py``, 2026-11-30; up + down per layer): the batch-1 GEMV's shape for both
     (16 rows, 1 KB steps, 8 warps) 32.1 us; up with 16 rows, 512 B steps, 4 warps and the tiled
