@@ -26,6 +26,22 @@ import torch  # noqa: E402
 
 torch.set_num_threads(min(4, torch.get_num_threads()))
 
+# Figures a test reports (``record_property("report", line)``, e.g. fp8's greedy-token agreement), printed
+# after the run: report properties travel from pytest-xdist's workers, whose own output is not shown.
+_REPORTS: list[str] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call":
+        _REPORTS.extend(value for key, value in report.user_properties if key == "report")
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _REPORTS:
+        terminalreporter.section("reported figures")
+        for line in sorted(_REPORTS):
+            terminalreporter.write_line(line)
+
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, eos_token_id=None,
             bos_token_id=None, pad_token_id=None)

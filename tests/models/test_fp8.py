@@ -34,7 +34,7 @@ def _l2(a, b):
 @pytest.mark.parametrize("arch,overrides", [("LlamaForCausalLM", {}), ("Qwen2ForCausalLM", {}),
                                             ("Qwen3ForCausalLM", {"head_dim": 32})])
 @pytest.mark.parametrize("granularity", ["channel", "tensor", "block128"])
-def test_fp8_logits_close_to_unquantized(arch, overrides, granularity, hf_checkpoint, tmp_path, capsys):
+def test_fp8_logits_close_to_unquantized(arch, overrides, granularity, hf_checkpoint, tmp_path, record_property):
     ckpt, hf = hf_checkpoint(arch, **overrides)
     ref = mxc.load(mxc.build(str(ckpt), out=tmp_path / "ref", dtype="bfloat16", progress=False, log=lambda m: None))
     art = mxc.build(str(ckpt), out=tmp_path / "fp8", dtype="bfloat16", quant="fp8", quant_granularity=granularity,
@@ -43,9 +43,8 @@ def test_fp8_logits_close_to_unquantized(arch, overrides, granularity, hf_checkp
     got, want = model.logits(IDS), ref.logits(IDS)
     assert _l2(got, want) < 0.065 and _rel(got, want) < 0.09, (_l2(got, want), _rel(got, want))
     agree = (model.generate(IDS, max_new_tokens=16) == ref.generate(IDS, max_new_tokens=16)).float().mean()
-    with capsys.disabled():
-        print(f"\n  fp8 {granularity:8s} {arch:18s} logits L2 err {_l2(got, want):.1%}, max err "
-              f"{_rel(got, want):.1%}, greedy agreement with bf16: {agree:.0%}")
+    record_property("report", f"fp8 {granularity:8s} {arch:18s} logits L2 err {_l2(got, want):.1%}, max err "
+                              f"{_rel(got, want):.1%}, greedy agreement with bf16: {agree:.0%}")
     with safe_open(art / "weights" / "rank0.safetensors", "pt") as f:
         assert f.get_tensor("layers.0.wqkv").dtype == torch.float8_e4m3fn
         assert f.get_tensor("layers.0.wqkv_scale").dtype == torch.float32
