@@ -21,9 +21,9 @@ would break it. A kernel without ``USE_PDL`` is launched the ordinary way.
 Measured and removed: letting the next kernel launch before this one waits (so two kernels ahead
 could prefetch while one runs) made Llama-3-8B decode slower on one H200 (Triton 3.6, 2026-11-30):
 batch 1 4.74 against 4.26 ms, batch 8 5.83 against 5.00, fp8 batch 1 3.20 against 3.02. Kept in one place
-(``pdl_enter_early``): the decode attention's merge kernel, when the GEMV after it loads its whole weight
-tiles before its wait (the compiler's ``early_launch_o_proj``); there the kernels ahead are latency-bound
-and HBM is otherwise idle. The RMSNorm-quantize kernels doing the same (so the qkv and gate/up GEMVs
+(``pdl_enter_early``): the decode attention's last kernel (the merge, or the split kernel alone with one
+split), when the GEMV after it loads its whole weight tiles before its wait (the compiler's
+``early_launch_o_proj``); there the kernels ahead are latency-bound and HBM is otherwise idle. The RMSNorm-quantize kernels doing the same (so the qkv and gate/up GEMVs
 launched during the GEMV ahead of them) took 2.691 against 2.521 ms (fp8 batch 1, 2026-12-01).
 """
 

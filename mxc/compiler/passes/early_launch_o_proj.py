@@ -8,9 +8,9 @@ Matches (CUDA target with PDL)::
 
 where ``triton_fp8_gemv.preloads(N, K, dtype, G)``: that GEMV loads its whole weight tiles before its
 PDL wait. Rewrites to the same attention node with ``early_dependents=True``: at one sequence its last
-kernel (the split-KV merge) lets the GEMV launch before it waits for the splits, so the GEMV's weights
-stream while the attention runs (``pdl.pdl_enter_early``; measured in ``triton_fp8_gemv``'s
-``PRELOAD_MAX_BYTES`` comment). A GEMV that does not preload gains nothing from an early launch, so
+kernel (the split-KV merge, or the split kernel when one split writes the output) lets the GEMV launch
+before it waits, so the GEMV's weights stream while the attention runs (``pdl.pdl_enter_early``; measured
+in ``triton_fp8_gemv``'s ``PRELOAD_MAX_BYTES`` comment). A GEMV that does not preload gains nothing from an early launch, so
 other attentions keep their plain launch order.
 Preserves: the graph's structure and math; only adds an attribute (a launch order, not a result).
 """
