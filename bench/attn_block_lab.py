@@ -56,6 +56,8 @@ LAB_VARIANTS = {
     "trace": ["-DMXC_AB_TRACE=1"],          # stage times (adds a few stores)
     "late_o": ["-DMXC_AB_LATE_O=1"],        # the o copies after the merge (HBM idle during the exchanges)
     "late_o_trace": ["-DMXC_AB_LATE_O=1", "-DMXC_AB_TRACE=1"],
+    "cluster": ["-DMXC_AB_CLUSTER=1"],      # a kv group a cluster of 16, exchanges in distributed shared memory
+    "cluster_trace": ["-DMXC_AB_CLUSTER=1", "-DMXC_AB_TRACE=1"],
     "tags": ["-DMXC_AB_SYNC=0"],            # no counters: readers poll the tagged words (no fences)
     "tags_trace": ["-DMXC_AB_SYNC=0", "-DMXC_AB_TRACE=1"],
     "tags_late_o_trace": ["-DMXC_AB_SYNC=0", "-DMXC_AB_LATE_O=1", "-DMXC_AB_TRACE=1"],
@@ -97,30 +99,34 @@ class Block:
     def __init__(self, so: str):
         lib = ctypes.CDLL(so)
         p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-        lib.mxc_attn_block_fp8.argtypes = [p, p, f, p, p, p, p, p, p, p, p, i, p, p, p, p, f, p, p, p, p, p, i, p]
+        lib.mxc_attn_block_fp8.argtypes = [p, p, f, p, p, p, p, p, p, p, p, i, p, p, p, p, f, p, p, p, p, p, p, i, p]
         lib.mxc_attn_block_fp8.restype = i
         lib.mxc_attn_block_fp8_error.restype = ctypes.c_char_p
         self.lib = lib
         status = lib.mxc_attn_block_fp8_prepare()
         if status:
-            raise RuntimeError(f"attn block: prepare status {status} ({lib.mxc_attn_block_fp8_error().decode()})")
+            raise RuntimeError(f"attn block {so}: prepare status {status} ({lib.mxc_attn_block_fp8_error().decode()}; "
+                               f"active clusters {lib.mxc_attn_block_fp8_active_clusters()})")
+        self.cluster = bool(lib.mxc_attn_block_fp8_cluster())
         self.ctas = lib.mxc_attn_block_fp8_ctas()
         # tagged words (zero before the first launch): qkv and attn 32-bit, the partials 64-bit
         self.ws = dict(qkv=torch.zeros(6144, dtype=torch.int32, device="cuda"),
                        part=torch.zeros(2 * lib.mxc_attn_block_fp8_part_floats(), dtype=torch.int32, device="cuda"),
                        attn=torch.zeros(H, dtype=torch.int32, device="cuda"),
-                       sync=torch.zeros(lib.mxc_attn_block_fp8_sync_words(), dtype=torch.int32, device="cuda"))
+                       sync=torch.zeros(lib.mxc_attn_block_fp8_sync_words(), dtype=torch.int32, device="cuda"),
+                       acc=torch.zeros(H, dtype=torch.float32, device="cuda"))
 
     def __call__(self, x, layer, step, pdl: bool):
         """x [1, H] bf16, updated in place: x + o(attention(qkv(rms_norm(x))))."""
         ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
         ws = self.ws
+        w = "grouped" if self.cluster else "sw"
         status = self.lib.mxc_attn_block_fp8(
-            ptr(x), ptr(layer["norm"]), EPS, ptr(layer["w_qkv_sw"]), ptr(layer["s_qkv"]), ptr(layer["w_o_sw"]),
+            ptr(x), ptr(layer["norm"]), EPS, ptr(layer[f"w_qkv_{w}"]), ptr(layer[f"s_qkv_{w}"]), ptr(layer[f"w_o_{w}"]),
             ptr(layer["s_o"]), ptr(step["cos"]), ptr(step["sin"]), ptr(layer["k_cache"]), ptr(layer["v_cache"]),
             layer["k_cache"].shape[1], ptr(step["slots"]), ptr(step["kv_lens"]), ptr(step["positions"]),
             ptr(step["cache_loc"]), step["qk_scale"], ptr(x), ptr(ws["qkv"]), ptr(ws["part"]), ptr(ws["attn"]),
-            ptr(ws["sync"]), int(pdl), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+            ptr(ws["sync"]), ptr(ws["acc"]), int(pdl), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
         if status:
             raise RuntimeError(f"attn block: launch status {status} ({self.lib.mxc_attn_block_fp8_error().decode()})")
         return x
@@ -137,6 +143,25 @@ def swizzle(w: torch.Tensor) -> torch.Tensor:
     return out.view(R, K).view(FP8)
 
 
+def qkv_group_order() -> torch.Tensor:
+    """The qkv rows in MXC_AB_CLUSTER's order: for each kv group, its four q heads, its k head, its v head."""
+    order = []
+    for g in range(HKV):
+        order += range(g * (HQ // HKV) * D, (g + 1) * (HQ // HKV) * D)
+        order += range(HQ * D + g * D, HQ * D + (g + 1) * D)
+        order += range((HQ + HKV) * D + g * D, (HQ + HKV) * D + (g + 1) * D)
+    return torch.tensor(order)
+
+
+def o_blocks(w_o: torch.Tensor) -> torch.Tensor:
+    """w_o [H, H] as MXC_AB_CLUSTER's CTAs read it: block (group g, rank r) = rows 256r.., columns 512g.. (the
+    group's heads), contiguous and swizzled, in CTA order."""
+    cols = (HQ // HKV) * D
+    blocks = [swizzle(w_o[256 * r:256 * (r + 1), cols * g:cols * (g + 1)].contiguous())
+              for g in range(HKV) for r in range(H // 256)]
+    return torch.stack([b.view(torch.uint8) for b in blocks]).view(H, H).view(FP8)
+
+
 def fp8_weight(rows, cols, gen):
     q = (torch.randn(rows, cols, device="cuda", generator=gen) * 64).clamp(-448, 448).to(FP8)
     s = torch.full((rows,), 0.02 / 64, device="cuda") * (1 + 0.1 * torch.rand(rows, device="cuda", generator=gen))
@@ -150,7 +175,10 @@ def make_layer(gen, L, context, mlp: bool):
     v = torch.zeros_like(k)
     k[0, :context - 1] = torch.randn(context - 1, HKV, D, device="cuda", generator=gen).to(torch.bfloat16)
     v[0, :context - 1] = torch.randn(context - 1, HKV, D, device="cuda", generator=gen).to(torch.bfloat16)
+    order = qkv_group_order().to(w_qkv.device)
     layer = dict(w_qkv=w_qkv, s_qkv=s_qkv, w_o=w_o, s_o=s_o, w_qkv_sw=swizzle(w_qkv), w_o_sw=swizzle(w_o),
+                 s_qkv_sw=s_qkv, w_qkv_grouped=swizzle(w_qkv[order].contiguous()), s_qkv_grouped=s_qkv[order].contiguous(),
+                 w_o_grouped=o_blocks(w_o),
                  norm=(1 + 0.1 * torch.randn(H, device="cuda", generator=gen)).to(torch.bfloat16),
                  k_cache=k, v_cache=v)
     if mlp:
@@ -224,6 +252,19 @@ def main():
         dc, db = (xc.float() - x0.float()), (xb.float() - x0.float())
         print(f"one layer: block against chain, attention output delta: max {float((db - dc).abs().max()):.3e} "
               f"({float((db - dc).abs().max() / dc.abs().max()):.2%} of its scale {float(dc.abs().max()):.3e})")
+        for name, lib in extra.items():
+            for _ in range(2):  # twice: the second launch runs on the workspace the first left
+                layers[0]["k_cache"].copy_(caches[0][0])
+                layers[0]["v_cache"].copy_(caches[0][1])
+                xe = lib(x0.clone(), layers[0], step, pdl=True)
+            torch.cuda.synchronize()
+            de = xe.float() - x0.float()
+            print(f"one layer: {name} against chain: {float((de - dc).abs().max() / dc.abs().max()):.2%} of the "
+                  f"delta's scale; k row max diff {float((kc[0, pos] - layers[0]['k_cache'][0, pos]).float().abs().max()):.3e}")
+        layers[0]["k_cache"].copy_(caches[0][0])
+        layers[0]["v_cache"].copy_(caches[0][1])
+        xb = block(x0.clone(), layers[0], step, pdl=True)
+        torch.cuda.synchronize()
         for name, a, b in (("k", kc, layers[0]["k_cache"]), ("v", vc, layers[0]["v_cache"])):
             row = (a[0, pos].float() - b[0, pos].float()).abs().max()
             rest = torch.equal(a[0, :pos], b[0, :pos]) and torch.equal(a[0, pos + 1:], b[0, pos + 1:])

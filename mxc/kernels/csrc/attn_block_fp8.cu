@@ -31,11 +31,14 @@
 // contiguous block (large bulk copies: docs/persistent_decode.md, "Step 1, measured").
 //
 // Measured (H200, 2026-12-02, bench/attn_block_lab.py, 32 layers in a PDL graph, context 192): correct against the
-// chain (2.7% of the attention output's scale: the o input quantized per token where the chain's one-token o GEMV
-// is weight-only), and not faster: 21.8-22.6 us a layer against the chain's 21.5-21.7 in its best form, 24.6 in
-// this one. The weights are never what it waits for (the qkv slice is in shared memory when the RMSNorm ends); the
-// stage-to-stage hops are: a fence while bulk copies or other SMs' traffic stream takes 2.5-4.5 us, and
-// polling tagged words without counters took 8-16 us a hop. docs/persistent_decode.md, "Step 2, measured".
+// chain (2.7-3.8% of the attention output's scale: the o input quantized where the chain's one-token o GEMV is
+// weight-only; tests/gpu/test_attn_block_lab_gpu.py), and not faster: 21.8-22.6 us a layer against the chain's
+// 21.5-21.7 in its best counter form, 24.6 in this one. The weights are never what it waits for (the qkv slice is in
+// shared memory when the RMSNorm ends); the stage-to-stage hops are: a fence while bulk copies or other SMs' traffic
+// stream takes 2.5-4.5 us, and polling tagged words without counters took 8-16 us a hop. MXC_AB_CLUSTER (st.async
+// into the peers' shared memory, no device-wide wait) ends a cluster's work 12.8 us after the wait against 18.4,
+// but the H200 holds only 7 clusters of 16 CTAs at once, so the eighth runs after them: 35.8 us a layer.
+// docs/persistent_decode.md, "Step 2, measured".
 
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -56,11 +59,23 @@ constexpr int TRACE_POINTS = 16, TRACE_LAUNCHES = 64;
 #ifndef MXC_AB_LATE_O
 #define MXC_AB_LATE_O 0
 #endif
+// Lab knob MXC_AB_CLUSTER: each kv group's 16 CTAs form a thread block cluster and exchange through distributed
+// shared memory, with no device-wide wait: the group's 768 qkv rows (the weights in group order: q of its four
+// heads, k, v), its splits' partials and its merged heads stay in the cluster; the o product is split by its
+// input columns (each cluster multiplies its heads' 512 columns for all 4096 rows, the o input quantized with one
+// scale a group) and summed by fp32 atomics, the last CTA out adding the residual.
+#ifndef MXC_AB_CLUSTER
+#define MXC_AB_CLUSTER 0
+#endif
 // Lab knob MXC_AB_SYNC: 1 (default) a reader of another CTA's words first waits for a counter (thread 0 polls with
 // ld.acquire; writers count with __threadfence + atomicAdd); 0 readers poll the tagged words themselves, no counter
 // and no fence (measured slower: docs/persistent_decode.md)
 #ifndef MXC_AB_SYNC
 #define MXC_AB_SYNC 1
+#endif
+#if MXC_AB_CLUSTER  // the cluster barriers carry the stages: no counter, no tagged word
+#undef MXC_AB_SYNC
+#define MXC_AB_SYNC 0
 #endif
 // Lab knob MXC_AB_STORE: how tagged words are written and polled: 0 st/ld.relaxed.gpu, 1 st/ld.volatile (as
 // NCCL's LL protocol), 2 atom.exch.relaxed.gpu stores (performed at L2) with ld.relaxed.gpu polls
@@ -92,8 +107,17 @@ constexpr int RED_OFF = XQ_OFF + H;                              // (WARPS + 1) 
 constexpr int SCR_OFF = RED_OFF + 4 * (WARPS + 1) * QKV_ROWS;        // WARPS x GROUP x PART floats
 constexpr int QS_OFF = SCR_OFF + 4 * WARPS * GROUP * PART;       // GROUP x D floats: the roped q
 constexpr int SMALL_OFF = QS_OFF + 4 * GROUP * D;                // 32 floats
-constexpr int BAR_OFF = SMALL_OFF + 4 * 32;                      // two mbarriers
-constexpr int SMEM_BYTES = BAR_OFF + 16;
+constexpr int BAR_OFF = SMALL_OFF + 4 * 32;                      // mbarriers: the qkv and o copies (and below)
+// MXC_AB_CLUSTER: the group's qkv values, this split's partial (read by the peers), the group's merged heads
+constexpr int GROUP_ROWS = (GROUP + 2) * D;                      // 768 = SPLITS x QKV_ROWS
+constexpr int O_COLS = GROUP * D;                                // 512: a group's share of the o input
+// MXC_AB_CLUSTER: three more mbarriers count the bytes the peers' st.async deliver into the three buffers
+constexpr int PART_IN = 32 + 2;                                  // a split's share of a merge: 32 acc dims, m, l
+constexpr int GRP_OFF = BAR_OFF + 48;
+constexpr int PARTS_OFF = GRP_OFF + 4 * GROUP_ROWS;              // SPLITS x PART_IN floats: this CTA's merge inputs
+constexpr int OIN_OFF = PARTS_OFF + 4 * SPLITS * PART_IN;
+constexpr int SMEM_BYTES = MXC_AB_CLUSTER ? OIN_OFF + 4 * O_COLS : BAR_OFF + 16;
+static_assert(GROUP_ROWS == SPLITS * QKV_ROWS && O_COLS * 256 == O_ROWS * KB, "cluster shapes");
 
 // workspace words (unsigned): CTAs out of this launch, launches done (the tag is that count + 1, 16 bits); with
 // MXC_AB_SYNC the counters: CTAs that wrote each kv group's qkv rows, attention splits of each kv group, merges
@@ -123,6 +147,7 @@ struct Params {
   uint2* part;                  // workspace [HKV, SPLITS, GROUP, PART] tagged fp32
   uint32_t* attn;               // workspace [H] tagged bf16
   unsigned* sync;               // workspace [SYNC_WORDS]; all the workspace zero before the first launch
+  float* acc;                   // workspace [H] (MXC_AB_CLUSTER: the o product's sum), zero; left zero
 };
 
 // ---- PTX ----
@@ -232,6 +257,23 @@ __device__ __forceinline__ void await_words(Word (&w)[N], Addr addr, unsigned ta
 }
 __device__ __forceinline__ float word_value(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float word_value(unsigned long long w) { return __uint_as_float(static_cast<uint32_t>(w)); }
+// ---- clusters (MXC_AB_CLUSTER) ----
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// the address of ``p`` (this CTA's shared memory) in the shared memory of the cluster's CTA ``rank``
+__device__ __forceinline__ uint32_t peer_addr(const void* p, uint32_t rank) {
+  uint32_t a;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(smem_u32(p)), "r"(rank));
+  return a;
+}
+// ``v`` into the cluster's shared memory at ``addr``, counting its 4 bytes on the mbarrier at ``bar`` (both
+// cluster addresses of the same CTA): the write and its signal in one asynchronous operation, no fence
+__device__ __forceinline__ void st_async(uint32_t addr, float v, uint32_t bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(addr),
+               "r"(__float_as_uint(v)), "r"(bar) : "memory");
+}
+
 // ---- counters (MXC_AB_SYNC) ----
 __device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
   unsigned v;
@@ -405,6 +447,28 @@ __device__ __forceinline__ void gemv_tiles(const uint8_t* w, const uint8_t* xq, 
   __syncthreads();
 }
 
+// MXC_AB_CLUSTER's o product: 256 rows of 512 swizzled bytes (``w``) times the group's quantized 512 inputs; warp
+// w takes tiles 2w and 2w + 1 over all of K; lanes t == 0 return rows 32w + 16i + g and + 8 in c[i][0], c[i][2]
+__device__ __forceinline__ void gemv_cols(const uint8_t* w, const uint8_t* xq, float (&c)[2][4]) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int row = (lane & 7) + ((lane >> 3) & 1) * 8, half = (lane >> 4) & 1;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.f;
+#pragma unroll
+  for (int s = 0; s < O_COLS / 32; ++s) {
+    const int k = s * 32 + half * 16;
+    const int off = (k & ~127) + ((((k & 127) >> 4) ^ (row & 7)) << 4);
+    const uint32_t b0 = g == 0 ? lds32(xq + s * 32 + t * 4) : 0u;
+    const uint32_t b1 = g == 0 ? lds32(xq + s * 32 + 16 + t * 4) : 0u;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      uint32_t a[4];
+      ldsm_x4(a, w + (32 * warp + 16 * i + row) * O_COLS + off);
+      mma_e4m3(c[i], a, b0, b1);
+    }
+  }
+}
+
 __global__ void __launch_bounds__(THREADS, 1) attn_block_kernel(const Params p) {
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* wsm = smem;
@@ -425,6 +489,12 @@ __global__ void __launch_bounds__(THREADS, 1) attn_block_kernel(const Params p) 
   if (tid == COPY_THREAD) {
     mbar_init(&bars[0], 1);
     mbar_init(&bars[1], 1);
+#if MXC_AB_CLUSTER
+    for (int i = 2; i < 5; ++i) mbar_init(&bars[i], 1);
+    mbar_expect_tx(&bars[2], 4 * GROUP_ROWS);       // the group's qkv rows, from every CTA of the cluster
+    mbar_expect_tx(&bars[3], 4 * SPLITS * PART_IN);  // this CTA's merge inputs, from every split
+    mbar_expect_tx(&bars[4], 4 * O_COLS);            // the group's merged heads, from every merge
+#endif
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     policy = evict_first_policy();
     mbar_expect_tx(&bars[0], QKV_ROWS * KB);
@@ -454,6 +524,9 @@ __global__ void __launch_bounds__(THREADS, 1) attn_block_kernel(const Params p) 
   float nw[16];
   load16(p.norm_w, nw);
   __syncthreads();  // the mbarriers' init before anyone waits on them
+#if MXC_AB_CLUSTER
+  cluster_sync();  // every CTA of the cluster running before any writes into another's shared memory
+#endif
 
   asm volatile("griddepcontrol.wait;" ::: "memory");
   TRACE(1);
@@ -478,7 +551,17 @@ __global__ void __launch_bounds__(THREADS, 1) attn_block_kernel(const Params p) 
   TRACE(3);
   gemv_tiles<QKV_ROWS / 16>(wsm, xq, red);
   TRACE(4);
+#if MXC_AB_CLUSTER
+  // the group's rows (this CTA's 48 at 48 s) into every CTA of the cluster
+  float* grp = reinterpret_cast<float*>(smem + GRP_OFF);
+  if (tid < QKV_ROWS) {
+    const float v = round_bf(red[WARPS * QKV_ROWS + tid] * xs * s_qkv_row);
+#pragma unroll 4
+    for (int q = 0; q < SPLITS; ++q) st_async(peer_addr(grp + s * QKV_ROWS + tid, q), v, peer_addr(&bars[2], q));
+  }
+#else
   if (tid < QKV_ROWS) put_tagged(p.qkv + b * QKV_ROWS + tid, to_bf(red[WARPS * QKV_ROWS + tid] * xs * s_qkv_row), tag);
+#endif
   TRACE(5);
   if (MXC_AB_SYNC) {
     __syncthreads();
@@ -510,30 +593,39 @@ __global__ void __launch_bounds__(THREADS, 1) attn_block_kernel(const Params p) 
     v_first = __ldcg(reinterpret_cast<const uint2*>(p.v_cache + e));
   }
   cta_wait(p.sync + SYNC_QKV + g, qkv_writers);  // thread 0 (warp 0) holds the count
+#if MXC_AB_CLUSTER
+  mbar_wait(&bars[2], 0);  // the group's qkv rows are in
+#endif
   const long long position = __ldg(p.positions);
   {
     const int i = tid >> 6, d = tid & 63;  // q head g * GROUP + i, dims d and d + 64
     const float c = __ldg(p.cos + position * (D / 2) + d), sn = __ldg(p.sin + position * (D / 2) + d);
+    const bool new_row = pos >= lo && pos < hi;  // this split holds the new row: rope k, write k and v
+#if MXC_AB_CLUSTER
+    const float q1 = grp[i * D + d], q2 = grp[i * D + d + 64];
+    const float wk1 = grp[GROUP * D + d], wk2 = grp[GROUP * D + d + 64], wv = grp[(GROUP + 1) * D + (tid & (D - 1))];
+#else
     const uint32_t* qh = p.qkv + (g * GROUP + i) * D;
     const uint32_t* kh = p.qkv + HQ * D + g * D;
     const uint32_t* vh = p.qkv + (HQ + HKV) * D + g * D;
-    const bool new_row = pos >= lo && pos < hi;  // this split holds the new row: rope k, write k and v
     // q's two dims; with the new row, k's two dims (threads < 64) and v's (threads < 128), else q's again
     const uint32_t* src[5] = {qh + d, qh + d + 64, new_row && tid < 64 ? kh + d : qh + d,
                               new_row && tid < 64 ? kh + d + 64 : qh + d, new_row && tid < D ? vh + tid : qh + d};
     uint32_t w[5];
     await_words(w, [&](int j) { return src[j]; }, tag);
     const float q1 = word_value(w[0]), q2 = word_value(w[1]);
+    const float wk1 = word_value(w[2]), wk2 = word_value(w[3]), wv = word_value(w[4]);
+#endif
     qs[i * D + d] = round_bf(q1 * c - q2 * sn);
     qs[i * D + d + 64] = round_bf(q2 * c + q1 * sn);
     if (new_row && tid < D) {
       const size_t e = static_cast<size_t>(__ldg(p.cache_loc)) * HKV * D + g * D;
       if (tid < 64) {
-        const float k1 = word_value(w[2]), k2 = word_value(w[3]);
+        const float k1 = wk1, k2 = wk2;
         p.k_cache[e + d] = to_bf(k1 * c - k2 * sn);
         p.k_cache[e + d + 64] = to_bf(k2 * c + k1 * sn);
       }
-      p.v_cache[e + tid] = to_bf(word_value(w[4]));
+      p.v_cache[e + tid] = to_bf(wv);
     }
   }
   __syncthreads();  // qs, and the new row visible to the CTA
@@ -606,6 +698,18 @@ __global__ void __launch_bounds__(THREADS, 1) attn_block_kernel(const Params p) 
         ls += f * st[D + 1];
       }
     }
+#if MXC_AB_CLUSTER
+    // dims d, d + 1 of head i to the merge of (head i, dims d / 32 * 32..): CTA 4 i + d / 32, row s of its inputs
+    const uint32_t dst = 4 * i + d / 32;
+    float* in = reinterpret_cast<float*>(smem + PARTS_OFF) + s * PART_IN;
+    const uint32_t bar = peer_addr(&bars[3], dst);
+    st_async(peer_addr(in + d % 32, dst), a0, bar);
+    st_async(peer_addr(in + d % 32 + 1, dst), a1, bar);
+    if (d % 32 == 0) {
+      st_async(peer_addr(in + 32, dst), mx, bar);
+      st_async(peer_addr(in + 33, dst), ls, bar);
+    }
+#else
     uint2* out = p.part + ((g * SPLITS + s) * GROUP + i) * PART;
     put_tagged(out + d, a0, tag);
     put_tagged(out + d + 1, a1, tag);
@@ -613,11 +717,43 @@ __global__ void __launch_bounds__(THREADS, 1) attn_block_kernel(const Params p) 
       put_tagged(out + D, mx, tag);
       put_tagged(out + D + 1, ls, tag);
     }
+#endif
   }
   cta_signal(p.sync + SYNC_ATT + g);
   TRACE(8);
 
   // ---- stage 4: merge a quarter of q head b / 4 over its kv group's splits ----
+#if MXC_AB_CLUSTER
+  float* oin = reinterpret_cast<float*>(smem + OIN_OFF);
+  if (warp == 0) {  // head s / 4 of the group, dims (s % 4) * 32 + lane, into every CTA's o input
+    const int i = s / 4, d = (s % 4) * 32 + lane;
+    mbar_wait(&bars[3], 0);  // every split's share
+    const float* in = reinterpret_cast<const float*>(smem + PARTS_OFF);
+    float ms[SPLITS], as_[SPLITS], ls_[SPLITS];
+#pragma unroll
+    for (int q = 0; q < SPLITS; ++q) {
+      ms[q] = in[q * PART_IN + 32];
+      ls_[q] = in[q * PART_IN + 33];
+      as_[q] = in[q * PART_IN + lane];
+    }
+    TRACE(9);
+    float mx = -INFINITY;
+#pragma unroll
+    for (int q = 0; q < SPLITS; ++q) mx = fmaxf(mx, ms[q]);
+    float num = 0.f, den = 0.f;
+#pragma unroll
+    for (int q = 0; q < SPLITS; ++q) {
+      const float f = exp2f(ms[q] - mx);
+      num += f * as_[q];
+      den += f * ls_[q];
+    }
+    const float v = round_bf(num / den);
+#pragma unroll 4
+    for (int q = 0; q < SPLITS; ++q) st_async(peer_addr(oin + i * D + d, q), v, peer_addr(&bars[4], q));
+  }
+  mbar_wait(&bars[4], 0);  // the group's heads are in this CTA's o input
+  TRACE(10);
+#else
   {
     const int h = b / 4, gh = h / GROUP, i = h % GROUP;
     cta_wait(p.sync + SYNC_ATT + gh, SPLITS);
@@ -644,6 +780,7 @@ __global__ void __launch_bounds__(THREADS, 1) attn_block_kernel(const Params p) 
     cta_signal(p.sync + SYNC_MERGE);
     TRACE(10);
   }
+#endif
   if (tid == COPY_THREAD && MXC_AB_LATE_O) {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     mbar_expect_tx(&bars[1], O_ROWS * KB);
@@ -653,6 +790,75 @@ __global__ void __launch_bounds__(THREADS, 1) attn_block_kernel(const Params p) 
 
   // ---- stage 5: o rows [32b, 32b + 32) with the residual ----
   if (tid == 0) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#if MXC_AB_CLUSTER
+  // the group's 512 inputs of o, quantized with one scale; this CTA's 256 rows of their columns, summed into acc
+  float a2[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) a2[i] = i < 2 ? oin[2 * tid + i] : 0.f;
+  TRACE(11);
+  float amax = fmaxf(fabsf(a2[0]), fabsf(a2[1]));
+  amax = block_max(amax, small);
+  const float as = fmaxf(__fdiv_rn(amax, 448.f), 1e-12f);
+  {
+    uint32_t word = 0;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const float q = fminf(fmaxf(__fdiv_rn(a2[j], as), -448.f), 448.f);
+      word |= static_cast<uint32_t>(__nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3)) << (8 * j);
+    }
+    *reinterpret_cast<uint16_t*>(xq + 2 * tid) = static_cast<uint16_t>(word);
+  }
+  __syncthreads();
+  TRACE(12);
+  mbar_wait(&bars[1], 0);
+  TRACE(13);
+  {
+    float c[2][4];
+    gemv_cols(wsm, xq, c);
+    TRACE(14);
+    const int g8 = lane >> 2;
+    if ((lane & 3) == 0) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int r = s * 256 + 32 * warp + 16 * i + g8;
+        atomicAdd(p.acc + r, c[i][0] * as * __ldg(p.s_o + r));
+        atomicAdd(p.acc + r + 8, c[i][2] * as * __ldg(p.s_o + r + 8));
+      }
+    }
+  }
+  (void)s_o_row;
+  // no CTA leaves while a peer may still write into its shared memory (every wait above has passed)
+  cluster_sync();
+  // the last CTA out adds the residual to the sum and zeroes it for the next launch
+  __syncthreads();
+  if (tid == 0) {
+    __threadfence();
+    TRACE(15);
+    const bool last = atomicAdd(p.sync + SYNC_EXIT, 1u) == G - 1;
+    if (last) asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    small[16] = last ? 1.f : 0.f;
+  }
+  __syncthreads();
+  if (small[16] != 0.f) {
+    float xv[16];
+    load16(p.x, xv);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const int r = 16 * tid + i;
+      p.y[r] = to_bf(xv[i] + round_bf(__ldcg(p.acc + r)));
+      __stcg(p.acc + r, 0.f);
+    }
+    __syncthreads();
+    if (tid == 0) {
+#if MXC_AB_TRACE
+      g_launch = trace_launch + 1;
+#endif
+      p.sync[SYNC_EXIT] = 0;
+      p.sync[SYNC_EPOCH] += 1;
+      __threadfence();
+    }
+  }
+#else
   cta_wait(p.sync + SYNC_MERGE, G);
   float a[16];
   {
@@ -688,6 +894,7 @@ __global__ void __launch_bounds__(THREADS, 1) attn_block_kernel(const Params p) 
       __threadfence();
     }
   }
+#endif
 }
 
 }  // namespace mxc_attn_block
@@ -723,6 +930,30 @@ int mxc_attn_block_fp8_part_floats() { return HKV * SPLITS * GROUP * PART; }
 
 // Before the first launch (outside graph capture): the kernel's shared-memory limit; 3 where a CTA cannot be
 // resident or the device has fewer SMs than CTAs
+int mxc_attn_block_fp8_cluster() { return MXC_AB_CLUSTER; }
+
+static void launch_config(cudaLaunchConfig_t& config, cudaLaunchAttribute (&attr)[2], int use_pdl,
+                          cudaStream_t stream) {
+  config = {};
+  config.gridDim = dim3(G);
+  config.blockDim = dim3(THREADS);
+  config.dynamicSmemBytes = SMEM_BYTES;
+  config.stream = stream;
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = use_pdl ? 1 : 0;
+  attr[1].id = cudaLaunchAttributeClusterDimension;
+  attr[1].val.clusterDim.x = MXC_AB_CLUSTER ? SPLITS : 1;
+  attr[1].val.clusterDim.y = 1;
+  attr[1].val.clusterDim.z = 1;
+  config.attrs = attr;
+  config.numAttrs = MXC_AB_CLUSTER ? 2 : 1;
+}
+
+static int active_clusters = -1;
+int mxc_attn_block_fp8_active_clusters() { return active_clusters; }
+
+// Before the first launch (outside graph capture): the kernel's shared-memory limit; 3 where a CTA cannot be
+// resident, the device has fewer SMs than CTAs, or (MXC_AB_CLUSTER) no cluster of 16 fits
 int mxc_attn_block_fp8_prepare() {
   int device = 0, sms = 0;
   if ((last_error = cudaGetDevice(&device)) != cudaSuccess) return 4;
@@ -734,29 +965,38 @@ int mxc_attn_block_fp8_prepare() {
   if ((last_error = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, attn_block_kernel, THREADS, SMEM_BYTES)) !=
       cudaSuccess)
     return 4;
-  return (per_sm < 1 || sms < G) ? 3 : 0;
+  if (per_sm < 1 || sms < G) return 3;
+  if (MXC_AB_CLUSTER) {
+    if ((last_error = cudaFuncSetAttribute(attn_block_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1)) !=
+        cudaSuccess)
+      return 4;
+    cudaLaunchConfig_t config;
+    cudaLaunchAttribute attr[2];
+    launch_config(config, attr, 0, nullptr);
+    config.attrs = attr + 1;  // the cluster dimension only
+    config.numAttrs = 1;
+    if ((last_error = cudaOccupancyMaxActiveClusters(&active_clusters, attn_block_kernel, &config)) != cudaSuccess)
+      return 4;
+    // no CTA waits for another cluster, so the clusters need not all be resident at once (the H200 holds 7 of 16
+    // CTAs beside each other: the eighth runs after one of them)
+    if (active_clusters < 1) return 3;
+  }
+  return 0;
 }
 
 int mxc_attn_block_fp8(const void* x, const void* norm_w, float eps, const void* w_qkv, const float* s_qkv,
                        const void* w_o, const float* s_o, const float* cos, const float* sin, void* k_cache,
                        void* v_cache, int L, const int* slots, const int* kv_lens, const long long* positions,
                        const long long* cache_loc, float qk_scale, void* y, void* qkv, void* part, void* attn,
-                       unsigned* sync, int use_pdl, cudaStream_t stream) {
+                       unsigned* sync, float* acc, int use_pdl, cudaStream_t stream) {
   Params p{static_cast<const __nv_bfloat16*>(x), static_cast<const __nv_bfloat16*>(norm_w), eps,
            static_cast<const uint8_t*>(w_qkv), s_qkv, static_cast<const uint8_t*>(w_o), s_o, cos, sin,
            static_cast<__nv_bfloat16*>(k_cache), static_cast<__nv_bfloat16*>(v_cache), L, slots, kv_lens, positions,
            cache_loc, qk_scale, static_cast<__nv_bfloat16*>(y), static_cast<uint32_t*>(qkv), static_cast<uint2*>(part),
-           static_cast<uint32_t*>(attn), sync};
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(G);
-  config.blockDim = dim3(THREADS);
-  config.dynamicSmemBytes = SMEM_BYTES;
-  config.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = use_pdl ? 1 : 0;
-  config.attrs = attr;
-  config.numAttrs = 1;
+           static_cast<uint32_t*>(attn), sync, acc};
+  cudaLaunchConfig_t config;
+  cudaLaunchAttribute attr[2];
+  launch_config(config, attr, use_pdl, stream);
   if ((last_error = cudaLaunchKernelEx(&config, attn_block_kernel, p)) != cudaSuccess) return 4;
   return 0;
 }
