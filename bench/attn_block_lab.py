@@ -46,7 +46,7 @@ from mxc.kernels import cuda_ops, launch, triton_attention, triton_fp8, triton_r
 
 SOURCE = Path(__file__).resolve().parents[1] / "mxc" / "kernels" / "csrc" / "attn_block_fp8.cu"
 FP8 = torch.float8_e4m3fn
-H, HQ, HKV, D, INTER = 4096, 32, 8, 128, 14336
+H, HQ, HKV, D, INTER = 4096, 32, 8, 128, 14336  # --tp2: one rank's share (HQ 16, HKV 4, INTER 7168)
 EPS = 1e-5
 
 
@@ -58,6 +58,8 @@ LAB_VARIANTS = {
     "late_o_trace": ["-DMXC_AB_LATE_O=1", "-DMXC_AB_TRACE=1"],
     "cluster": ["-DMXC_AB_CLUSTER=1"],      # a kv group a cluster of 16, exchanges in distributed shared memory
     "cluster_trace": ["-DMXC_AB_CLUSTER=1", "-DMXC_AB_TRACE=1"],
+    "cluster_tp2": ["-DMXC_AB_CLUSTER=1", "-DMXC_AB_HQ=16", "-DMXC_AB_HKV=4"],  # one rank at tp = 2 (--tp2)
+    "cluster_tp2_trace": ["-DMXC_AB_CLUSTER=1", "-DMXC_AB_HQ=16", "-DMXC_AB_HKV=4", "-DMXC_AB_TRACE=1"],
     "tags": ["-DMXC_AB_SYNC=0"],            # no counters: readers poll the tagged words (no fences)
     "tags_trace": ["-DMXC_AB_SYNC=0", "-DMXC_AB_TRACE=1"],
     "tags_late_o_trace": ["-DMXC_AB_SYNC=0", "-DMXC_AB_LATE_O=1", "-DMXC_AB_TRACE=1"],
@@ -110,7 +112,7 @@ class Block:
         self.cluster = bool(lib.mxc_attn_block_fp8_cluster())
         self.ctas = lib.mxc_attn_block_fp8_ctas()
         # tagged words (zero before the first launch): qkv and attn 32-bit, the partials 64-bit
-        self.ws = dict(qkv=torch.zeros(6144, dtype=torch.int32, device="cuda"),
+        self.ws = dict(qkv=torch.zeros((HQ + 2 * HKV) * D, dtype=torch.int32, device="cuda"),
                        part=torch.zeros(2 * lib.mxc_attn_block_fp8_part_floats(), dtype=torch.int32, device="cuda"),
                        attn=torch.zeros(H, dtype=torch.int32, device="cuda"),
                        sync=torch.zeros(lib.mxc_attn_block_fp8_sync_words(), dtype=torch.int32, device="cuda"),
@@ -154,12 +156,12 @@ def qkv_group_order() -> torch.Tensor:
 
 
 def o_blocks(w_o: torch.Tensor) -> torch.Tensor:
-    """w_o [H, H] as MXC_AB_CLUSTER's CTAs read it: block (group g, rank r) = rows 256r.., columns 512g.. (the
+    """w_o [H, HQ * D] as MXC_AB_CLUSTER's CTAs read it: block (group g, rank r) = rows 256r.., columns 512g.. (the
     group's heads), contiguous and swizzled, in CTA order."""
     cols = (HQ // HKV) * D
     blocks = [swizzle(w_o[256 * r:256 * (r + 1), cols * g:cols * (g + 1)].contiguous())
               for g in range(HKV) for r in range(H // 256)]
-    return torch.stack([b.view(torch.uint8) for b in blocks]).view(H, H).view(FP8)
+    return torch.stack([b.view(torch.uint8) for b in blocks]).view(w_o.shape).view(FP8)
 
 
 def fp8_weight(rows, cols, gen):
@@ -169,8 +171,8 @@ def fp8_weight(rows, cols, gen):
 
 
 def make_layer(gen, L, context, mlp: bool):
-    w_qkv, s_qkv = fp8_weight(6144, H, gen)
-    w_o, s_o = fp8_weight(H, H, gen)
+    w_qkv, s_qkv = fp8_weight((HQ + 2 * HKV) * D, H, gen)
+    w_o, s_o = fp8_weight(H, HQ * D, gen)
     k = torch.zeros(1, L, HKV, D, dtype=torch.bfloat16, device="cuda")
     v = torch.zeros_like(k)
     k[0, :context - 1] = torch.randn(context - 1, HKV, D, device="cuda", generator=gen).to(torch.bfloat16)
@@ -206,7 +208,7 @@ def chain_attn(x, layer, step):
                                    layer["v_cache"], step["cache_loc"], None, None, EPS)
     a = triton_attention.decode_attention(q, layer["k_cache"], layer["v_cache"], step["slots"], step["kv_lens"],
                                           step["scale"], early_dependents=True)
-    return triton_fp8.qlinear_small_m(a.view(1, H), layer["w_o"], layer["s_o"], residual=x, out=x)
+    return triton_fp8.qlinear_small_m(a.view(1, HQ * D), layer["w_o"], layer["s_o"], residual=x, out=x)
 
 
 def mlp(x, layer):
@@ -222,7 +224,10 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--no-mlp", action="store_true", help="skip the variants with the MLP")
-    ap.add_argument("--lib", default="build/attn_block/attn_block_fp8.so")
+    ap.add_argument("--tp2", action="store_true", help="one rank's shapes at tp = 2 (no all-reduce); the block is "
+                    "then the cluster build cluster_tp2")
+    ap.add_argument("--lib", default=None, help="the block's library (default build/attn_block/attn_block_fp8.so, "
+                    "with --tp2 cluster_tp2.so)")
     ap.add_argument("--libs", default="", help="comma-separated lab libraries to time as well")
     ap.add_argument("--compile-variants", default=None, metavar="DIR", help="compile LAB_VARIANTS into DIR, exit")
     args = ap.parse_args()
@@ -230,8 +235,11 @@ def main():
         for name, flags in LAB_VARIANTS.items():
             print(compile_library(str(Path(args.compile_variants) / f"{name}.so"), flags), " ".join(flags))
         return
+    if args.tp2:
+        global HQ, HKV, INTER
+        HQ, HKV, INTER = 16, 4, 7168
     torch.manual_seed(0)
-    block = Block(args.lib)
+    block = Block(args.lib or f"build/attn_block/{'cluster_tp2' if args.tp2 else 'attn_block_fp8'}.so")
     extra = {Path(so).stem: Block(so) for so in filter(None, args.libs.split(","))}
     gen = torch.Generator(device="cuda").manual_seed(0)
     with_mlp = not args.no_mlp
@@ -304,7 +312,7 @@ def main():
                 fn(xs[name])
 
     bw = copy_bandwidth()
-    attn_bytes = (6144 + 4096) * H
+    attn_bytes = (HQ + 2 * HKV) * D * H + H * HQ * D
     mlp_bytes = 3 * INTER * H
     print(f"context {args.context}, {args.layers} layers; copy rate {bw / 1e12:.2f} TB/s: attention weights "
           f"{attn_bytes / bw * 1e6:.2f} us a layer, MLP {mlp_bytes / bw * 1e6:.2f}")

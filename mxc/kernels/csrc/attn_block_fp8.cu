@@ -37,7 +37,9 @@
 // shared memory when the RMSNorm ends); the stage-to-stage hops are: a fence while bulk copies or other SMs' traffic
 // stream takes 2.5-4.5 us, and polling tagged words without counters took 8-16 us a hop. MXC_AB_CLUSTER (st.async
 // into the peers' shared memory, no device-wide wait) ends a cluster's work 12.8 us after the wait against 18.4,
-// but the H200 holds only 7 clusters of 16 CTAs at once, so the eighth runs after them: 35.8 us a layer.
+// but the H200 holds only 7 clusters of 16 CTAs at once, so the eighth runs after them: 35.8 us a layer. At one
+// tp = 2 rank's shapes (MXC_AB_HQ=16, MXC_AB_HKV=4: 4 clusters, all resident) it takes 21.3 us against the chain's
+// 19.4.
 // docs/persistent_decode.md, "Step 2, measured".
 
 #include <cuda_runtime.h>
@@ -83,9 +85,16 @@ constexpr int TRACE_POINTS = 16, TRACE_LAUNCHES = 64;
 #define MXC_AB_STORE 0
 #endif
 
-constexpr int H = 4096, HQ = 32, HKV = 8, D = 128, GROUP = HQ / HKV;
-constexpr int NQKV = (HQ + 2 * HKV) * D;  // 6144
-constexpr int G = 128;                     // CTAs
+// Lab knobs MXC_AB_HQ / MXC_AB_HKV: the heads (one rank of Llama-3-8B at tp = 2: 16 / 4, MXC_AB_CLUSTER only)
+#ifndef MXC_AB_HQ
+#define MXC_AB_HQ 32
+#endif
+#ifndef MXC_AB_HKV
+#define MXC_AB_HKV 8
+#endif
+constexpr int H = 4096, HQ = MXC_AB_HQ, HKV = MXC_AB_HKV, D = 128, GROUP = HQ / HKV;
+constexpr int NQKV = (HQ + 2 * HKV) * D;  // 6144 (3072 at tp = 2)
+constexpr int G = 16 * HKV;                // CTAs (128)
 constexpr int SPLITS = G / HKV;            // attention splits of a kv head
 constexpr int QKV_ROWS = NQKV / G;         // 48: three m16 tiles
 constexpr int O_ROWS = H / G;              // 32: two m16 tiles
@@ -96,6 +105,8 @@ constexpr int KW = KB / WARPS;             // bytes of K a warp multiplies: 512
 constexpr int COPY = 32768;                // bytes of one bulk copy
 constexpr int PART = D + 4;                // a head's partial: acc[D], m, l (padded: rows 16-byte aligned)
 static_assert(NQKV % G == 0 && QKV_ROWS % 16 == 0 && H % G == 0 && O_ROWS % 16 == 0, "tiles");
+static_assert(GROUP == 4, "the attention's thread layout takes four q heads a kv head");
+static_assert(MXC_AB_CLUSTER || HQ * D == H, "without clusters the o product takes H inputs");
 static_assert(QKV_ROWS * KB % COPY == 0 && O_ROWS * KB % COPY == 0, "copies");
 static_assert(THREADS * 16 == H, "stage 1: 16 elements a thread");
 static_assert(GROUP * D / 2 == THREADS, "attention combine: two dims a thread");
@@ -117,7 +128,10 @@ constexpr int GRP_OFF = BAR_OFF + 48;
 constexpr int PARTS_OFF = GRP_OFF + 4 * GROUP_ROWS;              // SPLITS x PART_IN floats: this CTA's merge inputs
 constexpr int OIN_OFF = PARTS_OFF + 4 * SPLITS * PART_IN;
 constexpr int SMEM_BYTES = MXC_AB_CLUSTER ? OIN_OFF + 4 * O_COLS : BAR_OFF + 16;
-static_assert(GROUP_ROWS == SPLITS * QKV_ROWS && O_COLS * 256 == O_ROWS * KB, "cluster shapes");
+static_assert(GROUP_ROWS == SPLITS * QKV_ROWS && H == SPLITS * 256, "cluster shapes: 256 o rows a CTA");
+// bytes of a CTA's o slice: 32 rows of H inputs, or (MXC_AB_CLUSTER) 256 rows of its group's 512
+constexpr int O_BYTES = MXC_AB_CLUSTER ? 256 * O_COLS : O_ROWS * KB;
+static_assert(O_BYTES <= W_BYTES && O_BYTES % COPY == 0, "the o slice in the qkv slice's shared memory");
 
 // workspace words (unsigned): CTAs out of this launch, launches done (the tag is that count + 1, 16 bits); with
 // MXC_AB_SYNC the counters: CTAs that wrote each kv group's qkv rows, attention splits of each kv group, merges
@@ -575,9 +589,9 @@ __global__ void __launch_bounds__(THREADS, 1) attn_block_kernel(const Params p) 
   // the qkv slice is read: its shared memory takes the o slice (the generic-proxy reads ordered before the copies)
   if (tid == COPY_THREAD && !MXC_AB_LATE_O) {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    mbar_expect_tx(&bars[1], O_ROWS * KB);
-    const uint8_t* src = p.w_o + static_cast<size_t>(b) * O_ROWS * KB;
-    for (int c = 0; c < O_ROWS * KB; c += COPY) bulk_load(wsm + c, src + c, COPY, &bars[1], policy);
+    mbar_expect_tx(&bars[1], O_BYTES);
+    const uint8_t* src = p.w_o + static_cast<size_t>(b) * O_BYTES;
+    for (int c = 0; c < O_BYTES; c += COPY) bulk_load(wsm + c, src + c, COPY, &bars[1], policy);
   }
   TRACE(6);
 
@@ -783,9 +797,9 @@ __global__ void __launch_bounds__(THREADS, 1) attn_block_kernel(const Params p) 
 #endif
   if (tid == COPY_THREAD && MXC_AB_LATE_O) {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    mbar_expect_tx(&bars[1], O_ROWS * KB);
-    const uint8_t* src = p.w_o + static_cast<size_t>(b) * O_ROWS * KB;
-    for (int c = 0; c < O_ROWS * KB; c += COPY) bulk_load(wsm + c, src + c, COPY, &bars[1], policy);
+    mbar_expect_tx(&bars[1], O_BYTES);
+    const uint8_t* src = p.w_o + static_cast<size_t>(b) * O_BYTES;
+    for (int c = 0; c < O_BYTES; c += COPY) bulk_load(wsm + c, src + c, COPY, &bars[1], policy);
   }
 
   // ---- stage 5: o rows [32b, 32b + 32) with the residual ----
