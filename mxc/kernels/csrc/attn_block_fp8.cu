@@ -62,7 +62,7 @@ constexpr int TRACE_POINTS = 16, TRACE_LAUNCHES = 64;
 #define MXC_AB_LATE_O 0
 #endif
 // Lab knob MXC_AB_CLUSTER: each kv group's 16 CTAs form a thread block cluster and exchange through distributed
-// shared memory, with no device-wide wait: the group's 768 qkv rows (the weights in group order: q of its four
+// shared memory (st.async into a peer's buffer, counted on the peer's mbarrier), with no device-wide wait: the group's 768 qkv rows (the weights in group order: q of its four
 // heads, k, v), its splits' partials and its merged heads stay in the cluster; the o product is split by its
 // input columns (each cluster multiplies its heads' 512 columns for all 4096 rows, the o input quantized with one
 // scale a group) and summed by fp32 atomics, the last CTA out adding the residual.
@@ -75,7 +75,7 @@ constexpr int TRACE_POINTS = 16, TRACE_LAUNCHES = 64;
 #ifndef MXC_AB_SYNC
 #define MXC_AB_SYNC 1
 #endif
-#if MXC_AB_CLUSTER  // the cluster barriers carry the stages: no counter, no tagged word
+#if MXC_AB_CLUSTER  // the peers' mbarriers carry the stages: no counter, no tagged word
 #undef MXC_AB_SYNC
 #define MXC_AB_SYNC 0
 #endif
@@ -107,7 +107,7 @@ constexpr int PART = D + 4;                // a head's partial: acc[D], m, l (pa
 static_assert(NQKV % G == 0 && QKV_ROWS % 16 == 0 && H % G == 0 && O_ROWS % 16 == 0, "tiles");
 static_assert(GROUP == 4, "the attention's thread layout takes four q heads a kv head");
 static_assert(MXC_AB_CLUSTER || HQ * D == H, "without clusters the o product takes H inputs");
-static_assert(QKV_ROWS * KB % COPY == 0 && O_ROWS * KB % COPY == 0, "copies");
+static_assert(QKV_ROWS * KB % COPY == 0, "copies");
 static_assert(THREADS * 16 == H, "stage 1: 16 elements a thread");
 static_assert(GROUP * D / 2 == THREADS, "attention combine: two dims a thread");
 
@@ -119,7 +119,7 @@ constexpr int SCR_OFF = RED_OFF + 4 * (WARPS + 1) * QKV_ROWS;        // WARPS x 
 constexpr int QS_OFF = SCR_OFF + 4 * WARPS * GROUP * PART;       // GROUP x D floats: the roped q
 constexpr int SMALL_OFF = QS_OFF + 4 * GROUP * D;                // 32 floats
 constexpr int BAR_OFF = SMALL_OFF + 4 * 32;                      // mbarriers: the qkv and o copies (and below)
-// MXC_AB_CLUSTER: the group's qkv values, this split's partial (read by the peers), the group's merged heads
+// MXC_AB_CLUSTER: the group's qkv values, this CTA's merge inputs (a share of each split), the group's merged heads
 constexpr int GROUP_ROWS = (GROUP + 2) * D;                      // 768 = SPLITS x QKV_ROWS
 constexpr int O_COLS = GROUP * D;                                // 512: a group's share of the o input
 // MXC_AB_CLUSTER: three more mbarriers count the bytes the peers' st.async deliver into the three buffers
@@ -806,9 +806,7 @@ __global__ void __launch_bounds__(THREADS, 1) attn_block_kernel(const Params p) 
   if (tid == 0) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #if MXC_AB_CLUSTER
   // the group's 512 inputs of o, quantized with one scale; this CTA's 256 rows of their columns, summed into acc
-  float a2[16];
-#pragma unroll
-  for (int i = 0; i < 16; ++i) a2[i] = i < 2 ? oin[2 * tid + i] : 0.f;
+  const float a2[2] = {oin[2 * tid], oin[2 * tid + 1]};
   TRACE(11);
   float amax = fmaxf(fabsf(a2[0]), fabsf(a2[1]));
   amax = block_max(amax, small);
