@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode import copy_bandwidth  # noqa: E402
+from decode import copy_bandwidth, interleaved_graph_us  # noqa: E402
 
 from mxc.kernels import cuda_ops, launch, triton_attention, triton_fp8, triton_rope  # noqa: E402
 
@@ -316,21 +316,7 @@ def main():
     mlp_bytes = 3 * INTER * H
     print(f"context {args.context}, {args.layers} layers; copy rate {bw / 1e12:.2f} TB/s: attention weights "
           f"{attn_bytes / bw * 1e6:.2f} us a layer, MLP {mlp_bytes / bw * 1e6:.2f}")
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for r in range(args.rounds):
-        for name, graph in graphs.items():
-            graph.replay()
-            torch.cuda.synchronize()
-            samples = []
-            for _ in range(args.reps):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                torch.cuda.synchronize()
-                samples.append(start.elapsed_time(end) * 1e3 / args.layers)
-            times[name].append(statistics.median(samples))
-        print(f"round {r}: " + ", ".join(f"{n} {t[-1]:.2f}" for n, t in times.items()) + " us a layer")
+    times = interleaved_graph_us(graphs, args.rounds, args.reps, args.layers)
     med = {name: statistics.median(t) for name, t in times.items()}
     for name, us in med.items():
         print(f"{name}: {us:.2f} us a layer ({args.layers * us / 1e3:.3f} ms for {args.layers} layers)")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -46,6 +47,20 @@ def cuda_time(fn, warmup=1, reps=3) -> float:
         fn()
     times = sorted(event_seconds(fn) for _ in range(reps))
     return times[len(times) // 2]
+
+
+def interleaved_graph_us(graphs: dict, rounds: int, reps: int, per: int = 1) -> dict[str, list[float]]:
+    """Each round replays every graph once untimed, then ``reps`` times timed (CUDA events); the median us a
+    replay divided by ``per`` (layers a replay), for each round, by name. Rounds interleave the graphs, so a
+    drift of the GPU's clocks reaches every variant alike; each round is printed as it ends."""
+    times: dict[str, list[float]] = {name: [] for name in graphs}
+    for r in range(rounds):
+        for name, graph in graphs.items():
+            graph.replay()
+            torch.cuda.synchronize()
+            times[name].append(statistics.median(event_seconds(graph.replay) * 1e6 / per for _ in range(reps)))
+        print(f"round {r}: " + ", ".join(f"{n} {t[-1]:.2f}" for n, t in times.items()) + " us a layer")
+    return times
 
 
 def copy_bandwidth() -> float:

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode import copy_bandwidth  # noqa: E402
+from decode import copy_bandwidth, interleaved_graph_us  # noqa: E402
 
 from mxc.kernels import launch, mlp_pair_fp8, triton_fp8, triton_fp8_quant  # noqa: E402
 
@@ -190,21 +190,7 @@ def main():
     floor_us = nbytes / bw * 1e6 / L
     print(f"M={M} H={H} I={I} layers={L} pdl={pdl}; pair: {stages} ring stages, {ctas} CTAs; "
           f"copy rate {bw / 1e12:.2f} TB/s: weight bytes' floor {floor_us:.2f} us a layer")
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for r in range(args.rounds):
-        for name, graph in graphs.items():
-            graph.replay()
-            torch.cuda.synchronize()
-            samples = []
-            for _ in range(args.reps):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                torch.cuda.synchronize()
-                samples.append(start.elapsed_time(end) * 1e3 / L)
-            times[name].append(statistics.median(samples))
-        print(f"round {r}: " + ", ".join(f"{n} {t[-1]:.2f} us a layer" for n, t in times.items()))
+    times = interleaved_graph_us(graphs, args.rounds, args.reps, L)
     for name, t in times.items():
         us = statistics.median(t)
         print(f"{name}: {us:.2f} us a layer, {floor_us / us:.0%} of the bytes' floor, "

@@ -483,6 +483,15 @@ __device__ __forceinline__ void gemv_cols(const uint8_t* w, const uint8_t* xq, f
   }
 }
 
+// CTA b's o slice into ``wsm`` (where its qkv slice was), completing on ``bar``: the fence orders the CTA's
+// earlier (generic-proxy) reads of that shared memory before the copies' writes. COPY_THREAD only.
+__device__ __forceinline__ void load_o_slice(const Params& p, int b, uint8_t* wsm, uint64_t* bar, uint64_t policy) {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  mbar_expect_tx(bar, O_BYTES);
+  const uint8_t* src = p.w_o + static_cast<size_t>(b) * O_BYTES;
+  for (int c = 0; c < O_BYTES; c += COPY) bulk_load(wsm + c, src + c, COPY, bar, policy);
+}
+
 __global__ void __launch_bounds__(THREADS, 1) attn_block_kernel(const Params p) {
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* wsm = smem;
@@ -587,12 +596,7 @@ __global__ void __launch_bounds__(THREADS, 1) attn_block_kernel(const Params p) 
     }
   }
   // the qkv slice is read: its shared memory takes the o slice (the generic-proxy reads ordered before the copies)
-  if (tid == COPY_THREAD && !MXC_AB_LATE_O) {
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    mbar_expect_tx(&bars[1], O_BYTES);
-    const uint8_t* src = p.w_o + static_cast<size_t>(b) * O_BYTES;
-    for (int c = 0; c < O_BYTES; c += COPY) bulk_load(wsm + c, src + c, COPY, &bars[1], policy);
-  }
+  if (tid == COPY_THREAD && !MXC_AB_LATE_O) load_o_slice(p, b, wsm, &bars[1], policy);
   TRACE(6);
 
   // ---- stage 3: attention of kv head g over rows [lo, hi) ----
@@ -795,12 +799,7 @@ __global__ void __launch_bounds__(THREADS, 1) attn_block_kernel(const Params p) 
     TRACE(10);
   }
 #endif
-  if (tid == COPY_THREAD && MXC_AB_LATE_O) {
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    mbar_expect_tx(&bars[1], O_BYTES);
-    const uint8_t* src = p.w_o + static_cast<size_t>(b) * O_BYTES;
-    for (int c = 0; c < O_BYTES; c += COPY) bulk_load(wsm + c, src + c, COPY, &bars[1], policy);
-  }
+  if (tid == COPY_THREAD && MXC_AB_LATE_O) load_o_slice(p, b, wsm, &bars[1], policy);
 
   // ---- stage 5: o rows [32b, 32b + 32) with the residual ----
   if (tid == 0) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
