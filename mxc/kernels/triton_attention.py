@@ -69,7 +69,9 @@ LOG2E = 1.4426950408889634
 # Under PDL the decode split kernel asks L2 for its first block of cache rows before it waits for the
 # kernel ahead (RoPE + KV write), so the rows' HBM latency overlaps that kernel. Llama-3-8B batch-1 decode
 # on one H200 (2026-12-01, ``bench/decode_ab.py``, medians of three interleaved rounds, rounds within
-# 0.003 ms): fp8 2.745 against 2.753 ms, bf16 4.107 against 4.113.
+# 0.003 ms): fp8 2.745 against 2.753 ms, bf16 4.107 against 4.113. That version also loaded q before the
+# wait, a race with the RoPE kernel that writes it (``tests/gpu/test_pdl_order_gpu.py``); with q loaded after
+# the wait (2026-12-02, same bench): fp8 2.519 against 2.526 ms without the prefetch (bf16 4.109).
 DECODE_PREFETCH_KV = True
 
 
