@@ -16,8 +16,11 @@ from pathlib import Path
 
 # 2: kernels rendered from templates, their sources in code/kernels/src/; 3: the RoPE kernel's kv-group grid,
 # the tiled fp8 quantize and the push all-reduce (older artifacts lack those cubins); 4: the MoE norm + router
-# kernel, the GEMV's push arguments; 5: the CUTLASS fp8 GEMM library and the manifest's cutlass entry
-SCHEMA_VERSION = 5
+# kernel, the GEMV's push arguments; 5: the CUTLASS fp8 GEMM library and the manifest's cutlass entry; 6: no
+# layout change, but every PDL kernel checked for what it reads before its wait (``mxc.codegen.pdl_check``): the
+# decode attention stored in schema-5 artifacts read q before its wait, a race with the RoPE kernel, so they
+# must be rebuilt
+SCHEMA_VERSION = 6
 
 
 def sha256_file(path: Path, chunk: int = 1 << 24) -> str:

@@ -14,7 +14,8 @@ number depends on its version). Kernels rendered from templates
 rendered from; the runtime executes those stored sources
 (``kernel_templates.pin``), and ``record`` renders the current templates.
 Pointer arguments are compiled as 16-byte aligned; the runtime checks that
-before each launch.
+before each launch. A kernel compiled for programmatic dependent launch is refused if its PTX touches,
+before ``griddepcontrol.wait``, a pointer argument it does not declare (``mxc.codegen.pdl_check``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from mxc.codegen import pdl_check
 from mxc.kernels import kernel_templates
 from mxc.errors import MxcError
 
@@ -80,6 +82,13 @@ def _compile_one(key: str, spec: dict, arch: int, source: str | None) -> tuple[s
     pdl = bool(spec["constexprs"].get("USE_PDL"))
     if pdl and "griddepcontrol.wait" not in compiled.asm["ptx"]:
         raise MxcError(f"kernel {spec['kernel']}: built with USE_PDL but its PTX has no griddepcontrol.wait")
+    if pdl:
+        args = [n for n, t in spec["signature"].items() if t != "constexpr"]
+        found = pdl_check.violations(compiled.asm["ptx"], md.name, args, getattr(fn, "reads_before_wait", frozenset()))
+        if found:
+            raise MxcError(f"kernel {spec['kernel']} {found[0]}: the kernel ahead may still be writing it under PDL; "
+                           f"move the access after pdl_enter, or declare the argument with pdl.reads_before_wait "
+                           f"if no kernel of the step writes it" + (f" (and {len(found) - 1} more)" if found[1:] else ""))
     entry = {"kernel": spec["kernel"], "entry": md.name, "file": f"{key}.cubin", "shared": md.shared, "pdl": pdl,
              "num_warps": md.num_warps, "params": ptx_params(compiled.asm["ptx"], md.name),
              "args": [t for t in spec["signature"].values() if t != "constexpr"]}

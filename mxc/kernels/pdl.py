@@ -25,12 +25,32 @@ batch 1 4.74 against 4.26 ms, batch 8 5.83 against 5.00, fp8 batch 1 3.20 agains
 split), when the GEMV after it loads its whole weight tiles before its wait (the compiler's
 ``early_launch_o_proj``); there the kernels ahead are latency-bound and HBM is otherwise idle. The RMSNorm-quantize kernels doing the same (so the qkv and gate/up GEMVs
 launched during the GEMV ahead of them) took 2.691 against 2.521 ms (fp8 batch 1, 2026-12-01).
+
+What a kernel may read before its wait is declared on the kernel (``reads_before_wait``) and checked in its
+PTX when the build compiles it (``mxc.codegen.pdl_check``): a load, store or atomic on any other pointer
+argument before ``griddepcontrol.wait`` fails the build. The check came with a race it found: the decode
+split kernel loaded q, which the RoPE kernel right ahead writes, before its wait (2026-12-01 to 2026-12-02).
 """
 
 import triton
 import triton.language as tl
 
 from mxc.kernels.launch import next_pow2
+
+
+def reads_before_wait(*names: str):
+    """Declare the pointer arguments a PDL kernel reads before ``griddepcontrol.wait``: memory no kernel of the
+    step writes (weights, the step's inputs copied in before it starts). Put it above ``@triton.jit``; the
+    build's PTX check (``mxc.codegen.pdl_check``) refuses any other argument touched before the wait."""
+
+    def mark(fn):
+        unknown = sorted(set(names) - set(fn.arg_names))
+        if unknown:
+            raise ValueError(f"reads_before_wait: {fn.__name__} has no argument {', '.join(unknown)}")
+        fn.reads_before_wait = frozenset(names)
+        return fn
+
+    return mark
 
 
 @triton.jit

@@ -43,12 +43,13 @@ import triton.language as tl
 from mxc.kernels import triton_elementwise, triton_norm
 from mxc.kernels.launch import cdiv, launch, next_pow2
 from mxc.kernels.triton_elementwise import _silu_mul
-from mxc.kernels.pdl import pdl_enter, prefetch_bytes, prefetch_rows_l2
+from mxc.kernels.pdl import pdl_enter, prefetch_bytes, prefetch_rows_l2, reads_before_wait
 from mxc.kernels.triton_fp8_quant import (_DTYPES, GRANULARITIES, _check_inputs, _check_norm, _finish, _load_act,
                                           _pow2, _prequantize, _quant, _quant_block, _row_scale)
 from mxc.kernels.triton_gemv import M_BUCKETS, NUM_SMS, bucket, fill_gpu, split_k_for
 
 
+@reads_before_wait("w_ptr")  # PRELOAD: the program's weight tile
 @triton.jit
 def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
                   N: tl.constexpr, K: tl.constexpr,

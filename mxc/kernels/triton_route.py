@@ -28,7 +28,7 @@ import triton.language as tl
 
 from mxc.kernels.candidates import NORM_ROUTE_MAX_TOKENS
 from mxc.kernels.launch import cdiv, launch, next_pow2
-from mxc.kernels.pdl import pdl_enter
+from mxc.kernels.pdl import pdl_enter, reads_before_wait
 
 MAX_EXPERTS = 1024
 
@@ -84,6 +84,7 @@ def route_kernel(logits_ptr, weights_ptr, ids_ptr, E: tl.constexpr, K: tl.conste
     _route_row(x, weights_ptr, ids_ptr, t, E, K, BLOCK_E, BLOCK_K, SIGMOID, RENORMALIZE)
 
 
+@reads_before_wait("router_w_ptr", "norm_w_ptr")
 @triton.jit
 def norm_route_kernel(a_ptr, b_ptr, norm_w_ptr, router_w_ptr, s_ptr, h_ptr, logits_ptr, weights_ptr, ids_ptr,
                       count_ptr, T, eps, H: tl.constexpr, BLOCK_H: tl.constexpr, E: tl.constexpr,
