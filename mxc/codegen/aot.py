@@ -86,9 +86,9 @@ def _compile_one(key: str, spec: dict, arch: int, source: str | None) -> tuple[s
         args = [n for n, t in spec["signature"].items() if t != "constexpr"]
         found = pdl_check.violations(compiled.asm["ptx"], md.name, args, getattr(fn, "reads_before_wait", frozenset()))
         if found:
-            raise MxcError(f"kernel {spec['kernel']} {found[0]}: the kernel ahead may still be writing it under PDL; "
-                           f"move the access after pdl_enter, or declare the argument with pdl.reads_before_wait "
-                           f"if no kernel of the step writes it" + (f" (and {len(found) - 1} more)" if found[1:] else ""))
+            raise MxcError(f"kernel {spec['kernel']} {found[0]}: under PDL the kernel ahead may still be running; "
+                           f"move it after pdl_enter (a read of memory no kernel of the step writes may instead be "
+                           f"declared with pdl.reads_before_wait)" + (f"; and {len(found) - 1} more" if found[1:] else ""))
     entry = {"kernel": spec["kernel"], "entry": md.name, "file": f"{key}.cubin", "shared": md.shared, "pdl": pdl,
              "num_warps": md.num_warps, "params": ptx_params(compiled.asm["ptx"], md.name),
              "args": [t for t in spec["signature"].values() if t != "constexpr"]}

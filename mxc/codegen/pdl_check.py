@@ -6,8 +6,9 @@ early only memory no kernel of the step writes, and names those pointer argument
 ``pdl.reads_before_wait``. ``touched_before_wait`` follows each pointer parameter through the PTX's
 register arithmetic up to the first wait and lists the memory instructions (loads, stores, atomics,
 ``cp.async`` copies) whose address comes from it; L2 prefetches are hints, not reads, and are left out.
-``check`` compares that with the declaration; ``mxc.codegen.aot`` runs it on every PDL kernel it compiles,
-so a kernel that reads its input too early fails the build instead of racing on the GPU.
+``violations`` compares that with the declaration and adds any exit ahead of the wait; ``mxc.codegen.aot``
+runs it on every PDL kernel it compiles, so a kernel that reads its input too early fails the build instead
+of racing on the GPU.
 
 The analysis is syntactic and errs towards reporting: any instruction's destination inherits the
 parameters of all its sources (iterated to a fixed point, for loops before the wait), and a value loaded
@@ -120,10 +121,18 @@ def touched_before_wait(ptx: str, entry: str) -> list[Access]:
     return accesses
 
 
+def exits_before_wait(ptx: str, entry: str) -> list[str]:
+    """The ``ret`` / ``exit`` instructions (guarded or not) ahead of the first wait: a program that takes one
+    finishes without waiting, and if every program did, the kernel would end before the one ahead of it, which
+    breaks the chain's rule that a kernel past its wait has every earlier kernel finished (``mxc.kernels.pdl``)."""
+    return [inst for inst in _instructions(ptx, entry) if _opcode(inst)[0] in ("ret", "exit")]
+
+
 def violations(ptx: str, entry: str, arg_names: list[str], allowed: frozenset[str] = frozenset()) -> list[str]:
-    """One line for each argument touched before the wait that ``allowed`` does not name. ``arg_names``: the
-    kernel's runtime (non-constexpr) arguments in order, as the PTX parameters list them."""
-    found: dict[tuple[str, str], str] = {}
+    """One line for each argument touched before the wait that ``allowed`` does not name, and for each exit
+    ahead of the wait. ``arg_names``: the kernel's runtime (non-constexpr) arguments in order, as the PTX
+    parameters list them."""
+    found: dict[tuple[str, str], str] = {("exit", "the program"): inst for inst in exits_before_wait(ptx, entry)}
     for access in touched_before_wait(ptx, entry):
         for i in sorted(access.params):
             name = arg_names[i] if i < len(arg_names) else f"param_{i}"

@@ -168,4 +168,15 @@ def test_the_build_refuses_a_kernel_that_reads_its_input_before_the_wait(tmp_pat
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.strip().splitlines()
     assert lines[0].startswith("early refused: kernel pdl_kernels:early loads x_ptr before griddepcontrol.wait"), lines
+    assert "move it after pdl_enter" in lines[0], lines
     assert lines[1] == "late compiled", lines
+
+
+def test_an_exit_ahead_of_the_wait_is_reported():
+    ptx = _ptx("""
+	setp.ge.s32 	%p3, %r1, 7;
+	@%p3 ret;
+""")
+    (line,) = pdl_check.violations(ptx, "k", ARGS)
+    assert line == "exits the program before griddepcontrol.wait (@%p3 ret)"
+    assert pdl_check.violations(_ptx("", "\t@%p3 ret;"), "k", ARGS) == []
