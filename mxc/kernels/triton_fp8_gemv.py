@@ -29,7 +29,10 @@ GEMVs (qkv, gate/up; 2026-12-02): each program normalised and quantized the row 
 code and warps), stored xq and xs (every program the same bytes), then ran as PREQUANT, so no quantize kernel
 ran: 3.098 against 2.507 ms a step. The prologue sits between the PDL wait and the weight pipeline in every
 program, and the gate/up GEMV's 448 programs run in two waves (80 KB of shared memory, two an SM): it added
-42.6 us a layer instead of 29.8 plus the 2.3 of the kernel it replaced (``--timeline``). Removed.
+42.6 us a layer instead of 29.8 plus the 2.3 of the kernel it replaced (``--timeline``). Removed. The qkv and
+gate/up GEMVs at one token as v2 weight-only FMA loops, the down GEMV's [8, 2048] steps (768 and 3584 programs
+instead of 96 and 448, x unquantized, a plain RMSNorm ahead; 2026-12-02, ``bench/decode_ab.py`` through
+``OVERRIDES``, one artifact): qkv 2.575, gate/up 2.659, both 2.725 against 2.507 ms. Not kept.
 """
 
 from __future__ import annotations
