@@ -4,7 +4,7 @@ The kernel ahead here (``_late_copy``) passes its wait, lets the next kernel lau
 spinning for tens of microseconds, writes its output: a kernel behind it that reads that output before its
 own ``griddepcontrol.wait`` reads the old bytes. The decode split kernel did so with q until 2026-12-02
 (``mxc.codegen.pdl_check`` now refuses such a kernel at build time). On the H200 (Triton 3.6), that kernel
-failed the attention test here (output off by 0.41: q read as the zeros before the copy) and the fixed one
+failed the attention test here (output off by 1.78 and 0.41: q read as the zeros before the copy) and the fixed one
 passes; the control shows the launches overlap, so the test can fail.
 """
 
