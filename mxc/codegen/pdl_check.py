@@ -46,12 +46,12 @@ def _instructions(ptx: str, entry: str) -> list[str]:
     out = []
     for raw in body.splitlines():
         line = raw.split("//", 1)[0].strip()
+        if line.startswith((".visible", ".entry", ".func", ".weak")):
+            break  # the next function: this one has no wait
         if not line or line.startswith((".", "$", "{", "}", ")")) or line.endswith(":"):
             continue
         if "griddepcontrol.wait" in line:
             return out
-        if line.startswith(".entry") or line.startswith(".visible"):
-            break
         out.append(line.rstrip(";").strip())
     return []
 
@@ -93,7 +93,7 @@ def touched_before_wait(ptx: str, entry: str) -> list[Access]:
                 dests = [m.group(1)]
             else:
                 op, rest = _opcode(inst)
-                if _kind(op) is not None or op.startswith(("ld", "prefetch", "cp.", "st", "bar", "fence", "membar")):
+                if op.startswith(("ld", "st", "cp.", "atom", "red", "prefetch", "bar", "fence", "membar")):
                     continue  # memory instructions define data (or nothing), not pointers
                 regs = _REG.findall(rest)
                 if not regs:

@@ -28,7 +28,7 @@ launched during the GEMV ahead of them) took 2.691 against 2.521 ms (fp8 batch 1
 
 What a kernel may read before its wait is declared on the kernel (``reads_before_wait``) and checked in its
 PTX when the build compiles it (``mxc.codegen.pdl_check``): a load, store or atomic on any other pointer
-argument before ``griddepcontrol.wait`` fails the build. The check came with a race it found: the decode
+argument before ``griddepcontrol.wait``, or an exit ahead of it, fails the build. The check came with a race it found: the decode
 split kernel loaded q, which the RoPE kernel right ahead writes, before its wait (2026-12-01 to 2026-12-02).
 """
 

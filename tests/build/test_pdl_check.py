@@ -180,3 +180,9 @@ def test_an_exit_ahead_of_the_wait_is_reported():
     (line,) = pdl_check.violations(ptx, "k", ARGS)
     assert line == "exits the program before griddepcontrol.wait (@%p3 ret)"
     assert pdl_check.violations(_ptx("", "\t@%p3 ret;"), "k", ARGS) == []
+
+
+def test_a_kernel_without_a_wait_is_not_read_into_the_next_function():
+    ptx = (_HEAD + "\tadd.s64 %rd5, %rd1, %rd4;\n\tld.global.b32 { %r2 }, [ %rd5 + 0 ];\n\tret;\n}\n"
+           + _ptx("").replace(".entry k(", ".entry k2(").replace("k_param", "k2_param"))
+    assert pdl_check.touched_before_wait(ptx, "k") == []
