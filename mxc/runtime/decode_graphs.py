@@ -6,6 +6,10 @@ bucket, static input buffers and a captured decode step. A step copies the
 new tokens, positions and cache locations into the bucket's buffers with
 device-side ops and replays the graph: no host synchronisation inside the
 decode loop; tokens are gathered on the device and copied out once at the end.
+Greedy decoding goes further (``GREEDY_IN_GRAPH``): the bucket's greedy graph
+ends with the argmax and the step's bookkeeping (the token into the input
+buffer and the output column, positions, cache rows and lengths advanced), so
+the loop is back-to-back replays with nothing launched between them.
 A short batch-1 prompt's prefill replays a graph too (``prefill_graphs``).
 """
 
@@ -26,6 +30,10 @@ from mxc.runtime.sampling import sample
 # the weight prefetch of the kernel behind them).
 PDL_MAX_BUCKET = 8
 
+# Greedy decoding replays a graph that also picks the next token and advances the step on the device (the
+# sampling path launches that bookkeeping from the host between replays: eight small kernels a step).
+GREEDY_IN_GRAPH = True
+
 
 class _Bucket:
     def __init__(self, dec: "CudaDecoder", size: int):
@@ -45,6 +53,13 @@ class _Bucket:
                                   **dec.dist)
         self.graph = None
         self.logits = None
+        # the greedy graph's state: rows that advance (0 for padding), each row's first cache row, the output
+        # column the next token goes to, and the tokens so far [size, max_len]
+        self.live = torch.zeros(size, dtype=torch.int64, device=dev)
+        self.slot_base = torch.full((size,), scratch * dec.max_len, dtype=torch.int64, device=dev)
+        self.column = torch.zeros((size, 1), dtype=torch.int64, device=dev)
+        self.out = None
+        self.greedy_graph = None
 
     def step(self, dec: "CudaDecoder") -> torch.Tensor:
         if self.graph is None:
@@ -55,6 +70,51 @@ class _Bucket:
     def _capture(self, dec: "CudaDecoder") -> None:
         run = lambda: dec.forward(self.ctx, self.tokens, self.positions, self.rows)  # noqa: E731
         self.graph, self.logits = capture(run, dec.launcher, dec.pool, plain=self.size > PDL_MAX_BUCKET)
+
+    def ensure_greedy(self, dec: "CudaDecoder") -> None:
+        """Capture the greedy graph if it is not yet. Its warm-up runs advance the state, so the state is put
+        on the scratch slot first (every row padding: the warm-ups write only the scratch slot's cache rows)
+        and set by ``begin_greedy`` after."""
+        if self.greedy_graph is not None:
+            return
+        self.out = torch.zeros((self.size, dec.max_len), dtype=torch.int64, device=dec.device)
+        self._set_rows(0, dec, 0)
+        self.greedy_graph, _ = capture(self._greedy_step(dec), dec.launcher, dec.pool,
+                                       plain=self.size > PDL_MAX_BUCKET)
+
+    def _greedy_step(self, dec: "CudaDecoder"):
+        def run():
+            logits = dec.forward(self.ctx, self.tokens, self.positions, self.rows)
+            torch.argmax(logits, dim=-1, out=self.tokens)  # sampling.sample's greedy choice
+            self.out.scatter_(1, self.column, self.tokens[:, None])
+            self.column.add_(1)
+            self.positions.add_(self.live)
+            torch.add(self.slot_base, self.positions, out=self.cache_loc)
+            torch.add(self.positions, 1, out=self.kv_lens)
+            return logits
+        return run
+
+    def _set_rows(self, b: int, dec: "CudaDecoder", s: int) -> None:
+        """Rows < b decode slots 0..b-1 from position s; the rest are padding on the scratch slot."""
+        scratch = dec.scratch_slot
+        self.slots[:b].copy_(torch.arange(b, dtype=torch.int32, device=dec.device))
+        self.slots[b:].fill_(scratch)  # padding rows write only to the scratch slot
+        self.live.fill_(0)
+        self.live[:b].fill_(1)
+        self.slot_base.copy_(self.slots.to(torch.int64) * dec.max_len)
+        self.positions.fill_(0)
+        self.positions[:b].fill_(s)
+        torch.add(self.slot_base, self.positions, out=self.cache_loc)
+        torch.add(self.positions, 1, out=self.kv_lens)
+
+    def begin_greedy(self, dec: "CudaDecoder", first: torch.Tensor, s: int) -> None:
+        """The state before the first greedy replay: ``first`` [b] (the prefill's tokens) at position s."""
+        b = first.shape[0]
+        self._set_rows(b, dec, s)
+        self.tokens.zero_()
+        self.tokens[:b].copy_(first)
+        self.out[:b, 0].copy_(first)
+        self.column.fill_(1)
 
 
 class CudaDecoder:
@@ -81,6 +141,8 @@ class CudaDecoder:
         """
         for bucket in (*self.buckets.values(), *self.prefill_graphs.values()):
             bucket.graph = bucket.logits = None
+        for bucket in self.buckets.values():
+            bucket.greedy_graph = bucket.out = None
         self.pool = torch.cuda.graph_pool_handle()
 
     def forward(self, ctx, tokens, positions, rows):
@@ -106,6 +168,8 @@ class CudaDecoder:
         """``agree`` makes tensor-parallel ranks continue with the same sampled tokens."""
         b, s = ids.shape
         bucket = self.buckets[batch_bucket(b, self.max_batch)]
+        if GREEDY_IN_GRAPH and not sampling["temperature"]:
+            return self._generate_greedy(ids, max_new_tokens, bucket)
         out = torch.empty((b, max_new_tokens), dtype=torch.int64, device=self.device)
         nxt = agree(sample(self.prefill(ids), generator=generator, **sampling), sampling["temperature"])
         out[:, 0] = nxt
@@ -126,3 +190,16 @@ class CudaDecoder:
             out[:, step] = nxt
             pos += 1
         return out
+
+    def _generate_greedy(self, ids: torch.Tensor, max_new_tokens: int, bucket: _Bucket) -> torch.Tensor:
+        """``generate`` at temperature 0: the prefill's argmax, then ``max_new_tokens - 1`` replays of the
+        bucket's greedy graph, each of which writes its token into the output on the device."""
+        b, s = ids.shape
+        bucket.ensure_greedy(self)  # before the prefill: its warm-ups must not write the prompts' cache rows
+        first = sample(self.prefill(ids))
+        if max_new_tokens == 1:
+            return first[:, None]
+        bucket.begin_greedy(self, first, s)
+        for _ in range(max_new_tokens - 1):
+            bucket.greedy_graph.replay()
+        return bucket.out[:b, :max_new_tokens].clone()

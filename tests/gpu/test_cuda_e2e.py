@@ -72,6 +72,30 @@ def test_decode_batch_buckets_and_sampling(hf_checkpoint, tmp_path):
     assert torch.equal(model.generate(ids[:1], max_new_tokens=10), batched[:1])
 
 
+def test_greedy_graph_matches_host_loop(hf_checkpoint, tmp_path, monkeypatch):
+    """The greedy graph (argmax, output column, positions, cache rows and lengths advanced on the device)
+    gives the host loop's tokens: one row, a padded bucket, one new token, a generation that fills the cache,
+    twice in a row and after a sampled run (both graphs of a bucket in one memory pool)."""
+    from mxc.runtime import decode_graphs
+
+    ckpt, _ = hf_checkpoint("Qwen3ForCausalLM", hidden_size=128, intermediate_size=256, head_dim=64)
+    art = mxc.build(str(ckpt), out=tmp_path / "art", target="cuda", dtype="bfloat16", max_batch=8,
+                    max_seq_len=64, progress=False, log=lambda m: None)
+    model = mxc.load(art, device="cuda")
+    ids = torch.randint(0, 256, (5, 7), generator=torch.Generator().manual_seed(8))
+    cases = [(ids[:1], 12), (ids, 12), (ids[:3], 1), (ids[:2], 64 - 7)]
+    assert decode_graphs.GREEDY_IN_GRAPH
+    got = [model.generate(rows, max_new_tokens=n) for rows, n in cases]
+    model.generate(ids, max_new_tokens=5, temperature=0.8, seed=1)
+    again = model.generate(ids, max_new_tokens=12)
+    assert model._decoder.buckets[8].greedy_graph is not None and model._decoder.buckets[8].graph is not None
+    monkeypatch.setattr(decode_graphs, "GREEDY_IN_GRAPH", False)
+    want = [model.generate(rows, max_new_tokens=n) for rows, n in cases]
+    for (rows, n), a, b in zip(cases, got, want):
+        assert a.shape == (rows.shape[0], n) and torch.equal(a, b), (n, a, b)
+    assert torch.equal(again, want[1])
+
+
 def test_buckets_past_pdl_max_run_plain(hf_checkpoint, tmp_path):
     """Buckets above ``PDL_MAX_BUCKET`` rows are captured without the PDL attribute: the same tokens
     as one row at a time (bucket 1, with PDL) for 12 rows in bucket 16."""
