@@ -80,10 +80,15 @@ def test_tokens_sharing_experts(dtype):
 @pytest.mark.parametrize("k", [2, 3])
 def test_tiled_down_equals_expert_loop(dtype, k):
     """The tiled down kernel rounds and sums as the expert-by-expert one: equal bits (k = 3, not a
-    power of two, takes the loop)."""
+    power of two, takes the loop). On the GPU an fp32 output keeps the bits of its fp32 dot products,
+    whose in-register reduction order follows the tile's layout: there, within 1e-6."""
     x, weights, ids, wgu, wd = _inputs(3, k, 8, dtype, seed=11)
     args = [_dev(t) for t in (x, weights, ids, wgu, wd)]
-    assert torch.equal(tmd.fused_moe(*args, configs=TILED), tmd.fused_moe(*args, configs=RAGGED))
+    tiled, loop = tmd.fused_moe(*args, configs=TILED), tmd.fused_moe(*args, configs=RAGGED)
+    if DEVICE == "cuda" and dtype == torch.float32:
+        _check(tiled, loop, 1e-6)
+    else:
+        assert torch.equal(tiled, loop)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
