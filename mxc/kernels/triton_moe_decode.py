@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from mxc.kernels.launch import cdiv, launch, next_pow2
-from mxc.kernels.pdl import pdl_enter, reads_before_wait
+from mxc.kernels.pdl import pdl_enter
 from mxc.kernels.triton_gemv import dot_gate_up_rows, dot_rows
 
 @triton.jit
@@ -97,23 +97,15 @@ def _pair_down_sum_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, r_ptr, out_
     _store_out(out_ptr, r_ptr, t * H + offs_n, offs_n < H, total)
 
 
-@reads_before_wait("w_ptr", "s_ptr", two_back=("ids_ptr", "weights_ptr"))  # PRELOAD: the tile before the wait
 @triton.jit
 def _pair_down_tile_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, r_ptr, out_ptr,
                            E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
-                           PRELOAD: tl.constexpr = False):
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
     """``_pair_down_sum_kernel`` with the k experts in one [TOP_K * BLOCK_N, BLOCK_K] tile a step
     (row r = expert j * BLOCK_N + n): k times the bytes in flight of an expert-by-expert loop, whose
     short reductions (I of 768) stall on each expert's first loads. Same rounding and order: the
-    k terms are picked out of the tile in order (adding zeros is exact).
-
-    ``PRELOAD``: the program's whole [TOP_K * BLOCK_N, I] weight tile (and its scales and top-k weights) is
-    loaded before the PDL wait, so it streams in while the gate/up kernel ahead runs; after the wait only h
-    is read. The expert ids come from the router, two kernels ahead (``pdl.reads_before_wait``'s
-    ``two_back``); the gate/up kernel lets this one launch only after its own wait."""
-    if not PRELOAD:
-        pdl_enter(USE_PDL)
+    k terms are picked out of the tile in order (adding zeros is exact)."""
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     ty = h_ptr.dtype.element_ty
     ROWS: tl.constexpr = TOP_K * BLOCK_N
@@ -125,26 +117,13 @@ def _pair_down_tile_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, r_ptr, out
     e = tl.load(ids_ptr + pair)  # [ROWS]: each row's expert (L1 hits after the first)
     valid = (e >= 0) & (e < E)
     e = tl.where(valid, e, 0)
-    if PRELOAD:
-        offs_k = tl.arange(0, BLOCK_K)  # BLOCK_K >= I: the whole row
-        k_ok = offs_k[None, :] < I
-        w = tl.load(w_ptr + (e * (H * I) + rn * I)[:, None] + offs_k[None, :], mask=k_ok, other=0.0)
-        if s_ptr is not None:
-            ws = tl.load(s_ptr + e * H + rn).to(tl.float32)
-        wt = tl.load(weights_ptr + pair).to(tl.float32)
-        pdl_enter(USE_PDL)
-        x = tl.load(h_ptr + (pair * I)[:, None] + offs_k[None, :], mask=k_ok, other=0.0)
-        y = tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)
-        if s_ptr is not None:
-            y = y * ws
-    else:
-        offs_k = tl.arange(0, BLOCK_K)
-        w_ptrs = w_ptr + (e * (H * I) + rn * I)[:, None] + offs_k[None, :]
-        x_ptrs = h_ptr + (pair * I)[:, None] + offs_k[None, :]  # each row's own pair input
-        y = dot_rows(x_ptrs, w_ptrs, I, ROWS, BLOCK_K, X_PER_ROW=True)  # [ROWS]
-        if s_ptr is not None:  # fp8 row scales [E, H]
-            y = y * tl.load(s_ptr + e * H + rn).to(tl.float32)
-        wt = tl.load(weights_ptr + pair).to(tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + (e * (H * I) + rn * I)[:, None] + offs_k[None, :]
+    x_ptrs = h_ptr + (pair * I)[:, None] + offs_k[None, :]  # each row's own pair input
+    y = dot_rows(x_ptrs, w_ptrs, I, ROWS, BLOCK_K, X_PER_ROW=True)  # [ROWS]
+    if s_ptr is not None:  # fp8 row scales [E, H]
+        y = y * tl.load(s_ptr + e * H + rn).to(tl.float32)
+    wt = tl.load(weights_ptr + pair).to(tl.float32)
     z = tl.where(valid, (y.to(ty).to(tl.float32) * wt).to(ty).to(tl.float32), 0.0)
     z2 = tl.reshape(z, (TOP_K, BLOCK_N))
     jj = tl.arange(0, TOP_K)[:, None]
@@ -161,7 +140,6 @@ class PairConfig:
     BLOCK_K: int = 512
     num_warps: int = 8
     TILE: bool = False  # down only: the k experts in one tile (``_pair_down_tile_kernel``; power-of-two k)
-    PRELOAD: bool = False  # TILE only: the whole [k * BLOCK_N, I] tile loaded before the PDL wait (BLOCK_K >= I)
 
 
 # Field overrides of the default configs by (hidden, inter, "up" or "down"), applied after the rules: what
@@ -214,11 +192,8 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_
            dict(E=E, H=H, I=I, TOP_K=top_k, BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K), num_warps=up.num_warps,
            num_stages=1)
     tile = down.TILE and top_k & (top_k - 1) == 0  # a tile's rows are a power of two
-    if down.PRELOAD and not (tile and down.BLOCK_K >= I):
-        raise ValueError(f"PRELOAD needs the tiled down kernel (a power-of-two top-k) and BLOCK_K >= I: {down}, "
-                         f"top_k={top_k}, I={I}")
     launch(_pair_down_tile_kernel if tile else _pair_down_sum_kernel, (T, cdiv(H, down.BLOCK_N)),
            [h, w_down, s_down, weights, ids, residual, out],
-           dict(E=E, H=H, I=I, TOP_K=top_k, BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K,
-                **({"PRELOAD": True} if down.PRELOAD else {})), num_warps=down.num_warps, num_stages=1)
+           dict(E=E, H=H, I=I, TOP_K=top_k, BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K), num_warps=down.num_warps,
+           num_stages=1)
     return out

@@ -30,7 +30,6 @@ H, I = 48, 40
 RAGGED = (tmd.PairConfig(BLOCK_N=16, BLOCK_K=32, num_warps=4), tmd.PairConfig(BLOCK_N=16, BLOCK_K=32, num_warps=4))
 TILED = (RAGGED[0], tmd.PairConfig(BLOCK_N=8, BLOCK_K=32, num_warps=4, TILE=True))
 WHOLE_TILED = (RAGGED[0], tmd.PairConfig(BLOCK_N=8, BLOCK_K=8, num_warps=4, TILE=True))
-PRELOAD = (RAGGED[0], tmd.PairConfig(BLOCK_N=8, BLOCK_K=64, num_warps=4, TILE=True, PRELOAD=True))  # I = 40 of 64
 SORTED = MoeConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, CHUNK=16)
 
 
@@ -58,8 +57,8 @@ def _check(y, ref, tol):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("T,k,E", [(1, 2, 4), (3, 1, 8), (4, 2, 8), (1, 4, 8)])
-@pytest.mark.parametrize("configs", [RAGGED, None, TILED, WHOLE_TILED, PRELOAD],
-                         ids=["ragged-k", "default", "tiled-down-ragged-k", "tiled-down", "preload-down"])
+@pytest.mark.parametrize("configs", [RAGGED, None, TILED, WHOLE_TILED],
+                         ids=["ragged-k", "default", "tiled-down-ragged-k", "tiled-down"])
 def test_pairs_match_reference_and_sorted_path(T, k, E, dtype, configs):
     x, weights, ids, wgu, wd = _inputs(T, k, E, dtype, seed=T * 10 + k + E)
     args = [_dev(t) for t in (x, weights, ids, wgu, wd)]
@@ -92,7 +91,7 @@ def test_tiled_down_equals_expert_loop(dtype, k):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("configs", [RAGGED, TILED, PRELOAD], ids=["loop", "tiled", "preload"])
+@pytest.mark.parametrize("configs", [RAGGED, TILED], ids=["loop", "tiled"])
 def test_residual(dtype, configs):
     """``fuse_linear_io``'s residual, added by the down kernel as ``torch_ref.add`` adds it: equal bits."""
     from mxc.kernels import torch_ref
@@ -106,7 +105,7 @@ def test_residual(dtype, configs):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("configs", [RAGGED, TILED, PRELOAD], ids=["loop", "tiled", "preload"])
+@pytest.mark.parametrize("configs", [RAGGED, TILED], ids=["loop", "tiled"])
 def test_fp8_experts(dtype, configs):
     x, weights, ids, wgu, wd = _inputs(2, 2, 4, torch.float32, seed=3)
     wgu[:, :I] *= 3  # gate and up rows at different scales
@@ -118,7 +117,7 @@ def test_fp8_experts(dtype, configs):
     _check(y, moe_ref.fused_moe(x, weights, ids, deq(q1, s1), deq(q2, s2)), TOL[dtype])
 
 
-@pytest.mark.parametrize("configs", [RAGGED, TILED, PRELOAD], ids=["loop", "tiled", "preload"])
+@pytest.mark.parametrize("configs", [RAGGED, TILED], ids=["loop", "tiled"])
 def test_invalid_ids_are_dropped_as_by_the_sorted_path(configs):
     ids = torch.tensor([[0, 9], [-1, 2]])  # 9 and -1 are not experts of E = 4
     x, weights, ids, wgu, wd = _inputs(2, 2, 4, torch.float32, seed=5, ids=ids)
@@ -134,9 +133,6 @@ def test_rejects_bad_inputs():
         tmd.fused_moe(x, weights, ids.int(), wgu, wd)
     with pytest.raises(ValueError):
         tmd.fused_moe(x, weights, ids, wgu.float(), wd)
-    short = (RAGGED[0], tmd.PairConfig(BLOCK_N=8, BLOCK_K=32, TILE=True, PRELOAD=True))  # 32 < I = 40
-    with pytest.raises(ValueError, match="PRELOAD"):
-        tmd.fused_moe(x, weights, ids, wgu, wd, configs=short)
 
 
 def test_meta_recording():
@@ -157,9 +153,7 @@ _COMPILE = """
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from mxc.codegen import pdl_check
 from mxc.kernels import launch as L, triton_moe_decode as tmd
-preloads = 0
 meta = lambda *s, dtype=torch.bfloat16: torch.empty(*s, dtype=dtype, device="meta")
 rec = L.Recorder(pdl=True)
 with L.using(rec):
@@ -176,9 +170,6 @@ with L.using(rec):
     tmd.fused_moe(meta(1, 2048), meta(1, 8), meta(1, 8, dtype=torch.int64), meta(128, 1536, 2048, dtype=f8),
                   meta(128, 2048, 768, dtype=f8), s_gate_up=meta(128, 1536, dtype=torch.float32),
                   s_down=meta(128, 2048, dtype=torch.float32), configs=tiled)
-    pre = (tmd.PairConfig(), tmd.PairConfig(BLOCK_N=2, BLOCK_K=1024, num_warps=8, TILE=True, PRELOAD=True))
-    tmd.fused_moe(meta(1, 2048), meta(1, 8), meta(1, 8, dtype=torch.int64), meta(128, 1536, 2048),
-                  meta(128, 2048, 768), residual=meta(1, 2048), configs=pre)
 fns = {"_pair_up_kernel": tmd._pair_up_kernel, "_pair_down_sum_kernel": tmd._pair_down_sum_kernel,
        "_pair_down_tile_kernel": tmd._pair_down_tile_kernel}
 for spec in rec.specs.values():
@@ -190,16 +181,6 @@ for spec in rec.specs.values():
     ptx = k.asm["ptx"]
     assert "griddepcontrol.wait" in ptx and "ld.global.v4" in ptx, fn.__name__
     assert not getattr(k.metadata, "global_scratch_size", 0)
-    args = [n for n, t in spec["signature"].items() if t != "constexpr"]
-    found = pdl_check.violations(ptx, k.metadata.name, args, getattr(fn, "reads_before_wait", frozenset()))
-    assert not found, found
-    early = {args[i] for a in pdl_check.touched_before_wait(ptx, k.metadata.name) for i in a.params}
-    if spec["constexprs"].get("PRELOAD"):  # the weight tile, its scales and the router's outputs before the wait
-        assert "w_ptr" in early and "ids_ptr" in early and "h_ptr" not in early, early
-        preloads += 1
-    else:
-        assert not early, (fn.__name__, early)
-assert preloads == 1
 print("ok", len(rec.specs))
 """
 
@@ -209,4 +190,4 @@ def test_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", _COMPILE], cwd=Path(__file__).resolve().parents[2], env=env,
                        capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "ok 10" in r.stdout, r.stderr[-3000:]
+    assert r.returncode == 0 and "ok 9" in r.stdout, r.stderr[-3000:]
