@@ -173,7 +173,8 @@ def main() -> None:
     if args.bf16:
         del model
         torch.cuda.empty_cache()
-        mxc.build("llama.yaml", out=f"{out}-bf16", **common)
+        with recording_all(variants):  # every variant's kernels, as for the first artifact
+            mxc.build("llama.yaml", out=f"{out}-bf16", **common)
         model = mxc.load(f"{out}-bf16", device="cuda", verify=False)
         gen = lambda ids, new: model.generate(ids, max_new_tokens=new)  # noqa: E731
         bf16_times = {name: [] for name, _ in variants}
