@@ -92,6 +92,30 @@ def fp8_gemm_rate_as_timed(seconds: float, n=8192) -> float:
     return 2 * n**3 * calls / cuda_time(lambda: [mm() for _ in range(calls)])
 
 
+def prefill_gemms(config_path, tokens: int):
+    """A call running, with ``torch._scaled_mm`` (e4m3, tensor scales: cuBLASLt), the GEMMs of a ``tokens``-token
+    prefill's decoder layers, back to back as the prefill runs them: per layer qkv, o, gate/up (merged) and down
+    at M = tokens, each layer its own random weights (so none stay in L2); and their FLOPs. Without the LM head
+    (mxc runs it on the last row only) and without the attention, norms and quantizes: the time the prefill's
+    linears alone take in cuBLASLt."""
+    cfg = json.loads(Path(config_path).read_text())
+    h, layers, inter = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]
+    heads = cfg["num_attention_heads"]
+    kv, d = cfg.get("num_key_value_heads", heads), cfg.get("head_dim") or h // heads
+    shapes = [((heads + 2 * kv) * d, h), (h, heads * d), (2 * inter, h), (h, inter)]  # (N, K) per linear
+    f8 = torch.float8_e4m3fn
+    xs = {k: torch.randn(tokens, k, device="cuda").to(f8) for _, k in shapes}
+    ws = [[torch.randn(n, k, device="cuda").to(f8) for n, k in shapes] for _ in range(layers)]
+    one = torch.ones((), device="cuda")
+
+    def run():
+        for layer in ws:
+            for w in layer:
+                torch._scaled_mm(xs[w.shape[1]], w.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+    return run, 2 * tokens * layers * sum(n * k for n, k in shapes)
+
+
 def after_idle_time(fn, idle_s=0.2, reps=5) -> float:
     """Median seconds of fn() timed with CUDA events, each call after ``idle_s`` of a sleeping GPU (its clock
     back up, as when a burst is measured; the host enqueues the call's start meanwhile)."""
@@ -346,6 +370,13 @@ def main() -> None:
         matched = fp8_gemm_rate_as_timed(t_pre)
         rows.append(("fp8 GEMM 8192^3, timed as the prefill", f"{matched / 1e12:.0f} TFLOP/s (back-to-back groups as "
                      f"long as one prefill)  prefill: {flops / t_pre / matched * 100:.0f}% of it"))
+        gemms, gemm_flops = prefill_gemms(args.config, args.prefill)
+        t_gemms = cuda_time(gemms)
+        del gemms
+        torch.cuda.empty_cache()
+        rows.append(("the prefill's layer GEMMs alone, torch._scaled_mm", f"{t_gemms * 1e3:.1f} ms  "
+                     f"{gemm_flops / t_gemms / 1e12:.0f} TFLOP/s (back to back, as the prefill; no LM head)  prefill: "
+                     f"{gemm_flops / t_pre / 1e12:.0f} TFLOP/s of them = {t_gemms / t_pre * 100:.0f}% of that rate"))
         t_idle = after_idle_time(lambda: model.generate(ids, max_new_tokens=1))
         rows.append((f"mxc fp8 prefill {args.prefill} tokens after 200 ms idle", f"{t_idle * 1e3:.1f} ms  "
                      f"{flops / t_idle / 1e12:.0f} TFLOP/s  {flops / t_idle / rate * 100:.0f}% of the burst rate"))
