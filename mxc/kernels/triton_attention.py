@@ -202,6 +202,10 @@ PREFILL_LONGEST_FIRST = True
 MERGE_EARLY_DEPENDENTS = True
 
 MAX_SPLITS = 32  # decode splits at most (``bench/ablate.py --set`` varies it)
+# Measured and not kept (2026-12-02, one H200, ``bench/decode_ab.py``, medians of three interleaved rounds): no merge
+# kernel, the last split of each kv head to finish (an acq_rel count a kv head) merging the group's partials
+# itself. Qwen3-30B-A3B batch 1: 2.662 against 2.550 ms; the split kernel then added 7.5 us a layer against 5.1
+# for split + merge: the last program's count and its split-by-split merge take longer than the kernel boundary.
 
 
 def default_splits(L: int, batch_kv_heads: int = 1) -> int:

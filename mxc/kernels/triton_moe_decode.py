@@ -163,7 +163,10 @@ def _default_configs(hidden: int, inter: int, dtype: torch.dtype, top_k: int = 8
     (2.96 TB/s of expert weights). The down loop's best was 31.5 us. Elements per step stay
     those of x's dtype (fp8 experts: not measured). A k that is not a power of two takes the loop.
     In the whole batch-1 step (2026-12-02, ``bench/decode_ab.py``, medians of three interleaved rounds): 2.556 ms
-    against the down tile's 512 B steps 2.675, its 4 rows an expert 2.621, and up's 8 rows 2.580."""
+    against the down tile's 512 B steps 2.675, its 4 rows an expert 2.621, and up's 8 rows 2.580. The down tile's
+    whole [16, 768] weights loaded before the PDL wait (the router's ids read early: written two kernels ahead)
+    measured 2.537 / 2.580 ms at 4 / 8 warps ([8, 768]: 2.546) against 2.542: few of its 1024 programs fit beside
+    the gate/up kernel's, so most still load after it (2026-12-02; removed)."""
     elems = 256 // torch.empty((), dtype=dtype).element_size()  # 256 B of x
     up = PairConfig(BLOCK_N=16, BLOCK_K=max(16, min(2 * elems, next_pow2(hidden))), num_warps=4)
     if top_k & (top_k - 1) == 0:
