@@ -197,10 +197,10 @@ class CudaDecoder:
         """``generate`` at temperature 0: the prefill's argmax, then ``max_new_tokens - 1`` replays of the
         bucket's greedy graph, each of which writes its token into the output on the device."""
         b, s = ids.shape
+        if max_new_tokens == 1:
+            return sample(self.prefill(ids))[:, None]
         bucket.ensure_greedy(self)  # before the prefill: its warm-ups must not write the prompts' cache rows
         first = sample(self.prefill(ids))
-        if max_new_tokens == 1:
-            return first[:, None]
         bucket.begin_greedy(self, first, s)
         for _ in range(max_new_tokens - 1):
             bucket.greedy_graph.replay()
