@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from mxc.kernels.launch import cdiv, launch, next_pow2
-from mxc.kernels.pdl import pdl_enter
+from mxc.kernels.pdl import pdl_enter, reads_before_wait
 from mxc.kernels.triton_gemv import dot_gate_up_rows, dot_rows
 
 @triton.jit
@@ -98,15 +98,42 @@ def _pair_down_sum_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, r_ptr, out_
 
 
 @triton.jit
+def _prefetch_experts_l2(w_ptr, ids_ptr, t, p, E: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                         TOP_K: tl.constexpr, LINES: tl.constexpr):
+    """Program p asks L2 for lines [p * LINES, +LINES) of token t's k experts' [H, I] matrices taken one after
+    another (128-byte lines; H * I * element size a multiple of 128): the first programs of the grid cover them
+    all, programs past the end ask nothing."""
+    ELEM: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+    PER: tl.constexpr = H * I * ELEM // 128  # lines an expert
+    if p * LINES < TOP_K * PER:
+        line = tl.minimum(p * LINES + tl.arange(0, LINES), TOP_K * PER - 1)
+        e = tl.load(ids_ptr + t * TOP_K + line // PER)
+        e = tl.where((e >= 0) & (e < E), e, 0)
+        ptrs = w_ptr + e * (H * I) + (line % PER) * (128 // ELEM)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@reads_before_wait(two_back=("ids_ptr",))  # L2_LINES: the router's ids, two kernels ahead
+@triton.jit
 def _pair_down_tile_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, r_ptr, out_ptr,
                            E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
+                           L2_LINES: tl.constexpr = 0):
     """``_pair_down_sum_kernel`` with the k experts in one [TOP_K * BLOCK_N, BLOCK_K] tile a step
     (row r = expert j * BLOCK_N + n): k times the bytes in flight of an expert-by-expert loop, whose
     short reductions (I of 768) stall on each expert's first loads. Same rounding and order: the
-    k terms are picked out of the tile in order (adding zeros is exact)."""
-    pdl_enter(USE_PDL)
+    k terms are picked out of the tile in order (adding zeros is exact).
+
+    ``L2_LINES`` (PDL only): before its wait, each of the grid's first programs asks L2 for L2_LINES lines of
+    the token's k down matrices (``_prefetch_experts_l2``), so that the few programs that launch beside the
+    gate/up kernel's bring in every chosen expert's weights while it runs, not only their own tiles (a preload
+    of each program's own tile measured no faster: few programs fit there). The router's ids, written two
+    kernels ahead, are there once the gate/up kernel ahead has passed its wait (``pdl.reads_before_wait``'s
+    ``two_back``). Not measured yet (2026-12-02: no device time left), so off by default."""
     t = tl.program_id(0).to(tl.int64)
+    if USE_PDL and L2_LINES > 0:
+        _prefetch_experts_l2(w_ptr, ids_ptr, t, tl.program_id(1), E, H, I, TOP_K, L2_LINES)
+    pdl_enter(USE_PDL)
     ty = h_ptr.dtype.element_ty
     ROWS: tl.constexpr = TOP_K * BLOCK_N
     r = tl.arange(0, ROWS)
@@ -140,6 +167,7 @@ class PairConfig:
     BLOCK_K: int = 512
     num_warps: int = 8
     TILE: bool = False  # down only: the k experts in one tile (``_pair_down_tile_kernel``; power-of-two k)
+    L2_LINES: int = 0  # TILE only: 128-byte lines of the k down matrices a program asks L2 for before its PDL wait
 
 
 # Field overrides of the default configs by (hidden, inter, "up" or "down"), applied after the rules: what
@@ -195,8 +223,11 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_
            dict(E=E, H=H, I=I, TOP_K=top_k, BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K), num_warps=up.num_warps,
            num_stages=1)
     tile = down.TILE and top_k & (top_k - 1) == 0  # a tile's rows are a power of two
+    if down.L2_LINES and not (tile and down.L2_LINES & (down.L2_LINES - 1) == 0 and H * I * w_down.element_size() % 128 == 0):
+        raise ValueError(f"L2_LINES needs the tiled down kernel (a power-of-two top-k), a power of two, and expert "
+                         f"matrices of whole 128-byte lines: {down}, top_k={top_k}, H={H}, I={I}")
     launch(_pair_down_tile_kernel if tile else _pair_down_sum_kernel, (T, cdiv(H, down.BLOCK_N)),
            [h, w_down, s_down, weights, ids, residual, out],
-           dict(E=E, H=H, I=I, TOP_K=top_k, BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K), num_warps=down.num_warps,
-           num_stages=1)
+           dict(E=E, H=H, I=I, TOP_K=top_k, BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K,
+                **({"L2_LINES": down.L2_LINES} if down.L2_LINES else {})), num_warps=down.num_warps, num_stages=1)
     return out
