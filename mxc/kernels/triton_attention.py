@@ -63,6 +63,7 @@ import triton.language as tl
 
 from mxc.kernels import kernel_templates
 from mxc.kernels.launch import cdiv, launch, next_pow2
+from mxc.kernels.pdl import prefetch_l2
 
 LOG2E = 1.4426950408889634
 
@@ -99,10 +100,8 @@ def _prefetch_rows_l2(k_ptr, v_ptr, lo, hi, ROW_STRIDE: tl.constexpr, HEAD_DIM: 
     rows = tl.maximum(tl.minimum(lo + tl.arange(0, BLOCK_N), hi - 1), 0).to(tl.int64)
     cols = tl.minimum(tl.arange(0, LINES) * (128 // ELEM), HEAD_DIM - 1)
     offs = rows[:, None] * ROW_STRIDE + cols[None, :]
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [k_ptr + offs], dtype=tl.int32, is_pure=False,
-                              pack=1)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [v_ptr + offs], dtype=tl.int32, is_pure=False,
-                              pack=1)
+    prefetch_l2(k_ptr + offs)
+    prefetch_l2(v_ptr + offs)
 
 
 @triton.jit

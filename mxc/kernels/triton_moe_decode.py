@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from mxc.kernels.launch import cdiv, launch, next_pow2
-from mxc.kernels.pdl import pdl_enter, reads_before_wait
+from mxc.kernels.pdl import pdl_enter, prefetch_l2, reads_before_wait
 from mxc.kernels.triton_gemv import dot_gate_up_rows, dot_rows
 
 @triton.jit
@@ -109,8 +109,7 @@ def _prefetch_experts_l2(w_ptr, ids_ptr, t, p, E: tl.constexpr, H: tl.constexpr,
         line = tl.minimum(p * LINES + tl.arange(0, LINES), TOP_K * PER - 1)
         e = tl.load(ids_ptr + t * TOP_K + line // PER)
         e = tl.where((e >= 0) & (e < E), e, 0)
-        ptrs = w_ptr + e * (H * I) + (line % PER) * (128 // ELEM)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+        prefetch_l2(w_ptr + e * (H * I) + (line % PER) * (128 // ELEM))
 
 
 @reads_before_wait(two_back=("ids_ptr",))  # L2_LINES: the router's ids, two kernels ahead
@@ -223,7 +222,8 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_
            dict(E=E, H=H, I=I, TOP_K=top_k, BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K), num_warps=up.num_warps,
            num_stages=1)
     tile = down.TILE and top_k & (top_k - 1) == 0  # a tile's rows are a power of two
-    if down.L2_LINES and not (tile and down.L2_LINES & (down.L2_LINES - 1) == 0 and H * I * w_down.element_size() % 128 == 0):
+    whole_lines = H * I * w_down.element_size() % 128 == 0
+    if down.L2_LINES and not (tile and down.L2_LINES & (down.L2_LINES - 1) == 0 and whole_lines):
         raise ValueError(f"L2_LINES needs the tiled down kernel (a power-of-two top-k), a power of two, and expert "
                          f"matrices of whole 128-byte lines: {down}, top_k={top_k}, H={H}, I={I}")
     launch(_pair_down_tile_kernel if tile else _pair_down_sum_kernel, (T, cdiv(H, down.BLOCK_N)),
