@@ -38,23 +38,16 @@ import triton.language as tl
 from mxc.kernels.launch import next_pow2
 
 
-def reads_before_wait(*names: str, two_back: tuple[str, ...] = ()):
+def reads_before_wait(*names: str):
     """Declare the pointer arguments a PDL kernel reads before ``griddepcontrol.wait``: memory no kernel of the
     step writes (weights, the step's inputs copied in before it starts). Put it above ``@triton.jit``; the
-    build's PTX check (``mxc.codegen.pdl_check``) refuses any other argument touched before the wait.
-
-    ``two_back`` names outputs of a kernel at least two ahead in the stream (the MoE router's expert ids, read by
-    the down kernel behind the gate/up one). They are there when this kernel starts: it is launched only once
-    every program of the kernel right ahead has let it, which ``pdl_enter`` does after that kernel's own wait,
-    when every kernel before it has finished. So the kernel right ahead must not let its dependents launch
-    before its wait (``pdl_enter_early``): only the decode attention's last kernel does, and nothing that
-    declares ``two_back`` follows it."""
+    build's PTX check (``mxc.codegen.pdl_check``) refuses any other argument touched before the wait."""
 
     def mark(fn):
-        unknown = sorted((set(names) | set(two_back)) - set(fn.arg_names))
+        unknown = sorted(set(names) - set(fn.arg_names))
         if unknown:
             raise ValueError(f"reads_before_wait: {fn.__name__} has no argument {', '.join(unknown)}")
-        fn.reads_before_wait = frozenset(names) | frozenset(two_back)
+        fn.reads_before_wait = frozenset(names)
         return fn
 
     return mark

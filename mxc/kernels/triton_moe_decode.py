@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from mxc.kernels.launch import cdiv, launch, next_pow2
-from mxc.kernels.pdl import pdl_enter, prefetch_l2, reads_before_wait
+from mxc.kernels.pdl import pdl_enter
 from mxc.kernels.triton_gemv import dot_gate_up_rows, dot_rows
 
 @triton.jit
@@ -98,41 +98,15 @@ def _pair_down_sum_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, r_ptr, out_
 
 
 @triton.jit
-def _prefetch_experts_l2(w_ptr, ids_ptr, t, p, E: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
-                         TOP_K: tl.constexpr, LINES: tl.constexpr):
-    """Program p asks L2 for lines [p * LINES, +LINES) of token t's k experts' [H, I] matrices taken one after
-    another (128-byte lines; H * I * element size a multiple of 128): the first programs of the grid cover them
-    all, programs past the end ask nothing."""
-    ELEM: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-    PER: tl.constexpr = H * I * ELEM // 128  # lines an expert
-    if p * LINES < TOP_K * PER:
-        line = tl.minimum(p * LINES + tl.arange(0, LINES), TOP_K * PER - 1)
-        e = tl.load(ids_ptr + t * TOP_K + line // PER)
-        e = tl.where((e >= 0) & (e < E), e, 0)
-        prefetch_l2(w_ptr + e * (H * I) + (line % PER) * (128 // ELEM))
-
-
-@reads_before_wait(two_back=("ids_ptr",))  # L2_LINES: the router's ids, two kernels ahead
-@triton.jit
 def _pair_down_tile_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, r_ptr, out_ptr,
                            E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
-                           L2_LINES: tl.constexpr = 0):
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
     """``_pair_down_sum_kernel`` with the k experts in one [TOP_K * BLOCK_N, BLOCK_K] tile a step
     (row r = expert j * BLOCK_N + n): k times the bytes in flight of an expert-by-expert loop, whose
     short reductions (I of 768) stall on each expert's first loads. Same rounding and order: the
-    k terms are picked out of the tile in order (adding zeros is exact).
-
-    ``L2_LINES`` (PDL only): before its wait, each of the grid's first programs asks L2 for L2_LINES lines of
-    the token's k down matrices (``_prefetch_experts_l2``), so that the few programs that launch beside the
-    gate/up kernel's bring in every chosen expert's weights while it runs, not only their own tiles (a preload
-    of each program's own tile measured no faster: few programs fit there). The router's ids, written two
-    kernels ahead, are there once the gate/up kernel ahead has passed its wait (``pdl.reads_before_wait``'s
-    ``two_back``). Not measured yet (2026-12-02: no device time left), so off by default."""
-    t = tl.program_id(0).to(tl.int64)
-    if USE_PDL and L2_LINES > 0:
-        _prefetch_experts_l2(w_ptr, ids_ptr, t, tl.program_id(1), E, H, I, TOP_K, L2_LINES)
+    k terms are picked out of the tile in order (adding zeros is exact)."""
     pdl_enter(USE_PDL)
+    t = tl.program_id(0).to(tl.int64)
     ty = h_ptr.dtype.element_ty
     ROWS: tl.constexpr = TOP_K * BLOCK_N
     r = tl.arange(0, ROWS)
@@ -166,7 +140,6 @@ class PairConfig:
     BLOCK_K: int = 512
     num_warps: int = 8
     TILE: bool = False  # down only: the k experts in one tile (``_pair_down_tile_kernel``; power-of-two k)
-    L2_LINES: int = 0  # TILE only: 128-byte lines of the k down matrices a program asks L2 for before its PDL wait
 
 
 # Field overrides of the default configs by (hidden, inter, "up" or "down"), applied after the rules: what
@@ -193,7 +166,10 @@ def _default_configs(hidden: int, inter: int, dtype: torch.dtype, top_k: int = 8
     against the down tile's 512 B steps 2.675, its 4 rows an expert 2.621, and up's 8 rows 2.580. The down tile's
     whole [16, 768] weights loaded before the PDL wait (the router's ids read early: written two kernels ahead)
     measured 2.537 / 2.580 ms at 4 / 8 warps ([8, 768]: 2.546) against 2.542: few of its 1024 programs fit beside
-    the gate/up kernel's, so most still load after it (2026-12-02; removed)."""
+    the gate/up kernel's, so most still load after it (2026-12-02; removed). The down kernel's first programs
+    asking L2, before the wait, for all of the token's k down matrices (25 MB; 1024 / 2048 / 4096 lines a program):
+    2.712 / 2.713 / 2.754 ms against 2.544. The streamed lines slow the gate/up kernel running beside them (it
+    added 18.9 us a layer instead of 15.1) for 0.35 us gained by the down kernel (2026-12-02; removed)."""
     elems = 256 // torch.empty((), dtype=dtype).element_size()  # 256 B of x
     up = PairConfig(BLOCK_N=16, BLOCK_K=max(16, min(2 * elems, next_pow2(hidden))), num_warps=4)
     if top_k & (top_k - 1) == 0:
@@ -222,12 +198,8 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_
            dict(E=E, H=H, I=I, TOP_K=top_k, BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K), num_warps=up.num_warps,
            num_stages=1)
     tile = down.TILE and top_k & (top_k - 1) == 0  # a tile's rows are a power of two
-    whole_lines = H * I * w_down.element_size() % 128 == 0
-    if down.L2_LINES and not (tile and down.L2_LINES & (down.L2_LINES - 1) == 0 and whole_lines):
-        raise ValueError(f"L2_LINES needs the tiled down kernel (a power-of-two top-k), a power of two, and expert "
-                         f"matrices of whole 128-byte lines: {down}, top_k={top_k}, H={H}, I={I}")
     launch(_pair_down_tile_kernel if tile else _pair_down_sum_kernel, (T, cdiv(H, down.BLOCK_N)),
            [h, w_down, s_down, weights, ids, residual, out],
-           dict(E=E, H=H, I=I, TOP_K=top_k, BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K,
-                **({"L2_LINES": down.L2_LINES} if down.L2_LINES else {})), num_warps=down.num_warps, num_stages=1)
+           dict(E=E, H=H, I=I, TOP_K=top_k, BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K), num_warps=down.num_warps,
+           num_stages=1)
     return out

@@ -30,7 +30,6 @@ H, I = 48, 40
 RAGGED = (tmd.PairConfig(BLOCK_N=16, BLOCK_K=32, num_warps=4), tmd.PairConfig(BLOCK_N=16, BLOCK_K=32, num_warps=4))
 TILED = (RAGGED[0], tmd.PairConfig(BLOCK_N=8, BLOCK_K=32, num_warps=4, TILE=True))
 WHOLE_TILED = (RAGGED[0], tmd.PairConfig(BLOCK_N=8, BLOCK_K=8, num_warps=4, TILE=True))
-L2 = (RAGGED[0], tmd.PairConfig(BLOCK_N=8, BLOCK_K=32, num_warps=4, TILE=True, L2_LINES=16))  # a PDL-only hint
 SORTED = MoeConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, CHUNK=16)
 
 
@@ -58,8 +57,8 @@ def _check(y, ref, tol):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("T,k,E", [(1, 2, 4), (3, 1, 8), (4, 2, 8), (1, 4, 8)])
-@pytest.mark.parametrize("configs", [RAGGED, None, TILED, WHOLE_TILED, L2],
-                         ids=["ragged-k", "default", "tiled-down-ragged-k", "tiled-down", "tiled-down-l2"])
+@pytest.mark.parametrize("configs", [RAGGED, None, TILED, WHOLE_TILED],
+                         ids=["ragged-k", "default", "tiled-down-ragged-k", "tiled-down"])
 def test_pairs_match_reference_and_sorted_path(T, k, E, dtype, configs):
     x, weights, ids, wgu, wd = _inputs(T, k, E, dtype, seed=T * 10 + k + E)
     args = [_dev(t) for t in (x, weights, ids, wgu, wd)]
@@ -134,10 +133,6 @@ def test_rejects_bad_inputs():
         tmd.fused_moe(x, weights, ids.int(), wgu, wd)
     with pytest.raises(ValueError):
         tmd.fused_moe(x, weights, ids, wgu.float(), wd)
-    for lines, k in ((12, 2), (16, 3)):  # not a power of two; k = 3 takes the loop, which has no prefetch
-        bad = (RAGGED[0], tmd.PairConfig(BLOCK_N=8, BLOCK_K=32, TILE=True, L2_LINES=lines))
-        with pytest.raises(ValueError, match="L2_LINES"):
-            tmd.fused_moe(*_inputs(2, k, 4, torch.float16, seed=0), configs=bad)
 
 
 def test_meta_recording():
@@ -158,9 +153,7 @@ _COMPILE = """
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from mxc.codegen import pdl_check
 from mxc.kernels import launch as L, triton_moe_decode as tmd
-prefetching = 0
 meta = lambda *s, dtype=torch.bfloat16: torch.empty(*s, dtype=dtype, device="meta")
 rec = L.Recorder(pdl=True)
 with L.using(rec):
@@ -177,9 +170,6 @@ with L.using(rec):
     tmd.fused_moe(meta(1, 2048), meta(1, 8), meta(1, 8, dtype=torch.int64), meta(128, 1536, 2048, dtype=f8),
                   meta(128, 2048, 768, dtype=f8), s_gate_up=meta(128, 1536, dtype=torch.float32),
                   s_down=meta(128, 2048, dtype=torch.float32), configs=tiled)
-    l2 = (tmd.PairConfig(), tmd.PairConfig(BLOCK_N=2, BLOCK_K=128, TILE=True, L2_LINES=2048))
-    tmd.fused_moe(meta(1, 2048), meta(1, 8), meta(1, 8, dtype=torch.int64), meta(128, 1536, 2048),
-                  meta(128, 2048, 768), residual=meta(1, 2048), configs=l2)
 fns = {"_pair_up_kernel": tmd._pair_up_kernel, "_pair_down_sum_kernel": tmd._pair_down_sum_kernel,
        "_pair_down_tile_kernel": tmd._pair_down_tile_kernel}
 for spec in rec.specs.values():
@@ -191,16 +181,6 @@ for spec in rec.specs.values():
     ptx = k.asm["ptx"]
     assert "griddepcontrol.wait" in ptx and "ld.global.v4" in ptx, fn.__name__
     assert not getattr(k.metadata, "global_scratch_size", 0)
-    args = [n for n, t in spec["signature"].items() if t != "constexpr"]
-    assert not pdl_check.violations(ptx, k.metadata.name, args, getattr(fn, "reads_before_wait", frozenset()))
-    early = {args[i] for a in pdl_check.touched_before_wait(ptx, k.metadata.name) for i in a.params}
-    before = ptx[:ptx.index("griddepcontrol.wait")]
-    if spec["constexprs"].get("L2_LINES"):  # the router's ids read, the experts' lines asked for, before the wait
-        assert early == {"ids_ptr"} and "prefetch.global.L2" in before, early
-        prefetching += 1
-    else:
-        assert not early and "prefetch" not in before, (fn.__name__, early)
-assert prefetching == 1
 print("ok", len(rec.specs))
 """
 
@@ -210,4 +190,4 @@ def test_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", _COMPILE], cwd=Path(__file__).resolve().parents[2], env=env,
                        capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "ok 10" in r.stdout, r.stderr[-3000:]
+    assert r.returncode == 0 and "ok 9" in r.stdout, r.stderr[-3000:]
