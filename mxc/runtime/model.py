@@ -114,8 +114,8 @@ class Model:
                  top_p: float | None = None, seed: int | None = None, stop_at_eos: bool = False) -> torch.Tensor:
         """Prefill, then decode one token per step over a KV cache. Returns the new ids [batch, <=max_new_tokens].
 
-        With ``stop_at_eos``, a sequence that produced an end-of-sequence token
-        keeps producing it, and generation ends when every sequence has.
+        With ``stop_at_eos``, a sequence that produced an end-of-sequence token is padded with the first
+        end-of-sequence id, and generation ends when every sequence has stopped.
         """
         ids = self._ids(input_ids)
         if max_new_tokens < 1:
@@ -128,7 +128,8 @@ class Model:
         if self._decoder is not None:
             sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
             with torch.inference_mode():
-                out = self._decoder.generate(ids, max_new_tokens, sampling, gen, self._agree).cpu()
+                out = self._decoder.generate(ids, max_new_tokens, sampling, gen, self._agree,
+                                             stop_ids=self.eos_token_ids if stop_at_eos else ()).cpu()
             self._check_peers()
             return _stop_at_eos(out, self.eos_token_ids) if stop_at_eos else out
         k_cache, v_cache = self.new_cache(b, s + max_new_tokens)
@@ -174,16 +175,17 @@ def _peer_allreduce(manifest: dict, kind: str, dtype: torch.dtype, device: torch
 
 
 def _stop_at_eos(out: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
-    """Replace everything after each row's first end-of-sequence token with that token; trim shared padding."""
+    """The host loop's ``stop_at_eos`` result from tokens generated without it (the GPU decoder's, which may
+    end early once every row has stopped): after each row's first end-of-sequence token, ``eos_ids[0]``
+    (Hugging Face's padding when no pad token is set); trimmed after the column where the last row stops."""
     if not eos_ids:
         return out
     is_eos = torch.isin(out, torch.tensor(eos_ids))
-    seen = is_eos.cumsum(dim=1) > 0
-    first = torch.where(is_eos.any(1), is_eos.float().argmax(1), torch.full((out.shape[0],), -1))
-    fill = out.gather(1, first.clamp(min=0).unsqueeze(1)).expand_as(out)
-    out = torch.where(seen, fill, out)
-    if bool(seen.all(0).any()):
-        out = out[:, : int(seen.all(0).float().argmax()) + 1]
+    count = is_eos.cumsum(dim=1)
+    out = torch.where(count - is_eos.long() > 0, eos_ids[0], out)  # an eos earlier in the row
+    stopped = (count > 0).all(0)
+    if bool(stopped.any()):
+        out = out[:, : int(stopped.float().argmax()) + 1]
     return out
 
 

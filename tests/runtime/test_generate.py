@@ -73,6 +73,23 @@ def test_stop_at_eos_pads_finished_rows(hf_checkpoint, tmp_path):
     assert len(out[0]) == 10 and out[1] == [eos[1]] + [eos[0]] * 9
 
 
+def test_stop_at_eos_of_full_runs_matches_the_host_loop():
+    """``_stop_at_eos`` (what the GPU decoder's tokens go through) gives the host loop's result, from full-length
+    runs and from runs cut short after every row stopped: padding with eos[0] after a row's first eos of any id."""
+    from mxc.runtime.model import _stop_at_eos
+
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(200):
+        b, n = 1 + trial % 4, 1 + trial % 13
+        out = torch.randint(0, 12, (b, n), generator=gen)
+        eos = [[], [5], [7, 2], [11, 3, 5]][trial % 4]
+        want = _expected_with_eos(out.tolist(), eos, n) if eos else out.tolist()
+        assert _stop_at_eos(out, eos).tolist() == want, (out, eos)
+        if eos and len(want[0]) < n:  # every row stopped: the same from any run at least that long
+            length = len(want[0]) + trial % (n - len(want[0]))
+            assert _stop_at_eos(out[:, :length], eos).tolist() == want
+
+
 def test_kv_cache_matches_full_logits_qwen3(hf_checkpoint, tmp_path):
     ckpt, hf = hf_checkpoint("Qwen3ForCausalLM", head_dim=32)
     model = mxc.load(_build(ckpt, tmp_path / "art"))
