@@ -11,6 +11,8 @@ ends with the argmax and the step's bookkeeping (the token into the input
 buffer and the output column, positions, cache rows and lengths advanced), so
 the loop is back-to-back replays with nothing launched between them.
 A short batch-1 prompt's prefill replays a graph too (``prefill_graphs``).
+With stop tokens, the loop looks at the tokens so far every ``STOP_CHECK_EVERY`` steps (one host
+synchronisation) and ends once every row has produced one.
 """
 
 from __future__ import annotations
@@ -35,6 +37,15 @@ PDL_MAX_BUCKET = 8
 # H200 (2026-12-02, bench/decode_ab.py, medians of three interleaved rounds) batch 1 took 2.502 against 2.508 ms
 # (Llama-3-8B fp8), 4.049 against 4.060 (bf16) and 2.542 against 2.548 (Qwen3-30B-A3B). False: the host loop (A/B).
 GREEDY_IN_GRAPH = True
+
+# With stop tokens (``generate(stop_ids=...)``), steps between looks at the tokens so far: each look is one host
+# synchronisation, and a generation runs at most this many steps past the step where its last row stopped.
+STOP_CHECK_EVERY = 32
+
+
+def all_stopped(out: torch.Tensor, stop: torch.Tensor | None) -> bool:
+    """Whether every row of ``out`` [b, n] (tokens so far) holds one of ``stop`` (None: no stop tokens)."""
+    return stop is not None and bool(torch.isin(out, stop).any(1).all())
 
 
 class _Bucket:
@@ -166,12 +177,16 @@ class CudaDecoder:
             return self.forward(ctx, ids.reshape(-1), ctx.positions, ctx.last_rows)
 
     def generate(self, ids: torch.Tensor, max_new_tokens: int, sampling: dict, generator,
-                 agree=lambda tokens, temperature: tokens) -> torch.Tensor:
-        """``agree`` makes tensor-parallel ranks continue with the same sampled tokens."""
+                 agree=lambda tokens, temperature: tokens, stop_ids=()) -> torch.Tensor:
+        """The new tokens [b, n]: n = ``max_new_tokens``, or fewer once every row has produced one of
+        ``stop_ids`` (looked at every ``STOP_CHECK_EVERY`` steps; what follows a row's stop token is left to
+        the caller). ``agree`` makes tensor-parallel ranks continue with the same sampled tokens (so they
+        stop together)."""
         b, s = ids.shape
         bucket = self.buckets[batch_bucket(b, self.max_batch)]
+        stop = torch.tensor(list(stop_ids), dtype=torch.int64, device=self.device) if len(stop_ids) else None
         if GREEDY_IN_GRAPH and not sampling["temperature"]:
-            return self._generate_greedy(ids, max_new_tokens, bucket)
+            return self._generate_greedy(ids, max_new_tokens, bucket, stop)
         out = torch.empty((b, max_new_tokens), dtype=torch.int64, device=self.device)
         nxt = agree(sample(self.prefill(ids), generator=generator, **sampling), sampling["temperature"])
         out[:, 0] = nxt
@@ -183,6 +198,8 @@ class CudaDecoder:
         pos = torch.full((b,), s, dtype=torch.int64, device=self.device)
         slot_base = slots.to(torch.int64) * self.max_len  # row of each sequence's slot in the flat cache
         for step in range(1, max_new_tokens):
+            if step % STOP_CHECK_EVERY == 0 and all_stopped(out[:, :step], stop):
+                return out[:, :step]
             bucket.tokens[:b].copy_(nxt)
             bucket.positions[:b].copy_(pos)
             torch.add(slot_base, pos, out=bucket.cache_loc[:b])
@@ -193,8 +210,9 @@ class CudaDecoder:
             pos += 1
         return out
 
-    def _generate_greedy(self, ids: torch.Tensor, max_new_tokens: int, bucket: _Bucket) -> torch.Tensor:
-        """``generate`` at temperature 0: the prefill's argmax, then ``max_new_tokens - 1`` replays of the
+    def _generate_greedy(self, ids: torch.Tensor, max_new_tokens: int, bucket: _Bucket,
+                         stop: torch.Tensor | None = None) -> torch.Tensor:
+        """``generate`` at temperature 0: the prefill's argmax, then up to ``max_new_tokens - 1`` replays of the
         bucket's greedy graph, each of which writes its token into the output on the device."""
         b, s = ids.shape
         if max_new_tokens == 1:
@@ -202,6 +220,8 @@ class CudaDecoder:
         bucket.ensure_greedy(self)  # before the prefill: its warm-ups must not write the prompts' cache rows
         first = sample(self.prefill(ids))
         bucket.begin_greedy(self, first, s)
-        for _ in range(max_new_tokens - 1):
+        for step in range(1, max_new_tokens):  # tokens so far: step
+            if step % STOP_CHECK_EVERY == 0 and all_stopped(bucket.out[:b, :step], stop):
+                return bucket.out[:b, :step].clone()
             bucket.greedy_graph.replay()
         return bucket.out[:b, :max_new_tokens].clone()

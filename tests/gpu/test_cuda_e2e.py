@@ -96,6 +96,32 @@ def test_greedy_graph_matches_host_loop(hf_checkpoint, tmp_path, monkeypatch):
     assert torch.equal(again, want[1])
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy-graph", "sampled"])
+def test_decoder_ends_once_every_row_stopped(temperature, hf_checkpoint, tmp_path, monkeypatch):
+    """With stop ids the decoder ends at the first look (every ``STOP_CHECK_EVERY`` steps) after its last row
+    produced one, its tokens the full run's first columns; ``stop_at_eos`` gives the host loop's padding."""
+    from mxc.runtime import decode_graphs
+    from mxc.runtime.model import _stop_at_eos
+
+    monkeypatch.setattr(decode_graphs, "STOP_CHECK_EVERY", 4)
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM", hidden_size=128, intermediate_size=256)
+    art = mxc.build(str(ckpt), out=tmp_path / "art", target="cuda", dtype="bfloat16", max_batch=4,
+                    max_seq_len=64, progress=False, log=lambda m: None)
+    model = mxc.load(art, device="cuda")
+    ids = torch.randint(0, 256, (3, 5), generator=torch.Generator().manual_seed(12))
+    full = model.generate(ids, max_new_tokens=40, temperature=temperature, seed=7)
+    eos = sorted({int(full[r, 2 + 3 * r]) for r in range(3)})  # row r has one by column 2 + 3r
+    first = [min(c for c in range(40) if int(full[r, c]) in eos) for r in range(3)]
+    looks = -(-(max(first) + 1) // 4) * 4  # tokens when a look first sees every row stopped
+    sampling = dict(temperature=temperature, top_k=None, top_p=None)
+    with torch.inference_mode():  # as model.generate calls it
+        raw = model._decoder.generate(ids.cuda(), 40, sampling, torch.Generator("cuda").manual_seed(7), stop_ids=eos)
+    assert raw.shape == (3, min(looks, 40)) and torch.equal(raw.cpu(), full[:, :raw.shape[1]])
+    model.eos_token_ids = eos
+    assert torch.equal(model.generate(ids, max_new_tokens=40, temperature=temperature, seed=7, stop_at_eos=True),
+                       _stop_at_eos(full, eos))
+
+
 def test_buckets_past_pdl_max_run_plain(hf_checkpoint, tmp_path):
     """Buckets above ``PDL_MAX_BUCKET`` rows are captured without the PDL attribute: the same tokens
     as one row at a time (bucket 1, with PDL) for 12 rows in bucket 16."""
