@@ -2,8 +2,9 @@
 
 ``rank_slices(spec, size, tp, rank)`` says which ranges of the split
 dimension rank ``rank`` holds: each segment (merged part) is split on its
-own, in whole units; a segment with fewer units than ranks is replicated so
-that every rank gets the unit its heads use. ``ShardError`` explains a split
+own, in whole units; a column-parallel segment with fewer units than ranks
+(KV heads) is replicated so that every rank gets the unit its heads use; a
+row-parallel one cannot be (the all-reduce would sum its copies). ``ShardError`` explains a split
 that cannot work, naming the model-file expression and the numbers.
 """
 
@@ -32,12 +33,15 @@ def rank_slices(spec: ShardSpec, size: int, tp: int, rank: int) -> list[tuple[in
         if units % tp == 0:
             per = units // tp
             out.append((base + rank * per * spec.unit, per * spec.unit))
-        elif tp % units == 0:  # fewer units than ranks: replicate, each rank the unit its group uses
-            out.append((base + (rank * units // tp) * spec.unit, spec.unit))
+        elif tp % units == 0 and spec.kind == "column":  # fewer units than ranks: replicate, each rank the
+            out.append((base + (rank * units // tp) * spec.unit, spec.unit))  # unit its group uses (KV heads)
         else:
             what = f"`{expr}` = {seg}" if expr else f"{seg}"
             unit = f" in units of {spec.unit}" if spec.unit > 1 else ""
-            raise ShardError(f"{what}{unit} gives {units} parts, neither divisible by tp={tp} nor dividing it")
+            if spec.kind == "column":
+                raise ShardError(f"{what}{unit} gives {units} parts, neither divisible by tp={tp} nor dividing it")
+            # a replicated row-parallel part would be summed tp / units times by the all-reduce
+            raise ShardError(f"{what}{unit} gives {units} parts, not divisible by tp={tp}")
         base += seg
     return out
 

@@ -128,6 +128,8 @@ def test_shard_tp_ir_has_explicit_collectives(hf_checkpoint, tmp_path):
     ({"vocab_size": 258}, 3, "`num_attention_heads*head_dim` = 64 in units of 16 gives 4 parts"),
     ({"num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 90}, 4, "`intermediate_size` = 90"),
     ({"vocab_size": 250}, 4, "`vocab_size` = 250"),
+    # more ranks than query heads: q could be replicated like KV heads, but not the o projection's rows
+    ({}, 8, "`num_attention_heads*head_dim` = 64 in units of 16 gives 4 parts, not divisible by tp=8"),
 ])
 def test_impossible_splits_are_refused_at_build(overrides, tp, needle, hf_checkpoint, tmp_path):
     ckpt, _ = hf_checkpoint("LlamaForCausalLM", **overrides)
