@@ -52,6 +52,8 @@ def _read_config(path: Path) -> dict:
         config = json.loads(path.read_text())
     except FileNotFoundError:
         raise MxcError(f"{path}: not found; a checkpoint directory needs its config.json") from None
+    except OSError as e:  # a directory, no permission
+        raise MxcError(f"{path}: cannot read it as a config.json ({e.strerror})") from None
     except json.JSONDecodeError as e:
         raise MxcError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
     if not isinstance(config, dict):
@@ -111,6 +113,8 @@ def checkpoint_quantization(config: dict, config_path: str) -> tuple[str, str] |
     qc = config.get("quantization_config")
     if not qc:
         return None
+    if not isinstance(qc, dict):
+        raise MxcError(f"{config_path}: quantization_config must be a JSON object, got {type(qc).__name__}")
     method = qc.get("quant_method")
     if method == "fp8":  # transformers' fine-grained fp8: weight + weight_scale_inv per 128x128 block
         block = qc.get("weight_block_size")
@@ -119,7 +123,11 @@ def checkpoint_quantization(config: dict, config_path: str) -> tuple[str, str] |
                            f"(expected [128, 128])")
         return ("block128" if block else "tensor"), "weight_scale_inv"
     if method == "compressed-tensors":
-        groups = list((qc.get("config_groups") or {}).values())
+        groups = qc.get("config_groups") or {}
+        groups = list(groups.values()) if isinstance(groups, dict) else None
+        if groups is None or not all(isinstance(g, dict) and isinstance(g.get("weights", {}), dict) for g in groups):
+            raise MxcError(f"{config_path}: quantization_config.config_groups must map group names to objects "
+                           f"with a 'weights' object")
         weights = groups[0].get("weights", {}) if groups else {}
         if weights.get("type") != "float" or weights.get("num_bits") != 8:
             raise MxcError(f"{config_path}: compressed-tensors scheme {weights} is not fp8; only fp8 is supported")
@@ -130,6 +138,26 @@ def checkpoint_quantization(config: dict, config_path: str) -> tuple[str, str] |
         return strategy, "weight_scale"
     raise MxcError(f"{config_path}: quantization_config.quant_method {method!r} is not supported (fp8, "
                    f"compressed-tensors fp8)")
+
+
+def _check_writable(path: Path, flag: str) -> None:
+    """Fail before the build's long work if ``path`` cannot become a directory: its nearest existing ancestor
+    must be a writable directory (and ``path`` itself, if it exists, a directory)."""
+    if path.exists() and not path.is_dir():
+        raise MxcError(f"{flag} {path}: exists and is not a directory")
+    base = path.absolute()
+    while not base.exists():
+        base = base.parent
+    if not base.is_dir() or not os.access(base, os.W_OK | os.X_OK):
+        why = "is not a directory" if not base.is_dir() else "is not writable"
+        raise MxcError(f"{flag} {path}: cannot be created ({base} {why})")
+
+
+def _check_eos(src: Source) -> None:
+    eos = src.config.get("eos_token_id")
+    ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise MxcError(f"{src.config_path}: eos_token_id {eos!r}: expected a token id or a list of token ids")
 
 
 def _runtime_info(graph: Graph, config: dict) -> dict:
@@ -151,12 +179,13 @@ def _runtime_info(graph: Graph, config: dict) -> dict:
         local, w = next(iter(reps[0].weights.items()))
         prefix = w.name[: len(w.name) - len(local)]
     logits = types[graph.outputs[0]]
-    eos = config.get("eos_token_id")
+    eos = config.get("eos_token_id")  # checked by _check_eos
+    eos = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
     return {"vocab_size": logits.shape[-1], "dtype": graph.dtype, "inputs": list(graph.inputs),
             "layers": {"count": reps[0].count, "index": reps[0].index, "prefix": prefix} if reps else None,
             "kv_cache": {"layers": layers, "kv_heads": kv[0], "head_dim": kv[1]} if kv else None,
             "max_position_embeddings": config.get("max_position_embeddings"),
-            "eos_token_id": eos if isinstance(eos, list) else ([eos] if eos is not None else [])}
+            "eos_token_id": eos}
 
 
 def _kernel_table(graph: Graph) -> list[dict]:
@@ -219,7 +248,10 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
         raise MxcError(f"--dtype {dtype}: expected float32, bfloat16 or float16")
     src = resolve_source(source, checkpoint, config)
     if max_seq_len is None:
-        max_seq_len = min(4096, int(src.config.get("max_position_embeddings") or 4096))
+        mpe = src.config.get("max_position_embeddings") or 4096
+        if isinstance(mpe, bool) or not isinstance(mpe, int) or mpe < 1:
+            raise MxcError(f"{src.config_path}: max_position_embeddings {mpe!r}: expected a positive integer")
+        max_seq_len = min(4096, mpe)
     if quant not in (None, "fp8") or quant_granularity not in ("channel", "tensor", "block128"):
         raise MxcError(f"--quant {quant} / --quant-granularity {quant_granularity}: expected fp8 with "
                        f"channel, tensor or block128")
@@ -259,16 +291,24 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     out = Path(out) if out else Path("build") / src.model_file.stem
     if out.exists() and not (out / "manifest.json").is_file():
         raise MxcError(f"--out {out}: exists and is not an mxc artifact; choose another path or remove it")
+    _check_writable(out, "--out")
+    if dump_ir:
+        _check_writable(Path(dump_ir), "--dump-ir")
+    _check_eos(src)
 
     log(f"binding {src.model_file.name} to {src.config_path}")
     graph = bind_model(src.model_file, src.config, options.dtype, src.entry, src.config_path)
     log("compiling" + (f" (IR after each pass in {dump_ir})" if dump_ir else ""))
     graph = compile_graph(graph, options, Path(dump_ir) if dump_ir else None)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _recover(out)
     tmp = out.parent / f".{out.name}.building-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _recover(out)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise MxcError(f"--out {out}: cannot write an artifact there ({e.strerror or e})") from None
     try:
         _write(tmp, graph, src, options, arch, progress, log)
         _replace(tmp, out)
@@ -280,7 +320,7 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
 
 
 def _write(tmp: Path, graph: Graph, src: Source, options: BuildOptions, arch: int, progress: bool, log) -> None:
-    (tmp / "code").mkdir(parents=True)
+    (tmp / "code").mkdir()
     (tmp / "weights").mkdir()
     ir_text = dump_graph(graph)
     (tmp / "graph.yaml").write_text(ir_text)

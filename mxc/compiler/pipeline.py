@@ -15,7 +15,7 @@ from mxc.errors import MxcError
 from mxc.compiler.passes import (eliminate_dead_code, fuse_add_rms_norm, fuse_all_reduce, fuse_linear_all_reduce,
                                   fuse_linear_io, fuse_mlp, fuse_moe, fuse_norm_linear, fuse_norm_route, fuse_rope_cache,
                                   early_launch_o_proj, merge_gate_up, merge_qkv, quantize, select_kernels, shard_tp)
-from mxc.ir import Graph, dump_graph, verify
+from mxc.ir import Graph, VerifyError, dump_graph, verify
 
 PIPELINE = [
     # fusion: fewer, larger GEMMs
@@ -62,10 +62,16 @@ def check_disabled(names) -> tuple[str, ...]:
 
 
 def compile_graph(graph: Graph, options: BuildOptions, dump_dir: Path | None = None) -> Graph:
-    verify(graph)
+    try:  # the bound graph is what the model file made of the config: a failure here is the user's input
+        verify(graph)
+    except VerifyError as e:
+        raise MxcError(f"the model does not hold together with this config: {e}") from None
     if dump_dir is not None:
         dump_dir = Path(dump_dir)
-        dump_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            dump_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise MxcError(f"--dump-ir {dump_dir}: cannot create the directory ({e.strerror})") from None
         (dump_dir / "00-bound.yaml").write_text(dump_graph(graph))
     for i, (name, run) in enumerate(PIPELINE, start=1):
         if name in options.disable_passes:

@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
+from mxc.errors import MxcError
 from mxc.ir.expr import ExprError, evaluate
 from mxc.ir.graph import Graph, Node, Repeat, ShardSpec, Sym, TensorType, Weight, fresh_name
 from mxc.ir.ops import OPS, n_outputs
@@ -49,6 +50,16 @@ def bind(path: Path | str, config: dict, *, dtype: str, overrides: dict | None =
     """Bind the model file at ``path`` to ``config`` (an HF config dict)."""
     data = read_model_file(path)
     return _Binder(Path(path), data, config, dtype, overrides or {}, resolvers or {}).run()
+
+
+def _check_like_default(name: str, value, default) -> None:
+    """A config value must have the type of the model file's literal default: ``"no"`` for a boolean would
+    otherwise read as true (a tied LM head dropped, silently)."""
+    if isinstance(default, bool) and not isinstance(value, bool):
+        raise MxcError(f"config.json field {name} = {value!r}: expected true or false")
+    if isinstance(default, (int, float)) and not isinstance(default, bool) and (
+            isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise MxcError(f"config.json field {name} = {value!r}: expected a number")
 
 
 class _Binder:
@@ -114,6 +125,7 @@ class _Binder:
                 params[name] = fn(self.config, params)
             elif self.config.get(name) is not None:
                 params[name] = self.config[name]
+                _check_like_default(name, params[name], p.get("default"))
             elif "default" in p:
                 params[name] = self.eval(p["default"], params, line, f"params.{name}.default")
             else:

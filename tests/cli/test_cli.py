@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import mxc
 from mxc.cli import main
@@ -88,6 +89,14 @@ def test_generate_in_process_matches_library(artifact, capsys):
     assert got == want[0].tolist()
 
 
+def _build_error(capsys, argv, pattern):
+    """A user error from ``mxc build`` after its progress lines: the last line is the one-line error."""
+    code = main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert err.splitlines()[-1].startswith("mxc: error: ") and pattern in err.splitlines()[-1], err
+
+
 def _error(capsys, argv, pattern):
     code = main([str(a) for a in argv])
     captured = capsys.readouterr()
@@ -121,6 +130,48 @@ def test_user_errors(artifact, hf_checkpoint, tmp_path, capsys):
     assert not (tmp_path / "o2").exists()
 
 
+@pytest.mark.parametrize("field,value,pattern", [
+    ("tie_word_embeddings", "no", "tie_word_embeddings = 'no': expected true or false"),
+    ("num_key_value_heads", 3, "the model does not hold together with this config"),
+    ("max_position_embeddings", "x", "max_position_embeddings 'x': expected a positive integer"),
+    ("quantization_config", [1], "quantization_config must be a JSON object"),
+    ("quantization_config", {"quant_method": "compressed-tensors", "config_groups": [1]}, "config_groups must map"),
+    ("eos_token_id", "x", "eos_token_id 'x': expected a token id"),
+])
+def test_bad_config_fields(field, value, pattern, hf_checkpoint, tmp_path, capsys):
+    """A config.json field of the wrong type or an inconsistent one: one line, nothing written."""
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM")
+    config = json.loads((ckpt / "config.json").read_text())
+    config[field] = value
+    (ckpt / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    _build_error(capsys, ["build", ckpt, "--out", tmp_path / "o"], pattern)
+    assert not (tmp_path / "o").exists()
+
+
+def test_bad_paths_devices_sampling_and_manifests(artifact, tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    _error(capsys, ["build", "llama.yaml", "--config", tmp_path], "cannot read it as a config.json")
+    _error(capsys, ["build", "llama.yaml", "--out", tmp_path / "afile" / "sub"], "afile is not a directory")
+    _error(capsys, ["build", "llama.yaml", "--out", tmp_path / "o", "--dump-ir", tmp_path / "afile"],
+           "--dump-ir {}: exists and is not a directory".format(tmp_path / "afile"))
+    _error(capsys, ["generate", artifact, "--ids", "1", "--temperature", "nan"], "sampling needs temperature >= 0")
+    _error(capsys, ["generate", artifact, "--ids", "1", "--device", "foo"], "--device foo: expected cpu, cuda")
+    if not torch.cuda.is_available():
+        _error(capsys, ["generate", artifact, "--ids", "1", "--device", "cuda"], "no CUDA GPU is usable here")
+    for edit, pattern in [(lambda m: m["runtime"].update(vocab_size="x"), "field runtime.vocab_size"),
+                          (lambda m: m.pop("files"), "field files"), (lambda m: m.update(tp=0), "field tp"),
+                          (lambda m: m.pop("runtime"), "field runtime")]:
+        edited = tmp_path / "edited"
+        shutil.rmtree(edited, ignore_errors=True)
+        shutil.copytree(artifact, edited)
+        manifest = json.loads((edited / "manifest.json").read_text())
+        edit(manifest)
+        (edited / "manifest.json").write_text(json.dumps(manifest))
+        _error(capsys, ["generate", edited, "--ids", "1"], pattern)
+        _error(capsys, ["inspect", edited], pattern)
+
+
 WORDS = ["[UNK]", "hello", "world"] + [f"w{i}" for i in range(197)]  # 200 words < vocab_size 256
 
 
@@ -152,6 +203,8 @@ def test_generate_with_prompt(artifact, hf_checkpoint, tmp_path, capsys):
     assert result["text"].split() == known
 
     _error(capsys, ["generate", artifact, "--prompt", "hello world"], "--prompt needs a tokenizer")
+    (out / "tokenizer" / "tokenizer.json").write_text("{damaged")
+    _error(capsys, ["generate", out, "--prompt", "hello world"], "tokenizer.json: not a readable tokenizer")
 
 
 def test_argparse_errors_are_one_line(capsys):
