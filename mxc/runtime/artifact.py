@@ -21,7 +21,7 @@ from safetensors import safe_open
 import mxc
 from mxc.artifact_format import SCHEMA_VERSION, listed_files, sha256_file
 from mxc.errors import MxcError
-from mxc.runtime.model import Model
+from mxc.runtime.model import Model, on_device
 
 
 def _compatible(version: str) -> bool:
@@ -36,13 +36,63 @@ def read_manifest(path: Path) -> dict:
         manifest = json.loads(mpath.read_text())
     except json.JSONDecodeError as e:
         raise MxcError(f"{mpath}: corrupt (not valid JSON: {e.msg} at line {e.lineno}); rebuild the artifact") from None
+    if not isinstance(manifest, dict):
+        raise MxcError(f"{mpath}: corrupt (expected a JSON object); rebuild the artifact")
     if manifest.get("schema_version") != SCHEMA_VERSION:
         raise MxcError(f"{mpath}: artifact schema {manifest.get('schema_version')} is not readable by this mxc "
                        f"(schema {SCHEMA_VERSION}); rebuild it with mxc {mxc.__version__}")
     if not _compatible(str(manifest.get("mxc_version", ""))):
         raise MxcError(f"{mpath}: built by mxc {manifest.get('mxc_version')}, incompatible with mxc "
                        f"{mxc.__version__}; rebuild it, or load it with mxc {manifest.get('mxc_version')}")
+    _check_shape(mpath, manifest)
     return manifest
+
+
+def _check_shape(mpath: Path, manifest: dict) -> None:
+    """The fields the runtime reads, with their types: a hand-edited manifest fails here, not in a traceback."""
+    def bad(field: str, expected: str):
+        raise MxcError(f"{mpath}: field {field}: expected {expected}; the manifest was edited or damaged, rebuild "
+                       f"the artifact")
+
+    def is_int(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                           for k, v in files.items()):
+        bad("files", "an object of path -> sha256 holding code/forward.py")
+    if "code/forward.py" not in files:
+        bad("files", "an object of path -> sha256 holding code/forward.py")
+    if not is_int(manifest.get("tp", 1)) or manifest.get("tp", 1) < 1:
+        bad("tp", "a positive integer")
+    for section in ("runtime", "options"):
+        if not isinstance(manifest.get(section), dict):
+            bad(section, "an object")
+    runtime = manifest["runtime"]
+    if not is_int(runtime.get("vocab_size")) or runtime["vocab_size"] < 1:
+        bad("runtime.vocab_size", "a positive integer")
+    eos = runtime.get("eos_token_id")
+    if not isinstance(eos, list) or not all(is_int(t) for t in eos):
+        bad("runtime.eos_token_id", "a list of token ids")
+
+
+def _device(name) -> torch.device:
+    """``--device``: cpu, or a CUDA device this machine has (``cuda`` is the current one)."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise MxcError(f"--device {name}: expected cpu, cuda or cuda:N") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise MxcError(f"--device {name}: expected cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise MxcError(f"--device {name}: no CUDA GPU is usable here (torch.cuda.is_available() is false); "
+                       f"use --device cpu")
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if not 0 <= index < torch.cuda.device_count():
+        raise MxcError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return torch.device("cuda", index)
 
 
 def verify_files(path: Path, manifest: dict) -> None:
@@ -114,6 +164,7 @@ def load(path, device: str = "cpu", rank: int = 0, world_size: int = 1, verify: 
         if not dist.is_initialized() or dist.get_world_size() != world_size:
             raise MxcError(f"{path}: a tp={tp} artifact needs torch.distributed initialised with {tp} ranks in "
                            f"every process (or use `mxc generate`, which starts them)")
+    device = _device(device)
     if verify:
         verify_files(path, manifest)
     program = _exec_program(path / "code" / "forward.py", manifest["files"]["code/forward.py"])
@@ -121,7 +172,11 @@ def load(path, device: str = "cpu", rank: int = 0, world_size: int = 1, verify: 
     with safe_open(path / "weights" / f"rank{rank}.safetensors", framework="pt", device=str(device)) as f:
         for name in f.keys():
             weights[name] = f.get_tensor(name)
-    device = torch.device(device)
+    with on_device(device):  # kernels load into, and graphs capture on, the model's GPU, whichever is current
+        return _build_model(path, manifest, program, weights, device, rebuild_kernels, rank, world_size)
+
+
+def _build_model(path, manifest, program, weights, device, rebuild_kernels, rank, world_size) -> Model:
     launcher = _kernel_launcher(path, manifest, device, rebuild_kernels)
     if manifest.get("cutlass"):  # the CUTLASS fp8 GEMM the build compiled (mxc.kernels.cutlass_fp8)
         from mxc.kernels import cutlass_fp8

@@ -9,8 +9,9 @@ decodes one token per step over a preallocated KV cache.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import sys
-
 from pathlib import Path
 
 import torch
@@ -20,6 +21,21 @@ from mxc.kernels.context import ForwardContext, to_device
 from mxc.runtime.sampling import sample
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def on_device(device: torch.device):
+    """Make ``device`` the current CUDA device for a block (streams, graphs, the precompiled kernels' context and
+    Triton's launches follow the current device, not the tensors'); nothing for the CPU."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _on_own_device(method):
+    """Run a ``Model`` method with the model's GPU current (a model on cuda:1 called while cuda:0 is current)."""
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        with on_device(self.device):
+            return method(self, *args, **kwargs)
+    return wrapped
 
 
 class Model:
@@ -86,6 +102,7 @@ class Model:
                            f"(--max-batch {self._decoder.max_batch}, --max-seq-len {self._decoder.max_len})")
 
     # --- API ----------------------------------------------------------------------
+    @_on_own_device
     def logits(self, input_ids) -> torch.Tensor:
         """[batch, seq] token ids -> [batch, seq, vocab] float32 logits (causal, no cache)."""
         ids = self._ids(input_ids)
@@ -110,6 +127,7 @@ class Model:
         make = lambda: [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(kv["layers"])]
         return make(), make()
 
+    @_on_own_device
     def generate(self, input_ids, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int | None = None, stop_at_eos: bool = False) -> torch.Tensor:
         """Prefill, then decode one token per step over a KV cache. Returns the new ids [batch, <=max_new_tokens].
@@ -120,7 +138,7 @@ class Model:
         ids = self._ids(input_ids)
         if max_new_tokens < 1:
             raise MxcError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if temperature < 0 or (top_p is not None and not 0 < top_p <= 1) or (top_k is not None and top_k < 1):
+        if not temperature >= 0 or (top_p is not None and not 0 < top_p <= 1) or (top_k is not None and top_k < 1):
             raise MxcError("sampling needs temperature >= 0, 0 < top_p <= 1 and top_k >= 1")
         gen = torch.Generator(self.device).manual_seed(seed) if seed is not None else None
         b, s = ids.shape

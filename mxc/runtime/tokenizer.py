@@ -23,5 +23,13 @@ class Tokenizer:
 
 
 def load_tokenizer(artifact: Path) -> Tokenizer | None:
+    from mxc.errors import MxcError
+
     path = Path(artifact) / "tokenizer" / "tokenizer.json"
-    return Tokenizer(path) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        return Tokenizer(path)
+    except Exception as e:  # noqa: BLE001  (the tokenizers library raises a bare Exception on a bad file)
+        raise MxcError(f"{path}: not a readable tokenizer ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                       f"rebuild the artifact") from None
