@@ -59,7 +59,10 @@ def _load_bin(path: Path) -> dict[str, torch.Tensor]:
     except pickle.UnpicklingError as e:
         reason = re.search(r"WeightsUnpickler error:\s*(.+?)(?: was not|\n|$)", str(e))
         reason = reason.group(1).strip() if reason else _short(e)
-        if "Unsupported global" in reason:
+        found = re.search(r"(unsupported global[^\n]*)", str(e), re.IGNORECASE)  # torch >= 2.13 words it so
+        if found and "Unsupported global" not in reason:
+            reason = found.group(1).strip()
+        if "unsupported global" in reason.lower():
             raise MxcError(f"{path}: contains non-tensor pickled objects ({reason}); "
                            "refused for safety (only weights_only loading is allowed)") from None
         raise MxcError(f"{path}: not a valid PyTorch checkpoint: {reason}") from None

@@ -88,8 +88,8 @@ def check_names(graph: Graph, ckpt) -> None:
     if missing:
         shape, used_by = wanted[missing[0]]
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise MxcError(f"{where}: missing tensor {missing[0]!r} (expected shape {list(shape)}, "
-                       f"for weight {used_by}){more}")
+        what = f"expected shape {list(shape)}" if shape is not None else "the checkpoint's fp8 scales"
+        raise MxcError(f"{where}: missing tensor {missing[0]!r} ({what}, for weight {used_by}){more}")
     ignored = _ignored(graph.ignore)
     unexpected = sorted(n for n in have if n not in wanted and not ignored.match(n))
     if unexpected:

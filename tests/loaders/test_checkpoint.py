@@ -1,6 +1,7 @@
 """Tests for reading Hugging Face checkpoints tensor by tensor."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -189,6 +190,19 @@ def test_bin_with_pickled_object_is_refused(tmp_path):
     torch.save({"w": torch.zeros(2), "extra": NotATensor()}, tmp_path / "pytorch_model.bin")
     with pytest.raises(MxcError, match=r"pytorch_model\.bin: contains non-tensor pickled objects .*refused for safety"):
         open_checkpoint(tmp_path)
+
+
+class _RunsCode:
+    def __reduce__(self):  # what a malicious checkpoint does: call a function while unpickling
+        return (os.system, ("touch ran-code",))
+
+
+def test_bin_calling_a_function_is_refused_without_advice_to_disable_the_check(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    torch.save({"w": torch.zeros(2), "x": _RunsCode()}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(MxcError, match=r"pytorch_model\.bin: contains non-tensor pickled objects .*system") as err:
+        open_checkpoint(tmp_path)
+    assert "weights_only` set to `False`" not in str(err.value) and not (tmp_path / "ran-code").exists()
 
 
 def test_sharded_bin_with_pickled_object_is_refused_on_access(tmp_path):
