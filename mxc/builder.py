@@ -279,6 +279,9 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
             raise MxcError(f"{src.config_path}: the checkpoint is already fp8 ({prequant[0]} scales); "
                            f"--quant-granularity {quant_granularity} cannot change that")
         quant, (quant_granularity, scale_suffix) = "fp8", prequant
+    elif quant is None and (quant_lm_head or quant_granularity != "channel"):
+        flag = "--quant-lm-head" if quant_lm_head else f"--quant-granularity {quant_granularity}"
+        raise MxcError(f"{flag}: applies to fp8 weights; add --quant fp8, or drop it")
     if mlp_pair and (quant != "fp8" or tp != 1):
         raise MxcError(f"--mlp-pair: the fused MLP op is fp8 at --tp 1 (got --quant {quant}, --tp {tp}); add "
                        f"--quant fp8, or drop --mlp-pair")

@@ -155,6 +155,9 @@ def test_bad_paths_devices_sampling_and_manifests(artifact, tmp_path, capsys):
     _error(capsys, ["build", "llama.yaml", "--out", tmp_path / "afile" / "sub"], "afile is not a directory")
     _error(capsys, ["build", "llama.yaml", "--out", tmp_path / "o", "--dump-ir", tmp_path / "afile"],
            "--dump-ir {}: exists and is not a directory".format(tmp_path / "afile"))
+    _error(capsys, ["build", "llama.yaml", "--out", tmp_path / "o", "--quant-lm-head"], "--quant-lm-head: applies to fp8")
+    _error(capsys, ["build", "llama.yaml", "--out", tmp_path / "o", "--quant-granularity", "block128"],
+           "--quant-granularity block128: applies to fp8 weights; add --quant fp8")
     _error(capsys, ["generate", artifact, "--ids", "1", "--temperature", "nan"], "sampling needs temperature >= 0")
     _error(capsys, ["generate", artifact, "--ids", "1", "--device", "foo"], "--device foo: expected cpu, cuda")
     if not torch.cuda.is_available():
