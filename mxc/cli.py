@@ -68,6 +68,8 @@ def cmd_generate(args) -> None:
         raise MxcError(f"{args.artifact}: --prompt needs a tokenizer, and the checkpoint it was built from had none; "
                        f"use --ids")
     ids = _ids(args.ids) if args.ids is not None else tokenizer.encode(args.prompt)
+    if not ids:
+        raise MxcError(f"--prompt {args.prompt!r}: encodes to no tokens; give some text")
     vocab = manifest["runtime"]["vocab_size"]
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:

@@ -168,6 +168,9 @@ def write_weights(graph: Graph, ckpt, paths: list[Path], metadata: dict[str, str
             if stored in (torch.float8_e4m3fn, torch.float8_e5m2) and w.quant is None:
                 raise MxcError(f"{ckpt.directory}: {first} is stored as {stored}, but mxc does not import "
                                f"it as fp8 (weight {w.name}); casting without its scales would be wrong")
+            if not stored.is_floating_point:
+                raise MxcError(f"{ckpt.directory}: {first} is stored as {stored}, expected floating-point weights "
+                               f"(weight {w.name}); the checkpoint is damaged or not this architecture's")
             tensor = read_full(w, ckpt, DTYPES[w.dtype] if w.quant is None and w.stack else None)
             outputs = [(w, tensor.to(DTYPES[w.dtype]))]
             if w.quant is not None and w.quant.prequantized:

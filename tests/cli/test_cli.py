@@ -149,6 +149,21 @@ def test_bad_config_fields(field, value, pattern, hf_checkpoint, tmp_path, capsy
     assert not (tmp_path / "o").exists()
 
 
+def test_integer_weights_are_refused(hf_checkpoint, tmp_path, capsys):
+    """A weight stored as integers (a damaged or foreign checkpoint) is refused, not cast to the model dtype."""
+    from safetensors.torch import load_file, save_file
+
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM")
+    [path] = list(ckpt.glob("*.safetensors"))
+    tensors = load_file(path)
+    name = next(n for n in tensors if n.endswith("q_proj.weight"))
+    tensors[name] = tensors[name].to(torch.int32)
+    save_file(tensors, path, metadata={"format": "pt"})
+    capsys.readouterr()
+    _build_error(capsys, ["build", ckpt, "--out", tmp_path / "o"], f"{name} is stored as torch.int32")
+    assert not (tmp_path / "o").exists()
+
+
 def test_bad_paths_devices_sampling_and_manifests(artifact, tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
     _error(capsys, ["build", "llama.yaml", "--config", tmp_path], "cannot read it as a config.json")
@@ -206,6 +221,7 @@ def test_generate_with_prompt(artifact, hf_checkpoint, tmp_path, capsys):
     assert result["text"].split() == known
 
     _error(capsys, ["generate", artifact, "--prompt", "hello world"], "--prompt needs a tokenizer")
+    _error(capsys, ["generate", out, "--prompt", ""], "encodes to no tokens")
     (out / "tokenizer" / "tokenizer.json").write_text("{damaged")
     _error(capsys, ["generate", out, "--prompt", "hello world"], "tokenizer.json: not a readable tokenizer")
 
