@@ -58,10 +58,8 @@ def _check_shape(mpath: Path, manifest: dict) -> None:
         return isinstance(v, int) and not isinstance(v, bool)
 
     files = manifest.get("files")
-    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                           for k, v in files.items()):
-        bad("files", "an object of path -> sha256 holding code/forward.py")
-    if "code/forward.py" not in files:
+    if (not isinstance(files, dict) or "code/forward.py" not in files
+            or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items())):
         bad("files", "an object of path -> sha256 holding code/forward.py")
     if not is_int(manifest.get("tp", 1)) or manifest.get("tp", 1) < 1:
         bad("tp", "a positive integer")
