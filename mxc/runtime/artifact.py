@@ -61,8 +61,12 @@ def _check_shape(mpath: Path, manifest: dict) -> None:
     if (not isinstance(files, dict) or "code/forward.py" not in files
             or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items())):
         bad("files", "an object of path -> sha256 holding code/forward.py")
-    if not is_int(manifest.get("tp", 1)) or manifest.get("tp", 1) < 1:
+    tp = manifest.get("tp", 1)
+    if not is_int(tp) or tp < 1:
         bad("tp", "a positive integer")
+    missing = [f"weights/rank{r}.safetensors" for r in range(tp) if f"weights/rank{r}.safetensors" not in files]
+    if missing:
+        bad("tp", f"as many ranks as the artifact has weight files (no {missing[0]} for tp={tp})")
     for section in ("runtime", "options"):
         if not isinstance(manifest.get(section), dict):
             bad(section, "an object")

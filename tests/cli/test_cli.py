@@ -179,6 +179,7 @@ def test_bad_paths_devices_sampling_and_manifests(artifact, tmp_path, capsys):
         _error(capsys, ["generate", artifact, "--ids", "1", "--device", "cuda"], "no CUDA GPU is usable here")
     for edit, pattern in [(lambda m: m["runtime"].update(vocab_size="x"), "field runtime.vocab_size"),
                           (lambda m: m.pop("files"), "field files"), (lambda m: m.update(tp=0), "field tp"),
+                          (lambda m: m.update(tp=2), "no weights/rank1.safetensors for tp=2"),
                           (lambda m: m.pop("runtime"), "field runtime")]:
         edited = tmp_path / "edited"
         shutil.rmtree(edited, ignore_errors=True)
