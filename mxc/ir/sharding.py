@@ -2,9 +2,8 @@
 
 ``rank_slices(spec, size, tp, rank)`` says which ranges of the split
 dimension rank ``rank`` holds: each segment (merged part) is split on its
-own, in whole units; a column-parallel segment with fewer units than ranks
-(KV heads) is replicated so that every rank gets the unit its heads use; a
-row-parallel one cannot be (the all-reduce would sum its copies). ``ShardError`` explains a split
+own, in whole units; a segment with fewer units than ranks is replicated so
+that every rank gets the unit its heads use. ``ShardError`` explains a split
 that cannot work, naming the model-file expression and the numbers.
 """
 
@@ -33,17 +32,22 @@ def rank_slices(spec: ShardSpec, size: int, tp: int, rank: int) -> list[tuple[in
         if units % tp == 0:
             per = units // tp
             out.append((base + rank * per * spec.unit, per * spec.unit))
-        elif tp % units == 0 and spec.kind == "column":  # fewer units than ranks: replicate, each rank the
-            out.append((base + (rank * units // tp) * spec.unit, spec.unit))  # unit its group uses (KV heads)
+        elif tp % units == 0:  # fewer units than ranks: replicate, each rank the unit its group uses
+            out.append((base + (rank * units // tp) * spec.unit, spec.unit))
         else:
             what = f"`{expr}` = {seg}" if expr else f"{seg}"
             unit = f" in units of {spec.unit}" if spec.unit > 1 else ""
-            if spec.kind == "column":
-                raise ShardError(f"{what}{unit} gives {units} parts, neither divisible by tp={tp} nor dividing it")
-            # a replicated row-parallel part would be summed tp / units times by the all-reduce
-            raise ShardError(f"{what}{unit} gives {units} parts, not divisible by tp={tp}")
+            raise ShardError(f"{what}{unit} gives {units} parts, neither divisible by tp={tp} nor dividing it")
         base += seg
     return out
+
+
+def replicated_parts(spec: ShardSpec, size: int, tp: int) -> list[str]:
+    """The parts (``expr = size``) that have fewer units than ranks, so that ranks hold copies of them. Right for
+    a column-parallel weight's KV heads and for block scales; wrong for a row-parallel weight, whose copies the
+    all-reduce would add up (``shard_tp`` refuses those)."""
+    return [f"`{expr}` = {seg}" if expr else f"{seg}" for seg, expr in _parts(spec, size)
+            if seg % spec.unit == 0 and 0 < seg // spec.unit < tp]
 
 
 def local_size(spec: ShardSpec, size: int, tp: int) -> tuple[int, tuple[int, ...]]:

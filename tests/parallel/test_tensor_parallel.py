@@ -113,6 +113,30 @@ def test_shards_reassemble_to_the_unsharded_weights(tp, quant, arch, hf_checkpoi
             assert torch.equal(parts[1], torch.cat([q.chunk(2)[1], k.chunk(2)[1], v.chunk(2)[1]]))
 
 
+def test_block128_scales_follow_whole_block_splits_only(hf_checkpoint, tmp_path):
+    """block128 under tp: ranks holding whole 128-blocks of every part build, their weights and scales the tp=1
+    build's; ranks holding half a block of each of q, k and v (one merged weight) are refused, not mis-scaled."""
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM", hidden_size=256, num_attention_heads=2, num_key_value_heads=2,
+                            head_dim=128, intermediate_size=512)
+    q = dict(quant="fp8", quant_granularity="block128", progress=False, log=lambda m: None)
+    one = load_file(mxc.build(str(ckpt), out=tmp_path / "one", **q) / "weights" / "rank0.safetensors")
+    many = mxc.build(str(ckpt), out=tmp_path / "two", tp=2, **q)
+    from mxc.ir import load_graph
+
+    for w in load_graph((many / "graph.yaml").read_text()).all_weights():
+        parts = [load_file(many / "weights" / f"rank{r}.safetensors")[w.name] for r in range(2)]
+        if w.shard is None or w.shard.kind == "replicated":
+            assert all(torch.equal(p, one[w.name]) for p in parts), w.name
+            continue
+        rebuilt = _reassemble(parts, w.shard, one[w.name].shape[w.shard_dim], w.shard_dim)
+        assert torch.equal(rebuilt.view(torch.uint8), one[w.name].view(torch.uint8)), w.name
+
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM", hidden_size=128, num_attention_heads=4, num_key_value_heads=4,
+                            intermediate_size=256)
+    with pytest.raises(mxc.MxcError, match="a rank's rows are not whole 128-blocks"):
+        mxc.build(str(ckpt), out=tmp_path / "half", tp=2, **q)
+
+
 def test_shard_tp_ir_has_explicit_collectives(hf_checkpoint, tmp_path):
     ckpt, _ = hf_checkpoint("LlamaForCausalLM")
     art = mxc.build(str(ckpt), out=tmp_path / "a", tp=2, dump_ir=tmp_path / "ir", progress=False, log=lambda m: None)
@@ -129,7 +153,7 @@ def test_shard_tp_ir_has_explicit_collectives(hf_checkpoint, tmp_path):
     ({"num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 90}, 4, "`intermediate_size` = 90"),
     ({"vocab_size": 250}, 4, "`vocab_size` = 250"),
     # more ranks than query heads: q could be replicated like KV heads, but not the o projection's rows
-    ({}, 8, "`num_attention_heads*head_dim` = 64 in units of 16 gives 4 parts, not divisible by tp=8"),
+    ({}, 8, "`num_attention_heads*head_dim` = 64 in units of 16 has fewer parts than ranks"),
 ])
 def test_impossible_splits_are_refused_at_build(overrides, tp, needle, hf_checkpoint, tmp_path):
     ckpt, _ = hf_checkpoint("LlamaForCausalLM", **overrides)

@@ -37,14 +37,23 @@ from mxc.ir import Graph, Node, QuantSpec, Repeat, ShardSpec, Weight
 FP8 = "float8_e4m3fn"
 
 
-def _block_spec(spec: ShardSpec | None, name: str) -> ShardSpec | None:
-    """The shard spec of block scales: the weight's split, counted in 128-row/column blocks."""
+def _block_spec(spec: ShardSpec | None, name: str, tp: int) -> ShardSpec | None:
+    """The shard spec of block scales: the weight's split, counted in 128-row/column blocks. A rank's share of a
+    part must be whole blocks, or (one part) lie inside one block, whose scale that rank then holds a copy of:
+    in a merged weight a part's rows must start where its blocks do."""
     if spec is None or spec.kind == "replicated":
         return spec
     sizes = spec.segments
-    if any(s % 128 for s in sizes) or (spec.unit % 128 and 128 % spec.unit):
+    refuse = any(s % 128 for s in sizes) or (spec.unit % 128 and 128 % spec.unit)
+    for s in sizes:
+        units = s // spec.unit
+        if units % tp == 0 or tp % units == 0:  # other splits fail in shard_tp with their own message
+            share = s // tp if units % tp == 0 else spec.unit
+            refuse = refuse or (share % 128 and (len(sizes) > 1 or 128 % share))
+    if refuse:
         raise MxcError(f"block128 fp8 scales of {name} cannot follow its tensor-parallel split "
-                       f"(parts {list(sizes)}, unit {spec.unit}): use --quant-granularity channel")
+                       f"(parts {list(sizes)}, unit {spec.unit}, --tp {tp}: a rank's rows are not whole 128-blocks): "
+                       f"use --quant-granularity channel")
     return replace(spec, segments=tuple(s // 128 for s in sizes), unit=max(1, spec.unit // 128))
 
 
@@ -54,7 +63,7 @@ def scale_weight(w: Weight, local: str, granularity: str, tp: int) -> Weight:
         w = replace(w, shard=None)  # nothing to split: the scale needs no shard spec
     if granularity == "block128":
         return Weight(f"{w.name}_scale", (-(-n // 128), -(-k // 128)), "float32", (),
-                      shard=_block_spec(w.shard, w.name), scale_of=local)
+                      shard=_block_spec(w.shard, w.name, tp), scale_of=local)
     shard = w.shard if w.shard is not None and w.shard.kind in ("column", "vocab") else None
     return Weight(f"{w.name}_scale", (n,), "float32", (), shard=shard, scale_of=local)
 

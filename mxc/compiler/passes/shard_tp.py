@@ -31,7 +31,7 @@ from dataclasses import replace
 from mxc.compiler.rewrite import apply_rules
 from mxc.errors import MxcError
 from mxc.ir import Graph, Node, Repeat, ShardSpec, VerifyError, Weight, verify
-from mxc.ir.sharding import ShardError, local_size
+from mxc.ir.sharding import ShardError, local_size, replicated_parts
 
 
 def _shard_weight(w: Weight, tp: int) -> Weight:
@@ -43,6 +43,11 @@ def _shard_weight(w: Weight, tp: int) -> Weight:
         local, parts = local_size(spec, size, tp)
     except ShardError as e:
         raise MxcError(f"cannot shard weight {w.name} ({spec.kind}) across --tp {tp}: {e}") from None
+    copied = replicated_parts(spec, size, tp) if spec.kind == "row" and not w.scale_of else []
+    if copied:  # partial sums of copies would be added tp / units times by the all-reduce
+        unit = f" in units of {spec.unit}" if spec.unit > 1 else ""
+        raise MxcError(f"cannot shard weight {w.name} ({spec.kind}) across --tp {tp}: {copied[0]}{unit} has fewer "
+                       f"parts than ranks")
     shape = list(w.shape)
     shape[w.shard_dim] = local
     return replace(w, shape=tuple(shape), shard=replace(spec, segments=spec.segments or (size,)))
