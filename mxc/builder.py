@@ -153,11 +153,16 @@ def _check_writable(path: Path, flag: str) -> None:
         raise MxcError(f"{flag} {path}: cannot be created ({base} {why})")
 
 
+def _eos_ids(config: dict) -> list:
+    """config.json's eos_token_id (one id, a list or absent) as a list."""
+    eos = config.get("eos_token_id")
+    return eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+
+
 def _check_eos(src: Source) -> None:
-    eos = src.config.get("eos_token_id")
-    ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
-    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-        raise MxcError(f"{src.config_path}: eos_token_id {eos!r}: expected a token id or a list of token ids")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in _eos_ids(src.config)):
+        raise MxcError(f"{src.config_path}: eos_token_id {src.config.get('eos_token_id')!r}: expected a token id or "
+                       f"a list of token ids")
 
 
 def _runtime_info(graph: Graph, config: dict) -> dict:
@@ -179,13 +184,11 @@ def _runtime_info(graph: Graph, config: dict) -> dict:
         local, w = next(iter(reps[0].weights.items()))
         prefix = w.name[: len(w.name) - len(local)]
     logits = types[graph.outputs[0]]
-    eos = config.get("eos_token_id")  # checked by _check_eos
-    eos = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
     return {"vocab_size": logits.shape[-1], "dtype": graph.dtype, "inputs": list(graph.inputs),
             "layers": {"count": reps[0].count, "index": reps[0].index, "prefix": prefix} if reps else None,
             "kv_cache": {"layers": layers, "kv_heads": kv[0], "head_dim": kv[1]} if kv else None,
             "max_position_embeddings": config.get("max_position_embeddings"),
-            "eos_token_id": eos}
+            "eos_token_id": _eos_ids(config)}  # checked by _check_eos
 
 
 def _kernel_table(graph: Graph) -> list[dict]:

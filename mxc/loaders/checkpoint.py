@@ -57,14 +57,14 @@ def _load_bin(path: Path) -> dict[str, torch.Tensor]:
         except Exception:  # e.g. legacy (non-zip) format, which cannot be memory-mapped
             state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
+        # "Unsupported global: GLOBAL x.Y was not an allowed global" (torch < 2.13) or "unsupported GLOBAL x.y
+        # whose module x is blocked." (2.13)
+        found = re.search(r"unsupported global.*?(?= was not|\.?$)", str(e), re.IGNORECASE | re.MULTILINE)
+        if found:
+            raise MxcError(f"{path}: contains non-tensor pickled objects ({found.group(0).strip()}); "
+                           "refused for safety (only weights_only loading is allowed)") from None
         reason = re.search(r"WeightsUnpickler error:\s*(.+?)(?: was not|\n|$)", str(e))
         reason = reason.group(1).strip() if reason else _short(e)
-        found = re.search(r"(unsupported global[^\n]*)", str(e), re.IGNORECASE)  # torch >= 2.13 words it so
-        if found and "Unsupported global" not in reason:
-            reason = found.group(1).strip()
-        if "unsupported global" in reason.lower():
-            raise MxcError(f"{path}: contains non-tensor pickled objects ({reason}); "
-                           "refused for safety (only weights_only loading is allowed)") from None
         raise MxcError(f"{path}: not a valid PyTorch checkpoint: {reason}") from None
     except Exception as e:  # torch.load reports malformed files with many exception types
         raise MxcError(f"{path}: not a valid PyTorch checkpoint: {_short(e)}") from None

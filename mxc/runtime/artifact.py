@@ -44,11 +44,11 @@ def read_manifest(path: Path) -> dict:
     if not _compatible(str(manifest.get("mxc_version", ""))):
         raise MxcError(f"{mpath}: built by mxc {manifest.get('mxc_version')}, incompatible with mxc "
                        f"{mxc.__version__}; rebuild it, or load it with mxc {manifest.get('mxc_version')}")
-    _check_shape(mpath, manifest)
+    _check_manifest_fields(mpath, manifest)
     return manifest
 
 
-def _check_shape(mpath: Path, manifest: dict) -> None:
+def _check_manifest_fields(mpath: Path, manifest: dict) -> None:
     """The fields the runtime reads, with their types: a hand-edited manifest fails here, not in a traceback."""
     def bad(field: str, expected: str):
         raise MxcError(f"{mpath}: field {field}: expected {expected}; the manifest was edited or damaged, rebuild "

@@ -153,23 +153,22 @@ class Model:
         k_cache, v_cache = self.new_cache(b, s + max_new_tokens)
         slots = list(range(b))
         eos = torch.tensor(self.eos_token_ids or [-1], device=self.device)
-        done = torch.zeros(b, dtype=torch.bool, device=self.device)
+        done = torch.zeros(b, dtype=torch.bool, device=self.device)  # rows that produced an eos id
 
         ctx = ForwardContext.build([s] * b, [0] * b, slots, k_cache, v_cache, self.device, **self._dist)
         logits = self._run(ctx, ids.reshape(-1), ctx.positions, ctx.last_rows)
         out = []
         for step in range(max_new_tokens):
             nxt = self._agree(sample(logits, temperature, top_k, top_p, gen), temperature)
-            if stop_at_eos:
-                nxt = torch.where(done, eos[0], nxt)
-                done |= torch.isin(nxt, eos)
             out.append(nxt)
+            done |= torch.isin(nxt, eos)
             if step == max_new_tokens - 1 or (stop_at_eos and bool(done.all())):
                 break
             pos = s + step
             ctx = ForwardContext.build([1] * b, [pos] * b, slots, k_cache, v_cache, self.device, **self._dist)
             logits = self._run(ctx, nxt, ctx.positions, ctx.last_rows)
-        return torch.stack(out, dim=1).cpu()
+        out = torch.stack(out, dim=1).cpu()
+        return _stop_at_eos(out, self.eos_token_ids) if stop_at_eos else out  # as the GPU decoder's tokens
 
 
 def _peer_allreduce(manifest: dict, kind: str, dtype: torch.dtype, device: torch.device):
@@ -193,9 +192,9 @@ def _peer_allreduce(manifest: dict, kind: str, dtype: torch.dtype, device: torch
 
 
 def _stop_at_eos(out: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
-    """The host loop's ``stop_at_eos`` result from tokens generated without it (the GPU decoder's, which may
-    end early once every row has stopped): after each row's first end-of-sequence token, ``eos_ids[0]``
-    (Hugging Face's padding when no pad token is set); trimmed after the column where the last row stops."""
+    """``stop_at_eos``'s result, on either path, from the tokens generated (which may end early once every row
+    has stopped): after each row's first end-of-sequence token, ``eos_ids[0]`` (Hugging Face's padding when no
+    pad token is set); trimmed after the column where the last row stops."""
     if not eos_ids:
         return out
     is_eos = torch.isin(out, torch.tensor(eos_ids))

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mxc.errors import MxcError
+
 
 class Tokenizer:
     def __init__(self, path: Path):
@@ -23,8 +25,6 @@ class Tokenizer:
 
 
 def load_tokenizer(artifact: Path) -> Tokenizer | None:
-    from mxc.errors import MxcError
-
     path = Path(artifact) / "tokenizer" / "tokenizer.json"
     if not path.is_file():
         return None
