@@ -12,8 +12,8 @@ active while the step is captured) in turn, so machine drift hits all variants a
 
 ``--bf16`` also builds and times the bf16 artifact of the same config under each variant (the fp8 / bf16
 ratio of issue #5 measured in the same run). ``--prefill N`` also times, each round and variant, a prefill of N
-tokens (median of three after a warm-up): prefill figures move between machines by more than most
-changes, so a prefill choice is judged within one call; ``--profile-prefill`` adds each variant's
+tokens (median of ``--prefill-reps`` after a warm-up; ``--prefill-only`` skips the decode steps): prefill figures
+move between machines by more than most changes, so a prefill choice is judged within one call; ``--profile-prefill`` adds each variant's
 per-kernel breakdown of it. ``--timeline a,b`` prints, for those variants, one layer's kernels as the PDL graph
 runs them (``profile_step.timeline_decode``: each kernel's start against the previous one's end, its span, and
 the time it adds to the step), and writes the raw kernel list to ``$OUT/timeline_<variant>.json`` on the device
@@ -106,6 +106,8 @@ def main() -> None:
     p.add_argument("--timeline", default="", help="variants (comma-separated) to print one layer's kernel timeline "
                    "of, under PDL as run")
     p.add_argument("--prefill", type=int, default=0, help="also time a prefill of this many tokens per variant")
+    p.add_argument("--prefill-reps", type=int, default=3, help="timed prefills a round and variant (median)")
+    p.add_argument("--prefill-only", action="store_true", help="with --prefill: time no decode step")
     p.add_argument("--profile-prefill", action="store_true",
                    help="with --prefill: a per-kernel breakdown of the prefill under each variant (plain launches)")
     args = p.parse_args()
@@ -116,6 +118,8 @@ def main() -> None:
                 getattr(importlib.import_module(module), attr)
     except (ValueError, SyntaxError, ImportError, AttributeError) as e:
         p.error(f"--variant: expected name=module.attr=python_literal,...: {type(e).__name__}: {e}")
+    if args.prefill_only and not args.prefill:
+        p.error("--prefill-only needs --prefill N")
     if args.profile and args.profile not in dict(variants):
         p.error(f"--profile {args.profile}: not one of the variants {sorted(dict(variants))}")
     unknown = [t for t in args.timeline.split(",") if t and t not in dict(variants)]
@@ -140,8 +144,9 @@ def main() -> None:
         for name, patches in variants:
             model._decoder.drop_graphs()
             with patched(patches):
-                step = bench_generate(gen, args.batch, 128, 128)
-                pre = cuda_time(lambda: model.generate(prompt, max_new_tokens=1)) if args.prefill else None
+                step = float("nan") if args.prefill_only else bench_generate(gen, args.batch, 128, 128)
+                pre = (cuda_time(lambda: model.generate(prompt, max_new_tokens=1), reps=args.prefill_reps)
+                       if args.prefill else None)
             times[name].append(step)
             if pre is not None:
                 prefills[name].append(pre)

@@ -66,6 +66,12 @@ SCHEDULERS = {"default": "Default", "persistent": "Persistent", "streamk": "Stre
 # Llama-3-8B layer (us, L2 cleared): M = 64 105.7 against 159.9, M = 128 107.5 against 150.3, M = 256 125.4
 # against 138.2, M = 512 203.9 against 194.5 (so not above 256); 64x64 tiles won at 64 and 128 rows (95.8-102.6)
 # and lost at 256 (145.9); stream-K (cooperative 128x128 and 128x64) lost to 64x128 at every M (121.7-161.8).
+# Larger tiles at M = 2048 (one H200, 2026-12-02; bench/cutlass_small_m_lab.py in bursts, then bench/decode_ab.py
+# --prefill 2048 --prefill-only through LAB_LIBRARY, twelve interleaved rounds under sustained load): in bursts the
+# down GEMM (K = 14336) ran 171.8-176.2 us with cooperative 128x256 or 256x128 tiles against 185.5, the other
+# shapes within 3%; the sustained prefill did not move: 30.91 ms (shipped), 30.84 (256x128 for down only), 30.85
+# (256x128 for all), 30.63 (128x256 for down), 30.39 (that and pingpong 128x128 cluster 1x2 for K = 4096), the
+# rounds drifting over 30.0-31.3 as the GPU warmed. Under the power limit the tile shape does not set the rate.
 BUILD_CONFIG = dict(tile=(128, 128, 128), cluster=(2, 1, 1), schedule="pingpong", fast_accum=True,
                     small_m=dict(tile=(64, 128, 128), cluster=(1, 1, 1), schedule="pingpong", fast_accum=True,
                                  max_m=256))
@@ -481,6 +487,10 @@ def library_config() -> dict | str:
 
 
 _ACTIVE: list[CutlassFp8Gemm] = []
+# A bench hook: a library path the runtime calls instead of the artifact's, so that one artifact can time several
+# CUTLASS configurations (bench/decode_ab.py --variant lib=mxc.kernels.cutlass_fp8.LAB_LIBRARY='x.so'), or a dict
+# {K: path} (key 0: every other K) to try a configuration per shape. None in use.
+LAB_LIBRARY: str | dict | None = None
 
 
 def use(so_path) -> CutlassFp8Gemm:
@@ -491,7 +501,15 @@ def use(so_path) -> CutlassFp8Gemm:
     return gemm
 
 
-def active() -> CutlassFp8Gemm:
+@functools.lru_cache(maxsize=None)
+def _lab_library(path: str) -> CutlassFp8Gemm:
+    return load(path)
+
+
+def active(K: int = 0) -> CutlassFp8Gemm:
+    if LAB_LIBRARY:
+        lab = LAB_LIBRARY.get(K, LAB_LIBRARY.get(0)) if isinstance(LAB_LIBRARY, dict) else LAB_LIBRARY
+        return _lab_library(lab)
     if not _ACTIVE:
         raise RuntimeError("no CUTLASS fp8 library is loaded: the artifact's forward calls fp8_gemm.cutlass but "
                            f"mxc.load found no {LIBRARY} in it")

@@ -65,7 +65,7 @@ def cutlass(x, weight, scale, bias=None, residual=None, granularity="channel", p
     xq, xs = _quantized(x, k, prologue, norm_weight, eps)
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     if x.device.type == "cuda":
-        gemm = cutlass_fp8.active()
+        gemm = cutlass_fp8.active(k)
         # the residual in the GEMM's epilogue (the same bits as the add after it; a bias would come first)
         fold = (residual is not None and bias is None and gemm.has_residual and residual.dtype == torch.bfloat16
                 and residual.shape == (m, n) and residual.is_contiguous())

@@ -112,3 +112,16 @@ def test_compile_so_exports_entry_points(tmp_path, monkeypatch):
         gemm(0, 0, 0, 0, 0, 16, 4096, 4100)
     with pytest.raises(RuntimeError, match="status 1"):
         gemm(0, 0, 0, 0, 0, 16, 4096, 4100, residual=1)
+
+
+def test_lab_library_hook_picks_a_library_per_k(monkeypatch):
+    """The bench hook (``LAB_LIBRARY``): a path serves every K, a dict its Ks with key 0 for the rest; unset, the
+    artifact's library (``use``) is the one called."""
+    opened = []
+    monkeypatch.setattr(cutlass_fp8, "_lab_library", lambda path: opened.append(path) or path)
+    monkeypatch.setattr(cutlass_fp8, "_ACTIVE", ["artifact"])
+    assert cutlass_fp8.active(4096) == "artifact" and opened == []
+    monkeypatch.setattr(cutlass_fp8, "LAB_LIBRARY", "a.so")
+    assert cutlass_fp8.active(4096) == "a.so" and cutlass_fp8.active(14336) == "a.so"
+    monkeypatch.setattr(cutlass_fp8, "LAB_LIBRARY", {0: "base.so", 14336: "down.so"})
+    assert [cutlass_fp8.active(k) for k in (4096, 14336, 0)] == ["base.so", "down.so", "base.so"]
