@@ -25,7 +25,7 @@ from mxc.ir.yaml_source import LDict, SourceError, load_yaml
 
 TOP_KEYS = {"family", "doc", "params", "inputs", "weights", "ignore", "graph", "outputs", "tiny_config"}
 WEIGHT_KEYS = {"shape", "hf", "shard", "when", "tied_to", "tied_if", "init", "stack"}
-PARAM_KEYS = {"default", "resolve", "doc"}
+PARAM_KEYS = {"default", "resolve", "doc", "one_of"}
 DTYPES = ("float32", "bfloat16", "float16")
 
 Resolver = Callable[[dict, dict], Any]  # (hf config, params so far) -> value
@@ -130,6 +130,11 @@ class _Binder:
                 params[name] = self.eval(p["default"], params, line, f"params.{name}.default")
             else:
                 raise self.err(line, f"params.{name}", f"config.json has no field {name!r} and the model file gives no default")
+            if "one_of" in p and not isinstance(p["one_of"], list):
+                raise self.err(line, f"params.{name}.one_of", "expected a list of the values the graph computes")
+            if "one_of" in p and params[name] not in p["one_of"]:  # values the graph does not compute are refused
+                raise MxcError(f"config.json field {name} = {params[name]!r}: {self.path.name} supports "
+                               f"{' or '.join(map(repr, p['one_of']))} only")
         return params
 
     def read_inputs(self, spec) -> dict[str, TensorType]:

@@ -2,7 +2,9 @@
 
 ``registry.yaml`` maps each architecture to a model file in this folder, the
 params it sets (``set``, values are literals or expressions over config.json
-fields) and the config conditions it cannot serve (``refuse_if``, expressions). ``bind_model``
+fields), the config conditions it cannot serve (``refuse_if``, expressions) and the values of fields a
+config.json leaves out where the transformers config class's default differs from the model file's
+(``defaults``). ``bind_model``
 binds a definition to a config, with the resolvers model files may name
 (``rope``). An unknown architecture fails naming it and listing the known ones.
 """
@@ -28,6 +30,7 @@ class Entry:
     model: str
     set: dict = field(default_factory=dict)
     refuse_if: list = field(default_factory=list)
+    defaults: dict = field(default_factory=dict)
     tested: bool = True
 
     @property
@@ -73,7 +76,19 @@ def _resolve_rope(config: dict, params: dict) -> dict:
     return normalize_rope(config, params["head_dim"])
 
 
-RESOLVERS = {"rope": _resolve_rope}
+def _resolve_llama_rope(config: dict, params: dict) -> dict:
+    """RoPE as transformers' Llama-family models compute it: their default type rotates the whole head whatever
+    ``partial_rotary_factor`` says (the scaled types honour it), so a factor below 1 with the default type is
+    refused rather than built one way or the other."""
+    spec = normalize_rope(config, params["head_dim"])
+    if spec["type"] == "default" and spec["rotary_dim"] != params["head_dim"]:
+        raise MxcError(f"config.json: partial_rotary_factor < 1 with the default RoPE type: transformers' Llama-family "
+                       f"models ignore it there and rotate all {params['head_dim']} dims; mxc refuses to guess "
+                       "(remove the field, or set it to 1.0)")
+    return spec
+
+
+RESOLVERS = {"rope": _resolve_rope, "llama_rope": _resolve_llama_rope}
 
 
 def bind_model(model_file: Path, config: dict, dtype: str, entry: Entry | None,
@@ -81,6 +96,7 @@ def bind_model(model_file: Path, config: dict, dtype: str, entry: Entry | None,
     """Bind ``model_file`` to ``config`` with the registry entry's settings."""
     overrides = {}
     if entry is not None:
+        config = {**entry.defaults, **config}  # a field present in config.json, null included, wins
         env = _ConfigEnv(config)
         for cond in entry.refuse_if:
             try:

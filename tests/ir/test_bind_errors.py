@@ -171,7 +171,7 @@ def test_param_with_unknown_key(bind_bad):
 
 
 def test_unknown_resolver(bind_bad):
-    msg, line = bind_bad("rope: {resolve: rope}", "rope: {resolve: ropee}")
+    msg, line = bind_bad("rope: {resolve: llama_rope}", "rope: {resolve: ropee}")
     assert where(line, "params.rope.resolve") + "unknown resolver 'ropee'" in msg
 
 
@@ -194,3 +194,8 @@ def test_tied_shape_mismatch(bind_bad):
 def test_duplicate_key(bind_bad):
     msg, line = bind_bad("  vocab_size: {}", "  vocab_size: {}\n  hidden_size: {}", mark="  vocab_size: {}")
     assert f"bad.yaml:{line + 1}: duplicate key 'hidden_size'" in msg
+
+
+def test_one_of_must_be_a_list(bind_bad):
+    msg, line = bind_bad("one_of: [silu, swish]", "one_of: silu")
+    assert where(line, "params.hidden_act.one_of") + "expected a list of the values the graph computes" in msg

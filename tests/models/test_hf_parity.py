@@ -25,18 +25,27 @@ CASES = {
         "original_max_position_embeddings": 64}}),
     "llama-rope-parameters": ("LlamaForCausalLM", {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}),
     "mistral-sliding": ("MistralForCausalLM", {"sliding_window": 6}),
+    # a sliding_window left in a Llama config.json (a Mistral conversion): transformers' Llama does not window
+    "llama-stray-window": ("LlamaForCausalLM", {"sliding_window": 4}),
     "qwen2": ("Qwen2ForCausalLM", {"tie_word_embeddings": True}),
     "qwen3": ("Qwen3ForCausalLM", {"head_dim": 32}),
     # mixture of experts
     "mixtral": ("MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     "qwen2-moe-shared": ("Qwen2MoeForCausalLM", {"num_experts": 6, "num_experts_per_tok": 2,
                                                  "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48}),
+    "qwen2-moe-no-qkv-bias": ("Qwen2MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2, "qkv_bias": False,
+                                                      "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48}),
     "qwen3-moe-renorm": ("Qwen3MoeForCausalLM", {"num_experts": 8, "num_experts_per_tok": 3,
                                                  "moe_intermediate_size": 40, "norm_topk_prob": True}),
     "qwen3-moe-no-renorm": ("Qwen3MoeForCausalLM", {"num_experts": 8, "num_experts_per_tok": 2,
                                                     "moe_intermediate_size": 40, "norm_topk_prob": False}),
     "olmoe": ("OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2}),
 }
+
+# transformers' generate builds its KV cache from the config, and a config with sliding_window gets windowed cache
+# layers even where the model's forward does not window (Llama): the reference tokens come from generate without a
+# cache there, which runs the forward as defined (and equals the model without the field)
+NO_CACHE_REFERENCE = {"llama-stray-window"}
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -56,5 +65,6 @@ def test_logits_and_greedy_match_hf(case, hf_checkpoint, tmp_path):
     assert _rel_err(model.logits(ids), ref) <= 1e-4
 
     with torch.no_grad():
-        ref_tokens = hf.generate(ids, max_new_tokens=16, do_sample=False, min_new_tokens=16)[:, ids.shape[1]:]
+        ref_tokens = hf.generate(ids, max_new_tokens=16, do_sample=False, min_new_tokens=16,
+                                 use_cache=case not in NO_CACHE_REFERENCE)[:, ids.shape[1]:]
     assert torch.equal(model.generate(ids, max_new_tokens=16), ref_tokens)
