@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 
 from mxc.errors import MxcError
 
@@ -166,16 +168,39 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where the command is so that it cleans up as after Ctrl-C (a build removes its
+    partial output)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _terminate(signum, frame):
+    raise Terminated(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    handled = [s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s is not None]
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # handlers can only be set from the main thread
+        previous = {s: signal.signal(s, _terminate) for s in handled}
     try:
         args.fn(args)
     except MxcError as e:
         print(f"mxc: error: {e}", file=sys.stderr)
         return 2
+    except Terminated as e:
+        print(f"mxc: terminated ({signal.Signals(e.signum).name})", file=sys.stderr)
+        return 128 + e.signum
     except KeyboardInterrupt:
         print("mxc: interrupted", file=sys.stderr)
         return 130
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     return 0
 
 

@@ -54,7 +54,13 @@ def bind(path: Path | str, config: dict, *, dtype: str, overrides: dict | None =
 
 def _check_like_default(name: str, value, default) -> None:
     """A config value must have the type of the model file's literal default: ``"no"`` for a boolean would
-    otherwise read as true (a tied LM head dropped, silently)."""
+    otherwise read as true (a tied LM head dropped, silently). A default written as ``1e-6`` is a string to YAML:
+    a numeric literal counts as a number."""
+    if isinstance(default, str):
+        try:
+            default = float(default)
+        except ValueError:
+            pass
     if isinstance(default, bool) and not isinstance(value, bool):
         raise MxcError(f"config.json field {name} = {value!r}: expected true or false")
     if isinstance(default, (int, float)) and not isinstance(default, bool) and (

@@ -138,6 +138,19 @@ def _checkpoint_scales(w: Weight, scale_w: Weight, ckpt) -> torch.Tensor:
     return torch.cat(parts, dim=0).contiguous()
 
 
+def _check_stored_dtypes(w: Weight, ckpt) -> None:
+    """Every checkpoint tensor of ``w`` (each part of a merged weight, each expert of a stack) holds floating-point
+    values, and fp8 ones only where ``w`` imports them with their scales: a cast would make anything else wrong."""
+    for hf, _ in parts_of(w):
+        stored = ckpt.dtype(hf)
+        if stored in (torch.float8_e4m3fn, torch.float8_e5m2) and (w.quant is None or not w.quant.prequantized):
+            raise MxcError(f"{ckpt.directory}: {hf} is stored as {stored}, but mxc does not import "
+                           f"it as fp8 (weight {w.name}); casting without its scales would be wrong")
+        if not stored.is_floating_point:
+            raise MxcError(f"{ckpt.directory}: {hf} is stored as {stored}, expected floating-point weights "
+                           f"(weight {w.name}); the checkpoint is damaged or not this architecture's")
+
+
 def write_weights(graph: Graph, ckpt, paths: list[Path], metadata: dict[str, str] | None = None,
                   progress: bool = True) -> dict[Path, str]:
     """Write every weight of ``graph`` into one safetensors file per rank (``paths[r]``), one tensor at a time.
@@ -163,14 +176,7 @@ def write_weights(graph: Graph, ckpt, paths: list[Path], metadata: dict[str, str
         for w in tqdm(weights, desc="converting weights", unit="tensor", disable=not progress, leave=False):
             if w.scale_of:
                 continue  # written with its weight
-            first = parts_of(w)[0][0]
-            stored = ckpt.dtype(first)
-            if stored in (torch.float8_e4m3fn, torch.float8_e5m2) and w.quant is None:
-                raise MxcError(f"{ckpt.directory}: {first} is stored as {stored}, but mxc does not import "
-                               f"it as fp8 (weight {w.name}); casting without its scales would be wrong")
-            if not stored.is_floating_point:
-                raise MxcError(f"{ckpt.directory}: {first} is stored as {stored}, expected floating-point weights "
-                               f"(weight {w.name}); the checkpoint is damaged or not this architecture's")
+            _check_stored_dtypes(w, ckpt)
             tensor = read_full(w, ckpt, DTYPES[w.dtype] if w.quant is None and w.stack else None)
             outputs = [(w, tensor.to(DTYPES[w.dtype]))]
             if w.quant is not None and w.quant.prequantized:

@@ -76,6 +76,36 @@ def _check_manifest_fields(mpath: Path, manifest: dict) -> None:
     eos = runtime.get("eos_token_id")
     if not isinstance(eos, list) or not all(is_int(t) for t in eos):
         bad("runtime.eos_token_id", "a list of token ids")
+    if runtime.get("dtype") not in ("float32", "bfloat16", "float16"):
+        bad("runtime.dtype", "float32, bfloat16 or float16")
+    kv = runtime.get("kv_cache", "absent")
+    if kv is not None and not (isinstance(kv, dict) and all(is_int(kv.get(k)) and kv[k] > 0
+                                                            for k in ("layers", "kv_heads", "head_dim"))):
+        bad("runtime.kv_cache", "null or an object of positive layers, kv_heads and head_dim")
+    target, options = manifest.get("target"), manifest["options"]
+    if not isinstance(target, dict) or target.get("name") not in ("cpu", "cuda"):
+        bad("target", 'an object whose name is "cpu" or "cuda"')
+    if target["name"] == "cuda" and not isinstance(target.get("arch"), str):
+        bad("target.arch", 'the GPU architecture the kernels were compiled for, such as "sm_90"')
+    if options.get("target") != target["name"]:
+        bad("options.target", f"{target['name']!r}, as target.name")
+    if options.get("dtype") != runtime["dtype"]:
+        bad("options.dtype", f"{runtime['dtype']!r}, as runtime.dtype")
+    for name in ("max_batch", "max_seq_len"):
+        if target["name"] == "cuda" and not (is_int(options.get(name)) and options[name] > 0):
+            bad(f"options.{name}", "a positive integer")
+    # what `mxc inspect` shows
+    for name in ("architecture", "model_file", "family", "ir_sha256"):
+        if not isinstance(manifest.get(name), str):
+            bad(name, "a string")
+    if not isinstance(manifest.get("config"), dict):
+        bad("config", "an object")
+    source = manifest.get("source")
+    if not isinstance(source, dict) or "weights" not in source or "checkpoint" not in source:
+        bad("source", "an object with weights and checkpoint")
+    kernels = manifest.get("kernels")
+    if not isinstance(kernels, list) or not all(isinstance(r, dict) and "kernel" in r for r in kernels):
+        bad("kernels", "a list of the nodes' kernel choices")
 
 
 def _device(name) -> torch.device:

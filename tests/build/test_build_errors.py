@@ -155,6 +155,17 @@ def test_out_is_not_an_artifact(tmp_path):
     assert (out / "precious.txt").read_text() == "keep me"
 
 
+def test_out_with_another_programs_manifest_is_not_an_artifact(tmp_path):
+    """A directory is replaced only when its manifest.json is mxc's: a web app's is the user's."""
+    out = tmp_path / "webapp"
+    (out / "src").mkdir(parents=True)
+    (out / "manifest.json").write_text('{"name": "my-extension"}')
+    (out / "src" / "app.js").write_text("keep me")
+    with pytest.raises(MxcError, match=r"--out .*webapp: exists and is not an mxc artifact"):
+        _build("llama.yaml", out)
+    assert (out / "src" / "app.js").read_text() == "keep me"
+
+
 def test_out_is_a_file(tmp_path):
     out = tmp_path / "file"
     out.write_text("x")
@@ -209,4 +220,21 @@ def test_prefill_graphs_needs_cuda_and_a_count(ckpt, tmp_path):
     _one_line(e)
     with pytest.raises(MxcError, match="--prefill-graphs -1: expected a token count >= 0"):
         _build(ckpt, tmp_path / "art", prefill_graphs=-1, target="cuda")
+    assert not (tmp_path / "art").exists()
+
+
+@pytest.mark.parametrize("arch, name, dtype", [
+    ("LlamaForCausalLM", "model.layers.0.mlp.up_proj.weight", torch.int32),  # the second part of gate/up
+    ("LlamaForCausalLM", "model.layers.1.self_attn.v_proj.weight", torch.bool),  # the third part of qkv
+    ("LlamaForCausalLM", "model.layers.0.self_attn.k_proj.weight", torch.float8_e4m3fn),
+    ("MixtralForCausalLM", "model.layers.0.block_sparse_moe.experts.1.w1.weight", torch.int8),  # not the first expert
+])
+def test_every_part_of_a_merged_or_stacked_weight_is_checked(hf_checkpoint, tmp_path, arch, name, dtype):
+    """Each checkpoint tensor of a merged (qkv, gate/up) or stacked (experts) weight must hold floating-point values:
+    an integer one was cast into the weight, an fp8 one crashed in the merge."""
+    ckpt, _ = hf_checkpoint(arch, **({"num_local_experts": 4, "num_experts_per_tok": 2} if "Mixtral" in arch else {}))
+    _edit_tensors(ckpt, lambda t: t.update({name: t[name].to(dtype)}))
+    with pytest.raises(MxcError, match=f"{name} is stored as {dtype}") as e:
+        _build(ckpt, tmp_path / "art")
+    _one_line(e)
     assert not (tmp_path / "art").exists()

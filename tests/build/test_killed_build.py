@@ -1,9 +1,11 @@
-"""A build killed with SIGKILL mid-write leaves the previous artifact intact and loadable."""
+"""A build killed mid-write leaves the previous artifact intact and loadable; one terminated (SIGTERM, SIGHUP)
+also removes its partial output and says so."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,21 +18,22 @@ import mxc
 ATTEMPTS = 3
 
 
-def _kill_while_building(ckpt, out) -> bool:
-    """Start ``mxc build`` and SIGKILL it once its temporary directory appears; False if it finished first."""
+def _kill_while_building(ckpt, out, sig=signal.SIGKILL):
+    """Start ``mxc build`` and send it ``sig`` once its temporary directory appears: (exit code, stderr), or None if
+    it finished first."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "mxc", "build", str(ckpt), "--out", str(out)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     building = out.parent / f".{out.name}.building-{proc.pid}"
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if building.exists():
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait()
-                return True
+                os.kill(proc.pid, sig)
+                _, err = proc.communicate(timeout=60)
+                return proc.returncode, err
             if proc.poll() is not None:
-                return False
+                return None
             time.sleep(0.005)
         raise AssertionError("mxc build neither started writing nor finished within 60 s")
     finally:
@@ -65,3 +68,20 @@ def test_sigkill_during_build_keeps_previous_artifact(hf_checkpoint, tmp_path):
     mxc.build(str(ckpt), out=out, progress=False, log=lambda m: None)
     assert json.loads((out / "manifest.json").read_text())["source"]["weights"] == "checkpoint"
     assert mxc.load(out).vocab_size == 256
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_terminated_build_removes_its_partial_output(hf_checkpoint, tmp_path, sig):
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM", hidden_size=256, intermediate_size=768, num_hidden_layers=8,
+                            num_attention_heads=8, num_key_value_heads=4)
+    out = tmp_path / "art"
+    for _ in range(ATTEMPTS):
+        ended = _kill_while_building(ckpt, out, sig)
+        if ended:
+            break
+        shutil.rmtree(out)  # the build won the race: try again
+    else:
+        pytest.skip(f"mxc build finished before it could be terminated in {ATTEMPTS} attempts")
+    code, err = ended
+    assert code == 128 + sig and f"mxc: terminated ({sig.name})" in err and "Traceback" not in err
+    assert not out.exists() and not list(tmp_path.glob(".art.*"))

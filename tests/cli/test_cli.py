@@ -132,6 +132,8 @@ def test_user_errors(artifact, hf_checkpoint, tmp_path, capsys):
 
 @pytest.mark.parametrize("field,value,pattern", [
     ("tie_word_embeddings", "no", "tie_word_embeddings = 'no': expected true or false"),
+    ("rms_norm_eps", "abc", "rms_norm_eps = 'abc': expected a number"),  # its default, 1e-6, is a string to YAML
+    ("hidden_act", "gelu", "hidden_act = 'gelu': llama.yaml supports 'silu' or 'swish' only"),
     ("num_key_value_heads", 3, "the model does not hold together with this config"),
     ("max_position_embeddings", "x", "max_position_embeddings 'x': expected a positive integer"),
     ("quantization_config", [1], "quantization_config must be a JSON object"),
@@ -180,7 +182,13 @@ def test_bad_paths_devices_sampling_and_manifests(artifact, tmp_path, capsys):
     for edit, pattern in [(lambda m: m["runtime"].update(vocab_size="x"), "field runtime.vocab_size"),
                           (lambda m: m.pop("files"), "field files"), (lambda m: m.update(tp=0), "field tp"),
                           (lambda m: m.update(tp=2), "no weights/rank1.safetensors for tp=2"),
-                          (lambda m: m.pop("runtime"), "field runtime")]:
+                          (lambda m: m.pop("runtime"), "field runtime"),
+                          (lambda m: m.pop("target"), "field target"),
+                          (lambda m: m["runtime"].update(dtype="float64"), "field runtime.dtype"),
+                          (lambda m: m["runtime"].pop("kv_cache"), "field runtime.kv_cache"),
+                          (lambda m: m["options"].pop("target"), "field options.target"),
+                          (lambda m: m.pop("kernels"), "field kernels"),
+                          (lambda m: m.pop("source"), "field source")]:
         edited = tmp_path / "edited"
         shutil.rmtree(edited, ignore_errors=True)
         shutil.copytree(artifact, edited)
