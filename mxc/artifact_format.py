@@ -12,6 +12,7 @@ file. ``SCHEMA_VERSION`` changes when this layout changes incompatibly.
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 # 2: kernels rendered from templates, their sources in code/kernels/src/; 3: the RoPE kernel's kv-group grid,
@@ -21,6 +22,16 @@ from pathlib import Path
 # decode attention stored in schema-5 artifacts read q before its wait, a race with the RoPE kernel, so they
 # must be rebuilt
 SCHEMA_VERSION = 6
+
+
+def is_artifact(path: Path) -> bool:
+    """Whether ``path`` holds an artifact (a manifest.json of mxc's, any schema): what a build may replace. Any
+    other directory, one with some other program's manifest.json included, is the user's."""
+    try:
+        manifest = json.loads((Path(path) / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and "schema_version" in manifest and "mxc_version" in manifest
 
 
 def sha256_file(path: Path, chunk: int = 1 << 24) -> str:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mxc
-from mxc.artifact_format import SCHEMA_VERSION, file_digests
+from mxc.artifact_format import SCHEMA_VERSION, file_digests, is_artifact
 from mxc.codegen.render import render_forward
 from mxc.compiler.options import BuildOptions
 from mxc.compiler.pipeline import check_disabled, compile_graph
@@ -295,7 +295,7 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
                            tp_allreduce=tp_allreduce, arch=arch, mlp_pair=mlp_pair,
                            prefill_graph_tokens=prefill_graphs)
     out = Path(out) if out else Path("build") / src.model_file.stem
-    if out.exists() and not _is_artifact(out):
+    if out.exists() and not is_artifact(out):  # only an artifact is ever replaced
         raise MxcError(f"--out {out}: exists and is not an mxc artifact; choose another path or remove it")
     _check_writable(out, "--out")
     if dump_ir:
@@ -425,16 +425,6 @@ def _mlp_pair_library(graph, options: BuildOptions, tmp: Path, log) -> dict | No
         raise MxcError(f"building the fp8 MLP pair kernel failed ({str(e).splitlines()[0]}); "
                        f"build without --mlp-pair") from e
     return {"library": mlp_pair_fp8.LIBRARY, "source": mlp_pair_fp8.library_source()}
-
-
-def _is_artifact(path: Path) -> bool:
-    """An mxc artifact, which a build may replace: a manifest.json of mxc's (any other directory, one with some other
-    program's manifest.json included, is the user's and is never deleted)."""
-    try:
-        manifest = json.loads((path / "manifest.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(manifest, dict) and "schema_version" in manifest and "mxc_version" in manifest
 
 
 def _pid_alive(pid: int) -> bool:

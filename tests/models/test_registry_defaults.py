@@ -38,7 +38,7 @@ def hf_reads(arch: str, hf) -> dict:
         "rms_norm_eps": hf.rms_norm_eps,
         "hidden_act": hf.hidden_act,
         "tie_word_embeddings": hf.tie_word_embeddings,
-        "sliding_window": hf.sliding_window if windowed else None,
+        "attention_window": hf.sliding_window if windowed else None,
         "theta": hf.rope_parameters["rope_theta"],
     }
     if moe:
@@ -73,9 +73,9 @@ def test_an_activation_the_graph_does_not_compute_is_refused(act):
 
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "OlmoeForCausalLM", "Qwen3ForCausalLM"])
 def test_a_window_the_architecture_ignores_is_dropped(arch):
-    assert bound(arch, sliding_window=4).config["sliding_window"] is None
-    assert bound("MistralForCausalLM", sliding_window=4).config["sliding_window"] == 4
-    assert bound("MistralForCausalLM", sliding_window=None).config["sliding_window"] is None  # null: no window
+    assert bound(arch, sliding_window=4).config["attention_window"] is None
+    assert bound("MistralForCausalLM", sliding_window=4).config["attention_window"] == 4
+    assert bound("MistralForCausalLM", sliding_window=None).config["attention_window"] is None  # null: no window
 
 
 def test_partial_rotary_with_the_default_rope_is_refused():
