@@ -11,12 +11,15 @@ CUDA events (medians of ``--reps``), with PDL launches and plain:
   (no launch work at all);
 - under torch.profiler, the idle intervals between consecutive kernels summed by the pair of kernels around
   them (a prefix of each name; any name with "cutlass" in it, cuBLAS's included, reads ``cutlass_gemm``), the
-  largest first; ``--trace-dir``: also each mode's host and GPU timeline with Python stacks (Chrome JSON; the
-  profiler's own buffer requests show up as host time there);
+  largest first; ``--trace-dir``: also each mode's host and GPU timeline (Chrome JSON; ``--stacks`` adds Python
+  stacks, which inflate the host's times several-fold; the profiler's own buffer requests show up as host time);
+- ``--lead-in``: where the host's time goes before the prefill's first kernel (host clock marks at the call, the
+  context's copy and the embedding's launch, medians of ``--reps``; no profiler);
 - ``--power`` first: the 8192^3 ``torch._scaled_mm`` rate as a burst, timed as the prefill is and after 2 s of
   load, and the prefill and its graph back to back and after 200 ms of idle GPU.
 
-Usage: python bench/prefill_gaps.py [--out DIR] [--tokens 2048] [--reuse] [--reps 7] [--power] [--trace-dir DIR]
+Usage: python bench/prefill_gaps.py [--out DIR] [--tokens 2048] [--reuse] [--reps 7] [--power] [--lead-in]
+       [--trace-dir DIR [--stacks]]
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ def short(name: str) -> str:
     return name.split("(")[0][:28]
 
 
-def idle_table(fn, top: int = 14, trace: Path | None = None) -> str:
+def idle_table(fn, top: int = 14, trace: Path | None = None, stacks: bool = False) -> str:
     """Profile one call of ``fn``: its kernels in start order, the idle time before each one (from the end
     of the latest-ending kernel before it), summed by (previous, next) kernel. ``trace``: also write the
     host and GPU timeline there (Chrome trace JSON: which host call launched each kernel, and when)."""
@@ -60,7 +63,7 @@ def idle_table(fn, top: int = 14, trace: Path | None = None) -> str:
     fn()
     torch.cuda.synchronize()
     acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if trace else [])
-    with profile(activities=acts, with_stack=bool(trace)) as prof:
+    with profile(activities=acts, with_stack=bool(trace) and stacks) as prof:
         fn()
         torch.cuda.synchronize()
     if trace:
@@ -87,6 +90,53 @@ def idle_table(fn, top: int = 14, trace: Path | None = None) -> str:
              f"  {'previous kernel':30s} {'next kernel':30s} {'count':>6s} {'idle us':>9s} {'median':>7s}"]
     for (a, b), gaps in sorted(pairs.items(), key=lambda kv: -sum(kv[1]))[:top]:
         lines.append(f"  {a:30s} {b:30s} {len(gaps):6d} {sum(gaps):9.1f} {statistics.median(gaps):7.2f}")
+    return "\n".join(lines)
+
+
+def lead_in(forward, reps: int) -> str:
+    """Host microseconds from ``forward()``'s call to: its context built and copied (``ForwardContext.build``
+    returned), the embedding's wrapper entered and returned (its kernel enqueued), and the call's return, and
+    the GPU's time from an event recorded before the call to the call's end. Medians of ``reps`` calls, each
+    after the GPU is idle (as a prompt arrives). No profiler: host clock marks in patched wrappers."""
+    import time
+
+    from mxc.kernels import triton_elementwise
+
+    marks: dict[str, float] = {}
+    build, embed = ForwardContext.build.__func__, triton_elementwise.embedding
+
+    def build_marked(cls, *a, **k):
+        out = build(cls, *a, **k)
+        marks.setdefault("context built", time.perf_counter())
+        return out
+
+    def embed_marked(*a, **k):
+        marks.setdefault("embedding entered", time.perf_counter())
+        out = embed(*a, **k)
+        marks.setdefault("embedding launched", time.perf_counter())
+        return out
+
+    rows = defaultdict(list)
+    ForwardContext.build, triton_elementwise.embedding = classmethod(build_marked), embed_marked
+    try:
+        for _ in range(reps + 1):
+            torch.cuda.synchronize()
+            marks.clear()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            t0 = time.perf_counter()
+            forward()
+            marks["forward returned"] = time.perf_counter()
+            end.record()
+            torch.cuda.synchronize()
+            for name, t in marks.items():
+                rows[name].append((t - t0) * 1e6)
+            rows["GPU: call to end (ms)"].append(start.elapsed_time(end))
+    finally:
+        ForwardContext.build, triton_elementwise.embedding = classmethod(build), embed
+    lines = ["  host us after the call (medians; first call dropped):"]
+    for name, ts in rows.items():
+        lines.append(f"    {name:28s} {statistics.median(ts[1:]):10.1f}")
     return "\n".join(lines)
 
 
@@ -133,6 +183,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--power", action="store_true", help="first: the GEMM rate and the prefill, burst against sustained")
     p.add_argument("--trace-dir", default="", help="also write each mode's host + GPU timeline (Chrome JSON) here")
+    p.add_argument("--stacks", action="store_true", help="with --trace-dir: Python stacks in the timeline")
+    p.add_argument("--lead-in", action="store_true", help="the host's time before the first kernel, by clock marks")
     args = p.parse_args()
     model, ids = fp8_prefill_model(Path(args.out), args.tokens, args.reuse)
     s = args.tokens
@@ -174,9 +226,12 @@ def main() -> None:
                   f"forward {t_fwd:.2f} ms, forward enqueued behind a GPU sleep {t_ahead:.2f} ms"
                   + (f", forward as a CUDA graph replay {t_graph:.2f} ms" if t_graph else ""), flush=True)
             print(idle_table(forward), flush=True)
+            if args.lead_in:
+                for name, fn in (("the runtime's prefill", forward), ("generate(max_new_tokens=1)", generate)):
+                    print(f"{mode}: {name}\n" + lead_in(fn, args.reps), flush=True)
             if args.trace_dir:
                 Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
-                idle_table(forward, trace=Path(args.trace_dir) / f"prefill_{mode}.json")
+                idle_table(forward, trace=Path(args.trace_dir) / f"prefill_{mode}.json", stacks=args.stacks)
         torch.cuda.empty_cache()
 
 

@@ -104,6 +104,8 @@ class Checkpoint:
         self.files: list[Path] = sorted(set(name_to_file.values()))
         self._handles: dict[Path, object] = {}
         self._bin: tuple[Path, dict[str, torch.Tensor]] | None = None
+        self.unindexed: dict[str, Path] = {}  # tensors in a shard that the index does not list (a stale index)
+        self.index: Path | None = None
 
     # -- internals ---------------------------------------------------------
     def _file(self, name: str) -> Path:
@@ -187,6 +189,9 @@ def _safetensors_checkpoint(directory: Path, files: list[Path], index: Path | No
                 where[name] = path
     ckpt = Checkpoint(directory, where)
     ckpt._handles.update(handles)
+    if index is not None:
+        ckpt.index = index
+        ckpt.unindexed = {name: path for path, names in present.items() for name in names if name not in where}
     return ckpt
 
 

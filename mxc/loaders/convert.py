@@ -89,7 +89,10 @@ def check_names(graph: Graph, ckpt) -> None:
         shape, used_by = wanted[missing[0]]
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         what = f"expected shape {list(shape)}" if shape is not None else "the checkpoint's fp8 scales"
-        raise MxcError(f"{where}: missing tensor {missing[0]!r} ({what}, for weight {used_by}){more}")
+        stray = getattr(ckpt, "unindexed", {}).get(missing[0])
+        hint = (f": it is in {stray.name}, but {ckpt.index.name} does not list it (a stale index? add it to the "
+                f"index's weight_map)") if stray is not None else ""
+        raise MxcError(f"{where}: missing tensor {missing[0]!r} ({what}, for weight {used_by}){more}{hint}")
     ignored = _ignored(graph.ignore)
     unexpected = sorted(n for n in have if n not in wanted and not ignored.match(n))
     if unexpected:

@@ -81,6 +81,18 @@ def test_missing_tensor(ckpt, tmp_path):
     assert not (tmp_path / "art").exists()
 
 
+def test_tensor_left_out_of_the_index(ckpt, tmp_path):
+    """A tensor in a shard that a stale index does not list: the error says where it is and what to fix."""
+    names = sorted(load_file(ckpt / "model.safetensors"))
+    (ckpt / "model.safetensors").rename(ckpt / "model-00001-of-00001.safetensors")
+    weight_map = {n: "model-00001-of-00001.safetensors" for n in names if n != DROPPED}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(MxcError, match=rf"missing tensor '{DROPPED}' .*: it is in model-00001-of-00001\.safetensors, "
+                                        r"but model\.safetensors\.index\.json does not list it") as e:
+        _build(ckpt, tmp_path / "art")
+    _one_line(e)
+
+
 def test_unexpected_tensor(ckpt, tmp_path):
     _edit_tensors(ckpt, lambda t: t.__setitem__("model.layers.0.mlp.extra_proj.weight", torch.zeros(4, 4)))
     with pytest.raises(MxcError, match=r"unexpected tensor 'model\.layers\.0\.mlp\.extra_proj\.weight'"):
