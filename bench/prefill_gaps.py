@@ -14,7 +14,8 @@ CUDA events (medians of ``--reps``), with PDL launches and plain:
   largest first; ``--trace-dir``: also each mode's host and GPU timeline (Chrome JSON; ``--stacks`` adds Python
   stacks, which inflate the host's times several-fold; the profiler's own buffer requests show up as host time);
 - ``--lead-in``: where the host's time goes before the prefill's first kernel (host clock marks at the call, the
-  context's copy and the embedding's launch, medians of ``--reps``; no profiler);
+  context's copy and the embedding's launch, medians of ``--reps``; no profiler), and ``ForwardContext.build``'s
+  steps against a pageable buffer and a kept pinned one;
 - ``--power`` first: the 8192^3 ``torch._scaled_mm`` rate as a burst, timed as the prefill is and after 2 s of
   load, and the prefill and its graph back to back and after 200 ms of idle GPU.
 
@@ -140,6 +141,62 @@ def lead_in(forward, reps: int) -> str:
     return "\n".join(lines)
 
 
+def context_pieces(d, s: int, reps: int) -> str:
+    """Host microseconds of each step of ``ForwardContext.build`` for one ``s``-token prompt (medians of ``reps``,
+    each after the GPU is idle): the numpy arrays, the pinned staging buffer, its fill, the copy's enqueue, the
+    views, the dataclass; and the staging buffer's alternatives: pageable memory, one pinned buffer kept."""
+    import time
+
+
+
+    from mxc.kernels import context as C
+
+    rows = defaultdict(list)
+    kept = torch.empty(1 << 16, dtype=torch.uint8, pin_memory=True)
+    for _ in range(reps + 1):
+        torch.cuda.synchronize()
+        t = [time.perf_counter()]
+        arrays = C.host_arrays([s], [0], [0], d.max_len)
+        t.append(time.perf_counter())
+        offsets, size = C._packing(arrays.values())
+        stage = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        t.append(time.perf_counter())
+        host = stage.numpy()
+        for a, off in zip(arrays.values(), offsets):
+            host[off:off + a.nbytes].view(a.dtype).reshape(a.shape)[...] = a
+        t.append(time.perf_counter())
+        dev = stage.to(d.device, non_blocking=True)
+        t.append(time.perf_counter())
+        views = C._views(dev, arrays.values(), offsets)
+        t.append(time.perf_counter())
+        tensors = dict(zip(arrays, views))
+        C.ForwardContext([s], [0], [0], d.k_cache, d.v_cache, cache_loc=tensors["cache_loc"],
+                         kv_lens=tensors["kv_lens"], slots_t=tensors["slots"], q_start=tensors["q_start"], max_q_len=s,
+                         positions=tensors["positions"], last_rows=tensors["last_rows"])
+        t.append(time.perf_counter())
+        torch.cuda.synchronize()
+        t2 = [time.perf_counter()]
+        pageable = torch.empty(size, dtype=torch.uint8)
+        pageable.numpy()[:] = host
+        pageable.to(d.device, non_blocking=True)
+        t2.append(time.perf_counter())
+        torch.cuda.synchronize()
+        t2.append(time.perf_counter())
+        kept.numpy()[:size] = host
+        kept[:size].to(d.device, non_blocking=True)
+        t2.append(time.perf_counter())
+        names = ["numpy arrays", "pinned torch.empty", "fill", "copy enqueued (.to)", "views", "ForwardContext()"]
+        for name, a, b in zip(names, t, t[1:]):
+            rows[name].append((b - a) * 1e6)
+        rows["pageable: alloc + fill + copy"].append((t2[1] - t2[0]) * 1e6)
+        rows["kept pinned: fill + copy"].append((t2[3] - t2[2]) * 1e6)
+
+    lines = [f"  ForwardContext.build's steps, {s} tokens, host us (medians; first call dropped):"]
+    for name, ts in rows.items():
+        lines.append(f"    {name:32s} {statistics.median(ts[1:]):8.1f}")
+    return "\n".join(lines)
+
+
 def power_check(forward, replay, tokens: int) -> None:
     """Is the prefill's time set by the GPU's clock under sustained load? ``bench/decode.py`` times the
     prefill over four back-to-back calls (~120 ms) and ``torch._scaled_mm``'s 8192^3 rate over 13 short
@@ -229,6 +286,7 @@ def main() -> None:
             if args.lead_in:
                 for name, fn in (("the runtime's prefill", forward), ("generate(max_new_tokens=1)", generate)):
                     print(f"{mode}: {name}\n" + lead_in(fn, args.reps), flush=True)
+                print(context_pieces(d, s, args.reps), flush=True)
             if args.trace_dir:
                 Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
                 idle_table(forward, trace=Path(args.trace_dir) / f"prefill_{mode}.json", stacks=args.stacks)
