@@ -117,10 +117,11 @@ def checkpoint_quantization(config: dict, config_path: str) -> tuple[str, str] |
         raise MxcError(f"{config_path}: quantization_config must be a JSON object, got {type(qc).__name__}")
     method = qc.get("quant_method")
     if method == "fp8":  # transformers' fine-grained fp8: weight + weight_scale_inv per 128x128 block
-        block = qc.get("weight_block_size")
+        # an absent weight_block_size is transformers' default, (128, 128) (FineGrainedFP8Config); null: per tensor
+        block = qc.get("weight_block_size", [128, 128])
         if block not in (None, [128, 128]):
             raise MxcError(f"{config_path}: quantization_config.weight_block_size {block} is not supported "
-                           f"(expected [128, 128])")
+                           f"(expected [128, 128], or null for one scale a tensor)")
         return ("block128" if block else "tensor"), "weight_scale_inv"
     if method == "compressed-tensors":
         groups = qc.get("config_groups") or {}
@@ -128,10 +129,15 @@ def checkpoint_quantization(config: dict, config_path: str) -> tuple[str, str] |
         if groups is None or not all(isinstance(g, dict) and isinstance(g.get("weights", {}), dict) for g in groups):
             raise MxcError(f"{config_path}: quantization_config.config_groups must map group names to objects "
                            f"with a 'weights' object")
-        weights = groups[0].get("weights", {}) if groups else {}
-        if weights.get("type") != "float" or weights.get("num_bits") != 8:
-            raise MxcError(f"{config_path}: compressed-tensors scheme {weights} is not fp8; only fp8 is supported")
-        strategy = weights.get("strategy")
+        schemes = [g.get("weights", {}) for g in groups] or [{}]
+        for weights in schemes:
+            if weights.get("type") != "float" or weights.get("num_bits") != 8:
+                raise MxcError(f"{config_path}: compressed-tensors scheme {weights} is not fp8; only fp8 is supported")
+        strategies = sorted({str(w.get("strategy")) for w in schemes})
+        if len(strategies) > 1:  # one granularity a build: each group's layers would need their own
+            raise MxcError(f"{config_path}: quantization_config.config_groups mix the fp8 strategies {strategies}; "
+                           f"mxc imports checkpoints whose groups share one strategy (channel or tensor)")
+        strategy = schemes[0].get("strategy")
         if strategy not in ("channel", "tensor"):
             raise MxcError(f"{config_path}: compressed-tensors fp8 strategy {strategy!r} is not supported "
                            f"(channel or tensor)")

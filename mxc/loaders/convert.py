@@ -125,15 +125,23 @@ def _as_fp8(tensor: torch.Tensor, w: Weight, where) -> torch.Tensor:
 def _checkpoint_scales(w: Weight, scale_w: Weight, ckpt) -> torch.Tensor:
     """The checkpoint's scales of ``w``'s parts, in the layout quantize_fp8 would have made."""
     rows = w.segments or (full_shape(w)[0],)
+    k = full_shape(w)[1]
     parts = []
     for hf, n in zip(scale_w.hf, rows):
         s = ckpt.get(hf).float()
         if w.quant.granularity == "block128":
             if len(rows) > 1 and n % 128:
                 raise MxcError(f"{ckpt.directory}: {hf}: merged part of {n} rows is not whole 128-row blocks")
+            want = [-(-n // 128), -(-k // 128)]
+            if list(s.shape) != want:
+                raise MxcError(f"{ckpt.directory}: {hf} has shape {list(s.shape)}, expected {want} (one scale a "
+                               f"128x128 block of a [{n}, {k}] weight, as config.json's quantization_config says)")
             parts.append(s)
         elif w.quant.granularity == "tensor":
-            parts.append(s.reshape(-1)[:1].expand(n))
+            if s.numel() != 1:
+                raise MxcError(f"{ckpt.directory}: {hf} has shape {list(s.shape)}, expected one scale for the tensor "
+                               f"(as config.json's quantization_config says)")
+            parts.append(s.reshape(1).expand(n))
         else:
             if s.numel() != n:
                 raise MxcError(f"{ckpt.directory}: {hf} has {s.numel()} scales, expected one per row ({n})")

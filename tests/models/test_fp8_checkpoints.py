@@ -100,3 +100,36 @@ def test_fp8_tensor_not_declared_fp8_is_refused(hf_checkpoint, tmp_path):
     with pytest.raises(mxc.MxcError, match="lm_head.weight is stored as torch.float8_e4m3fn"):
         mxc.build(str(tmp_path / "fp8-ckpt"), out=tmp_path / "a", progress=False, log=lambda m: None)
     assert not (tmp_path / "a").exists()
+
+
+def test_hf_fp8_without_weight_block_size_is_block_128(hf_checkpoint, tmp_path):
+    """transformers' FineGrainedFP8Config defaults weight_block_size to (128, 128): an absent key means blocks."""
+    qconfig, granularity, suffix = FORMATS["hf-fp8-block"]
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM", **SHAPE)
+    _prequantize(ckpt, tmp_path / "fp8-ckpt", {k: v for k, v in qconfig.items() if k != "weight_block_size"},
+                 granularity, suffix)
+    art = mxc.build(str(tmp_path / "fp8-ckpt"), out=tmp_path / "a", progress=False, log=lambda m: None)
+    assert json.loads((art / "manifest.json").read_text())["options"]["quant_granularity"] == "block128"
+
+
+@pytest.mark.parametrize("said, stored", [("block128", "tensor"), ("tensor", "block128"), ("tensor", "channel")])
+def test_scales_unlike_the_config_are_refused(said, stored, hf_checkpoint, tmp_path):
+    """Scales stored at another granularity than quantization_config names fail with their shape, instead of being
+    read as that granularity (one value of each tensor's block grid taken as its scale, say)."""
+    qconfig = {"quant_method": "fp8", "weight_block_size": [128, 128] if said == "block128" else None}
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM", **SHAPE)
+    _prequantize(ckpt, tmp_path / "fp8-ckpt", qconfig, stored, "weight_scale_inv")
+    with pytest.raises(mxc.MxcError, match=r"_proj\.weight_scale_inv has shape \[.*\], expected ") as e:
+        mxc.build(str(tmp_path / "fp8-ckpt"), out=tmp_path / "a", progress=False, log=lambda m: None)
+    assert "\n" not in str(e.value) and not (tmp_path / "a").exists()
+
+
+def test_compressed_tensors_groups_of_several_strategies_are_refused(hf_checkpoint, tmp_path):
+    qconfig, granularity, suffix = FORMATS["compressed-tensors-channel"]
+    groups = {"attention": {"targets": ["re:.*self_attn.*"], "weights": {"type": "float", "num_bits": 8,
+                                                                          "strategy": "tensor"}},
+              "mlp": {"targets": ["re:.*mlp.*"], "weights": {"type": "float", "num_bits": 8, "strategy": "channel"}}}
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM", **SHAPE)
+    _prequantize(ckpt, tmp_path / "fp8-ckpt", {**qconfig, "config_groups": groups}, granularity, suffix)
+    with pytest.raises(mxc.MxcError, match=r"config_groups mix the fp8 strategies \['channel', 'tensor'\]"):
+        mxc.build(str(tmp_path / "fp8-ckpt"), out=tmp_path / "a", progress=False, log=lambda m: None)
