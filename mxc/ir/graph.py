@@ -93,6 +93,7 @@ class Weight:
     shard: ShardSpec | None = None
     quant: QuantSpec | None = None
     scale_of: str | None = None  # this is the scale tensor of that (local) weight; the loader writes both
+    quantize: bool = True  # False: ``--quant`` leaves it in the model dtype (MoE routers: the experts they pick)
 
     def resolve(self, index_name: str | None, i: int | None) -> "Weight":
         """The concrete weight of layer ``i``."""

@@ -35,6 +35,8 @@ def _weight_dict(w: Weight) -> dict:
                       **({"prequantized": True} if w.quant.prequantized else {})}
     if w.scale_of:
         d["scale_of"] = w.scale_of
+    if not w.quantize:
+        d["quantize"] = False
     return d
 
 
@@ -88,7 +90,7 @@ def _weight(d: dict) -> Weight:
                   shard=ShardSpec(shard["kind"], tuple(shard.get("segments", ())), shard.get("unit", 1),
                                   tuple(shard.get("exprs", ()))) if shard else None,
                   quant=QuantSpec(quant["scheme"], quant["granularity"], quant.get("prequantized", False))
-                  if quant else None, scale_of=d.get("scale_of"))
+                  if quant else None, scale_of=d.get("scale_of"), quantize=d.get("quantize", True))
 
 
 def _node(text: str, loc: str, index: str | None) -> Node:

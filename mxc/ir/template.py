@@ -24,8 +24,9 @@ from mxc.ir.statements import Call, StatementError, parse_statement
 from mxc.ir.yaml_source import LDict, SourceError, load_yaml
 
 TOP_KEYS = {"family", "doc", "params", "inputs", "weights", "ignore", "graph", "outputs", "tiny_config"}
-WEIGHT_KEYS = {"shape", "hf", "shard", "when", "tied_to", "tied_if", "init", "stack"}
-PARAM_KEYS = {"default", "resolve", "doc", "one_of"}
+WEIGHT_KEYS = {"shape", "hf", "shard", "when", "tied_to", "tied_if", "init", "stack", "quantize"}
+PARAM_KEYS = {"default", "resolve", "doc", "one_of", "type", "min"}
+PARAM_TYPES = {"int": "an integer", "number": "a number", "bool": "true or false"}
 DTYPES = ("float32", "bfloat16", "float16")
 
 Resolver = Callable[[dict, dict], Any]  # (hf config, params so far) -> value
@@ -46,13 +47,13 @@ def read_model_file(path: Path | str) -> LDict:
 
 
 def bind(path: Path | str, config: dict, *, dtype: str, overrides: dict | None = None,
-         resolvers: dict[str, Resolver] | None = None) -> Graph:
-    """Bind the model file at ``path`` to ``config`` (an HF config dict)."""
+         resolvers: dict[str, Resolver] | None = None, config_path: str = "config.json") -> Graph:
+    """Bind the model file at ``path`` to ``config`` (an HF config dict, read from ``config_path``: errors name it)."""
     data = read_model_file(path)
-    return _Binder(Path(path), data, config, dtype, overrides or {}, resolvers or {}).run()
+    return _Binder(Path(path), data, config, dtype, overrides or {}, resolvers or {}, config_path).run()
 
 
-def _check_like_default(name: str, value, default) -> None:
+def _check_like_default(where: str, name: str, value, default) -> None:
     """A config value must have the type of the model file's literal default: ``"no"`` for a boolean would
     otherwise read as true (a tied LM head dropped, silently). A default written as ``1e-6`` is a string to YAML:
     a numeric literal counts as a number."""
@@ -62,15 +63,25 @@ def _check_like_default(name: str, value, default) -> None:
         except ValueError:
             pass
     if isinstance(default, bool) and not isinstance(value, bool):
-        raise MxcError(f"config.json field {name} = {value!r}: expected true or false")
+        raise MxcError(f"{where}: field {name} = {value!r}: expected true or false")
     if isinstance(default, (int, float)) and not isinstance(default, bool) and (
             isinstance(value, bool) or not isinstance(value, (int, float))):
-        raise MxcError(f"config.json field {name} = {value!r}: expected a number")
+        raise MxcError(f"{where}: field {name} = {value!r}: expected a number")
+
+
+def _check_declared(where: str, name: str, value, kind: str | None, low) -> None:
+    """A param's ``type:`` (int, number, bool) and ``min:``, whatever set its value; the error names the field."""
+    ok = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+          "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+          "bool": lambda v: isinstance(v, bool), None: lambda v: True}[kind]
+    if not ok(value) or (low is not None and value < low):
+        want = PARAM_TYPES.get(kind, "a value") + (f" >= {low}" if low is not None else "")
+        raise MxcError(f"{where}: field {name} = {value!r}: expected {want}")
 
 
 class _Binder:
-    def __init__(self, path, data, config, dtype, overrides, resolvers):
-        self.path, self.data, self.config = path, data, config
+    def __init__(self, path, data, config, dtype, overrides, resolvers, config_path="config.json"):
+        self.path, self.data, self.config, self.config_path = path, data, config, config_path
         self.err = SourceError(path.name)
         self.dtype, self.overrides, self.resolvers = dtype, overrides, resolvers
         self.used_names: set[str] = set()
@@ -128,18 +139,30 @@ class _Binder:
                 fn = self.resolvers.get(p["resolve"])
                 if fn is None:
                     raise self.err(line, f"params.{name}.resolve", f"unknown resolver {p['resolve']!r}")
-                params[name] = fn(self.config, params)
+                try:
+                    params[name] = fn(self.config, params)
+                except MxcError as e:  # resolvers read config.json's fields and say so: name the file read
+                    text = str(e)
+                    raise MxcError(self.config_path + text[len("config.json"):]
+                                   if text.startswith("config.json") else text) from None
             elif self.config.get(name) is not None:
                 params[name] = self.config[name]
-                _check_like_default(name, params[name], p.get("default"))
+                _check_like_default(self.config_path, name, params[name], p.get("default"))
             elif "default" in p:
                 params[name] = self.eval(p["default"], params, line, f"params.{name}.default")
             else:
-                raise self.err(line, f"params.{name}", f"config.json has no field {name!r} and the model file gives no default")
+                raise self.err(line, f"params.{name}",
+                               f"{self.config_path} has no field {name!r} and the model file gives no default")
+            if p.get("type") not in (None, *PARAM_TYPES):
+                raise self.err(line, f"params.{name}.type", f"expected one of {sorted(PARAM_TYPES)}")
+            if "type" in p or "min" in p:
+                from_config = name not in self.overrides and "resolve" not in p and self.config.get(name) is not None
+                where = self.config_path if from_config else f"{self.path.name} (params.{name}, from {self.config_path})"
+                _check_declared(where, name, params[name], p.get("type"), p.get("min"))
             if "one_of" in p and not isinstance(p["one_of"], list):
                 raise self.err(line, f"params.{name}.one_of", "expected a list of the values the graph computes")
             if "one_of" in p and params[name] not in p["one_of"]:  # values the graph does not compute are refused
-                raise MxcError(f"config.json field {name} = {params[name]!r}: {self.path.name} supports "
+                raise MxcError(f"{self.config_path}: field {name} = {params[name]!r}: {self.path.name} supports "
                                f"{' or '.join(map(repr, p['one_of']))} only")
         return params
 
@@ -186,8 +209,11 @@ class _Binder:
                 self.tied_hf[name] = hf
                 continue
             stack = str(w["stack"]) if "stack" in w else None
+            quantize = w.get("quantize", True)
+            if not isinstance(quantize, bool):
+                raise self.err(line, f"{field}.quantize", f"expected true or false, got {quantize!r}")
             out[str(name)] = Weight(name=f"{prefix}{name}", shape=shape, dtype=self.dtype, hf=(hf,), init=init,
-                                    shard=shard, stack=stack)
+                                    shard=shard, stack=stack, quantize=quantize)
         return out
 
     def hf_name(self, template: str, env, line, field) -> str:

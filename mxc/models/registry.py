@@ -111,4 +111,4 @@ def bind_model(model_file: Path, config: dict, dtype: str, entry: Entry | None,
                 overrides[key] = evaluate(value, env) if isinstance(value, str) else value
             except ExprError as e:
                 raise MxcError(f"{config_path}: {entry.architecture} needs {e}") from None
-    return bind(model_file, config, dtype=dtype, overrides=overrides, resolvers=RESOLVERS)
+    return bind(model_file, config, dtype=dtype, overrides=overrides, resolvers=RESOLVERS, config_path=config_path)

@@ -65,7 +65,7 @@ def test_every_tested_architecture_is_covered():
 
 @pytest.mark.parametrize("act", ["gelu", "gelu_pytorch_tanh", "relu"])
 def test_an_activation_the_graph_does_not_compute_is_refused(act):
-    with pytest.raises(MxcError, match=f"config.json field hidden_act = '{act}': llama.yaml supports 'silu' or "
+    with pytest.raises(MxcError, match=f"config.json: field hidden_act = '{act}': llama.yaml supports 'silu' or "
                                        "'swish' only"):
         bound("MixtralForCausalLM", hidden_act=act)
     bound("LlamaForCausalLM", hidden_act="swish")  # transformers' other name for SiLU

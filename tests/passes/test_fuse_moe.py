@@ -74,7 +74,7 @@ def _routed(bind_arch, arch="Qwen3MoeForCausalLM", **fields):
 
 def test_norm_and_router_fuse(bind_arch, assert_same_logits):
     """fuse_norm_route: add_rms_norm + router linear + route -> add_rms_norm_route (softmax with
-    renormalisation, Qwen3-MoE; sigmoid without, as a model file may ask); not under fp8."""
+    renormalisation, Qwen3-MoE; sigmoid without, as a model file may ask); under fp8 too, not at tp > 1."""
     from types import SimpleNamespace
 
     from mxc.compiler.passes import fuse_norm_route
@@ -91,7 +91,8 @@ def test_norm_and_router_fuse(bind_arch, assert_same_logits):
         assert moe.ins[:3] == node.outs[1:]  # the experts read the fused op's normalised rows and routes
         assert fuse_norm_route.run(after, SimpleNamespace(quant=None)) == after
         assert_same_logits(before, after)
-        assert fuse_norm_route.run(before, SimpleNamespace(quant="fp8")) == before
+        assert fuse_norm_route.run(before, SimpleNamespace(quant="fp8")) == fuse_norm_route.run(
+            before, SimpleNamespace(quant=None))  # the router stays in the model dtype under fp8
         assert fuse_norm_route.run(before, SimpleNamespace(quant=None, tp=2)) == before
 
 
@@ -107,3 +108,38 @@ def test_norm_route_leaves_logits_read_elsewhere(bind_arch):
     kept = g.replace(body=tuple(it.replace(carry={**it.carry, "router_logits": route.ins[0]})
                                 if isinstance(it, Repeat) else it for it in g.body))
     assert fuse_norm_route.run(kept, SimpleNamespace(quant=None)) == kept
+
+
+def test_fp8_keeps_the_routers_in_the_model_dtype(bind_arch):
+    """``--quant fp8`` quantizes the experts and every other linear but not the routers (``quantize: false`` in the
+    model file): the expert router and Qwen2-MoE's shared-expert gate stay in the model dtype, so fp8 picks the same
+    experts; the fused norm + router op takes the unquantized router. The flag survives the IR dump."""
+    from mxc.compiler.options import BuildOptions
+    from mxc.compiler.passes import fuse_add_rms_norm, fuse_norm_route, quantize
+    from mxc.ir import dump_graph, load_graph
+
+    g = fuse_moe.run(bind_arch("Qwen2MoeForCausalLM", **MOE, shared_expert_intermediate_size=48), None)
+    g = fuse_norm_route.run(fuse_add_rms_norm.run(eliminate_dead_code.run(g, None), None),
+                            BuildOptions(target="cuda", dtype="bfloat16", quant="fp8"))
+    q = quantize.run(g, BuildOptions(target="cuda", dtype="bfloat16", quant="fp8"))
+    verify(q)
+    ws = layer(q).weights
+    assert ws["w_router"].dtype == ws["ws_router"].dtype == "float32" and ws["w_router"].quant is None
+    assert not ws["w_router"].quantize and not ws["ws_router"].quantize
+    assert "w_router_scale" not in ws and "ws_router_scale" not in ws
+    assert ws["we_gate_up"].dtype == ws["wq"].dtype == ws["ws_gate"].dtype == "float8_e4m3fn"
+    assert any(n.op == "add_rms_norm_route" and "w_router" in n.ins for n in layer(q).body)
+    assert load_graph(dump_graph(q)) == q
+
+
+def test_quantize_flag_must_be_a_boolean(bind_arch, tmp_path):
+    import pytest
+
+    from mxc.errors import MxcError
+    from mxc.models.registry import MODELS_DIR
+
+    text = (MODELS_DIR / "llama.yaml").read_text()
+    assert "when: moe, quantize: false}" in text
+    (tmp_path / "llama.yaml").write_text(text.replace("when: moe, quantize: false}", "when: moe, quantize: 'no'}"))
+    with pytest.raises(MxcError, match=r"w_router\.quantize: expected true or false, got 'no'"):
+        bind_arch("Qwen3MoeForCausalLM", model_file=tmp_path / "llama.yaml", **MOE)

@@ -11,8 +11,8 @@ Rewrites to::
     s, h, wt, ids = add_rms_norm_route(a, b, g, w_r, eps=e, k=K, scoring=S, renormalize=R)
 
 At decode one kernel does all of it (``triton_route.add_rms_norm_route``: 3 launches fewer a MoE
-layer); larger token counts run the three kernels as before. Not under ``--quant fp8``: there the
-router linear is quantized with the others (the fused kernel reads a router in the model dtype). Not
+layer); larger token counts run the three kernels as before. Under ``--quant fp8`` too: the router
+stays in the model dtype (``quantize: false`` in the model file), which the fused kernel reads. Not
 at ``--tp`` > 1: there the add + RMSNorm joins the all-reduce before it (``fuse_all_reduce``, the
 push kernel), measured on its own; this fusion was measured at tp = 1.
 Preserves: every output's name and the math (the router logits rounded to the model dtype, as by the
@@ -37,6 +37,6 @@ def _match(route: Node, ctx):
 
 
 def run(graph: Graph, options) -> Graph:
-    if options.quant == "fp8" or getattr(options, "tp", 1) > 1:
+    if getattr(options, "tp", 1) > 1:
         return graph
     return apply_rules(graph, [("route", _match)])[0]

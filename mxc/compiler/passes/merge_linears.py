@@ -42,7 +42,7 @@ def can_merge(linears: list[Node], weights: dict[str, Weight]) -> bool:
     ws = [weights.get(n.ins[1]) for n in linears]
     if any(w is None or w.quant or w.segments for w in ws):
         return False  # not a local weight, quantized, or already merged
-    if len({(w.dtype, w.shape[1:], (w.shard.kind, w.shard.unit) if w.shard else None) for w in ws}) != 1:
+    if len({(w.dtype, w.shape[1:], (w.shard.kind, w.shard.unit) if w.shard else None, w.quantize) for w in ws}) != 1:
         return False
     has_bias = [len(n.ins) > 2 and n.ins[2] is not None for n in linears]
     if any(has_bias) and not all(has_bias):

@@ -1,8 +1,10 @@
 """quantize: linear weights become fp8 e4m3 with scales (``--quant fp8``; identity otherwise).
 
 Matches: every ``linear`` inside a repeated block whose weight is a local
-weight not yet quantized (and the LM head with ``--quant-lm-head``, unless it
-is tied to the embedding table, which must stay in the model dtype).
+weight not yet quantized and not declared ``quantize: false`` (the MoE routers:
+an fp8 router can pick other experts, for bytes the experts' dwarf; vLLM keeps
+them unquantized too), and the LM head with ``--quant-lm-head``, unless it
+is tied to the embedding table, which must stay in the model dtype.
 
 Rewrites to::
 
@@ -78,7 +80,8 @@ def _rule(granularity: str, include: set[str] | None, tp: int, suffix: str | Non
         at = 2 if node.op == "rms_norm_linear" else 1  # the weight's position among the inputs
         local = node.ins[at]
         w = ctx.weights.get(local)
-        if w is None or w.quant is not None or w.dtype == FP8 or (include is not None and local not in include):
+        if (w is None or w.quant is not None or w.dtype == FP8 or not w.quantize
+                or (include is not None and local not in include)):
             return None
         scale_local = f"{local}_scale"
         ctx.weights[local] = replace(w, dtype=FP8, quant=QuantSpec("fp8_e4m3", granularity, suffix is not None))
