@@ -95,30 +95,32 @@ def idle_table(fn, top: int = 14, trace: Path | None = None, stacks: bool = Fals
 
 
 def lead_in(forward, reps: int) -> str:
-    """Host microseconds from ``forward()``'s call to: its context built and copied (``ForwardContext.build``
-    returned), the embedding's wrapper entered and returned (its kernel enqueued), and the call's return, and
+    """Host microseconds from ``forward()``'s call to: ``ForwardContext.build`` entered, its host arrays made, its
+    copy enqueued and its return, the embedding's wrapper entered and returned (its kernel enqueued), and the
+    call's return (the first call of a model's ``generate`` also copies the prompt: the first marks), and
     the GPU's time from an event recorded before the call to the call's end. Medians of ``reps`` calls, each
     after the GPU is idle (as a prompt arrives). No profiler: host clock marks in patched wrappers."""
     import time
 
-    from mxc.kernels import triton_elementwise
+    from mxc.kernels import context, triton_elementwise
 
     marks: dict[str, float] = {}
     build, embed = ForwardContext.build.__func__, triton_elementwise.embedding
+    arrays, copy = context.host_arrays, context.to_device
 
-    def build_marked(cls, *a, **k):
-        out = build(cls, *a, **k)
-        marks.setdefault("context built", time.perf_counter())
-        return out
-
-    def embed_marked(*a, **k):
-        marks.setdefault("embedding entered", time.perf_counter())
-        out = embed(*a, **k)
-        marks.setdefault("embedding launched", time.perf_counter())
-        return out
+    def marked(fn, before: str, after: str):
+        def call(*a, **k):
+            marks.setdefault(before, time.perf_counter())
+            out = fn(*a, **k)
+            marks.setdefault(after, time.perf_counter())
+            return out
+        return call
 
     rows = defaultdict(list)
-    ForwardContext.build, triton_elementwise.embedding = classmethod(build_marked), embed_marked
+    ForwardContext.build = classmethod(marked(build, "context build entered", "context built"))
+    context.host_arrays = marked(arrays, "host arrays entered", "host arrays made")
+    context.to_device = marked(copy, "to_device entered", "copy enqueued")
+    triton_elementwise.embedding = marked(embed, "embedding entered", "embedding launched")
     try:
         for _ in range(reps + 1):
             torch.cuda.synchronize()
@@ -130,11 +132,12 @@ def lead_in(forward, reps: int) -> str:
             marks["forward returned"] = time.perf_counter()
             end.record()
             torch.cuda.synchronize()
-            for name, t in marks.items():
+            for name, t in sorted(marks.items(), key=lambda kv: kv[1]):
                 rows[name].append((t - t0) * 1e6)
             rows["GPU: call to end (ms)"].append(start.elapsed_time(end))
     finally:
         ForwardContext.build, triton_elementwise.embedding = classmethod(build), embed
+        context.host_arrays, context.to_device = arrays, copy
     lines = ["  host us after the call (medians; first call dropped):"]
     for name, ts in rows.items():
         lines.append(f"    {name:28s} {statistics.median(ts[1:]):10.1f}")
