@@ -51,7 +51,8 @@ def _read_config(path: Path) -> dict:
     try:
         config = json.loads(path.read_text())
     except FileNotFoundError:
-        raise MxcError(f"{path}: not found; a checkpoint directory needs its config.json") from None
+        why = "a checkpoint directory needs its config.json" if path.name == "config.json" else "check the --config path"
+        raise MxcError(f"{path}: not found; {why}") from None
     except OSError as e:  # a directory, no permission
         raise MxcError(f"{path}: cannot read it as a config.json ({e.strerror})") from None
     except json.JSONDecodeError as e:
@@ -300,6 +301,8 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
                            quant_scale_suffix=scale_suffix, disable_passes=check_disabled(disable_passes), pdl=pdl,
                            tp_allreduce=tp_allreduce, arch=arch, mlp_pair=mlp_pair,
                            prefill_graph_tokens=prefill_graphs)
+    if out is not None and not str(out).strip():
+        raise MxcError("--out '': give the artifact directory, or leave --out out for build/<definition>")
     out = Path(out) if out else Path("build") / src.model_file.stem
     if out.exists() and not is_artifact(out):  # only an artifact is ever replaced
         raise MxcError(f"--out {out}: exists and is not an mxc artifact; choose another path or remove it")
@@ -308,6 +311,10 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
         _check_writable(Path(dump_ir), "--dump-ir")
     _check_eos(src)
 
+    mpe = src.config.get("max_position_embeddings")
+    if isinstance(mpe, int) and not isinstance(mpe, bool) and max_seq_len > mpe:
+        log(f"note: --max-seq-len {max_seq_len} is above {src.config_path}'s max_position_embeddings {mpe}: "
+            f"positions past it are outside what the model was trained on")
     log(f"binding {src.model_file.name} to {src.config_path}")
     graph = bind_model(src.model_file, src.config, options.dtype, src.entry, src.config_path)
     log("compiling" + (f" (IR after each pass in {dump_ir})" if dump_ir else ""))

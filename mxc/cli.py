@@ -57,6 +57,7 @@ def cmd_generate(args) -> None:
     from pathlib import Path
 
     from mxc.runtime.artifact import read_manifest
+    from mxc.runtime.sampling import check_generate_args
     from mxc.runtime.tokenizer import load_tokenizer
 
     if (args.ids is None) == (args.prompt is None):
@@ -76,12 +77,15 @@ def cmd_generate(args) -> None:
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:
         raise MxcError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+    check_generate_args(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
     tp = manifest.get("tp", 1)
     if tp == 1:
         _generate_and_print(0, 1, args.device, args, ids)
     else:  # one command starts every rank; rank 0 prints
+        from mxc.runtime.artifact import check_rank_devices
         from mxc.runtime.ranks import run_ranks
 
+        check_rank_devices(args.device, tp, path)
         run_ranks(_generate_and_print, tp, args.device, args, ids)
 
 

@@ -92,6 +92,10 @@ def check_names(graph: Graph, ckpt) -> None:
         stray = getattr(ckpt, "unindexed", {}).get(missing[0])
         hint = (f": it is in {stray.name}, but {ckpt.index.name} does not list it (a stale index? add it to the "
                 f"index's weight_map)") if stray is not None else ""
+        if shape is None and not hint:
+            hint = (": the checkpoint does not store that weight in fp8 with scales" +
+                    (" (--quant-lm-head asks for the LM head's; build without it)"
+                     if used_by in {w.name for w in graph.weights.values()} else ""))
         raise MxcError(f"{where}: missing tensor {missing[0]!r} ({what}, for weight {used_by}){more}{hint}")
     ignored = _ignored(graph.ignore)
     unexpected = sorted(n for n in have if n not in wanted and not ignored.match(n))

@@ -127,6 +127,15 @@ def _device(name) -> torch.device:
     return torch.device("cuda", index)
 
 
+def check_rank_devices(name: str, world_size: int, path) -> None:
+    """Before a tensor-parallel command starts its ranks (one GPU each, ``cuda:0`` to ``cuda:N-1``): ``--device``
+    names cpu or cuda, and the machine has the GPUs."""
+    device = _device(name)
+    if device.type == "cuda" and torch.cuda.device_count() < world_size:
+        raise MxcError(f"{path}: built for --tp {world_size}, whose ranks take one GPU each; this machine has "
+                       f"{torch.cuda.device_count()} (use --device cpu, or rebuild with a smaller --tp)")
+
+
 def verify_files(path: Path, manifest: dict) -> None:
     expected = manifest.get("files", {})
     present = set(listed_files(path))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from mxc.errors import MxcError
 from mxc.kernels import launch
 from mxc.kernels.context import ForwardContext
 from mxc.runtime_buckets import batch_bucket, batch_buckets, prefill_graph_bucket, prefill_graph_buckets
@@ -130,6 +131,17 @@ class _Bucket:
         self.column.fill_(1)
 
 
+def _check_cache_fits(shape, layers: int, dtype, device, max_batch: int, max_len: int) -> None:
+    """The KV cache (keys and values of every layer, the batch's slots and the scratch slot) fits the GPU's free
+    memory, or a one-line error names the build options that size it."""
+    need = 2 * layers * torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    free, _ = torch.cuda.mem_get_info(device)
+    if need > free:
+        raise MxcError(f"the KV cache of --max-batch {max_batch} x --max-seq-len {max_len} takes {need / 2**30:.1f} "
+                       f"GiB, more than the {free / 2**30:.1f} GiB free on {device} after the weights; rebuild with a "
+                       f"smaller --max-batch or --max-seq-len")
+
+
 class CudaDecoder:
     def __init__(self, forward_fn, launcher, kv: dict, dtype, device, max_batch: int, max_len: int,
                  dist: dict | None = None, prefill_graph_tokens: int = 0):
@@ -138,6 +150,7 @@ class CudaDecoder:
         self.max_batch, self.max_len = max_batch, max_len
         self.scratch_slot = max_batch
         shape = (max_batch + 1, max_len, kv["kv_heads"], kv["head_dim"])
+        _check_cache_fits(shape, kv["layers"], dtype, device, max_batch, max_len)
         self.k_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(kv["layers"])]
         self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(kv["layers"])]
         self.rope_tables: dict = {}

@@ -18,7 +18,7 @@ import torch
 
 from mxc.errors import MxcError
 from mxc.kernels.context import ForwardContext, to_device
-from mxc.runtime.sampling import sample
+from mxc.runtime.sampling import check_generate_args, sample
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -70,9 +70,13 @@ class Model:
 
     # --- input checks -------------------------------------------------------------
     def _ids(self, input_ids) -> torch.Tensor:
-        ids = torch.as_tensor(input_ids)
-        if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32) or ids.shape[1] == 0:
-            raise MxcError(f"input_ids must be a [batch, seq] integer tensor with seq >= 1, got "
+        try:
+            ids = torch.as_tensor(input_ids)
+        except (ValueError, TypeError) as e:  # ragged lists, non-numbers
+            raise MxcError(f"input_ids must be a [batch, seq] integer tensor (prompts of one batch of one length: "
+                           f"run prompts of other lengths in separate calls); {e}") from None
+        if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32) or 0 in ids.shape:
+            raise MxcError(f"input_ids must be a [batch, seq] integer tensor with batch, seq >= 1, got "
                            f"{list(ids.shape)} {ids.dtype}")
         bad = (ids < 0) | (ids >= self.vocab_size)
         if bad.any():
@@ -135,11 +139,8 @@ class Model:
         With ``stop_at_eos``, a sequence that produced an end-of-sequence token is padded with the first
         end-of-sequence id, and generation ends when every sequence has stopped.
         """
+        check_generate_args(max_new_tokens, temperature, top_k, top_p, seed)
         ids = self._ids(input_ids)
-        if max_new_tokens < 1:
-            raise MxcError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if not temperature >= 0 or (top_p is not None and not 0 < top_p <= 1) or (top_k is not None and top_k < 1):
-            raise MxcError("sampling needs temperature >= 0, 0 < top_p <= 1 and top_k >= 1")
         gen = torch.Generator(self.device).manual_seed(seed) if seed is not None else None
         b, s = ids.shape
         self._check_capacity(b, s + max_new_tokens)

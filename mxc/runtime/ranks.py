@@ -3,13 +3,15 @@
 ``run_ranks(fn, world_size, device, *args)`` spawns ``world_size`` processes
 with torch.multiprocessing, initialises torch.distributed in each (gloo on
 CPUs, NCCL on GPUs, one GPU per rank) over a free local port, and calls
-``fn(rank, world_size, device, *args)`` in each. A multi-node user starts the
+``fn(rank, world_size, device, *args)`` in each; a rank's ``MxcError`` reaches the caller as
+one. A multi-node user starts the
 ranks with torchrun instead and calls ``mxc.load(path, rank=..., world_size=...)``
 (with NCCL, without ``destroy_process_group()`` after decoding: see ``_entry``).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
@@ -23,7 +25,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, device: str, port: int, fn, args) -> None:
+def _entry(rank: int, world_size: int, device: str, port: int, fn, args, errors) -> None:
+    """One rank: ``_run``; a user error (``MxcError``) goes to the parent through ``errors`` as one line, and the
+    rank exits with status 2 (``run_ranks`` raises it there; the other ranks are stopped)."""
+    from mxc.errors import MxcError
+
+    try:
+        _run(rank, world_size, device, port, fn, args)
+    except MxcError as e:
+        errors.put((rank, str(e)))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)
+
+
+def _run(rank: int, world_size: int, device: str, port: int, fn, args) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -53,6 +69,21 @@ def _entry(rank: int, world_size: int, device: str, port: int, fn, args) -> None
 
 
 def run_ranks(fn, world_size: int, device: str, *args) -> None:
+    """Run ``fn`` in ``world_size`` ranks; a user error in one of them is raised here as an ``MxcError``."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_entry, args=(world_size, device, free_port(), fn, args), nprocs=world_size, join=True)
+    from mxc.errors import MxcError
+
+    errors = mp.get_context("spawn").SimpleQueue()
+    quiet = logging.getLogger("torch.multiprocessing.spawn")  # its line on stopping the other ranks
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        mp.spawn(_entry, args=(world_size, device, free_port(), fn, args, errors), nprocs=world_size, join=True)
+    except mp.ProcessExitedException:
+        if errors.empty():
+            raise
+        rank, message = errors.get()
+        raise MxcError(message if world_size == 1 else f"rank {rank}: {message}") from None
+    finally:
+        quiet.setLevel(level)

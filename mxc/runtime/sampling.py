@@ -6,7 +6,29 @@ seeded run is comparable; everything stays on the logits' device.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
+
+from mxc.errors import MxcError
+
+
+def check_generate_args(max_new_tokens, temperature=0.0, top_k=None, top_p=None, seed=None) -> None:
+    """``generate``'s arguments, checked before any work (and, for a tensor-parallel command, before its ranks
+    start): an MxcError naming the first bad one."""
+    def whole(v) -> bool:
+        return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+    if not whole(max_new_tokens) or max_new_tokens < 1:
+        raise MxcError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature >= 0:
+        raise MxcError(f"temperature must be a number >= 0, got {temperature!r}")
+    if top_k is not None and (not whole(top_k) or top_k < 1):
+        raise MxcError(f"top_k must be an integer >= 1, got {top_k!r}")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1):
+        raise MxcError(f"top_p must be a number in (0, 1], got {top_p!r}")
+    if seed is not None and (not whole(seed) or not -2**63 <= seed < 2**64):
+        raise MxcError(f"seed must be an integer in [-2**63, 2**64), got {seed!r}")
 
 
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,

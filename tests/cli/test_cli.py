@@ -111,7 +111,7 @@ def test_user_errors(artifact, hf_checkpoint, tmp_path, capsys):
     _error(capsys, ["generate", artifact, "--ids", "1,256"], "token id 256")
     _error(capsys, ["generate", artifact, "--ids", "1,-3"], "token id -3")
     _error(capsys, ["generate", artifact], "give exactly one of --ids or --prompt")
-    _error(capsys, ["generate", artifact, "--ids", "1", "--max-new-tokens", "0"], "max_new_tokens must be >= 1")
+    _error(capsys, ["generate", artifact, "--ids", "1", "--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1")
     (tmp_path / "plain").mkdir()
     _error(capsys, ["generate", tmp_path / "plain", "--ids", "1"], "not an mxc artifact")
     _error(capsys, ["inspect", tmp_path / "plain"], "not an mxc artifact")
@@ -139,6 +139,12 @@ def test_user_errors(artifact, hf_checkpoint, tmp_path, capsys):
     ("quantization_config", [1], "quantization_config must be a JSON object"),
     ("quantization_config", {"quant_method": "compressed-tensors", "config_groups": [1]}, "config_groups must map"),
     ("eos_token_id", "x", "eos_token_id 'x': expected a token id"),
+    ("hidden_size", "64", "config.json: field hidden_size = '64': expected an integer >= 1"),
+    ("num_key_value_heads", "2", "config.json: field num_key_value_heads = '2': expected an integer >= 1"),
+    ("num_attention_heads", 0, "config.json: field num_attention_heads = 0: expected an integer >= 1"),
+    ("hidden_size", 64.0, "field hidden_size = 64.0: expected an integer >= 1"),
+    ("num_hidden_layers", -2, "field num_hidden_layers = -2: expected an integer >= 1"),
+    ("vocab_size", True, "field vocab_size = True: expected an integer >= 1"),
 ])
 def test_bad_config_fields(field, value, pattern, hf_checkpoint, tmp_path, capsys):
     """A config.json field of the wrong type or an inconsistent one: one line, nothing written."""
@@ -149,6 +155,27 @@ def test_bad_config_fields(field, value, pattern, hf_checkpoint, tmp_path, capsy
     capsys.readouterr()
     _build_error(capsys, ["build", ckpt, "--out", tmp_path / "o"], pattern)
     assert not (tmp_path / "o").exists()
+
+
+def test_config_errors_name_the_file_given(tmp_path, capsys):
+    """``--config FILE``: errors about its fields name FILE, not config.json."""
+    config = json.loads((Path(mxc.__file__).parent / "models" / "configs" / "tiny-llama.json").read_text())
+    (tmp_path / "cfgs").mkdir()
+    (tmp_path / "cfgs" / "mine.json").write_text(json.dumps({**config, "hidden_size": "64"}))
+    _build_error(capsys, ["build", "llama.yaml", "--config", tmp_path / "cfgs" / "mine.json", "--out", tmp_path / "o"],
+           "mine.json: field hidden_size = '64': expected an integer >= 1")
+    (tmp_path / "cfgs" / "rope.json").write_text(json.dumps({**config, "rope_theta": -1.0}))
+    _build_error(capsys, ["build", "llama.yaml", "--config", tmp_path / "cfgs" / "rope.json", "--out", tmp_path / "o"],
+           "rope.json: rope_theta must be positive")
+    _build_error(capsys, ["build", "llama.yaml", "--config", tmp_path / "nope.json", "--out", tmp_path / "o"],
+                 "nope.json: not found; check the --config path")
+
+
+def test_empty_out_is_refused_and_a_long_max_seq_len_noted(tmp_path, capsys):
+    _build_error(capsys, ["build", "llama.yaml", "--out", ""], "--out '': give the artifact directory")
+    lines = []
+    mxc.build("llama.yaml", out=tmp_path / "a", max_seq_len=1000, progress=False, log=lines.append)
+    assert any("--max-seq-len 1000 is above" in ln and "max_position_embeddings 512" in ln for ln in lines), lines
 
 
 def test_integer_weights_are_refused(hf_checkpoint, tmp_path, capsys):
@@ -175,7 +202,7 @@ def test_bad_paths_devices_sampling_and_manifests(artifact, tmp_path, capsys):
     _error(capsys, ["build", "llama.yaml", "--out", tmp_path / "o", "--quant-lm-head"], "--quant-lm-head: applies to fp8")
     _error(capsys, ["build", "llama.yaml", "--out", tmp_path / "o", "--quant-granularity", "block128"],
            "--quant-granularity block128: applies to fp8 weights; add --quant fp8")
-    _error(capsys, ["generate", artifact, "--ids", "1", "--temperature", "nan"], "sampling needs temperature >= 0")
+    _error(capsys, ["generate", artifact, "--ids", "1", "--temperature", "nan"], "temperature must be a number >= 0")
     _error(capsys, ["generate", artifact, "--ids", "1", "--device", "foo"], "--device foo: expected cpu, cuda")
     if not torch.cuda.is_available():
         _error(capsys, ["generate", artifact, "--ids", "1", "--device", "cuda"], "no CUDA GPU is usable here")
@@ -243,3 +270,22 @@ def test_argparse_errors_are_one_line(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("mxc: error:") and "--dtype" in err[0]
+
+
+def test_tensor_parallel_generate_user_errors(tmp_path):
+    """``generate`` on a --tp 2 artifact starts one process a rank: bad arguments are refused before they start,
+    and an error one rank meets (here rank 1's damaged weights) reaches the command as one line, exit 2."""
+    out = tmp_path / "tp2"
+    mxc.build("llama.yaml", out=out, tp=2, progress=False, log=lambda m: None)
+    r = _run("generate", out, "--ids", "1", "--top-k", "0")
+    _assert_user_error(r.returncode, r.stderr, "top_k must be an integer >= 1, got 0")
+    r = _run("generate", out, "--ids", "1", "--seed", "1" + "0" * 30, "--temperature", "1")
+    _assert_user_error(r.returncode, r.stderr, "seed must be an integer in [-2**63, 2**64)")
+    if not torch.cuda.is_available():
+        r = _run("generate", out, "--ids", "1", "--device", "cuda")
+        _assert_user_error(r.returncode, r.stderr, "no CUDA GPU is usable here")
+    with open(out / "weights" / "rank1.safetensors", "r+b") as f:
+        f.truncate(1000)
+    r = _run("generate", out, "--ids", "1")
+    _assert_user_error(r.returncode, r.stderr, "weights/rank1.safetensors was modified since the build")
+    assert r.stdout == ""

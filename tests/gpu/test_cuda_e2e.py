@@ -188,3 +188,12 @@ def test_prefill_graphs_match_eager(arch, overrides, quant, hf_checkpoint, tmp_p
     for s in (13, 16, 40):  # eager and graph in one power-of-two bucket: the same kernels, the same tokens
         ids = torch.randint(0, 256, (1, s), generator=g)
         assert torch.equal(model.generate(ids, max_new_tokens=8), eager.generate(ids, max_new_tokens=8)), s
+
+
+def test_a_kv_cache_larger_than_the_gpu_is_refused_at_load(tmp_path):
+    """--max-batch x --max-seq-len sized past the GPU's memory: ``mxc.load`` says so in one line (no OOM trace)."""
+    art = mxc.build("llama.yaml", out=tmp_path / "a", target="cuda", max_batch=4096, max_seq_len=1_000_000,
+                    progress=False, log=lambda m: None)
+    with pytest.raises(mxc.MxcError, match=r"the KV cache of --max-batch 4096 x --max-seq-len 1000000 takes "
+                                           r"[0-9.]+ GiB, more than the [0-9.]+ GiB free"):
+        mxc.load(art, device="cuda")

@@ -133,3 +133,14 @@ def test_compressed_tensors_groups_of_several_strategies_are_refused(hf_checkpoi
     _prequantize(ckpt, tmp_path / "fp8-ckpt", {**qconfig, "config_groups": groups}, granularity, suffix)
     with pytest.raises(mxc.MxcError, match=r"config_groups mix the fp8 strategies \['channel', 'tensor'\]"):
         mxc.build(str(tmp_path / "fp8-ckpt"), out=tmp_path / "a", progress=False, log=lambda m: None)
+
+
+def test_quant_lm_head_over_a_bf16_lm_head_says_so(hf_checkpoint, tmp_path):
+    """--quant-lm-head on an fp8 checkpoint whose LM head is bf16 (the usual case): the error names the flag."""
+    qconfig, granularity, suffix = FORMATS["compressed-tensors-channel"]
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM", **SHAPE)
+    _prequantize(ckpt, tmp_path / "fp8-ckpt", qconfig, granularity, suffix)
+    with pytest.raises(mxc.MxcError, match=r"missing tensor 'lm_head\.weight_scale' .*does not store that weight in "
+                                           r"fp8 with scales \(--quant-lm-head asks for the LM head's; build without it\)"):
+        mxc.build(str(tmp_path / "fp8-ckpt"), out=tmp_path / "a", quant_lm_head=True, progress=False,
+                  log=lambda m: None)

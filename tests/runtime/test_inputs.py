@@ -28,7 +28,7 @@ def test_token_outside_vocab(model, bad):
 
 
 @pytest.mark.parametrize("ids", [[1, 2, 3], torch.tensor([1, 2, 3]), [[]], torch.ones(1, 2, 3, dtype=torch.long),
-                                 torch.ones(1, 3)])
+                                 torch.ones(1, 3), torch.ones(0, 2, dtype=torch.long), [[1, 2, 3], [4]], [["a"]]])
 def test_shape_and_dtype_refused(model, ids):
     with pytest.raises(MxcError, match=r"input_ids must be a \[batch, seq\] integer tensor"):
         model.logits(ids)
@@ -41,9 +41,15 @@ def test_edge_ids_accepted(model):
     assert model.logits(torch.tensor([[0, 255]], dtype=torch.int32)).shape == (1, 2, 256)
 
 
-@pytest.mark.parametrize("kw", [dict(max_new_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5),
-                                dict(top_k=0)])
-def test_bad_generation_settings(model, kw):
+@pytest.mark.parametrize("kw, pattern", [
+    (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1, got 0"),
+    (dict(max_new_tokens=2.5), "max_new_tokens must be an integer >= 1, got 2.5"),
+    (dict(temperature=-1.0), "temperature must be a number >= 0"), (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=0.0), r"top_p must be a number in \(0, 1\]"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=0), "top_k must be an integer >= 1"), (dict(top_k=2.5), "top_k"),
+    (dict(seed=10**23, temperature=1.0), r"seed must be an integer in \[-2\*\*63, 2\*\*64\)"),
+])
+def test_bad_generation_settings(model, kw, pattern):
     args = {"max_new_tokens": 2, **kw}
-    with pytest.raises(MxcError):
+    with pytest.raises(MxcError, match=pattern):
         model.generate([[1, 2]], **args)
