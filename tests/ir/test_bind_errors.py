@@ -131,7 +131,7 @@ def test_missing_config_field(llama_text, tmp_path):
     config = {"num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 96, "vocab_size": 256}
     with pytest.raises(MxcError) as e:
         bind_model(path, config, "float32", lookup("LlamaForCausalLM"))
-    line = line_of(llama_text, "hidden_size: {}")
+    line = line_of(llama_text, "hidden_size: {type: int, min: 1}")
     assert (f"llama.yaml:{line}: params.hidden_size: config.json has no field 'hidden_size' "
             "and the model file gives no default") in str(e.value)
 
@@ -192,10 +192,16 @@ def test_tied_shape_mismatch(bind_bad):
 
 
 def test_duplicate_key(bind_bad):
-    msg, line = bind_bad("  vocab_size: {}", "  vocab_size: {}\n  hidden_size: {}", mark="  vocab_size: {}")
+    msg, line = bind_bad("  vocab_size: {type: int, min: 1}", "  vocab_size: {}\n  hidden_size: {}",
+                         mark="  vocab_size: {}")
     assert f"bad.yaml:{line + 1}: duplicate key 'hidden_size'" in msg
 
 
 def test_one_of_must_be_a_list(bind_bad):
     msg, line = bind_bad("one_of: [silu, swish]", "one_of: silu")
     assert where(line, "params.hidden_act.one_of") + "expected a list of the values the graph computes" in msg
+
+
+def test_param_type_must_be_known(bind_bad):
+    msg, line = bind_bad("  vocab_size: {type: int, min: 1}", "  vocab_size: {type: integer}")
+    assert where(line, "params.vocab_size.type") + "expected one of ['bool', 'int', 'number']" in msg
