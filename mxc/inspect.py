@@ -72,5 +72,34 @@ def summary(path) -> str:
     lines.append("files")
     for rel in m["files"]:
         f = path / rel
-        lines.append(f"  {rel:32s} {_size(f.stat().st_size) if f.exists() else 'MISSING'}")
+        lines.append(f"  {rel:32s} {_file_state(f)}")
     return "\n".join(lines)
+
+
+def _file_state(f: Path) -> str:
+    """A file's size, MISSING, or for a safetensors file whose size is not what its header says, TRUNCATED or
+    OVERSIZED (read from the header: no hashing of gigabytes; ``mxc.load`` verifies the hashes)."""
+    if not f.exists():
+        return "MISSING"
+    size = f.stat().st_size
+    if f.suffix == ".safetensors":
+        want = _safetensors_size(f)
+        if want is None:
+            return f"{_size(size)}  DAMAGED (no readable safetensors header)"
+        if want != size:
+            return f"{_size(size)}  {'TRUNCATED' if size < want else 'OVERSIZED'} (its header says {_size(want)})"
+    return _size(size)
+
+
+def _safetensors_size(f: Path) -> int | None:
+    """The size a safetensors file's header implies (8 + header + the data's end), or None if unreadable."""
+    try:
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if not 0 < n <= 100 * 2**20:
+                return None
+            header = json.loads(fh.read(n))
+        ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+        return 8 + n + max(ends, default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return None

@@ -79,6 +79,26 @@ def test_inspect(artifact, capsys):
     for rel in manifest["files"]:
         assert rel in out
     assert manifest["ir_sha256"][:16] in out
+    assert "TRUNCATED" not in out and "MISSING" not in out
+
+
+def test_inspect_flags_damaged_weight_files(tmp_path, capsys):
+    """A weight file cut short (a partial copy) or grown shows in the listing, from its header: no hashing."""
+    art = mxc.build("llama.yaml", out=tmp_path / "a", progress=False, log=lambda m: None)
+    weights = art / "weights" / "rank0.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as f:
+        f.truncate(size - 100)
+    assert main(["inspect", str(art)]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "rank0.safetensors" in ln)
+    assert "TRUNCATED" in line and "its header says" in line
+    with open(weights, "ab") as f:
+        f.write(b"\0" * 200)
+    main(["inspect", str(art)])
+    assert "OVERSIZED" in capsys.readouterr().out
+    weights.write_bytes(b"not a safetensors file")
+    main(["inspect", str(art)])
+    assert "DAMAGED" in capsys.readouterr().out
 
 
 def test_generate_in_process_matches_library(artifact, capsys):
