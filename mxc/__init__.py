@@ -10,14 +10,14 @@ from mxc.errors import MxcError
 
 
 def load(path, device="cpu", **kwargs):
-    """Load a built artifact; see :func:`mxc.runtime.load`."""
+    """Load a built artifact; see :func:`mxc.runtime.artifact.load`."""
     from mxc.runtime.artifact import load as _load
 
     return _load(path, device=device, **kwargs)
 
 
 def build(source, **kwargs):
-    """Build an artifact; see :func:`mxc.build_artifact.build`."""
+    """Build an artifact; see :func:`mxc.builder.build`."""
     from mxc.builder import build as _build
 
     return _build(source, **kwargs)
