@@ -155,6 +155,8 @@ class _Binder:
                                f"{self.config_path} has no field {name!r} and the model file gives no default")
             if p.get("type") not in (None, *PARAM_TYPES):
                 raise self.err(line, f"params.{name}.type", f"expected one of {sorted(PARAM_TYPES)}")
+            if "min" in p and (isinstance(p["min"], bool) or not isinstance(p["min"], (int, float))):
+                raise self.err(line, f"params.{name}.min", f"expected a number, got {p['min']!r}")
             if "type" in p or "min" in p:
                 from_config = name not in self.overrides and "resolve" not in p and self.config.get(name) is not None
                 where = self.config_path if from_config else f"{self.path.name} (params.{name}, from {self.config_path})"

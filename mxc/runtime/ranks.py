@@ -3,10 +3,10 @@
 ``run_ranks(fn, world_size, device, *args)`` spawns ``world_size`` processes
 with torch.multiprocessing, initialises torch.distributed in each (gloo on
 CPUs, NCCL on GPUs, one GPU per rank) over a free local port, and calls
-``fn(rank, world_size, device, *args)`` in each; a rank's ``MxcError`` reaches the caller as
-one. A multi-node user starts the
-ranks with torchrun instead and calls ``mxc.load(path, rank=..., world_size=...)``
-(with NCCL, without ``destroy_process_group()`` after decoding: see ``_entry``).
+``fn(rank, world_size, device, *args)`` in each; a rank's ``MxcError`` reaches
+the caller as one. A multi-node user starts the ranks with torchrun instead and
+calls ``mxc.load(path, rank=..., world_size=...)`` (with NCCL, without
+``destroy_process_group()`` after decoding: see ``_run``).
 """
 
 from __future__ import annotations

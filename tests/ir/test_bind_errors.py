@@ -205,3 +205,5 @@ def test_one_of_must_be_a_list(bind_bad):
 def test_param_type_must_be_known(bind_bad):
     msg, line = bind_bad("  vocab_size: {type: int, min: 1}", "  vocab_size: {type: integer}")
     assert where(line, "params.vocab_size.type") + "expected one of ['bool', 'int', 'number']" in msg
+    msg, line = bind_bad("  vocab_size: {type: int, min: 1}", "  vocab_size: {type: int, min: one}")
+    assert where(line, "params.vocab_size.min") + "expected a number, got 'one'" in msg
