@@ -153,8 +153,20 @@ def test_checkpoint_not_a_directory(tmp_path):
         _build("llama.yaml", tmp_path / "art", checkpoint=str(tmp_path / "missing"))
 
 
-def test_bundled_definition_for_another_arch():
-    pytest.skip("only llama.yaml is bundled: no definition exists that does not serve a checkpoint's arch")
+def test_bundled_definition_for_another_arch(ckpt, tmp_path, monkeypatch):
+    """A bundled definition named with a checkpoint whose architecture another definition serves is refused, naming
+    both. Only llama.yaml is bundled today, so the registry is made to send Llama to another file."""
+    from dataclasses import replace
+
+    from mxc import builder
+
+    real = builder.lookup
+    monkeypatch.setattr(builder, "lookup", lambda arch, where="config.json": replace(real(arch, where), model="gpt.yaml"))
+    with pytest.raises(MxcError, match=r"config\.json: architecture LlamaForCausalLM is served by gpt\.yaml, "
+                                        r"not llama\.yaml") as e:
+        _build("llama.yaml", tmp_path / "art", checkpoint=str(ckpt))
+    _one_line(e)
+    assert not (tmp_path / "art").exists()
 
 
 def test_out_is_not_an_artifact(tmp_path):

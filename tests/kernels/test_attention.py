@@ -61,11 +61,12 @@ def _check(out, ref, dtype):
 # partial, and (D=64, L=130) splits that each hold a part of a long sequence.
 
 def _sweep(*last):
-    """Every (heads, window, last) at D=16; four of them, still covering each value, at D=32 and 64."""
+    """Every (heads, window, last) at D=16; four of them, still covering each value, at D=32 and 64; two at head
+    sizes that are not a power of two (48, 80, 96: the kernels' head block is wider, its extra lanes masked)."""
     full = list(itertools.product((GQA, MQA, MHA), (None, 4), last))
     some = [(GQA, None, last[0]), (MQA, 4, last[1]), (MHA, 4, last[0]), (GQA, 4, last[1])]
     for dtype in DTYPES:
-        for D, variants in ((16, full), (32, some), (64, some)):
+        for D, variants in ((16, full), (32, some), (64, some), (48, some[:2]), (80, some[2:]), (96, some[1:3])):
             for heads, window, x in variants:
                 yield dtype, D, heads, window, x
 

@@ -119,14 +119,15 @@ def test_missing_peer_sets_the_late_flag():
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("what", ["add", "add_rms_norm+bias"])
-def test_pushing_gemv_then_the_wait_kernel(world, what):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])  # --tp-allreduce auto picks push for both
+def test_pushing_gemv_then_the_wait_kernel(world, what, dtype):
     """The row-parallel GEMV pushes its rows into every rank's buffer itself (``linear_small_m_push``) and
     the wait kernel (``pushed=True``) sums them: the same as the GEMV's rounded partials all-reduced,
     over rotating slots; the previous slot is reset. Every GEMV runs before any wait here (one process),
     so no row is missing when a wait reads it."""
     from mxc.kernels.triton_gemv import linear_small_m_push
 
-    dtype, H, K = torch.bfloat16, 96, 80
+    H, K = 96, 80
     g = torch.Generator().manual_seed(world)
     ranks = Ranks(world, H, max_tokens=4, dtype=dtype)
     weight = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype)

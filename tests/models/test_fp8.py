@@ -59,10 +59,43 @@ def test_fp8_experts(hf_checkpoint, tmp_path):
     art = mxc.build(str(ckpt), out=tmp_path / "fp8", dtype="bfloat16", quant="fp8", progress=False, log=lambda m: None)
     got, want = mxc.load(art).logits(IDS), ref.logits(IDS)
     assert _l2(got, want) < 0.065 and _rel(got, want) < 0.09, (_l2(got, want), _rel(got, want))
+    from safetensors.torch import load_file
+
+    from mxc.loaders.quantize import quantize_fp8
+
+    hf = load_file(ckpt / "model.safetensors")
+    expert = "model.layers.{i}.mlp.experts.{e}.{p}_proj.weight"
     with safe_open(art / "weights" / "rank0.safetensors", "pt") as f:
-        assert f.get_tensor("layers.0.we_gate_up").dtype == torch.float8_e4m3fn
-        assert tuple(f.get_tensor("layers.0.we_gate_up_scale").shape) == (8, 80)
-        assert tuple(f.get_tensor("layers.0.we_down_scale").shape) == (8, 64)
+        for i in (0, 1):  # each expert's rows quantized on their own, stored at its index, bit for bit
+            gate_up = torch.stack([torch.cat([hf[expert.format(i=i, e=e, p=p)] for p in ("gate", "up")])
+                                   for e in range(8)])
+            down = torch.stack([hf[expert.format(i=i, e=e, p="down")] for e in range(8)])
+            for name, w in (("we_gate_up", gate_up), ("we_down", down)):
+                q, scale = quantize_fp8(w, "channel")
+                stored = f.get_tensor(f"layers.{i}.{name}")
+                assert stored.dtype == torch.float8_e4m3fn and tuple(stored.shape) == tuple(w.shape)
+                assert torch.equal(stored.view(torch.uint8), q.view(torch.uint8)), name
+                assert torch.equal(f.get_tensor(f"layers.{i}.{name}_scale"), scale), name
+
+
+def test_fp8_fused_moe_reference_is_the_dequantized_moe():
+    """The CPU path's fp8 experts (``torch_ref.fused_moe`` with scales) compute the bf16 MoE of the dequantized
+    stacks: each expert's rows times their own scale."""
+    from mxc.kernels import moe_ref, torch_ref
+    from mxc.loaders.quantize import quantize_fp8
+
+    g = torch.Generator().manual_seed(7)
+    E, K, N, T, k = 6, 32, 24, 5, 2
+    x = torch.randn(T, K, generator=g).to(torch.bfloat16)
+    wgu = torch.randn(E, 2 * N, K, generator=g) * torch.rand(E, 2 * N, 1, generator=g) * 3  # uneven rows
+    wd = torch.randn(E, K, N, generator=g) * torch.rand(E, K, 1, generator=g) * 3
+    (qgu, sgu), (qd, sd) = quantize_fp8(wgu, "channel"), quantize_fp8(wd, "channel")
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=g).to(torch.bfloat16)
+    got = torch_ref.fused_moe(x, weights, ids, qgu, qd, sgu, sd)
+    dq = lambda q, s: (q.float() * s[..., None]).to(torch.bfloat16)  # noqa: E731
+    want = moe_ref.fused_moe(x, weights, ids, dq(qgu, sgu), dq(qd, sd))
+    assert torch.equal(got, want)
 
 
 def test_quant_specs_in_ir_and_manifest(hf_checkpoint, tmp_path):

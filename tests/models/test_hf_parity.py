@@ -31,6 +31,7 @@ CASES = {
     "qwen3": ("Qwen3ForCausalLM", {"head_dim": 32}),
     # mixture of experts
     "mixtral": ("MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "mixtral-sliding": ("MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 6}),
     "qwen2-moe-shared": ("Qwen2MoeForCausalLM", {"num_experts": 6, "num_experts_per_tok": 2,
                                                  "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48}),
     "qwen2-moe-no-qkv-bias": ("Qwen2MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2, "qkv_bias": False,
