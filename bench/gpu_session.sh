@@ -26,6 +26,7 @@
 #   gaps    where the fp8 prefill's time between kernels goes (bench/prefill_gaps.py: eager against a CUDA graph
 #           replay, the idle time by kernel pair) and the power check (the GEMM rate and the prefill, burst and
 #           sustained)
+#   fp8moe  fp8 MoE builds: their GPU tests, then Qwen3-30B-A3B fp8 batch-1 decode against bf16 (bench/decode_ab.py)
 #   prefill the fp8 prefill's pieces: attention in both grid orders, the CUTLASS GEMMs against _scaled_mm per shape,
 #           the quantize kernels' configs, then a 7-round prefill A/B of PREFILL_VARIANTS ("--variant a=... --variant
 #           b=", bench/decode_ab.py syntax) with per-kernel profiles; prefill figures move 1-2 ms between rounds
@@ -91,6 +92,11 @@ case "${1:-}" in
           run 120 quant_lab.log python3 bench/linear_lab.py --quant-lab --quant-m 2048
           run 240 prefill_ab.log python3 bench/decode_ab.py --quant fp8 --prefill 2048 --rounds 7 --profile-prefill \
             --out "$scratch/abpre" ${PREFILL_VARIANTS:---variant default=}; rm -rf "$scratch"/abpre* ;;
-  *) echo "usage: bash bench/gpu_session.sh tests|decode|ab|moe|moelab|tp|small|lab|ablate|pair|pairab|gaps|prefill" >&2
+  fp8moe) # fp8 MoE builds (routers kept in bf16, the fused norm + router at decode): their GPU tests, then the
+          # Qwen3-30B-A3B fp8 batch-1 step against bf16 in one call (the fp8 artifact is ~31 GB)
+          run 200 fp8moe_test.log python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_gpu.py -k moe
+          run 380 fp8moe_ab.log python3 bench/decode_ab.py --config bench/qwen3_30b_a3b.json --quant fp8 --bf16 \
+            --out "$scratch/abmoe8" --variant default= --timeline default; rm -rf "$scratch"/abmoe8* ;;
+  *) echo "usage: bash bench/gpu_session.sh tests|decode|ab|moe|moelab|tp|small|lab|ablate|pair|pairab|gaps|prefill|fp8moe" >&2
      exit 2 ;;
 esac
