@@ -150,8 +150,6 @@ def context_pieces(d, s: int, reps: int) -> str:
     views, the dataclass; and the staging buffer's alternatives: pageable memory, one pinned buffer kept."""
     import time
 
-
-
     from mxc.kernels import context as C
 
     rows = defaultdict(list)
@@ -193,7 +191,6 @@ def context_pieces(d, s: int, reps: int) -> str:
             rows[name].append((b - a) * 1e6)
         rows["pageable: alloc + fill + copy"].append((t2[1] - t2[0]) * 1e6)
         rows["kept pinned: fill + copy"].append((t2[3] - t2[2]) * 1e6)
-
     lines = [f"  ForwardContext.build's steps, {s} tokens, host us (medians; first call dropped):"]
     for name, ts in rows.items():
         lines.append(f"    {name:32s} {statistics.median(ts[1:]):8.1f}")

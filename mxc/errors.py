@@ -10,3 +10,15 @@ its traceback.
 
 class MxcError(Exception):
     """A user error with a one-line message."""
+
+
+class ConfigError(MxcError):
+    """An MxcError about a field of the model's config, raised where the file's path is unknown (RoPE's
+    normalisation, the registry's resolvers): it reads ``config.json: ...`` until ``at(path)`` names the file."""
+
+    def __init__(self, message: str, source: str = "config.json"):
+        super().__init__(f"{source}: {message}")
+        self.message = message
+
+    def at(self, source: str) -> "ConfigError":
+        return ConfigError(self.message, source)

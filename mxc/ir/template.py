@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
-from mxc.errors import MxcError
+from mxc.errors import ConfigError, MxcError
 from mxc.ir.expr import ExprError, evaluate
 from mxc.ir.graph import Graph, Node, Repeat, ShardSpec, Sym, TensorType, Weight, fresh_name
 from mxc.ir.ops import OPS, n_outputs
@@ -53,20 +53,18 @@ def bind(path: Path | str, config: dict, *, dtype: str, overrides: dict | None =
     return _Binder(Path(path), data, config, dtype, overrides or {}, resolvers or {}, config_path).run()
 
 
-def _check_like_default(where: str, name: str, value, default) -> None:
-    """A config value must have the type of the model file's literal default: ``"no"`` for a boolean would
-    otherwise read as true (a tied LM head dropped, silently). A default written as ``1e-6`` is a string to YAML:
-    a numeric literal counts as a number."""
+def _default_kind(default) -> str | None:
+    """The type a config value must have when the model file's default is a literal (``_check_declared``'s kinds):
+    ``"no"`` for a boolean would otherwise read as true (a tied LM head dropped, silently). A default written as
+    ``1e-6`` is a string to YAML: a numeric literal counts as a number."""
     if isinstance(default, str):
         try:
             default = float(default)
         except ValueError:
-            pass
-    if isinstance(default, bool) and not isinstance(value, bool):
-        raise MxcError(f"{where}: field {name} = {value!r}: expected true or false")
-    if isinstance(default, (int, float)) and not isinstance(default, bool) and (
-            isinstance(value, bool) or not isinstance(value, (int, float))):
-        raise MxcError(f"{where}: field {name} = {value!r}: expected a number")
+            return None
+    if isinstance(default, bool):
+        return "bool"
+    return "number" if isinstance(default, (int, float)) else None
 
 
 def _check_declared(where: str, name: str, value, kind: str | None, low) -> None:
@@ -141,13 +139,11 @@ class _Binder:
                     raise self.err(line, f"params.{name}.resolve", f"unknown resolver {p['resolve']!r}")
                 try:
                     params[name] = fn(self.config, params)
-                except MxcError as e:  # resolvers read config.json's fields and say so: name the file read
-                    text = str(e)
-                    raise MxcError(self.config_path + text[len("config.json"):]
-                                   if text.startswith("config.json") else text) from None
+                except ConfigError as e:  # about a config field: name the file it was read from
+                    raise e.at(self.config_path) from None
             elif self.config.get(name) is not None:
                 params[name] = self.config[name]
-                _check_like_default(self.config_path, name, params[name], p.get("default"))
+                _check_declared(self.config_path, name, params[name], _default_kind(p.get("default")), None)
             elif "default" in p:
                 params[name] = self.eval(p["default"], params, line, f"params.{name}.default")
             else:

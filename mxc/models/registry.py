@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from mxc.errors import MxcError
+from mxc.errors import ConfigError, MxcError
 from mxc.ir import Graph, bind
 from mxc.ir.expr import ExprError, evaluate
 from mxc.models.rope_config import normalize_rope
@@ -82,7 +82,7 @@ def _resolve_llama_rope(config: dict, params: dict) -> dict:
     refused rather than built one way or the other."""
     spec = normalize_rope(config, params["head_dim"])
     if spec["type"] == "default" and spec["rotary_dim"] != params["head_dim"]:
-        raise MxcError(f"config.json: partial_rotary_factor < 1 with the default RoPE type: transformers' Llama-family "
+        raise ConfigError(f"partial_rotary_factor < 1 with the default RoPE type: transformers' Llama-family "
                        f"models ignore it there and rotate all {params['head_dim']} dims; mxc refuses to guess "
                        "(remove the field, or set it to 1.0)")
     return spec

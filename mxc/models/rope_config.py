@@ -17,7 +17,7 @@ per type: linear/dynamic ``factor``; yarn ``factor``,
 
 import math
 
-from mxc.errors import MxcError
+from mxc.errors import ConfigError
 
 SUPPORTED_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 DEFAULT_THETA = 10000.0  # RotaryEmbeddingConfigMixin.default_theta
@@ -33,10 +33,10 @@ def _num(d: dict, key: str, where: str, rope_type: str | None = None, default=No
     field = f"{where}.{key}" if where else key
     if v is None:
         if default is None and rope_type is not None:
-            raise MxcError(f"config.json: {field} is required for rope type '{rope_type}'")
+            raise ConfigError(f"{field} is required for rope type '{rope_type}'")
         return default
     if not _is_num(v) or not math.isfinite(v):
-        raise MxcError(f"config.json: {field} must be a number, got {v!r}")
+        raise ConfigError(f"{field} must be a number, got {v!r}")
     return v
 
 
@@ -49,7 +49,7 @@ def _yarn_mscale(scale: float, mscale: float = 1) -> float:
 def normalize_rope(config: dict, head_dim: int) -> dict:
     """Return the normalized RoPE spec for a parsed ``config.json`` dict."""
     if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim <= 0:
-        raise MxcError(f"config.json: head_dim must be a positive integer, got {head_dim!r}")
+        raise ConfigError(f"head_dim must be a positive integer, got {head_dim!r}")
 
     # transformers: `rope_parameters = rope_scaling or rope_parameters` (legacy field wins if set).
     if config.get("rope_scaling"):
@@ -57,15 +57,15 @@ def normalize_rope(config: dict, head_dim: int) -> dict:
     else:
         where, params = "rope_parameters", config.get("rope_parameters") or {}
     if not isinstance(params, dict):
-        raise MxcError(f"config.json: {where} must be an object or null, got {type(params).__name__}")
+        raise ConfigError(f"{where} must be an object or null, got {type(params).__name__}")
     if "rope_type" not in params and "type" not in params and any(isinstance(v, dict) for v in params.values()):
-        raise MxcError(f"config.json: {where} is nested per layer type ({', '.join(params)}); "
+        raise ConfigError(f"{where} is nested per layer type ({', '.join(params)}); "
                        "per-layer RoPE is not supported")
 
     type_key = "rope_type" if "rope_type" in params else "type"
     rope_type = params.get(type_key, "default")
     if rope_type not in SUPPORTED_TYPES:
-        raise MxcError(f"config.json: {where}.{type_key} {rope_type!r} is not supported "
+        raise ConfigError(f"{where}.{type_key} {rope_type!r} is not supported "
                        f"(supported: {', '.join(SUPPORTED_TYPES)})")
 
     # Precedence (standardize_rope_params): value inside the rope dict, then top level, then default.
@@ -74,21 +74,21 @@ def normalize_rope(config: dict, head_dim: int) -> dict:
     else:
         theta = _num(config, "rope_theta", "", default=DEFAULT_THETA)
     if theta <= 0:
-        raise MxcError(f"config.json: rope_theta must be positive, got {theta!r}")
+        raise ConfigError(f"rope_theta must be positive, got {theta!r}")
     if params.get("partial_rotary_factor") is not None:
         prf = _num(params, "partial_rotary_factor", where)
     else:
         prf = _num(config, "partial_rotary_factor", "", default=1.0)
     if not 0 < prf <= 1:
-        raise MxcError(f"config.json: partial_rotary_factor must be in (0, 1], got {prf!r}")
+        raise ConfigError(f"partial_rotary_factor must be in (0, 1], got {prf!r}")
     rotary_dim = int(head_dim * prf)
     if rotary_dim < 2 or rotary_dim % 2:
-        raise MxcError(f"config.json: rotary dim int(head_dim {head_dim} * partial_rotary_factor {prf}) "
+        raise ConfigError(f"rotary dim int(head_dim {head_dim} * partial_rotary_factor {prf}) "
                        f"= {rotary_dim} must be even and >= 2")
 
     max_pos = config.get("max_position_embeddings")
     if not isinstance(max_pos, int) or isinstance(max_pos, bool) or max_pos <= 0:
-        raise MxcError(f"config.json: max_position_embeddings must be a positive integer, got {max_pos!r}")
+        raise ConfigError(f"max_position_embeddings must be a positive integer, got {max_pos!r}")
 
     spec = {"type": rope_type, "theta": float(theta), "rotary_dim": rotary_dim,
             "max_position_embeddings": max_pos}
@@ -104,7 +104,7 @@ def normalize_rope(config: dict, head_dim: int) -> dict:
         explicit_orig = orig is not None
         orig = max_pos if orig is None else orig
         if not isinstance(orig, int) or isinstance(orig, bool) or orig <= 0:
-            raise MxcError(f"config.json: {owhere} must be a positive integer, got {orig!r}")
+            raise ConfigError(f"{owhere} must be a positive integer, got {orig!r}")
 
     if rope_type in ("linear", "dynamic"):
         spec["factor"] = float(_num(params, "factor", where, rope_type))
@@ -113,7 +113,7 @@ def normalize_rope(config: dict, head_dim: int) -> dict:
         low = float(_num(params, "low_freq_factor", where, rope_type))
         high = float(_num(params, "high_freq_factor", where, rope_type))
         if high == low:
-            raise MxcError(f"config.json: {where}.high_freq_factor must differ from low_freq_factor "
+            raise ConfigError(f"{where}.high_freq_factor must differ from low_freq_factor "
                            f"(both {low}) for rope type 'llama3'")
         spec.update(low_freq_factor=low, high_freq_factor=high, original_max_position_embeddings=orig)
     else:  # yarn
@@ -127,7 +127,7 @@ def normalize_rope(config: dict, head_dim: int) -> dict:
         attention_factor = _num(params, "attention_factor", where, default=None)
         truncate = params.get("truncate", True)  # HF: rope_parameters.get("truncate", True); null = falsy
         if truncate is not None and not isinstance(truncate, bool):
-            raise MxcError(f"config.json: {where}.truncate must be true, false or null, got {truncate!r}")
+            raise ConfigError(f"{where}.truncate must be true, false or null, got {truncate!r}")
         if attention_factor is None:
             if mscale and mscale_all_dim:
                 attention_factor = float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
@@ -144,5 +144,5 @@ def normalize_rope(config: dict, head_dim: int) -> dict:
             truncate=bool(truncate),
         )
     if spec["factor"] <= 0:
-        raise MxcError(f"config.json: {where}.factor must be positive, got {spec['factor']!r}")
+        raise ConfigError(f"{where}.factor must be positive, got {spec['factor']!r}")
     return spec

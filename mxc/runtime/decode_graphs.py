@@ -134,7 +134,7 @@ class _Bucket:
 def _check_cache_fits(shape, layers: int, dtype, device, max_batch: int, max_len: int) -> None:
     """The KV cache (keys and values of every layer, the batch's slots and the scratch slot) fits the GPU's free
     memory, or a one-line error names the build options that size it."""
-    need = 2 * layers * torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    need = 2 * layers * torch.Size(shape).numel() * dtype.itemsize
     free, _ = torch.cuda.mem_get_info(device)
     if need > free:
         raise MxcError(f"the KV cache of --max-batch {max_batch} x --max-seq-len {max_len} takes {need / 2**30:.1f} "
