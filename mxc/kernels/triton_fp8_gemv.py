@@ -382,18 +382,20 @@ def _preload_config(cfg: QGemvConfig, n: int, k: int) -> QGemvConfig:
 OVERRIDES: dict[tuple[int, int, int], dict] = {}
 
 
-def config_for(m_bucket: int, n: int, k: int, dtype: torch.dtype, granularity: str) -> QGemvConfig:
+def config_for(m_bucket: int, n: int, k: int, dtype: torch.dtype, granularity: str,
+               epilogue: bool = False) -> QGemvConfig:
     """Default ``qlinear_small_m`` config; a pure function of its arguments (for the AOT build): the
     rules of ``_base_config``, with one-row FMA configs made ``WEIGHT_ONLY`` under ``WEIGHT_ONLY_M1`` (and
     long rows' tiles ``REDUCE_STEPS``, small matrices' ``PRELOAD`` (``PRELOAD_MAX_BYTES``; channel or tensor
-    scales), unless ``MEASURED`` has the shape), then ``OVERRIDES``."""
+    scales; not for a GEMV with the SiLU-and-mul ``epilogue``, which PRELOAD's loop lacks), unless ``MEASURED``
+    has the shape), then ``OVERRIDES``."""
     cfg = _base_config(m_bucket, n, k, dtype, granularity)
     if WEIGHT_ONLY_M1 and m_bucket == 1 and not cfg.USE_DOT:
         cfg = replace(cfg, PREQUANT=False, WEIGHT_ONLY=True)
         measured = (m_bucket, n, k, dtype, granularity) in MEASURED
         if not measured and 0 < REDUCE_STEPS_MIN_K <= k:
             cfg = fill_gpu(replace(cfg, BLOCK_N=8, BLOCK_K=2048, SPLIT_K=1, num_warps=8, REDUCE_STEPS=True), n, k)
-        elif not measured and granularity != "block128":
+        elif not measured and granularity != "block128" and not epilogue:
             cfg = _preload_config(cfg, n, k)
     if (m_bucket, n, k) in OVERRIDES:
         cfg = replace(cfg, **OVERRIDES[(m_bucket, n, k)])
@@ -507,7 +509,7 @@ def qlinear_small_m(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias:
     M, N, K, silu_mul = _check_inputs(x, w, scale, bias, residual, granularity, prologue, out)
     m_bucket = bucket(M)
     block = granularity == "block128"
-    cfg = config if config is not None else config_for(m_bucket, N, K, x.dtype, granularity)
+    cfg = config if config is not None else config_for(m_bucket, N, K, x.dtype, granularity, epilogue is not None)
     _check_gemv_config(cfg, block)
     if cfg.PRELOAD and (m_bucket != 1 or K & (K - 1) or epilogue):
         raise ValueError(f"PRELOAD needs one row, K a power of two and no epilogue: {cfg}, M={M}, K={K}")

@@ -565,3 +565,19 @@ def test_scaled_mm_cpu_against_the_reference(prologue):
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
     with pytest.raises(ValueError, match="runs on CUDA tensors"):
         fp8_gemm.cutlass(x, q, s, prologue=prologue, norm_weight=norm_weight)
+
+
+@pytest.mark.parametrize("n, k", [(24, 64), (64, 64), (128, 256)])
+def test_small_m_silu_epilogue_default_config_of_a_narrow_mlp(n, k):
+    """A model whose gate and up rows together are no more than its hidden size (2 x intermediate <= hidden) gets
+    a one-token FMA config; the default must not be PRELOAD, whose loop has no epilogue (fp8 CUDA builds of such
+    models raised ValueError while recording the decode GEMVs)."""
+    assert not tfv.config_for(1, n, k, torch.bfloat16, "channel", epilogue=True).PRELOAD
+    x, q, s, _, _ = _inputs(1, n, k, torch.bfloat16, "channel", False, False, False, seed=n + k)
+    x, q, s = _dev(x), _dev(q), _dev(s)
+    fused = tf.qlinear_small_m(x, q, s, epilogue="silu_mul")
+    # the one-token FMA GEMV multiplies x unquantized (WEIGHT_ONLY_M1): the product of x and the dequantized weights
+    gate_up = x.float().cpu() @ fp8_ref.dequantize_weight(q.cpu(), s.cpu(), "channel").t()
+    want = torch_ref.silu_mul(gate_up.to(torch.bfloat16))
+    assert fused.shape == (1, n // 2)
+    assert float((fused.float().cpu() - want.float()).abs().max()) <= 0.01 * float(want.float().abs().max())
