@@ -19,6 +19,8 @@ CASES = [
     ("MistralForCausalLM", {"hidden_size": 128, "intermediate_size": 256, "sliding_window": 8}),
     ("LlamaForCausalLM", {"hidden_size": 128, "intermediate_size": 256, "num_key_value_heads": 1,
                           "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}),
+    ("LlamaForCausalLM", {"hidden_size": 128, "intermediate_size": 256, "head_dim": 80}),  # masked head lanes
+    ("Qwen3ForCausalLM", {"hidden_size": 128, "intermediate_size": 256, "head_dim": 96}),
 ]
 
 

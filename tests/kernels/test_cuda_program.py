@@ -70,14 +70,15 @@ def _run(graph, forward, B):
 
 
 @pytest.mark.parametrize("B", [1, 2])  # one sequence: the one-row kernels (the batch-1 GEMV)
-@pytest.mark.parametrize("arch,fields", [("LlamaForCausalLM", {}), ("Qwen3MoeForCausalLM", MOE)],
-                         ids=["llama", "qwen3-moe"])
+@pytest.mark.parametrize("arch,fields", [("LlamaForCausalLM", {}), ("Qwen3MoeForCausalLM", MOE),
+                                         ("LlamaForCausalLM", {"head_dim": 80})],
+                         ids=["llama", "qwen3-moe", "llama-head80"])  # head80: RoPE, KV cache, attention masked lanes
 def test_cuda_program_matches_cpu_program(arch, fields, B):
     cuda_graph, cuda_forward = _program(arch, "cuda", **fields)
     cpu_graph, cpu_forward = _program(arch, "cpu", **fields)
     kernels = {n.attrs["kernel"] if isinstance(n.attrs["kernel"], str) else n.attrs["kernel"][0][1]
                for n, _ in cuda_graph.nodes()}
-    if fields:  # the MoE paths under test were chosen
+    if "num_experts" in fields:  # the MoE paths under test were chosen
         assert {"triton_route.add_rms_norm_route", "cuda_ops.fused_moe_pairs"} <= kernels
     for got, ref in zip(_run(cuda_graph, cuda_forward, B), _run(cpu_graph, cpu_forward, B)):
         assert got.shape == ref.shape and not got.isnan().any()

@@ -103,3 +103,18 @@ def test_no_candidates_registered(bind_arch, monkeypatch, loc_of):
 def test_reselecting_is_stable(bind_arch):
     once = select_kernels.run(bind_arch(), BuildOptions())
     assert select_kernels.run(once, BuildOptions()) == once
+
+
+@pytest.mark.parametrize("head_dim, why", [(80, None), (96, None), (48, None), (256, None), (24, "multiple of 16"),
+                                           (320, "multiple of 16 in 16..256")])
+def test_cuda_attention_head_sizes(bind_arch, head_dim, why):
+    """The Triton attention kernels take any head size that is a multiple of 16 up to 256 (a wider head block, its
+    extra lanes masked: tests/kernels/test_attention.py, test_cuda_program.py); others fail the build saying so."""
+    g = bind_arch("LlamaForCausalLM", head_dim=head_dim)
+    if why is None:
+        out = compile_graph(g, BuildOptions(target="cuda"))
+        kernels = {n.attrs["kernel"] for n, _ in out.nodes() if n.op == "cached_attention"}
+        assert kernels == {"cuda_ops.cached_attention"}
+    else:
+        with pytest.raises(MxcError, match=f"head_dim {head_dim} is not a {why}"):
+            compile_graph(g, BuildOptions(target="cuda"))
