@@ -32,7 +32,13 @@ program, and the gate/up GEMV's 448 programs run in two waves (80 KB of shared m
 42.6 us a layer instead of 29.8 plus the 2.3 of the kernel it replaced (``--timeline``). Removed. The qkv and
 gate/up GEMVs at one token as v2 weight-only FMA loops, the down GEMV's [8, 2048] steps (768 and 3584 programs
 instead of 96 and 448, x unquantized, a plain RMSNorm ahead; 2026-12-02, ``bench/decode_ab.py`` through
-``OVERRIDES``, one artifact): qkv 2.575, gate/up 2.659, both 2.725 against 2.507 ms. Not kept.
+``OVERRIDES``, one artifact): qkv 2.575, gate/up 2.659, both 2.725 against 2.507 ms. Not kept. A CUDA GEMV on
+mma.sync m16n8k32 e4m3 fed straight from global memory into the MMA's A registers (each thread 16 contiguous
+bytes of a row, the K order permuted alike in x; no shared memory; its first loads before the PDL wait; KS warps
+splitting K), as the qkv and gate/up (SiLU epilogue) GEMVs at one token (2026-12-02, a lab in commit 5152cce,
+32 Llama-3-8B layers' linears in a PDL graph): 68.0 against 66.7 us a layer; gate/up alone 34.1 against 31.5
+(89% of its bytes at the copy rate); L2 256-byte line hints 32.7, the weights in a tile-major layout (each
+warp load 512 contiguous bytes) 32.3, the CTA's warps on interleaved chunks 34.7. Removed.
 """
 
 from __future__ import annotations
