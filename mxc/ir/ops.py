@@ -216,9 +216,12 @@ def _linear_all_reduce_add_rms_norm(x, w, residual, norm_w, bias=None, eps=None,
     return _all_reduce_add_rms_norm(y, residual, norm_w, bias, eps)
 
 
-def _all_gather(x, world, **_):
+def _all_gather(x, world, size=None, **_):
     _need(_positive_int(world), lambda: f"world must be a positive integer, got {world!r}")
-    return (TensorType(x.shape[:-1] + (x.shape[-1] * world,), x.dtype),)
+    full = x.shape[-1] * world
+    _need(size is None or (_positive_int(size) and full - x.shape[-1] < size <= full),
+          lambda: f"size must be an integer in ({full - x.shape[-1]}, {full}] (the padded vocabulary's), got {size!r}")
+    return (TensorType(x.shape[:-1] + (size or full,), x.dtype),)
 
 
 def _same2(a, b, **_):
@@ -292,8 +295,9 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
           doc="rows of this rank's vocabulary slice (rank * rows ...), zeros elsewhere; all_reduce completes it"),
     OpDef("all_reduce", ("x", "bias?"), _all_reduce, optional_attrs=("world",), uses_context=True,
           doc="sum over the tensor-parallel ranks, then + bias (the bias of a row-parallel linear)"),
-    OpDef("all_gather", ("x",), _all_gather, attrs=("world",), uses_context=True,
-          doc="concatenate the ranks' slices along the last dim (vocab-parallel logits)"),
+    OpDef("all_gather", ("x",), _all_gather, attrs=("world",), optional_attrs=("size",), uses_context=True,
+          doc="concatenate the ranks' slices along the last dim (vocab-parallel logits); the first size of them "
+              "(a padded vocabulary)"),
     # fused (made by compiler passes)
     OpDef("all_reduce_add", ("x", "residual", "bias?"), _all_reduce_add, optional_attrs=("world",),
           uses_context=True, doc="residual + all_reduce(x, bias) -- fuse_all_reduce"),

@@ -199,16 +199,18 @@ def linear_all_reduce_add_rms_norm(x, weight, residual, norm_weight, bias=None, 
     return all_reduce_add_rms_norm(linear(x, weight), residual, norm_weight, bias, ctx, eps)
 
 
-def all_gather(x, ctx: ForwardContext, world):
+def all_gather(x, ctx: ForwardContext, world, size=None):
+    """The ranks' slices concatenated along the last dim; the first ``size`` columns (a padded vocabulary's)."""
     if world == 1:
         return x
     if x.device.type == "meta":  # the build's shape-only trace
-        return torch.cat([x] * world, dim=-1)
+        return torch.cat([x] * world, dim=-1)[..., :size]
     import torch.distributed as dist
 
     parts = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(parts, x.contiguous(), group=ctx.group)
-    return torch.cat(parts, dim=-1)
+    out = torch.cat(parts, dim=-1)
+    return out if size is None else out[..., :size].contiguous()
 
 
 # --- quantized matmul (made by quantize) ----------------------------------------

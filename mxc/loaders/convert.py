@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from mxc.errors import MxcError
 from mxc.ir import Graph, Weight
-from mxc.ir.sharding import rank_slices
+from mxc.ir.sharding import local_size, rank_slices
 from mxc.loaders.quantize import quantize_fp8
 from mxc.loaders.safetensors_writer import SafetensorsWriter
 
@@ -115,7 +115,14 @@ def rank_slice(tensor: torch.Tensor, w: Weight, tp: int, rank: int) -> torch.Ten
     if tp == 1 or w.shard is None or w.shard.kind == "replicated":
         return tensor
     dim = w.shard_dim
-    pieces = [tensor.narrow(dim, start, length) for start, length in rank_slices(w.shard, tensor.shape[dim], tp, rank)]
+    size = tensor.shape[dim]
+    pieces = [tensor.narrow(dim, start, length) for start, length in rank_slices(w.shard, size, tp, rank)]
+    local = local_size(w.shard, size, tp)[0]
+    held = sum(p.shape[dim] for p in pieces)
+    if held < local:  # a padded vocabulary's last rows (their logits are dropped by all_gather's size)
+        pad = list(tensor.shape)
+        pad[dim] = local - held
+        pieces.append(torch.zeros(pad, dtype=tensor.dtype))
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 

@@ -214,6 +214,8 @@ EXAMPLES = {
     "all_gather": (([tt("T", 32)], {"world": 1}), [tt("T", 32)], [
         ([tt("T", 32)], {"world": 0}, "world must be a positive integer"),
         ([tt("T", 32)], {}, "missing attribute(s) world"),
+        ([tt("T", 32)], {"world": 2, "size": 32}, "size must be an integer in (32, 64]"),
+        ([tt("T", 32)], {"world": 2, "size": 65}, "size must be an integer in (32, 64]"),
     ]),
 }
 

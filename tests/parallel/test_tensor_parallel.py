@@ -26,6 +26,8 @@ CASES = {
     "llama-gqa": ("LlamaForCausalLM", {}),  # 4 heads / 2 KV heads: tp=4 replicates KV heads
     "llama-mqa-bias": ("LlamaForCausalLM", {"num_key_value_heads": 1, "attention_bias": True, "mlp_bias": True}),
     "qwen2-tied": ("Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+    # a vocabulary no rank count divides: padded to 258 (tp=2) or 260 (tp=4), the pad's logits dropped
+    "llama-vocab257": ("LlamaForCausalLM", {"vocab_size": 257}),
     "qwen3": ("Qwen3ForCausalLM", {"head_dim": 32}),
     # mixture of experts: expert intermediate dimension sharded, shared expert row-parallel
     "mixtral": ("MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
@@ -113,6 +115,33 @@ def test_shards_reassemble_to_the_unsharded_weights(tp, quant, arch, hf_checkpoi
             assert torch.equal(parts[1], torch.cat([q.chunk(2)[1], k.chunk(2)[1], v.chunk(2)[1]]))
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_padded_vocabulary_shards(tp, hf_checkpoint, tmp_path):
+    """257 tokens over 2 or 4 ranks: each rank holds ceil(257 / tp) rows of the embedding, the LM head and (fp8
+    LM head) its scales; the real rows reassemble to the tp=1 build's bit for bit, the pad rows are zero, and
+    the gather of the logits keeps the 257 real ones."""
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM", vocab_size=257)
+    q = dict(quant="fp8", quant_lm_head=True, progress=False, log=lambda m: None)
+    one = load_file(mxc.build(str(ckpt), out=tmp_path / "one", **q) / "weights" / "rank0.safetensors")
+    many = mxc.build(str(ckpt), out=tmp_path / "many", tp=tp, dump_ir=tmp_path / "ir", **q)
+    per = -(-257 // tp)
+    from mxc.ir import load_graph
+
+    graph = load_graph((many / "graph.yaml").read_text())
+    vocab = [w for w in graph.all_weights() if w.shard is not None and w.shard.kind == "vocab"]
+    assert {w.name for w in vocab} == {"embed", "lm_head", "lm_head_scale"}
+    for w in vocab:
+        parts = [load_file(many / "weights" / f"rank{r}.safetensors")[w.name] for r in range(tp)]
+        assert all(p.shape[0] == per for p in parts), w.name
+        rebuilt = _reassemble(parts, w.shard, 257, 0)
+        as_bits = (lambda t: t.view(torch.uint8)) if parts[0].dtype == torch.float8_e4m3fn else (lambda t: t)
+        assert torch.equal(as_bits(rebuilt), as_bits(one[w.name])), w.name
+        pad = parts[-1][257 - (tp - 1) * per:]
+        assert pad.shape[0] == tp * per - 257 and not pad.float().any(), w.name
+    (dump,) = (tmp_path / "ir").glob("*-shard_tp.yaml")
+    assert f"all_gather(logits_part, world={tp}, size=257)" in dump.read_text().replace("'", "")
+
+
 def test_block128_scales_follow_whole_block_splits_only(hf_checkpoint, tmp_path):
     """block128 under tp: ranks holding whole 128-blocks of every part build, their weights and scales the tp=1
     build's; ranks holding half a block of each of q, k and v (one merged weight) are refused, not mis-scaled."""
@@ -151,7 +180,8 @@ def test_shard_tp_ir_has_explicit_collectives(hf_checkpoint, tmp_path):
 @pytest.mark.parametrize("overrides,tp,needle", [
     ({"vocab_size": 258}, 3, "`num_attention_heads*head_dim` = 64 in units of 16 gives 4 parts"),
     ({"num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 90}, 4, "`intermediate_size` = 90"),
-    ({"vocab_size": 250}, 4, "`vocab_size` = 250"),
+    ({"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 6}, 4,
+     "`num_attention_heads*head_dim` = 96 in units of 16 gives 6 parts, neither divisible by tp=4"),
     # more ranks than query heads: q could be replicated like KV heads, but not the o projection's rows
     ({}, 8, "`num_attention_heads*head_dim` = 64 in units of 16 has fewer parts than ranks"),
 ])

@@ -2,7 +2,7 @@
 
 Every weight with a shard spec gets its per-rank shape (``ir/sharding.py``:
 merged parts split separately, whole heads, KV heads replicated when there
-are fewer than ranks); the spec keeps the global segment sizes for the loader.
+are fewer than ranks, a vocabulary padded to a multiple of the ranks); the spec keeps the global segment sizes for the loader.
 Then the communication becomes explicit nodes.
 
 Matches / rewrites to::
@@ -10,7 +10,7 @@ Matches / rewrites to::
     y = linear(x, w_row, b)          ->  y_part = linear(x, w_row)          # row-parallel: partial sums
                                          y = all_reduce(y_part, b)
     y = linear(x, w_vocab)           ->  y_part = linear(x, w_vocab)        # vocab-parallel logits
-                                         y = all_gather(y_part, world=tp)
+                                         y = all_gather(y_part, world=tp)   # (size=vocab: padded)
     y = embedding(ids, t_vocab)      ->  y_part = vocab_embedding(ids, t_vocab)
                                          y = all_reduce(y_part)
     a, b, c = split(qkv, sizes=S)    ->  a, b, c = split(qkv, sizes=S/tp)   # after a column-parallel merged linear
@@ -74,8 +74,11 @@ def _rules(tp: int):
                                       Node("all_reduce", node.outs, (part, *bias), {"world": tp}, node.loc)]}
         if k == "vocab":
             part = ctx.fresh(f"{node.outs[0]}_part")
+            w = ctx.weights[node.ins[1]]
+            vocab = sum(w.shard.segments)
+            attrs = {"world": tp} if w.shape[0] * tp == vocab else {"world": tp, "size": vocab}  # padded: drop the pad
             return {ctx.index(node): [node.replace(outs=(part,)),
-                                      Node("all_gather", node.outs, (part,), {"world": tp}, node.loc)]}
+                                      Node("all_gather", node.outs, (part,), attrs, node.loc)]}
         return None
 
     def moe(node: Node, ctx):  # experts' down projections are row-parallel: partial sums per rank
