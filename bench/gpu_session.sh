@@ -53,7 +53,7 @@ run() {  # run LIMIT_S LOG CMD...: stop at the limit with every Python thread's 
 }
 
 case "${1:-}" in
-  tests)  run 300 pytest.log python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
+  tests)  run 450 pytest.log python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
   decode) run 570 decode.log python3 bench/decode.py --profile 1,8 --profile-prefill --quant fp8 --hf-batches 1,8,32 --pdl-ab \
             --out "$scratch/b8" ;;
   moe)    # the 61 GB artifact is deleted after: left in /dev/shm it slowed the next part's runs
