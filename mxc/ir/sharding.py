@@ -4,7 +4,7 @@
 dimension rank ``rank`` holds: each segment (merged part) is split on its
 own, in whole units; a segment with fewer units than ranks is replicated so
 that every rank gets the unit its heads use; a vocabulary is padded to a
-multiple of the ranks (``padded_vocab``). ``ShardError`` explains a split
+multiple of the ranks (``_padded``). ``ShardError`` explains a split
 that cannot work, naming the model-file expression and the numbers.
 """
 
@@ -23,18 +23,18 @@ def _parts(spec: ShardSpec, size: int) -> list[tuple[int, str]]:
     return list(zip(segments, exprs))
 
 
-def padded_vocab(spec: ShardSpec, size: int, tp: int) -> int:
-    """Rows each rank holds of a ``vocab`` split: ``ceil(size / tp)``. A vocabulary that does not divide by the
-    ranks (32001 tokens at --tp 2) is padded: the last ranks' slices end in zero rows (``rank_slices`` gives them
-    fewer real rows, the loader fills the rest with zeros), whose logits ``all_gather``'s ``size`` drops."""
-    return -(-size // tp) if spec.kind == "vocab" else size // tp
+def _padded(spec: ShardSpec) -> bool:
+    """A whole vocabulary (one part, single rows): split into ``ceil(size / tp)`` rows a rank, the last ranks'
+    slices ending in zero rows (the loader fills them) whose logits ``all_gather``'s ``size`` drops; so 32001
+    tokens split over --tp 2."""
+    return spec.kind == "vocab" and not spec.segments[1:] and spec.unit == 1
 
 
 def rank_slices(spec: ShardSpec, size: int, tp: int, rank: int) -> list[tuple[int, int]]:
-    """(start, length) ranges along the split dim held by ``rank``, in order. A ``vocab`` split's rank holds
-    ``padded_vocab`` rows, of which the range gives the real ones (maybe fewer, maybe none)."""
-    if spec.kind == "vocab" and not spec.segments[1:] and spec.unit == 1:
-        per = padded_vocab(spec, size, tp)
+    """(start, length) ranges along the split dim held by ``rank``, in order. A padded vocabulary's rank holds
+    ``ceil(size / tp)`` rows, of which the range gives the real ones (maybe fewer, maybe none)."""
+    if _padded(spec):
+        per = -(-size // tp)
         start = min(rank * per, size)
         return [(start, min(per, size - start))]
     out, base = [], 0
@@ -64,9 +64,6 @@ def replicated_parts(spec: ShardSpec, size: int, tp: int) -> list[str]:
 
 
 def local_size(spec: ShardSpec, size: int, tp: int) -> tuple[int, tuple[int, ...]]:
-    """(size held by each rank, its segment sizes); a ``vocab`` split's padded rows count."""
-    if spec.kind == "vocab" and not spec.segments[1:] and spec.unit == 1:
-        per = padded_vocab(spec, size, tp)
-        return per, (per,)
+    """(size held by each rank, its segment sizes): rank 0's, which a padded vocabulary's never shortens."""
     parts = tuple(length for _, length in rank_slices(spec, size, tp, 0))
     return sum(parts), parts

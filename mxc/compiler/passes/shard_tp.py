@@ -2,7 +2,8 @@
 
 Every weight with a shard spec gets its per-rank shape (``ir/sharding.py``:
 merged parts split separately, whole heads, KV heads replicated when there
-are fewer than ranks, a vocabulary padded to a multiple of the ranks); the spec keeps the global segment sizes for the loader.
+are fewer than ranks, a vocabulary padded to a multiple of the ranks); the
+spec keeps the global segment sizes for the loader.
 Then the communication becomes explicit nodes.
 
 Matches / rewrites to::
