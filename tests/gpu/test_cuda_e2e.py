@@ -1,8 +1,8 @@
 """End to end on the GPU: build --target cuda, load (precompiled cubins, CUDA graphs), compare with HF.
 
-bf16 tolerance: logits within 3% of the logits' scale; greedy tokens agree
-with HF bf16 for at least the first steps (bf16 near-ties may flip later),
-and exactly with mxc's own JIT path (``rebuild_kernels=True``).
+bf16 tolerance: logits within 3% of the logits' scale; each greedy token is
+HF bf16's choice on the same sequence but for ties (``greedy_check``),
+and the tokens equal mxc's own JIT path's (``rebuild_kernels=True``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("arch,overrides", CASES, ids=[c[0] + str(i) for i, c in enumerate(CASES)])
-def test_cuda_artifact_matches_hf(arch, overrides, hf_checkpoint, tmp_path):
+def test_cuda_artifact_matches_hf(arch, overrides, hf_checkpoint, greedy_check, tmp_path):
     ckpt, hf = hf_checkpoint(arch, **overrides)
     art = mxc.build(str(ckpt), out=tmp_path / "art", target="cuda", dtype="bfloat16", max_batch=4,
                     max_seq_len=64, progress=False, log=lambda m: None)
@@ -43,11 +43,7 @@ def test_cuda_artifact_matches_hf(arch, overrides, hf_checkpoint, tmp_path):
     assert _rel(model.logits(ids).cpu(), ref) < 3e-2
 
     ours = model.generate(ids, max_new_tokens=16)
-    with torch.no_grad():
-        theirs = hf.generate(ids.cuda(), max_new_tokens=16, min_new_tokens=16, do_sample=False).cpu()[:, 13:]
-    agree = (ours == theirs).float().mean().item()
-    assert torch.equal(ours[:, :4], theirs[:, :4]), (ours, theirs)
-    assert agree >= 0.75, agree
+    greedy_check(ids, ours, lambda seq: hf(seq.cuda()).logits)
 
     jit = mxc.load(art, device="cuda", rebuild_kernels=True)
     assert torch.equal(jit.generate(ids, max_new_tokens=16), ours)
