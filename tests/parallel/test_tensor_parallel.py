@@ -193,6 +193,17 @@ def test_impossible_splits_are_refused_at_build(overrides, tp, needle, hf_checkp
     assert not (tmp_path / "a").exists()
 
 
+def test_a_norm_over_every_head_is_refused_at_build(hf_checkpoint, tmp_path):
+    """OLMoE's q/k RMSNorm spans every head: split across ranks it would need all of them, so --tp refuses it by
+    name (it verified as a shape mismatch before); tp=1 builds."""
+    ckpt, _ = hf_checkpoint("OlmoeForCausalLM", num_experts=4, num_experts_per_tok=2)
+    with pytest.raises(mxc.MxcError, match=r"--tp 2: the rms_norm at llama.yaml:\d+ normalizes q over all 64 columns "
+                                           r".*build with --tp 1"):
+        mxc.build(str(ckpt), out=tmp_path / "a", tp=2, progress=False, log=lambda m: None)
+    assert not (tmp_path / "a").exists()
+    assert (mxc.build(str(ckpt), out=tmp_path / "b", progress=False, log=lambda m: None) / "manifest.json").is_file()
+
+
 def test_load_checks_world_size_and_process_group(tmp_path):
     art = mxc.build("llama.yaml", out=tmp_path / "a", tp=2, progress=False, log=lambda m: None)
     with pytest.raises(mxc.MxcError, match="built for tp=2, but loaded with world_size=1"):

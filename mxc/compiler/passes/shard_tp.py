@@ -106,7 +106,20 @@ def _rules(tp: int):
             return None  # already local (segments are global sizes)
         return {ctx.index(node): [node.replace(attrs={**node.attrs, "sizes": _local_parts(w, tp)})]}
 
-    return [("linear", linear), ("embedding", embedding), ("split", split), ("experts", moe), ("fused_moe", moe)]
+    def rms_norm(node: Node, ctx):  # a norm over a whole column-parallel projection needs every rank's columns
+        w = ctx.weights.get(node.ins[1])
+        src = ctx.producing(node.ins[0])
+        if src is not None and src.op == "split":
+            src = ctx.producing(src.ins[0])
+        if w is None or kind(ctx, node.ins[1]) not in (None, "replicated") or src is None or src.op != "linear" \
+                or kind(ctx, src.ins[1]) != "column":
+            return None
+        raise MxcError(f"--tp {tp}: the rms_norm at {node.loc} normalizes {node.ins[0]} over all {w.shape[-1]} "
+                       f"columns of a projection that --tp splits across ranks (a q/k norm over every head, as "
+                       f"OLMoE's); tensor parallelism does not support such a norm yet: build with --tp 1")
+
+    return [("linear", linear), ("embedding", embedding), ("split", split), ("experts", moe), ("fused_moe", moe),
+            ("rms_norm", rms_norm)]
 
 
 def run(graph: Graph, options) -> Graph:
