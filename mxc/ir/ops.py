@@ -224,6 +224,12 @@ def _all_gather(x, world, size=None, **_):
     return (TensorType(x.shape[:-1] + (size or full,), x.dtype),)
 
 
+def _rank_slice(x, world, **_):
+    _need(_positive_int(world), lambda: f"world must be a positive integer, got {world!r}")
+    _need(x.shape[-1] % world == 0, lambda: f"the last dim of {x} does not split into {world} equal slices")
+    return (TensorType(x.shape[:-1] + (x.shape[-1] // world,), x.dtype),)
+
+
 def _same2(a, b, **_):
     _need(a == b, lambda: f"inputs differ: {a} vs {b}")
     return (a,)
@@ -298,6 +304,8 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
     OpDef("all_gather", ("x",), _all_gather, attrs=("world",), optional_attrs=("size",), uses_context=True,
           doc="concatenate the ranks' slices along the last dim (vocab-parallel logits); the first size of them "
               "(a padded vocabulary)"),
+    OpDef("rank_slice", ("x",), _rank_slice, attrs=("world",), uses_context=True,
+          doc="this rank's 1/world of the last dim (after a norm over an all_gather of a column-parallel output)"),
     # fused (made by compiler passes)
     OpDef("all_reduce_add", ("x", "residual", "bias?"), _all_reduce_add, optional_attrs=("world",),
           uses_context=True, doc="residual + all_reduce(x, bias) -- fuse_all_reduce"),

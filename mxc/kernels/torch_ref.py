@@ -213,6 +213,12 @@ def all_gather(x, ctx: ForwardContext, world, size=None):
     return out if size is None else out[..., :size].contiguous()
 
 
+def rank_slice(x, ctx: ForwardContext, world):
+    """This rank's columns of a gathered [..., world * n]: ``all_gather``'s inverse."""
+    n = x.shape[-1] // world
+    return x.narrow(-1, ctx.rank * n, n).contiguous() if world > 1 else x
+
+
 # --- quantized matmul (made by quantize) ----------------------------------------
 
 def rms_norm_qlinear(x, norm_weight, weight, scale, bias=None, eps=1e-6, granularity="channel"):

@@ -217,6 +217,10 @@ EXAMPLES = {
         ([tt("T", 32)], {"world": 2, "size": 32}, "size must be an integer in (32, 64]"),
         ([tt("T", 32)], {"world": 2, "size": 65}, "size must be an integer in (32, 64]"),
     ]),
+    "rank_slice": (([tt("T", 64)], {"world": 2}), [tt("T", 32)], [
+        ([tt("T", 64)], {"world": 0}, "world must be a positive integer"),
+        ([tt("T", 64)], {"world": 3}, "does not split into 3 equal slices"),
+    ]),
 }
 
 BAD = [pytest.param(op, ins, attrs, msg, id=f"{op}-{k}")

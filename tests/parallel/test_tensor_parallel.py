@@ -33,6 +33,8 @@ CASES = {
     "mixtral": ("MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     "qwen2-moe": ("Qwen2MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                           "shared_expert_intermediate_size": 48}),
+    # q/k RMSNorm over every head: q and k gathered for the norm, then each rank's heads sliced again
+    "olmoe": ("OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2, "num_key_value_heads": 4}),
 }
 IDS = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(5))
 
@@ -193,15 +195,20 @@ def test_impossible_splits_are_refused_at_build(overrides, tp, needle, hf_checkp
     assert not (tmp_path / "a").exists()
 
 
-def test_a_norm_over_every_head_is_refused_at_build(hf_checkpoint, tmp_path):
-    """OLMoE's q/k RMSNorm spans every head: split across ranks it would need all of them, so --tp refuses it by
-    name (it verified as a shape mismatch before); tp=1 builds."""
-    ckpt, _ = hf_checkpoint("OlmoeForCausalLM", num_experts=4, num_experts_per_tok=2)
-    with pytest.raises(mxc.MxcError, match=r"--tp 2: the rms_norm at llama.yaml:\d+ normalizes q over all 64 columns "
-                                           r".*build with --tp 1"):
-        mxc.build(str(ckpt), out=tmp_path / "a", tp=2, progress=False, log=lambda m: None)
+@pytest.mark.parametrize("kv_heads,tp,target,needle", [
+    (2, 4, "cpu", "normalizes k over all 32 columns, and its heads are fewer than the ranks (each rank holds 16"),
+    (4, 2, "cuda", "normalizes q over all 64 columns: gathered across ranks, which the cuda attention kernels"),
+])
+def test_a_norm_over_every_head_that_cannot_be_gathered_is_refused(kv_heads, tp, target, needle, hf_checkpoint,
+                                                                    tmp_path):
+    """OLMoE's q/k RMSNorm spans every head: gathered across ranks (``test_tp_matches_hf_and_tp1``), but not from
+    KV heads copied over more ranks than heads, and not by the CUDA attention kernels (they norm inside): refused
+    by name at build, with what to do."""
+    ckpt, _ = hf_checkpoint("OlmoeForCausalLM", num_experts=4, num_experts_per_tok=2, num_key_value_heads=kv_heads)
+    with pytest.raises(mxc.MxcError, match=f"--tp {tp}: the rms_norm at llama.yaml:") as err:
+        mxc.build(str(ckpt), out=tmp_path / "a", tp=tp, target=target, progress=False, log=lambda m: None)
+    assert needle in str(err.value)
     assert not (tmp_path / "a").exists()
-    assert (mxc.build(str(ckpt), out=tmp_path / "b", progress=False, log=lambda m: None) / "manifest.json").is_file()
 
 
 def test_load_checks_world_size_and_process_group(tmp_path):

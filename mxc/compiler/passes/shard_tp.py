@@ -15,9 +15,13 @@ Matches / rewrites to::
     y = embedding(ids, t_vocab)      ->  y_part = vocab_embedding(ids, t_vocab)
                                          y = all_reduce(y_part)
     a, b, c = split(qkv, sizes=S)    ->  a, b, c = split(qkv, sizes=S/tp)   # after a column-parallel merged linear
+    y = rms_norm(q, w_full)          ->  q_all = all_gather(q, world=tp)    # a norm over every head (OLMoE's q/k):
+                                         y_all = rms_norm(q_all, w_full)    # the whole row on every rank, then
+                                         y = rank_slice(y_all, world=tp)    # this rank's heads again
 
 Column-parallel linears need no communication: their outputs feed per-head
-ops (attention) or elementwise ops (silu_mul) that stay local. Requires: runs
+ops (attention) or elementwise ops (silu_mul) that stay local, but for a norm
+over the whole projection (gathered, as vLLM's OLMoE does). Requires: runs
 after the merge passes (segments exist) and before fuse_rope_cache (which
 reads head counts from split sizes). Preserves: every value name, so the
 outputs are the same; the math up to the order of the all-reduce sums.
@@ -58,7 +62,7 @@ def _local_parts(w: Weight, tp: int) -> list[int]:
     return list(local_size(ShardSpec(w.shard.kind, w.shard.segments, w.shard.unit), sum(w.shard.segments), tp)[1])
 
 
-def _rules(tp: int):
+def _rules(tp: int, target: str):
     def kind(ctx, name):
         w = ctx.weights.get(name)
         return w.shard.kind if w is not None and w.shard else None
@@ -109,14 +113,24 @@ def _rules(tp: int):
     def rms_norm(node: Node, ctx):  # a norm over a whole column-parallel projection needs every rank's columns
         w = ctx.weights.get(node.ins[1])
         src = ctx.producing(node.ins[0])
+        part = 0
         if src is not None and src.op == "split":
-            src = ctx.producing(src.ins[0])
+            part, src = src.outs.index(node.ins[0]), ctx.producing(src.ins[0])
         if w is None or kind(ctx, node.ins[1]) not in (None, "replicated") or src is None or src.op != "linear" \
                 or kind(ctx, src.ins[1]) != "column":
             return None
-        raise MxcError(f"--tp {tp}: the rms_norm at {node.loc} normalizes {node.ins[0]} over all {w.shape[-1]} "
-                       f"columns of a projection that --tp splits across ranks (a q/k norm over every head, as "
-                       f"OLMoE's); tensor parallelism does not support such a norm yet: build with --tp 1")
+        local = _local_parts(ctx.weights[src.ins[1]], tp)[part]
+        where = f"--tp {tp}: the rms_norm at {node.loc} normalizes {node.ins[0]} over all {w.shape[-1]} columns"
+        if local * tp != w.shape[-1]:  # replicated heads (fewer than ranks): the gathered copies would repeat
+            raise MxcError(f"{where}, and its heads are fewer than the ranks (each rank holds {local} columns, "
+                           f"copied on others); build with a --tp that divides its heads")
+        if target != "cpu":  # the CUDA attention takes q and k from the qkv projection, normed inside
+            raise MxcError(f"{where}: gathered across ranks, which the {target} attention kernels do not take yet; "
+                           f"build with --tp 1, or --target cpu")
+        full, normed = ctx.fresh(f"{node.ins[0]}_all"), ctx.fresh(f"{node.outs[0]}_all")
+        return {ctx.index(node): [Node("all_gather", (full,), node.ins[:1], {"world": tp}, node.loc),
+                                  node.replace(ins=(full, *node.ins[1:]), outs=(normed,)),
+                                  Node("rank_slice", node.outs, (normed,), {"world": tp}, node.loc)]}
 
     return [("linear", linear), ("embedding", embedding), ("split", split), ("experts", moe), ("fused_moe", moe),
             ("rms_norm", rms_norm)]
@@ -129,9 +143,9 @@ def run(graph: Graph, options) -> Graph:
     weights = {k: _shard_weight(w, tp) for k, w in graph.weights.items()}
     body = tuple(item.replace(weights={k: _shard_weight(w, tp) for k, w in item.weights.items()})
                  if isinstance(item, Repeat) else item for item in graph.body)
-    graph = apply_rules(graph.replace(weights=weights, body=body), _rules(tp))[0]
+    graph = apply_rules(graph.replace(weights=weights, body=body), _rules(tp, options.target))[0]
     try:
         verify(graph)
-    except VerifyError as e:  # e.g. a norm over a whole projection that is now split across ranks
+    except VerifyError as e:  # a model-file op over a whole dimension that the ranks now split
         raise MxcError(f"--tp {tp}: this model cannot be split as its definition stands: {e}") from None
     return graph
