@@ -61,7 +61,7 @@ def test_router_qwen3_30b_shapes(t, scoring, renormalize):
     ("Qwen3MoeForCausalLM", dict(moe_intermediate_size=64, norm_topk_prob=True)),
     ("OlmoeForCausalLM", dict(intermediate_size=64)),  # q/k norm over the whole projections
 ])
-def test_moe_cuda_matches_hf(arch, overrides, hf_checkpoint, tmp_path):
+def test_moe_cuda_matches_hf(arch, overrides, hf_checkpoint, greedy_check, tmp_path):
     ckpt, hf = hf_checkpoint(arch, hidden_size=128, num_experts=8, num_experts_per_tok=2, **overrides)
     art = mxc.build(str(ckpt), out=tmp_path / "a", target="cuda", dtype="bfloat16", max_batch=4, max_seq_len=64,
                     progress=False, log=lambda m: None)
@@ -71,3 +71,5 @@ def test_moe_cuda_matches_hf(arch, overrides, hf_checkpoint, tmp_path):
     with torch.no_grad():
         ref = hf(ids.cuda()).logits.float().cpu()
     assert _rel(model.logits(ids).cpu(), ref) < 3e-2
+    # the decode path (the per-pair expert kernels, the fused norm + router) against transformers at every step
+    greedy_check(ids, model.generate(ids, max_new_tokens=12), lambda seq: hf(seq.cuda()).logits)
