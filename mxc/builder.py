@@ -79,8 +79,11 @@ def resolve_source(source: str, checkpoint: str | None, config: str | None = Non
     if ckpt is not None and not ckpt.is_dir():
         raise MxcError(f"--checkpoint {checkpoint}: not a directory")
 
-    bundled = src is not None and not src.exists() and (MODELS_DIR / src.with_suffix(".yaml").name).exists() \
-        and src.name == str(src)
+    # a bundled definition: its bare name, or a path to the file itself (mxc/models/llama.yaml in a checkout),
+    # which takes the registry's settings for the checkpoint's architecture as the name does
+    bundled = src is not None and ((not src.exists() and (MODELS_DIR / src.with_suffix(".yaml").name).exists()
+                                    and src.name == str(src))
+                                   or (src.is_file() and src.resolve().parent == MODELS_DIR.resolve()))
     if src is not None and not src.exists() and not bundled:
         from mxc.models import model_files
         raise MxcError(f"{source}: no such file, and not a bundled definition ({', '.join(model_files())})")

@@ -63,6 +63,17 @@ def test_bundled_name_and_yaml_path_with_checkpoint(hf_checkpoint, tmp_path):
     assert "my-llama.yaml:" in (from_path / "code" / "forward.py").read_text()
 
 
+def test_path_to_the_bundled_definition_takes_the_registry_settings(hf_checkpoint, tmp_path):
+    """``mxc build mxc/models/llama.yaml --checkpoint QWEN3`` (the file itself, as typed in a checkout) builds what
+    ``llama.yaml`` by name does: the registry's settings for Qwen3 (its per-head q/k norms). It was taken as a
+    user's own definition, bound as a plain Llama, and refused the checkpoint's q/k norm tensors."""
+    ckpt, _ = hf_checkpoint("Qwen3ForCausalLM", head_dim=32)
+    named = _build("llama.yaml", tmp_path / "named", checkpoint=str(ckpt))
+    by_path = _build(MODELS_DIR / "llama.yaml", tmp_path / "by_path", checkpoint=str(ckpt))
+    assert (by_path / "graph.yaml").read_text() == (named / "graph.yaml").read_text()
+    assert torch.equal(_logits(by_path), _logits(named))
+
+
 def test_checkpoint_dir_plus_checkpoint_refused(hf_checkpoint, tmp_path):
     ckpt, _ = hf_checkpoint("LlamaForCausalLM")
     with pytest.raises(mxc.MxcError, match="do not also pass --checkpoint"):
