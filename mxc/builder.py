@@ -62,6 +62,14 @@ def _read_config(path: Path) -> dict:
     return config
 
 
+def _is_bundled(src: Path) -> bool:
+    """A bundled definition: its bare name (``llama.yaml``), or a path to the file itself (``mxc/models/llama.yaml``
+    in a checkout), which takes the registry's settings for the checkpoint's architecture as the name does."""
+    if src.exists():
+        return src.is_file() and src.resolve().parent == MODELS_DIR.resolve()
+    return src.name == str(src) and (MODELS_DIR / src.with_suffix(".yaml").name).exists()
+
+
 def resolve_source(source: str, checkpoint: str | None, config: str | None = None) -> Source:
     """Work out the model file, config and checkpoint from the command line.
 
@@ -79,11 +87,7 @@ def resolve_source(source: str, checkpoint: str | None, config: str | None = Non
     if ckpt is not None and not ckpt.is_dir():
         raise MxcError(f"--checkpoint {checkpoint}: not a directory")
 
-    # a bundled definition: its bare name, or a path to the file itself (mxc/models/llama.yaml in a checkout),
-    # which takes the registry's settings for the checkpoint's architecture as the name does
-    bundled = src is not None and ((not src.exists() and (MODELS_DIR / src.with_suffix(".yaml").name).exists()
-                                    and src.name == str(src))
-                                   or (src.is_file() and src.resolve().parent == MODELS_DIR.resolve()))
+    bundled = src is not None and _is_bundled(src)
     if src is not None and not src.exists() and not bundled:
         from mxc.models import model_files
         raise MxcError(f"{source}: no such file, and not a bundled definition ({', '.join(model_files())})")

@@ -112,12 +112,12 @@ def _rules(tp: int, target: str):
 
     def rms_norm(node: Node, ctx):  # a norm over a whole column-parallel projection needs every rank's columns
         w = ctx.weights.get(node.ins[1])
-        src = ctx.producing(node.ins[0])
-        part = 0
-        if src is not None and src.op == "split":
+        if w is None or kind(ctx, node.ins[1]) not in (None, "replicated"):
+            return None
+        src, part = ctx.producing(node.ins[0]), 0
+        if src is not None and src.op == "split":  # q or k of a merged qkv
             part, src = src.outs.index(node.ins[0]), ctx.producing(src.ins[0])
-        if w is None or kind(ctx, node.ins[1]) not in (None, "replicated") or src is None or src.op != "linear" \
-                or kind(ctx, src.ins[1]) != "column":
+        if src is None or src.op != "linear" or kind(ctx, src.ins[1]) != "column":
             return None
         local = _local_parts(ctx.weights[src.ins[1]], tp)[part]
         where = f"--tp {tp}: the rms_norm at {node.loc} normalizes {node.ins[0]} over all {w.shape[-1]} columns"
