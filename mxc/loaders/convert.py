@@ -24,6 +24,7 @@ from mxc.ir.sharding import local_size, rank_slices
 from mxc.loaders.quantize import quantize_fp8
 from mxc.loaders.safetensors_writer import SafetensorsWriter
 
+SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale")  # fp8 checkpoints' scale tensors
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float8_e4m3fn": torch.float8_e4m3fn}
 
@@ -69,7 +70,8 @@ def read_full(w: Weight, ckpt, dtype: torch.dtype | None = None) -> torch.Tensor
 
 
 def _ignored(patterns: tuple[str, ...]) -> re.Pattern:
-    regex = "|".join(re.escape(p).replace(re.escape("{i}"), r"\d+") for p in patterns) or r"(?!)"
+    """One pattern for names with an index ("{i}" for the layer, an expert stack's "{e}") standing for any number."""
+    regex = "|".join(re.sub(r"\\\{\w+\\\}", r"\\d+", re.escape(p)) for p in patterns) or r"(?!)"
     return re.compile(f"^(?:{regex})$")
 
 
@@ -80,7 +82,8 @@ def check_names(graph: Graph, ckpt) -> None:
     wanted: dict[str, tuple[tuple[int, ...], str]] = {}
     for w in graph.all_weights():
         if w.scale_of:  # made from its weight's tensors, or read from the checkpoint's scales
-            wanted.update({hf: (None, w.name) for hf in w.hf})
+            names = [h for e in range(w.shape[0]) for h in w.expert_hf(e)] if w.stack else w.hf
+            wanted.update({hf: (None, w.name) for hf in names})
             continue
         for hf, shape in parts_of(w):
             wanted[hf] = (shape, w.name)
@@ -101,6 +104,12 @@ def check_names(graph: Graph, ckpt) -> None:
     unexpected = sorted(n for n in have if n not in wanted and not ignored.match(n))
     if unexpected:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        stem, _, suffix = unexpected[0].rpartition(".")
+        if suffix in SCALE_SUFFIXES and f"{stem}.weight" in wanted:  # an fp8 tensor of a weight kept unquantized
+            used_by = wanted[f"{stem}.weight"][1]
+            raise MxcError(f"{where}: {stem}.weight is stored in fp8 with scales ({unexpected[0]}), but mxc "
+                           f"keeps weight {used_by} in the model dtype (an MoE router, or no fp8 build): only linear "
+                           f"layers and experts are imported in fp8")
         raise MxcError(f"{where}: unexpected tensor {unexpected[0]!r}{more}: the {graph.source} definition "
                        f"neither maps nor ignores it (wrong architecture, or a variant mxc does not support?)")
     for name, (shape, used_by) in wanted.items():
@@ -134,11 +143,19 @@ def _as_fp8(tensor: torch.Tensor, w: Weight, where) -> torch.Tensor:
 
 
 def _checkpoint_scales(w: Weight, scale_w: Weight, ckpt) -> torch.Tensor:
-    """The checkpoint's scales of ``w``'s parts, in the layout quantize_fp8 would have made."""
-    rows = w.segments or (full_shape(w)[0],)
-    k = full_shape(w)[1]
+    """The checkpoint's scales of ``w``'s parts, in the layout quantize_fp8 would have made (an expert stack's
+    experts one after another: [E, rows])."""
+    if w.stack:
+        return torch.stack([_part_scales(w, scale_w.expert_hf(e), full_shape(w)[1:], ckpt)
+                            for e in range(full_shape(w)[0])])
+    return _part_scales(w, scale_w.hf, full_shape(w), ckpt)
+
+
+def _part_scales(w: Weight, names: tuple[str, ...], shape: tuple[int, ...], ckpt) -> torch.Tensor:
+    rows = w.segments or (shape[0],)
+    k = shape[1]
     parts = []
-    for hf, n in zip(scale_w.hf, rows):
+    for hf, n in zip(names, rows):
         s = ckpt.get(hf).float()
         if w.quant.granularity == "block128":
             if len(rows) > 1 and n % 128:

@@ -144,3 +144,66 @@ def test_quant_lm_head_over_a_bf16_lm_head_says_so(hf_checkpoint, tmp_path):
                                            r"fp8 with scales \(--quant-lm-head asks for the LM head's; build without it\)"):
         mxc.build(str(tmp_path / "fp8-ckpt"), out=tmp_path / "a", quant_lm_head=True, progress=False,
                   log=lambda m: None)
+
+
+MOE = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+           moe_intermediate_size=64)
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors-channel", "compressed-tensors-tensor"])
+def test_prequantized_moe_checkpoint_is_imported_as_is(fmt, hf_checkpoint, tmp_path):
+    """An fp8 MoE checkpoint (the experts fp8 on disk, the router in the model dtype): each expert's fp8 values and
+    scales are stacked as they are (a tensor scale repeated over its part's rows), and the model runs."""
+    qconfig, granularity, suffix = FORMATS[fmt]
+    ckpt, _ = hf_checkpoint("Qwen3MoeForCausalLM", **MOE)
+    fp8 = _prequantize(ckpt, tmp_path / "fp8-ckpt", qconfig, granularity, suffix)
+    art = mxc.build(str(tmp_path / "fp8-ckpt"), out=tmp_path / "imported", progress=False, log=lambda m: None)
+    weights = load_file(art / "weights" / "rank0.safetensors")
+    p = "model.layers.1.mlp.experts."
+    parts = {"gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+    for stack, names in parts.items():
+        want = torch.stack([torch.cat([fp8[f"{p}{e}.{n}.weight"] for n in names]) for e in range(8)])
+        assert torch.equal(weights[f"layers.1.we_{stack}"].view(torch.uint8), want.view(torch.uint8)), stack
+        scales = [[fp8[f"{p}{e}.{n}.{suffix}"].float().reshape(-1).expand(fp8[f"{p}{e}.{n}.weight"].shape[0])
+                   for n in names] for e in range(8)]
+        assert torch.equal(weights[f"layers.1.we_{stack}_scale"], torch.stack([torch.cat(s) for s in scales])), stack
+    assert weights["layers.1.w_router"].dtype == torch.float32  # the router as the checkpoint holds it
+
+    ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(0))
+    logits = mxc.load(art).logits(ids)
+    if granularity == "channel":  # mxc quantizes experts per row: the same values as the checkpoint's
+        requantized = mxc.build(str(ckpt), out=tmp_path / "requantized", quant="fp8", progress=False,
+                                log=lambda m: None)
+        assert torch.equal(logits, mxc.load(requantized).logits(ids))
+    else:  # within the fp8 bound of tests/models/test_fp8.py's MoE cases, from the unquantized model
+        ref = mxc.load(mxc.build(str(ckpt), out=tmp_path / "bf16", progress=False, log=lambda m: None)).logits(ids)
+        assert ((logits - ref).abs().max() / ref.abs().max()).item() < 8e-2
+
+
+def test_block_scaled_fp8_experts_are_refused(hf_checkpoint, tmp_path):
+    """128x128 block scales on experts (transformers' fine-grained fp8 of an MoE) have no row-scale form: one line,
+    naming what to do, and nothing written."""
+    qconfig, granularity, suffix = FORMATS["hf-fp8-block"]
+    ckpt, _ = hf_checkpoint("Qwen3MoeForCausalLM", **MOE)
+    _prequantize(ckpt, tmp_path / "fp8-ckpt", qconfig, granularity, suffix)
+    with pytest.raises(mxc.MxcError, match=r"experts \(model\.layers\.0\.mlp\.experts\.0\.gate_proj\.weight, \.\.\.\) "
+                                           r"are fp8 with 128x128 block scales.*--quant fp8") as e:
+        mxc.build(str(tmp_path / "fp8-ckpt"), out=tmp_path / "a", progress=False, log=lambda m: None)
+    assert "\n" not in str(e.value) and not (tmp_path / "a").exists()
+
+
+def test_an_fp8_router_is_refused_by_name(hf_checkpoint, tmp_path):
+    """A router stored in fp8 (mxc keeps routers in the model dtype): the error names the tensor and the weight, not
+    'unexpected tensor'."""
+    qconfig, granularity, suffix = FORMATS["compressed-tensors-channel"]
+    ckpt, _ = hf_checkpoint("Qwen3MoeForCausalLM", **MOE)
+    dst = tmp_path / "fp8-ckpt"
+    _prequantize(ckpt, dst, qconfig, granularity, suffix)
+    tensors = load_file(dst / "model.safetensors")
+    for i in range(2):
+        q, s = quantize_fp8(tensors[f"model.layers.{i}.mlp.gate.weight"], granularity)
+        tensors[f"model.layers.{i}.mlp.gate.weight"], tensors[f"model.layers.{i}.mlp.gate.weight_scale"] = q, s
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(mxc.MxcError, match=r"model\.layers\.0\.mlp\.gate\.weight is stored in fp8 with scales .*"
+                                           r"keeps weight layers\.0\.w_router in the model dtype"):
+        mxc.build(str(dst), out=tmp_path / "a", progress=False, log=lambda m: None)

@@ -231,10 +231,12 @@ def test_cli_generate_starts_the_ranks(tmp_path):
     assert len(lines) == 1 and json.loads(lines[0]) == {"ids": expected}
 
 
-@pytest.mark.parametrize("fmt", ["hf-fp8-block", "compressed-tensors-tensor"])
-def test_prequantized_checkpoint_shards_reassemble(fmt, hf_checkpoint, tmp_path):
+@pytest.mark.parametrize("fmt,arch", [("hf-fp8-block", "LlamaForCausalLM"), ("compressed-tensors-tensor", "LlamaForCausalLM"),
+                                      ("compressed-tensors-channel", "Qwen3MoeForCausalLM")])
+def test_prequantized_checkpoint_shards_reassemble(fmt, arch, hf_checkpoint, tmp_path):
     """An already-fp8 checkpoint imported at --tp 2: every rank's fp8 values and scales, put back together, equal
-    the --tp 1 import's bit for bit (q, k, v and gate, up each split with their own scales)."""
+    the --tp 1 import's bit for bit (q, k, v and gate, up each split with their own scales; an MoE's expert stacks
+    split along their intermediate size, each expert's gate and up rows with their scales)."""
     from safetensors.torch import save_file
 
     from mxc.ir import load_graph
@@ -245,9 +247,13 @@ def test_prequantized_checkpoint_shards_reassemble(fmt, hf_checkpoint, tmp_path)
         "compressed-tensors-tensor": ({"quant_method": "compressed-tensors", "config_groups": {"g": {
             "targets": ["Linear"], "weights": {"type": "float", "num_bits": 8, "strategy": "tensor"}}}},
             "tensor", "weight_scale"),
+        "compressed-tensors-channel": ({"quant_method": "compressed-tensors", "config_groups": {"g": {
+            "targets": ["Linear"], "weights": {"type": "float", "num_bits": 8, "strategy": "channel"}}}},
+            "channel", "weight_scale"),
     }[fmt]
-    ckpt, _ = hf_checkpoint("LlamaForCausalLM", hidden_size=512, intermediate_size=512, num_attention_heads=4,
-                            num_key_value_heads=2)  # head_dim 128: each rank's k and v rows are one whole block
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128) if "Moe" in arch else {}
+    ckpt, _ = hf_checkpoint(arch, hidden_size=512, intermediate_size=512, num_attention_heads=4,
+                            num_key_value_heads=2, **moe)  # head_dim 128: each rank's k and v rows are one whole block
     fp8 = tmp_path / "fp8-ckpt"
     fp8.mkdir()
     out = {}
@@ -276,7 +282,7 @@ def test_prequantized_checkpoint_shards_reassemble(fmt, hf_checkpoint, tmp_path)
         assert torch.equal(rebuilt.view(torch.uint8) if fp else rebuilt,
                            full[w.name].view(torch.uint8) if fp else full[w.name]), w.name
         checked += w.name.endswith("_scale")
-    assert checked >= 4  # wqkv, w_gate_up (and their per-rank scales) at least, in each layer
+    assert checked >= 4  # wqkv, w_gate_up or we_gate_up (and their per-rank scales) at least, in each layer
 
 
 def _logits_worker(rank, world_size, device, path: str, out_path: str):

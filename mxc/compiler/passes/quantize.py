@@ -30,6 +30,7 @@ in the model dtype). Preserves: value names; the math up to fp8 rounding
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 from mxc.compiler.rewrite import apply_rules
@@ -107,9 +108,8 @@ def run(graph: Graph, options) -> Graph:
         if isinstance(item, Repeat):
             sub = graph.replace(body=(item,), weights={})
             rule = _rule(g, None, options.tp, options.quant_scale_suffix)
-            rules = [("linear", rule), ("rms_norm_linear", rule)]
-            if not options.quant_scale_suffix:  # experts of an already-fp8 checkpoint: not imported yet
-                rules.append(("fused_moe", _expert_rule(options.tp)))
+            rules = [("linear", rule), ("rms_norm_linear", rule),
+                     ("fused_moe", _expert_rule(options.tp, g, options.quant_scale_suffix))]
             item = apply_rules(sub, rules)[0].body[0]
         items.append(item)
     graph = graph.replace(body=tuple(items))
@@ -133,20 +133,31 @@ def run(graph: Graph, options) -> Graph:
     return graph
 
 
-def _expert_rule(tp: int):
-    """fused_moe over bf16 stacks -> over fp8 stacks with per-expert row scales ([E, rows])."""
+def _expert_rule(tp: int, granularity: str, suffix: str | None):
+    """fused_moe over bf16 stacks -> over fp8 stacks with per-expert row scales ([E, rows]).
+
+    An already-fp8 checkpoint's experts (``suffix``: its scale tensors' name) are imported as they are: each
+    expert's channel scales, or its tensor scale repeated over the part's rows, become that expert's row scales.
+    Block scales have no such form (the fused MoE kernels scale whole rows), so they are refused."""
 
     def quantize(node: Node, ctx):
         if len(node.ins) > 5 and node.ins[5] is not None:
             return None
+        if suffix and granularity == "block128":
+            first = re.sub(r"\{\w+\}", "0", ctx.weights[node.ins[3]].hf[0])  # layer 0's expert 0
+            raise MxcError(f"the checkpoint's experts ({first}, ...) are fp8 with 128x128 block scales, which "
+                           f"mxc's fused MoE kernels do not take (one scale per expert row); build from the bf16 "
+                           f"checkpoint with --quant fp8, or from a per-channel fp8 one (compressed-tensors)")
         ins, rest = list(node.ins[:5]), list(node.ins[7:])  # rest: the residual fuse_linear_io folded in
         for j in (3, 4):
             local = node.ins[j]
             w = ctx.weights[local]
-            ctx.weights[local] = replace(w, dtype=FP8, quant=QuantSpec("fp8_e4m3", "channel"))
+            spec = QuantSpec("fp8_e4m3", granularity, True) if suffix else QuantSpec("fp8_e4m3", "channel")
+            ctx.weights[local] = replace(w, dtype=FP8, quant=spec)
             shard = w.shard if w.shard is not None and w.shard.kind == "column" and tp > 1 else None
-            ctx.weights[f"{local}_scale"] = Weight(f"{w.name}_scale", w.shape[:2], "float32", (), stack=w.stack,
-                                                   shard=shard, scale_of=local)
+            scale = Weight(f"{w.name}_scale", w.shape[:2], "float32", (), stack=w.stack, shard=shard,
+                           scale_of=local)
+            ctx.weights[f"{local}_scale"] = _prequantized(w, scale, suffix) if suffix else scale
             ins.append(f"{local}_scale")
         attrs = {k: v for k, v in node.attrs.items() if k not in ("kernel", "kernel_reason")}
         return {ctx.index(node): [node.replace(ins=tuple(ins + rest), attrs=attrs)]}
