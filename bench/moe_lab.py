@@ -5,8 +5,10 @@ Times, as decode runs them (a CUDA graph of back-to-back calls, weights from HBM
     the expert-by-expert down kernel and the tiled one (the k experts in one tile); every call
     picks another random set of experts, so the chosen experts' weights come from HBM;
   the MoE block's norm + router: three kernels against the fused one over its tile and warps;
-  the attention-side GEMVs (qkv, o, router) and the Llama-3-8B qkv and o with ``gemv_tuning.tune``.
-Prints microseconds and TB/s of the weights read. Usage: python bench/moe_lab.py [--skip moe,router,gemv]
+  the attention-side GEMVs (qkv, o, router) and the Llama-3-8B qkv and o with ``gemv_tuning.tune``;
+  the experts' weight formats (bf16, fp8 row scales, fp8 128x128 block scales) at each ``--tokens``.
+Prints microseconds and TB/s of the weights read.
+Usage: python bench/moe_lab.py [--skip moe,router,gemv,scales] [--tokens 1,2048]
 """
 
 from __future__ import annotations
@@ -98,6 +100,39 @@ def moe_kernels(tokens: int) -> None:
           f"({(up_bytes + down_bytes) / best_up[0] / 1e6:.2f} TB/s) vs default {both:.1f} us", flush=True)
 
 
+def scale_formats(tokens: int) -> None:
+    """The experts' weight formats at ``tokens`` tokens (the pair kernels at a few, the sorted grouped GEMMs
+    above ``candidates.MOE_PAIR_MAX_TOKENS``): bf16, fp8 with row scales (``--quant fp8``) and fp8 with an
+    already-fp8 checkpoint's 128x128 block scales, whose kernels dequantize each tile as they load it."""
+    from mxc.kernels import candidates, triton_moe
+    from mxc.loaders.quantize import quantize_fp8
+
+    w1 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) * 0.02
+    formats = {"bf16": (w1, w2, {})}
+    for gran in ("channel", "block128"):
+        (q1, s1), (q2, s2) = (quantize_fp8(w, gran) for w in (w1, w2))
+        formats[gran] = (q1, q2, dict(s_gate_up=s1, s_down=s2))
+    sets = 16
+    xs = [torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+    routes = [moe_ref.route(torch.randn(tokens, E, device="cuda"), K, renormalize=True) for _ in range(sets)]
+    routes = [(w.to(torch.bfloat16), ids) for w, ids in routes]
+    pairs = tokens <= candidates.MOE_PAIR_MAX_TOKENS
+    fn = tmd.fused_moe if pairs else triton_moe.fused_moe
+    variants = [(name, fmt, None) for name, fmt in formats.items()]
+    if pairs:  # the gate/up steps within one block column: one scale a row instead of one an element
+        up, down = tmd.config_for(H, I, torch.bfloat16)
+        variants.append(("block128, up steps of 128", formats["block128"], (tmd.PairConfig(
+            BLOCK_N=up.BLOCK_N, BLOCK_K=128, num_warps=up.num_warps), down)))
+    ref = moe_ref.fused_moe(xs[0], *routes[0], w1, w2)
+    for name, (a, b, scales), cfg in variants:
+        kw = dict(scales, **({"configs": cfg} if cfg else {}))
+        y = fn(xs[0], *routes[0], a, b, **kw)
+        err = (y.float() - ref.float()).abs().max().item() / ref.float().abs().max().item()
+        t = time_us(lambda i: fn(xs[i % sets], *routes[i % sets], a, b, **kw))
+        print(f"T={tokens} experts {name:26s} {t:8.1f} us  (error {err:.1e} of the bf16 output's scale)", flush=True)
+
+
 def router() -> None:
     """The MoE block's norm and router at one token: the three kernels (add + RMSNorm, router GEMV,
     router) against the fused kernel (``triton_route.add_rms_norm_route``) over its rows a program,
@@ -154,7 +189,7 @@ def gemvs() -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--skip", default="", help="comma-separated: moe, router, gemv")
+    p.add_argument("--skip", default="", help="comma-separated: moe, router, gemv, scales")
     p.add_argument("--tokens", default="1")
     args = p.parse_args()
     skip = set(args.skip.split(","))
@@ -165,6 +200,9 @@ def main() -> None:
         router()
     if "gemv" not in skip:
         gemvs()
+    if "scales" not in skip:
+        for t in (int(x) for x in args.tokens.split(",")):
+            scale_formats(t)
 
 
 if __name__ == "__main__":

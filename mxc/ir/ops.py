@@ -177,8 +177,10 @@ def _fused_moe(x, weights, ids, w_gate_up, w_down, s_gate_up=None, s_down=None, 
     _need((s_gate_up is None) == (s_down is None), lambda: "fp8 expert scales come together")
     if s_gate_up is not None:
         _need(w_gate_up.dtype == w_down.dtype == "float8_e4m3fn", lambda: f"scaled stacks must be fp8, got {w_gate_up}")
-        _need(s_gate_up.shape == w_gate_up.shape[:2] and s_down.shape == w_down.shape[:2],
-              lambda: f"row scales {s_gate_up} / {s_down} must be [E, rows] of {w_gate_up} / {w_down}")
+        blocks = [(w.shape[0], -(-w.shape[1] // 128), -(-w.shape[2] // 128)) for w in (w_gate_up, w_down)]
+        _need((s_gate_up.shape, s_down.shape) in ((w_gate_up.shape[:2], w_down.shape[:2]), tuple(blocks)),
+              lambda: f"scales {s_gate_up} / {s_down} must be row scales [E, rows] or 128x128 block scales "
+                      f"[E, row blocks, column blocks] of {w_gate_up} / {w_down}, both alike")
         w_gate_up, w_down = TensorType(w_gate_up.shape, x.dtype), TensorType(w_down.shape, x.dtype)
     out = _moe_common(x, weights, ids, w_gate_up, w_down, 2)
     if residual is not None:

@@ -235,12 +235,27 @@ def _splitk_reduce_kernel(ws_ptr, b_ptr, r_ptr, y_ptr, M,
 
 
 @triton.jit
+def _block_scaled(w, s_ptrs, k, offs_k, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Weights [ROWS, BLOCK_K] (fp32) times their 128x128 block scales, in fp32 (the reference rounds the dequantized
+    weights to x's dtype first: that rounding per element cost the one-token kernels a third of their time);
+    ``s_ptrs`` [ROWS]: each row's scale row at K block 0 (one scale a row for a step inside one block column, else
+    a scale per element)."""
+    if 128 % BLOCK_K == 0:
+        s = tl.load(s_ptrs + k // 128)[:, None]
+    else:
+        kb = tl.minimum((k + offs_k) // 128, (K + 127) // 128 - 1)  # masked columns past K: any block
+        s = tl.load(s_ptrs[:, None] + kb[None, :])
+    return w * s
+
+
+@triton.jit
 def dot_rows(x_ptrs, w_ptrs, K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-             X_PER_ROW: tl.constexpr = False):
+             X_PER_ROW: tl.constexpr = False, s_ptrs=None):
     """The v1 loop: ``sum over K of w[r, :] * x`` [ROWS] in fp32, with per-thread partial products
     and one reduction at the end. ``w_ptrs`` [ROWS, BLOCK_K] points at column 0 of each weight row
     (rows contiguous along K); ``x_ptrs`` at column 0 of one input row [BLOCK_K], or with
-    ``X_PER_ROW`` of each weight row's own input row [ROWS, BLOCK_K]."""
+    ``X_PER_ROW`` of each weight row's own input row [ROWS, BLOCK_K]. ``s_ptrs`` (fp8 weights with 128x128
+    block scales, else None): each row's scale row, the weights scaled as they are loaded."""
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
@@ -254,6 +269,8 @@ def dot_rows(x_ptrs, w_ptrs, K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.co
             else:
                 x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
             w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
+        if s_ptrs is not None:
+            w = _block_scaled(w, s_ptrs, k, offs_k, K, BLOCK_K)
         if X_PER_ROW:
             acc += w * x
         else:
@@ -264,8 +281,10 @@ def dot_rows(x_ptrs, w_ptrs, K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.co
 
 
 @triton.jit
-def dot_gate_up_rows(x_ptrs, g_ptrs, u_ptrs, K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``dot_rows`` over gate rows and the matching up rows in one pass over x: (gate, up) [ROWS]."""
+def dot_gate_up_rows(x_ptrs, g_ptrs, u_ptrs, K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+                     sg_ptrs=None, su_ptrs=None):
+    """``dot_rows`` over gate rows and the matching up rows in one pass over x: (gate, up) [ROWS]; with block
+    scales, ``sg_ptrs`` / ``su_ptrs`` as ``dot_rows``' ``s_ptrs``."""
     offs_k = tl.arange(0, BLOCK_K)
     acc_g = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
     acc_u = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
@@ -279,6 +298,9 @@ def dot_gate_up_rows(x_ptrs, g_ptrs, u_ptrs, K: tl.constexpr, ROWS: tl.constexpr
             x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
             g = tl.load(g_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
             u = tl.load(u_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
+        if sg_ptrs is not None:
+            g = _block_scaled(g, sg_ptrs, k, offs_k, K, BLOCK_K)
+            u = _block_scaled(u, su_ptrs, k, offs_k, K, BLOCK_K)
         acc_g += g * x[None, :]
         acc_u += u * x[None, :]
         x_ptrs += BLOCK_K

@@ -191,6 +191,21 @@ def _load_w(w_ptrs, mask, other, ty: tl.constexpr):
 
 
 @triton.jit
+def _load_w_blocks(w_ptrs, mask, s_ptrs, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, ty: tl.constexpr):
+    """An fp8 weight tile [BLOCK_K, BLOCK_N] dequantized by its 128x128 block scales and rounded to ``ty``, as the
+    reference dequantizes the weights. ``s_ptrs`` [BLOCK_N]: each column's (weight row's) scale row at K block 0.
+    A step inside one block column (BLOCK_K divides 128, the configs' case) loads one scale a column; a wider
+    step gathers a scale per element."""
+    w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if 128 % BLOCK_K == 0:
+        s = tl.load(s_ptrs + k0 // 128)[None, :]
+    else:
+        kb = tl.minimum((k0 + tl.arange(0, BLOCK_K)) // 128, (K + 127) // 128 - 1)  # masked columns: any block
+        s = tl.load(s_ptrs[None, :] + kb[:, None])
+    return (w * s).to(ty)
+
+
+@triton.jit
 def _block_rows(sorted_ptr, expert_ptr, numel, pid_m, BLOCK_M: tl.constexpr):
     """Block pid_m's assignment rows (int64; the sentinel ``numel`` marks padding), their mask,
     and its expert (int64)."""
@@ -204,10 +219,11 @@ def _block_rows(sorted_ptr, expert_ptr, numel, pid_m, BLOCK_M: tl.constexpr):
 def _moe_gemm1_kernel(x_ptr, w_ptr, s_ptr, sorted_ptr, expert_ptr, ntpp_ptr, h_ptr, numel,
                       H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      USE_PDL: tl.constexpr = False):
+                      BLOCK_SCALE: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """Program (block, n-tile): h[rows, n] = silu(x[rows // k] @ gate_e^T) * (x[rows // k] @ up_e^T)
     for columns n of I, e the block's expert. w_ptr: w_gate_up [E, 2I, H]; s_ptr: its fp8 row
-    scales [E, 2I], or None; h_ptr: h [numel, I] in x's dtype."""
+    scales [E, 2I] (or with BLOCK_SCALE its 128x128 block scales [E, 2I / 128, cdiv(H, 128)]), or None;
+    h_ptr: h [numel, I] in x's dtype."""
     pdl_enter(USE_PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -223,10 +239,19 @@ def _moe_gemm1_kernel(x_ptr, w_ptr, s_ptr, sorted_ptr, expert_ptr, ntpp_ptr, h_p
     x_ptrs = x_ptr + tok[:, None] * H + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     g_ptrs = w_ptr + expert * (2 * I * H) + rn[None, :] * H + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
     u_ptrs = g_ptrs + I * H
+    KB: tl.constexpr = (H + 127) // 128
+    if BLOCK_SCALE:  # the gate and up rows' scale rows
+        sg_ptrs = s_ptr + expert * (2 * I // 128 * KB) + (rn // 128) * KB
+        su_ptrs = s_ptr + expert * (2 * I // 128 * KB) + ((I + rn) // 128) * KB
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, H, BLOCK_K):
-        if EVEN_K:
+        if BLOCK_SCALE:
+            k_ok = (k + offs_k) < H
+            a = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+            g = _load_w_blocks(g_ptrs, k_ok[:, None], sg_ptrs, k, H, BLOCK_K, ty)
+            u = _load_w_blocks(u_ptrs, k_ok[:, None], su_ptrs, k, H, BLOCK_K, ty)
+        elif EVEN_K:
             a = tl.load(x_ptrs)
             g = _load_w(g_ptrs, None, None, ty)
             u = _load_w(u_ptrs, None, None, ty)
@@ -240,7 +265,7 @@ def _moe_gemm1_kernel(x_ptr, w_ptr, s_ptr, sorted_ptr, expert_ptr, ntpp_ptr, h_p
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    if s_ptr is not None:
+    if s_ptr is not None and not BLOCK_SCALE:
         s_g = tl.load(s_ptr + expert * (2 * I) + rn).to(tl.float32)
         s_u = tl.load(s_ptr + expert * (2 * I) + I + rn).to(tl.float32)
         acc_g = acc_g * s_g[None, :]
@@ -258,9 +283,10 @@ def _moe_gemm1_kernel(x_ptr, w_ptr, s_ptr, sorted_ptr, expert_ptr, ntpp_ptr, h_p
 def _moe_gemm2_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, sorted_ptr, expert_ptr, ntpp_ptr, y_ptr, numel,
                       H: tl.constexpr, I: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      USE_PDL: tl.constexpr = False):
+                      BLOCK_SCALE: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """Program (block, n-tile): y[rows, n] = (h[rows] @ down_e^T)[:, n] * weights[rows] for
-    columns n of H. w_ptr: w_down [E, H, I]; s_ptr: its fp8 row scales [E, H], or None;
+    columns n of H. w_ptr: w_down [E, H, I]; s_ptr: its fp8 row scales [E, H] (or with BLOCK_SCALE its
+    block scales [E, cdiv(H, 128), cdiv(I, 128)]), or None;
     weights_ptr: the routing weights [numel] (x's dtype); y_ptr: y [numel, H]."""
     pdl_enter(USE_PDL)
     pid_m = tl.program_id(0)
@@ -276,9 +302,16 @@ def _moe_gemm2_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, sorted_ptr, expert_ptr, 
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = h_ptr + src[:, None] * I + offs_k[None, :]
     w_ptrs = w_ptr + expert * (H * I) + rn[None, :] * I + offs_k[:, None]
+    KB: tl.constexpr = (I + 127) // 128
+    if BLOCK_SCALE:  # the rows' scale rows
+        s_rows = s_ptr + expert * ((H + 127) // 128 * KB) + (rn // 128) * KB
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, I, BLOCK_K):
-        if EVEN_K:
+        if BLOCK_SCALE:
+            k_ok = (k + offs_k) < I
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            w = _load_w_blocks(w_ptrs, k_ok[:, None], s_rows, k, I, BLOCK_K, ty)
+        elif EVEN_K:
             a = tl.load(a_ptrs)
             w = _load_w(w_ptrs, None, None, ty)
         else:
@@ -288,7 +321,7 @@ def _moe_gemm2_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, sorted_ptr, expert_ptr, 
         acc = _dot(a, w, acc)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if s_ptr is not None:
+    if s_ptr is not None and not BLOCK_SCALE:
         acc = acc * tl.load(s_ptr + expert * H + rn).to(tl.float32)[None, :]
     wt = tl.load(weights_ptr + src).to(tl.float32)
     y = (acc.to(ty).to(tl.float32) * wt[:, None]).to(y_ptr.dtype.element_ty)
@@ -422,13 +455,20 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int, *, chunk: int =
     return sorted_ids, expert_of_block, ntpp
 
 
+def block_scale_shape(shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """The 128x128 block scales' shape of an expert stack [E, rows, K]."""
+    return shape[0], -(-shape[1] // 128), -(-shape[2] // 128)
+
+
 def _check_weight(name, w, shape, scale, dtype, device):
     if tuple(w.shape) != shape or not w.is_contiguous() or w.device != device:
         raise ValueError(f"{name} must be contiguous {list(shape)} on {device}, got {tuple(w.shape)}")
     if w.dtype == FP8:
-        if scale is None or scale.shape != shape[:2] or scale.dtype != torch.float32 \
+        blocks = block_scale_shape(shape)
+        if scale is None or tuple(scale.shape) not in (shape[:2], blocks) or scale.dtype != torch.float32 \
                 or not scale.is_contiguous() or scale.device != device:
-            raise ValueError(f"fp8 {name} needs contiguous float32 row scales {list(shape[:2])} on {device}")
+            raise ValueError(f"fp8 {name} needs contiguous float32 row scales {list(shape[:2])} or block scales "
+                             f"{list(blocks)} on {device}")
     elif w.dtype != dtype:
         raise ValueError(f"{name} must be {dtype} (x's dtype) or {FP8}, got {w.dtype}")
     elif scale is not None:
@@ -451,6 +491,11 @@ def check_inputs(x, weights, ids, w_gate_up, w_down, s_gate_up, s_down, residual
     E, I = w_gate_up.shape[0], w_gate_up.shape[1] // 2
     _check_weight("w_gate_up", w_gate_up, (E, 2 * I, H), s_gate_up, x.dtype, x.device)
     _check_weight("w_down", w_down, (E, H, I), s_down, x.dtype, x.device)
+    if (s_gate_up is not None and s_gate_up.dim()) != (s_down is not None and s_down.dim()):
+        raise ValueError("w_gate_up and w_down need scales of one granularity (both per row or both per block)")
+    if s_gate_up is not None and s_gate_up.dim() == 3 and I % 128:
+        raise ValueError(f"block-scaled w_gate_up needs I a multiple of 128 (its gate and up parts whole 128-row "
+                         f"blocks), got {I}")
     if len({t.device for t in (x, weights, ids)}) != 1:
         raise ValueError("x, weights and ids must be on one device")
     if residual is not None:
@@ -467,7 +512,9 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_
     x [T, H] (fp32/fp16/bf16); weights [T, k] (x's dtype); ids [T, k] int64 in [0, E);
     w_gate_up [E, 2I, H] (gate rows then up rows) and w_down [E, H, I], in x's dtype or
     float8_e4m3fn with float32 row scales ``s_gate_up [E, 2I]`` / ``s_down [E, H]``
-    (``w = q * s[..., None]``). All contiguous on one device. ``config`` overrides
+    (``w = q * s[..., None]``) or 128x128 block scales ``[E, 2I / 128, cdiv(H, 128)]`` /
+    ``[E, cdiv(H, 128), cdiv(I, 128)]`` (each tile dequantized and rounded to x's dtype, as the reference
+    dequantizes). All contiguous on one device. ``config`` overrides
     ``config_for(token_bucket(T), E, k, H, I, x.dtype)``. Never reads device values on the
     host: runs on ``meta`` tensors under a recording launcher; grids depend on shapes only.
     """
@@ -481,7 +528,8 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     sums = top_k > 1 or residual is not None  # the sum kernel also adds the residual
     y = torch.empty((numel, H), dtype=x.dtype, device=x.device) if sums else out
-    tiles = dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K)
+    tiles = dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+                 BLOCK_SCALE=s_gate_up is not None and s_gate_up.dim() == 3)
     launch(_moe_gemm1_kernel, (n_blocks, cdiv(I, cfg.BLOCK_N)),
            [x, w_gate_up, s_gate_up, sorted_ids, expert_of_block, ntpp, h, numel],
            dict(H=H, I=I, TOP_K=top_k, **tiles), num_warps=cfg.num_warps, num_stages=cfg.num_stages)

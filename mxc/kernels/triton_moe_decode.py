@@ -40,7 +40,8 @@ from mxc.kernels.triton_gemv import dot_gate_up_rows, dot_rows
 @triton.jit
 def _pair_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr,
                     E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_SCALE: tl.constexpr = False,
+                    USE_PDL: tl.constexpr = False):
     pdl_enter(USE_PDL)
     pair = tl.program_id(0).to(tl.int64)
     t = pair // TOP_K
@@ -51,8 +52,14 @@ def _pair_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr,
     rn = offs_n % I  # rows past I re-read valid rows; only the store is masked
     offs_k = tl.arange(0, BLOCK_K)
     g_ptrs = w_ptr + e * (2 * I * H) + rn[:, None] * H + offs_k[None, :]
-    gate, up = dot_gate_up_rows(x_ptr + t * H + offs_k, g_ptrs, g_ptrs + I * H, H, BLOCK_N, BLOCK_K)
-    if s_ptr is not None:  # fp8 row scales [E, 2I]
+    if BLOCK_SCALE:  # fp8 block scales [E, 2I / 128, cdiv(H, 128)]: the tiles dequantized as they are loaded
+        KB: tl.constexpr = (H + 127) // 128
+        s_e = s_ptr + e * (2 * I // 128 * KB)
+        gate, up = dot_gate_up_rows(x_ptr + t * H + offs_k, g_ptrs, g_ptrs + I * H, H, BLOCK_N, BLOCK_K,
+                                    s_e + (rn // 128) * KB, s_e + ((I + rn) // 128) * KB)
+    else:
+        gate, up = dot_gate_up_rows(x_ptr + t * H + offs_k, g_ptrs, g_ptrs + I * H, H, BLOCK_N, BLOCK_K)
+    if s_ptr is not None and not BLOCK_SCALE:  # fp8 row scales [E, 2I]
         gate = gate * tl.load(s_ptr + e * (2 * I) + rn).to(tl.float32)
         up = up * tl.load(s_ptr + e * (2 * I) + I + rn).to(tl.float32)
     gate = gate.to(ty).to(tl.float32)
@@ -75,13 +82,15 @@ def _store_out(out_ptr, r_ptr, offs, mask, total):
 @triton.jit
 def _pair_down_sum_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, r_ptr, out_ptr,
                           E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_SCALE: tl.constexpr = False,
+                          USE_PDL: tl.constexpr = False):
     pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     ty = h_ptr.dtype.element_ty
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rn = offs_n % H
     offs_k = tl.arange(0, BLOCK_K)
+    KB: tl.constexpr = (I + 127) // 128  # BLOCK_SCALE: column blocks of a down matrix
     total = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         pair = t * TOP_K + j
@@ -89,8 +98,12 @@ def _pair_down_sum_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, r_ptr, out_
         valid = (e >= 0) & (e < E)
         e = tl.where(valid, e, 0)
         w_ptrs = w_ptr + e * (H * I) + rn[:, None] * I + offs_k[None, :]
-        y = dot_rows(h_ptr + pair * I + offs_k, w_ptrs, I, BLOCK_N, BLOCK_K)
-        if s_ptr is not None:  # fp8 row scales [E, H]
+        if BLOCK_SCALE:  # fp8 block scales [E, cdiv(H, 128), cdiv(I, 128)]
+            y = dot_rows(h_ptr + pair * I + offs_k, w_ptrs, I, BLOCK_N, BLOCK_K,
+                         s_ptrs=s_ptr + e * ((H + 127) // 128 * KB) + (rn // 128) * KB)
+        else:
+            y = dot_rows(h_ptr + pair * I + offs_k, w_ptrs, I, BLOCK_N, BLOCK_K)
+        if s_ptr is not None and not BLOCK_SCALE:  # fp8 row scales [E, H]
             y = y * tl.load(s_ptr + e * H + rn).to(tl.float32)
         wt = tl.load(weights_ptr + pair).to(tl.float32)
         total += tl.where(valid, (y.to(ty).to(tl.float32) * wt).to(ty).to(tl.float32), 0.0)
@@ -100,7 +113,8 @@ def _pair_down_sum_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, r_ptr, out_
 @triton.jit
 def _pair_down_tile_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, r_ptr, out_ptr,
                            E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_SCALE: tl.constexpr = False,
+                           USE_PDL: tl.constexpr = False):
     """``_pair_down_sum_kernel`` with the k experts in one [TOP_K * BLOCK_N, BLOCK_K] tile a step
     (row r = expert j * BLOCK_N + n): k times the bytes in flight of an expert-by-expert loop, whose
     short reductions (I of 768) stall on each expert's first loads. Same rounding and order: the
@@ -120,8 +134,13 @@ def _pair_down_tile_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, r_ptr, out
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + (e * (H * I) + rn * I)[:, None] + offs_k[None, :]
     x_ptrs = h_ptr + (pair * I)[:, None] + offs_k[None, :]  # each row's own pair input
-    y = dot_rows(x_ptrs, w_ptrs, I, ROWS, BLOCK_K, X_PER_ROW=True)  # [ROWS]
-    if s_ptr is not None:  # fp8 row scales [E, H]
+    if BLOCK_SCALE:  # fp8 block scales [E, cdiv(H, 128), cdiv(I, 128)]
+        KB: tl.constexpr = (I + 127) // 128
+        y = dot_rows(x_ptrs, w_ptrs, I, ROWS, BLOCK_K, X_PER_ROW=True,
+                     s_ptrs=s_ptr + e * ((H + 127) // 128 * KB) + (rn // 128) * KB)
+    else:
+        y = dot_rows(x_ptrs, w_ptrs, I, ROWS, BLOCK_K, X_PER_ROW=True)  # [ROWS]
+    if s_ptr is not None and not BLOCK_SCALE:  # fp8 row scales [E, H]
         y = y * tl.load(s_ptr + e * H + rn).to(tl.float32)
     wt = tl.load(weights_ptr + pair).to(tl.float32)
     z = tl.where(valid, (y.to(ty).to(tl.float32) * wt).to(ty).to(tl.float32), 0.0)
@@ -191,17 +210,20 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_
     from mxc.kernels.triton_moe import check_inputs
 
     T, H, E, I, top_k = check_inputs(x, weights, ids, w_gate_up, w_down, s_gate_up, s_down, residual)
+    blocks = dict(BLOCK_SCALE=True) if s_gate_up is not None and s_gate_up.dim() == 3 else {}
     up, down = configs if configs is not None else config_for(H, I, x.dtype, top_k)
+    if blocks and configs is None:  # steps inside one 128-column block: one scale a row (measured below)
+        up, down = (replace(c, BLOCK_K=min(c.BLOCK_K, 128)) for c in (up, down))
     h = torch.empty((T * top_k, I), dtype=x.dtype, device=x.device)
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     if T == 0:
         return out
     launch(_pair_up_kernel, (T * top_k, cdiv(I, up.BLOCK_N)), [x, w_gate_up, s_gate_up, ids, h],
-           dict(E=E, H=H, I=I, TOP_K=top_k, BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K), num_warps=up.num_warps,
-           num_stages=1)
+           dict(E=E, H=H, I=I, TOP_K=top_k, BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, **blocks),
+           num_warps=up.num_warps, num_stages=1)
     tile = down.TILE and top_k & (top_k - 1) == 0  # a tile's rows are a power of two
     launch(_pair_down_tile_kernel if tile else _pair_down_sum_kernel, (T, cdiv(H, down.BLOCK_N)),
            [h, w_down, s_down, weights, ids, residual, out],
-           dict(E=E, H=H, I=I, TOP_K=top_k, BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K), num_warps=down.num_warps,
-           num_stages=1)
+           dict(E=E, H=H, I=I, TOP_K=top_k, BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, **blocks),
+           num_warps=down.num_warps, num_stages=1)
     return out

@@ -38,7 +38,7 @@ def quantize_fp8(w: torch.Tensor, granularity: str, segments: tuple[int, ...] = 
     if granularity == "block128":
         n, k = w.shape
         nb, kb = -(-n // 128), -(-k // 128)
-        padded = torch.zeros(nb * 128, kb * 128)
+        padded = torch.zeros(nb * 128, kb * 128, device=w.device)
         padded[:n, :k] = w
         tiles = padded.view(nb, 128, kb, 128)
         scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=_TINY)

@@ -76,3 +76,24 @@ def test_fp8_moe_cuda_artifact_matches_cpu_fp8(arch, overrides, hf_checkpoint, t
     # under 5e-2) on an H200, 2026-12-02; a wrong kernel or scale is off by far more
     assert _rel(gpu.logits(ids).cpu(), cpu.logits(ids)) < 8e-2
     assert torch.equal(gpu.generate(ids, max_new_tokens=4)[:, :2], cpu.generate(ids, max_new_tokens=4)[:, :2])
+
+
+def test_block_scaled_fp8_moe_checkpoint_cuda_matches_cpu(hf_checkpoint, tmp_path):
+    """An already-fp8 MoE checkpoint with 128x128 block scales (transformers' fine-grained fp8, the format of
+    Qwen3-30B-A3B-FP8), imported as it is: the GPU artifact (the expert kernels dequantizing block by block) against
+    the CPU one, prefill logits and greedy tokens."""
+    from tests.models.test_fp8_checkpoints import FORMATS, _prequantize
+
+    qconfig, granularity, suffix = FORMATS["hf-fp8-block"]
+    ckpt, _ = hf_checkpoint("Qwen3MoeForCausalLM", hidden_size=256, head_dim=128, num_attention_heads=2,
+                            num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128)
+    _prequantize(ckpt, tmp_path / "fp8-ckpt", qconfig, granularity, suffix)
+    kw = dict(dtype="bfloat16", progress=False, log=lambda m: None)
+    art = mxc.build(str(tmp_path / "fp8-ckpt"), out=tmp_path / "gpu", target="cuda", max_batch=4, max_seq_len=64,
+                    **kw)
+    assert "we_gate_up_scale" in (art / "graph.yaml").read_text()
+    gpu = mxc.load(art, device="cuda")
+    cpu = mxc.load(mxc.build(str(tmp_path / "fp8-ckpt"), out=tmp_path / "cpu", **kw))
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(3))
+    assert _rel(gpu.logits(ids).cpu(), cpu.logits(ids)) < 8e-2  # as test_fp8_moe_cuda_artifact_matches_cpu_fp8
+    assert torch.equal(gpu.generate(ids, max_new_tokens=4)[:, :2], cpu.generate(ids, max_new_tokens=4)[:, :2])

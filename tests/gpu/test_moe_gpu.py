@@ -77,3 +77,35 @@ def test_moe_cuda_matches_hf(arch, overrides, hf_checkpoint, greedy_check, tmp_p
     # within what the prefill's own measured error explains (two sides of it), at least the default 2%
     greedy_check(ids, model.generate(ids, max_new_tokens=12), lambda seq: hf(seq.cuda()).logits,
                  tol=max(2e-2, 2.5 * err))
+
+
+@pytest.mark.parametrize("t", [1, 4, 64, 1024])
+def test_block_scaled_fp8_experts_qwen3_30b_shapes(t):
+    """fp8 experts with 128x128 block scales (an already-fp8 checkpoint's), each block at its own magnitude: the
+    pair kernels (1 and 4 tokens, tiled and looped down) and the sorted kernels against the reference on the
+    dequantized weights."""
+    from mxc.kernels.torch_ref import _dequant_experts
+    from mxc.loaders.quantize import quantize_fp8
+
+    e, h, i, k = 128, 2048, 768, 8
+    g = torch.Generator().manual_seed(t)
+    stacks = []
+    for shape in ((e, 2 * i, h), (e, h, i)):
+        w = torch.randn(shape, generator=g).cuda() * 0.02
+        w *= torch.rand(e, shape[1] // 128, shape[2] // 128, generator=g).cuda().mul(4).exp2().repeat_interleave(
+            128, 1).repeat_interleave(128, 2)
+        stacks.append(quantize_fp8(w, "block128"))
+    (q1, s1), (q2, s2) = stacks
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    w, ids = moe_ref.route(torch.randn(t, e, device="cuda", dtype=torch.bfloat16), k, renormalize=True)
+    ref = moe_ref.fused_moe(x, w, ids, _dequant_experts(q1, s1, x.dtype), _dequant_experts(q2, s2, x.dtype))
+    kw = dict(s_gate_up=s1, s_down=s2)
+    if t <= 4:
+        up, _ = triton_moe_decode.config_for(h, i, x.dtype)
+        ys = [triton_moe_decode.fused_moe(x, w, ids, q1, q2, **kw, configs=(up, triton_moe_decode.PairConfig(
+            BLOCK_N=bn, BLOCK_K=256, TILE=tile))) for bn, tile in ((16, False), (8, True))]
+        ys.append(triton_moe_decode.fused_moe(x, w, ids, q1, q2, **kw))
+    else:
+        ys = [triton_moe.fused_moe(x, w, ids, q1, q2, **kw)]
+    for y in ys:
+        assert _rel(y, ref) < 2e-2

@@ -12,6 +12,8 @@ batch-1 GEMV).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -22,6 +24,7 @@ from mxc.ir import Repeat
 from mxc.kernels.context import ForwardContext
 from mxc.loaders.convert import read_full
 from mxc.loaders.dummy import DummyCheckpoint
+from mxc.loaders.quantize import quantize_fp8
 from mxc.models.registry import MODELS_DIR, bind_model, lookup
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -32,22 +35,38 @@ MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_
 S, L = 5, 16  # prompt tokens, cache rows
 
 
-def _program(arch, target, **fields):
+def _program(arch, target, quant=None, **fields):
     graph = bind_model(MODELS_DIR / "llama.yaml", {**TINY, "architectures": [arch], **fields}, "float16",
                        lookup(arch))
-    graph = compile_graph(graph, BuildOptions(target=target, dtype="float16", max_batch=4, max_seq_len=L))
+    if quant:  # fp8 experts only: the dense layers' fp8 GEMVs and GEMMs quantize activations unlike the CPU's
+        # (weight-only at one token, another rounding order), a 1-5% difference that would hide the experts'
+        graph = graph.replace(body=tuple(
+            replace(it, weights={k: w if w.stack else replace(w, quantize=False) for k, w in it.weights.items()})
+            if isinstance(it, Repeat) else it for it in graph.body))
+    graph = compile_graph(graph, BuildOptions(target=target, dtype="float16", max_batch=4, max_seq_len=L,
+                                              **(quant or {})))
     namespace: dict = {}
     exec(compile(render_forward(graph, "0" * 64), f"<{target} forward>", "exec"), namespace)
     return graph, namespace["forward"]
 
 
 def _weights(graph, ckpt):
-    cast = lambda t: t.to(torch.float16) if t.is_floating_point() else t  # noqa: E731
-    top = {k: cast(read_full(w, ckpt)) for k, w in graph.weights.items()}
+    """Every weight from ``ckpt`` in fp16; fp8 ones quantized at their granularity, each scale beside its weight."""
+    def load(ws: dict, resolve) -> dict:
+        out = {}
+        for k, w in ws.items():
+            if w.scale_of:
+                continue  # made with its weight
+            t = read_full(resolve(w), ckpt)
+            if w.quant is not None:
+                out[k], out[f"{k}_scale"] = quantize_fp8(t, w.quant.granularity, w.segments)
+            else:
+                out[k] = t.to(torch.float16) if t.is_floating_point() else t
+        return out
+
+    top = load(graph.weights, lambda w: w)
     (rep,) = [it for it in graph.body if isinstance(it, Repeat)]
-    layers = [{k: cast(read_full(w.resolve(rep.index, i), ckpt)) for k, w in rep.weights.items()}
-              for i in range(rep.count)]
-    return top, layers
+    return top, [load(rep.weights, lambda w: w.resolve(rep.index, i)) for i in range(rep.count)]
 
 
 def _run(graph, forward, B):
@@ -69,13 +88,18 @@ def _run(graph, forward, B):
     return out
 
 
+# the experts of an already-fp8 checkpoint with 128x128 block scales (transformers' fine-grained fp8)
+BLOCK_FP8 = dict(quant="fp8", quant_granularity="block128", quant_scale_suffix="weight_scale_inv")
+
+
 @pytest.mark.parametrize("B", [1, 2])  # one sequence: the one-row kernels (the batch-1 GEMV)
-@pytest.mark.parametrize("arch,fields", [("LlamaForCausalLM", {}), ("Qwen3MoeForCausalLM", MOE),
-                                         ("LlamaForCausalLM", {"head_dim": 80})],
-                         ids=["llama", "qwen3-moe", "llama-head80"])  # head80: RoPE, KV cache, attention masked lanes
-def test_cuda_program_matches_cpu_program(arch, fields, B):
-    cuda_graph, cuda_forward = _program(arch, "cuda", **fields)
-    cpu_graph, cpu_forward = _program(arch, "cpu", **fields)
+@pytest.mark.parametrize("arch,fields,quant", [
+    ("LlamaForCausalLM", {}, None), ("Qwen3MoeForCausalLM", MOE, None), ("LlamaForCausalLM", {"head_dim": 80}, None),
+    ("Qwen3MoeForCausalLM", {**MOE, "moe_intermediate_size": 128}, BLOCK_FP8),
+], ids=["llama", "qwen3-moe", "llama-head80", "qwen3-moe-fp8-blocks"])  # head80: RoPE, KV cache, masked lanes
+def test_cuda_program_matches_cpu_program(arch, fields, quant, B):
+    cuda_graph, cuda_forward = _program(arch, "cuda", quant, **fields)
+    cpu_graph, cpu_forward = _program(arch, "cpu", quant, **fields)
     kernels = {n.attrs["kernel"] if isinstance(n.attrs["kernel"], str) else n.attrs["kernel"][0][1]
                for n, _ in cuda_graph.nodes()}
     if "num_experts" in fields:  # the MoE paths under test were chosen
@@ -99,7 +123,7 @@ def test_padded_prefill_matches_the_prompt_alone(arch, fields, s):
     from mxc.kernels.context import host_arrays
     from mxc.runtime_buckets import padded_prefill
 
-    graph, forward = _program(arch, "cuda", **fields)
+    graph, forward = _program(arch, "cuda", None, **fields)
     c = graph.config
     B, T = 2, 16  # cache slots 0..B-1, scratch slot B; the bucket's tokens
     shape = (B + 1, L, c["num_key_value_heads"], c["head_dim"])

@@ -117,6 +117,37 @@ def test_fp8_experts(dtype, configs):
     _check(y, moe_ref.fused_moe(x, weights, ids, deq(q1, s1), deq(q2, s2)), TOL[dtype])
 
 
+def _block_scaled_experts(E, h, i, seed):
+    """fp8 expert stacks with 128x128 block scales (as an already-fp8 checkpoint holds them), each block of the
+    weights at its own magnitude (up to 16x apart), so a scale read for the wrong block shows."""
+    g = torch.Generator().manual_seed(seed)
+    wgu = torch.randn(E, 2 * i, h, generator=g) * h ** -0.5
+    wd = torch.randn(E, h, i, generator=g) * i ** -0.5
+    for w in (wgu, wd):
+        w *= torch.rand(E, -(-w.shape[1] // 128), -(-w.shape[2] // 128), generator=g).mul(4).exp2().repeat_interleave(
+            128, 1)[:, :w.shape[1]].repeat_interleave(128, 2)[:, :, :w.shape[2]]
+    return quantize_fp8(wgu, "block128"), quantize_fp8(wd, "block128")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("configs", [
+    (tmd.PairConfig(BLOCK_N=16, BLOCK_K=64, num_warps=4), tmd.PairConfig(BLOCK_N=16, BLOCK_K=64, num_warps=4)),
+    (tmd.PairConfig(BLOCK_N=16, BLOCK_K=256, num_warps=4), tmd.PairConfig(BLOCK_N=8, BLOCK_K=256, num_warps=4,
+                                                                          TILE=True))], ids=["loop", "tiled"])
+def test_fp8_experts_block_scales(dtype, configs):
+    """Block scales at ragged H = 200 (a short last K block of gate/up) and I = 256 (two K blocks of down; the
+    256-wide steps span both)."""
+    from tests.kernels.test_moe_kernel import dequant_blocks
+
+    h, i = 200, 256
+    x, weights, ids, _, _ = _inputs(3, 2, 4, dtype, seed=4, h=h, i=i)
+    (q1, s1), (q2, s2) = _block_scaled_experts(4, h, i, seed=9)
+    y = tmd.fused_moe(_dev(x), _dev(weights), _dev(ids), _dev(q1), _dev(q2), s_gate_up=_dev(s1), s_down=_dev(s2),
+                      configs=configs)
+    _check(y, moe_ref.fused_moe(x, weights, ids, dequant_blocks(q1, s1, dtype), dequant_blocks(q2, s2, dtype)),
+           TOL[dtype])
+
+
 @pytest.mark.parametrize("configs", [RAGGED, TILED], ids=["loop", "tiled"])
 def test_invalid_ids_are_dropped_as_by_the_sorted_path(configs):
     ids = torch.tensor([[0, 9], [-1, 2]])  # 9 and -1 are not experts of E = 4
@@ -170,6 +201,10 @@ with L.using(rec):
     tmd.fused_moe(meta(1, 2048), meta(1, 8), meta(1, 8, dtype=torch.int64), meta(128, 1536, 2048, dtype=f8),
                   meta(128, 2048, 768, dtype=f8), s_gate_up=meta(128, 1536, dtype=torch.float32),
                   s_down=meta(128, 2048, dtype=torch.float32), configs=tiled)
+    for cfgs in (None, (tmd.PairConfig(), tmd.PairConfig())):  # 128x128 block scales: tiled and looped down
+        tmd.fused_moe(meta(1, 2048), meta(1, 8), meta(1, 8, dtype=torch.int64), meta(128, 1536, 2048, dtype=f8),
+                      meta(128, 2048, 768, dtype=f8), s_gate_up=meta(128, 12, 16, dtype=torch.float32),
+                      s_down=meta(128, 16, 6, dtype=torch.float32), configs=cfgs)
 fns = {"_pair_up_kernel": tmd._pair_up_kernel, "_pair_down_sum_kernel": tmd._pair_down_sum_kernel,
        "_pair_down_tile_kernel": tmd._pair_down_tile_kernel}
 for spec in rec.specs.values():
@@ -190,4 +225,4 @@ def test_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", _COMPILE], cwd=Path(__file__).resolve().parents[2], env=env,
                        capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "ok 9" in r.stdout, r.stderr[-3000:]
+    assert r.returncode == 0 and "ok 13" in r.stdout, r.stderr[-3000:]

@@ -201,6 +201,35 @@ def test_fp8_experts(T, k, E, dtype):
     _check(y, moe_ref.fused_moe(x, weights, ids, deq(q1, s1), deq(q2, s2)), TOL[dtype])
 
 
+def dequant_blocks(q, s, dtype):
+    """An expert stack [E, R, K] dequantized by its 128x128 block scales [E, cdiv(R, 128), cdiv(K, 128)]."""
+    full = s.repeat_interleave(128, 1)[:, :q.shape[1]].repeat_interleave(128, 2)[:, :, :q.shape[2]]
+    return (q.float() * full).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T,k,E,h,i,cfg", [
+    (1, 2, 4, 200, 128, SMALL),  # ragged H: the last K block short, the K loop masked
+    (13, 2, 8, 300, 256, MoeConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, CHUNK=16)),  # steps span K blocks
+])
+def test_fp8_experts_block_scales(T, k, E, h, i, cfg, dtype):
+    """Already-fp8 checkpoints' 128x128 block scales: every tile dequantized as the reference does. Each expert's
+    blocks at very different scales, so a block scale read for the wrong rows or columns shows."""
+    x, weights, ids, w_gate_up, w_down = _inputs(T, k, E, torch.float32, seed=T + E, h=h, i=i)
+    g = torch.Generator().manual_seed(7)
+    w_gate_up *= torch.rand(E, 2 * i // 128, -(-h // 128), generator=g).mul(4).exp2().repeat_interleave(
+        128, 1).repeat_interleave(128, 2)[:, :, :h]
+    w_down *= torch.rand(E, -(-h // 128), -(-i // 128), generator=g).mul(4).exp2().repeat_interleave(
+        128, 1)[:, :h].repeat_interleave(128, 2)[:, :, :i]
+    (q1, s1), (q2, s2) = quantize_fp8(w_gate_up, "block128"), quantize_fp8(w_down, "block128")
+    assert s1.shape == (E, 2 * i // 128, -(-h // 128)) and s2.shape == (E, -(-h // 128), -(-i // 128))
+    x, weights = x.to(dtype), weights.to(dtype)
+    y = tm.fused_moe(_dev(x), _dev(weights), _dev(ids), _dev(q1), _dev(q2), s_gate_up=_dev(s1), s_down=_dev(s2),
+                     config=cfg)
+    _check(y, moe_ref.fused_moe(x, weights, ids, dequant_blocks(q1, s1, dtype), dequant_blocks(q2, s2, dtype)),
+           TOL[dtype])
+
+
 def test_rejects_bad_inputs():
     x, weights, ids, wgu, wd = _inputs(3, 2, 4, torch.float16, seed=0)
     ok = dict(config=SMALL)
@@ -216,6 +245,12 @@ def test_rejects_bad_inputs():
         tm.fused_moe(x, weights, ids, wgu, wd.transpose(1, 2), **ok)
     with pytest.raises(ValueError):  # fp8 without scales
         tm.fused_moe(x, weights, ids, wgu.to(torch.float8_e4m3fn), wd, **ok)
+    fp8 = dict(s_gate_up=torch.ones(4, 1, 1), s_down=torch.ones(4, H))  # block scales for one, row for the other
+    with pytest.raises(ValueError, match="one granularity"):
+        tm.fused_moe(x, weights, ids, wgu.to(torch.float8_e4m3fn), wd.to(torch.float8_e4m3fn), **fp8, **ok)
+    fp8 = dict(s_gate_up=torch.ones(4, 1, 1), s_down=torch.ones(4, 1, 1))  # I = 40: gate/up blocks straddle
+    with pytest.raises(ValueError, match="multiple of 128"):
+        tm.fused_moe(x, weights, ids, wgu.to(torch.float8_e4m3fn), wd.to(torch.float8_e4m3fn), **fp8, **ok)
     with pytest.raises(ValueError):
         tm.moe_align(ids, 4, 12)
     with pytest.raises(ValueError):
@@ -291,10 +326,14 @@ _COMPILE_SCRIPT = textwrap.dedent("""
     cases = [(1, 128, 8, 2048, 768, bf16, bf16), (64, 128, 8, 2048, 768, bf16, bf16),
              (4096, 128, 8, 2048, 768, bf16, bf16), (16, 8, 2, 4096, 14336, torch.float16, torch.float16),
              (1, 8, 2, 1024, 512, f32, f32), (4096, 8, 1, 1024, 512, f32, f32),
-             (1, 256, 8, 7168, 2048, bf16, fp8), (4096, 256, 8, 7168, 2048, bf16, fp8)]
+             (1, 256, 8, 7168, 2048, bf16, fp8), (4096, 256, 8, 7168, 2048, bf16, fp8),
+             (1, 128, 8, 2048, 768, bf16, "block"), (4096, 128, 8, 2048, 768, bf16, "block")]
     with L.using(record):
         for T, E, k, H, I, dt, wdt in cases:
             scales = dict(s_gate_up=meta(E, 2 * I, dt=f32), s_down=meta(E, H, dt=f32)) if wdt == fp8 else {}
+            if wdt == "block":  # 128x128 block scales (already-fp8 checkpoints)
+                wdt, scales = fp8, dict(s_gate_up=meta(E, 2 * I // 128, H // 128, dt=f32),
+                                        s_down=meta(E, H // 128, I // 128, dt=f32))
             tm.fused_moe(meta(T, H, dt=dt), meta(T, k, dt=dt), meta(T, k, dt=torch.int64),
                          meta(E, 2 * I, H, dt=wdt), meta(E, H, I, dt=wdt), **scales)
     for fn, spec in specs.values():

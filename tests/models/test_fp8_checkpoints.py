@@ -180,16 +180,64 @@ def test_prequantized_moe_checkpoint_is_imported_as_is(fmt, hf_checkpoint, tmp_p
         assert ((logits - ref).abs().max() / ref.abs().max()).item() < 8e-2
 
 
-def test_block_scaled_fp8_experts_are_refused(hf_checkpoint, tmp_path):
-    """128x128 block scales on experts (transformers' fine-grained fp8 of an MoE) have no row-scale form: one line,
-    naming what to do, and nothing written."""
+def test_block_scaled_fp8_moe_checkpoint_matches_transformers(hf_checkpoint, tmp_path, monkeypatch):
+    """transformers' fine-grained fp8 of an MoE (Qwen3-30B-A3B-FP8's format): every expert's fp8 values and 128x128
+    block scales are stacked as they are, and the logits equal transformers' on the dequantized weights once the
+    dense layers' per-token activation quantization is taken out (weight-only on the CPU; with it, routing flips
+    amplify its noise). Each expert block's scale is multiplied by its own factor (up to 16x), so a scale applied
+    to the wrong block shows."""
     qconfig, granularity, suffix = FORMATS["hf-fp8-block"]
-    ckpt, _ = hf_checkpoint("Qwen3MoeForCausalLM", **MOE)
-    _prequantize(ckpt, tmp_path / "fp8-ckpt", qconfig, granularity, suffix)
-    with pytest.raises(mxc.MxcError, match=r"experts \(model\.layers\.0\.mlp\.experts\.0\.gate_proj\.weight, \.\.\.\) "
-                                           r"are fp8 with 128x128 block scales.*--quant fp8") as e:
-        mxc.build(str(tmp_path / "fp8-ckpt"), out=tmp_path / "a", progress=False, log=lambda m: None)
-    assert "\n" not in str(e.value) and not (tmp_path / "a").exists()
+    shape = dict(MOE, hidden_size=256, head_dim=128, num_attention_heads=2, num_key_value_heads=2,
+                 moe_intermediate_size=128)  # whole 128-row blocks in every merged part
+    ckpt, model = hf_checkpoint("Qwen3MoeForCausalLM", **shape)
+    fp8 = _prequantize(ckpt, tmp_path / "fp8-ckpt", qconfig, granularity, suffix)
+    g = torch.Generator().manual_seed(3)
+    for name in [n for n in fp8 if ".experts." in n and n.endswith(suffix)]:
+        fp8[name] = fp8[name] * torch.rand(fp8[name].shape, generator=g).mul(4).exp2()
+    save_file(fp8, tmp_path / "fp8-ckpt" / "model.safetensors", metadata={"format": "pt"})
+    art = mxc.build(str(tmp_path / "fp8-ckpt"), out=tmp_path / "imported", progress=False, log=lambda m: None)
+    weights = load_file(art / "weights" / "rank0.safetensors")
+    p = "model.layers.1.mlp.experts."
+    assert torch.equal(weights["layers.1.we_down"].view(torch.uint8),
+                       torch.stack([fp8[f"{p}{e}.down_proj.weight"] for e in range(8)]).view(torch.uint8))
+    assert torch.equal(weights["layers.1.we_gate_up_scale"], torch.stack(
+        [torch.cat([fp8[f"{p}{e}.gate_proj.{suffix}"], fp8[f"{p}{e}.up_proj.{suffix}"]]) for e in range(8)]))
+
+    deq = {}  # the checkpoint's own values, dequantized: what transformers runs
+    for name, t in fp8.items():
+        if name.endswith(suffix):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            s = fp8[name[: -len("weight")] + suffix]
+            t = t.float() * s.repeat_interleave(128, 0)[:t.shape[0]].repeat_interleave(128, 1)[:, :t.shape[1]]
+        deq[name] = t
+    model.load_state_dict(_hf_state(model, deq))
+    ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(0))
+    ref = model(ids).logits.float()
+    from mxc.kernels import fp8_ref, torch_ref
+
+    monkeypatch.setattr(torch_ref, "qlinear", lambda *a, **k: fp8_ref.qlinear(*a, **k, weight_only=True))
+    err = ((mxc.load(art).logits(ids) - ref).abs().max() / ref.abs().max()).item()
+    assert err < 1e-5, err
+
+
+def _hf_state(model, tensors: dict) -> dict:
+    """``tensors`` (per-expert names, as saved) in the model's in-memory layout (transformers 5 fuses experts)."""
+    state = {}
+    for key, cur in model.state_dict().items():
+        if key in tensors:
+            state[key] = tensors[key]
+        elif key.endswith("mlp.experts.gate_up_proj"):
+            pre = key[: -len("gate_up_proj")]
+            state[key] = torch.stack([torch.cat([tensors[f"{pre}{e}.gate_proj.weight"],
+                                                 tensors[f"{pre}{e}.up_proj.weight"]]) for e in range(cur.shape[0])])
+        elif key.endswith("mlp.experts.down_proj"):
+            pre = key[: -len("down_proj")]
+            state[key] = torch.stack([tensors[f"{pre}{e}.down_proj.weight"] for e in range(cur.shape[0])])
+        else:
+            raise KeyError(key)
+        assert state[key].shape == cur.shape, key
+    return state
 
 
 def test_an_fp8_router_is_refused_by_name(hf_checkpoint, tmp_path):

@@ -232,11 +232,12 @@ def test_cli_generate_starts_the_ranks(tmp_path):
 
 
 @pytest.mark.parametrize("fmt,arch", [("hf-fp8-block", "LlamaForCausalLM"), ("compressed-tensors-tensor", "LlamaForCausalLM"),
-                                      ("compressed-tensors-channel", "Qwen3MoeForCausalLM")])
+                                      ("compressed-tensors-channel", "Qwen3MoeForCausalLM"),
+                                      ("hf-fp8-block", "Qwen3MoeForCausalLM")])
 def test_prequantized_checkpoint_shards_reassemble(fmt, arch, hf_checkpoint, tmp_path):
     """An already-fp8 checkpoint imported at --tp 2: every rank's fp8 values and scales, put back together, equal
     the --tp 1 import's bit for bit (q, k, v and gate, up each split with their own scales; an MoE's expert stacks
-    split along their intermediate size, each expert's gate and up rows with their scales)."""
+    split along their intermediate size, each expert's gate and up rows with their row or block scales)."""
     from safetensors.torch import save_file
 
     from mxc.ir import load_graph
@@ -251,7 +252,7 @@ def test_prequantized_checkpoint_shards_reassemble(fmt, arch, hf_checkpoint, tmp
             "targets": ["Linear"], "weights": {"type": "float", "num_bits": 8, "strategy": "channel"}}}},
             "channel", "weight_scale"),
     }[fmt]
-    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128) if "Moe" in arch else {}
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256) if "Moe" in arch else {}
     ckpt, _ = hf_checkpoint(arch, hidden_size=512, intermediate_size=512, num_attention_heads=4,
                             num_key_value_heads=2, **moe)  # head_dim 128: each rank's k and v rows are one whole block
     fp8 = tmp_path / "fp8-ckpt"

@@ -24,13 +24,13 @@ weight's (column: split like the rows; row: per-row scales replicated,
 block scales split along K), so every rank's scales match its slice.
 Expert stacks of ``fused_moe`` are quantized too, always with per-expert row
 scales (``[E, rows]``; the fused MoE kernel dequantizes them, activations stay
-in the model dtype). Preserves: value names; the math up to fp8 rounding
+in the model dtype); an already-fp8 checkpoint's experts keep its scales
+(block scales as ``[E, row blocks, column blocks]``). Preserves: value names; the math up to fp8 rounding
 (tested against the unquantized model).
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 
 from mxc.compiler.rewrite import apply_rules
@@ -40,7 +40,7 @@ from mxc.ir import Graph, Node, QuantSpec, Repeat, ShardSpec, Weight
 FP8 = "float8_e4m3fn"
 
 
-def _block_spec(spec: ShardSpec | None, name: str, tp: int) -> ShardSpec | None:
+def _block_spec(spec: ShardSpec | None, name: str, tp: int, prequantized: bool = False) -> ShardSpec | None:
     """The shard spec of block scales: the weight's split, counted in 128-row/column blocks. A rank's share of a
     part must be whole blocks, or (one part) lie inside one block, whose scale that rank then holds a copy of:
     in a merged weight a part's rows must start where its blocks do."""
@@ -54,19 +54,21 @@ def _block_spec(spec: ShardSpec | None, name: str, tp: int) -> ShardSpec | None:
             share = s // tp if units % tp == 0 else spec.unit
             refuse = refuse or (share % 128 and (len(sizes) > 1 or 128 % share))
     if refuse:
+        fix = ("the checkpoint is fp8 with these block scales: use a --tp that leaves each rank whole 128-blocks, or "
+               "build from the bf16 checkpoint with --quant fp8") if prequantized else "use --quant-granularity channel"
         raise MxcError(f"block128 fp8 scales of {name} cannot follow its tensor-parallel split "
                        f"(parts {list(sizes)}, unit {spec.unit}, --tp {tp}: a rank's rows are not whole 128-blocks): "
-                       f"use --quant-granularity channel")
+                       f"{fix}")
     return replace(spec, segments=tuple(s // 128 for s in sizes), unit=max(1, spec.unit // 128))
 
 
-def scale_weight(w: Weight, local: str, granularity: str, tp: int) -> Weight:
+def scale_weight(w: Weight, local: str, granularity: str, tp: int, prequantized: bool = False) -> Weight:
     n, k = w.shape
     if tp == 1:
         w = replace(w, shard=None)  # nothing to split: the scale needs no shard spec
     if granularity == "block128":
         return Weight(f"{w.name}_scale", (-(-n // 128), -(-k // 128)), "float32", (),
-                      shard=_block_spec(w.shard, w.name, tp), scale_of=local)
+                      shard=_block_spec(w.shard, w.name, tp, prequantized), scale_of=local)
     shard = w.shard if w.shard is not None and w.shard.kind in ("column", "vocab") else None
     return Weight(f"{w.name}_scale", (n,), "float32", (), shard=shard, scale_of=local)
 
@@ -86,7 +88,7 @@ def _rule(granularity: str, include: set[str] | None, tp: int, suffix: str | Non
             return None
         scale_local = f"{local}_scale"
         ctx.weights[local] = replace(w, dtype=FP8, quant=QuantSpec("fp8_e4m3", granularity, suffix is not None))
-        scale = scale_weight(w, local, granularity, tp)
+        scale = scale_weight(w, local, granularity, tp, suffix is not None)
         ctx.weights[scale_local] = _prequantized(w, scale, suffix) if suffix else scale
         ins = node.ins[:at + 1] + (scale_local,) + tuple(node.ins[at + 1:])
         attrs = {k: v for k, v in node.attrs.items() if k not in ("kernel", "kernel_reason")}
@@ -137,26 +139,27 @@ def _expert_rule(tp: int, granularity: str, suffix: str | None):
     """fused_moe over bf16 stacks -> over fp8 stacks with per-expert row scales ([E, rows]).
 
     An already-fp8 checkpoint's experts (``suffix``: its scale tensors' name) are imported as they are: each
-    expert's channel scales, or its tensor scale repeated over the part's rows, become that expert's row scales.
-    Block scales have no such form (the fused MoE kernels scale whole rows), so they are refused."""
+    expert's channel scales, or its tensor scale repeated over the part's rows, become that expert's row scales;
+    128x128 block scales stay blocks ([E, row blocks, column blocks], split with the stack like dense ones)."""
 
     def quantize(node: Node, ctx):
         if len(node.ins) > 5 and node.ins[5] is not None:
             return None
-        if suffix and granularity == "block128":
-            first = re.sub(r"\{\w+\}", "0", ctx.weights[node.ins[3]].hf[0])  # layer 0's expert 0
-            raise MxcError(f"the checkpoint's experts ({first}, ...) are fp8 with 128x128 block scales, which "
-                           f"mxc's fused MoE kernels do not take (one scale per expert row); build from the bf16 "
-                           f"checkpoint with --quant fp8, or from a per-channel fp8 one (compressed-tensors)")
         ins, rest = list(node.ins[:5]), list(node.ins[7:])  # rest: the residual fuse_linear_io folded in
         for j in (3, 4):
             local = node.ins[j]
             w = ctx.weights[local]
             spec = QuantSpec("fp8_e4m3", granularity, True) if suffix else QuantSpec("fp8_e4m3", "channel")
             ctx.weights[local] = replace(w, dtype=FP8, quant=spec)
-            shard = w.shard if w.shard is not None and w.shard.kind == "column" and tp > 1 else None
-            scale = Weight(f"{w.name}_scale", w.shape[:2], "float32", (), stack=w.stack, shard=shard,
-                           scale_of=local)
+            if spec.granularity == "block128":
+                e, n, k = w.shape
+                shard = _block_spec(w.shard, w.name, tp, prequantized=True) if tp > 1 else None
+                scale = Weight(f"{w.name}_scale", (e, -(-n // 128), -(-k // 128)), "float32", (), stack=w.stack,
+                               shard=shard, scale_of=local)
+            else:
+                shard = w.shard if w.shard is not None and w.shard.kind == "column" and tp > 1 else None
+                scale = Weight(f"{w.name}_scale", w.shape[:2], "float32", (), stack=w.stack, shard=shard,
+                               scale_of=local)
             ctx.weights[f"{local}_scale"] = _prequantized(w, scale, suffix) if suffix else scale
             ins.append(f"{local}_scale")
         attrs = {k: v for k, v in node.attrs.items() if k not in ("kernel", "kernel_reason")}
