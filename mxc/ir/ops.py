@@ -297,7 +297,7 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
           doc="sum over each token's experts of weight * down(silu(gate(x)) * up(x)); stacks [E, ...]"),
     OpDef("fused_moe", ("x", "weights", "ids", "w_gate_up", "w_down", "s_gate_up?", "s_down?", "residual?"),
           _fused_moe, doc="experts over a merged gate/up stack [E, 2I, H] -- fuse_moe; fp8 stacks with row scales "
-                          "-- quantize; + residual -- fuse_linear_io"),
+                          "(or an fp8 checkpoint's 128x128 block scales) -- quantize; + residual -- fuse_linear_io"),
     # tensor parallelism (made by shard_tp)
     OpDef("vocab_embedding", ("ids", "table"), _embedding, uses_context=True,
           doc="rows of this rank's vocabulary slice (rank * rows ...), zeros elsewhere; all_reduce completes it"),

@@ -61,7 +61,9 @@ fp8 experts: w_gate_up / w_down in float8_e4m3fn with per-output-row fp32 scales
 (exact: e4m3 fits in fp16 and bf16), the accumulator columns are scaled by the row scales
 before the epilogue's rounding. Activations stay unquantized. The oracle is ``moe_ref`` on the
 dequantized weights ``(w.float() * s[..., None]).to(x.dtype)``; results differ by the rounding
-of the dequantized weights and the fp32 summation order.
+of the dequantized weights and the fp32 summation order. An already-fp8 checkpoint's 128x128
+block scales (``[E, row blocks, column blocks]``, ``BLOCK_SCALE``): each weight tile is
+dequantized by its blocks' scales and rounded to x's dtype before the dot, as the oracle does.
 
 Kernels follow ``mxc.kernels.launch``'s convention: pointers and dynamic ints only (the
 assignment count ``numel = T*k`` and the padded length P are dynamic, so one binary serves a
