@@ -146,9 +146,15 @@ def checkpoint_quantization(config: dict, config_path: str) -> tuple[str, str] |
             raise MxcError(f"{config_path}: quantization_config.config_groups mix the fp8 strategies {strategies}; "
                            f"mxc imports checkpoints whose groups share one strategy (channel or tensor)")
         strategy = schemes[0].get("strategy")
+        if strategy == "block":  # llm-compressor's FP8_BLOCK: one scale a block_structure tile
+            blocks = sorted({str(w.get("block_structure")) for w in schemes})
+            if blocks != ["[128, 128]"]:
+                raise MxcError(f"{config_path}: compressed-tensors fp8 block_structure {', '.join(blocks)} is not "
+                               f"supported (expected [128, 128])")
+            return "block128", "weight_scale"
         if strategy not in ("channel", "tensor"):
             raise MxcError(f"{config_path}: compressed-tensors fp8 strategy {strategy!r} is not supported "
-                           f"(channel or tensor)")
+                           f"(channel, tensor, or block with block_structure [128, 128])")
         return strategy, "weight_scale"
     raise MxcError(f"{config_path}: quantization_config.quant_method {method!r} is not supported (fp8, "
                    f"compressed-tensors fp8)")

@@ -30,6 +30,11 @@ FORMATS = {
                                    "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
                                        "type": "float", "num_bits": 8, "strategy": "tensor"}}},
                                    "ignore": ["lm_head"]}, "tensor", "weight_scale"),
+    "compressed-tensors-block": ({"quant_method": "compressed-tensors", "format": "float-quantized",
+                                  "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                                      "type": "float", "num_bits": 8, "strategy": "block",
+                                      "block_structure": [128, 128]}}},
+                                  "ignore": ["lm_head"]}, "block128", "weight_scale"),
 }
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4)
 
@@ -132,6 +137,16 @@ def test_compressed_tensors_groups_of_several_strategies_are_refused(hf_checkpoi
     ckpt, _ = hf_checkpoint("LlamaForCausalLM", **SHAPE)
     _prequantize(ckpt, tmp_path / "fp8-ckpt", {**qconfig, "config_groups": groups}, granularity, suffix)
     with pytest.raises(mxc.MxcError, match=r"config_groups mix the fp8 strategies \['channel', 'tensor'\]"):
+        mxc.build(str(tmp_path / "fp8-ckpt"), out=tmp_path / "a", progress=False, log=lambda m: None)
+
+
+def test_compressed_tensors_blocks_other_than_128_are_refused(hf_checkpoint, tmp_path):
+    qconfig, granularity, suffix = FORMATS["compressed-tensors-block"]
+    group = {"targets": ["Linear"], "weights": {"type": "float", "num_bits": 8, "strategy": "block",
+                                                "block_structure": [64, 64]}}
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM", **SHAPE)
+    _prequantize(ckpt, tmp_path / "fp8-ckpt", {**qconfig, "config_groups": {"g": group}}, granularity, suffix)
+    with pytest.raises(mxc.MxcError, match=r"block_structure \[64, 64\] is not supported \(expected \[128, 128\]\)"):
         mxc.build(str(tmp_path / "fp8-ckpt"), out=tmp_path / "a", progress=False, log=lambda m: None)
 
 
