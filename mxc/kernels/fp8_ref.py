@@ -25,6 +25,14 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, granularity: str) ->
     return w * full
 
 
+def dequantize_experts(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An fp8 expert stack [E, R, K] by its row scales [E, R] or 128x128 block scales [E, cdiv(R, 128),
+    cdiv(K, 128)], rounded to ``dtype`` (the fused MoE kernels' oracle: they multiply in the activations' dtype)."""
+    if scale.dim() == 3:
+        return torch.stack([dequantize_weight(e, s, "block128") for e, s in zip(q, scale)]).to(dtype)
+    return (q.float() * scale[..., None]).to(dtype)
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token dynamic quantization: (fp8 values, float32 scale per row)."""
     xf = x.float()

@@ -258,18 +258,11 @@ def experts(x, weights, ids, w_gate, w_up, w_down):
     return moe_ref.experts(x, weights, ids, w_gate, w_up, w_down)
 
 
-def _dequant_experts(w, s, dtype):
-    """An fp8 expert stack [E, R, K] by its row scales [E, R] or 128x128 block scales [E, cdiv(R, 128), cdiv(K, 128)]."""
-    if s.dim() == 3:
-        s = s.repeat_interleave(128, 1)[:, :w.shape[1]].repeat_interleave(128, 2)[:, :, :w.shape[2]]
-        return (w.float() * s).to(dtype)
-    return (w.float() * s[..., None]).to(dtype)
-
-
 def fused_moe(x, weights, ids, w_gate_up, w_down, s_gate_up=None, s_down=None, residual=None):
     from mxc.kernels import moe_ref
+    from mxc.kernels.fp8_ref import dequantize_experts
 
     if s_gate_up is not None:  # fp8 experts: weight-only, dequantized (activations stay in x's dtype)
-        w_gate_up, w_down = _dequant_experts(w_gate_up, s_gate_up, x.dtype), _dequant_experts(w_down, s_down, x.dtype)
+        w_gate_up, w_down = (dequantize_experts(w, s, x.dtype) for w, s in ((w_gate_up, s_gate_up), (w_down, s_down)))
     y = moe_ref.fused_moe(x, weights, ids, w_gate_up, w_down)
     return y if residual is None else add(residual, y)

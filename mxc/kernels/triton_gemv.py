@@ -237,9 +237,8 @@ def _splitk_reduce_kernel(ws_ptr, b_ptr, r_ptr, y_ptr, M,
 @triton.jit
 def _block_scaled(w, s_ptrs, k, offs_k, K: tl.constexpr, BLOCK_K: tl.constexpr):
     """Weights [ROWS, BLOCK_K] (fp32) times their 128x128 block scales, in fp32 (the reference rounds the dequantized
-    weights to x's dtype first: that rounding per element cost the one-token kernels a third of their time);
-    ``s_ptrs`` [ROWS]: each row's scale row at K block 0 (one scale a row for a step inside one block column, else
-    a scale per element)."""
+    weights to x's dtype first; the kernels skip that rounding per element); ``s_ptrs`` [ROWS]: each row's scale
+    row at K block 0 (one scale a row for a step inside one block column, else a scale per element)."""
     if 128 % BLOCK_K == 0:
         s = tl.load(s_ptrs + k // 128)[:, None]
     else:

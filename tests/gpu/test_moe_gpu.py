@@ -84,7 +84,7 @@ def test_block_scaled_fp8_experts_qwen3_30b_shapes(t):
     """fp8 experts with 128x128 block scales (an already-fp8 checkpoint's), each block at its own magnitude: the
     pair kernels (1 and 4 tokens, tiled and looped down) and the sorted kernels against the reference on the
     dequantized weights."""
-    from mxc.kernels.torch_ref import _dequant_experts
+    from mxc.kernels.fp8_ref import dequantize_experts
     from mxc.loaders.quantize import quantize_fp8
 
     e, h, i, k = 128, 2048, 768, 8
@@ -98,7 +98,7 @@ def test_block_scaled_fp8_experts_qwen3_30b_shapes(t):
     (q1, s1), (q2, s2) = stacks
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
     w, ids = moe_ref.route(torch.randn(t, e, device="cuda", dtype=torch.bfloat16), k, renormalize=True)
-    ref = moe_ref.fused_moe(x, w, ids, _dequant_experts(q1, s1, x.dtype), _dequant_experts(q2, s2, x.dtype))
+    ref = moe_ref.fused_moe(x, w, ids, dequantize_experts(q1, s1, x.dtype), dequantize_experts(q2, s2, x.dtype))
     kw = dict(s_gate_up=s1, s_down=s2)
     if t <= 4:
         up, _ = triton_moe_decode.config_for(h, i, x.dtype)

@@ -25,8 +25,8 @@ block scales split along K), so every rank's scales match its slice.
 Expert stacks of ``fused_moe`` are quantized too, always with per-expert row
 scales (``[E, rows]``; the fused MoE kernel dequantizes them, activations stay
 in the model dtype); an already-fp8 checkpoint's experts keep its scales
-(block scales as ``[E, row blocks, column blocks]``). Preserves: value names; the math up to fp8 rounding
-(tested against the unquantized model).
+(block scales as ``[E, row blocks, column blocks]``). Preserves: value names;
+the math up to fp8 rounding (tested against the unquantized model).
 """
 
 from __future__ import annotations
