@@ -116,8 +116,17 @@ def resolve_source(source: str, checkpoint: str | None, config: str | None = Non
     return Source(model_file, config, str(config_path), None, entry)
 
 
-def checkpoint_quantization(config: dict, config_path: str) -> tuple[str, str] | None:
-    """(granularity, scale-tensor suffix) when config.json says the weights are already fp8, else None."""
+def _tensor_names(directory) -> list[str]:
+    with open_checkpoint(directory) as ckpt:
+        return ckpt.names()
+
+
+def checkpoint_quantization(config: dict, config_path: str, names=None) -> tuple[str, str] | None:
+    """(granularity, scale-tensor suffix) when config.json says the weights are already fp8, else None.
+
+    ``names``: a callable giving the checkpoint's tensor names, asked only where the config leaves the format open
+    (quant_method fp8 with no weight_block_size: transformers' 128x128 blocks with ``weight_scale_inv``, or the
+    per-tensor ``weight_scale`` of AutoFP8 checkpoints, as vLLM reads them)."""
     qc = config.get("quantization_config")
     if not qc:
         return None
@@ -125,12 +134,17 @@ def checkpoint_quantization(config: dict, config_path: str) -> tuple[str, str] |
         raise MxcError(f"{config_path}: quantization_config must be a JSON object, got {type(qc).__name__}")
     method = qc.get("quant_method")
     if method == "fp8":  # transformers' fine-grained fp8: weight + weight_scale_inv per 128x128 block
-        # an absent weight_block_size is transformers' default, (128, 128) (FineGrainedFP8Config); null: per tensor
-        block = qc.get("weight_block_size", [128, 128])
-        if block not in (None, [128, 128]):
+        block = qc.get("weight_block_size", "absent")
+        if block not in ("absent", None, [128, 128]):
             raise MxcError(f"{config_path}: quantization_config.weight_block_size {block} is not supported "
                            f"(expected [128, 128], or null for one scale a tensor)")
-        return ("block128" if block else "tensor"), "weight_scale_inv"
+        if block == [128, 128]:
+            return "block128", "weight_scale_inv"
+        suffixes = {n.rpartition(".")[2] for n in names()} if names is not None else set()
+        if "weight_scale" in suffixes and "weight_scale_inv" not in suffixes:  # AutoFP8: one scale a tensor
+            return "tensor", "weight_scale"
+        # absent: transformers' default, (128, 128) (FineGrainedFP8Config); null: per tensor
+        return ("block128" if block == "absent" else "tensor"), "weight_scale_inv"
     if method == "compressed-tensors":
         groups = qc.get("config_groups") or {}
         groups = list(groups.values()) if isinstance(groups, dict) else None
@@ -295,7 +309,8 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     if not isinstance(prefill_graphs, int) or prefill_graphs < 0 or (prefill_graphs and target != "cuda"):
         raise MxcError(f"--prefill-graphs {prefill_graphs}: expected a token count >= 0 (0: off), with --target "
                        f"cuda (got --target {target})")
-    prequant = checkpoint_quantization(src.config, src.config_path) if src.checkpoint else None
+    prequant = (checkpoint_quantization(src.config, src.config_path, lambda: _tensor_names(src.checkpoint))
+                if src.checkpoint else None)
     scale_suffix = None
     if prequant is not None:
         if quant_granularity != "channel" and quant_granularity != prequant[0]:

@@ -117,6 +117,21 @@ def test_hf_fp8_without_weight_block_size_is_block_128(hf_checkpoint, tmp_path):
     assert json.loads((art / "manifest.json").read_text())["options"]["quant_granularity"] == "block128"
 
 
+def test_autofp8_checkpoint_is_per_tensor(hf_checkpoint, tmp_path):
+    """AutoFP8's format (neuralmagic's fp8 Llama and Mixtral checkpoints): quant_method fp8 with no
+    weight_block_size, one ``weight_scale`` a tensor and static ``input_scale``s. Read as vLLM reads it: per-tensor
+    scales, not transformers' default blocks."""
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM", **SHAPE)
+    fp8 = _prequantize(ckpt, tmp_path / "fp8-ckpt", {"quant_method": "fp8", "activation_scheme": "static",
+                                                     "ignored_layers": ["lm_head"]}, "tensor", "weight_scale")
+    art = mxc.build(str(tmp_path / "fp8-ckpt"), out=tmp_path / "a", progress=False, log=lambda m: None)
+    assert json.loads((art / "manifest.json").read_text())["options"]["quant_granularity"] == "tensor"
+    weights = load_file(art / "weights" / "rank0.safetensors")
+    p = "model.layers.0.mlp."
+    assert torch.equal(weights["layers.0.w_gate_up_scale"], torch.cat(
+        [fp8[p + n + ".weight_scale"].reshape(1).expand(256) for n in ("gate_proj", "up_proj")]))
+
+
 @pytest.mark.parametrize("said, stored", [("block128", "tensor"), ("tensor", "block128"), ("tensor", "channel")])
 def test_scales_unlike_the_config_are_refused(said, stored, hf_checkpoint, tmp_path):
     """Scales stored at another granularity than quantization_config names fail with their shape, instead of being
