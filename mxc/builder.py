@@ -17,7 +17,7 @@ import shutil
 import sys
 import time
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mxc
@@ -30,6 +30,7 @@ from mxc.ir import Graph, dump_graph, verify
 from mxc.loaders.checkpoint import open_checkpoint
 from mxc.loaders.convert import write_weights
 from mxc.loaders.dummy import DummyCheckpoint
+from mxc.loaders.prequantized import unquantized_linears
 from mxc.models import MODELS_DIR, Entry, architecture_of, bind_model, lookup
 from mxc.ir.template import read_model_file
 from mxc.runtime_buckets import PREFILL_GRAPH_TOKENS
@@ -345,6 +346,12 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
             f"positions past it are outside what the model was trained on")
     log(f"binding {src.model_file.name} to {src.config_path}")
     graph = bind_model(src.model_file, src.config, options.dtype, src.entry, src.config_path)
+    if options.quant_scale_suffix:  # an fp8 checkpoint: which linear weights it left unquantized
+        keep = unquantized_linears(graph, _tensor_names(src.checkpoint), options.quant_scale_suffix, src.checkpoint)
+        if keep:
+            log(f"note: the checkpoint stores {len(keep)} of the layers' linear weights unquantized ({keep[0]}, ...); "
+                f"they stay in {options.dtype}")
+            options = replace(options, quant_unquantized=keep)
     log("compiling" + (f" (IR after each pass in {dump_ir})" if dump_ir else ""))
     graph = compile_graph(graph, options, Path(dump_ir) if dump_ir else None)
 

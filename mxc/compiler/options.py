@@ -17,6 +17,8 @@ class BuildOptions:
     quant_granularity: str = "channel"  # fp8 weight scales: "channel" | "tensor" | "block128"
     quant_lm_head: bool = False
     quant_scale_suffix: str | None = None  # checkpoint already fp8: its scale tensors' name suffix
+    quant_unquantized: tuple[str, ...] = ()  # checkpoint already fp8: the layers' linear weights (checkpoint
+    # name templates) it stores in the model dtype, which stay so (``loaders.prequantized``)
     max_batch: int = 32  # cuda: sequences decoded together (KV-cache slots, CUDA-graph buckets)
     max_seq_len: int = 4096  # cuda: KV-cache length per sequence
     prefill_graph_tokens: int = 0  # cuda: batch-1 prompts up to this many tokens replay a CUDA graph per

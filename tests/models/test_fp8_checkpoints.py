@@ -39,12 +39,13 @@ FORMATS = {
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4)
 
 
-def _prequantize(src, dst, qconfig, granularity, suffix):
+def _prequantize(src, dst, qconfig, granularity, suffix, keep=lambda name: False):
+    """The checkpoint at ``src`` as an fp8 one at ``dst``: every linear weight but those ``keep`` names quantized."""
     dst.mkdir()
     tensors = load_file(src / "model.safetensors")
     out = {}
     for name, t in tensors.items():
-        if name.endswith(".weight") and name.split(".")[-2] in LINEARS:
+        if name.endswith(".weight") and name.split(".")[-2] in LINEARS and not keep(name):
             q, s = quantize_fp8(t, granularity)
             out[name] = q
             out[name[: -len("weight")] + suffix] = s if granularity != "tensor" else s[:1].reshape(())
@@ -285,3 +286,40 @@ def test_an_fp8_router_is_refused_by_name(hf_checkpoint, tmp_path):
     with pytest.raises(mxc.MxcError, match=r"model\.layers\.0\.mlp\.gate\.weight is stored in fp8 with scales .*"
                                            r"keeps weight layers\.0\.w_router in the model dtype"):
         mxc.build(str(dst), out=tmp_path / "a", progress=False, log=lambda m: None)
+
+
+def test_linears_an_fp8_checkpoint_keeps_unquantized_stay_so(hf_checkpoint, tmp_path):
+    """Layers an fp8 checkpoint leaves in the model dtype (here the shared expert, as an ``ignore`` entry leaves it):
+    told by their missing scales, imported as they are, named in the manifest; the rest imported in fp8."""
+    qconfig, granularity, suffix = FORMATS["compressed-tensors-channel"]
+    ckpt, hf = hf_checkpoint("Qwen2MoeForCausalLM", **MOE, shared_expert_intermediate_size=96)
+    fp8 = _prequantize(ckpt, tmp_path / "fp8-ckpt", {**qconfig, "ignore": ["lm_head", "re:.*shared_expert.*"]},
+                       granularity, suffix, keep=lambda name: ".shared_expert." in name)
+    art = mxc.build(str(tmp_path / "fp8-ckpt"), out=tmp_path / "a", progress=False, log=lambda m: None)
+    kept = json.loads((art / "manifest.json").read_text())["options"]["quant_unquantized"]
+    assert kept == [f"model.layers.{{i}}.mlp.shared_expert.{n}.weight" for n in ("down_proj", "gate_proj", "up_proj")]
+    weights = load_file(art / "weights" / "rank0.safetensors")
+    assert weights["layers.1.ws_down"].dtype == torch.float32 and "layers.1.ws_down_scale" not in weights
+    assert torch.equal(weights["layers.1.ws_down"], fp8["model.layers.1.mlp.shared_expert.down_proj.weight"])
+    assert weights["layers.1.we_down"].dtype == weights["layers.1.wqkv"].dtype == torch.float8_e4m3fn
+    ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(0))
+    ref = hf(ids).logits.float()
+    assert ((mxc.load(art).logits(ids) - ref).abs().max() / ref.abs().max()).item() < 8e-2
+
+
+@pytest.mark.parametrize("keep, needle", [
+    (lambda n: n.startswith("model.layers.0.self_attn.q_proj"),  # one layer's q_proj only
+     r"model\.layers\.1\.self_attn\.q_proj\.weight is fp8 .* but model\.layers\.0\.self_attn\.q_proj\.weight is not"),
+    (lambda n: ".k_proj." in n,  # k in every layer, merged with fp8 q and v
+     r"stores model\.layers\.\{i\}\.self_attn\.q_proj\.weight in fp8 but .*k_proj\.weight unquantized, and mxc "
+     r"merges them"),
+    (lambda n: ".experts." in n and ".down_proj." in n,  # the experts' down matrices only
+     r"experts\.\{e\}\.gate_proj\.weight in fp8 but .*experts\.\{e\}\.down_proj\.weight unquantized"),
+], ids=["one-layer", "merged-part", "expert-down"])
+def test_fp8_checkpoints_mixed_within_a_weight_are_refused(keep, needle, hf_checkpoint, tmp_path):
+    qconfig, granularity, suffix = FORMATS["compressed-tensors-channel"]
+    ckpt, _ = hf_checkpoint("Qwen3MoeForCausalLM", **MOE)
+    _prequantize(ckpt, tmp_path / "fp8-ckpt", qconfig, granularity, suffix, keep=keep)
+    with pytest.raises(mxc.MxcError, match=needle) as e:
+        mxc.build(str(tmp_path / "fp8-ckpt"), out=tmp_path / "a", progress=False, log=lambda m: None)
+    assert "\n" not in str(e.value) and "--quant fp8" in str(e.value) and not (tmp_path / "a").exists()

@@ -78,13 +78,25 @@ def _prequantized(w: Weight, scale: Weight, suffix: str) -> Weight:
     return replace(scale, hf=tuple(h[: -len("weight")] + suffix for h in w.hf), segments=w.segments)
 
 
-def _rule(granularity: str, include: set[str] | None, tp: int, suffix: str | None = None):
+def _stored_unquantized(w: Weight, keep: frozenset[str]) -> bool:
+    """Whether an fp8 checkpoint keeps ``w`` in the model dtype (``keep``: its unquantized linears' templates); a
+    merged weight's parts must agree."""
+    kept = [h in keep for h in w.hf]
+    if any(kept) and not all(kept):
+        fp8, plain = (next(h for h, k in zip(w.hf, kept) if k is want) for want in (False, True))
+        raise MxcError(f"the checkpoint stores {fp8} in fp8 but {plain} unquantized, and mxc merges them into one "
+                       f"weight ({w.name}); build from the bf16 checkpoint with --quant fp8")
+    return all(kept)
+
+
+def _rule(granularity: str, include: set[str] | None, tp: int, suffix: str | None = None,
+          keep: frozenset[str] = frozenset()):
     def quantize(node: Node, ctx):
         at = 2 if node.op == "rms_norm_linear" else 1  # the weight's position among the inputs
         local = node.ins[at]
         w = ctx.weights.get(local)
         if (w is None or w.quant is not None or w.dtype == FP8 or not w.quantize
-                or (include is not None and local not in include)):
+                or (include is not None and local not in include) or _stored_unquantized(w, keep)):
             return None
         scale_local = f"{local}_scale"
         ctx.weights[local] = replace(w, dtype=FP8, quant=QuantSpec("fp8_e4m3", granularity, suffix is not None))
@@ -109,9 +121,10 @@ def run(graph: Graph, options) -> Graph:
     for item in graph.body:
         if isinstance(item, Repeat):
             sub = graph.replace(body=(item,), weights={})
-            rule = _rule(g, None, options.tp, options.quant_scale_suffix)
+            keep = frozenset(options.quant_unquantized)
+            rule = _rule(g, None, options.tp, options.quant_scale_suffix, keep)
             rules = [("linear", rule), ("rms_norm_linear", rule),
-                     ("fused_moe", _expert_rule(options.tp, g, options.quant_scale_suffix))]
+                     ("fused_moe", _expert_rule(options.tp, g, options.quant_scale_suffix, keep))]
             item = apply_rules(sub, rules)[0].body[0]
         items.append(item)
     graph = graph.replace(body=tuple(items))
@@ -135,7 +148,7 @@ def run(graph: Graph, options) -> Graph:
     return graph
 
 
-def _expert_rule(tp: int, granularity: str, suffix: str | None):
+def _expert_rule(tp: int, granularity: str, suffix: str | None, keep: frozenset[str] = frozenset()):
     """fused_moe over bf16 stacks -> over fp8 stacks with per-expert row scales ([E, rows]).
 
     An already-fp8 checkpoint's experts (``suffix``: its scale tensors' name) are imported as they are: each
@@ -145,6 +158,14 @@ def _expert_rule(tp: int, granularity: str, suffix: str | None):
     def quantize(node: Node, ctx):
         if len(node.ins) > 5 and node.ins[5] is not None:
             return None
+        stacks = [ctx.weights[node.ins[j]] for j in (3, 4)]
+        kept = [_stored_unquantized(w, keep) for w in stacks]
+        if all(kept):
+            return None  # an fp8 checkpoint's experts kept in the model dtype
+        if any(kept):
+            raise MxcError(f"the checkpoint stores {stacks[kept.index(False)].hf[0]} in fp8 but "
+                           f"{stacks[kept.index(True)].hf[0]} unquantized, and the fused MoE takes one format for "
+                           f"an expert's matrices; build from the bf16 checkpoint with --quant fp8")
         ins, rest = list(node.ins[:5]), list(node.ins[7:])  # rest: the residual fuse_linear_io folded in
         for j in (3, 4):
             local = node.ins[j]
