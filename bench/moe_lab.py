@@ -120,10 +120,8 @@ def scale_formats(tokens: int) -> None:
     pairs = tokens <= candidates.MOE_PAIR_MAX_TOKENS
     fn = tmd.fused_moe if pairs else triton_moe.fused_moe
     variants = [(name, fmt, None) for name, fmt in formats.items()]
-    if pairs:  # the gate/up steps within one block column: one scale a row instead of one an element
-        up, down = tmd.config_for(H, I, torch.bfloat16)
-        variants.append(("block128, up steps of 128", formats["block128"], (tmd.PairConfig(
-            BLOCK_N=up.BLOCK_N, BLOCK_K=128, num_warps=up.num_warps), down)))
+    if pairs:  # block scales at the row-scale configs' steps (gate/up 256 wide: a scale an element, gathered)
+        variants.append(("block128, row-scale steps", formats["block128"], tmd.config_for(H, I, torch.bfloat16)))
     ref = moe_ref.fused_moe(xs[0], *routes[0], w1, w2)
     for name, (a, b, scales), cfg in variants:
         kw = dict(scales, **({"configs": cfg} if cfg else {}))
