@@ -140,6 +140,41 @@ def _quant_rows_kernel(x_ptr, xq_ptr, xs_ptr, g_ptr, eps, K: tl.constexpr, BLOCK
 
 
 @triton.jit
+def _silu_quant_wait_kernel(x_ptr, xq_ptr, xs_ptr, amax_ptr, count_ptr, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                            USE_PDL: tl.constexpr = False):
+    """``_quant_tile_kernel``'s SiLU-and-mul xq and xs, bit for bit, with a row's CHUNKS column blocks in programs
+    of their own (1-D grid, a row's blocks consecutive, so dispatched together): each computes its block of
+    ``h = silu(gate) * up``, folds its |h| maximum into ``amax[row]`` and counts itself in ``count[row]``, then
+    waits (spins) until the row's count is complete and quantizes its block with the row's scale. Small programs,
+    no row held in registers: many rows in flight. ``amax`` and ``count`` [M] zeroed before the launch. GPU
+    only: the interpreter runs programs one at a time, so the first would wait forever."""
+    CHUNKS: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    pdl_enter(USE_PDL)
+    pid = tl.program_id(0)
+    row = (pid // CHUNKS).to(tl.int64)
+    offs = (pid % CHUNKS) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ok = offs < K
+    h = _load_act(x_ptr + row * 2 * K + offs, ok, 0.0, K, True)
+    tl.atomic_max(amax_ptr + row, tl.max(tl.abs(h), axis=0), sem="relaxed")
+    n = tl.atomic_add(count_ptr + row, 1, sem="acq_rel") + 1  # release: the maximum above is in
+    while n < CHUNKS:
+        n = tl.atomic_add(count_ptr + row, 0, sem="acquire")
+    xs = _row_scale(tl.atomic_max(amax_ptr + row, 0.0, sem="acquire"))  # (an atomic read: the row's final max)
+    if pid % CHUNKS == 0:
+        tl.store(xs_ptr + row, xs)
+    y = tl.div_rn(1.0, xs)
+    nxs = tl.where(y == 0.0, 0.0, -xs)
+    tl.store(xq_ptr + row * K + offs, _quant_recip(h, nxs, y), mask=ok)
+
+
+def _silu_quant_wait(x, M, K, xq, xs, block_k: int = 2048, num_warps: int = 4) -> None:
+    """Launch ``_silu_quant_wait_kernel`` on x [M, 2K] into xq, xs."""
+    state = torch.zeros((2, M), dtype=torch.int32, device=x.device)  # the rows' maxima (fp32 bits) and counts
+    launch(_silu_quant_wait_kernel, (M * cdiv(K, block_k),), [x, xq, xs, state[0].view(torch.float32), state[1]],
+           dict(K=K, BLOCK_K=block_k), num_warps=num_warps, num_stages=1)
+
+
+@triton.jit
 def _quant_recip(x, nxs, y):
     """``_quant(x, xs)`` bit for bit without a division per element: with the row's ``y = div_rn(1, xs)``
     and ``nxs = -xs`` (0 where xs is inf, y = 0), ``q0 = x * y`` is within 2 ulps of x / xs and two
