@@ -20,6 +20,12 @@ of x, of ``silu(gate) * up`` (``PROLOGUE_SILU_MUL``) or of ``rms_norm(x, g, eps)
   branch (``_quant_recip``). Small K: BLOCK_M rows a program (4096 elements). RMSNorm keeps the
   rows kernel's per-row layout and warps (one row a program), hence its sum of squares.
 
+Measured and removed (H200, 2026-12-03, ``bench/silu_gemm_lab.py`` at commit 71b6985, M = 2048, K = 14336): the
+SiLU-and-mul quantize with a row's column blocks in programs that wait for the row's maximum took 55.8 us against
+the tiled kernel's 59.7 (the SiLU's arithmetic, not the held row, is what it spends above its bytes); a Triton
+gate/up GEMM with SiLU-and-mul in its epilogue (h and its row maxima out, then a 27 us quantize) lost more in the
+GEMM (442 against CUTLASS's 363 us) than it saved here.
+
 The Triton helpers (activation load with the prologue, row scale, quantization, the reference's
 epilogue) and the input checks serve ``triton_fp8_gemv`` and ``triton_fp8_gemm``. Semantics and
 numerics: ``mxc.kernels.triton_fp8``.
@@ -137,41 +143,6 @@ def _quant_rows_kernel(x_ptr, xq_ptr, xs_ptr, g_ptr, eps, K: tl.constexpr, BLOCK
                 k_ok = (k + offs_k) < K
                 a = _load_act(x_ptrs + k, k_ok, 0.0, K, PROLOGUE_SILU_MUL)
                 tl.store(q_ptrs + k, _quant(a, xs), mask=k_ok)
-
-
-@triton.jit
-def _silu_quant_wait_kernel(x_ptr, xq_ptr, xs_ptr, amax_ptr, count_ptr, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                            USE_PDL: tl.constexpr = False):
-    """``_quant_tile_kernel``'s SiLU-and-mul xq and xs, bit for bit, with a row's CHUNKS column blocks in programs
-    of their own (1-D grid, a row's blocks consecutive, so dispatched together): each computes its block of
-    ``h = silu(gate) * up``, folds its |h| maximum into ``amax[row]`` and counts itself in ``count[row]``, then
-    waits (spins) until the row's count is complete and quantizes its block with the row's scale. Small programs,
-    no row held in registers: many rows in flight. ``amax`` and ``count`` [M] zeroed before the launch. GPU
-    only: the interpreter runs programs one at a time, so the first would wait forever."""
-    CHUNKS: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
-    pdl_enter(USE_PDL)
-    pid = tl.program_id(0)
-    row = (pid // CHUNKS).to(tl.int64)
-    offs = (pid % CHUNKS) * BLOCK_K + tl.arange(0, BLOCK_K)
-    ok = offs < K
-    h = _load_act(x_ptr + row * 2 * K + offs, ok, 0.0, K, True)
-    tl.atomic_max(amax_ptr + row, tl.max(tl.abs(h), axis=0), sem="relaxed")
-    n = tl.atomic_add(count_ptr + row, 1, sem="acq_rel") + 1  # release: the maximum above is in
-    while n < CHUNKS:
-        n = tl.atomic_add(count_ptr + row, 0, sem="acquire")
-    xs = _row_scale(tl.atomic_max(amax_ptr + row, 0.0, sem="acquire"))  # (an atomic read: the row's final max)
-    if pid % CHUNKS == 0:
-        tl.store(xs_ptr + row, xs)
-    y = tl.div_rn(1.0, xs)
-    nxs = tl.where(y == 0.0, 0.0, -xs)
-    tl.store(xq_ptr + row * K + offs, _quant_recip(h, nxs, y), mask=ok)
-
-
-def _silu_quant_wait(x, M, K, xq, xs, block_k: int = 2048, num_warps: int = 4) -> None:
-    """Launch ``_silu_quant_wait_kernel`` on x [M, 2K] into xq, xs."""
-    state = torch.zeros((2, M), dtype=torch.int32, device=x.device)  # the rows' maxima (fp32 bits) and counts
-    launch(_silu_quant_wait_kernel, (M * cdiv(K, block_k),), [x, xq, xs, state[0].view(torch.float32), state[1]],
-           dict(K=K, BLOCK_K=block_k), num_warps=num_warps, num_stages=1)
 
 
 @triton.jit

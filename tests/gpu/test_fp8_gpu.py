@@ -97,24 +97,3 @@ def test_block_scaled_fp8_moe_checkpoint_cuda_matches_cpu(hf_checkpoint, tmp_pat
     ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(3))
     assert _rel(gpu.logits(ids).cpu(), cpu.logits(ids)) < 8e-2  # as test_fp8_moe_cuda_artifact_matches_cpu_fp8
     assert torch.equal(gpu.generate(ids, max_new_tokens=4)[:, :2], cpu.generate(ids, max_new_tokens=4)[:, :2])
-
-
-@pytest.mark.parametrize("m", [33, 300, 2048, 5000])
-@pytest.mark.parametrize("k", [14336, 2000])
-def test_silu_quantize_waiting_blocks_equal_the_tiled_kernel(m, k):
-    """``triton_fp8_quant._silu_quant_wait`` (a row's column blocks in parallel programs, each waiting for the row's
-    maximum) gives the tiled SiLU-and-mul quantize's xq and xs bit for bit, over block sizes, at ragged K (2000 =
-    3 x 512 + 464 in 512-column blocks) and many rows in flight; run twice, as a replay would."""
-    from mxc.kernels import triton_fp8_quant as tfq
-
-    x = torch.cat([torch.randn(m, k, device="cuda") * 3, torch.randn(m, k, device="cuda")], dim=1).to(torch.bfloat16)
-    x[1] = 0
-    ref_q, ref_s = tfq._prequantize(x, m, k, True, tfq._quant_block(k), tiled=True)
-    for block_k, warps in ((2048, 4), (512, 4), (4096, 8)):
-        for _ in range(2):
-            xq = torch.empty_like(ref_q)
-            xs = torch.empty_like(ref_s)
-            tfq._silu_quant_wait(x, m, k, xq, xs, block_k, warps)
-            assert torch.equal(xs, ref_s)
-            assert torch.equal(xq.view(torch.uint8), ref_q.view(torch.uint8))
-
