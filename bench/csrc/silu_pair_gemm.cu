@@ -8,6 +8,8 @@
 //   h[m, j] = bf16(silu(g) * u),  g = bf16((acc[m, 2j] * sa[m]) * sb[2j]),  u = bf16((acc[m, 2j+1] * sa[m]) * sb[2j+1])
 // (silu rounded to bf16 before the multiply, its exp and division as Triton's: ex2.approx, div.full), h [M, N/2],
 // and pmax[m, tile] = max |h| over the tile's 64 h columns (quad shuffles; no atomics), for the quantize after it.
+// H200, 2026-12-03 (docs/perf.md, thirty-first run), M = 2048, Llama-3-8B's gate/up: 381.8 us against the shipped
+// GEMM's 371.9, and the quantize after it 35.1 against 74.2 with the SiLU: 28.6 us a layer saved, bit for bit.
 #include <cuda_runtime.h>
 
 #include "cute/tensor.hpp"
