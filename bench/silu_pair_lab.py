@@ -37,6 +37,7 @@ from mxc.kernels.triton_fp8_quant import _quant_recip, _row_scale  # noqa: E402
 
 HIDDEN, INTER = 4096, 14336
 LIBRARY = ROOT / "build" / "silu_pair" / "silu_pair_gemm.so"
+VARIANTS = {"": (), "_store8": ("-DSILU_PAIR_STORE8",)}  # library name suffix -> nvcc flags (8-byte stores of h)
 
 
 @triton.jit
@@ -68,11 +69,12 @@ def quantize_max(h, pmax, block_k=2048, num_warps=4):
     return xq, xs
 
 
-def compile_library(out=LIBRARY) -> Path:
+def compile_library(out=LIBRARY, flags=()) -> Path:
     from mxc.kernels import nvcc
 
     src = (ROOT / "bench" / "csrc" / "silu_pair_gemm.cu").read_text()
-    return nvcc.compile_so(src, out, what="the SiLU-pair GEMM lab", include_dirs=cutlass_fp8.include_dirs())
+    return nvcc.compile_so(src, out, what="the SiLU-pair GEMM lab", include_dirs=cutlass_fp8.include_dirs(),
+                           extra_flags=flags)
 
 
 def interleave(t: torch.Tensor) -> torch.Tensor:
@@ -121,20 +123,23 @@ def paired(variants: dict, reps: int) -> dict[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--compile", action="store_true", help="build the lab library here (nvcc) and stop")
-    p.add_argument("--library", default=str(LIBRARY))
+    p.add_argument("--library", action="append", help="lab libraries to time (default: those --compile builds)")
     p.add_argument("--m", type=int, default=2048)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--reps", type=int, default=200)
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
     if args.compile:
-        print(f"built {compile_library()}")
+        for suffix, flags in VARIANTS.items():
+            print(f"built {compile_library(LIBRARY.with_name(LIBRARY.stem + suffix + '.so'), flags)}")
         return
     M, dev, N, K = args.m, "cuda", 2 * INTER, HIDDEN
     shipped_gemm = cutlass_fp8.use(os.environ[cutlass_fp8.PREBUILT_ENV])
-    lib = open_library(args.library)
+    paths = args.library or [str(LIBRARY.with_name(LIBRARY.stem + suffix + ".so")) for suffix in VARIANTS]
+    libs = {Path(path).stem: open_library(path) for path in paths if Path(path).exists()}
     ws_shipped = torch.empty(1 << 24, dtype=torch.uint8, device=dev)
-    ws_pair = torch.empty(max(1, lib.silu_pair_gemm_workspace(M, N, K)), dtype=torch.uint8, device=dev)
+    ws_pair = torch.empty(max(1, *(lib.silu_pair_gemm_workspace(M, N, K) for lib in libs.values())),
+                          dtype=torch.uint8, device=dev)
     torch.manual_seed(0)
     xq = (torch.randn(M, K, device=dev) * 2).to(torch.float8_e4m3fn)
     xs = torch.rand(M, device=dev) / 50 + 0.01
@@ -153,7 +158,7 @@ def main() -> None:
                      stream=torch.cuda.current_stream().cuda_stream, workspace=ws_shipped.data_ptr(),
                      workspace_bytes=ws_shipped.numel())
 
-    def pair(i):
+    def pair(i, lib):
         status = lib.silu_pair_gemm(xq.data_ptr(), ws_il[i].data_ptr(), xs.data_ptr(), ss_il[i].data_ptr(),
                                     h.data_ptr(), pmax.data_ptr(), M, N, K, ws_pair.data_ptr(), ws_pair.numel(),
                                     torch.cuda.current_stream().cuda_stream)  # (the capture's stream in a graph)
@@ -164,28 +169,29 @@ def main() -> None:
     gate_up(0)
     h_ref = triton_elementwise.silu_mul(gu)
     q_ref, s_ref = triton_fp8_quant._prequantize(gu, M, INTER, True, block)
-    pair(0)
-    torch.cuda.synchronize()
-    diff = (h.view(torch.int16) != h_ref.view(torch.int16)).float().mean().item()
-    rel = ((h.float() - h_ref.float()).abs().max() / h_ref.float().abs().max()).item()
-    tiles = h.float().abs().view(M, N // 128, 64).amax(-1)
-    q, s = quantize_max(h, pmax)
-    print(f"  h against the SiLU kernel on the shipped GEMM's output: {diff:.2e} of elements differ, max |diff| "
-          f"{rel:.1e} of the scale; row maxima {'exact' if torch.equal(tiles, pmax) else 'DIFFER'}; quantized "
-          f"{'bit for bit' if torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref) else 'DIFFERS'}")
+    for name, lib in libs.items():
+        h.zero_()
+        pair(0, lib)
+        torch.cuda.synchronize()
+        diff = (h.view(torch.int16) != h_ref.view(torch.int16)).float().mean().item()
+        rel = ((h.float() - h_ref.float()).abs().max() / h_ref.float().abs().max()).item()
+        tiles = h.float().abs().view(M, N // 128, 64).amax(-1)
+        q, s = quantize_max(h, pmax)
+        same = torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+        print(f"  {name}: h against the SiLU kernel on the shipped GEMM's output: {diff:.2e} of elements differ, max "
+              f"|diff| {rel:.1e} of the scale; row maxima {'exact' if torch.equal(tiles, pmax) else 'DIFFER'}; "
+              f"quantized {'bit for bit' if same else 'DIFFERS'}")
 
-    chains = {
-        "shipped: CUTLASS gate/up + SiLU quantize": [graphed(lambda i=i: (gate_up(i), triton_fp8_quant._prequantize(
-            gu, M, INTER, True, block))) for i in range(args.layers)],
-        "pair: CUTLASS SiLU-pair GEMM + quantize_max": [graphed(lambda i=i: (pair(i), quantize_max(h, pmax)))
-                                                        for i in range(args.layers)],
-    }
-    pieces = {
-        "CUTLASS gate/up (shipped)": [graphed(lambda i=i: gate_up(i)) for i in range(args.layers)],
-        "CUTLASS SiLU-pair GEMM": [graphed(lambda i=i: pair(i)) for i in range(args.layers)],
-        "SiLU quantize (shipped)": [graphed(lambda: triton_fp8_quant._prequantize(gu, M, INTER, True, block))],
-        "quantize_max": [graphed(lambda: quantize_max(h, pmax))],
-    }
+    chains = {"shipped: CUTLASS gate/up + SiLU quantize": [
+        graphed(lambda i=i: (gate_up(i), triton_fp8_quant._prequantize(gu, M, INTER, True, block)))
+        for i in range(args.layers)]}
+    pieces = {"CUTLASS gate/up (shipped)": [graphed(lambda i=i: gate_up(i)) for i in range(args.layers)]}
+    for name, lib in libs.items():
+        chains[f"{name} GEMM + quantize_max"] = [graphed(lambda i=i, lib=lib: (pair(i, lib), quantize_max(h, pmax)))
+                                                 for i in range(args.layers)]
+        pieces[f"{name} GEMM"] = [graphed(lambda i=i, lib=lib: pair(i, lib)) for i in range(args.layers)]
+    pieces["SiLU quantize (shipped)"] = [graphed(lambda: triton_fp8_quant._prequantize(gu, M, INTER, True, block))]
+    pieces["quantize_max"] = [graphed(lambda: quantize_max(h, pmax))]
     flops = 2 * M * N * K
     for title, group in (("chains", chains), ("pieces", pieces)):
         times = {n: [] for n in group}
@@ -197,8 +203,9 @@ def main() -> None:
             extra = f"  {flops / statistics.median(ts) / 1e6:5.0f} TFLOP/s" if "GEMM" in n or "gate/up (" in n else ""
             print(f"  {n:45s} {statistics.median(ts):7.1f}  {' '.join(f'{t:6.1f}' for t in ts)}{extra}")
         if title == "chains":
-            a, b = (statistics.median(v) for v in times.values())
-            print(f"  saved a layer {a - b:+.1f} us, over 32 layers {(a - b) * 32 / 1e3:+.2f} ms")
+            base, *rest = (statistics.median(v) for v in times.values())
+            for n, t in zip(list(times)[1:], rest):
+                print(f"  {n}: saved a layer {base - t:+.1f} us, over 32 layers {(base - t) * 32 / 1e3:+.2f} ms")
 
 
 if __name__ == "__main__":

@@ -142,11 +142,39 @@ struct SiluPairEpilogue {
           h[g] = round_bf16(act * up);
           rmax = fmaxf(rmax, fabsf(h[g]));
         }
+        ElementH* row_h = params.ptr_h + int64_t(m) * I;
+#ifdef SILU_PAIR_STORE8
+        // a 4x4 exchange within the quad over each 4 column groups: lane q ends with h columns 4 (4 k + q) + 0..3 of
+        // the tile (its partners' h[4 k + q]) and stores them as 8 bytes
+        int const q = lane & 3;
+        CUTLASS_PRAGMA_UNROLL
+        for (int k = 0; k < NG / 4; ++k) {
+          float w0 = 0.f, w1 = 0.f, w2 = 0.f, w3 = 0.f;
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < 4; ++r) {
+            int const si = (q - r) & 3;  // what lane (q + r) & 3 wants from this one
+            float const send = si == 0 ? h[4 * k] : si == 1 ? h[4 * k + 1] : si == 2 ? h[4 * k + 2] : h[4 * k + 3];
+            int const di = (q + r) & 3;
+            float const got = __shfl_sync(0xffffffff, send, (lane & ~3) | di);
+            w0 = di == 0 ? got : w0;
+            w1 = di == 1 ? got : w1;
+            w2 = di == 2 ? got : w2;
+            w3 = di == 3 ? got : w3;
+          }
+          cutlass::Array<ElementH, 4> out;
+          out[0] = ElementH(w0);
+          out[1] = ElementH(w1);
+          out[2] = ElementH(w2);
+          out[3] = ElementH(w3);
+          if (row_ok) {
+            *reinterpret_cast<cutlass::Array<ElementH, 4>*>(row_h + n0 / 2 - q + 4 * (4 * k + q)) = out;
+          }
+        }
+#else
         // h column of (g, lane % 4) is 4 g + lane % 4 (n0 / 2 + 4 g); pairs of lanes swap so that each stores two
         // adjacent columns: the even lane of a pair (h[g], its partner's h[g]) at 4 g + q, the odd one (the
         // partner's h[g + 1], h[g + 1]) at 4 (g + 1) + q - 1
         bool const odd = lane & 1;
-        ElementH* row_h = params.ptr_h + int64_t(m) * I;
         CUTLASS_PRAGMA_UNROLL
         for (int g = 0; g < NG; g += 2) {
           float const send = odd ? h[g] : h[g + 1];
@@ -159,6 +187,7 @@ struct SiluPairEpilogue {
             *reinterpret_cast<cutlass::Array<ElementH, 2>*>(row_h + col) = pair;
           }
         }
+#endif
         // the quad (4 lanes) holds this row's 64 h columns of the tile
         rmax = fmaxf(rmax, __shfl_xor_sync(0xffffffff, rmax, 1));
         rmax = fmaxf(rmax, __shfl_xor_sync(0xffffffff, rmax, 2));

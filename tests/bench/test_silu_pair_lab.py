@@ -29,7 +29,8 @@ def test_interleave_puts_up_j_after_gate_j():
 
 
 @pytest.mark.skipif(nvcc.find() is None, reason="nvcc not found")
-def test_lab_kernel_compiles_for_sm90a_without_spills(tmp_path, recwarn):
-    so = silu_pair_lab.compile_library(tmp_path / "silu_pair_gemm.so")
+@pytest.mark.parametrize("suffix", list(silu_pair_lab.VARIANTS))
+def test_lab_kernel_compiles_for_sm90a_without_spills(suffix, tmp_path, recwarn):
+    so = silu_pair_lab.compile_library(tmp_path / f"silu_pair_gemm{suffix}.so", silu_pair_lab.VARIANTS[suffix])
     assert so.is_file() and so.stat().st_size > 0
     assert not [w for w in recwarn if "spill" in str(w.message)]
