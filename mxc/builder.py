@@ -10,6 +10,7 @@ leaves the previous artifact intact, or nothing.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -310,8 +311,8 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     if not isinstance(prefill_graphs, int) or prefill_graphs < 0 or (prefill_graphs and target != "cuda"):
         raise MxcError(f"--prefill-graphs {prefill_graphs}: expected a token count >= 0 (0: off), with --target "
                        f"cuda (got --target {target})")
-    prequant = (checkpoint_quantization(src.config, src.config_path, lambda: _tensor_names(src.checkpoint))
-                if src.checkpoint else None)
+    tensor_names = functools.cache(lambda: _tensor_names(src.checkpoint))  # read once, where asked
+    prequant = checkpoint_quantization(src.config, src.config_path, tensor_names) if src.checkpoint else None
     scale_suffix = None
     if prequant is not None:
         if quant_granularity != "channel" and quant_granularity != prequant[0]:
@@ -347,7 +348,7 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     log(f"binding {src.model_file.name} to {src.config_path}")
     graph = bind_model(src.model_file, src.config, options.dtype, src.entry, src.config_path)
     if options.quant_scale_suffix:  # an fp8 checkpoint: which linear weights it left unquantized
-        keep = unquantized_linears(graph, _tensor_names(src.checkpoint), options.quant_scale_suffix, src.checkpoint)
+        keep = unquantized_linears(graph, tensor_names(), options.quant_scale_suffix, src.checkpoint)
         if keep:
             log(f"note: the checkpoint stores {len(keep)} of the layers' linear weights unquantized ({keep[0]}, ...); "
                 f"they stay in {options.dtype}")

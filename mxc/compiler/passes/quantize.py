@@ -118,10 +118,10 @@ def run(graph: Graph, options) -> Graph:
     g = options.quant_granularity
     # layers: every linear weight
     items = []
+    keep = frozenset(options.quant_unquantized)
     for item in graph.body:
         if isinstance(item, Repeat):
             sub = graph.replace(body=(item,), weights={})
-            keep = frozenset(options.quant_unquantized)
             rule = _rule(g, None, options.tp, options.quant_scale_suffix, keep)
             rules = [("linear", rule), ("rms_norm_linear", rule),
                      ("fused_moe", _expert_rule(options.tp, g, options.quant_scale_suffix, keep))]
