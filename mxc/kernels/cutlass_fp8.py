@@ -23,6 +23,11 @@ scale_a=sa[:, None], scale_b=sb[None, :], out_dtype=torch.bfloat16)`` computes, 
 - ``compile_so`` runs nvcc on that source into a shared library (``mxc.kernels.nvcc``: cudart linked
   statically, so the library needs only the driver, ``libcuda.so.1``, and no CUDA runtime or torch of a
   particular version).
+- The library also holds the SiLU-pair kernels (``csrc/cutlass_silu_pair.cuh``, embedded in the source): the same
+  mainloop over the fp8 MLP's gate/up weight with its rows interleaved in blocks of ``PAIR_BLOCK`` (half a CTA
+  tile's columns), an epilogue that stores ``h = silu(gate) * up`` [M, N/2] bf16 and each row's maximum |h| per
+  tile [M, N/128] instead of gate/up (``silu_pair``; the down projection's quantize then reads half the bytes and
+  no SiLU: ``triton_fp8_quant.quantize_max``). Pingpong configurations only (the shipped ones).
 - ``load`` opens the library with ctypes; ``CutlassFp8Gemm.__call__`` takes raw device pointers (a
   tensor's ``data_ptr()``), sizes and a stream handle, so the call path imports nothing from torch.
 - ``build_library`` is what ``mxc build`` calls when ``select_kernels`` chose the CUTLASS GEMM: the
@@ -75,6 +80,8 @@ SCHEDULERS = {"default": "Default", "persistent": "Persistent", "streamk": "Stre
 BUILD_CONFIG = dict(tile=(128, 128, 128), cluster=(2, 1, 1), schedule="pingpong", fast_accum=True,
                     small_m=dict(tile=(64, 128, 128), cluster=(1, 1, 1), schedule="pingpong", fast_accum=True,
                                  max_m=256))
+PAIR_BLOCK = BUILD_CONFIG["tile"][1] // 2  # the SiLU-pair kernels' gate/up interleave (compiler: interleave_gate_up)
+PAIR_HEADER = Path(__file__).parent / "csrc" / "cutlass_silu_pair.cuh"
 LIBRARY = "code/cutlass/fp8_gemm.so"  # where an artifact keeps its library
 PREBUILT_ENV = "MXC_CUTLASS_LIBRARY"
 
@@ -351,6 +358,81 @@ int mxc_cutlass_fp8_gemm_residual(const void* xq, const void* wq, const float* s
 """
 
 
+_PAIR_KERNEL = r"""
+namespace @NS@ {
+using TileShape = cute::Shape<@TILE@>;
+using ClusterShape = cute::Shape<@CLUSTER@>;
+using CollectiveEpilogue =
+    cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<mxc_silu_pair::SiluPairEpilogue<@TILE_N@>>;
+using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, mxc_cutlass_fp8::ElementAB, cutlass::layout::RowMajor, 16,
+    mxc_cutlass_fp8::ElementAB, cutlass::layout::ColumnMajor, 16, float, TileShape, ClusterShape,
+    cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+        sizeof(typename CollectiveEpilogue::SharedStorage))>,
+    cutlass::gemm::@SCHEDULE@>::CollectiveOp;
+using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, CollectiveMainloop,
+                                                    CollectiveEpilogue>;
+using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+static typename Gemm::Arguments make_args(const void* xq, const void* w, const float* sa, const float* sb, void* h,
+                                          float* pmax, int M, int N, int K, bool hw) {
+  using StrideA = typename Kernel::StrideA;
+  using StrideB = typename Kernel::StrideB;
+  StrideA stride_a = cutlass::make_cute_packed_stride(StrideA{}, cute::make_shape(M, K, 1));
+  StrideB stride_b = cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(N, K, 1));
+  typename Kernel::MainloopArguments mainloop{static_cast<const mxc_cutlass_fp8::ElementAB*>(xq), stride_a,
+                                              static_cast<const mxc_cutlass_fp8::ElementAB*>(w), stride_b};
+  typename Kernel::EpilogueArguments epilogue{static_cast<mxc_silu_pair::ElementH*>(h), pmax, sa, sb};
+  return typename Gemm::Arguments{cutlass::gemm::GemmUniversalMode::kGemm, {M, N, K, 1}, mainloop, epilogue,
+                                  mxc_cutlass_fp8::hw_info(hw)};
+}
+}  // namespace @NS@
+"""
+
+_PAIR_WRAPPER = r"""
+extern "C" {
+
+// the gate/up interleave the SiLU-pair kernels read: @PAIR_BLOCK@ gate rows, then their up rows, block by block
+int mxc_cutlass_fp8_silu_pair_block() { return @PAIR_BLOCK@; }
+
+size_t mxc_cutlass_fp8_silu_pair_workspace(int M, int N, int K) {
+  MXC_BY_M(M, silu_pair, return Gemm::get_workspace_size(make_args(nullptr, nullptr, nullptr, nullptr, nullptr,
+                                                                   nullptr, M, N, K, false));)
+}
+
+// h [M, N/2] = bf16(silu(g) * u) of the interleaved gate/up product (see cutlass_silu_pair.cuh), pmax [M, N/TileN]
+// each row's max |h| a tile; status as mxc_cutlass_fp8::run
+int mxc_cutlass_fp8_gemm_silu_pair(const void* xq, const void* w, const float* scale_a, const float* scale_b, void* h,
+                                   float* pmax, int M, int N, int K, void* workspace, size_t workspace_bytes,
+                                   cudaStream_t stream) {
+  MXC_BY_M(M, silu_pair, return mxc_cutlass_fp8::run<Gemm>(make_args(xq, w, scale_a, scale_b, h, pmax, M, N, K, true),
+                                                           workspace, workspace_bytes, stream);)
+}
+
+}  // extern "C"
+"""
+
+_PAIR_INCLUDES = ("cutlass/gemm/collective/collective_builder.hpp", "cutlass/gemm/kernel/gemm_universal.hpp",
+                  "cutlass/gemm/dispatch_policy.hpp")
+
+
+def _pair_kernel(namespace: str, cfg: dict) -> str:
+    """The SiLU-pair kernel of one (pingpong) configuration, in ``namespace``."""
+    kernel_name, _ = SCHEDULES[cfg["schedule"]]
+    tile, cluster = cfg.get("tile", (128, 128, 128)), cfg.get("cluster", (1, 1, 1))
+    shape = lambda v: ", ".join(f"cute::_{x}" for x in v)  # noqa: E731
+    return (_PAIR_KERNEL.replace("@NS@", namespace).replace("@TILE@", shape(tile))
+            .replace("@CLUSTER@", shape(cluster)).replace("@TILE_N@", str(tile[1]))
+            .replace("@SCHEDULE@", "Kernel" + kernel_name + ("FP8FastAccum" if cfg.get("fast_accum") else "")))
+
+
+def _pair_supported(configs) -> bool:
+    """SiLU-pair kernels for these configurations: pingpong (the operator-style epilogue is checked on it, one warp
+    group a tile), the default scheduler, and one tile width (one interleave serves every M)."""
+    return (all(c.get("schedule", "cooperative") == "pingpong" and c.get("scheduler", "default") == "default"
+                for c in configs) and len({tuple(c.get("tile", (128, 128, 128)))[1] for c in configs}) == 1)
+
+
 def generate(tile=(128, 128, 128), cluster=(1, 1, 1), schedule="cooperative", fast_accum=False, stages=None,
              scheduler: str = "default", small_m: dict | None = None) -> str:
     """Full .cu source of one kernel configuration: cutlass_cppgen's two kernels (without and with the residual
@@ -368,7 +450,8 @@ def generate(tile=(128, 128, 128), cluster=(1, 1, 1), schedule="cooperative", fa
     "persistent" or "streamk" (the K loops of all tiles spread over every SM: for problems with fewer tiles
     than SMs, as the short prefills' GEMMs; partial sums meet in the workspace; cooperative only).
     ``small_m``: a second configuration (the same keys, plus ``max_m``) whose two kernels serve problems of
-    at most ``max_m`` rows; the entry points choose by M, so callers see one function.
+    at most ``max_m`` rows; the entry points choose by M, so callers see one function. The SiLU-pair kernels
+    (one a configuration) and their entry points come too where ``_pair_supported``.
     """
     config = dict(tile=tile, cluster=cluster, schedule=schedule, fast_accum=fast_accum, stages=stages,
                   scheduler=scheduler)
@@ -386,12 +469,23 @@ def generate(tile=(128, 128, 128), cluster=(1, 1, 1), schedule="cooperative", fa
             parts.append(f"namespace {prefix}_{kind} {{\n{body}\n{tail}\n}}  // namespace {prefix}_{kind}\n")
             includes += [h for h in incs if h not in includes]
             names.append(kernel)
+    configs = [config] + ([small] if max_m else [])
+    pair = _pair_supported(configs)
+    if pair:
+        includes += [h for h in _PAIR_INCLUDES if h not in includes]
+        parts.append(PAIR_HEADER.read_text().replace("#pragma once\n", ""))
+        for prefix, cfg in zip(("mxc_cutlass_fp8", "mxc_cutlass_fp8_small"), configs):
+            parts.append(_pair_kernel(f"{prefix}_silu_pair", cfg))
+        if not max_m:
+            parts.append("namespace mxc_cutlass_fp8_small_silu_pair = mxc_cutlass_fp8_silu_pair;\n")
     head = "\n".join(f'#include "{h}"' for h in ["cuda_runtime.h", *includes])
     name = names[0] + (f"; M <= {max_m}: {names[2]}" if max_m else "")
+    wrapper = _WRAPPER.replace('@KERNEL@', name).replace('@SMALL_M_MAX@', str(max_m))
+    if pair:
+        wrapper += _PAIR_WRAPPER.replace("@PAIR_BLOCK@", str(config["tile"][1] // 2))
     return (f"// Generated by mxc.kernels.cutlass_fp8 with cutlass_cppgen {_cppgen().__version__}: {_describe(config)}"
-            + (f"; M <= {max_m}: {_describe(small)}" if max_m else "") + "\n"
-            f"{head}\n{_COMMON}\n{''.join(parts)}\n"
-            f"{_WRAPPER.replace('@KERNEL@', name).replace('@SMALL_M_MAX@', str(max_m))}")
+            + (f"; M <= {max_m}: {_describe(small)}" if max_m else "") + ("; SiLU-pair kernels" if pair else "")
+            + "\n" f"{head}\n{_COMMON}\n{''.join(parts)}\n{wrapper}")
 
 
 def _describe(cfg: dict) -> str:
@@ -429,19 +523,33 @@ class CutlassFp8Gemm:
             lib.mxc_cutlass_fp8_gemm_residual.restype = i
             lib.mxc_cutlass_fp8_residual_workspace.argtypes = [i, i, i]
             lib.mxc_cutlass_fp8_residual_workspace.restype = z
+        # and libraries built before the SiLU-pair kernels (or for a configuration without them) lack those
+        self.has_silu_pair = hasattr(lib, "mxc_cutlass_fp8_gemm_silu_pair")
+        self.pair_block = 0
+        if self.has_silu_pair:
+            lib.mxc_cutlass_fp8_gemm_silu_pair.argtypes = [p, p, p, p, p, p, i, i, i, p, z, p]
+            lib.mxc_cutlass_fp8_gemm_silu_pair.restype = i
+            lib.mxc_cutlass_fp8_silu_pair_workspace.argtypes = [i, i, i]
+            lib.mxc_cutlass_fp8_silu_pair_workspace.restype = z
+            lib.mxc_cutlass_fp8_silu_pair_block.argtypes = []
+            lib.mxc_cutlass_fp8_silu_pair_block.restype = i
+            self.pair_block = int(lib.mxc_cutlass_fp8_silu_pair_block())
         self._lib = lib
         self.name = lib.mxc_cutlass_fp8_name().decode()
         self._workspace: dict[tuple, int] = {}
 
-    def workspace_bytes(self, M: int, N: int, K: int, residual: bool = False) -> int:
-        """The launch's workspace, asked of the library once a shape (a prefill asks for each of its linears)."""
-        key = (M, N, K, residual)
+    def workspace_bytes(self, M: int, N: int, K: int, residual: bool = False, kind: str | None = None) -> int:
+        """The launch's workspace, asked of the library once a shape (a prefill asks for each of its linears);
+        ``kind``: "plain", "residual" (or ``residual=True``) or "silu_pair"."""
+        kind = kind or ("residual" if residual else "plain")
+        key = (M, N, K, kind)
         nbytes = self._workspace.get(key)
         if nbytes is None:
             if len(self._workspace) >= 4096:  # one entry a prompt length and linear: bounded for a long-lived server
                 self._workspace.clear()
-            fn = self._lib.mxc_cutlass_fp8_residual_workspace if residual else self._lib.mxc_cutlass_fp8_workspace
-            nbytes = self._workspace[key] = int(fn(M, N, K))
+            fn = {"plain": "mxc_cutlass_fp8_workspace", "residual": "mxc_cutlass_fp8_residual_workspace",
+                  "silu_pair": "mxc_cutlass_fp8_silu_pair_workspace"}[kind]
+            nbytes = self._workspace[key] = int(getattr(self._lib, fn)(M, N, K))
         return nbytes
 
     def can_implement(self, M: int, N: int, K: int) -> bool:
@@ -460,9 +568,25 @@ class CutlassFp8Gemm:
         else:
             status = self._lib.mxc_cutlass_fp8_gemm(xq, wq, scale_a, scale_b, y, M, N, K, workspace or None,
                                                     workspace_bytes, stream or None)
-        if status:
-            raise RuntimeError(f"CUTLASS fp8 GEMM (M={M}, N={N}, K={K}): status {status}, "
-                               f"{STATUS.get(status, 'unknown')}")
+        _check(status, "GEMM", M, N, K)
+
+    def silu_pair(self, xq: int, w: int, scale_a: int, scale_b: int, h: int, pmax: int, M: int, N: int, K: int,
+                  stream: int = 0, workspace: int = 0, workspace_bytes: int = 0) -> None:
+        """The SiLU-pair GEMM (``has_silu_pair``): w [N, K] the gate/up weight interleaved in blocks of
+        ``pair_block`` rows, scale_b [N] its scales in the same order; h [M, N/2] bf16 and pmax [M, N/(2 *
+        pair_block)] fp32 out (device pointers, as ``__call__``)."""
+        if not self.has_silu_pair:
+            raise RuntimeError(f"{self.path} has no SiLU-pair kernels (built before them, or a configuration "
+                               f"without them): rebuild it")
+        status = self._lib.mxc_cutlass_fp8_gemm_silu_pair(xq, w, scale_a, scale_b, h, pmax, M, N, K, workspace or None,
+                                                      workspace_bytes, stream or None)
+        _check(status, "SiLU-pair GEMM", M, N, K)
+
+
+def _check(status: int, what: str, M: int, N: int, K: int) -> None:
+    if status:
+        raise RuntimeError(f"CUTLASS fp8 {what} (M={M}, N={N}, K={K}): status {status}, "
+                           f"{STATUS.get(status, 'unknown')}")
 
 
 def load(so_path) -> CutlassFp8Gemm:

@@ -21,6 +21,8 @@ pytestmark = pytest.mark.skipif(_WHY_NOT is not None, reason=f"CUTLASS fp8 gener
 
 ENTRIES = ("mxc_cutlass_fp8_gemm", "mxc_cutlass_fp8_workspace", "mxc_cutlass_fp8_can_implement",
            "mxc_cutlass_fp8_name", "mxc_cutlass_fp8_gemm_residual", "mxc_cutlass_fp8_residual_workspace")
+PAIR_ENTRIES = ("mxc_cutlass_fp8_gemm_silu_pair", "mxc_cutlass_fp8_silu_pair_workspace",
+                "mxc_cutlass_fp8_silu_pair_block")
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +59,15 @@ def test_small_m_kernels_and_the_dispatch(monkeypatch):
     assert "#define MXC_SMALL_M_MAX 256" in source and small["max_m"] == 256
     for kind in ("plain", "residual"):
         assert f"namespace mxc_cutlass_fp8_{kind} {{" in source and f"namespace mxc_cutlass_fp8_small_{kind} {{" in source
-    assert source.count("cute::Shape<cute::_64, cute::_128, cute::_128>") == 4  # the small-M pair's CTA tile (2 each)
-    assert source.count("KernelTmaWarpSpecializedPingpongFP8FastAccum") == 4
-    assert source.count("MXC_BY_M(M, ") == 6  # the macro, then every entry point but name()
+    # the small-M pair's CTA tile (2 each), and its SiLU-pair kernel's
+    assert source.count("cute::Shape<cute::_64, cute::_128, cute::_128>") == 5
+    assert source.count("KernelTmaWarpSpecializedPingpongFP8FastAccum") == 6
+    assert source.count("MXC_BY_M(M, ") == 8  # the macro, then every entry point but name() and the pair's block
+    for entry in PAIR_ENTRIES:
+        assert f" {entry}(" in source
+    assert "namespace mxc_cutlass_fp8_silu_pair {" in source and "namespace mxc_cutlass_fp8_small_silu_pair {" in source
+    assert "struct SiluPairEpilogue" in source and "#pragma once" not in source  # the header, embedded
+    assert f"int mxc_cutlass_fp8_silu_pair_block() {{ return {cutlass_fp8.PAIR_BLOCK}; }}" in source
     single = cutlass_fp8.generate()
     assert "#define MXC_SMALL_M_MAX 0" in single and "namespace mxc_cutlass_fp8_small_plain = mxc_cutlass_fp8_plain;" in single
     monkeypatch.delenv(cutlass_fp8.PREBUILT_ENV, raising=False)
@@ -74,6 +82,7 @@ def test_generate_options():
     assert fast.count("cute::Shape<cute::_128, cute::_256, cute::_128>") == 4  # two kernels
     assert fast.count("EpilogueDescriptor<\n  cute::Shape<_128, _256, _128>") == 2
     assert "_256, _256" not in fast and "cute::_256, cute::_256" not in fast
+    assert "silu_pair" not in fast  # SiLU-pair kernels for pingpong configurations only
     with pytest.raises(ValueError, match="schedule"):
         cutlass_fp8.generate(schedule="stream-k")
 
@@ -94,7 +103,7 @@ def test_compile_so_exports_entry_points(tmp_path, monkeypatch):
     if shutil.which("nm"):
         symbols = subprocess.run(["nm", "-D", "--defined-only", str(so)], capture_output=True, text=True,
                                  check=True).stdout
-        for entry in ENTRIES:
+        for entry in ENTRIES + PAIR_ENTRIES:
             assert f" T {entry}\n" in symbols
     # cudart is linked statically and loads the driver lazily: the library opens without a GPU
     lib = ctypes.CDLL(str(so))
@@ -108,6 +117,10 @@ def test_compile_so_exports_entry_points(tmp_path, monkeypatch):
     assert not gemm.can_implement(16, 4096, 4100)  # K must be a multiple of 16 (16-byte TMA rows)
     assert gemm.workspace_bytes(2048, 6144, 4096) >= 0 and gemm.workspace_bytes(2048, 6144, 4096, residual=True) >= 0
     assert gemm.has_residual
+    assert gemm.has_silu_pair and gemm.pair_block == cutlass_fp8.PAIR_BLOCK == 64
+    assert gemm.workspace_bytes(2048, 28672, 4096, kind="silu_pair") >= 0
+    with pytest.raises(RuntimeError, match="SiLU-pair GEMM .*status 1"):  # N not whole 128-column tiles
+        gemm.silu_pair(0, 0, 0, 0, 0, 0, 16, 4096 + 64, 4096)
     with pytest.raises(RuntimeError, match="status 1"):  # rejected before anything touches the GPU
         gemm(0, 0, 0, 0, 0, 16, 4096, 4100)
     with pytest.raises(RuntimeError, match="status 1"):
