@@ -1,7 +1,8 @@
 """Elementwise and gather ops on the GPU: ``silu_mul``, ``embedding``, ``add`` (generated Triton kernels).
 
 Shapes: ``silu_mul`` x [..., 2I] (gate then up halves, as ``torch_ref.silu_mul``
-chunks it) -> [..., I]; ``embedding`` ids [T] int64, table [V, H] -> [T, H];
+chunks it; or with ``interleave`` B, blocks of B gate then B up columns: ``check_interleave``)
+-> [..., I]; ``embedding`` ids [T] int64, table [V, H] -> [T, H];
 ``add`` a, b [..., N] (same shape and dtype, no broadcasting) -> [..., N].
 Every kernel runs on a 2-D grid of (rows, column blocks of ``BLOCK_N``), the row
 width a constexpr; values are computed in fp32 and rounded once at the store,
@@ -9,7 +10,7 @@ except where the torch reference rounds in between (``silu`` before the
 multiply).
 
 Each kernel is rendered per row width from ``kernels/templates/``
-(``silu_mul.py.j2``: silu(gate) * up of one row block; ``embedding.py.j2``: row
+(``silu_mul.py.j2``: silu(gate) * up of one row block, the layout a render-time constant; ``embedding.py.j2``: row
 ``ids[t]`` of the table; ``add.py.j2``: a + b); the functions here check,
 allocate and launch them.
 """
@@ -39,10 +40,30 @@ def _silu_mul(gate, up, ty: tl.constexpr):
     return (act * up).to(ty)
 
 
-def _kernel(template: str, size_name: str, n: int):
-    """The rendered kernel of ``template`` for rows of ``n`` elements, its BLOCK_N and its num_warps."""
+@triton.jit
+def _gate_col(c, PAIR_BLOCK: tl.constexpr):
+    """Where gate column ``c`` lies in a gate/up row of blocks of PAIR_BLOCK gate then PAIR_BLOCK up columns
+    (``check_interleave``): (c // B) * 2B + c % B = c + (c // B) * B for B = PAIR_BLOCK; its up column lies B
+    further. Shared by the SiLU kernel, the fp8 quantize's SiLU prologue and the fp8 GEMV's SiLU epilogue."""
+    return c + c // PAIR_BLOCK * PAIR_BLOCK
+
+
+def check_interleave(i: int, interleave: int) -> None:
+    """ValueError unless ``interleave`` names a layout of a gate/up row of 2 x ``i`` columns: 0, the gate half
+    then the up half; or B, a power of two dividing ``i``: blocks of 2B columns, block b holding gate columns
+    [bB, bB + B) then the up columns of the same indices (B = i is the halves layout again)."""
+    ok = isinstance(interleave, int) and (interleave == 0 or (
+        interleave > 0 and interleave & (interleave - 1) == 0 and i % interleave == 0))
+    if not ok:
+        raise ValueError(f"interleave must be 0 (gate then up halves) or a power of two dividing the {i} gate "
+                         f"columns, got {interleave}")
+
+
+def _kernel(template: str, size_name: str, n: int, **params):
+    """The rendered kernel of ``template`` for rows of ``n`` elements (and ``params``), its BLOCK_N and its
+    num_warps."""
     block_n, num_warps = _config(n)
-    kernel = kernel_templates.kernel(template, f"{template}_kernel", **{size_name: n, "BLOCK_N": block_n})
+    kernel = kernel_templates.kernel(template, f"{template}_kernel", **{size_name: n, "BLOCK_N": block_n}, **params)
     return kernel, block_n, num_warps
 
 
@@ -58,17 +79,20 @@ def _check_out(name: str, out: torch.Tensor, shape, dtype, device) -> None:
         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
 
 
-def silu_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(gate) * up for ``x`` [..., 2I] = [gate | up] -> [..., I]."""
+def silu_mul(x: torch.Tensor, out: torch.Tensor | None = None, interleave: int = 0) -> torch.Tensor:
+    """silu(gate) * up for ``x`` [..., 2I] = [gate | up] -> [..., I]; with ``interleave`` B, x's columns come in
+    blocks of B gate then B up columns (``check_interleave``)."""
     assert x.dim() >= 1 and x.is_contiguous(), "silu_mul: x must be contiguous (kernels take no strides)"
     assert x.shape[-1] % 2 == 0, f"silu_mul: last dim {x.shape[-1]} must be even (gate and up halves)"
     I = x.shape[-1] // 2
     assert I > 0, "silu_mul: x's last dim is empty"
+    check_interleave(I, interleave)
     shape = (*x.shape[:-1], I)
     if out is None:
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
     _check_out("silu_mul", out, shape, x.dtype, x.device)
-    kernel, block_n, num_warps = _kernel("silu_mul", "I", I)
+    # the halves layout renders without the parameter: the kernel it always was (its source names its params)
+    kernel, block_n, num_warps = _kernel("silu_mul", "I", I, **({"PAIR_BLOCK": interleave} if interleave else {}))
     launch(kernel, (x.numel() // (2 * I), cdiv(I, block_n)), [x, out], {}, num_warps=num_warps, num_stages=1)
     return out
 

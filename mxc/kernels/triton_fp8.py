@@ -55,7 +55,8 @@ Two wrappers (``qlinear`` picks one by M):
   must divide 128 (one K block per step).
   ``epilogue="silu_mul"`` (the fp8 MLP's gate/up at decode, ``cuda_ops.rms_norm_mlp_small_m``): a
      program takes BLOCK_N/2 gate rows and the matching up rows and stores silu(gate) * up, [M, N/2],
-     with the SiLU kernel's numerics (one K slice, channel/tensor scales; else that kernel after it).
+     with the SiLU kernel's numerics (one K slice, channel/tensor scales; else that kernel after it);
+     w's rows as [gate; up] halves or (``interleave`` B) blocks of B gate then B up rows.
   SPLIT_K > 1: fp32 partials (already scaled) in a scratch [SPLIT_K, M, N], summed in a fixed
   order by ``_qgemv_reduce_kernel`` (deterministic, no atomics), which rounds, adds bias and
   residual.

@@ -51,7 +51,7 @@ import triton.language as tl
 
 from mxc.kernels import triton_elementwise, triton_norm
 from mxc.kernels.launch import cdiv, launch, next_pow2
-from mxc.kernels.triton_elementwise import _silu_mul
+from mxc.kernels.triton_elementwise import _gate_col, _silu_mul
 from mxc.kernels.pdl import pdl_enter, prefetch_bytes, prefetch_rows_l2, reads_before_wait
 from mxc.kernels.triton_fp8_quant import (_DTYPES, GRANULARITIES, _check_inputs, _check_norm, _finish, _load_act,
                                           _pow2, _prequantize, _quant, _quant_block, _row_scale)
@@ -68,7 +68,7 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
                   PROLOGUE_SILU_MUL: tl.constexpr,
                   USE_PDL: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
                   WEIGHT_ONLY: tl.constexpr = False, EPILOGUE_SILU_MUL: tl.constexpr = False,
-                  REDUCE_STEPS: tl.constexpr = False, PRELOAD: tl.constexpr = False):
+                  REDUCE_STEPS: tl.constexpr = False, PRELOAD: tl.constexpr = False, PAIR_BLOCK: tl.constexpr = 0):
     """One program: columns [pid_n * BLOCK_N, +BLOCK_N) of y over K slice pid_k.
 
     x_ptr: x [M, K] (or [M, 2K] under PROLOGUE_SILU_MUL) in its float dtype, with xs_ptr None;
@@ -79,15 +79,17 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
     partial sums, and HAS_BIAS and HAS_RESIDUAL are False. EPILOGUE_SILU_MUL (SPLIT_K == 1, no bias,
     residual or block scales): the weight is [gate; up] ([N/2, K] each) and y [M, N/2] is
     silu(gate) * up; the program's rows are gate rows [pid_n * BLOCK_N/2, +BLOCK_N/2) and the up rows
-    N/2 below them. REDUCE_STEPS (one row): v2's loop, each step's products summed to BLOCK_N values,
-    instead of v1's [BLOCK_N, BLOCK_K] accumulator. Built for PDL (USE_PDL), it first asks L2
-    for PREFETCH bytes (0: none) of each of its weight rows.
+    N/2 below them; with PAIR_BLOCK B the weight's rows come in blocks of B gate then B up rows, each gate
+    row's up row B below it (``triton_elementwise.check_interleave``). REDUCE_STEPS (one row): v2's loop,
+    each step's products summed to BLOCK_N values, instead of v1's [BLOCK_N, BLOCK_K] accumulator. Built
+    for PDL (USE_PDL), it first asks L2 for PREFETCH bytes (0: none) of each of its weight rows.
     """
     tl.static_assert(SPLIT_K == 1 or not (HAS_BIAS or HAS_RESIDUAL))
     tl.static_assert(not PREQUANT or not PROLOGUE_SILU_MUL)
     tl.static_assert(not SWAP_AB or (USE_DOT and PREQUANT))
     tl.static_assert(not WEIGHT_ONLY or not (USE_DOT or PREQUANT or PROLOGUE_SILU_MUL))
     tl.static_assert(not EPILOGUE_SILU_MUL or (SPLIT_K == 1 and not (HAS_BIAS or HAS_RESIDUAL or BLOCK_SCALE)))
+    tl.static_assert(not PAIR_BLOCK or EPILOGUE_SILU_MUL)
     LOAD_X: tl.constexpr = PREQUANT or WEIGHT_ONLY  # x's values are the factors as loaded
     tl.static_assert(not BLOCK_SCALE or 128 % BLOCK_N == 0)
     tl.static_assert(not (BLOCK_SCALE and USE_DOT) or 128 % BLOCK_K == 0)
@@ -99,10 +101,13 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
     EVEN_K: tl.constexpr = K % (SPLIT_K * BLOCK_K) == 0
     k_start = pid_k * K_PER_SPLIT
 
-    if EPILOGUE_SILU_MUL:  # BLOCK_N / 2 gate rows, then the up rows N / 2 below them
+    if EPILOGUE_SILU_MUL:  # BLOCK_N / 2 gate rows, then their up rows (N / 2 below them, or PAIR_BLOCK)
         HALF: tl.constexpr = BLOCK_N // 2
         offs_j = tl.arange(0, BLOCK_N)
-        offs_n = pid_n * HALF + offs_j % HALF + (offs_j // HALF) * (N // 2)
+        if PAIR_BLOCK:
+            offs_n = _gate_col(pid_n * HALF + offs_j % HALF, PAIR_BLOCK) + (offs_j // HALF) * PAIR_BLOCK
+        else:
+            offs_n = pid_n * HALF + offs_j % HALF + (offs_j // HALF) * (N // 2)
     else:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -492,7 +497,8 @@ def qlinear_small_m(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias:
                     residual: torch.Tensor | None = None, *, granularity: str = "channel",
                     prologue: str | None = None, norm_weight: torch.Tensor | None = None,
                     eps: float = 1e-6, config: QGemvConfig | None = None,
-                    out: torch.Tensor | None = None, epilogue: str | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, epilogue: str | None = None,
+                    interleave: int = 0) -> torch.Tensor:
     """``fp8_ref.qlinear(x, w, scale, bias, residual, granularity, prologue)`` for 1 <= M <= 32.
 
     x [M, K] (``prologue="silu_mul"``: [M, 2K]; ``prologue="rms_norm"``: x is normalised with
@@ -502,7 +508,8 @@ def qlinear_small_m(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias:
     (contiguous [M, N], x's dtype; may be ``residual`` itself, not x) receives the result.
     ``epilogue="silu_mul"``: w is [gate; up] and the result [M, N/2] is ``torch_ref.silu_mul`` of the
     product: in the GEMV's epilogue where its config allows (``_silu_epilogue_fits``), else by the SiLU
-    kernel after it (no ``out``, bias or residual then).
+    kernel after it (no ``out``, bias or residual then). ``interleave`` B (only with that epilogue): w's rows
+    (and the scales) come in blocks of B gate then B up rows (``triton_elementwise.check_interleave``).
     Never reads tensor values on the host: runs on ``meta`` tensors under a recording launcher.
     The GEMV's grid and constexprs depend on (bucket(M), N, K, dtypes, granularity, fusions)
     only (M is a dynamic argument); the prequantize kernel (``PREQUANT``) has one program per
@@ -512,6 +519,11 @@ def qlinear_small_m(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias:
         raise ValueError(f"epilogue must be None or 'silu_mul', got {epilogue!r}")
     if epilogue and (out is not None or bias is not None or residual is not None or w.shape[0] % 2):
         raise ValueError("the silu_mul epilogue takes no out, bias or residual, and an even number of weight rows")
+    if interleave and not epilogue:
+        raise ValueError(f"interleave={interleave} is a layout of the silu_mul epilogue's gate and up rows; "
+                         f"there is no epilogue")
+    if epilogue:
+        triton_elementwise.check_interleave(w.shape[0] // 2, interleave)
     M, N, K, silu_mul = _check_inputs(x, w, scale, bias, residual, granularity, prologue, out)
     m_bucket = bucket(M)
     block = granularity == "block128"
@@ -522,7 +534,7 @@ def qlinear_small_m(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias:
     if epilogue and not _silu_epilogue_fits(cfg, block):
         y = qlinear_small_m(x, w, scale, granularity=granularity, prologue=prologue, norm_weight=norm_weight, eps=eps,
                             config=cfg)
-        return triton_elementwise.silu_mul(y)
+        return triton_elementwise.silu_mul(y, interleave=interleave)
     y = out if out is not None else torch.empty((M, N // 2 if epilogue else N), dtype=x.dtype, device=x.device)
     xs = None
     rms = prologue == "rms_norm"
@@ -544,7 +556,7 @@ def qlinear_small_m(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias:
                   PROLOGUE_SILU_MUL=silu_mul and not (cfg.PREQUANT or cfg.WEIGHT_ONLY), SWAP_AB=cfg.SWAP_AB,
                   PREFETCH=prefetch_bytes(PREFETCH_BYTES, K), WEIGHT_ONLY=cfg.WEIGHT_ONLY,
                   EPILOGUE_SILU_MUL=epilogue is not None, **({"REDUCE_STEPS": True} if cfg.REDUCE_STEPS else {}),
-                  **({"PRELOAD": True} if cfg.PRELOAD else {}))
+                  **({"PRELOAD": True} if cfg.PRELOAD else {}), **({"PAIR_BLOCK": interleave} if interleave else {}))
     has_bias, has_residual = bias is not None, residual is not None
     if cfg.SPLIT_K == 1:
         launch(_qgemv_kernel, grid, [x, xs, w, scale, bias, residual, y, M],

@@ -2,8 +2,9 @@
 
 Runs Triton's compiler (not the interpreter) in a subprocess on a machine without a GPU: saturating e4m3
 quantization with IEEE divisions (the SiLU's sigmoid excepted), widened e4m3 weights or fp8 wgmma in the GEMV (SWAP_AB puts the weights
-on the wgmma side), fp8 wgmma in the GEMM, shared memory within the SM's, no global scratch. The kernels'
-numerics are tested in test_fp8_kernels.py and test_fp8_quant_kernels.py.
+on the wgmma side), fp8 wgmma in the GEMM, shared memory within the SM's, no global scratch; the SiLU's gate/up
+interleaved in blocks (``PAIR_BLOCK``) and ``quantize_max`` too. The kernels' numerics are tested in
+test_fp8_kernels.py and test_fp8_quant_kernels.py.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ _COMPILE_SCRIPT = textwrap.dedent("""
     import torch, triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from mxc.kernels import launch as L, triton_fp8 as tf, triton_fp8_gemv as tfv
+    from mxc.kernels import kernel_templates, launch as L, triton_fp8 as tf, triton_fp8_gemv as tfv
+    from mxc.kernels import triton_fp8_quant as tfq
 
     specs = {}
     def record(kernel, grid, args, constexprs, num_warps, num_stages):
@@ -48,6 +50,19 @@ _COMPILE_SCRIPT = textwrap.dedent("""
         # the Llama-3-8B down projection's input: K = 14336 in three pieces under SiLU-and-mul
         tf.qlinear_gemm(meta(300, 2 * 14336), meta(n, 14336, dtype=tf.FP8), meta(n, dtype=torch.float32),
                         prologue="silu_mul")
+        # gate/up in blocks of 64 gate then 64 up (the SiLU-pair layout): the decode GEMV's SiLU epilogue (v1
+        # weight-only, SWAP_AB), the SiLU kernel and the quantize kernels' SiLU prologue (tiled, two passes);
+        # and quantize_max on the pair GEMM's h and row maxima
+        wgu, sgu = meta(2048, k, dtype=tf.FP8), meta(2048, dtype=torch.float32)
+        tf.qlinear_small_m(meta(1, k), wgu, sgu, epilogue="silu_mul", interleave=64,
+                           config=tf.QGemvConfig(16, 1024, num_warps=8, WEIGHT_ONLY=True))
+        tf.qlinear_small_m(meta(2, k), wgu, sgu, epilogue="silu_mul", interleave=64,
+                           config=tf.QGemvConfig(64, 256, USE_DOT=True, PREQUANT=True, num_stages=4,
+                                                 QUANT_BLOCK_K=4096, SWAP_AB=True))
+        for M, K in ((4, 14336), (300, 14336), (4, 20480)):
+            tfq._prequantize(meta(M, 2 * K), M, K, True, tfq._quant_block(K), interleave=64)
+        for dtype in (torch.bfloat16, torch.float32):
+            tfq.quantize_max(meta(2048, 14336, dtype=dtype), meta(2048, 224, dtype=torch.float32))
     for fn, spec in specs.values():
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
                  for a, t in spec["signature"].items() if t.startswith("*")}
@@ -61,20 +76,23 @@ _COMPILE_SCRIPT = textwrap.dedent("""
         name = fn.__name__
         if name == "silu_mul_kernel":  # the decode side's SiLU before the quantize: Triton's division, as the prologue's
             assert "div.full.f32" in ptx and "div.rn" not in ptx, name
-            print(name, "ok")
+            print(name, "pairs" if "PAIR_BLOCK" in kernel_templates.source(fn.__module__) else "", "ok")
             continue
         if name != "_qgemv_reduce_kernel":
             assert "e4m3" in ptx, name + ": no e4m3 conversion or mma"
-        if name in ("_quant_rows_kernel", "_quant_tile_kernel"):
+        if name in ("_quant_rows_kernel", "_quant_tile_kernel", "_quant_max_kernel"):
             assert "cvt.rn.satfinite.e4m3x2.f32" in ptx  # rounding, saturating quantization
             assert "div.rn.f32" in ptx
         if name == "_quant_tile_kernel":  # x * (1 / xs) corrected by fmas, no division per element
             assert ptx.count("fma.rn.f32") >= 4 * spec["constexprs"]["BLOCK_M"], name
+        if name == "_quant_max_kernel":  # the same; two divisions a program (the scale, its reciprocal)
+            assert ptx.count("div.rn.f32") == 2 and ptx.count("fma.rn.f32") >= 4, name
         # IEEE divisions for the scales and quantization, as torch's (`/` would be div.full's approximation);
         # the RMSNorm prologue's mean of squares is `/ K` (one div.approx, as the rows kernel's); the SiLU
-        # prologue's sigmoid is Triton's division (div.full, one an element), as silu_mul_kernel's
+        # prologue's (and the GEMV's SiLU epilogue's) sigmoid is Triton's division (div.full, one an element), as
+        # silu_mul_kernel's
         approx = ptx.count("div.full") + ptx.count("div.approx")
-        if spec["constexprs"].get("PROLOGUE_SILU_MUL"):
+        if spec["constexprs"].get("PROLOGUE_SILU_MUL") or spec["constexprs"].get("EPILOGUE_SILU_MUL"):
             assert approx == ptx.count("div.full.f32") >= 1, name
         else:
             assert approx == (1 if spec["constexprs"].get("PROLOGUE_RMS_NORM") else 0), name
@@ -86,7 +104,8 @@ _COMPILE_SCRIPT = textwrap.dedent("""
                 assert "cvt.rn.f16x2.e4m3x2" in ptx  # e4m3 weights widened in registers
         if name == "_qgemm_kernel":
             assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx, "no fp8 wgmma"
-        print(name, spec["constexprs"].get("BLOCK_M"), "smem", md.shared, "ok")
+        print(name, spec["constexprs"].get("BLOCK_M"), "pairs" if spec["constexprs"].get("PAIR_BLOCK") else "",
+              "smem", md.shared, "ok")
 """)
 
 
@@ -100,6 +119,7 @@ def test_compiles_for_sm90():
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count(" ok") >= 14, r.stdout
+    assert r.stdout.count(" pairs ") == 5 and r.stdout.count("_quant_max_kernel") == 2, r.stdout
 
 
 _SWAP_PTX = """

@@ -5,7 +5,8 @@ fp8/bf16 conversions round and saturate as the GPU does), with small explicit co
 shapes: N = 150 (two 128-row scale blocks, the last tile partial), K = 200 (two 128-wide scale
 blocks, the last K step partial). Every small-M version (v1 M = 1, v2 M = 2..8, v3 tl.dot),
 fused and prequantized activations, split K, the GEMM with ragged M; channel/tensor/block128
-scales; bias, residual, silu_mul prologue; fp32/fp16/bf16. Tolerance: relative to the output's
+scales; bias, residual, silu_mul prologue, the silu_mul epilogue (gate/up rows in halves or interleaved
+blocks); fp32/fp16/bf16. Tolerance: relative to the output's
 largest magnitude, 1e-3 (fp32) and 1e-2 (fp16/bf16); the activation-quantize kernels themselves are
 checked bit for bit in test_fp8_quant_kernels.py. Also: no stores outside y, meta-device
 recording (grids and binaries from shapes only). The sm_90 compile of every kernel: test_fp8_compile.py.
@@ -284,6 +285,70 @@ def test_silu_epilogue_errors():
         tf.qlinear_small_m(_dev(x), _dev(q), _dev(s), _dev(b), granularity="channel", epilogue="silu_mul")
     with pytest.raises(ValueError, match="epilogue must be"):
         tf.qlinear_small_m(_dev(x), _dev(q), _dev(s), granularity="channel", epilogue="gelu")
+
+
+def _interleaved_rows(t, b):
+    """t [2I, ...] = [gate; up] with its rows in blocks of b gate then b up rows (a contiguous copy)."""
+    i = t.shape[0] // 2
+    return t.reshape(2, i // b, b, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+def test_interleaved_rows_layout():
+    """The tests' layout: gate row j at (j // B) * 2B + j % B, its up row B further (I = 6, B = 2)."""
+    assert _interleaved_rows(torch.arange(12), 2).tolist() == [0, 1, 6, 7, 2, 3, 8, 9, 4, 5, 10, 11]
+
+
+# the silu_mul epilogue over interleaved gate/up rows: (M, config, granularity, dtype, I, B) -- a program's gate
+# rows within one block (BLOCK_N / 2 = 16 < B) or over several (32 > B, the last program's partial); split K falls
+# back to the SiLU kernel after the GEMV
+SILU_INTERLEAVED = [
+    (1, replace(V1, WEIGHT_ONLY=True), "channel", torch.float32, 192, 64),
+    (3, replace(V2, PREQUANT=True, QUANT_BLOCK_K=256), "tensor", DTYPES[-1], 192, 64),
+    (17, replace(DOT, PREQUANT=True, QUANT_BLOCK_K=256), "channel", torch.float16, 96, 32),
+    (5, SWAP, "tensor", torch.float16, 80, 16),
+    (1, replace(SWAP, SPLIT_K=2), "channel", torch.float32, 192, 64),
+]
+
+
+@pytest.mark.parametrize("M,cfg,gran,dtype,i,b", SILU_INTERLEAVED,
+                         ids=[f"{_variant_id((v[0], v[1], v[2], v[3], (0, 0, 0), K))}-I{v[4]}-B{v[5]}"
+                              for v in SILU_INTERLEAVED])
+def test_small_m_silu_epilogue_interleaved(M, cfg, gran, dtype, i, b):
+    """With ``interleave`` B (w's rows and their scales in blocks of B gate then B up rows) the GEMV's epilogue, or
+    the SiLU kernel after it where the config has no epilogue, gives bit for bit the halves layout's result on the
+    same rows de-interleaved."""
+    x, q, s, _, _ = _inputs(M, 2 * i, K, dtype, gran, False, False, False, seed=61 + M)
+    qi, si = _interleaved_rows(q, b), _interleaved_rows(s, b)
+    assert not torch.equal(qi.view(torch.uint8), q.view(torch.uint8))  # I > B: the layouts differ
+    x = _dev(x)
+    got, names = _launching(lambda: tf.qlinear_small_m(x, _dev(qi), _dev(si), granularity=gran, config=cfg,
+                                                       epilogue="silu_mul", interleave=b))
+    want = tf.qlinear_small_m(x, _dev(q), _dev(s), granularity=gran, config=cfg, epilogue="silu_mul")
+    assert got.shape == (M, i) and torch.equal(got, want)
+    assert ("silu_mul_kernel" in names) == (cfg.SPLIT_K > 1), names
+
+
+def test_silu_epilogue_interleave_launch():
+    """PAIR_BLOCK reaches the GEMV only with an interleave: the halves layout's launch is the one it was."""
+    launches = []
+    meta = lambda *shape, dtype=torch.bfloat16: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
+    with launch_mod.using(lambda kernel, grid, args, consts, nw, ns: launches.append((kernel, grid, consts))):
+        for b in (0, 64):
+            tf.qlinear_small_m(meta(2, 4096), meta(384, 4096, dtype=tf.FP8), meta(384, dtype=torch.float32),
+                               config=SWAP, epilogue="silu_mul", interleave=b)
+    (_, _, quant), (gemv, grid, halves), (_, _, quant_i), (gemv_i, grid_i, pairs) = launches
+    assert gemv is gemv_i is tfv._qgemv_kernel and grid == grid_i == (6, 1) and quant == quant_i
+    assert "PAIR_BLOCK" not in halves and pairs == {**halves, "PAIR_BLOCK": 64}
+
+
+def test_silu_epilogue_rejects_bad_interleave():
+    x, q, s, _, _ = _inputs(1, 384, K, torch.float32, "channel", False, False, False, seed=6)
+    x, q, s = _dev(x), _dev(q), _dev(s)
+    with pytest.raises(ValueError, match="no epilogue"):
+        tf.qlinear_small_m(x, q, s, granularity="channel", interleave=64)
+    for b in (48, 128, -64):  # I = 192
+        with pytest.raises(ValueError, match="interleave must be 0"):
+            tf.qlinear_small_m(x, q, s, granularity="channel", epilogue="silu_mul", interleave=b)
 
 
 @pytest.mark.parametrize("gran", ["channel", "block128"])

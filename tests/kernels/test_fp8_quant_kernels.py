@@ -3,7 +3,8 @@
 Under TRITON_INTERPRET=1 on the CPU (tests/kernels/conftest.py makes the interpreter's fp8/bf16 conversions
 round and saturate as the GPU does): the one-program-a-row and tiled kernels bit for bit against the
 reference and each other (ragged K, zero, tiny, signed-zero, inf and NaN rows), the RMSNorm and
-SiLU-and-mul prologues, and the rule choosing the kernel. The GEMVs and GEMMs that read their output:
+SiLU-and-mul prologues (gate and up in halves, or interleaved in blocks), the rule choosing the kernel, and
+``quantize_max`` (rows whose maxima a GEMM epilogue found). The GEMVs and GEMMs that read their output:
 test_fp8_kernels.py.
 """
 
@@ -145,3 +146,115 @@ def test_prequantize_kernel_choice():
     # the other prefill shapes: RMSNorm as the rows kernel lays a row out (4 warps at 4096); 96 -> 32 rows
     assert tfq._tile_config(4096, False, True) == (1, (4096, 0, 0), 4) == tfq._tile_config(4096, False, False)
     assert tfq._tile_config(96, True, False) == (32, (64, 32, 0), 8)
+
+
+
+def _interleaved(x, b):
+    """x [M, 2K] = [gate | up] with its columns in blocks of b gate then b up columns (a contiguous copy)."""
+    m, n = x.shape
+    return x.reshape(m, 2, n // (2 * b), b).transpose(1, 2).reshape(m, n)
+
+
+def test_interleaved_layout():
+    """The tests' layout: gate column j at (j // B) * 2B + j % B, its up column B further (I = 6, B = 2)."""
+    assert _interleaved(torch.arange(12).view(1, 12), 2).tolist() == [[0, 1, 6, 7, 2, 3, 8, 9, 4, 5, 10, 11]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("k, b", [(192, 64), (208, 16)])
+def test_quantize_silu_mul_interleaved(dtype, k, b):
+    """The SiLU-and-mul prologue with ``interleave`` B (x's columns in blocks of B gate then B up) gives, bit for
+    bit, the halves layout's xq and xs on the same rows de-interleaved: the tiled kernel (37 rows; K in pieces,
+    the last one padded), one program a row in one pass and in chunks of B columns, and the default route (at 5
+    rows the SiLU kernel first, then the plain quantize)."""
+    for M, block, tiled in ((37, 256, True), (6, 256, False), (3, b, False), (5, 256, None)):
+        x = _activations(M, k, dtype, True, seed=k + M)
+        xi = _interleaved(x, b)
+        assert not torch.equal(xi, x)  # K > B: the layouts differ
+        want = _bits(*tfq._prequantize(_dev(x), M, k, True, block, tiled=tiled))
+        got = _bits(*tfq._prequantize(_dev(xi), M, k, True, block, tiled=tiled, interleave=b))
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]), (M, block, tiled)
+
+
+def test_quantize_interleave_launches():
+    """PAIR_BLOCK reaches the kernels (the SiLU kernel's rendering at M <= 32) only with an interleave: the halves
+    layout's launches carry no new constexpr."""
+    launches = []
+    with launch_mod.using(lambda kernel, grid, args, consts, nw, ns: launches.append((kernel, consts))):
+        for interleave in (0, 64):
+            for M, tiled in ((64, None), (64, False), (4, None)):
+                tfq._prequantize(_meta(M, 2 * 14336), M, 14336, True, 16384, tiled=tiled, interleave=interleave)
+    halves, pairs = launches[:4], launches[4:]
+    assert all("PAIR_BLOCK" not in c for _, c in halves)
+    assert [k for k, _ in pairs[:2]] == [tfq._quant_tile_kernel, tfq._quant_rows_kernel]
+    assert all(c["PAIR_BLOCK"] == 64 and c["PROLOGUE_SILU_MUL"] for _, c in pairs[:2])
+    (silu, c_silu), (quant, c_quant) = pairs[2:]
+    assert silu.fn.__name__ == "silu_mul_kernel" and silu is not halves[2][0] and c_silu == {}
+    assert quant is tfq._quant_tile_kernel and c_quant == halves[3][1]  # the plain quantize after it, as before
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(silu_mul=False, interleave=64), "no prologue"),
+    (dict(interleave=48), "power of two"),
+    (dict(interleave=128), "power of two dividing"),
+    (dict(interleave=-64), "interleave must be 0"),
+    (dict(interleave=64, block_k=32, tiled=False), "multiple of interleave"),
+])
+def test_quantize_rejects_bad_interleave(kwargs, message):
+    kw = {"silu_mul": True, "block_k": 256, "tiled": None, **kwargs}
+    x = _meta(4, 2 * 192)
+    with launch_mod.using(lambda *a: None), pytest.raises(ValueError, match=message):
+        tfq._prequantize(x, 4, 192, kw.pop("silu_mul"), kw.pop("block_k"), **kw)
+
+
+def _partial_maxima(h, p):
+    """Per-row maxima of |h| over p column tiles of unequal widths, [M, p] fp32 (a GEMM epilogue's)."""
+    return torch.stack([t.float().abs().amax(dim=1) for t in h.tensor_split(p, dim=1)], dim=1).contiguous()
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy on the inf row
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("k", [1000, 3000])
+def test_quantize_max_bit_identical(dtype, k):
+    """``quantize_max`` from partial row maxima writes ``_prequantize``'s xq and xs bit for bit: ragged K (one
+    column block of 2048, or two, the last masked; or 256-column blocks), P = 1 to 7 maxima a row, a zero row,
+    a tiny row, an inf row (inf scale)."""
+    M = 5
+    h = _activations(M, k, dtype, False, seed=k).float()
+    h[1] = 0
+    h[2] *= 1e-30 if dtype == torch.float32 else 1e-3
+    h[3, 11] = float("inf")
+    h = h.to(dtype)
+    want = _bits(*tfq._prequantize(_dev(h), M, k, False, tfq._quant_block(k)))
+    for p, block_k in ((1, 2048), (3, 2048), (7, 256)):
+        got = _bits(*tfq.quantize_max(_dev(h), _dev(_partial_maxima(h, p)), block_k=block_k))
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]), (p, block_k)
+
+
+def test_quantize_max_records_one_launch():
+    """One launch through ``launch`` (a build's recorder sees it): grid (M, column blocks), K and P constexprs."""
+    launches = []
+    h, pmax = _meta(2048, 14336), _meta(2048, 224, dtype=torch.float32)
+    with launch_mod.using(lambda kernel, grid, args, consts, nw, ns: launches.append((kernel, grid, consts, nw))):
+        xq, xs = tfq.quantize_max(h, pmax)
+    assert launches == [(tfq._quant_max_kernel, (2048, 7), dict(K=14336, P=224, BLOCK_P=256, BLOCK_K=2048), 4)]
+    assert xq.shape == (2048, 14336) and xq.dtype == tfq.FP8 and xs.shape == (2048,) and xs.dtype == torch.float32
+
+
+def _meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: tfq.quantize_max(_meta(4, 100), _meta(5, 2, dtype=torch.float32)), "expected h"),
+    (lambda: tfq.quantize_max(_meta(4, 100), _meta(4, dtype=torch.float32)), "expected h"),
+    (lambda: tfq.quantize_max(_meta(4, 0), _meta(4, 2, dtype=torch.float32)), "empty"),
+    (lambda: tfq.quantize_max(_meta(4, 100, dtype=torch.int32), _meta(4, 2, dtype=torch.float32)), "one of"),
+    (lambda: tfq.quantize_max(_meta(4, 100), _meta(4, 2)), "pmax float32"),
+    (lambda: tfq.quantize_max(_meta(100, 4).t(), _meta(4, 2, dtype=torch.float32)), "contiguous"),
+    (lambda: tfq.quantize_max(_meta(4, 100), torch.zeros(4, 2)), "pmax on cpu"),
+    (lambda: tfq.quantize_max(_meta(4, 100), _meta(4, 2, dtype=torch.float32), block_k=1000), "power of two"),
+])
+def test_quantize_max_rejects_bad_inputs(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()

@@ -195,6 +195,34 @@ def test_silu_mul(T, I, dtype):
     assert_padding_untouched(buf)
 
 
+def halves(x, b):
+    """x [..., 2I] in blocks of b gate then b up columns, as [gate | up] (a contiguous copy)."""
+    *lead, n = x.shape
+    return x.reshape(*lead, n // (2 * b), 2, b).transpose(-3, -2).reshape(x.shape)
+
+
+def test_halves_undoes_the_interleave():
+    """The tests' reference layout: gate column j at (j // B) * 2B + j % B, its up column B further."""
+    assert halves(torch.arange(8.0), 2).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+@pytest.mark.parametrize("I, B", [(96, 16), (192, 64), (1152, 64)])  # 192: a ragged block; 1152: two column blocks
+@pytest.mark.parametrize("T", (1, 5))
+def test_silu_mul_interleaved(T, I, B, dtype):
+    """With ``interleave`` B the kernel reads x's columns in blocks of B gate then B up: bit for bit the halves
+    kernel on the same rows de-interleaved, within an ulp of the torch reference, nothing written outside out."""
+    torch.manual_seed(T * 1000 + I + B)
+    x = (torch.randn(T, 2 * I) * 3).to(dtype)
+    ref_in = halves(x, B)
+    assert not torch.equal(ref_in, x)  # I > B: the layouts differ
+    buf, out = padded((T, I), dtype)
+    assert silu_mul(x, out=out, interleave=B) is out
+    assert torch.equal(out, silu_mul(ref_in))
+    assert_ulp(out, torch_ref.silu_mul(ref_in))
+    assert_padding_untouched(buf)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids)
 @pytest.mark.parametrize("H", WIDTHS + (1100,))
 @pytest.mark.parametrize("T", (1, 7))
@@ -399,6 +427,26 @@ def test_wrappers_record_one_launch_on_meta():
     out, kernel, grid, cx = _record(lambda: add(_meta(5, 100), _meta(5, 100)))
     assert (kernel.fn.__name__, grid) == ("add_kernel", (5, 1)) and "N: tl.constexpr = 100" in _rendered(kernel)
     assert out.shape == (5, 100)
+
+
+def test_silu_mul_interleave_renders_its_own_kernel():
+    """The layout is a render-time constant: interleave 0 renders the halves kernel (no PAIR_BLOCK in its source,
+    the same kernel as the default call); B > 0 another kernel, launched alike."""
+    _, halves_kernel, _, _ = _record(lambda: silu_mul(_meta(5, 2 * 1152)))
+    assert _record(lambda: silu_mul(_meta(5, 2 * 1152), interleave=0))[1] is halves_kernel
+    assert "PAIR_BLOCK" not in _rendered(halves_kernel)
+    out, kernel, grid, cx = _record(lambda: silu_mul(_meta(5, 2 * 1152), interleave=64))
+    assert kernel is not halves_kernel and (kernel.fn.__name__, grid, cx) == ("silu_mul_kernel", (5, 2), {})
+    assert "I: tl.constexpr = 1152\n    BLOCK_N: tl.constexpr = 1024\n    PAIR_BLOCK: tl.constexpr = 64" in \
+        _rendered(kernel)
+    assert out.shape == (5, 1152)
+
+
+@pytest.mark.parametrize("interleave", [48, 128, -64, 1.5])
+def test_silu_mul_rejects_bad_interleave(interleave):
+    """interleave must be 0 or a power of two dividing I (192 here)."""
+    with pytest.raises(ValueError, match="interleave must be 0"):
+        silu_mul(torch.randn(2, 2 * 192), interleave=interleave)
 
 
 @pytest.mark.parametrize("call, message", [
