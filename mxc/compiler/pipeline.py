@@ -14,7 +14,8 @@ from mxc.compiler.options import BuildOptions
 from mxc.errors import MxcError
 from mxc.compiler.passes import (eliminate_dead_code, fuse_add_rms_norm, fuse_all_reduce, fuse_linear_all_reduce,
                                   fuse_linear_io, fuse_mlp, fuse_moe, fuse_norm_linear, fuse_norm_route, fuse_rope_cache,
-                                  early_launch_o_proj, merge_gate_up, merge_qkv, quantize, select_kernels, shard_tp)
+                                  early_launch_o_proj, interleave_gate_up, merge_gate_up, merge_qkv, quantize,
+                                  select_kernels, shard_tp)
 from mxc.ir import Graph, VerifyError, dump_graph, verify
 
 PIPELINE = [
@@ -34,8 +35,10 @@ PIPELINE = [
     ("fuse_linear_all_reduce", fuse_linear_all_reduce.run),
     # quantization: fp8 weights + scales (identity without --quant)
     ("quantize", quantize.run),
-    # fusion over quantized ops: the fp8 MLP as one op for the persistent decode kernel (only with --mlp-pair)
+    # fusion over quantized ops: the fp8 MLP as one op (SiLU in the gate/up GEMV's epilogue; --mlp-pair: one kernel)
     ("fuse_mlp", fuse_mlp.run),
+    # layout: the fp8 MLP's gate and up rows interleaved, for SiLU-and-mul in the prefill GEMM's epilogue
+    ("interleave_gate_up", interleave_gate_up.run),
     # launch order under PDL: the o projection's GEMV launched during the decode attention when it preloads
     ("early_launch_o_proj", early_launch_o_proj.run),
     # cleanup
@@ -49,7 +52,8 @@ PIPELINE = [
 # kernel selection) and always run.
 OPTIONAL = ("merge_qkv", "merge_gate_up", "fuse_moe", "fuse_rope_cache", "fuse_norm_linear",
             "fuse_add_rms_norm", "fuse_norm_route", "fuse_linear_io", "fuse_all_reduce",
-            "fuse_linear_all_reduce", "fuse_mlp", "early_launch_o_proj", "eliminate_dead_code")
+            "fuse_linear_all_reduce", "fuse_mlp", "interleave_gate_up", "early_launch_o_proj",
+            "eliminate_dead_code")
 
 
 def check_disabled(names) -> tuple[str, ...]:

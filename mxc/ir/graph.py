@@ -94,6 +94,9 @@ class Weight:
     quant: QuantSpec | None = None
     scale_of: str | None = None  # this is the scale tensor of that (local) weight; the loader writes both
     quantize: bool = True  # False: ``--quant`` leaves it in the model dtype (MoE routers: the experts they pick)
+    # > 0: a merged [gate; up] weight (or its row scales) stored with each rank's rows interleaved in blocks of this
+    # many, [gate block 0; up block 0; gate block 1; ...] (``interleave_gate_up``; the loader reorders after sharding)
+    interleave: int = 0
 
     def resolve(self, index_name: str | None, i: int | None) -> "Weight":
         """The concrete weight of layer ``i``."""

@@ -137,9 +137,11 @@ def _rms_norm_qlinear(x, norm, w, scale, bias=None, eps=None, granularity=None, 
     return _qlinear(x, w, scale, bias, granularity=granularity)
 
 
-def _rms_norm_mlp(x, norm, w_gate_up, s_gate_up, w_down, s_down, eps=None, granularity=None, **_):
+def _rms_norm_mlp(x, norm, w_gate_up, s_gate_up, w_down, s_down, eps=None, granularity=None, interleave=0, **_):
     (gate_up,) = _rms_norm_qlinear(x, norm, w_gate_up, s_gate_up, eps=eps, granularity=granularity)
     _need(gate_up.shape[-1] % 2 == 0, lambda: f"gate/up weight {w_gate_up} must have an even number of rows")
+    _need(interleave == 0 or (_positive_int(interleave) and gate_up.shape[-1] % (2 * interleave) == 0),
+          lambda: f"interleave={interleave!r} must be 0 or a block size dividing half of {w_gate_up}'s rows")
     return _qlinear(TensorType(gate_up.shape[:-1] + (gate_up.shape[-1] // 2,), x.dtype), w_down, s_down,
                     residual=x, granularity=granularity)
 
@@ -331,7 +333,7 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
           attrs=("eps", "granularity"),
           doc="qlinear(rms_norm(x, norm_weight), weight, scale, bias) -- fuse_norm_linear, then quantize"),
     OpDef("rms_norm_mlp", ("x", "norm_weight", "w_gate_up", "s_gate_up", "w_down", "s_down"), _rms_norm_mlp,
-          attrs=("eps", "granularity"),
+          attrs=("eps", "granularity"), optional_attrs=("interleave",),
           doc="x + qlinear(silu_mul(rms_norm_qlinear(x, norm_weight, w_gate_up, s_gate_up)), w_down, s_down): a "
               "decoder layer's fp8 MLP and its residual add, one op -- fuse_mlp (--mlp-pair)"),
     OpDef("qkv_rope_cache", ("qkv", "positions", "q_norm?", "k_norm?"), _qkv_rope_cache,

@@ -37,6 +37,8 @@ def _weight_dict(w: Weight) -> dict:
         d["scale_of"] = w.scale_of
     if not w.quantize:
         d["quantize"] = False
+    if w.interleave:
+        d["interleave"] = w.interleave
     return d
 
 
@@ -90,7 +92,8 @@ def _weight(d: dict) -> Weight:
                   shard=ShardSpec(shard["kind"], tuple(shard.get("segments", ())), shard.get("unit", 1),
                                   tuple(shard.get("exprs", ()))) if shard else None,
                   quant=QuantSpec(quant["scheme"], quant["granularity"], quant.get("prequantized", False))
-                  if quant else None, scale_of=d.get("scale_of"), quantize=d.get("quantize", True))
+                  if quant else None, scale_of=d.get("scale_of"), quantize=d.get("quantize", True),
+                  interleave=d.get("interleave", 0))
 
 
 def _node(text: str, loc: str, index: str | None) -> Node:

@@ -86,3 +86,6 @@ def _check_weight_names(graph: Graph) -> None:
             raise VerifyError(f"weight {w.name}: segments {list(w.segments)} do not add up to {rows} rows")
         if len(w.hf) > 1 and len(w.segments) != len(w.hf):
             raise VerifyError(f"weight {w.name}: {len(w.hf)} sources but {len(w.segments)} segments")
+        if w.interleave and (w.stack or w.interleave < 0 or w.shape[0] % (2 * w.interleave)):
+            raise VerifyError(f"weight {w.name}: interleave {w.interleave} needs a (not stacked) [gate; up] weight "
+                              f"of whole blocks, {2 * w.interleave} rows each, got {w.shape[0]} rows a rank")

@@ -155,6 +155,8 @@ def _mlp_pair_ok(node, in_types, options):
         return f"its kernel is built for sm_90a only, not sm_{options.arch}"
     if node.attrs["granularity"] == "block128":
         return "takes one weight scale a row, not 128x128 blocks"
+    if node.attrs.get("interleave"):
+        return "reads the gate/up weight as halves, not interleaved (interleave_gate_up)"
     if in_types[0].dtype != "bfloat16":
         return f"computes in bf16, the model in {in_types[0].dtype}"
     from mxc.kernels import mlp_pair_fp8  # the check runs at build time only
@@ -246,7 +248,9 @@ _TRITON = [
               f"Triton fp8 GEMV with the residual, at <= {GEMV_MAX_TOKENS} tokens", tokens=(1, GEMV_MAX_TOKENS),
               check=_dtype_ok),
     Candidate(CUTLASS_KERNELS[2], "rms_norm_mlp", GPU,
-              "the RMSNorm-quantize and SiLU-quantize kernels, each linear the " + CUTLASS_REASON, check=_cutlass_ok),
+              "the RMSNorm-quantize kernel, the gate/up GEMM (with interleave: SiLU-and-mul in its epilogue, then "
+              "the quantize from its row maxima; else the SiLU-quantize kernel after it), the down GEMM; each linear "
+              "the " + CUTLASS_REASON, check=_cutlass_ok),
     Candidate("cuda_ops.rms_norm_mlp_scaled_mm", "rms_norm_mlp", GPU,
               "default: the RMSNorm-quantize and SiLU-quantize kernels, each linear cuBLASLt fp8 (torch._scaled_mm)",
               check=_scaled_mm_ok),

@@ -57,26 +57,52 @@ def rms_norm_qlinear_gemm(x, norm_weight, weight, scale, bias=None, eps=1e-6, gr
 # ``rms_norm_mlp`` (fuse_mlp): x + down(silu_mul(gate_up(rms_norm(x)))). Each runs the unfused nodes' kernels, in
 # the same order, so the results are theirs; at decode token counts the SiLU moves into the gate/up GEMV.
 
+# ``interleave`` (``interleave_gate_up``): the gate/up weight's rows, and so gate/up's columns, alternate in blocks
+# of that many gates and their ups; every kernel below reads that layout.
+
 def _mlp_chain(gate_up_fn, down_fn, doc: str):
     """The fused op as its two unfused nodes' kernels: ``gate_up_fn`` (an ``rms_norm_qlinear_*``), then ``down_fn``
     (a qlinear kernel) with the SiLU-and-mul prologue and x as the residual."""
-    def run(x, norm_weight, w_gate_up, s_gate_up, w_down, s_down, eps=1e-6, granularity="channel"):
+    def run(x, norm_weight, w_gate_up, s_gate_up, w_down, s_down, eps=1e-6, granularity="channel", interleave=0):
         gate_up = gate_up_fn(x, norm_weight, w_gate_up, s_gate_up, None, eps, granularity)
-        return down_fn(gate_up, w_down, s_down, None, x, granularity=granularity, prologue="silu_mul")
+        return down_fn(gate_up, w_down, s_down, None, x, granularity=granularity, prologue="silu_mul",
+                       **({"interleave": interleave} if interleave else {}))
 
     run.__doc__ = doc
     return run
 
 
-def rms_norm_mlp_small_m(x, norm_weight, w_gate_up, s_gate_up, w_down, s_down, eps=1e-6, granularity="channel"):
+def rms_norm_mlp_small_m(x, norm_weight, w_gate_up, s_gate_up, w_down, s_down, eps=1e-6, granularity="channel",
+                         interleave=0):
     """<= 32 tokens: the RMSNorm-quantize, the fp8 GEMV with SiLU-and-mul in its epilogue (where its config
     allows; else the SiLU kernel after it), then the GEMV with the residual (after its quantize kernel, or
     none: ``WEIGHT_ONLY``). The unfused nodes' values: the epilogue rounds gate and up as their GEMV's output."""
     act = triton_fp8.qlinear_small_m(x, w_gate_up, s_gate_up, granularity=granularity, prologue="rms_norm",
-                                     norm_weight=norm_weight, eps=eps, epilogue="silu_mul")
+                                     norm_weight=norm_weight, eps=eps, epilogue="silu_mul",
+                                     **({"interleave": interleave} if interleave else {}))
     return triton_fp8.qlinear_small_m(act, w_down, s_down, None, x, granularity=granularity)
 
-rms_norm_mlp_cutlass = _mlp_chain(rms_norm_qlinear_cutlass, fp8_gemm.cutlass, "Each linear the CUTLASS fp8 GEMM.")
+
+_cutlass_chain = _mlp_chain(rms_norm_qlinear_cutlass, fp8_gemm.cutlass, "")
+SILU_PAIR = True  # False: an interleaved MLP runs the chain's kernels, as halves do (A/B in one artifact)
+
+
+def rms_norm_mlp_cutlass(x, norm_weight, w_gate_up, s_gate_up, w_down, s_down, eps=1e-6, granularity="channel",
+                         interleave=0):
+    """Each linear the CUTLASS fp8 GEMM. Interleaved gate/up (and a library with the SiLU-pair kernels for that
+    interleave): the RMSNorm-quantize, the SiLU-pair GEMM (SiLU-and-mul in its epilogue: h and its row maxima
+    out), ``quantize_max``, the down GEMM with the residual in its epilogue (``fp8_gemm.silu_pair``); the same
+    values as the chain. Otherwise the chain: the gate/up GEMM, the SiLU-and-mul quantize, the down GEMM.
+    Recording on ``meta``, both paths' Triton kernels are recorded (the artifact's library decides at load)."""
+    meta = x.device.type == "meta"
+    if interleave and SILU_PAIR and (meta or fp8_gemm.has_silu_pair(interleave, w_gate_up.shape[1])):
+        quantized = fp8_gemm.silu_pair(x, norm_weight, w_gate_up, s_gate_up, eps, interleave)
+        out = fp8_gemm.cutlass(x, w_down, s_down, None, x, granularity=granularity, quantized=quantized)
+        if not meta:
+            return out
+    return _cutlass_chain(x, norm_weight, w_gate_up, s_gate_up, w_down, s_down, eps, granularity, interleave)
+
+
 rms_norm_mlp_scaled_mm = _mlp_chain(rms_norm_qlinear_scaled_mm, fp8_gemm.scaled_mm,
                                     "Each linear cuBLASLt fp8 (torch._scaled_mm).")
 rms_norm_mlp_gemm = _mlp_chain(rms_norm_qlinear_gemm, triton_fp8.qlinear_gemm,

@@ -20,18 +20,20 @@ from mxc.kernels.fp8_ref import quantize_rows
 from mxc.kernels.launch import stream_handle
 
 
-def _quantized(x, k, prologue, norm_weight, eps):
-    """Per-token e4m3 activations and their scales, the prologue (SiLU-and-mul or RMSNorm) applied first:
-    torch on the CPU, else the Triton quantize kernel (the row read once)."""
+def _quantized(x, k, prologue, norm_weight, eps, interleave=0):
+    """Per-token e4m3 activations and their scales, the prologue (SiLU-and-mul, its gate and up columns in
+    ``interleave`` blocks or halves, or RMSNorm) applied first: torch on the CPU, else the Triton quantize
+    kernel (the row read once)."""
     if x.device.type == "cpu":
         if prologue == "silu_mul":
-            gate, up = x.chunk(2, dim=-1)
+            gate, up = torch_ref.halves(x, interleave).chunk(2, dim=-1)
             x = torch.nn.functional.silu(gate) * up
         elif prologue == "rms_norm":
             x = torch_ref.rms_norm(x, norm_weight, eps)
         return quantize_rows(x)
     return triton_fp8_quant._prequantize(x, x.shape[0], k, prologue == "silu_mul", triton_fp8_quant._quant_block(k),
-                                         norm_weight if prologue == "rms_norm" else None, eps)
+                                         norm_weight if prologue == "rms_norm" else None, eps,
+                                         **({"interleave": interleave} if interleave else {}))
 
 
 def _fp32(t):
@@ -46,23 +48,24 @@ def _plus(y, bias, residual):
 
 
 def scaled_mm(x, weight, scale, bias=None, residual=None, granularity="channel", prologue=None, norm_weight=None,
-              eps=1e-6):
-    xq, xs = _quantized(x, weight.shape[1], prologue, norm_weight, eps)
+              eps=1e-6, interleave=0):
+    xq, xs = _quantized(x, weight.shape[1], prologue, norm_weight, eps, interleave)
     y = torch._scaled_mm(xq, weight.t(), scale_a=xs[:, None], scale_b=scale[None, :].float(), out_dtype=x.dtype)
     return _plus(y, bias, residual)
 
 
 def cutlass(x, weight, scale, bias=None, residual=None, granularity="channel", prologue=None, norm_weight=None,
-            eps=1e-6):
+            eps=1e-6, interleave=0, quantized=None):
     """``scaled_mm`` with the artifact's CUTLASS GEMM: the quantize kernel (prologue folded in), then
     ``y = bf16(xq @ weight^T * x_scale[:, None] * scale[None, :])`` (+ bias, + residual). Without a bias, a
     bf16 residual is added in the GEMM's epilogue (the library's residual kernel, rounding as the torch add
-    after the GEMM would: the same bits) instead of by a kernel of its own. On ``meta`` tensors (a build
+    after the GEMM would: the same bits) instead of by a kernel of its own. ``quantized``: x's (xq, xs)
+    already made (``silu_pair``'s), x then only gives M, its dtype and device. On ``meta`` tensors (a build
     recording its launches) only the quantize kernel is recorded."""
     if x.device.type not in ("cuda", "meta"):
         raise ValueError(f"fp8_gemm.cutlass runs on CUDA tensors (meta when recording), not {x.device.type}")
     m, k, n = x.shape[0], weight.shape[1], weight.shape[0]
-    xq, xs = _quantized(x, k, prologue, norm_weight, eps)
+    xq, xs = quantized if quantized is not None else _quantized(x, k, prologue, norm_weight, eps, interleave)
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     if x.device.type == "cuda":
         gemm = cutlass_fp8.active(k)
@@ -78,3 +81,30 @@ def cutlass(x, weight, scale, bias=None, residual=None, granularity="channel", p
         if fold:
             return y
     return _plus(y, bias, residual)
+
+
+def silu_pair(x, norm_weight, weight, scale, eps=1e-6, interleave=0):
+    """The fp8 MLP's middle from its input to the down projection's quantized input (xq, xs): the RMSNorm-quantize
+    kernel, the library's SiLU-pair GEMM (``cutlass_fp8.CutlassFp8Gemm.silu_pair``: ``weight`` [2I, K] the gate/up
+    rows interleaved in blocks of ``interleave``, its epilogue storing h = silu(gate) * up [M, I] and each row's
+    max |h| a tile), then ``triton_fp8_quant.quantize_max``: the values of the chain (GEMM, SiLU-quantize) bit for
+    bit, with h (half gate/up's bytes) written and read once. On ``meta`` the two Triton kernels are recorded."""
+    m, k, n = x.shape[0], weight.shape[1], weight.shape[0]
+    xq, xs = _quantized(x, k, "rms_norm", norm_weight, eps)
+    h = torch.empty((m, n // 2), dtype=torch.bfloat16, device=x.device)
+    pmax = torch.empty((m, n // (2 * interleave)), dtype=torch.float32, device=x.device)
+    if x.device.type == "cuda":
+        gemm = cutlass_fp8.active(k)
+        nbytes = gemm.workspace_bytes(m, n, k, kind="silu_pair")
+        workspace = torch.empty(nbytes, dtype=torch.uint8, device=x.device) if nbytes else None
+        gemm.silu_pair(xq.data_ptr(), weight.data_ptr(), _fp32(xs).data_ptr(), _fp32(scale).data_ptr(), h.data_ptr(),
+                       pmax.data_ptr(), m, n, k, stream=stream_handle(x.device),
+                       workspace=workspace.data_ptr() if workspace is not None else 0, workspace_bytes=nbytes)
+    return triton_fp8_quant.quantize_max(h, pmax)
+
+
+def has_silu_pair(interleave: int, k: int = 0) -> bool:
+    """Whether the loaded CUTLASS library (for inner size ``k``) runs ``silu_pair`` on weights interleaved in blocks
+    of ``interleave`` (a library built before its SiLU-pair kernels, or for other tiles, does not)."""
+    gemm = cutlass_fp8.active(k)
+    return gemm.has_silu_pair and gemm.pair_block == interleave

@@ -225,9 +225,20 @@ def rms_norm_qlinear(x, norm_weight, weight, scale, bias=None, eps=1e-6, granula
     return qlinear(rms_norm(x, norm_weight, eps), weight, scale, bias, granularity=granularity)
 
 
-def rms_norm_mlp(x, norm_weight, w_gate_up, s_gate_up, w_down, s_down, eps=1e-6, granularity="channel"):
+def rms_norm_mlp(x, norm_weight, w_gate_up, s_gate_up, w_down, s_down, eps=1e-6, granularity="channel",
+                 interleave=0):
     gate_up = rms_norm_qlinear(x, norm_weight, w_gate_up, s_gate_up, None, eps, granularity)
-    return qlinear(gate_up, w_down, s_down, None, x, granularity, prologue="silu_mul")
+    return qlinear(halves(gate_up, interleave), w_down, s_down, None, x, granularity, prologue="silu_mul")
+
+
+def halves(gate_up, interleave=0):
+    """[..., 2I] with gate and up columns interleaved in blocks of ``interleave`` (``interleave_gate_up``) as
+    [gate | up]; unchanged for 0."""
+    if not interleave:
+        return gate_up
+    *lead, n = gate_up.shape
+    blocks = gate_up.reshape(*lead, n // (2 * interleave), 2, interleave)
+    return blocks.transpose(-3, -2).reshape(*lead, n)
 
 
 def qlinear(x, weight, scale, bias=None, residual=None, granularity="channel", prologue=None):

@@ -3,7 +3,8 @@
 For every weight of the final graph (layers expanded), reads its checkpoint
 parts one at a time, checks their shapes, applies the transforms the passes
 declared (concatenate ``segments`` along dim 0, cast to the weight's dtype)
-and writes each tensor-parallel rank's slice (the shard spec) straight into
+and writes each tensor-parallel rank's slice (the shard spec; its rows interleaved where the weight says,
+``interleave_rows``) straight into
 that rank's ``SafetensorsWriter``, whose header was computed from the IR.
 Peak memory is about one weight. Before any data moves, the
 checkpoint's names are checked against the graph: a missing, unexpected or
@@ -135,6 +136,20 @@ def rank_slice(tensor: torch.Tensor, w: Weight, tp: int, rank: int) -> torch.Ten
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 
+def interleave_rows(tensor: torch.Tensor, block: int) -> torch.Tensor:
+    """A rank's [gate; up] rows (dim 0, two equal halves) as [gate block 0; up block 0; gate block 1; ...], blocks
+    of ``block`` rows (``Weight.interleave``; the verifier checked that the halves are whole blocks)."""
+    half = tensor.shape[0] // 2
+    rest = tensor.shape[1:]
+    return tensor.reshape(2, half // block, block, *rest).transpose(0, 1).reshape(tensor.shape)
+
+
+def rank_tensor(full: torch.Tensor, w: Weight, tp: int, rank: int) -> torch.Tensor:
+    """What ``rank``'s file stores of the full (merged) tensor: its slice, in the weight's row order."""
+    local = rank_slice(full, w, tp, rank)
+    return (interleave_rows(local, w.interleave) if w.interleave else local).contiguous()
+
+
 def _as_fp8(tensor: torch.Tensor, w: Weight, where) -> torch.Tensor:
     if tensor.dtype != torch.float8_e4m3fn:
         raise MxcError(f"{where}: {w.hf[0]} is {tensor.dtype}, but config.json's quantization_config says the "
@@ -226,7 +241,7 @@ def write_weights(graph: Graph, ckpt, paths: list[Path], metadata: dict[str, str
                 outputs = [(w, q), (scales[f"{w.name}_scale"], scale)]
             for target, full in outputs:
                 for rank, out in enumerate(writers):
-                    out.write(target.name, rank_slice(full, target, tp, rank).contiguous())
+                    out.write(target.name, rank_tensor(full, target, tp, rank))
             del tensor, outputs
     except BaseException:
         for out in writers:

@@ -124,6 +124,75 @@ def test_cutlass_linear_folds_the_residual(gemm, monkeypatch):
     torch.testing.assert_close(fp8_gemm.cutlass(x, q, s, residual=r), unfused, rtol=0, atol=0)
 
 
+def _silu_pair(gemm, xq, w, sa, sb):
+    m, k = xq.shape
+    n = w.shape[0]
+    h = torch.empty(m, n // 2, device="cuda", dtype=torch.bfloat16)
+    pmax = torch.empty(m, n // (2 * gemm.pair_block), device="cuda", dtype=torch.float32)
+    need = gemm.workspace_bytes(m, n, k, kind="silu_pair")
+    ws = torch.empty(max(need, 1), device="cuda", dtype=torch.uint8)
+    gemm.silu_pair(xq.data_ptr(), w.data_ptr(), sa.data_ptr(), sb.data_ptr(), h.data_ptr(), pmax.data_ptr(), m, n, k,
+                   stream=torch.cuda.current_stream().cuda_stream, workspace=ws.data_ptr(), workspace_bytes=need)
+    return h, pmax
+
+
+# (M, I, K): the small-M kernel (M <= 256) and the main one, ragged M, several tiles and one, Llama-3-8B's gate/up
+@pytest.mark.parametrize("m,i,k", [(1, 64, 256), (33, 192, 512), (256, 1024, 4096), (257, 512, 4096),
+                                   (1000, 2048, 1024), (2048, 14336, 4096)])
+def test_silu_pair_matches_the_chain(gemm, m, i, k):
+    """h, its row maxima a tile and the down input quantized from them: the plain GEMM over the halves weight, then
+    the SiLU kernel and the SiLU-quantize, bit for bit."""
+    from mxc.kernels import triton_elementwise, triton_fp8_quant
+    from mxc.loaders.convert import interleave_rows
+
+    if not gemm.has_silu_pair:
+        pytest.skip(f"{gemm.path} has no SiLU-pair kernels")
+    block = gemm.pair_block
+    gen = torch.Generator(device="cuda").manual_seed(m + i)
+    xq, sa = _quantized(m, k, gen)
+    wq, sb = _quantized(2 * i, k, gen)  # [gate; up]
+    gate_up = _run(gemm, xq, wq, sa, sb)
+    want = triton_elementwise.silu_mul(gate_up)
+    h, pmax = _silu_pair(gemm, xq, interleave_rows(wq, block).contiguous(), sa, interleave_rows(sb, block).contiguous())
+    torch.cuda.synchronize()
+    assert torch.equal(h, want)
+    assert torch.equal(pmax, want.float().abs().reshape(m, -1, block).amax(dim=2))
+    hq, hs = triton_fp8_quant.quantize_max(h, pmax)
+    rq, rs = triton_fp8_quant._prequantize(gate_up, m, i, True, triton_fp8_quant._quant_block(i))
+    assert torch.equal(hs, rs) and torch.equal(hq.view(torch.uint8), rq.view(torch.uint8))
+
+
+@pytest.mark.parametrize("m", [40, 300, 2048])
+def test_interleaved_mlp_runs_the_silu_pair_and_equals_the_chain(gemm, m, monkeypatch):
+    """cuda_ops.rms_norm_mlp_cutlass on the interleaved weight (the SiLU-pair GEMM, quantize_max, the down GEMM)
+    against the chain on the halves weight and on the interleaved one (SILU_PAIR off): the same bits."""
+    from mxc.kernels import cuda_ops, fp8_gemm
+    from mxc.loaders.convert import interleave_rows
+    from mxc.loaders.quantize import quantize_fp8
+
+    if not gemm.has_silu_pair:
+        pytest.skip(f"{gemm.path} has no SiLU-pair kernels")
+    monkeypatch.setattr(cutlass_fp8, "_ACTIVE", [gemm])
+    block, hidden, inter = gemm.pair_block, 1024, 1536
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    norm = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=gen)).to(torch.bfloat16)
+    w_gu, s_gu = quantize_fp8(torch.randn(2 * inter, hidden, device="cuda", generator=gen) * 0.03, "channel")
+    w_d, s_d = quantize_fp8(torch.randn(hidden, inter, device="cuda", generator=gen) * 0.03, "channel")
+    w_gi, s_gi = interleave_rows(w_gu, block).contiguous(), interleave_rows(s_gu, block).contiguous()
+    calls = []
+    monkeypatch.setattr(fp8_gemm, "silu_pair", lambda *a, _f=fp8_gemm.silu_pair, **kw: calls.append(1) or _f(*a, **kw))
+    got = cuda_ops.rms_norm_mlp_cutlass(x, norm, w_gi, s_gi, w_d, s_d, 1e-5, "channel", block)
+    assert calls == [1]
+    want = cuda_ops.rms_norm_mlp_cutlass(x, norm, w_gu, s_gu, w_d, s_d, 1e-5, "channel")
+    assert torch.equal(got, want)
+    monkeypatch.setattr(cuda_ops, "SILU_PAIR", False)
+    assert torch.equal(cuda_ops.rms_norm_mlp_cutlass(x, norm, w_gi, s_gi, w_d, s_d, 1e-5, "channel", block), want)
+    assert calls == [1]
+    assert torch.equal(cuda_ops.rms_norm_mlp_scaled_mm(x, norm, w_gi, s_gi, w_d, s_d, 1e-5, "channel", block),
+                       cuda_ops.rms_norm_mlp_scaled_mm(x, norm, w_gu, s_gu, w_d, s_d, 1e-5, "channel"))
+
+
 def test_cuda_graph_replay(gemm):
     gen = torch.Generator(device="cuda").manual_seed(1)
     xq, sa = _quantized(64, 4096, gen)
@@ -195,6 +264,8 @@ def test_fp8_artifact_with_cutlass_matches_scaled_mm_and_cpu(hf_checkpoint, tmp_
     with_cutlass = mxc.build(str(ckpt), out=tmp_path / "cutlass", target="cuda", max_batch=4, max_seq_len=64, **kw)
     assert "cutlass" in json.loads((with_cutlass / "manifest.json").read_text())
     gpu = mxc.load(with_cutlass, device="cuda")
+    halves = mxc.build(str(ckpt), out=tmp_path / "halves", target="cuda", max_batch=4, max_seq_len=64,
+                       disable_passes=("interleave_gate_up",), **kw)
     monkeypatch.setenv(cutlass_fp8.PREBUILT_ENV, "none")
     plain = mxc.build(str(ckpt), out=tmp_path / "plain", target="cuda", max_batch=4, max_seq_len=64, **kw)
     assert "cutlass" not in json.loads((plain / "manifest.json").read_text())
@@ -206,6 +277,9 @@ def test_fp8_artifact_with_cutlass_matches_scaled_mm_and_cpu(hf_checkpoint, tmp_
     def rel(a, b):
         return float((a - b).norm() / b.norm())
 
+    # the same build without the interleaved gate/up (the chain: no SiLU-pair GEMM): the same logits, bit for bit
+    assert "interleave=64" in (with_cutlass / "graph.yaml").read_text()
+    assert torch.equal(mxc.load(halves, device="cuda").logits(ids).float().cpu(), got)
     print(f"\nfp8 logits, CUTLASS against _scaled_mm {rel(got, plain_logits):.2e}, against CPU {rel(got, cpu_logits):.2e}")
     assert rel(got, plain_logits) < 2e-2  # fast accumulation and bf16 rounding; both quantize alike
     assert rel(got, cpu_logits) < 5e-2  # as test_fp8_gpu: fp8 roundings flip on last-bit differences

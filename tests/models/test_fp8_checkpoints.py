@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import mxc
+from mxc.loaders.convert import interleave_rows
 from mxc.loaders.quantize import quantize_fp8
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -78,6 +79,12 @@ def test_prequantized_checkpoint_is_imported_as_is(fmt, hf_checkpoint, tmp_path)
     if granularity == "tensor":
         scales = [s.reshape(1).expand(128) for s in scales]
     assert torch.equal(weights["layers.1.wqkv_scale"], torch.cat(scales))
+    # the MLP's gate/up: its rows interleaved in 64-row blocks for row-wise scales (interleave_gate_up)
+    m = "model.layers.1.mlp."
+    want_gu = torch.cat([fp8[m + n + ".weight"] for n in ("gate_proj", "up_proj")])
+    if granularity != "block128":
+        want_gu = interleave_rows(want_gu, 64)
+    assert torch.equal(weights["layers.1.w_gate_up"].view(torch.uint8), want_gu.view(torch.uint8))
 
     requantized = mxc.build(str(ckpt), out=tmp_path / "requantized", quant="fp8", quant_granularity=granularity,
                             progress=False, log=lambda m: None)
@@ -129,8 +136,8 @@ def test_autofp8_checkpoint_is_per_tensor(hf_checkpoint, tmp_path):
     assert json.loads((art / "manifest.json").read_text())["options"]["quant_granularity"] == "tensor"
     weights = load_file(art / "weights" / "rank0.safetensors")
     p = "model.layers.0.mlp."
-    assert torch.equal(weights["layers.0.w_gate_up_scale"], torch.cat(
-        [fp8[p + n + ".weight_scale"].reshape(1).expand(256) for n in ("gate_proj", "up_proj")]))
+    assert torch.equal(weights["layers.0.w_gate_up_scale"], interleave_rows(torch.cat(  # (interleave_gate_up)
+        [fp8[p + n + ".weight_scale"].reshape(1).expand(256) for n in ("gate_proj", "up_proj")]), 64))
 
 
 @pytest.mark.parametrize("said, stored", [("block128", "tensor"), ("tensor", "block128"), ("tensor", "channel")])
