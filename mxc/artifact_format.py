@@ -20,8 +20,9 @@ from pathlib import Path
 # kernel, the GEMV's push arguments; 5: the CUTLASS fp8 GEMM library and the manifest's cutlass entry; 6: no
 # layout change, but every PDL kernel checked for what it reads before its wait (``mxc.codegen.pdl_check``): the
 # decode attention stored in schema-5 artifacts read q before its wait, a race with the RoPE kernel, so they
-# must be rebuilt
-SCHEMA_VERSION = 6
+# must be rebuilt; 7: the fp8 MLP's gate/up weight stored interleaved (``interleave`` in graph.yaml: an older runtime
+# would read it as halves) and the fp8 quantize and GEMV kernels keyed by a new constexpr (``PAIR_BLOCK``)
+SCHEMA_VERSION = 7
 
 
 def is_artifact(path: Path) -> bool:
