@@ -421,7 +421,7 @@ def _prequantize(x, M, K, silu_mul, block_k, norm_weight=None, eps=1e-6, tiled=N
     if interleave and not tiled and block_k % interleave:
         raise ValueError(f"the quantize kernel's chunk must span whole gate/up blocks: block_k={block_k} is not a "
                          f"multiple of interleave={interleave}")
-    # the halves layout passes no PAIR_BLOCK: its launches (and their records in an artifact) stay as they were
+    # the halves layout passes no PAIR_BLOCK (0 by default): its binaries stay the kernels they were
     pair = {"PAIR_BLOCK": interleave} if interleave else {}
     if rms and block_k < K:
         from mxc.kernels import triton_norm
