@@ -13,27 +13,21 @@ import torch
 from safetensors.torch import load_file
 
 import mxc
-from mxc.compiler.options import BuildOptions
-from mxc.compiler.pipeline import compile_graph
-from mxc.ir import Repeat, ShardSpec, Weight
+from mxc.ir import ShardSpec, Weight
 from mxc.kernels import cutlass_fp8, torch_ref
 from mxc.loaders.convert import interleave_rows, rank_tensor
-from mxc.models.registry import MODELS_DIR, bind_model, lookup
 
 WIDE = dict(architectures=["LlamaForCausalLM"], hidden_size=1024, intermediate_size=2048, num_hidden_layers=2,
             num_attention_heads=8, num_key_value_heads=2, head_dim=128, vocab_size=256, max_position_embeddings=256)
 QUIET = dict(progress=False, log=lambda m: None)
 
 
-def _layer(config, **options):
-    graph = bind_model(MODELS_DIR / "llama.yaml", config, "bfloat16", lookup("LlamaForCausalLM"))
-    g = compile_graph(graph, BuildOptions(target="cuda", dtype="bfloat16", quant="fp8", **options))
-    (rep,) = [it for it in g.body if isinstance(it, Repeat)]
-    (mlp,) = [n for n in rep.body if n.op == "rms_norm_mlp"]
-    return mlp, rep.weights
+def test_the_pass_marks_the_mlp_and_its_weights(monkeypatch, fp8_llama_layer):
+    def _layer(config, **options):
+        rep = fp8_llama_layer(config, **options)
+        (mlp,) = [n for n in rep.body if n.op == "rms_norm_mlp"]
+        return mlp, rep.weights
 
-
-def test_the_pass_marks_the_mlp_and_its_weights(monkeypatch):
     monkeypatch.setattr(cutlass_fp8, "available", lambda: None)
     mlp, weights = _layer(WIDE)
     assert mlp.attrs["interleave"] == 64 == cutlass_fp8.PAIR_BLOCK

@@ -21,7 +21,7 @@ import mxc
 from mxc.compiler.options import BuildOptions
 from mxc.compiler.pipeline import compile_graph
 from mxc.errors import MxcError
-from mxc.ir import Node, Repeat, TensorType
+from mxc.ir import Node, TensorType
 from mxc.kernels import cutlass_fp8, mlp_pair_fp8
 from mxc.kernels.candidates import CANDIDATES, MLP_PAIR_KERNEL
 from mxc.models.registry import MODELS_DIR, bind_model, lookup
@@ -31,17 +31,10 @@ WIDE = dict(architectures=["LlamaForCausalLM"], hidden_size=1024, intermediate_s
 QUIET = dict(progress=False, log=lambda m: None)
 
 
-def _layer_nodes(config, **options):
-    graph = bind_model(MODELS_DIR / "llama.yaml", config, "bfloat16", lookup("LlamaForCausalLM"))
-    g = compile_graph(graph, BuildOptions(target="cuda", dtype="bfloat16", quant="fp8", **options))
-    (rep,) = [it for it in g.body if isinstance(it, Repeat)]
-    return rep.body
-
-
-def test_fuse_mlp_makes_one_op_a_layer_and_the_pair_claims_decode(monkeypatch):
+def test_fuse_mlp_makes_one_op_a_layer_and_the_pair_claims_decode(monkeypatch, fp8_llama_layer):
     monkeypatch.setattr(mlp_pair_fp8, "available", lambda: None)
     monkeypatch.setattr(cutlass_fp8, "available", lambda: None)
-    body = _layer_nodes(WIDE, mlp_pair=True)
+    body = fp8_llama_layer(WIDE, mlp_pair=True).body
     (mlp,) = [n for n in body if n.op == "rms_norm_mlp"]
     assert mlp.ins == ("x_1", "ln2", "w_gate_up", "w_gate_up_scale", "w_down", "w_down_scale")
     assert mlp.attrs["kernel"] == [[8, MLP_PAIR_KERNEL], [32, "cuda_ops.rms_norm_mlp_small_m"],
@@ -49,10 +42,10 @@ def test_fuse_mlp_makes_one_op_a_layer_and_the_pair_claims_decode(monkeypatch):
     assert not [n for n in body if n.op == "qlinear" and n.attrs.get("prologue")]  # the down projection is inside
     assert [n.op for n in body].count("rms_norm_qlinear") == 1  # qkv keeps its own
     # without the option (the default) the op stays and the GEMVs claim decode (the SiLU in the gate/up epilogue)
-    (mlp,) = [n for n in _layer_nodes(WIDE) if n.op == "rms_norm_mlp"]
+    (mlp,) = [n for n in fp8_llama_layer(WIDE).body if n.op == "rms_norm_mlp"]
     assert mlp.attrs["kernel"] == [[32, "cuda_ops.rms_norm_mlp_small_m"], [None, "cuda_ops.rms_norm_mlp_cutlass"]]
     # with the pass disabled, the graph keeps the two nodes
-    plain = _layer_nodes(WIDE, mlp_pair=True, disable_passes=("fuse_mlp",))
+    plain = fp8_llama_layer(WIDE, mlp_pair=True, disable_passes=("fuse_mlp",)).body
     assert "rms_norm_mlp" not in [n.op for n in plain]
     assert [n.attrs.get("prologue") for n in plain if n.op == "qlinear"] == [None, "silu_mul"]
     # a MoE layer has no dense MLP to fuse
@@ -63,7 +56,7 @@ def test_fuse_mlp_makes_one_op_a_layer_and_the_pair_claims_decode(monkeypatch):
     assert "rms_norm_mlp" not in [n.op for n, _ in g.nodes()] and "fused_moe" in [n.op for n, _ in g.nodes()]
 
 
-def test_pair_says_why_not(monkeypatch):
+def test_pair_says_why_not(monkeypatch, fp8_llama_layer):
     monkeypatch.setattr(mlp_pair_fp8, "available", lambda: None)
     (cand,) = [c for c in CANDIDATES["rms_norm_mlp"] if c.name == MLP_PAIR_KERNEL]
     fp8 = "float8_e4m3fn"
@@ -85,7 +78,7 @@ def test_pair_says_why_not(monkeypatch):
     monkeypatch.setattr(mlp_pair_fp8, "available", lambda: "nvcc not found")
     assert why() == f"{MLP_PAIR_KERNEL}: nvcc not found"
     tiny = {**WIDE, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "head_dim": 16}
-    (mlp,) = [n for n in _layer_nodes(tiny, mlp_pair=True) if n.op == "rms_norm_mlp"]
+    (mlp,) = [n for n in fp8_llama_layer(tiny, mlp_pair=True).body if n.op == "rms_norm_mlp"]
     assert MLP_PAIR_KERNEL not in json.dumps(mlp.attrs["kernel"])  # the unfused kernels serve every count
 
 
