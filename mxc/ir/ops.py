@@ -137,13 +137,15 @@ def _rms_norm_qlinear(x, norm, w, scale, bias=None, eps=None, granularity=None, 
     return _qlinear(x, w, scale, bias, granularity=granularity)
 
 
-def _rms_norm_mlp(x, norm, w_gate_up, s_gate_up, w_down, s_down, eps=None, granularity=None, interleave=0, **_):
+def _rms_norm_mlp(x, norm, w_gate_up, s_gate_up, w_down, s_down, eps=None, granularity=None, interleave=0,
+                  residual=True, **_):
     (gate_up,) = _rms_norm_qlinear(x, norm, w_gate_up, s_gate_up, eps=eps, granularity=granularity)
     _need(gate_up.shape[-1] % 2 == 0, lambda: f"gate/up weight {w_gate_up} must have an even number of rows")
     _need(interleave == 0 or (_positive_int(interleave) and gate_up.shape[-1] % (2 * interleave) == 0),
           lambda: f"interleave={interleave!r} must be 0 or a block size dividing half of {w_gate_up}'s rows")
+    _need(isinstance(residual, bool), lambda: f"residual={residual!r} must be true or false")
     return _qlinear(TensorType(gate_up.shape[:-1] + (gate_up.shape[-1] // 2,), x.dtype), w_down, s_down,
-                    residual=x, granularity=granularity)
+                    residual=x if residual else None, granularity=granularity)
 
 
 def _route(logits, k, scoring="softmax", renormalize=False, **_):
@@ -333,9 +335,11 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
           attrs=("eps", "granularity"),
           doc="qlinear(rms_norm(x, norm_weight), weight, scale, bias) -- fuse_norm_linear, then quantize"),
     OpDef("rms_norm_mlp", ("x", "norm_weight", "w_gate_up", "s_gate_up", "w_down", "s_down"), _rms_norm_mlp,
-          attrs=("eps", "granularity"), optional_attrs=("interleave",),
+          attrs=("eps", "granularity"), optional_attrs=("interleave", "residual"),
           doc="x + qlinear(silu_mul(rms_norm_qlinear(x, norm_weight, w_gate_up, s_gate_up)), w_down, s_down): a "
-              "decoder layer's fp8 MLP and its residual add, one op -- fuse_mlp (--mlp-pair)"),
+              "decoder layer's fp8 MLP and its residual add, one op (residual=false: without the add, a "
+              "tensor-parallel rank's part before the all-reduce); interleave: gate/up rows in blocks -- fuse_mlp, "
+              "interleave_gate_up"),
     OpDef("qkv_rope_cache", ("qkv", "positions", "q_norm?", "k_norm?"), _qkv_rope_cache,
           attrs=("heads", "kv_heads", "head_dim", "spec", "layer"), optional_attrs=("eps",),
           doc="split merged qkv, optional q/k RMSNorm (per head, or over the whole projection when the weights "

@@ -157,6 +157,8 @@ def _mlp_pair_ok(node, in_types, options):
         return "takes one weight scale a row, not 128x128 blocks"
     if node.attrs.get("interleave"):
         return "reads the gate/up weight as halves, not interleaved (interleave_gate_up)"
+    if not node.attrs.get("residual", True):
+        return "adds the residual; a tensor-parallel rank's part has none (the all-reduce adds it)"
     if in_types[0].dtype != "bfloat16":
         return f"computes in bf16, the model in {in_types[0].dtype}"
     from mxc.kernels import mlp_pair_fp8  # the check runs at build time only

@@ -58,29 +58,31 @@ def rms_norm_qlinear_gemm(x, norm_weight, weight, scale, bias=None, eps=1e-6, gr
 # the same order, so the results are theirs; at decode token counts the SiLU moves into the gate/up GEMV.
 
 # ``interleave`` (``interleave_gate_up``): the gate/up weight's rows, and so gate/up's columns, alternate in blocks
-# of that many gates and their ups; every kernel below reads that layout.
+# of that many gates and their ups; every kernel below reads that layout. ``residual=False``: no x + (a
+# tensor-parallel rank's part, summed by the all-reduce after it).
 
 def _mlp_chain(gate_up_fn, down_fn, doc: str):
     """The fused op as its two unfused nodes' kernels: ``gate_up_fn`` (an ``rms_norm_qlinear_*``), then ``down_fn``
     (a qlinear kernel) with the SiLU-and-mul prologue and x as the residual."""
-    def run(x, norm_weight, w_gate_up, s_gate_up, w_down, s_down, eps=1e-6, granularity="channel", interleave=0):
+    def run(x, norm_weight, w_gate_up, s_gate_up, w_down, s_down, eps=1e-6, granularity="channel", interleave=0,
+            residual=True):
         gate_up = gate_up_fn(x, norm_weight, w_gate_up, s_gate_up, None, eps, granularity)
-        return down_fn(gate_up, w_down, s_down, None, x, granularity=granularity, prologue="silu_mul",
-                       **({"interleave": interleave} if interleave else {}))
+        return down_fn(gate_up, w_down, s_down, None, x if residual else None, granularity=granularity,
+                       prologue="silu_mul", **({"interleave": interleave} if interleave else {}))
 
     run.__doc__ = doc
     return run
 
 
 def rms_norm_mlp_small_m(x, norm_weight, w_gate_up, s_gate_up, w_down, s_down, eps=1e-6, granularity="channel",
-                         interleave=0):
+                         interleave=0, residual=True):
     """<= 32 tokens: the RMSNorm-quantize, the fp8 GEMV with SiLU-and-mul in its epilogue (where its config
     allows; else the SiLU kernel after it), then the GEMV with the residual (after its quantize kernel, or
     none: ``WEIGHT_ONLY``). The unfused nodes' values: the epilogue rounds gate and up as their GEMV's output."""
     act = triton_fp8.qlinear_small_m(x, w_gate_up, s_gate_up, granularity=granularity, prologue="rms_norm",
                                      norm_weight=norm_weight, eps=eps, epilogue="silu_mul",
                                      **({"interleave": interleave} if interleave else {}))
-    return triton_fp8.qlinear_small_m(act, w_down, s_down, None, x, granularity=granularity)
+    return triton_fp8.qlinear_small_m(act, w_down, s_down, None, x if residual else None, granularity=granularity)
 
 
 _cutlass_chain = _mlp_chain(rms_norm_qlinear_cutlass, fp8_gemm.cutlass, "")
@@ -88,7 +90,7 @@ SILU_PAIR = True  # False: an interleaved MLP runs the chain's kernels, as halve
 
 
 def rms_norm_mlp_cutlass(x, norm_weight, w_gate_up, s_gate_up, w_down, s_down, eps=1e-6, granularity="channel",
-                         interleave=0):
+                         interleave=0, residual=True):
     """Each linear the CUTLASS fp8 GEMM. Interleaved gate/up (and a library with the SiLU-pair kernels for that
     interleave): the RMSNorm-quantize, the SiLU-pair GEMM (SiLU-and-mul in its epilogue: h and its row maxima
     out), ``quantize_max``, the down GEMM with the residual in its epilogue (``fp8_gemm.silu_pair``); the same
@@ -97,10 +99,11 @@ def rms_norm_mlp_cutlass(x, norm_weight, w_gate_up, s_gate_up, w_down, s_down, e
     meta = x.device.type == "meta"
     if interleave and SILU_PAIR and (meta or fp8_gemm.has_silu_pair(interleave, w_gate_up.shape[1])):
         quantized = fp8_gemm.silu_pair(x, norm_weight, w_gate_up, s_gate_up, eps, interleave)
-        out = fp8_gemm.cutlass(x, w_down, s_down, None, x, granularity=granularity, quantized=quantized)
+        out = fp8_gemm.cutlass(x, w_down, s_down, None, x if residual else None, granularity=granularity,
+                               quantized=quantized)
         if not meta:
             return out
-    return _cutlass_chain(x, norm_weight, w_gate_up, s_gate_up, w_down, s_down, eps, granularity, interleave)
+    return _cutlass_chain(x, norm_weight, w_gate_up, s_gate_up, w_down, s_down, eps, granularity, interleave, residual)
 
 
 rms_norm_mlp_scaled_mm = _mlp_chain(rms_norm_qlinear_scaled_mm, fp8_gemm.scaled_mm,

@@ -226,9 +226,10 @@ def rms_norm_qlinear(x, norm_weight, weight, scale, bias=None, eps=1e-6, granula
 
 
 def rms_norm_mlp(x, norm_weight, w_gate_up, s_gate_up, w_down, s_down, eps=1e-6, granularity="channel",
-                 interleave=0):
+                 interleave=0, residual=True):
     gate_up = rms_norm_qlinear(x, norm_weight, w_gate_up, s_gate_up, None, eps, granularity)
-    return qlinear(halves(gate_up, interleave), w_down, s_down, None, x, granularity, prologue="silu_mul")
+    return qlinear(halves(gate_up, interleave), w_down, s_down, None, x if residual else None, granularity,
+                   prologue="silu_mul")
 
 
 def halves(gate_up, interleave=0):

@@ -33,6 +33,11 @@ def test_the_pass_marks_the_mlp_and_its_weights(monkeypatch, fp8_llama_layer):
     assert mlp.attrs["interleave"] == 64 == cutlass_fp8.PAIR_BLOCK
     assert weights[mlp.ins[2]].interleave == 64 and weights[mlp.ins[3]].interleave == 64
     assert mlp.attrs["kernel"] == [[32, "cuda_ops.rms_norm_mlp_small_m"], [None, "cuda_ops.rms_norm_mlp_cutlass"]]
+    # a tensor-parallel rank's MLP (no residual: the all-reduce after it adds x), its own rows in whole blocks
+    mlp, weights = _layer(WIDE, tp=2)
+    assert mlp.attrs["residual"] is False and mlp.attrs["interleave"] == 64 and weights[mlp.ins[2]].interleave == 64
+    mlp, weights = _layer({**WIDE, "intermediate_size": 128}, tp=4)  # 32 gate rows a rank
+    assert mlp.attrs["residual"] is False and "interleave" not in mlp.attrs
     # gate rows in whole blocks (96: no); row-wise scales only; not for the persistent MLP kernel (--mlp-pair)
     for config, options in [({**WIDE, "intermediate_size": 96}, {}), (WIDE, {"quant_granularity": "block128"}),
                             (WIDE, {"mlp_pair": True}), (WIDE, {"disable_passes": ("interleave_gate_up",)})]:
@@ -71,8 +76,8 @@ def test_an_interleaved_build_equals_the_halves_build(arch, overrides, granulari
 
 
 def test_each_rank_holds_its_own_rows_interleaved():
-    """Under tensor parallelism (where a future fused op would take the layout) each rank's [gate; up] slice is
-    interleaved on its own, after the shard spec cut it."""
+    """Under tensor parallelism each rank's [gate; up] slice is interleaved on its own, after the shard spec cut it
+    (the ranks' logits: tests/parallel/test_tensor_parallel.py)."""
     w = Weight("w_gate_up", (256, 8), "float32", ("gate", "up"), segments=(256, 256),
                shard=ShardSpec("column", (256, 256), 1, ("I", "I")), interleave=64)
     full = torch.arange(512 * 8, dtype=torch.float32).reshape(512, 8)

@@ -186,9 +186,14 @@ def test_interleaved_mlp_runs_the_silu_pair_and_equals_the_chain(gemm, m, monkey
     assert calls == [1]
     want = cuda_ops.rms_norm_mlp_cutlass(x, norm, w_gu, s_gu, w_d, s_d, 1e-5, "channel")
     assert torch.equal(got, want)
+    # a tensor-parallel rank's part: no residual
+    part = cuda_ops.rms_norm_mlp_cutlass(x, norm, w_gi, s_gi, w_d, s_d, 1e-5, "channel", block, residual=False)
+    assert torch.equal(part, cuda_ops.rms_norm_mlp_cutlass(x, norm, w_gu, s_gu, w_d, s_d, 1e-5, "channel",
+                                                           residual=False))
+    assert not torch.equal(part, want) and calls == [1, 1]
     monkeypatch.setattr(cuda_ops, "SILU_PAIR", False)
     assert torch.equal(cuda_ops.rms_norm_mlp_cutlass(x, norm, w_gi, s_gi, w_d, s_d, 1e-5, "channel", block), want)
-    assert calls == [1]
+    assert calls == [1, 1]
     assert torch.equal(cuda_ops.rms_norm_mlp_scaled_mm(x, norm, w_gi, s_gi, w_d, s_d, 1e-5, "channel", block),
                        cuda_ops.rms_norm_mlp_scaled_mm(x, norm, w_gu, s_gu, w_d, s_d, 1e-5, "channel"))
 

@@ -270,15 +270,16 @@ def test_prequantized_checkpoint_shards_reassemble(fmt, arch, hf_checkpoint, tmp
 
     one = mxc.build(str(fp8), out=tmp_path / "tp1", progress=False, log=lambda m: None)
     many = mxc.build(str(fp8), out=tmp_path / "tp2", tp=2, progress=False, log=lambda m: None)
+    def halves(t, block):  # a gate/up stored interleaved (interleave_gate_up), a rank's rows as [gate; up]
+        return t.reshape(-1, 2, block, *t.shape[1:]).transpose(0, 1).reshape(t.shape) if block else t
+
     full = load_file(one / "weights" / "rank0.safetensors")
     for w in load_graph((one / "graph.yaml").read_text()).all_weights():
-        if w.interleave:  # tp=1's MLP reads gate/up interleaved (interleave_gate_up): compare rows as halves
-            t = full[w.name]
-            full[w.name] = t.reshape(-1, 2, w.interleave, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+        full[w.name] = halves(full[w.name], w.interleave)
     shards = [load_file(many / "weights" / f"rank{r}.safetensors") for r in range(2)]
     checked = 0
     for w in load_graph((many / "graph.yaml").read_text()).all_weights():
-        parts = [s[w.name] for s in shards]
+        parts = [halves(s[w.name], w.interleave) for s in shards]
         if w.shard is None or w.shard.kind == "replicated":
             assert all(torch.equal(p, full[w.name]) for p in parts), w.name
             continue
@@ -312,3 +313,10 @@ def test_fp8_tp2_logits_as_close_to_hf_as_tp1(hf_checkpoint, tmp_path):
     print(f"fp8 logits L2 error against HF bf16: tp1 {l2(one):.4f}, tp2 {l2(two):.4f}")
     assert l2(one) < 0.07 and l2(two) < 0.07  # measured 0.063 and 0.062
     assert not torch.equal(one, two)  # the per-rank activation scales differ: a tp2 path that is secretly tp1 fails
+    # each rank's MLP is one op without the residual (the all-reduce adds it), its gate/up interleaved; the same
+    # logits as the build without the layout, bit for bit
+    graph = (tmp_path / "tp2" / "graph.yaml").read_text()
+    assert "rms_norm_mlp(" in graph and "residual=False" in graph and "interleave=64" in graph
+    halves = mxc.build(str(ckpt), out=tmp_path / "tp2-halves", tp=2, disable_passes=("interleave_gate_up",), **kw)
+    run_ranks(_logits_worker, 2, "cpu", str(halves), str(out))
+    assert torch.equal(torch.load(out, weights_only=True), two)

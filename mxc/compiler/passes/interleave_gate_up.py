@@ -2,7 +2,7 @@
 
 Matches (after ``fuse_mlp``)::
 
-    y = rms_norm_mlp(x, g, w_gu, s_gu, w_down, s_down, eps=e, granularity=channel|tensor)
+    y = rms_norm_mlp(x, g, w_gu, s_gu, w_down, s_down, eps=e, granularity=channel|tensor[, residual=False])
 
 where ``w_gu`` is a merged [gate; up] weight of two equal parts whose rows a rank holds (I each) are whole
 blocks of ``BLOCK``. Rewrites to the same node with ``interleave=BLOCK``, and marks ``w_gu`` and its scales
