@@ -23,7 +23,7 @@ scale_a=sa[:, None], scale_b=sb[None, :], out_dtype=torch.bfloat16)`` computes, 
 - ``compile_so`` runs nvcc on that source into a shared library (``mxc.kernels.nvcc``: cudart linked
   statically, so the library needs only the driver, ``libcuda.so.1``, and no CUDA runtime or torch of a
   particular version).
-- The library also holds the SiLU-pair kernels (``csrc/cutlass_silu_pair.cuh``, embedded in the source): the same
+- The library also holds the SiLU-pair kernels (``cutlass_silu_pair``, its C++ embedded in the source): the same
   mainloop over the fp8 MLP's gate/up weight with its rows interleaved in blocks of ``PAIR_BLOCK`` (half a CTA
   tile's columns), an epilogue that stores ``h = silu(gate) * up`` [M, N/2] bf16 and each row's maximum |h| per
   tile [M, N/128] instead of gate/up (``silu_pair``; the down projection's quantize then reads half the bytes and
@@ -50,7 +50,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from mxc.kernels import nvcc as nvcc_tool
+from mxc.kernels import cutlass_silu_pair, nvcc as nvcc_tool
 
 ARCH_CC = 90
 STATUS = {0: "ok", 1: "CUTLASS can_implement rejected the problem (M, N, K, alignment)",
@@ -81,7 +81,6 @@ BUILD_CONFIG = dict(tile=(128, 128, 128), cluster=(2, 1, 1), schedule="pingpong"
                     small_m=dict(tile=(64, 128, 128), cluster=(1, 1, 1), schedule="pingpong", fast_accum=True,
                                  max_m=256))
 PAIR_BLOCK = BUILD_CONFIG["tile"][1] // 2  # the SiLU-pair kernels' gate/up interleave (compiler: interleave_gate_up)
-PAIR_HEADER = Path(__file__).parent / "csrc" / "cutlass_silu_pair.cuh"
 LIBRARY = "code/cutlass/fp8_gemm.so"  # where an artifact keeps its library
 PREBUILT_ENV = "MXC_CUTLASS_LIBRARY"
 
@@ -166,6 +165,11 @@ def _epilogue_visitor(cg, residual: bool = False):
     return cg.epilogue.trace(fn, examples, cc=ARCH_CC)
 
 
+def _schedule_name(cfg: dict) -> str:
+    """The mainloop's kernel schedule (cutlass_library's enum name, ``cutlass::gemm::Kernel<name>`` in C++)."""
+    return SCHEDULES[cfg.get("schedule", "cooperative")][0] + ("FP8FastAccum" if cfg.get("fast_accum") else "")
+
+
 def kernel_source(tile=(128, 128, 128), cluster=(1, 1, 1), schedule="cooperative", fast_accum=False,
                   stages=None, residual: bool = False, scheduler: str = "default") -> tuple[str, str, list[str]]:
     """The CUTLASS kernel as cutlass_cppgen emits it: (kernel type name, C++ definitions, headers it needs);
@@ -175,8 +179,8 @@ def kernel_source(tile=(128, 128, 128), cluster=(1, 1, 1), schedule="cooperative
     if schedule not in SCHEDULES or scheduler not in SCHEDULERS:
         raise ValueError(f"schedule {schedule!r} / scheduler {scheduler!r}: one of {sorted(SCHEDULES)} / "
                          f"{sorted(SCHEDULERS)}")
-    kernel_name, epilogue_name = SCHEDULES[schedule]
-    kernel_schedule = getattr(cg.KernelScheduleType, kernel_name + ("FP8FastAccum" if fast_accum else ""))
+    kernel_schedule = getattr(cg.KernelScheduleType, _schedule_name(dict(schedule=schedule, fast_accum=fast_accum)))
+    epilogue_name = SCHEDULES[schedule][1]
     plan = cg.op.Gemm(element_A=DT.e4m3, element_B=DT.e4m3, element_C=DT.bf16 if residual else DT.void,
                       element_D=DT.bf16, element_accumulator=DT.f32, layout_A=LT.RowMajor,
                       layout_B=LT.ColumnMajor, layout_C=LT.RowMajor, cc=ARCH_CC)
@@ -358,81 +362,6 @@ int mxc_cutlass_fp8_gemm_residual(const void* xq, const void* wq, const float* s
 """
 
 
-_PAIR_KERNEL = r"""
-namespace @NS@ {
-using TileShape = cute::Shape<@TILE@>;
-using ClusterShape = cute::Shape<@CLUSTER@>;
-using CollectiveEpilogue =
-    cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<mxc_silu_pair::SiluPairEpilogue<@TILE_N@>>;
-using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, mxc_cutlass_fp8::ElementAB, cutlass::layout::RowMajor, 16,
-    mxc_cutlass_fp8::ElementAB, cutlass::layout::ColumnMajor, 16, float, TileShape, ClusterShape,
-    cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
-        sizeof(typename CollectiveEpilogue::SharedStorage))>,
-    cutlass::gemm::@SCHEDULE@>::CollectiveOp;
-using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, CollectiveMainloop,
-                                                    CollectiveEpilogue>;
-using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-
-static typename Gemm::Arguments make_args(const void* xq, const void* w, const float* sa, const float* sb, void* h,
-                                          float* pmax, int M, int N, int K, bool hw) {
-  using StrideA = typename Kernel::StrideA;
-  using StrideB = typename Kernel::StrideB;
-  StrideA stride_a = cutlass::make_cute_packed_stride(StrideA{}, cute::make_shape(M, K, 1));
-  StrideB stride_b = cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(N, K, 1));
-  typename Kernel::MainloopArguments mainloop{static_cast<const mxc_cutlass_fp8::ElementAB*>(xq), stride_a,
-                                              static_cast<const mxc_cutlass_fp8::ElementAB*>(w), stride_b};
-  typename Kernel::EpilogueArguments epilogue{static_cast<mxc_silu_pair::ElementH*>(h), pmax, sa, sb};
-  return typename Gemm::Arguments{cutlass::gemm::GemmUniversalMode::kGemm, {M, N, K, 1}, mainloop, epilogue,
-                                  mxc_cutlass_fp8::hw_info(hw)};
-}
-}  // namespace @NS@
-"""
-
-_PAIR_WRAPPER = r"""
-extern "C" {
-
-// the gate/up interleave the SiLU-pair kernels read: @PAIR_BLOCK@ gate rows, then their up rows, block by block
-int mxc_cutlass_fp8_silu_pair_block() { return @PAIR_BLOCK@; }
-
-size_t mxc_cutlass_fp8_silu_pair_workspace(int M, int N, int K) {
-  MXC_BY_M(M, silu_pair, return Gemm::get_workspace_size(make_args(nullptr, nullptr, nullptr, nullptr, nullptr,
-                                                                   nullptr, M, N, K, false));)
-}
-
-// h [M, N/2] = bf16(silu(g) * u) of the interleaved gate/up product (see cutlass_silu_pair.cuh), pmax [M, N/TileN]
-// each row's max |h| a tile; status as mxc_cutlass_fp8::run
-int mxc_cutlass_fp8_gemm_silu_pair(const void* xq, const void* w, const float* scale_a, const float* scale_b, void* h,
-                                   float* pmax, int M, int N, int K, void* workspace, size_t workspace_bytes,
-                                   cudaStream_t stream) {
-  MXC_BY_M(M, silu_pair, return mxc_cutlass_fp8::run<Gemm>(make_args(xq, w, scale_a, scale_b, h, pmax, M, N, K, true),
-                                                           workspace, workspace_bytes, stream);)
-}
-
-}  // extern "C"
-"""
-
-_PAIR_INCLUDES = ("cutlass/gemm/collective/collective_builder.hpp", "cutlass/gemm/kernel/gemm_universal.hpp",
-                  "cutlass/gemm/dispatch_policy.hpp")
-
-
-def _pair_kernel(namespace: str, cfg: dict) -> str:
-    """The SiLU-pair kernel of one (pingpong) configuration, in ``namespace``."""
-    kernel_name, _ = SCHEDULES[cfg["schedule"]]
-    tile, cluster = cfg.get("tile", (128, 128, 128)), cfg.get("cluster", (1, 1, 1))
-    shape = lambda v: ", ".join(f"cute::_{x}" for x in v)  # noqa: E731
-    return (_PAIR_KERNEL.replace("@NS@", namespace).replace("@TILE@", shape(tile))
-            .replace("@CLUSTER@", shape(cluster)).replace("@TILE_N@", str(tile[1]))
-            .replace("@SCHEDULE@", "Kernel" + kernel_name + ("FP8FastAccum" if cfg.get("fast_accum") else "")))
-
-
-def _pair_supported(configs) -> bool:
-    """SiLU-pair kernels for these configurations: pingpong (the operator-style epilogue is checked on it, one warp
-    group a tile), the default scheduler, and one tile width (one interleave serves every M)."""
-    return (all(c.get("schedule", "cooperative") == "pingpong" and c.get("scheduler", "default") == "default"
-                for c in configs) and len({tuple(c.get("tile", (128, 128, 128)))[1] for c in configs}) == 1)
-
-
 def generate(tile=(128, 128, 128), cluster=(1, 1, 1), schedule="cooperative", fast_accum=False, stages=None,
              scheduler: str = "default", small_m: dict | None = None) -> str:
     """Full .cu source of one kernel configuration: cutlass_cppgen's two kernels (without and with the residual
@@ -451,7 +380,7 @@ def generate(tile=(128, 128, 128), cluster=(1, 1, 1), schedule="cooperative", fa
     than SMs, as the short prefills' GEMMs; partial sums meet in the workspace; cooperative only).
     ``small_m``: a second configuration (the same keys, plus ``max_m``) whose two kernels serve problems of
     at most ``max_m`` rows; the entry points choose by M, so callers see one function. The SiLU-pair kernels
-    (one a configuration) and their entry points come too where ``_pair_supported``.
+    (one a configuration) and their entry points come too where ``cutlass_silu_pair.supported``.
     """
     config = dict(tile=tile, cluster=cluster, schedule=schedule, fast_accum=fast_accum, stages=stages,
                   scheduler=scheduler)
@@ -470,19 +399,19 @@ def generate(tile=(128, 128, 128), cluster=(1, 1, 1), schedule="cooperative", fa
             includes += [h for h in incs if h not in includes]
             names.append(kernel)
     configs = [config] + ([small] if max_m else [])
-    pair = _pair_supported(configs)
+    pair = cutlass_silu_pair.supported(configs)
     if pair:
-        includes += [h for h in _PAIR_INCLUDES if h not in includes]
-        parts.append(PAIR_HEADER.read_text().replace("#pragma once\n", ""))
+        includes += [h for h in cutlass_silu_pair.INCLUDES if h not in includes]
+        parts.append(cutlass_silu_pair.header())
         for prefix, cfg in zip(("mxc_cutlass_fp8", "mxc_cutlass_fp8_small"), configs):
-            parts.append(_pair_kernel(f"{prefix}_silu_pair", cfg))
+            parts.append(cutlass_silu_pair.kernel(f"{prefix}_silu_pair", cfg, "Kernel" + _schedule_name(cfg)))
         if not max_m:
             parts.append("namespace mxc_cutlass_fp8_small_silu_pair = mxc_cutlass_fp8_silu_pair;\n")
     head = "\n".join(f'#include "{h}"' for h in ["cuda_runtime.h", *includes])
     name = names[0] + (f"; M <= {max_m}: {names[2]}" if max_m else "")
     wrapper = _WRAPPER.replace('@KERNEL@', name).replace('@SMALL_M_MAX@', str(max_m))
     if pair:
-        wrapper += _PAIR_WRAPPER.replace("@PAIR_BLOCK@", str(config["tile"][1] // 2))
+        wrapper += cutlass_silu_pair.WRAPPER.replace("@PAIR_BLOCK@", str(config["tile"][1] // 2))
     return (f"// Generated by mxc.kernels.cutlass_fp8 with cutlass_cppgen {_cppgen().__version__}: {_describe(config)}"
             + (f"; M <= {max_m}: {_describe(small)}" if max_m else "") + ("; SiLU-pair kernels" if pair else "")
             + "\n" f"{head}\n{_COMMON}\n{''.join(parts)}\n{wrapper}")

@@ -83,7 +83,7 @@ def cutlass(x, weight, scale, bias=None, residual=None, granularity="channel", p
     return _plus(y, bias, residual)
 
 
-def silu_pair(x, norm_weight, weight, scale, eps=1e-6, interleave=0):
+def silu_pair(x, norm_weight, weight, scale, eps, interleave):
     """The fp8 MLP's middle from its input to the down projection's quantized input (xq, xs): the RMSNorm-quantize
     kernel, the library's SiLU-pair GEMM (``cutlass_fp8.CutlassFp8Gemm.silu_pair``: ``weight`` [2I, K] the gate/up
     rows interleaved in blocks of ``interleave``, its epilogue storing h = silu(gate) * up [M, I] and each row's

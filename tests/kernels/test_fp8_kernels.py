@@ -27,6 +27,7 @@ from mxc.kernels import triton_fp8_gemm as tfm
 from mxc.kernels import triton_fp8_gemv as tfv
 from mxc.kernels import triton_fp8_quant as tfq
 from mxc.kernels.triton_fp8 import QGemmConfig, QGemvConfig
+from mxc.loaders.convert import interleave_rows
 from mxc.loaders.quantize import quantize_fp8
 
 _BF16_OK = torch.cuda.is_available() or Path(__file__).with_name("conftest.py").exists()
@@ -287,15 +288,10 @@ def test_silu_epilogue_errors():
         tf.qlinear_small_m(_dev(x), _dev(q), _dev(s), granularity="channel", epilogue="gelu")
 
 
-def _interleaved_rows(t, b):
-    """t [2I, ...] = [gate; up] with its rows in blocks of b gate then b up rows (a contiguous copy)."""
-    i = t.shape[0] // 2
-    return t.reshape(2, i // b, b, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
-
-
 def test_interleaved_rows_layout():
-    """The tests' layout: gate row j at (j // B) * 2B + j % B, its up row B further (I = 6, B = 2)."""
-    assert _interleaved_rows(torch.arange(12), 2).tolist() == [0, 1, 6, 7, 2, 3, 8, 9, 4, 5, 10, 11]
+    """The loader's layout (``interleave_rows``): gate row j at (j // B) * 2B + j % B, its up row B further (I = 6,
+    B = 2)."""
+    assert interleave_rows(torch.arange(12), 2).tolist() == [0, 1, 6, 7, 2, 3, 8, 9, 4, 5, 10, 11]
 
 
 # the silu_mul epilogue over interleaved gate/up rows: (M, config, granularity, dtype, I, B) -- a program's gate
@@ -318,7 +314,7 @@ def test_small_m_silu_epilogue_interleaved(M, cfg, gran, dtype, i, b):
     the SiLU kernel after it where the config has no epilogue, gives bit for bit the halves layout's result on the
     same rows de-interleaved."""
     x, q, s, _, _ = _inputs(M, 2 * i, K, dtype, gran, False, False, False, seed=61 + M)
-    qi, si = _interleaved_rows(q, b), _interleaved_rows(s, b)
+    qi, si = interleave_rows(q, b), interleave_rows(s, b)
     assert not torch.equal(qi.view(torch.uint8), q.view(torch.uint8))  # I > B: the layouts differ
     x = _dev(x)
     got, names = _launching(lambda: tf.qlinear_small_m(x, _dev(qi), _dev(si), granularity=gran, config=cfg,

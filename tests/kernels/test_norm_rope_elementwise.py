@@ -195,15 +195,10 @@ def test_silu_mul(T, I, dtype):
     assert_padding_untouched(buf)
 
 
-def halves(x, b):
-    """x [..., 2I] in blocks of b gate then b up columns, as [gate | up] (a contiguous copy)."""
-    *lead, n = x.shape
-    return x.reshape(*lead, n // (2 * b), 2, b).transpose(-3, -2).reshape(x.shape)
-
-
 def test_halves_undoes_the_interleave():
-    """The tests' reference layout: gate column j at (j // B) * 2B + j % B, its up column B further."""
-    assert halves(torch.arange(8.0), 2).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+    """``torch_ref.halves``, the references' view of the layout: gate column j at (j // B) * 2B + j % B, its up
+    column B further."""
+    assert torch_ref.halves(torch.arange(8.0), 2).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids)
@@ -214,7 +209,7 @@ def test_silu_mul_interleaved(T, I, B, dtype):
     kernel on the same rows de-interleaved, within an ulp of the torch reference, nothing written outside out."""
     torch.manual_seed(T * 1000 + I + B)
     x = (torch.randn(T, 2 * I) * 3).to(dtype)
-    ref_in = halves(x, B)
+    ref_in = torch_ref.halves(x, B)
     assert not torch.equal(ref_in, x)  # I > B: the layouts differ
     buf, out = padded((T, I), dtype)
     assert silu_mul(x, out=out, interleave=B) is out
