@@ -31,14 +31,21 @@ PREFILL_GRAPH_TOKENS = 512
 PREFILL_GRAPH_MIN = 16
 
 
+# Above PREFILL_GRAPH_STEP_FROM tokens the buckets step by PREFILL_GRAPH_STEP instead of doubling: a prompt then
+# pads by less than PREFILL_GRAPH_STEP tokens.
+PREFILL_GRAPH_STEP_FROM = 512
+PREFILL_GRAPH_STEP = 256
+
+
 def prefill_graph_buckets(limit: int, max_seq_len: int) -> tuple[int, ...]:
-    """Prompt lengths (powers of two from 16 to ``limit``, none above ``max_seq_len``) whose batch-1 prefill
-    the runtime replays as a CUDA graph; a prompt of ``s`` tokens runs in the smallest bucket holding it,
-    padded by a second sequence in the KV cache's scratch slot (at most bucket - 1 rows: they fit a slot)."""
+    """Prompt lengths (powers of two from 16 to PREFILL_GRAPH_STEP_FROM, then every PREFILL_GRAPH_STEP, up to
+    ``limit``, none above ``max_seq_len``) whose batch-1 prefill the runtime replays as a CUDA graph; a prompt
+    of ``s`` tokens runs in the smallest bucket holding it, padded by a second sequence in the KV cache's
+    scratch slot (at most bucket - 1 rows: they fit a slot)."""
     buckets, t = [], PREFILL_GRAPH_MIN
     while t <= min(limit, max_seq_len):
         buckets.append(t)
-        t *= 2
+        t = 2 * t if t < PREFILL_GRAPH_STEP_FROM else t + PREFILL_GRAPH_STEP
     return tuple(buckets)
 
 

@@ -19,9 +19,14 @@ def test_buckets_cover_max_batch():
 
 
 def test_prefill_graph_buckets():
-    """Powers of two from 16 up to the build's limit, none longer than a cache slot; a prompt's bucket is the
-    smallest that holds it, and its padding (a second sequence in the scratch slot) fits a slot."""
+    """Powers of two from 16, then steps of 256 past 512, up to the build's limit, none longer than a cache slot;
+    a prompt's bucket is the smallest that holds it, and its padding (a second sequence in the scratch slot) fits
+    a slot."""
     assert prefill_graph_buckets(512, 4096) == (16, 32, 64, 128, 256, 512)
+    assert prefill_graph_buckets(2048, 4096) == (16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048)
+    assert prefill_graph_buckets(2048, 1500)[-1] == 1280 and prefill_graph_buckets(1000, 4096)[-1] == 768
+    assert [prefill_graph_bucket(s, 2048, 4096) for s in (513, 768, 769, 1793, 2048, 2049)] == [768, 768, 1024, 2048,
+                                                                                               2048, None]
     assert prefill_graph_buckets(600, 4096)[-1] == 512 and prefill_graph_buckets(512, 100) == (16, 32, 64)
     assert prefill_graph_buckets(0, 4096) == () == prefill_graph_buckets(512, 15)
     assert [prefill_graph_bucket(s, 512, 4096) for s in (1, 16, 17, 64, 65, 512, 513)] == [16, 16, 32, 64, 128, 512,
