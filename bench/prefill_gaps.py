@@ -16,16 +16,26 @@ CUDA events (medians of ``--reps``), with PDL launches and plain:
 - ``--lead-in``: where the host's time goes before the prefill's first kernel (host clock marks at the call, the
   context's copy and the embedding's launch, medians of ``--reps``; no profiler), and ``ForwardContext.build``'s
   steps against a pageable buffer and a kept pinned one;
+- ``--host-wait N``: ``generate(max_new_tokens=1)`` in N interleaved rounds, its wait for the prefill's token
+  made two ways: as shipped (the copy to the host blocks in the driver) and spinning on an event in Python
+  first (the host thread never sleeps); with the forward's CUDA graph replay as the no-host bound. With
+  ``MXC_LAB_SCHED`` = spin, yield or blocking the process's CUDA context is created with that wait policy
+  (``cuDevicePrimaryCtxSetFlags`` before torch starts CUDA; unset: the driver's automatic choice);
+- ``--bucket-ab N``: ``generate(max_new_tokens=1)`` of prompts of ``--lengths`` tokens in N interleaved rounds,
+  eager against the runtime's prompt-bucket CUDA graph (the artifact built with ``--prefill-graphs --tokens``,
+  buckets every 256 tokens past 512): what a graph saves at a bucket's length and what padding costs below it;
 - ``--power`` first: the 8192^3 ``torch._scaled_mm`` rate as a burst, timed as the prefill is and after 2 s of
   load, and the prefill and its graph back to back and after 200 ms of idle GPU.
 
 Usage: python bench/prefill_gaps.py [--out DIR] [--tokens 2048] [--reuse] [--reps 7] [--power] [--lead-in]
-       [--trace-dir DIR [--stacks]]
+       [--trace-dir DIR [--stacks]] [--host-wait ROUNDS]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import os
 import statistics
 import sys
 from collections import defaultdict
@@ -41,6 +51,7 @@ from decode import after_idle_time, cuda_time, fp8_gemm_rate, fp8_gemm_rate_as_t
 from prefill_host import fp8_prefill_model  # noqa: E402
 
 from mxc.kernels.context import ForwardContext  # noqa: E402
+from mxc.runtime_buckets import prefill_graph_bucket  # noqa: E402
 
 
 def events_ms(fn, reps: int) -> float:
@@ -232,6 +243,63 @@ def captured(model, ids, positions, rows):
     return graph
 
 
+def set_context_wait(policy: str) -> None:
+    """Create the primary context with this wait policy (before torch touches CUDA)."""
+    flags = {"spin": 1, "yield": 2, "blocking": 4}[policy]  # CU_CTX_SCHED_SPIN / _YIELD / _BLOCKING_SYNC
+    lib = ctypes.CDLL("libcuda.so.1")
+    dev = ctypes.c_int()
+    assert lib.cuInit(0) == 0 and lib.cuDeviceGet(ctypes.byref(dev), 0) == 0
+    code = lib.cuDevicePrimaryCtxSetFlags(dev, flags)
+    print(f"CUDA context wait policy: {policy} (cuDevicePrimaryCtxSetFlags -> {code})", flush=True)
+
+
+def host_wait(model, generate, replay, rounds: int, reps: int) -> None:
+    """``--host-wait``: see the module docstring."""
+    d = model._decoder
+    shipped = type(d).generate
+
+    def spinning(self, *a, **k):
+        out = shipped(self, *a, **k)
+        done = torch.cuda.Event()
+        done.record()
+        while not done.query():
+            pass
+        return out
+
+    times = defaultdict(list)
+    try:
+        for r in range(rounds):
+            for name in ("shipped wait", "event spin", "graph replay"):
+                type(d).generate = spinning if name == "event spin" else shipped
+                times[name].append(events_ms(replay if name == "graph replay" else generate, reps))
+            print(f"round {r}: " + ", ".join(f"{n} {t[-1]:.2f}" for n, t in times.items()) + " ms", flush=True)
+    finally:
+        type(d).generate = shipped
+    print("host wait, medians of the rounds: " + ", ".join(f"{n} {statistics.median(t):.2f} ms"
+                                                           for n, t in times.items()), flush=True)
+
+
+def bucket_ab(model, lengths: list[int], rounds: int, reps: int) -> None:
+    """``--bucket-ab``: see the module docstring."""
+    d = model._decoder
+    graph_tokens = d.prefill_graph_tokens
+    prompts = {s: torch.randint(0, 1000, (1, s)) for s in lengths}
+    times = defaultdict(list)
+    try:
+        for r in range(rounds):
+            for s, ids in prompts.items():
+                for mode in ("eager", "bucket graph"):
+                    d.prefill_graph_tokens = graph_tokens if mode == "bucket graph" else 0
+                    times[(s, mode)].append(events_ms(lambda ids=ids: model.generate(ids, max_new_tokens=1), reps))
+            print(f"round {r}: " + ", ".join(f"{s} {m} {t[-1]:.2f}" for (s, m), t in times.items()) + " ms", flush=True)
+    finally:
+        d.prefill_graph_tokens = graph_tokens
+    for s in lengths:
+        e, g = statistics.median(times[(s, "eager")]), statistics.median(times[(s, "bucket graph")])
+        print(f"{s} tokens (bucket {prefill_graph_bucket(s, graph_tokens, d.max_len)}): eager {e:.2f} ms, bucket graph "
+              f"{g:.2f} ms ({e / g:.3f}x), medians of {rounds} rounds", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="build/bench-prefill-gaps")
@@ -242,8 +310,19 @@ def main() -> None:
     p.add_argument("--trace-dir", default="", help="also write each mode's host + GPU timeline (Chrome JSON) here")
     p.add_argument("--stacks", action="store_true", help="with --trace-dir: Python stacks in the timeline")
     p.add_argument("--lead-in", action="store_true", help="the host's time before the first kernel, by clock marks")
+    p.add_argument("--host-wait", type=int, default=0, metavar="ROUNDS",
+                   help="only: generate(1) with the shipped wait for its token against a spinning one")
+    p.add_argument("--bucket-ab", type=int, default=0, metavar="ROUNDS",
+                   help="only: generate(1) eager against the runtime's prompt-bucket graph at --lengths")
+    p.add_argument("--lengths", default="2048,1793,1900")
     args = p.parse_args()
-    model, ids = fp8_prefill_model(Path(args.out), args.tokens, args.reuse)
+    if os.environ.get("MXC_LAB_SCHED"):
+        set_context_wait(os.environ["MXC_LAB_SCHED"])
+    model, ids = fp8_prefill_model(Path(args.out), args.tokens, args.reuse,
+                                   prefill_graphs=args.tokens if args.bucket_ab else None)
+    if args.bucket_ab:
+        bucket_ab(model, [int(t) for t in args.lengths.split(",")], args.bucket_ab, args.reps)
+        return
     s = args.tokens
     ids_cpu = ids.cpu().reshape(1, s)
     positions = torch.arange(s, device="cuda")
@@ -257,6 +336,10 @@ def main() -> None:
     def generate():
         return model.generate(ids_cpu, max_new_tokens=1)
 
+    if args.host_wait:
+        graph = captured(model, ids, positions, rows)
+        host_wait(model, generate, graph.replay, args.host_wait, args.reps)
+        return
     if args.power:
         graph = captured(model, ids, positions, rows)
         power_check(forward, graph.replay, s)

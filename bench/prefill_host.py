@@ -94,6 +94,8 @@ def main() -> None:
         else:
             graph += " | -"
         print(f"| {s} tokens | {enqueue * 1e3:.2f} ms | {total * 1e3:.2f} ms | {graph} |")
+    print(f"GPU memory: {torch.cuda.max_memory_reserved() / 2**30:.2f} GiB reserved at most "
+          f"({torch.cuda.memory_reserved() / 2**30:.2f} now)")
     if args.profile:
         prof = cProfile.Profile()
         torch.cuda.synchronize()
