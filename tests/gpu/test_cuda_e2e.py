@@ -188,6 +188,24 @@ def test_prefill_graphs_match_eager(arch, overrides, quant, hf_checkpoint, tmp_p
         assert torch.equal(model.generate(ids, max_new_tokens=8), eager.generate(ids, max_new_tokens=8)), s
 
 
+def test_prefill_graphs_step_past_512_tokens(hf_checkpoint, tmp_path):
+    """Past 512 tokens the prompt buckets step by 256: a prompt of 600 tokens replays the 768 bucket's graph
+    (168 padding tokens in the scratch slot) and one of 1024 the 1024 bucket's, with the eager prefill's logits."""
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM", hidden_size=128, intermediate_size=256, max_position_embeddings=2048)
+    model = mxc.load(mxc.build(str(ckpt), out=tmp_path / "art", target="cuda", dtype="bfloat16", max_batch=1,
+                               max_seq_len=1100, prefill_graphs=1024, progress=False, log=lambda m: None),
+                     device="cuda")
+    dec = model._decoder
+    assert sorted(dec.prefill_graphs)[-3:] == [512, 768, 1024]
+    g = torch.Generator().manual_seed(7)
+    for s in (600, 1024):
+        ids = torch.randint(0, 256, (1, s), generator=g).cuda()
+        want = dec.prefill(ids, graphs=False).float()
+        got = dec.prefill(ids).float()
+        assert _rel(got, want) < 1e-2, (s, _rel(got, want))
+    assert dec.prefill_graphs[768].graph is not None and dec.prefill_graphs[1024].graph is not None
+
+
 def test_a_kv_cache_larger_than_the_gpu_is_refused_at_load(tmp_path):
     """--max-batch x --max-seq-len sized past the GPU's memory: ``mxc.load`` says so in one line (no OOM trace)."""
     art = mxc.build("llama.yaml", out=tmp_path / "a", target="cuda", max_batch=4096, max_seq_len=1_000_000,
