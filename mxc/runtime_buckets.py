@@ -20,11 +20,14 @@ def batch_bucket(n: int, max_batch: int) -> int:
     raise ValueError(f"batch {n} exceeds max_batch {max_batch}")
 
 
-# The builds' default largest prompt bucket (``--prefill-graphs``). A bucket pays for its padding (up to twice a
-# prompt's tokens) and wins while its GPU time stays under the eager prefill's host time. H200, Llama-3-8B fp8
-# (2026-12-01, bench/prefill_host.py): the 512 bucket's replay took 7.5-7.7 ms against 8.9-14.5 ms eager; the 1024
-# bucket lost at its bottom (768 tokens: 14.7 ms against 14.2 eager).
-PREFILL_GRAPH_TOKENS = 512
+# The builds' default largest prompt bucket (``--prefill-graphs``). A bucket pays for its padding and wins while the
+# replay beats the eager prefill. H200, Llama-3-8B fp8 (2026-12-01, bench/prefill_host.py): the 512 bucket's replay
+# took 7.5-7.7 ms against 8.9-14.5 ms eager; with power-of-two buckets the 1024 bucket lost at its bottom (768
+# tokens: 14.7 ms against 14.2 eager). With buckets every 256 tokens past 512 (2026-12-03, bench/prefill_host.py
+# and bench/prefill_gaps.py --bucket-ab, 16 lengths from 768 to 4096 tokens, the bottoms of buckets included) the
+# replay took 0-6% less than the eager prefill at every length (2048 tokens: 29.43 against 30.23 ms). Past 2048
+# the gain is 1-3% and each bucket's first prompt pays its capture, hence 2048.
+PREFILL_GRAPH_TOKENS = 2048
 
 # The smallest prompt bucket captured as a CUDA graph: below it the GPU time is the weights' read whatever
 # the length, so smaller buckets would only add captures.

@@ -19,6 +19,7 @@ from mxc.kernels import kernel_templates
 from mxc.ir.serialize import load_graph
 from mxc.kernels import launch
 from mxc.runtime import cuda_launch
+from mxc.runtime_buckets import PREFILL_GRAPH_TOKENS
 
 
 class _Driver:
@@ -76,7 +77,7 @@ def test_every_launch_finds_its_binary(tmp_path, monkeypatch):
     monkeypatch.setattr(kernel_templates, "render", lambda *a, **k: render(*a, **k) + "# edited after the build\n")
     program = types.ModuleType("forward")
     exec(compile((art / "code" / "forward.py").read_text(), "forward.py", "exec"), program.__dict__)
-    assert options["prefill_graph_tokens"] == 512  # the cuda default: the prompt buckets' forwards run too
+    assert options["prefill_graph_tokens"] == PREFILL_GRAPH_TOKENS  # the cuda default: the prompt buckets' forwards run too
     aot.record(program, load_graph((art / "graph.yaml").read_text()), options["max_batch"], options["max_seq_len"],
                pdl=options.get("pdl", False), prefill_graph_tokens=options["prefill_graph_tokens"])
     assert {f for _, f in driver.launched} == set(driver.names) and len(driver.names) == len(launcher.binaries) > 10
