@@ -68,7 +68,7 @@ def _mlp_chain(gate_up_fn, down_fn, doc: str):
             residual=True):
         gate_up = gate_up_fn(x, norm_weight, w_gate_up, s_gate_up, None, eps, granularity)
         return down_fn(gate_up, w_down, s_down, None, x if residual else None, granularity=granularity,
-                       prologue="silu_mul", **({"interleave": interleave} if interleave else {}))
+                       prologue="silu_mul", interleave=interleave)
 
     run.__doc__ = doc
     return run
@@ -80,8 +80,7 @@ def rms_norm_mlp_small_m(x, norm_weight, w_gate_up, s_gate_up, w_down, s_down, e
     allows; else the SiLU kernel after it), then the GEMV with the residual (after its quantize kernel, or
     none: ``WEIGHT_ONLY``). The unfused nodes' values: the epilogue rounds gate and up as their GEMV's output."""
     act = triton_fp8.qlinear_small_m(x, w_gate_up, s_gate_up, granularity=granularity, prologue="rms_norm",
-                                     norm_weight=norm_weight, eps=eps, epilogue="silu_mul",
-                                     **({"interleave": interleave} if interleave else {}))
+                                     norm_weight=norm_weight, eps=eps, epilogue="silu_mul", interleave=interleave)
     return triton_fp8.qlinear_small_m(act, w_down, s_down, None, x if residual else None, granularity=granularity)
 
 

@@ -32,8 +32,7 @@ def _quantized(x, k, prologue, norm_weight, eps, interleave=0):
             x = torch_ref.rms_norm(x, norm_weight, eps)
         return quantize_rows(x)
     return triton_fp8_quant._prequantize(x, x.shape[0], k, prologue == "silu_mul", triton_fp8_quant._quant_block(k),
-                                         norm_weight if prologue == "rms_norm" else None, eps,
-                                         **({"interleave": interleave} if interleave else {}))
+                                         norm_weight if prologue == "rms_norm" else None, eps, interleave=interleave)
 
 
 def _fp32(t):

@@ -116,10 +116,11 @@ def qlinear_gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: to
                  residual: torch.Tensor | None = None, *, granularity: str = "channel",
                  prologue: str | None = None, norm_weight: torch.Tensor | None = None,
                  eps: float = 1e-6, config: QGemmConfig | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, interleave: int = 0) -> torch.Tensor:
     """``fp8_ref.qlinear(...)`` for any M (meant for M > 32): quantize x per token
     (``_quant_rows_kernel``, prologue folded in), then the fp8 GEMM ``_qgemm_kernel``.
-    Arguments as ``qlinear_small_m``; ``config`` overrides ``gemm_config_for``. The binaries
+    Arguments as ``qlinear_small_m``; ``config`` overrides ``gemm_config_for``; ``interleave`` B (SiLU-and-mul
+    prologue only): x's gate and up columns in blocks of B (``triton_elementwise.check_interleave``). The binaries
     depend on (N, K, dtypes, granularity, fusions), not on M; the grid on M too (row offsets
     are 64-bit, so M is not limited by int32 offsets)."""
     M, N, K, silu_mul = _check_inputs(x, w, scale, bias, residual, granularity, prologue, out)
@@ -130,7 +131,8 @@ def qlinear_gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: to
     rms = prologue == "rms_norm"
     if rms:
         _check_norm(x, K, norm_weight)
-    xq, xs = _prequantize(x, M, K, silu_mul, cfg.QUANT_BLOCK_K, norm_weight if rms else None, eps)
+    xq, xs = _prequantize(x, M, K, silu_mul, cfg.QUANT_BLOCK_K, norm_weight if rms else None, eps,
+                          interleave=interleave)
     grid = (cdiv(M, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N),)
     launch(_qgemm_kernel, grid, [xq, xs, w, scale, bias, residual, y, M],
            dict(N=N, K=K, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,

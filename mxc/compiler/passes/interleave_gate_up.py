@@ -8,7 +8,7 @@ where ``w_gu`` is a merged [gate; up] weight of two equal parts whose rows a ran
 blocks of ``BLOCK``. Rewrites to the same node with ``interleave=BLOCK``, and marks ``w_gu`` and its scales
 ``interleave: BLOCK``: the loader stores each rank's rows as [gate 0..B; up 0..B; gate B..2B; up B..2B; ...].
 A CTA tile of the prefill's gate/up GEMM (``cutlass_fp8``: 128 columns = 2 x BLOCK) then holds gates and their
-ups, so SiLU-and-mul runs in the GEMM's epilogue (``cutlass_fp8.silu_pair``): the GEMM writes h, half the
+ups, so SiLU-and-mul runs in the GEMM's epilogue (``fp8_gemm.silu_pair``): the GEMM writes h, half the
 bytes of gate/up, and the down projection's quantize reads h once, without the SiLU
 (``cuda_ops.rms_norm_mlp_cutlass``). Every kernel of ``rms_norm_mlp`` reads the layout from the attribute
 (the decode GEMV's SiLU epilogue, the SiLU-quantize prologue, the references); the persistent MLP kernel
