@@ -24,11 +24,18 @@ CUDA events (medians of ``--reps``), with PDL launches and plain:
 - ``--bucket-ab N``: ``generate(max_new_tokens=1)`` of prompts of ``--lengths`` tokens in N interleaved rounds,
   eager against the runtime's prompt-bucket CUDA graph (the artifact built with ``--prefill-graphs --tokens``,
   buckets every 256 tokens past 512): what a graph saves at a bucket's length and what padding costs below it;
+- ``--replay-ab N``: why the runtime's bucket graph (29.4 ms at 2048 tokens, thirty-third run) read slower than
+  this script's own capture of the forward (25.4): N rounds, each timing one call of every variant in turn
+  (the GPU's clock drifts alike for all), the runtime's bucket graph replayed alone and through its ``run``
+  (input refill and prompt copy), this script's one-sequence capture, the same context captured as the runtime
+  captures (side-stream warm-ups, the decoder's pool), the two-sequence padded context captured this script's
+  way, and ``generate(max_new_tokens=1)``; then one profile of each graph's replay, kernels summed by name;
 - ``--power`` first: the 8192^3 ``torch._scaled_mm`` rate as a burst, timed as the prefill is and after 2 s of
   load, and the prefill and its graph back to back and after 200 ms of idle GPU.
 
 Usage: python bench/prefill_gaps.py [--out DIR] [--tokens 2048] [--reuse] [--reps 7] [--power] [--lead-in]
-       [--trace-dir DIR [--stacks]] [--host-wait ROUNDS]
+       [--trace-dir DIR [--stacks]] [--host-wait ROUNDS] [--bucket-ab ROUNDS --lengths L,...]
+       [--replay-ab ROUNDS]
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import after_idle_time, cuda_time, fp8_gemm_rate, fp8_gemm_rate_as_timed  # noqa: E402
 from prefill_host import fp8_prefill_model  # noqa: E402
 
+from mxc.kernels import launch  # noqa: E402
 from mxc.kernels.context import ForwardContext  # noqa: E402
 from mxc.runtime_buckets import prefill_graph_bucket  # noqa: E402
 
@@ -300,6 +308,86 @@ def bucket_ab(model, lengths: list[int], rounds: int, reps: int) -> None:
               f"{g:.2f} ms ({e / g:.3f}x), medians of {rounds} rounds", flush=True)
 
 
+def kernel_sums(fn) -> tuple[dict[str, float], float]:
+    """One profiled call of ``fn``: microseconds of kernel time by kernel name, and the span (first start to last
+    end) in microseconds."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA]
+    sums = defaultdict(float)
+    for start, end, name in kernels:
+        sums[short(name)] += end - start
+    span = max(k[1] for k in kernels) - min(k[0] for k in kernels) if kernels else 0.0
+    return dict(sums), span
+
+
+def replay_ab(model, s: int, rounds: int) -> None:
+    """``--replay-ab``: see the module docstring."""
+    from mxc.runtime.graph_capture import capture
+    from mxc.runtime_buckets import padded_prefill
+
+    d = model._decoder
+    ids = prompt_ids = torch.randint(0, 1000, (s,), device="cuda")
+    size = prefill_graph_bucket(s, d.prefill_graph_tokens, d.max_len)
+    assert size is not None, f"no prompt bucket holds {s} tokens (built with --prefill-graphs {d.prefill_graph_tokens})"
+    d.prefill(prompt_ids.reshape(1, s))  # captures the bucket's graph
+    bucket = d.prefill_graphs[size]
+    positions = torch.arange(s, device="cuda")
+    rows = torch.tensor([s - 1], device="cuda")
+    own = captured(model, ids, positions, rows)
+
+    def runtime_way():  # the one-sequence context, captured as PrefillGraph captures
+        ctx = ForwardContext.build([s], [0], [0], d.k_cache, d.v_cache, model.device, **model._dist)
+        ctx.rope_tables = d.rope_tables
+        return capture(lambda: d.forward(ctx, ids, ctx.positions, rows), d.launcher, d.pool)[0]
+
+    def padded_own_way():  # the bucket's two-sequence context, captured as ``captured`` captures
+        seq_lens, past_lens, slots = padded_prefill(s, size, d.scratch_slot)
+        ctx = ForwardContext.build(seq_lens, past_lens, slots, d.k_cache, d.v_cache, model.device, **model._dist)
+        ctx.rope_tables = d.rope_tables
+        tokens = torch.zeros(size, dtype=torch.int64, device="cuda")
+        tokens[:s] = ids
+        with launch.using(model._launcher):
+            model._run(ctx, tokens, ctx.positions, ctx.last_rows[:1])
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                model._run(ctx, tokens, ctx.positions, ctx.last_rows[:1])
+        return graph
+
+    graphs = {"runtime bucket graph": bucket.graph, "own capture": own,
+              "one sequence, runtime's capture": runtime_way(), "two sequences, own capture": padded_own_way()}
+    ids_cpu = prompt_ids.cpu().reshape(1, s)
+    calls = {**{name: g.replay for name, g in graphs.items()},
+             "bucket run (refill + replay)": lambda: bucket.run(d, prompt_ids),
+             "generate(1), bucket": lambda: model.generate(ids_cpu, max_new_tokens=1)}
+    for fn in calls.values():
+        fn()
+    torch.cuda.synchronize()
+    times = defaultdict(list)
+    for r in range(rounds):
+        for name, fn in calls.items():
+            times[name].append(events_ms(fn, 1))
+        print(f"round {r}: " + ", ".join(f"{n} {t[-1]:.2f}" for n, t in times.items()) + " ms", flush=True)
+    print(f"{s} tokens (bucket {size}), medians of {rounds} interleaved rounds: "
+          + ", ".join(f"{n} {statistics.median(t):.2f} ms" for n, t in times.items()), flush=True)
+    profiles = {name: kernel_sums(g.replay) for name, g in graphs.items()}
+    names = sorted({k for sums, _ in profiles.values() for k in sums},
+                   key=lambda k: -max(sums.get(k, 0.0) for sums, _ in profiles.values()))
+    print("kernel time by name, us (one profiled replay each): " + " | ".join(profiles), flush=True)
+    for k in names:
+        print(f"  {k:30s} " + " ".join(f"{sums.get(k, 0.0):10.1f}" for sums, _ in profiles.values()), flush=True)
+    totals = " ".join(f"{sum(sums.values()):10.1f}" for sums, _ in profiles.values())
+    print(f"  {'all kernels':30s} {totals}", flush=True)
+    print(f"  {'span':30s} " + " ".join(f"{span:10.1f}" for _, span in profiles.values()), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="build/bench-prefill-gaps")
@@ -315,13 +403,18 @@ def main() -> None:
     p.add_argument("--bucket-ab", type=int, default=0, metavar="ROUNDS",
                    help="only: generate(1) eager against the runtime's prompt-bucket graph at --lengths")
     p.add_argument("--lengths", default="2048,1793,1900")
+    p.add_argument("--replay-ab", type=int, default=0, metavar="ROUNDS",
+                   help="only: the runtime's bucket graph against this script's capture, and why they differ")
     args = p.parse_args()
     if os.environ.get("MXC_LAB_SCHED"):
         set_context_wait(os.environ["MXC_LAB_SCHED"])
     model, ids = fp8_prefill_model(Path(args.out), args.tokens, args.reuse,
-                                   prefill_graphs=args.tokens if args.bucket_ab else None)
+                                   prefill_graphs=args.tokens if args.bucket_ab or args.replay_ab else None)
     if args.bucket_ab:
         bucket_ab(model, [int(t) for t in args.lengths.split(",")], args.bucket_ab, args.reps)
+        return
+    if args.replay_ab:
+        replay_ab(model, args.tokens, args.replay_ab)
         return
     s = args.tokens
     ids_cpu = ids.cpu().reshape(1, s)
