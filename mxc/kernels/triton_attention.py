@@ -179,7 +179,7 @@ def _prefill_inner(acc, l_i, m_i, q, kt_ptrs, v_ptrs, start, end, pos_m, hi, qk_
         else:
             kt = tl.load(kt_at, mask=mask_d[:, None], other=0.0)
             v = tl.load(v_at, mask=mask_d[None, :], other=0.0)
-        s = tl.dot(q, kt)  # [BLOCK_M, BLOCK_N] fp32, unscaled
+        s = tl.dot(q, kt, input_precision="ieee")  # [BLOCK_M, BLOCK_N] fp32, unscaled
         if MASKED:
             visible = mask_n[None, :] & (pos_n[None, :] <= pos_m[:, None])
             if HAS_WINDOW:
@@ -196,7 +196,7 @@ def _prefill_inner(acc, l_i, m_i, q, kt_ptrs, v_ptrs, start, end, pos_m, hi, qk_
         alpha = tl.exp2(m_i - m_shift)
         p = tl.exp2(s * qk_scale - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
     return acc, l_i, m_i
 
