@@ -14,8 +14,12 @@ number depends on its version). Kernels rendered from templates
 rendered from; the runtime executes those stored sources
 (``kernel_templates.pin``), and ``record`` renders the current templates.
 Pointer arguments are compiled as 16-byte aligned; the runtime checks that
-before each launch. A kernel compiled for programmatic dependent launch is refused if its PTX touches,
-before ``griddepcontrol.wait``, a pointer argument it does not declare (``mxc.codegen.pdl_check``).
+before each launch. A host tensor descriptor argument (``launch.is_descriptor``) is compiled for TMA: its
+PTX parameters are the 128-byte ``CUtensorMap`` (kind ``tmap``) and the tensor's shape and strides, and the
+index entry keeps Triton's ``tensordesc_meta`` (swizzle, element type, the box each TMA copy moves), from which
+the runtime encodes the map at launch (``runtime.cuda_launch``). A kernel compiled for programmatic dependent
+launch is refused if its PTX touches, before ``griddepcontrol.wait``, a pointer argument it does not declare
+(``mxc.codegen.pdl_check``).
 """
 
 from __future__ import annotations
@@ -31,9 +35,11 @@ from tqdm import tqdm
 
 from mxc.codegen import pdl_check
 from mxc.kernels import kernel_templates
+from mxc.kernels.launch import descriptor_rank
 from mxc.errors import MxcError
 
-_PARAM_KINDS = [(r"\.u64\s+\.ptr", "ptr"), (r"\.(u|s|b)64", "i64"), (r"\.(u|s|b)32", "i32"), (r"\.f32", "f32"),
+_PARAM_KINDS = [(r"\.align\s+64\s+\.b8\s+\w+\[128\]", "tmap"), (r"\.u64\s+\.ptr", "ptr"),
+                (r"\.(u|s|b)64", "i64"), (r"\.(u|s|b)32", "i32"), (r"\.f32", "f32"),
                 (r"\.f64", "f64"), (r"\.(u|s|b)8", "i8"), (r"\.(u|s|b)16", "i16")]
 
 
@@ -51,6 +57,20 @@ def ptx_params(ptx: str, name: str) -> list[str]:
         else:
             raise RuntimeError(f"unrecognised PTX parameter {decl.strip()!r} in {name}")
     return kinds
+
+
+def param_names(signature: dict[str, str]) -> list[str]:
+    """The runtime arguments' names as the PTX parameters list them: a descriptor is its map, then its shape
+    and strides (``name.shape``, ``name.strides``, one a dimension)."""
+    names = []
+    for n, t in signature.items():
+        if t == "constexpr":
+            continue
+        names.append(n)
+        rank = descriptor_rank(t)
+        if rank:
+            names += [f"{n}.shape"] * rank + [f"{n}.strides"] * rank
+    return names
 
 
 def _jit_function(kernel: str, source: str | None = None):
@@ -79,12 +99,18 @@ def _compile_one(key: str, spec: dict, arch: int, source: str | None) -> tuple[s
     md = compiled.metadata
     if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
         raise MxcError(f"kernel {spec['kernel']} needs Triton scratch memory, which the AOT launcher does not provide")
+    descriptors = [t for t in spec["signature"].values() if descriptor_rank(t)]
+    tensordesc = [dict(m) for m in (getattr(md, "tensordesc_meta", None) or [])]
+    if descriptors and len(tensordesc) != len(descriptors):
+        raise MxcError(f"kernel {spec['kernel']}: its tensor descriptors were not lowered to TMA on sm_{arch} "
+                       f"(Triton gave {len(tensordesc)} maps for {len(descriptors)} descriptors); the AOT launcher "
+                       f"passes descriptors as TMA maps only")
     pdl = bool(spec["constexprs"].get("USE_PDL"))
     if pdl and "griddepcontrol.wait" not in compiled.asm["ptx"]:
         raise MxcError(f"kernel {spec['kernel']}: built with USE_PDL but its PTX has no griddepcontrol.wait")
     if pdl:
-        args = [n for n, t in spec["signature"].items() if t != "constexpr"]
-        found = pdl_check.violations(compiled.asm["ptx"], md.name, args, getattr(fn, "reads_before_wait", frozenset()))
+        found = pdl_check.violations(compiled.asm["ptx"], md.name, param_names(spec["signature"]),
+                                     getattr(fn, "reads_before_wait", frozenset()))
         if found:
             raise MxcError(f"kernel {spec['kernel']} {found[0]}: under PDL the kernel ahead may still be running; "
                            f"move it after pdl_enter (a read of memory no kernel of the step writes may instead be "
@@ -92,6 +118,8 @@ def _compile_one(key: str, spec: dict, arch: int, source: str | None) -> tuple[s
     entry = {"kernel": spec["kernel"], "entry": md.name, "file": f"{key}.cubin", "shared": md.shared, "pdl": pdl,
              "num_warps": md.num_warps, "params": ptx_params(compiled.asm["ptx"], md.name),
              "args": [t for t in spec["signature"].values() if t != "constexpr"]}
+    if tensordesc:
+        entry["tensordesc"] = tensordesc
     return key, compiled.asm["cubin"], entry
 
 

@@ -2,10 +2,11 @@
 
 Every wrapper in ``kernels/`` ends in ``launch(kernel, grid, args, constexprs,
 num_warps=..., num_stages=...)``. Kernels follow one convention so they can be
-compiled ahead of time: arguments are tensors (pointers) and dynamic integers
-or floats only (no strides: tensors are contiguous, static sizes are
-constexprs), so a kernel's binary depends only on its constexprs, num_warps,
-num_stages and the argument dtypes.
+compiled ahead of time: arguments are tensors (pointers), dynamic integers
+or floats, and host tensor descriptors (``triton.tools.tensor_descriptor.TensorDescriptor``: TMA loads on
+sm_90; the binary depends on the descriptor's dtype and block shape, the launch encodes its address, shape
+and strides) only (no strides: tensors are contiguous, static sizes are constexprs), so a kernel's binary
+depends only on its constexprs, num_warps, num_stages and the argument types.
 
 The launcher in use decides what happens:
 - ``jit`` (default): ``kernel[grid](*args, **constexprs)`` through Triton's JIT
@@ -22,6 +23,7 @@ import contextlib
 import hashlib
 import inspect
 import json
+import re
 from typing import Callable
 
 import torch
@@ -111,6 +113,22 @@ TRITON_DTYPES = {
 }
 
 
+def is_descriptor(value) -> bool:
+    """A host tensor descriptor (``TensorDescriptor``; duck-typed, so nothing imports Triton for it)."""
+    return hasattr(value, "block_shape") and hasattr(value, "base")
+
+
+def descriptor_type(desc) -> str:
+    """Triton's signature type of a host tensor descriptor, e.g. ``tensordesc<bf16[64, 128]>``."""
+    return f"tensordesc<{TRITON_DTYPES[str(desc.base.dtype)]}[{', '.join(map(str, desc.block_shape))}]>"
+
+
+def descriptor_rank(arg_type: str) -> int | None:
+    """The rank of a ``tensordesc<dtype[block]>`` signature type (its block's dimensions), None for other types."""
+    m = re.match(r"tensordesc<\w+\[([^\]]*)\]>", arg_type)
+    return m.group(1).count(",") + 1 if m else None
+
+
 def _arg_type(value) -> str:
     if value is None:
         return "constexpr"  # an absent optional pointer: Triton specialises it away
@@ -120,6 +138,8 @@ def _arg_type(value) -> str:
         return "i32"  # dynamic sizes; kernels widen to int64 before forming offsets
     if isinstance(value, float):
         return "fp32"
+    if is_descriptor(value):
+        return descriptor_type(value)
     dtype = getattr(value, "dtype", None)
     if dtype is None:
         raise TypeError(f"unsupported kernel argument {value!r}")

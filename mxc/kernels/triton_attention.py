@@ -50,9 +50,10 @@ The probabilities are cast to the value dtype before P @ V, as the reference doe
 
 H200 (Triton 3.6, bf16, HQ/HKV = 32/8, D = 128): decode reads the cache at
 3.5-4.4 TB/s from B=1 L=32768 to B=32 L=4096 (copy ceiling 4.23); causal prefill
-of 4096 tokens runs at 390 TFLOP/s for D = 128 (74% of torch SDPA's 524) and
-330 for D = 64 (88% of 375). Not done yet: warp specialisation / TMA for
-prefill (SDPA's remaining lead; 63% of it at D = 256), fp8 KV.
+of 4096 tokens ran at 390 TFLOP/s for D = 128 (74% of torch SDPA's 524) and
+330 for D = 64 (88% of 375) before the FMA softmax and TMA loads (``PREFILL_TMA``), and now at
+486 TFLOP/s (0.283 ms; cuDNN 0.266) for D = 128 (2026-12-03). Not done yet: warp specialisation for
+prefill, fp8 KV.
 """
 
 from __future__ import annotations
@@ -150,9 +151,15 @@ def _store_split(acc, m_i, l_i, out_ptr, part_out_ptr, part_lse_ptr, b, heads, s
 def _prefill_inner(acc, l_i, m_i, q, kt_ptrs, v_ptrs, start, end, pos_m, hi, qk_scale,  #
                    HKV: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,  #
                    HAS_WINDOW: tl.constexpr, WINDOW: tl.constexpr,  #
-                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,  #
+                   k_desc=None, v_desc=None, kv_row0=0, kv_col=0, TMA: tl.constexpr = False):
     """Online softmax over key blocks start, start + BLOCK_N, ... < end. MASKED=False: every key of
     these blocks is visible to every query of the block (no bounds, causal or window checks).
+
+    With TMA (``BLOCK_D == HEAD_DIM``), K and V blocks come through the tensor descriptors of the caches viewed
+    as [S * L, HKV * HEAD_DIM], rows ``kv_row0 + n`` (the sequence's slot), columns from ``kv_col`` (its kv
+    head). A diagonal block's rows past ``hi`` (the next slot's, or beyond the cache: zero-filled) are masked
+    out of the scores and zeroed in V: uninitialised cache rows may hold NaN, and 0 * NaN is NaN.
 
     The row maximum is taken on the unscaled scores (qk_scale > 0) and ``p = exp2(s * qk_scale - m)`` is one
     FMA an element; the head dimension is masked only where BLOCK_D pads it. Both measured on one H200
@@ -165,7 +172,13 @@ def _prefill_inner(acc, l_i, m_i, q, kt_ptrs, v_ptrs, start, end, pos_m, hi, qk_
         pos_n = start_n + offs_n
         kt_at = kt_ptrs + start_n * (HKV * HEAD_DIM)
         v_at = v_ptrs + start_n * (HKV * HEAD_DIM)
-        if MASKED:
+        if TMA:
+            kt = tl.trans(k_desc.load([kv_row0 + start_n, kv_col]))
+            v = v_desc.load([kv_row0 + start_n, kv_col])
+            if MASKED:
+                mask_n = pos_n < hi
+                v = tl.where(mask_n[:, None], v, 0.0)
+        elif MASKED:
             mask_n = pos_n < hi
             if EVEN_D:
                 kt = tl.load(kt_at, mask=mask_n[None, :], other=0.0)
@@ -218,6 +231,11 @@ PREFILL_LONGEST_FIRST = True
 # took 2.518 against 2.518 ms with up to 32 splits and the merge (Llama-3-8B fp8 batch 1, one H200, 2026-12-02,
 # ``bench/decode_ab.py``, medians of three interleaved rounds; the benchmark's 128-256-row contexts).
 MERGE_EARLY_DEPENDENTS = True
+
+# The prefill kernel loads q, K and V through TMA tensor descriptors (where the head dimension is a power of two):
+# on one H200 (2026-12-03, bench/attention_tma_lab.py, 32/8 heads of 128, causal, with the FMA softmax) 0.082 ms
+# at 2048 tokens against 0.090 with pointer loads, 0.284 against 0.312 at 4096. False: pointer loads (A/B).
+PREFILL_TMA = True
 
 MAX_SPLITS = 32  # decode splits at most (``bench/ablate.py --set`` varies it)
 # Measured and not kept (2026-12-02, one H200, ``bench/decode_ab.py``, medians of three interleaved rounds): no merge
@@ -357,6 +375,23 @@ def prefill_attention(q, k_cache, v_cache, slots, kv_lens, q_start, max_q_len: i
     if takes_order:
         constexprs["LONGEST_FIRST"] = longest_first
     grid = (HQ, B, blocks) if longest_first else (blocks, B, HQ)
-    launch(kernel, grid, [q, k_cache, v_cache, slots, kv_lens, q_start, out, float(scale)], constexprs,
-           num_warps=num_warps, num_stages=num_stages)
+    args = [q, k_cache, v_cache, slots, kv_lens, q_start, out, float(scale)]
+    if "k_desc" in kernel.arg_names:  # an artifact built before TMA pins a kernel without descriptors
+        args += _prefill_descriptors(q, k_cache, v_cache, BLOCK_M, BLOCK_N)
+    launch(kernel, grid, args, constexprs, num_warps=num_warps, num_stages=num_stages)
     return out
+
+
+def _prefill_descriptors(q, k_cache, v_cache, BLOCK_M: int, BLOCK_N: int) -> list:
+    """The prefill kernel's q, K and V tensor descriptors (TMA loads), or three Nones (pointer loads): TMA where
+    ``PREFILL_TMA`` is on, the head dimension needs no padding to a power of two and the cache's rows index
+    in 32 bits."""
+    T, HQ, D = q.shape
+    S, L, HKV, _ = k_cache.shape
+    if not (PREFILL_TMA and D == _block_d(D) and D * q.element_size() >= 16 and S * L < 2**31 and T < 2**31):
+        return [None, None, None]
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return [TensorDescriptor.from_tensor(q.view(T, HQ * D), [BLOCK_M, D]),
+            TensorDescriptor.from_tensor(k_cache.view(S * L, HKV * D), [BLOCK_N, D]),
+            TensorDescriptor.from_tensor(v_cache.view(S * L, HKV * D), [BLOCK_N, D])]

@@ -8,7 +8,8 @@ stream (so launches are captured by CUDA graphs). Arguments are packed from
 the parameter kinds recorded at build time; Triton's trailing scratch
 pointers get NULL (the build refuses kernels that need scratch memory).
 A launch whose binary is not in the artifact fails with the kernel and its
-constexprs: the artifact was built for other shapes or buckets. Kernels built
+constexprs: the artifact was built for other shapes or buckets. A host tensor descriptor
+argument becomes its TMA map (``tensor_maps``), shape and strides. Kernels built
 with programmatic dependent launch (``--pdl``) go through ``cuLaunchKernelEx``
 with the programmatic-stream-serialization attribute.
 """
@@ -25,7 +26,8 @@ import torch
 
 from mxc.kernels import kernel_templates
 from mxc.errors import MxcError
-from mxc.kernels.launch import spec_key, spec_of, stream_handle, with_pdl
+from mxc.kernels.launch import descriptor_rank, is_descriptor, spec_key, spec_of, stream_handle, with_pdl
+from mxc.runtime import tensor_maps
 
 _CTYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "i64": ctypes.c_int64, "f32": ctypes.c_float,
            "f64": ctypes.c_double, "i8": ctypes.c_int8, "i16": ctypes.c_int16}
@@ -67,8 +69,33 @@ def _check(code: int, what: str) -> None:
         raise RuntimeError(f"CUDA driver error {code} in {what}")
 
 
+def _plan(entry: dict) -> tuple[list[tuple], int]:
+    """How each argument fills the kernel's parameters, from the index entry: ("ptr" | "value", its slot) or
+    ("desc", its map's slot, its rank, its ``tensordesc_meta``), checked against the PTX's parameter kinds;
+    and the number of parameters the arguments fill."""
+    kinds, metas = entry["params"], iter(entry.get("tensordesc", []))
+    plan, i = [], 0
+    for arg in entry["args"]:
+        rank = descriptor_rank(arg)
+        if rank is None:
+            plan.append(("ptr" if kinds[i:i + 1] == ["ptr"] else "value", i))
+            i += 1
+            continue
+        meta = next(metas, None)
+        expected = ["tmap"] + ["i32"] * rank + ["i64"] * rank
+        if meta is None or kinds[i:i + len(expected)] != expected:
+            raise MxcError(f"{entry['kernel']}: its descriptor argument {arg} does not match the compiled parameters "
+                           f"{kinds}; rebuild the artifact")
+        why = tensor_maps.supported(meta)
+        if why:
+            raise MxcError(f"{entry['kernel']}: {why} is not supported by the AOT launcher")
+        plan.append(("desc", i, rank, meta))
+        i += len(expected)
+    return plan, i
+
+
 class _Binary:
-    def __init__(self, lib, data: bytes, entry: dict):
+    def __init__(self, lib, data: bytes, entry: dict, maps: tensor_maps.TensorMaps | None = None):
         self.lib, self.entry = lib, entry
         self.module, self.func = ctypes.c_void_p(), ctypes.c_void_p()
         self._data = data  # keep the image alive while the module is loaded
@@ -80,10 +107,11 @@ class _Binary:
         self.threads = 32 * entry["num_warps"]
         self.kinds = entry["params"]
         self.n_args = len(entry["args"])
-        if any(kind != "ptr" for kind in self.kinds[self.n_args:]):
+        self._plan, used = _plan(entry)
+        if any(kind != "ptr" for kind in self.kinds[used:]):
             raise MxcError(f"{entry['kernel']}: parameters past its {self.n_args} arguments are not all Triton's "
                            f"scratch pointers ({self.kinds}); rebuild the artifact")
-        self._tensor = [kind == "ptr" for kind in self.kinds]
+        self._maps = maps if maps is not None or "tensordesc" not in entry else tensor_maps.TensorMaps(lib)
         self.pdl = bool(entry.get("pdl"))
         self._local = threading.local()
 
@@ -93,26 +121,31 @@ class _Binary:
         launch (the driver copies what it reads when the launch is made, captured launches included).
         Triton's scratch pointers are never written: NULL."""
         slots = getattr(self._local, "slots", None)
-        if slots is None:
-            values = [_CTYPES[kind]() for kind in self.kinds]
+        if slots is None:  # a TMA map's slot is a pointer set at each launch to the kept map (``tensor_maps``)
+            values = [_CTYPES[kind]() if kind != "tmap" else None for kind in self.kinds]
             attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
             attr.value.programmaticStreamSerializationAllowed = 1
             config = _LaunchConfig(1, 1, 1, self.threads, 1, 1, self.entry["shared"], None, ctypes.pointer(attr), 1)
-            slots = self._local.slots = (values, (ctypes.c_void_p * len(values))(*map(ctypes.addressof, values)),
-                                         config, attr, ctypes.byref(config))
+            params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) if v is not None else 0 for v in values])
+            slots = self._local.slots = (values, params, config, attr, ctypes.byref(config))
         return slots
 
     def launch(self, grid, args, pdl: bool = True) -> None:
         values, params, config, _attr, config_ref = self._slots()
-        for value, is_ptr, arg in zip(values, self._tensor, args):  # args: no None (absent = constexpr)
-            if is_ptr:
+        for step, arg in zip(self._plan, args):  # args: no None (absent = constexpr)
+            kind, i = step[0], step[1]
+            if kind == "ptr":
                 ptr = arg.data_ptr()
                 if ptr % 16:
                     raise MxcError(f"{self.entry['kernel']}: a tensor argument is not 16-byte aligned "
                                    f"(a view with an offset?); the kernel was compiled assuming alignment")
-                value.value = ptr
-            else:
-                value.value = arg
+                values[i].value = ptr
+            elif kind == "value":
+                values[i].value = arg
+            else:  # a tensor descriptor: its map, then its shape and strides
+                params[i] = self._maps.address(arg, step[3])
+                for j, n in enumerate((*arg.shape, *arg.strides)):
+                    values[i + 1 + j].value = n
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
         stream = stream_handle()
         if pdl and self.pdl:  # may start before the previous kernel ends; it waits on it first
@@ -139,7 +172,8 @@ class CubinLauncher:
             if "source" in e:
                 kernel_templates.pin(e["template"], e["template_params"], e["kernel"].partition(":")[0],
                                      (kernels_dir / e["source"]).read_text())
-        self.binaries = {key: _Binary(self.lib, (kernels_dir / e["file"]).read_bytes(), e)
+        self.maps = tensor_maps.TensorMaps(self.lib)
+        self.binaries = {key: _Binary(self.lib, (kernels_dir / e["file"]).read_bytes(), e, self.maps)
                          for key, e in index.items()}
         self._fast: dict[tuple, _Binary] = {}
         self.pdl_launch = True  # PDL cubins get the launch attribute; ``plain()`` turns it off
@@ -158,7 +192,8 @@ class CubinLauncher:
         present = [a for a in args if a is not None]  # absent optionals are specialised away
         # what picks the binary, as the call gives it (a wrapper builds its constexprs in one order; another
         # order is only another entry for the same binary); USE_PDL follows from the kernel and self.pdl
-        fast_key = (id(kernel), tuple([a.dtype if isinstance(a, torch.Tensor) else type(a) for a in args]),
+        fast_key = (id(kernel), tuple([a.dtype if isinstance(a, torch.Tensor) else
+                                       (a.base.dtype, *a.block_shape) if is_descriptor(a) else type(a) for a in args]),
                     tuple(constexprs.items()), num_warps, num_stages)
         binary = self._fast.get(fast_key)
         if binary is None:

@@ -138,6 +138,15 @@ def test_prefill_attention_query_blocks_first(monkeypatch, shape, window):
     _prefill_against_reference(torch.float32, 16, GQA, window, shape)
 
 
+@pytest.mark.parametrize("window", [None, 4])
+@pytest.mark.parametrize("shape", ["chunked", "bigger-grid", "long-prefix"])
+def test_prefill_attention_pointer_loads(monkeypatch, shape, window):
+    """With ``PREFILL_TMA`` off, a power-of-two head dimension loads q, K and V through pointers (as 48, 80 and
+    96 always do): the same results."""
+    monkeypatch.setattr(ta, "PREFILL_TMA", False)
+    _prefill_against_reference(torch.float16, 32, GQA, window, shape)
+
+
 def _prefill_against_reference(dtype, D, heads, window, shape):
     HQ, HKV = heads
     seq_lens, past_lens, max_q_len = PREFILL_SHAPES[shape]
@@ -214,6 +223,49 @@ def test_prefill_launches_are_static():
     assert [(c[0], c[1]) for c in meta] == [("prefill_kernel", (8, 2, 5))]  # heads, sequences, query blocks
     assert meta[0][2]["BLOCK_M"] == meta[0][2]["BLOCK_N"] == 64 and meta[0][2]["LONGEST_FIRST"]
     assert _prefill_launches("cpu", [100, 200], [0, 0]) == _prefill_launches("cpu", [300, 0], [10, 50]) == meta
+
+
+def test_prefill_descriptors_where_the_head_dimension_is_a_power_of_two():
+    """The launch gives TMA descriptors of q [T, HQ * D] and of the caches as [S * L, HKV * D] (blocks of the
+    launch's BLOCK_M / BLOCK_N rows by D), or three Nones (pointer loads: a padded head dimension, or TMA off);
+    the recorded spec types them as Triton does."""
+    def launched(D, dtype=torch.float16):
+        q = torch.empty(300, 8, D, dtype=dtype, device="meta")
+        cache = torch.empty(4, 512, 2, D, dtype=dtype, device="meta")
+        i32 = lambda x: torch.tensor(x, dtype=torch.int32, device="meta")  # noqa: E731
+        calls = []
+        with launch_mod.using(lambda kernel, grid, args, constexprs, nw, ns: calls.append((kernel, args, constexprs))):
+            ta.prefill_attention(q, cache, cache, i32([1, 0]), i32([100, 200]), i32([0, 100, 300]), 300, 0.1, None)
+        return calls[0]
+
+    kernel, args, constexprs = launched(128)
+    qd, kd, vd = args[8:]
+    assert (list(qd.shape), qd.block_shape) == ([300, 8 * 128], [constexprs["BLOCK_M"], 128])
+    assert (list(kd.shape), kd.block_shape) == ([4 * 512, 2 * 128], [constexprs["BLOCK_N"], 128])
+    assert (list(vd.shape), vd.block_shape) == ([4 * 512, 2 * 128], [constexprs["BLOCK_N"], 128])
+    spec = launch_mod.spec_of(kernel, args, constexprs, 4, 3)
+    assert [spec["signature"][n] for n in ("q_desc", "k_desc", "v_desc")] == [
+        "tensordesc<fp16[64, 128]>", "tensordesc<fp16[64, 128]>", "tensordesc<fp16[64, 128]>"]
+    assert launched(96)[1][8:] == [None, None, None]
+    ta.PREFILL_TMA = False
+    try:
+        assert launched(128)[1][8:] == [None, None, None]
+    finally:
+        ta.PREFILL_TMA = True
+
+
+def test_prefill_launch_of_a_kernel_without_descriptors(monkeypatch):
+    """An artifact built before the TMA loads pins a kernel without the descriptor arguments: the launch
+    gives it the eight arguments it takes."""
+    render = ta.kernel_templates.kernel
+
+    def pinned_old(*args, **kw):
+        new = render(*args, **kw)
+        return types.SimpleNamespace(fn=new.fn, arg_names=[n for n in new.arg_names if not n.endswith("_desc")])
+
+    monkeypatch.setattr(ta.kernel_templates, "kernel", pinned_old)
+    calls = _prefill_launches("meta", [100, 200], [0, 0])
+    assert len(calls) == 1 and len(calls[0][5]) == 8
 
 
 def test_prefill_config_is_constant_over_each_recorded_bucket():

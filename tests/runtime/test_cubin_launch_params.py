@@ -1,6 +1,7 @@
 """The cubin launcher's argument packing, with a stand-in for the CUDA driver (no GPU needed): the
 parameter array the driver would read holds each tensor's address, each number, and NULL for
-Triton's trailing scratch pointers, launch after launch (the values are reused in place)."""
+Triton's trailing scratch pointers, launch after launch (the values are reused in place); a tensor
+descriptor's TMA map (encoded once, as Triton encodes it), shape and strides."""
 
 from __future__ import annotations
 
@@ -30,7 +31,19 @@ class _Driver:
 
     def _read(self, params):
         types = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "i64": ctypes.c_int64, "f32": ctypes.c_float}
-        return [ctypes.cast(params[i], ctypes.POINTER(types[k])).contents.value for i, k in enumerate(self.kinds)]
+        return [ctypes.string_at(params[i], 128) if k == "tmap" else
+                ctypes.cast(params[i], ctypes.POINTER(types[k])).contents.value for i, k in enumerate(self.kinds)]
+
+    def cuTensorMapEncodeTiled(self, out, dtype, rank, address, dims, strides, box, elem_strides, interleave,
+                               swizzle, l2, oob):
+        """Records the call and writes a map that names it: its number, then the address."""
+        self.encoded = getattr(self, "encoded", [])
+        self.encoded.append(dict(dtype=dtype, rank=rank, address=address.value, dims=list(dims[:rank]),
+                                 strides=list(strides[:rank - 1]), box=list(box[:rank]),
+                                 elem_strides=list(elem_strides[:rank]), interleave=interleave, swizzle=swizzle,
+                                 l2=l2, oob=oob, aligned=out.value % 64 == 0))
+        ctypes.memmove(out.value, (len(self.encoded).to_bytes(8, "little") + address.value.to_bytes(8, "little")), 16)
+        return 0
 
     def cuLaunchKernel(self, func, gx, gy, gz, tx, ty, tz, shared, stream, params, extra):
         self.launches.append(("plain", (gx, gy, gz), tx, self._read(params)))
@@ -84,3 +97,60 @@ def test_misaligned_tensor_is_refused(binary):
     base = torch.empty(16)
     with pytest.raises(MxcError, match="not 16-byte aligned"):
         b.launch((1,), [base[1:], base, 1, 1.0])
+
+
+def _descriptor_binary(padding="zero"):
+    """A kernel taking (tensor, descriptor of rank 2, int), as Triton compiles it: the map, the shape (i32) and
+    strides (i64) after it, two scratch pointers at the end."""
+    kinds = ["ptr", "tmap", "i32", "i32", "i64", "i64", "i32", "ptr", "ptr"]
+    meta = {"swizzle": 3, "elem_size": 2, "elem_type": 10, "block_size": [64, 64], "fp4_padded": False,
+            "is_im2col": False}
+    entry = {"kernel": "m:k", "entry": "k", "pdl": False, "shared": 0, "num_warps": 4, "params": kinds,
+             "args": ["*bf16", "tensordesc<bf16[64, 128]>", "i32"], "tensordesc": [meta]}
+    driver = _Driver(kinds)
+    return cuda_launch._Binary(driver, b"", entry), driver
+
+
+def test_descriptor_becomes_its_tma_map_shape_and_strides(monkeypatch):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    monkeypatch.setattr(cuda_launch, "stream_handle", lambda: 0)
+    b, driver = _descriptor_binary()
+    x, cache = torch.empty(8), torch.empty(16, 2, 2, 256, dtype=torch.bfloat16)
+    desc = TensorDescriptor.from_tensor(cache.view(32, 512), [64, 128])
+    b.launch((1,), [x, desc, 5], pdl=False)
+    b.launch((1,), [x, desc, 6], pdl=False)  # the same tensor: its map is encoded once
+    other = TensorDescriptor.from_tensor(cache[:8].view(16, 512), [64, 128])
+    b.launch((1,), [x, other, 7], pdl=False)
+    assert [e["address"] for e in driver.encoded] == [cache.data_ptr()] * 2
+    first = driver.encoded[0]
+    # innermost first, strides in bytes without the innermost; the box is the compiled one (Triton splits the
+    # [64, 128] block into [64, 64] copies under the 128-byte swizzle); bf16 is the driver's type 9
+    assert first == dict(dtype=9, rank=2, address=cache.data_ptr(), dims=[512, 32], strides=[1024], box=[64, 64],
+                         elem_strides=[1, 1], interleave=0, swizzle=3, l2=2, oob=0, aligned=True)
+    assert driver.encoded[1]["dims"] == [512, 16]
+    maps = [launch[3][1] for launch in driver.launches]
+    assert [int.from_bytes(m[:8], "little") for m in maps] == [1, 1, 2]
+    assert [launch[3][2:7] for launch in driver.launches] == [[32, 512, 512, 1, 5], [32, 512, 512, 1, 6],
+                                                              [16, 512, 512, 1, 7]]
+    assert all(launch[3][0] == x.data_ptr() and launch[3][7:] == [None, None] for launch in driver.launches)
+
+
+def test_nan_padding_reaches_the_map(monkeypatch):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    monkeypatch.setattr(cuda_launch, "stream_handle", lambda: 0)
+    b, driver = _descriptor_binary()
+    t = torch.empty(64, 128, dtype=torch.bfloat16)
+    b.launch((1,), [t, TensorDescriptor(t, t.shape, t.stride(), [64, 128], padding="nan"), 1], pdl=False)
+    assert driver.encoded[0]["oob"] == 1
+
+
+def test_descriptor_entry_that_does_not_match_its_parameters_is_refused():
+    b, _ = _descriptor_binary()
+    entry = dict(b.entry, params=["ptr", "i64", "i32", "i32", "i64", "i64", "i32"])
+    with pytest.raises(MxcError, match="does not match the compiled parameters"):
+        cuda_launch._Binary(_Driver(entry["params"]), b"", entry)
+    entry = dict(b.entry, tensordesc=[dict(b.entry["tensordesc"][0], is_im2col=True)])
+    with pytest.raises(MxcError, match="im2col"):
+        cuda_launch._Binary(_Driver(entry["params"]), b"", entry)
