@@ -16,6 +16,8 @@ import sys
 
 import pytest
 
+from mxc.kernels import launch
+
 QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 256,
          "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
@@ -96,9 +98,12 @@ def test_cuda_build_compiles_every_kernel_for_sm90(config, tp, quant, tmp_path):
     for key, entry in index.items():
         cubin = (art / "code" / "kernels" / entry["file"]).read_bytes()
         assert cubin[:4] == b"\x7fELF", key
-        assert entry["params"][: len(entry["args"])] == [
-            "ptr" if a.startswith("*") else {"i32": "i32", "fp32": "f32"}[a] for a in entry["args"]]
-        assert all(p == "ptr" for p in entry["params"][len(entry["args"]):])  # Triton's scratch pointers
+        expected = _param_kinds(entry["args"])
+        assert entry["params"][: len(expected)] == expected
+        assert all(p == "ptr" for p in entry["params"][len(expected):])  # Triton's scratch pointers
+        assert len(entry.get("tensordesc", [])) == sum(a.startswith("tensordesc") for a in entry["args"])
+        if "prefill_attention" in entry["kernel"]:  # power-of-two heads: q, K and V through TMA maps
+            assert entry["args"][-3:] == [entry["args"][-1]] * 3 and entry["args"][-1].startswith("tensordesc<")
         assert f"code/kernels/{entry['file']}" in manifest["files"]
     assert {f"weights/rank{r}.safetensors" for r in range(tp)} <= set(manifest["files"])
     program = (art / "code" / "forward.py").read_text()
@@ -113,6 +118,17 @@ def test_cuda_build_compiles_every_kernel_for_sm90(config, tp, quant, tmp_path):
         assert "kernel modules rendered from templates" in text and "  rms_norm(BLOCK_H=" in text
         assert f"prefill graphs up to {manifest['options']['prefill_graph_tokens']} tokens" in text
         assert f"KV cache {manifest['options']['max_batch']} x {manifest['options']['max_seq_len']} tokens" in text
+
+
+def _param_kinds(args: list[str]) -> list[str]:
+    """The PTX parameter kinds of a kernel's runtime arguments: a pointer, an i32, an f32, or a tensor descriptor's
+    TMA map followed by its shape (i32) and strides (i64)."""
+    kinds = []
+    for a in args:
+        rank = launch.descriptor_rank(a)
+        kinds += ["tmap"] + ["i32"] * rank + ["i64"] * rank if rank else \
+            ["ptr" if a.startswith("*") else {"i32": "i32", "fp32": "f32"}[a]]
+    return kinds
 
 
 # Records the artifact's launches again in a new process (another hash seed and working directory) with
