@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU measurements of docs/perf.md, in parts that each fit one 10-minute device call.
 # Usage (repository root, on the GPU machine): bash bench/gpu_session.sh PART
-#   tests   pytest tests/gpu (the TP test runs where there are two GPUs)
+#   tests   pytest tests/gpu (the TP test runs where there are two GPUs) and the attention kernels' tests on the GPU
+#           (tests/kernels/test_attention.py: its fp32 cases catch tf32 dots, which the interpreter does not)
 #   decode  bf16 + fp8 decode/prefill, the PDL A/B per batch, per-kernel profiles at batch 1 and 8 and of
 #           the bf16 and fp8 prefills,
 #           HF compiled at batch 1, 8, 32
@@ -12,6 +13,8 @@
 #           TP_MODES) vs tp=1 decode and the all-reduce times
 #   ab      after decode, same call: fp8 without fuse_norm_linear
 #   small   the small decode kernels (norms, RoPE, attention, SiLU) over their warps and splits
+#   gemvtma the fp8 GEMV with TMA-fed weight tiles against the shipped one, Llama-3-8B linears at 1 and 8 tokens
+#           (bench/gemv_tma_lab.py)
 #   lab     bf16 and fp8 GEMVs one by one (fp8: SWAP_AB against the widening kernel);
 #           add --all for the prefill GEMMs too
 #   ablate  what each kernel costs the batch-1 step (bench/ablate.py): fp8 Llama-3-8B small kernels and GEMVs,
@@ -53,7 +56,7 @@ run() {  # run LIMIT_S LOG CMD...: stop at the limit with every Python thread's 
 }
 
 case "${1:-}" in
-  tests)  run 450 pytest.log python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
+  tests)  run 450 pytest.log python3 -m pytest -q -p no:cacheprovider tests/gpu tests/kernels/test_attention.py ;;
   decode) run 570 decode.log python3 bench/decode.py --profile 1,8 --profile-prefill --quant fp8 --hf-batches 1,8,32 --pdl-ab \
             --out "$scratch/b8" ;;
   moe)    # the 61 GB artifact is deleted after: left in /dev/shm it slowed the next part's runs
@@ -66,6 +69,7 @@ case "${1:-}" in
           run 150 ab_fp8_nofold.log python3 bench/decode.py --reuse --out "$scratch/b8" --batches "" --quant fp8 \
             --disable-pass fuse_norm_linear --hf-batches "" ;;
   small)  run 280 small_lab.log python3 bench/small_lab.py ;;
+  gemvtma) run 400 gemv_tma_lab.log python3 bench/gemv_tma_lab.py ;;
   ablate) run 200 ablate_fp8.log python3 bench/ablate.py --quant fp8 --out "$scratch/abl8" --replay \
             --skip quant=_quant_tile_kernel --skip silu=silu_mul_kernel --skip attn=decode_split_kernel+decode_reduce_kernel \
             --skip small=ALL_BUT_GEMV --skip qkv=_qgemv_kernel:N=6144 --skip o=_qgemv_kernel:N=4096:K=4096 \
