@@ -384,14 +384,35 @@ def prefill_attention(q, k_cache, v_cache, slots, kv_lens, q_start, max_q_len: i
 
 def _prefill_descriptors(q, k_cache, v_cache, BLOCK_M: int, BLOCK_N: int) -> list:
     """The prefill kernel's q, K and V tensor descriptors (TMA loads), or three Nones (pointer loads): TMA where
-    ``PREFILL_TMA`` is on, the head dimension needs no padding to a power of two and the cache's rows index
-    in 32 bits."""
+    ``PREFILL_TMA`` is on, the head dimension needs no padding to a power of two, the tensors are 16-byte aligned
+    and the cache's rows index in 32 bits."""
     T, HQ, D = q.shape
     S, L, HKV, _ = k_cache.shape
-    if not (PREFILL_TMA and D == _block_d(D) and D * q.element_size() >= 16 and S * L < 2**31 and T < 2**31):
+    if not (PREFILL_TMA and D == _block_d(D) and D * q.element_size() >= 16 and S * L < 2**31 and T < 2**31
+            and not (q.data_ptr() % 16 or k_cache.data_ptr() % 16 or v_cache.data_ptr() % 16)):
         return [None, None, None]
-    from triton.tools.tensor_descriptor import TensorDescriptor
+    return [_descriptor(q, T, HQ * D, BLOCK_M, D), _descriptor(k_cache, S * L, HKV * D, BLOCK_N, D),
+            _descriptor(v_cache, S * L, HKV * D, BLOCK_N, D)]
 
-    return [TensorDescriptor.from_tensor(q.view(T, HQ * D), [BLOCK_M, D]),
-            TensorDescriptor.from_tensor(k_cache.view(S * L, HKV * D), [BLOCK_N, D]),
-            TensorDescriptor.from_tensor(v_cache.view(S * L, HKV * D), [BLOCK_N, D])]
+
+_DESCRIPTORS: dict[tuple, object] = {}  # validated descriptors of a meta tensor, by dtype, shape and block
+
+
+def _descriptor(t: torch.Tensor, rows: int, cols: int, block_rows: int, block_cols: int):
+    """A ``TensorDescriptor`` of the contiguous ``t`` seen as [rows, cols], block [block_rows, block_cols]: a copy of
+    one validated for a meta tensor of that dtype, shape and block, its base set to that view of ``t`` (the caller
+    checks the alignment). Building and validating a descriptor costs the host ~5 us and a prefill launches this kernel
+    once a layer; the copy ~1 us."""
+    key = (t.dtype, rows, cols, block_rows, block_cols)
+    template = _DESCRIPTORS.get(key)
+    if template is None:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        if len(_DESCRIPTORS) >= 1024:  # one a prompt length seen: start over now and then
+            _DESCRIPTORS.clear()
+        template = _DESCRIPTORS[key] = TensorDescriptor(torch.empty(1, dtype=t.dtype, device="meta"), [rows, cols],
+                                                        [cols, 1], [block_rows, block_cols])
+    desc = object.__new__(type(template))
+    desc.__dict__.update(template.__dict__)
+    desc.base = t.view(rows, cols)  # as ``TensorDescriptor.from_tensor`` of the view would hold it
+    return desc

@@ -46,20 +46,18 @@ class TensorMaps:
     def __init__(self, lib):
         self.lib = lib
         _declare(lib)
-        self._maps: dict[tuple, tuple[ctypes.Array, int]] = {}
+        self._maps: dict[tuple, tuple] = {}  # -> (buffer, the map's address in it, the meta its key names)
 
     def address(self, desc, meta: dict) -> int:
         """The host address of ``desc``'s map (64-byte aligned, kept while this object lives) for a kernel
-        compiled with ``meta``."""
-        shape, strides = tuple(int(n) for n in desc.shape), tuple(int(n) for n in desc.strides)
+        compiled with ``meta`` (one of the index's entries: kept by identity, and alive with its entry)."""
         base = desc.base.data_ptr()
-        key = (base, shape, strides, desc.padding, meta["elem_type"], meta["elem_size"], meta["swizzle"],
-               tuple(meta["block_size"]))
+        key = (base, tuple(desc.shape), tuple(desc.strides), desc.padding, id(meta))
         kept = self._maps.get(key)
         if kept is None:
             if len(self._maps) >= _KEEP:
                 self._maps.clear()
-            kept = self._maps[key] = self._encode(base, shape, strides, desc.padding, meta)
+            kept = self._maps[key] = self._encode(base, key[1], key[2], desc.padding, meta) + (meta,)
         return kept[1]
 
     def _encode(self, base: int, shape, strides, padding: str, meta: dict) -> tuple[ctypes.Array, int]:

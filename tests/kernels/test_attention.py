@@ -254,6 +254,22 @@ def test_prefill_descriptors_where_the_head_dimension_is_a_power_of_two():
         ta.PREFILL_TMA = True
 
 
+def test_prefill_descriptors_are_copies_with_their_own_base():
+    """The descriptors are copies of one validated descriptor a (dtype, shape, block): each launch's hold its own
+    tensors (as views of the 2-D shape), and a misaligned tensor falls back to pointer loads."""
+    q = torch.randn(10, 4, 32, dtype=torch.float16)
+    caches = [torch.randn(2, 16, 2, 32, dtype=torch.float16) for _ in range(2)]
+    a = ta._prefill_descriptors(q, caches[0], caches[0], 16, 16)
+    b = ta._prefill_descriptors(q, caches[1], caches[1], 16, 16)
+    assert [d.base.data_ptr() for d in a] == [q.data_ptr(), caches[0].data_ptr(), caches[0].data_ptr()]
+    assert [d.base.data_ptr() for d in b][1:] == [caches[1].data_ptr()] * 2
+    assert [list(d.base.shape) for d in b] == [[10, 128], [32, 64], [32, 64]]
+    assert a[1] is not b[1] and a[1].block_shape == b[1].block_shape == [16, 32]
+    assert torch.equal(b[1].base, caches[1].view(32, 64))
+    shifted = torch.empty(10 * 4 * 32 + 1, dtype=torch.float16)[1:].view(10, 4, 32)  # 2 bytes off alignment
+    assert ta._prefill_descriptors(shifted, caches[0], caches[0], 16, 16) == [None, None, None]
+
+
 def test_prefill_launch_of_a_kernel_without_descriptors(monkeypatch):
     """An artifact built before the TMA loads pins a kernel without the descriptor arguments: the launch
     gives it the eight arguments it takes."""
