@@ -333,10 +333,10 @@ def replay_ab(model, s: int, rounds: int) -> None:
     from mxc.runtime_buckets import padded_prefill
 
     d = model._decoder
-    ids = prompt_ids = torch.randint(0, 1000, (s,), device="cuda")
+    ids = torch.randint(0, 1000, (s,), device="cuda")
     size = prefill_graph_bucket(s, d.prefill_graph_tokens, d.max_len)
     assert size is not None, f"no prompt bucket holds {s} tokens (built with --prefill-graphs {d.prefill_graph_tokens})"
-    d.prefill(prompt_ids.reshape(1, s))  # captures the bucket's graph
+    d.prefill(ids.reshape(1, s))  # captures the bucket's graph
     bucket = d.prefill_graphs[size]
     positions = torch.arange(s, device="cuda")
     rows = torch.tensor([s - 1], device="cuda")
@@ -363,9 +363,9 @@ def replay_ab(model, s: int, rounds: int) -> None:
 
     graphs = {"runtime bucket graph": bucket.graph, "own capture": own,
               "one sequence, runtime's capture": runtime_way(), "two sequences, own capture": padded_own_way()}
-    ids_cpu = prompt_ids.cpu().reshape(1, s)
+    ids_cpu = ids.cpu().reshape(1, s)
     calls = {**{name: g.replay for name, g in graphs.items()},
-             "bucket run (refill + replay)": lambda: bucket.run(d, prompt_ids),
+             "bucket run (refill + replay)": lambda: bucket.run(d, ids),
              "generate(1), bucket": lambda: model.generate(ids_cpu, max_new_tokens=1)}
     for fn in calls.values():
         fn()

@@ -111,7 +111,9 @@ class _Binary:
         if any(kind != "ptr" for kind in self.kinds[used:]):
             raise MxcError(f"{entry['kernel']}: parameters past its {self.n_args} arguments are not all Triton's "
                            f"scratch pointers ({self.kinds}); rebuild the artifact")
-        self._maps = maps if maps is not None or "tensordesc" not in entry else tensor_maps.TensorMaps(lib)
+        if maps is None and "tensordesc" in entry:  # a binary loaded alone (the launcher shares one)
+            maps = tensor_maps.TensorMaps(lib)
+        self._maps = maps
         self.pdl = bool(entry.get("pdl"))
         self._local = threading.local()
 
