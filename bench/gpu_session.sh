@@ -13,8 +13,6 @@
 #           TP_MODES) vs tp=1 decode and the all-reduce times
 #   ab      after decode, same call: fp8 without fuse_norm_linear
 #   small   the small decode kernels (norms, RoPE, attention, SiLU) over their warps and splits
-#   gemvtma the fp8 GEMV with TMA-fed weight tiles against the shipped one, Llama-3-8B linears at 1 and 8 tokens
-#           (bench/gemv_tma_lab.py)
 #   lab     bf16 and fp8 GEMVs one by one (fp8: SWAP_AB against the widening kernel);
 #           add --all for the prefill GEMMs too
 #   ablate  what each kernel costs the batch-1 step (bench/ablate.py): fp8 Llama-3-8B small kernels and GEMVs,
@@ -69,7 +67,6 @@ case "${1:-}" in
           run 150 ab_fp8_nofold.log python3 bench/decode.py --reuse --out "$scratch/b8" --batches "" --quant fp8 \
             --disable-pass fuse_norm_linear --hf-batches "" ;;
   small)  run 280 small_lab.log python3 bench/small_lab.py ;;
-  gemvtma) run 400 gemv_tma_lab.log python3 bench/gemv_tma_lab.py ;;
   ablate) run 200 ablate_fp8.log python3 bench/ablate.py --quant fp8 --out "$scratch/abl8" --replay \
             --skip quant=_quant_tile_kernel --skip silu=silu_mul_kernel --skip attn=decode_split_kernel+decode_reduce_kernel \
             --skip small=ALL_BUT_GEMV --skip qkv=_qgemv_kernel:N=6144 --skip o=_qgemv_kernel:N=4096:K=4096 \

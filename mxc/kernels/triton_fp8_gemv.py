@@ -38,7 +38,13 @@ bytes of a row, the K order permuted alike in x; no shared memory; its first loa
 splitting K), as the qkv and gate/up (SiLU epilogue) GEMVs at one token (2026-12-02, a lab in commit 5152cce,
 32 Llama-3-8B layers' linears in a PDL graph): 68.0 against 66.7 us a layer; gate/up alone 34.1 against 31.5
 (89% of its bytes at the copy rate); L2 256-byte line hints 32.7, the weights in a tile-major layout (each
-warp load 512 contiguous bytes) 32.3, the CTA's warps on interleaved chunks 34.7. Removed.
+warp load 512 contiguous bytes) 32.3, the CTA's warps on interleaved chunks 34.7. Removed. The e4m3 wgmma
+GEMV with each [BLOCK_N, BLOCK_K] weight tile a TMA copy (a host tensor descriptor, ``tl.range`` stages
+pipelined by Triton; 2026-12-03, a lab in commit 0e1d957, each Llama-3-8B linear alone in a graph of
+back-to-back calls over weight copies 4x the L2): at one token the best of 8-16 configs a shape took qkv 10.5
+against the shipped 9.6 us, o 8.6 against 6.8 (v1 weight-only, preloaded), gate/up 32.5 against 32.6, down
+21.6 against 16.9 (v1 weight-only); at eight tokens o 8.7 against 9.8, gate/up 33.1 against 33.5, down 22.0
+against 23.0. Removed: no one-token GEMV got faster, and the TMA loads feed the same wgmma the pointer loads do.
 """
 
 from __future__ import annotations
