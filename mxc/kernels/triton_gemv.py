@@ -7,7 +7,12 @@ adds it (with the bias). ``out`` may be the residual itself (each element is rea
 written, by the same program). Input-side fusions were measured on the H200 and removed: a
 SiLU-and-mul prologue (every program recomputes silu on x) was 1.2x slower at batch 1 and 30x at
 batch 8; an RMSNorm prologue at batch 1 (x^2 summed while streaming the weights) made the step's
-GEMVs 16% slower (4437 against 3836 us a step on Llama-3-8B) for 132 us of norm kernels saved.
+GEMVs 16% slower (4437 against 3836 us a step on Llama-3-8B) for 132 us of norm kernels saved. Re-measured
+2026-12-03 under PDL (v1 with the norm weight multiplied into x and 1/rms applied at the end, one artifact,
+``bench/decode_ab.py``): Llama-3-8B bf16 4.469 against 4.086 ms a step, the fp8 step with only its bf16 LM
+head fused 2.561 against 2.512, Qwen3-30B-A3B bf16 (qkv only: 640 programs of two K steps) 2.537 against
+2.547. v1 keeps bytes in flight through resident programs, so per-program latency costs in proportion to the
+waves of programs (the LM head's 8016 programs: 49 us).
 Under fp8 both live in the activation-quantize kernel instead (``triton_fp8_quant``).
 On the output side, a SiLU-and-mul epilogue on the merged gate/up GEMV at batch 1
 (``fuse_silu_epilogue``) measured 4.41 against 4.29 ms/token end to end on Llama-3-8B and was removed.

@@ -19,8 +19,8 @@ projection's epilogue (``fuse_linear_io``). A linear that stays bf16 (the LM
 head without ``--quant-lm-head``) runs the RMSNorm kernel, then its GEMM. For
 bf16 models the pass leaves the graph alone: the norm folded into the batch-1
 GEMV (sum of squares while streaming the weights) measured 4.83 against 4.43
-ms/token on the H200 (Llama-3-8B shape), and without that kernel the rewrite
-saves no launch. Requires: the norm's weight is a weight and its
+ms/token on the H200 (Llama-3-8B shape; again 4.47 against 4.09 on 2026-12-03,
+``triton_gemv``), and without that kernel the rewrite saves no launch. Requires: the norm's weight is a weight and its
 output has no other reader (a MoE block reads it twice: router and experts);
 dead code is eliminated first. Preserves: the output name and the math (the
 normalised row is rounded to the model dtype, as by the unfused norm).
