@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU measurements of docs/perf.md, in parts that each fit one 10-minute device call.
 # Usage (repository root, on the GPU machine): bash bench/gpu_session.sh PART
-#   tests   pytest tests/gpu (the TP test runs where there are two GPUs) and the attention kernels' tests on the GPU
-#           (tests/kernels/test_attention.py: its fp32 cases catch tf32 dots, which the interpreter does not)
+#   tests   pytest tests/gpu (the TP test runs where there are two GPUs): more than 370 s on one H200 (2026-12-03), so
+#           a call of its own
+#   kattn   the attention kernels' tests on the GPU (tests/kernels/test_attention.py: its fp32 cases catch tf32
+#           dots, which the interpreter does not)
 #   decode  bf16 + fp8 decode/prefill, the PDL A/B per batch, per-kernel profiles at batch 1 and 8 and of
 #           the bf16 and fp8 prefills,
 #           HF compiled at batch 1, 8, 32
@@ -54,7 +56,8 @@ run() {  # run LIMIT_S LOG CMD...: stop at the limit with every Python thread's 
 }
 
 case "${1:-}" in
-  tests)  run 450 pytest.log python3 -m pytest -q -p no:cacheprovider tests/gpu tests/kernels/test_attention.py ;;
+  tests)  run 560 pytest.log python3 -m pytest -q -p no:cacheprovider tests/gpu --durations=10 ;;
+  kattn)  run 300 pytest_attention.log python3 -m pytest -q -p no:cacheprovider tests/kernels/test_attention.py ;;
   decode) run 570 decode.log python3 bench/decode.py --profile 1,8 --profile-prefill --quant fp8 --hf-batches 1,8,32 --pdl-ab \
             --out "$scratch/b8" ;;
   moe)    # the 61 GB artifact is deleted after: left in /dev/shm it slowed the next part's runs
