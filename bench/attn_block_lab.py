@@ -1,6 +1,6 @@
 """The persistent fp8 attention block against the kernel chain it would replace, over a model's worth of layers.
 
-Step 2 of docs/persistent_decode.md, measured before anything is wired to it. ``mxc/kernels/csrc/attn_block_fp8.cu``
+Step 2 of docs/persistent_decode.md, measured before anything is wired to it. ``bench/csrc/attn_block_fp8.cu``
 does in one launch what today's fp8 batch-1 decode does in six (RMSNorm-quantize, qkv GEMV, RoPE + KV write,
 split attention, merge, o GEMV with the residual). Fixed shape: Llama-3-8B (hidden 4096, 32 q / 8 kv heads of
 128), one token. Each variant runs ``--layers`` layers (each with its own weights and KV cache, so nothing is
@@ -44,7 +44,7 @@ from decode import copy_bandwidth, interleaved_graph_us  # noqa: E402
 
 from mxc.kernels import cuda_ops, launch, triton_attention, triton_fp8, triton_rope  # noqa: E402
 
-SOURCE = Path(__file__).resolve().parents[1] / "mxc" / "kernels" / "csrc" / "attn_block_fp8.cu"
+SOURCE = Path(__file__).resolve().parent / "csrc" / "attn_block_fp8.cu"
 FP8 = torch.float8_e4m3fn
 H, HQ, HKV, D, INTER = 4096, 32, 8, 128, 14336  # --tp2: one rank's share (HQ 16, HKV 4, INTER 7168)
 EPS = 1e-5

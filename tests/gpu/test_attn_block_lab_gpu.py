@@ -1,4 +1,4 @@
-"""The persistent attention block lab kernel (mxc/kernels/csrc/attn_block_fp8.cu, bench/attn_block_lab.py) on an
+"""The persistent attention block lab kernel (bench/csrc/attn_block_fp8.cu, bench/attn_block_lab.py) on an
 sm_90 GPU with at least 128 SMs: one layer against the Triton kernel chain it would replace, and three launches in
 a row (the counters, tags and fp32 sums each launch leaves behind must not leak into the next).
 
