@@ -188,7 +188,8 @@ def test_normalize_specs():
      "config.json: rope_parameters is nested per layer type"),
     ({"rope_theta": "big"}, "config.json: rope_theta must be a number, got 'big'"),
     ({"partial_rotary_factor": 0.3}, "config.json: rotary dim int(head_dim 32 * partial_rotary_factor 0.3) = 9"),
-    ({"max_position_embeddings": None}, "config.json: max_position_embeddings must be a positive integer"),
+    ({"max_position_embeddings": None}, "config.json: no field 'max_position_embeddings'"),
+    ({"max_position_embeddings": 0}, "config.json: max_position_embeddings must be a positive integer, got 0"),
     ({"rope_scaling": {"type": "yarn", "factor": 2.0, "truncate": "no"}},
      "config.json: rope_scaling.truncate must be true, false or null, got 'no'"),
 ])
