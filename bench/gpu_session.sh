@@ -30,6 +30,8 @@
 #           replay, the idle time by kernel pair) and the power check (the GEMM rate and the prefill, burst and
 #           sustained)
 #   fp8moe  fp8 MoE builds: their GPU tests, then Qwen3-30B-A3B fp8 batch-1 decode against bf16 (bench/decode_ab.py)
+#   preload the one-token fp8 wgmma GEMV with its weight stages loaded into shared memory before the PDL wait
+#           (bench/gemv_preload_lab.py, Gluon): correctness, then 32 layers of quantize + GEMV against the shipped GEMV
 #   prefill the fp8 prefill's pieces: attention in both grid orders, the CUTLASS GEMMs against _scaled_mm per shape,
 #           the quantize kernels' configs, then a 7-round prefill A/B of PREFILL_VARIANTS ("--variant a=... --variant
 #           b=", bench/decode_ab.py syntax) with per-kernel profiles; prefill figures move 1-2 ms between rounds
@@ -70,6 +72,7 @@ case "${1:-}" in
           run 150 ab_fp8_nofold.log python3 bench/decode.py --reuse --out "$scratch/b8" --batches "" --quant fp8 \
             --disable-pass fuse_norm_linear --hf-batches "" ;;
   small)  run 280 small_lab.log python3 bench/small_lab.py ;;
+  preload) run 200 preload_lab.log python3 bench/gemv_preload_lab.py ;;
   ablate) run 200 ablate_fp8.log python3 bench/ablate.py --quant fp8 --out "$scratch/abl8" --replay \
             --skip quant=_quant_tile_kernel --skip silu=silu_mul_kernel --skip attn=decode_split_kernel+decode_reduce_kernel \
             --skip small=ALL_BUT_GEMV --skip qkv=_qgemv_kernel:N=6144 --skip o=_qgemv_kernel:N=4096:K=4096 \

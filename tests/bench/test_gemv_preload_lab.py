@@ -1,0 +1,69 @@
+"""The shared-memory preload lab (bench/gemv_preload_lab.py): what it exists to test is where its loads sit.
+
+The lab runs on the GPU only (Gluon kernels do not run in the interpreter). Compiling it here for sm_90 checks the
+one property the experiment is about: with ``EARLY`` the TMA loads of the weight stages come before
+``griddepcontrol.wait`` in the PTX, and the x tiles after it; without it, every load comes after the wait. It also
+keeps the lab compiling with this environment's Triton and, where ``MXC_GPU_TRITON`` names it, the GPU machines'.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+_COMPILE = """
+import sys, torch, triton
+sys.path.insert(0, "bench")
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+import gemv_preload_lab as lab
+f8 = torch.float8_e4m3fn
+wd, xd = lab.descriptors(torch.empty(6144, 4096, dtype=f8, device="meta"), torch.empty(1, 4096, dtype=f8, device="meta"))
+fn = lab.qgemv_preload_kernel
+sig = {"w_desc": mangle_type(wd), "x_desc": mangle_type(xd), "s_ptr": "*fp32", "xs_ptr": "*fp32", "y_ptr": "*bf16",
+       "M": "i32", "N": "constexpr", "K": "constexpr", "STAGES": "constexpr", "EARLY": "constexpr", "USE_PDL": "constexpr"}
+for early in (False, True):
+    consts = {"N": 6144, "K": 4096, "STAGES": 6, "EARLY": early, "USE_PDL": True}
+    src = GluonASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    lines = [l.strip() for l in ptx.splitlines()]
+    wait = next(i for i, l in enumerate(lines) if l.startswith("griddepcontrol.wait"))
+    loads = [i for i, l in enumerate(lines) if "cp.async.bulk.tensor" in l]
+    print("early" if early else "late", sum(i < wait for i in loads), sum(i > wait for i in loads))
+"""
+
+
+def _compile(triton_path: str | None = None) -> dict[str, tuple[int, int]]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if triton_path:
+        env["PYTHONPATH"] = os.pathsep.join([triton_path, str(ROOT)])
+    r = subprocess.run([sys.executable, "-c", _COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line.split() for line in r.stdout.splitlines() if line.split()[:1] in (["early"], ["late"])]
+    return {name: (int(before), int(after)) for name, before, after in rows}
+
+
+def _check(counts: dict[str, tuple[int, int]]) -> None:
+    # six weight stages before the wait and, after it, the six x tiles and the ring's refills of both
+    before, after = counts["early"]
+    assert before == 6 and after >= 6 + 2, counts
+    assert counts["late"][0] == 0 and counts["late"][1] == before + after, counts
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compile check is for machines without a GPU")
+def test_weight_stages_load_before_the_pdl_wait_only_with_early():
+    _check(_compile())
+
+
+@pytest.mark.skipif(not os.environ.get("MXC_GPU_TRITON"), reason="MXC_GPU_TRITON not set (the GPU machines' Triton)")
+def test_the_gpu_triton_compiles_it_alike():
+    _check(_compile(os.environ["MXC_GPU_TRITON"]))
