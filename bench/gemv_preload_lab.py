@@ -141,17 +141,18 @@ def qgemv_preload(xq, xs, w, s, *, stages: int = 6, early: bool = True, use_pdl:
     return y
 
 
-def _reference(xq, xs, w, s):
-    return ((xq.float() @ w.float().t()) * xs[:, None] * s[None, :]).to(torch.bfloat16)
-
-
 def check(device="cuda") -> None:
+    """Against the project's reference, ``fp8_ref.qlinear`` (x quantized per token by ``fp8_ref.quantize_rows``, as the
+    quantize kernel does), at 1, 3 and 16 tokens."""
+    from mxc.kernels import fp8_ref
+    from mxc.loaders.quantize import quantize_fp8
+
     torch.manual_seed(0)
     for M, N, K in ((1, 6144, 4096), (3, 256, 1024), (16, 128, 768)):
-        xq = torch.randn(M, K, device=device).clamp(-4, 4).to(torch.float8_e4m3fn)
-        w = torch.randn(N, K, device=device).clamp(-4, 4).to(torch.float8_e4m3fn)
-        xs, s = torch.rand(M, device=device) + 0.5, torch.rand(N, device=device) / 64
-        want = _reference(xq, xs, w, s).float()
+        x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+        w, s = quantize_fp8(torch.randn(N, K, device=device), "channel")
+        want = fp8_ref.qlinear(x, w, s).float()
+        xq, xs = fp8_ref.quantize_rows(x)
         for early in (False, True):
             got = qgemv_preload(xq, xs, w, s, early=early).float()
             err = float((got - want).abs().max() / want.abs().max())
