@@ -29,15 +29,16 @@ f8 = torch.float8_e4m3fn
 wd, xd = lab.descriptors(torch.empty(6144, 4096, dtype=f8, device="meta"), torch.empty(1, 4096, dtype=f8, device="meta"))
 fn = lab.qgemv_preload_kernel
 sig = {"w_desc": mangle_type(wd), "x_desc": mangle_type(xd), "s_ptr": "*fp32", "xs_ptr": "*fp32", "y_ptr": "*bf16",
-       "M": "i32", "N": "constexpr", "K": "constexpr", "STAGES": "constexpr", "EARLY": "constexpr", "USE_PDL": "constexpr"}
-for early in (False, True):
-    consts = {"N": 6144, "K": 4096, "STAGES": 6, "EARLY": early, "USE_PDL": True}
+       "M": "i32", "N": "constexpr", "K": "constexpr", "STAGES": "constexpr", "EARLY": "constexpr", "USE_PDL": "constexpr",
+       "PIPE": "constexpr", "SUB": "constexpr"}
+for early, pipe in ((False, False), (True, False), (False, True), (True, True)):
+    consts = {"N": 6144, "K": 4096, "STAGES": 6, "EARLY": early, "USE_PDL": True, "PIPE": pipe, "SUB": 1}
     src = GluonASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
     lines = [l.strip() for l in ptx.splitlines()]
     wait = next(i for i, l in enumerate(lines) if l.startswith("griddepcontrol.wait"))
     loads = [i for i, l in enumerate(lines) if "cp.async.bulk.tensor" in l]
-    print("early" if early else "late", sum(i < wait for i in loads), sum(i > wait for i in loads))
+    print(("early" if early else "late") + ("_pipe" if pipe else ""), sum(i < wait for i in loads), sum(i > wait for i in loads))
 """
 
 
@@ -48,15 +49,17 @@ def _compile(triton_path: str | None = None) -> dict[str, tuple[int, int]]:
     r = subprocess.run([sys.executable, "-c", _COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    rows = [line.split() for line in r.stdout.splitlines() if line.split()[:1] in (["early"], ["late"])]
+    rows = [line.split() for line in r.stdout.splitlines() if line.split()[:1] and line.split()[0] in ("early", "late", "early_pipe", "late_pipe")]
     return {name: (int(before), int(after)) for name, before, after in rows}
 
 
 def _check(counts: dict[str, tuple[int, int]]) -> None:
-    # six weight stages before the wait and, after it, the six x tiles and the ring's refills of both
-    before, after = counts["early"]
-    assert before == 6 and after >= 6 + 2, counts
-    assert counts["late"][0] == 0 and counts["late"][1] == before + after, counts
+    # six weight stages before the wait and, after it, the six x tiles and the ring's refills of both; the same with
+    # the pipelined ring (one wgmma in flight)
+    for suffix in ("", "_pipe"):
+        before, after = counts["early" + suffix]
+        assert before == 6 and after >= 6 + 2, counts
+        assert counts["late" + suffix][0] == 0 and counts["late" + suffix][1] == before + after, counts
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="compile check is for machines without a GPU")
