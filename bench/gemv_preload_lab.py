@@ -61,7 +61,8 @@ def _gdc_launch_dependents():
 
 @gluon.jit
 def _load_stage(desc, bar, smem, stage, k_step, row, SUB: gl.constexpr):
-    """TMA-load K step ``k_step`` (SUB boxes of 128 B a row) of ``desc``'s rows from ``row`` into ring stage ``stage``."""
+    """TMA-load K step ``k_step`` (SUB boxes of 128 B a row) of ``desc``'s rows from ``row`` into ring stage
+    ``stage``, under that stage's barrier."""
     BK: gl.constexpr = desc.block_type.shape[1]
     mbarrier.expect(bar.index(stage), SUB * desc.block_type.nbytes)
     for j in gl.static_range(SUB):

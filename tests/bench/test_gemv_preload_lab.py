@@ -26,40 +26,45 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
 import gemv_preload_lab as lab
 f8 = torch.float8_e4m3fn
-wd, xd = lab.descriptors(torch.empty(6144, 4096, dtype=f8, device="meta"), torch.empty(1, 4096, dtype=f8, device="meta"))
+w, x = torch.empty(6144, 4096, dtype=f8, device="meta"), torch.empty(1, 4096, dtype=f8, device="meta")
+wd, xd = lab.descriptors(w, x)
 fn = lab.qgemv_preload_kernel
 sig = {"w_desc": mangle_type(wd), "x_desc": mangle_type(xd), "s_ptr": "*fp32", "xs_ptr": "*fp32", "y_ptr": "*bf16",
-       "M": "i32", "N": "constexpr", "K": "constexpr", "STAGES": "constexpr", "EARLY": "constexpr", "USE_PDL": "constexpr",
-       "PIPE": "constexpr", "SUB": "constexpr"}
-for early, pipe in ((False, False), (True, False), (False, True), (True, True)):
-    consts = {"N": 6144, "K": 4096, "STAGES": 6, "EARLY": early, "USE_PDL": True, "PIPE": pipe, "SUB": 1}
-    src = GluonASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
-    lines = [l.strip() for l in ptx.splitlines()]
-    wait = next(i for i, l in enumerate(lines) if l.startswith("griddepcontrol.wait"))
-    loads = [i for i, l in enumerate(lines) if "cp.async.bulk.tensor" in l]
-    print(("early" if early else "late") + ("_pipe" if pipe else ""), sum(i < wait for i in loads), sum(i > wait for i in loads))
+       "M": "i32", "N": "constexpr", "K": "constexpr", "STAGES": "constexpr", "EARLY": "constexpr",
+       "USE_PDL": "constexpr", "PIPE": "constexpr", "SUB": "constexpr"}
+# (name, STAGES, PIPE, SUB): the first lab ring, the pipelined one, and one of two 128-byte boxes a stage
+for name, stages, pipe, sub in (("ring", 6, False, 1), ("pipelined", 6, True, 1), ("two_boxes", 4, True, 2)):
+    for early in (False, True):
+        consts = {"N": 6144, "K": 4096, "STAGES": stages, "EARLY": early, "USE_PDL": True, "PIPE": pipe, "SUB": sub}
+        src = GluonASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()})
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+        lines = [l.strip() for l in ptx.splitlines()]
+        wait = next(i for i, l in enumerate(lines) if l.startswith("griddepcontrol.wait"))
+        loads = [i for i, l in enumerate(lines) if "cp.async.bulk.tensor" in l]
+        print("ring", name, stages * sub, int(early), sum(i < wait for i in loads), sum(i > wait for i in loads))
 """
 
 
-def _compile(triton_path: str | None = None) -> dict[str, tuple[int, int]]:
+def _compile(triton_path: str | None = None) -> dict[tuple[str, bool], tuple[int, int, int]]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if triton_path:
         env["PYTHONPATH"] = os.pathsep.join([triton_path, str(ROOT)])
     r = subprocess.run([sys.executable, "-c", _COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    rows = [line.split() for line in r.stdout.splitlines() if line.split()[:1] and line.split()[0] in ("early", "late", "early_pipe", "late_pipe")]
-    return {name: (int(before), int(after)) for name, before, after in rows}
+    rows = [line.split()[1:] for line in r.stdout.splitlines() if line.startswith("ring ")]
+    return {(name, early == "1"): (int(boxes), int(before), int(after)) for name, boxes, early, before, after in rows}
 
 
-def _check(counts: dict[str, tuple[int, int]]) -> None:
-    # six weight stages before the wait and, after it, the six x tiles and the ring's refills of both; the same with
-    # the pipelined ring (one wgmma in flight)
-    for suffix in ("", "_pipe"):
-        before, after = counts["early" + suffix]
-        assert before == 6 and after >= 6 + 2, counts
-        assert counts["late" + suffix][0] == 0 and counts["late" + suffix][1] == before + after, counts
+def _check(counts: dict[tuple[str, bool], tuple[int, int, int]]) -> None:
+    # with EARLY, every weight box of the ring's stages before the wait and, after it, x's boxes and the ring's refills
+    # of both; without it, every load after the wait
+    assert {name for name, _ in counts} == {"ring", "pipelined", "two_boxes"}, counts
+    for name in ("ring", "pipelined", "two_boxes"):
+        boxes, before, after = counts[name, True]
+        assert before == boxes and after >= boxes + 2, counts
+        _, late_before, late_after = counts[name, False]
+        assert late_before == 0 and late_after == before + after, counts
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="compile check is for machines without a GPU")
