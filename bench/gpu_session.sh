@@ -30,6 +30,7 @@
 #           replay, the idle time by kernel pair) and the power check (the GEMM rate and the prefill, burst and
 #           sustained)
 #   fp8moe  fp8 MoE builds: their GPU tests, then Qwen3-30B-A3B fp8 batch-1 decode against bf16 (bench/decode_ab.py)
+#   gemvs   each GEMV's cost in the full step and in the GEMVs-only step (bench/ablate.py; bf16 and fp8)
 #   preload the one-token fp8 wgmma GEMV with its weight stages loaded into shared memory before the PDL wait
 #           (bench/gemv_preload_lab.py, Gluon): correctness, then 32 layers of quantize + GEMV against the shipped GEMV
 #   prefill the fp8 prefill's pieces: attention in both grid orders, the CUTLASS GEMMs against _scaled_mm per shape,
@@ -73,6 +74,18 @@ case "${1:-}" in
             --disable-pass fuse_norm_linear --hf-batches "" ;;
   small)  run 280 small_lab.log python3 bench/small_lab.py ;;
   preload) run 200 preload_lab.log python3 bench/gemv_preload_lab.py ;;
+  gemvs)  # each GEMV's cost in the full step and in the GEMVs-only step, bf16 then fp8
+          G=ALL_BUT_GEMV  # GEMVS_BF16=0: the fp8 half only
+          [ "${GEMVS_BF16:-1}" = 1 ] && run 330 ablate_bf16_gemvs.log python3 bench/ablate.py --out "$scratch/a16" --rounds 2 --skip small=$G \
+            --skip qkv=_gemv_kernel:N=6144 --skip o=_gemv_kernel:N=4096:K=4096 --skip gate_up=_gemv_kernel:N=28672 \
+            --skip down=_gemv_kernel:K=14336 --skip lmhead=_gemv_kernel:N=128256 --skip g_qkv=$G+_gemv_kernel:N=6144 \
+            --skip g_o=$G+_gemv_kernel:N=4096:K=4096 --skip g_gate_up=$G+_gemv_kernel:N=28672 \
+            --skip g_down=$G+_gemv_kernel:K=14336 --skip g_lmhead=$G+_gemv_kernel:N=128256; rm -rf "$scratch"/a16
+          run 300 ablate_fp8_gemvs.log python3 bench/ablate.py --quant fp8 --out "$scratch/a8" --rounds 2 --skip small=$G \
+            --skip qkv=_qgemv_kernel:N=6144 --skip o=_qgemv_kernel:N=4096:K=4096 --skip gate_up=_qgemv_kernel:N=28672 \
+            --skip down=_qgemv_kernel:K=14336 --skip lmhead=_gemv_kernel:N=128256 --skip g_qkv=$G+_qgemv_kernel:N=6144 \
+            --skip g_o=$G+_qgemv_kernel:N=4096:K=4096 --skip g_gate_up=$G+_qgemv_kernel:N=28672 \
+            --skip g_down=$G+_qgemv_kernel:K=14336 --skip g_lmhead=$G+_gemv_kernel:N=128256; rm -rf "$scratch"/a8 ;;
   ablate) run 200 ablate_fp8.log python3 bench/ablate.py --quant fp8 --out "$scratch/abl8" --replay \
             --skip quant=_quant_tile_kernel --skip silu=silu_mul_kernel --skip attn=decode_split_kernel+decode_reduce_kernel \
             --skip small=ALL_BUT_GEMV --skip qkv=_qgemv_kernel:N=6144 --skip o=_qgemv_kernel:N=4096:K=4096 \
@@ -104,6 +117,6 @@ case "${1:-}" in
           run 200 fp8moe_test.log python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_gpu.py -k moe
           run 380 fp8moe_ab.log python3 bench/decode_ab.py --config bench/qwen3_30b_a3b.json --quant fp8 --bf16 \
             --out "$scratch/abmoe8" --variant default= --timeline default; rm -rf "$scratch"/abmoe8* ;;
-  *) echo "usage: bash bench/gpu_session.sh tests|decode|ab|moe|moelab|tp|small|lab|ablate|pair|pairab|gaps|prefill|fp8moe" >&2
+  *) echo "usage: bash bench/gpu_session.sh tests|kattn|decode|ab|moe|moelab|tp|small|lab|ablate|pair|pairab|gaps|prefill|fp8moe|preload|gemvs" >&2
      exit 2 ;;
 esac
