@@ -74,18 +74,19 @@ case "${1:-}" in
             --disable-pass fuse_norm_linear --hf-batches "" ;;
   small)  run 280 small_lab.log python3 bench/small_lab.py ;;
   preload) run 200 preload_lab.log python3 bench/gemv_preload_lab.py ;;
-  gemvs)  # each GEMV's cost in the full step and in the GEMVs-only step, bf16 then fp8
-          G=ALL_BUT_GEMV  # GEMVS_BF16=0: the fp8 half only
-          [ "${GEMVS_BF16:-1}" = 1 ] && run 330 ablate_bf16_gemvs.log python3 bench/ablate.py --out "$scratch/a16" --rounds 2 --skip small=$G \
-            --skip qkv=_gemv_kernel:N=6144 --skip o=_gemv_kernel:N=4096:K=4096 --skip gate_up=_gemv_kernel:N=28672 \
-            --skip down=_gemv_kernel:K=14336 --skip lmhead=_gemv_kernel:N=128256 --skip g_qkv=$G+_gemv_kernel:N=6144 \
-            --skip g_o=$G+_gemv_kernel:N=4096:K=4096 --skip g_gate_up=$G+_gemv_kernel:N=28672 \
-            --skip g_down=$G+_gemv_kernel:K=14336 --skip g_lmhead=$G+_gemv_kernel:N=128256; rm -rf "$scratch"/a16
-          run 300 ablate_fp8_gemvs.log python3 bench/ablate.py --quant fp8 --out "$scratch/a8" --rounds 2 --skip small=$G \
-            --skip qkv=_qgemv_kernel:N=6144 --skip o=_qgemv_kernel:N=4096:K=4096 --skip gate_up=_qgemv_kernel:N=28672 \
-            --skip down=_qgemv_kernel:K=14336 --skip lmhead=_gemv_kernel:N=128256 --skip g_qkv=$G+_qgemv_kernel:N=6144 \
-            --skip g_o=$G+_qgemv_kernel:N=4096:K=4096 --skip g_gate_up=$G+_qgemv_kernel:N=28672 \
-            --skip g_down=$G+_qgemv_kernel:K=14336 --skip g_lmhead=$G+_gemv_kernel:N=128256; rm -rf "$scratch"/a8 ;;
+  gemvs)  # each GEMV's cost in the full step and in the GEMVs-only step (g_*), bf16 then fp8 (GEMVS_BF16=0: fp8 only)
+          gemv_skips() {  # gemv_skips KERNEL: the --skip list for the four layer GEMVs run by KERNEL, and the LM head
+            local k=$1 g=ALL_BUT_GEMV name_sel name sel
+            echo "--skip small=$g --skip lmhead=_gemv_kernel:N=128256 --skip g_lmhead=$g+_gemv_kernel:N=128256"
+            for name_sel in qkv=N=6144 o=N=4096:K=4096 gate_up=N=28672 down=K=14336; do
+              name=${name_sel%%=*} sel=${name_sel#*=}
+              echo "--skip $name=$k:$sel --skip g_$name=$g+$k:$sel"
+            done
+          }
+          [ "${GEMVS_BF16:-1}" = 1 ] && run 330 ablate_bf16_gemvs.log python3 bench/ablate.py --out "$scratch/a16" \
+            --rounds 2 $(gemv_skips _gemv_kernel); rm -rf "$scratch"/a16
+          run 300 ablate_fp8_gemvs.log python3 bench/ablate.py --quant fp8 --out "$scratch/a8" --rounds 2 \
+            $(gemv_skips _qgemv_kernel); rm -rf "$scratch"/a8 ;;
   ablate) run 200 ablate_fp8.log python3 bench/ablate.py --quant fp8 --out "$scratch/abl8" --replay \
             --skip quant=_quant_tile_kernel --skip silu=silu_mul_kernel --skip attn=decode_split_kernel+decode_reduce_kernel \
             --skip small=ALL_BUT_GEMV --skip qkv=_qgemv_kernel:N=6144 --skip o=_qgemv_kernel:N=4096:K=4096 \

@@ -89,8 +89,8 @@ def normalize_rope(config: dict, head_dim: int) -> dict:
     max_pos = config.get("max_position_embeddings")
     if not isinstance(max_pos, int) or isinstance(max_pos, bool) or max_pos <= 0:
         if max_pos is None:
-            raise ConfigError("no field 'max_position_embeddings' (the longest position the RoPE tables cover): "
-                              "add it to the file")
+            raise ConfigError("max_position_embeddings is missing or null (the longest position the RoPE tables "
+                              "cover): set it to the model's context length")
         raise ConfigError(f"max_position_embeddings must be a positive integer, got {max_pos!r}")
 
     spec = {"type": rope_type, "theta": float(theta), "rotary_dim": rotary_dim,

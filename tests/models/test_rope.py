@@ -188,7 +188,7 @@ def test_normalize_specs():
      "config.json: rope_parameters is nested per layer type"),
     ({"rope_theta": "big"}, "config.json: rope_theta must be a number, got 'big'"),
     ({"partial_rotary_factor": 0.3}, "config.json: rotary dim int(head_dim 32 * partial_rotary_factor 0.3) = 9"),
-    ({"max_position_embeddings": None}, "config.json: no field 'max_position_embeddings'"),
+    ({"max_position_embeddings": None}, "config.json: max_position_embeddings is missing or null"),
     ({"max_position_embeddings": 0}, "config.json: max_position_embeddings must be a positive integer, got 0"),
     ({"rope_scaling": {"type": "yarn", "factor": 2.0, "truncate": "no"}},
      "config.json: rope_scaling.truncate must be true, false or null, got 'no'"),
@@ -198,3 +198,9 @@ def test_normalize_errors(config, message):
         normalize_rope({"max_position_embeddings": 64, **config}, HEAD_DIM)
     assert str(err.value).startswith(message)
     assert "\n" not in str(err.value)
+
+
+def test_missing_max_position_embeddings_is_named():
+    with pytest.raises(MxcError) as err:
+        normalize_rope({}, HEAD_DIM)
+    assert str(err.value).startswith("config.json: max_position_embeddings is missing or null")
