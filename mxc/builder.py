@@ -357,14 +357,14 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     graph = compile_graph(graph, options, Path(dump_ir) if dump_ir else None)
 
     tmp = out.parent / f".{out.name}.building-{os.getpid()}"
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        _recover(out)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    except OSError as e:
-        raise MxcError(f"--out {out}: cannot write an artifact there ({e.strerror or e})") from None
-    try:
+    try:  # the temporary directory goes on any exit, even a signal handled just after its mkdir
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            _recover(out)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        except OSError as e:
+            raise MxcError(f"--out {out}: cannot write an artifact there ({e.strerror or e})") from None
         _write(tmp, graph, src, options, arch, progress, log)
         _replace(tmp, out)
     except BaseException:

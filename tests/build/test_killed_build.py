@@ -85,3 +85,20 @@ def test_terminated_build_removes_its_partial_output(hf_checkpoint, tmp_path, si
     code, err = ended
     assert code == 128 + sig and f"mxc: terminated ({sig.name})" in err and "Traceback" not in err
     assert not out.exists() and not list(tmp_path.glob(".art.*"))
+
+
+def test_signal_just_after_the_temporary_directory_is_made_leaves_nothing(tmp_path, monkeypatch):
+    # a signal handler runs between two bytecodes: here, the one right after the temporary directory's mkdir
+    # (the window in which the SIGHUP case above once left `.art.building-*` behind in CI)
+    made = []
+    mkdir = type(tmp_path).mkdir
+
+    def mkdir_then_interrupt(self, *args, **kwargs):
+        mkdir(self, *args, **kwargs)
+        if self.name.startswith(".art.building-"):
+            made.append(self)
+            raise KeyboardInterrupt
+    monkeypatch.setattr(type(tmp_path), "mkdir", mkdir_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        mxc.build("llama.yaml", out=tmp_path / "art", progress=False, log=lambda m: None)
+    assert made and not made[0].exists() and not (tmp_path / "art").exists()
