@@ -14,8 +14,8 @@ from mxc.compiler.options import BuildOptions
 from mxc.errors import MxcError
 from mxc.compiler.passes import (eliminate_dead_code, fuse_add_rms_norm, fuse_all_reduce, fuse_linear_all_reduce,
                                   fuse_linear_io, fuse_mlp, fuse_moe, fuse_norm_linear, fuse_norm_route, fuse_rope_cache,
-                                  early_launch_o_proj, interleave_gate_up, merge_gate_up, merge_qkv,
-                                  prefetch_next_weight, quantize, select_kernels, shard_tp)
+                                  early_launch_o_proj, interleave_gate_up, merge_gate_up, merge_qkv, quantize,
+                                  select_kernels, shard_tp)
 from mxc.ir import Graph, VerifyError, dump_graph, verify
 
 PIPELINE = [
@@ -41,8 +41,6 @@ PIPELINE = [
     ("interleave_gate_up", interleave_gate_up.run),
     # launch order under PDL: the o projection's GEMV launched during the decode attention when it preloads
     ("early_launch_o_proj", early_launch_o_proj.run),
-    # ... and asking L2 for the next GEMV's weight after its wait
-    ("prefetch_next_weight", prefetch_next_weight.run),
     # cleanup
     ("eliminate_dead_code", eliminate_dead_code.run),
     # lowering: every node claimed by a kernel for the target
@@ -55,7 +53,7 @@ PIPELINE = [
 OPTIONAL = ("merge_qkv", "merge_gate_up", "fuse_moe", "fuse_rope_cache", "fuse_norm_linear",
             "fuse_add_rms_norm", "fuse_norm_route", "fuse_linear_io", "fuse_all_reduce",
             "fuse_linear_all_reduce", "fuse_mlp", "interleave_gate_up", "early_launch_o_proj",
-            "prefetch_next_weight", "eliminate_dead_code")
+            "eliminate_dead_code")
 
 
 def check_disabled(names) -> tuple[str, ...]:

@@ -121,9 +121,8 @@ def _add_rms_norm(a, b, w, eps, **_):
     return (a,) + _rms_norm(a, w, eps)
 
 
-def _qlinear(x, w, scale, bias=None, residual=None, prefetch=None, granularity=None, prologue=None, **_):
+def _qlinear(x, w, scale, bias=None, residual=None, granularity=None, prologue=None, **_):
     _need(w.dtype == "float8_e4m3fn", lambda: f"weight {w} must be float8_e4m3fn")
-    _need(prefetch is None or len(prefetch.shape) == 2, lambda: f"prefetch {prefetch} must be a 2-D weight")
     _need(scale.dtype == "float32", lambda: f"scale {scale} must be float32")
     n, k = w.shape
     want = (n,) if granularity in ("channel", "tensor") else (-(-n // 128), -(-k // 128))
@@ -292,10 +291,9 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
           doc="causal GQA attention per sequence; reads and appends KV cache slot `layer`",
           uses_context=True),
     # quantized matmul (made by quantize)
-    OpDef("qlinear", ("x", "weight", "scale", "bias?", "residual?", "prefetch?"), _qlinear, attrs=("granularity",),
+    OpDef("qlinear", ("x", "weight", "scale", "bias?", "residual?"), _qlinear, attrs=("granularity",),
           optional_attrs=("prologue",),
-          doc="linear over an fp8 weight with its scales; activations quantized per token on the fly; prefetch: the "
-              "next GEMV's weight, which the one-token GEMV asks L2 for (a hint, no math) -- prefetch_next_weight"),
+          doc="linear over an fp8 weight with its scales; activations quantized per token on the fly"),
     # mixture of experts
     OpDef("route", ("logits",), _route, attrs=("k",), optional_attrs=("scoring", "renormalize"),
           doc="scores (softmax/sigmoid) -> top-k weights and expert ids per token"),

@@ -242,8 +242,7 @@ def halves(gate_up, interleave=0):
     return blocks.transpose(-3, -2).reshape(*lead, n)
 
 
-def qlinear(x, weight, scale, bias=None, residual=None, prefetch=None, granularity="channel", prologue=None):
-    """``fp8_ref.qlinear``; ``prefetch`` (a GPU GEMV's L2 hint for the next weight) means nothing here."""
+def qlinear(x, weight, scale, bias=None, residual=None, granularity="channel", prologue=None):
     from mxc.kernels import fp8_ref
 
     return fp8_ref.qlinear(x, weight, scale, bias, residual, granularity, prologue)

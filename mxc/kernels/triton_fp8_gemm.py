@@ -113,13 +113,13 @@ def _check_gemm_config(cfg: QGemmConfig, block: bool) -> None:
 
 
 def qlinear_gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                 residual: torch.Tensor | None = None, prefetch: torch.Tensor | None = None, *,
-                 granularity: str = "channel", prologue: str | None = None, norm_weight: torch.Tensor | None = None,
+                 residual: torch.Tensor | None = None, *, granularity: str = "channel",
+                 prologue: str | None = None, norm_weight: torch.Tensor | None = None,
                  eps: float = 1e-6, config: QGemmConfig | None = None,
                  out: torch.Tensor | None = None, interleave: int = 0) -> torch.Tensor:
     """``fp8_ref.qlinear(...)`` for any M (meant for M > 32): quantize x per token
     (``_quant_rows_kernel``, prologue folded in), then the fp8 GEMM ``_qgemm_kernel``.
-    Arguments as ``qlinear_small_m`` (``prefetch``, an L2 hint for the one-token GEMV, ignored); ``config`` overrides ``gemm_config_for``; ``interleave`` B (SiLU-and-mul
+    Arguments as ``qlinear_small_m``; ``config`` overrides ``gemm_config_for``; ``interleave`` B (SiLU-and-mul
     prologue only): x's gate and up columns in blocks of B (``triton_elementwise.check_interleave``). The binaries
     depend on (N, K, dtypes, granularity, fusions), not on M; the grid on M too (row offsets
     are 64-bit, so M is not limited by int32 offsets)."""

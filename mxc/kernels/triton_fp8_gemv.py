@@ -66,7 +66,7 @@ from mxc.kernels.triton_gemv import M_BUCKETS, NUM_SMS, bucket, fill_gpu, split_
 
 @reads_before_wait("w_ptr")  # PRELOAD: the program's weight tile
 @triton.jit
-def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, nw_ptr, M,
+def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
                   N: tl.constexpr, K: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_SCALE: tl.constexpr,
@@ -74,9 +74,7 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, nw_ptr, M,
                   PROLOGUE_SILU_MUL: tl.constexpr,
                   USE_PDL: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
                   WEIGHT_ONLY: tl.constexpr = False, EPILOGUE_SILU_MUL: tl.constexpr = False,
-                  REDUCE_STEPS: tl.constexpr = False, PRELOAD: tl.constexpr = False, PAIR_BLOCK: tl.constexpr = 0,
-                  NEXT_BYTES: tl.constexpr = 0, NEXT_ROWS: tl.constexpr = 1, NEXT_N: tl.constexpr = 1,
-                  NEXT_K: tl.constexpr = 1, NEXT_COL: tl.constexpr = 0, NEXT_AT_END: tl.constexpr = False):
+                  REDUCE_STEPS: tl.constexpr = False, PRELOAD: tl.constexpr = False, PAIR_BLOCK: tl.constexpr = 0):
     """One program: columns [pid_n * BLOCK_N, +BLOCK_N) of y over K slice pid_k.
 
     x_ptr: x [M, K] (or [M, 2K] under PROLOGUE_SILU_MUL) in its float dtype, with xs_ptr None;
@@ -90,10 +88,7 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, nw_ptr, M,
     N/2 below them; with PAIR_BLOCK B the weight's rows come in blocks of B gate then B up rows, each gate
     row's up row B below it (``triton_elementwise.check_interleave``). REDUCE_STEPS (one row): v2's loop,
     each step's products summed to BLOCK_N values, instead of v1's [BLOCK_N, BLOCK_K] accumulator. Built
-    for PDL (USE_PDL), it first asks L2 for PREFETCH bytes (0: none) of each of its weight rows. NEXT_BYTES
-    (USE_PDL; 0: none): after its wait (NEXT_AT_END: after its store) the program asks L2 for columns
-    [NEXT_COL, +NEXT_BYTES bytes) of rows [pid_n * NEXT_ROWS, +NEXT_ROWS) (capped at NEXT_N) of nw_ptr, the
-    next GEMV's weight [*, NEXT_K] (``next_prefetch``).
+    for PDL (USE_PDL), it first asks L2 for PREFETCH bytes (0: none) of each of its weight rows.
     """
     tl.static_assert(SPLIT_K == 1 or not (HAS_BIAS or HAS_RESIDUAL))
     tl.static_assert(not PREQUANT or not PROLOGUE_SILU_MUL)
@@ -131,8 +126,6 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, nw_ptr, M,
     elif USE_PDL and PREFETCH > 0:  # weights stream into L2 while the kernel ahead finishes; then wait for its output
         prefetch_rows_l2(w_ptr, rn, k_start, K, PREFETCH)
     pdl_enter(USE_PDL)
-    if USE_PDL and NEXT_BYTES > 0 and not NEXT_AT_END:
-        _prefetch_next(nw_ptr, pid_n, NEXT_ROWS, NEXT_N, NEXT_K, NEXT_COL, NEXT_BYTES)
     if N * K > 2**31 - 1:
         rn = rn.to(tl.int64)
     w_ptrs = w_ptr + rn[:, None] * K + (k_start + offs_k)[None, :]
@@ -273,16 +266,6 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, nw_ptr, M,
         _finish(acc, y_ptr, b_ptr, r_ptr, offs, offs_n, n_ok, mask, HAS_BIAS, HAS_RESIDUAL)
     else:
         tl.store(y_ptr + pid_k * M * N + offs, acc, mask=mask)
-    if USE_PDL and NEXT_BYTES > 0 and NEXT_AT_END:
-        _prefetch_next(nw_ptr, pid_n, NEXT_ROWS, NEXT_N, NEXT_K, NEXT_COL, NEXT_BYTES)
-
-
-@triton.jit
-def _prefetch_next(nw_ptr, pid, ROWS: tl.constexpr, N: tl.constexpr, K: tl.constexpr, COL: tl.constexpr,
-                   BYTES: tl.constexpr):
-    """Ask L2 for columns [COL, +BYTES bytes) of rows [pid * ROWS, +ROWS) (capped at row N - 1) of nw [*, K]."""
-    rows = tl.minimum(pid * ROWS + tl.arange(0, ROWS), N - 1)
-    prefetch_rows_l2(nw_ptr, rows, COL, K, BYTES)
 
 
 @triton.jit
@@ -411,37 +394,6 @@ def _preload_config(cfg: QGemvConfig, n: int, k: int) -> QGemvConfig:
     return replace(cfg, BLOCK_N=block_n, BLOCK_K=k, SPLIT_K=1, num_warps=8, PRELOAD=True)
 
 
-# A PRELOAD GEMV given the next GEMV's weight (``qlinear_small_m(prefetch=...)``; the compiler's
-# ``prefetch_next_weight`` links the o projection to the MLP's gate/up) asks L2, after its wait, for
-# NEXT_PREFETCH_BYTES of each of that weight's first rows, from the column its own pre-wait prefetch
-# (PREFETCH_BYTES) ends at, NEXT_PREFETCH_MAX_BYTES in all, spread over its programs. Its own weights are in
-# registers by then, so HBM is otherwise idle through its FMAs and the RMSNorm-quantize after it.
-# NEXT_PREFETCH_AT_END: after the program's store instead of right after its wait. 0 turns it off.
-NEXT_PREFETCH_BYTES = 1024
-NEXT_PREFETCH_MAX_BYTES = 16 << 20
-NEXT_PREFETCH_AT_END = False
-
-
-def next_prefetch(nw: torch.Tensor, programs: int) -> dict:
-    """The ``NEXT_*`` constexprs of a PRELOAD GEMV of ``programs`` programs prefetching ``nw`` [N, K] (see
-    above); {} when there is nothing to ask for."""
-    if NEXT_PREFETCH_BYTES <= 0 or NEXT_PREFETCH_MAX_BYTES <= 0 or nw.dim() != 2:
-        return {}
-    n, k = nw.shape
-    size = nw.element_size()
-    col = min(prefetch_bytes(PREFETCH_BYTES, k * size), k * size) // size
-    room = (k - col) * size
-    if room < 128:
-        return {}
-    nbytes = min(NEXT_PREFETCH_BYTES, 1 << (room.bit_length() - 1))
-    nbytes = max(128, 1 << (nbytes.bit_length() - 1))
-    rows = min(n, NEXT_PREFETCH_MAX_BYTES // nbytes)
-    if rows < 1:
-        return {}
-    return dict(NEXT_BYTES=nbytes, NEXT_ROWS=next_pow2(cdiv(rows, programs)), NEXT_N=rows, NEXT_K=k, NEXT_COL=col,
-                **({"NEXT_AT_END": True} if NEXT_PREFETCH_AT_END else {}))
-
-
 # Field overrides of the default configs by (bucket, N, K), applied after the rules: what
 # ``bench/decode_ab.py`` variants set to time other tiles in the whole step.
 OVERRIDES: dict[tuple[int, int, int], dict] = {}
@@ -548,8 +500,7 @@ def _check_gemv_config(cfg: QGemvConfig, block: bool) -> None:
 
 
 def qlinear_small_m(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                    residual: torch.Tensor | None = None, prefetch: torch.Tensor | None = None, *,
-                    granularity: str = "channel",
+                    residual: torch.Tensor | None = None, *, granularity: str = "channel",
                     prologue: str | None = None, norm_weight: torch.Tensor | None = None,
                     eps: float = 1e-6, config: QGemvConfig | None = None,
                     out: torch.Tensor | None = None, epilogue: str | None = None,
@@ -559,9 +510,7 @@ def qlinear_small_m(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias:
     x [M, K] (``prologue="silu_mul"``: [M, 2K]; ``prologue="rms_norm"``: x is normalised with
     ``norm_weight`` [K] and ``eps`` by the quantize kernel) float32/float16/bfloat16; w [N, K] float8_e4m3fn;
     scale float32 [N] (channel, tensor) or [ceil(N/128), ceil(K/128)] (block128); bias [N] and
-    residual [M, N] in x's dtype; all contiguous. ``prefetch``: the next GEMV's weight, a hint: a PRELOAD
-    GEMV asks L2 for its first rows after its wait (``next_prefetch``); others ignore it. ``config`` overrides
-    ``config_for``; ``out``
+    residual [M, N] in x's dtype; all contiguous. ``config`` overrides ``config_for``; ``out``
     (contiguous [M, N], x's dtype; may be ``residual`` itself, not x) receives the result.
     ``epilogue="silu_mul"``: w is [gate; up] and the result [M, N/2] is ``torch_ref.silu_mul`` of the
     product: in the GEMV's epilogue where its config allows (``_silu_epilogue_fits``), else by the SiLU
@@ -616,13 +565,12 @@ def qlinear_small_m(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias:
                   **({"PRELOAD": True} if cfg.PRELOAD else {}), **({"PAIR_BLOCK": interleave} if interleave else {}))
     has_bias, has_residual = bias is not None, residual is not None
     if cfg.SPLIT_K == 1:
-        nxt = next_prefetch(prefetch, grid[0]) if prefetch is not None and cfg.PRELOAD else {}
-        launch(_qgemv_kernel, grid, [x, xs, w, scale, bias, residual, y, prefetch if nxt else None, M],
-               dict(consts, HAS_BIAS=has_bias, HAS_RESIDUAL=has_residual, **nxt),
+        launch(_qgemv_kernel, grid, [x, xs, w, scale, bias, residual, y, M],
+               dict(consts, HAS_BIAS=has_bias, HAS_RESIDUAL=has_residual),
                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return y
     ws = torch.empty((cfg.SPLIT_K, M, N), dtype=torch.float32, device=x.device)
-    launch(_qgemv_kernel, grid, [x, xs, w, scale, None, None, ws, None, M],
+    launch(_qgemv_kernel, grid, [x, xs, w, scale, None, None, ws, M],
            dict(consts, HAS_BIAS=False, HAS_RESIDUAL=False),
            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     block_r = max(64, 1024 // m_bucket)
