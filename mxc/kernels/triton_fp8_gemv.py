@@ -378,7 +378,12 @@ REDUCE_STEPS_MIN_K = 8192
 # GEMV's. Measured and removed (2026-12-02, same bench): the preload delayed by a %globaltimer spin of 1, 2 or
 # 3 us after the GEMV's programs start, so that the attention's split kernel loads first: 2.521, 2.538 and
 # 2.568 against 2.518 ms. At 2 us the split kernel ran as fast as with no GEMV beside it (3.55 against 5.39 us
-# a layer, ``--timeline``) but the GEMV then added 6.88 us instead of 3.81. 0 turns it off.
+# a layer, ``--timeline``) but the GEMV then added 6.88 us instead of 3.81. Measured and removed (2026-12-03, same
+# bench, five rounds; commit cc89714): the o GEMV, once past its wait (its weights in registers, HBM idle), asking
+# L2 for the MLP gate/up weight's first-wave rows (bytes 512 to 1535 of 16384 rows, 16 MB; the gate/up GEMV's own
+# prefetch covers bytes 0 to 511): 2.524 against 2.498 ms a step. The o GEMV added 4.93 us a layer instead of 3.78
+# and the gate/up GEMV 29.39 instead of 29.76 (``--timeline``). Asked after the store instead: 2.520; 8 MB (512 B
+# a row) 2.522; 24 MB (2 KB a row) 2.716; every row (29 MB) 2.585. 0 turns it off.
 PRELOAD_MAX_BYTES = 16 << 20
 PRELOAD_TILE_BYTES = 32 << 10
 
