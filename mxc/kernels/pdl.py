@@ -82,7 +82,10 @@ def prefetch_rows_l2(w_ptr, rows, k_start, K: tl.constexpr, BYTES: tl.constexpr)
     size: the prefetches occupy HBM as loads do, and the small kernels between two GEMVs are too short
     to hide them. Nor did a larger share for the matrices that fit L2 pay (as many bytes a row as fit a
     16 or 32 MB budget for the whole matrix: o and down rows 4 KB or whole; 2026-12-01): fp8 batch 1
-    2.825 / 2.900 ms against 2.736, bf16 4.166 / 4.292 against 4.115."""
+    2.825 / 2.900 ms against 2.736, bf16 4.166 / 4.292 against 4.115. Nor a prefetch every 32 bytes (a sector)
+    instead of every 128 (2026-12-03, fp8 / bf16 batch 1): at the same bytes 2.491 / 4.057 ms against 2.498 /
+    4.048; at a quarter and half of them 2.503 / 4.015 and 2.500 / 4.025 (``bench/prefetch_lab.py --resident``: a
+    GEMV gains the same from either, and about half of what the same bytes read by plain loads give it)."""
     ELEM: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
     cols = k_start + tl.minimum(tl.arange(0, BYTES // 128) * (128 // ELEM), K - 1)
     prefetch_l2(w_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :])
