@@ -74,8 +74,7 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
                   PROLOGUE_SILU_MUL: tl.constexpr,
                   USE_PDL: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
                   WEIGHT_ONLY: tl.constexpr = False, EPILOGUE_SILU_MUL: tl.constexpr = False,
-                  REDUCE_STEPS: tl.constexpr = False, PRELOAD: tl.constexpr = False, PAIR_BLOCK: tl.constexpr = 0,
-                  EARLY_W: tl.constexpr = 0):
+                  REDUCE_STEPS: tl.constexpr = False, PRELOAD: tl.constexpr = False, PAIR_BLOCK: tl.constexpr = 0):
     """One program: columns [pid_n * BLOCK_N, +BLOCK_N) of y over K slice pid_k.
 
     x_ptr: x [M, K] (or [M, 2K] under PROLOGUE_SILU_MUL) in its float dtype, with xs_ptr None;
@@ -126,11 +125,6 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
         w_all = tl.load(w_ptr + rn[:, None] * K + offs_kk[None, :])
     elif USE_PDL and PREFETCH > 0:  # weights stream into L2 while the kernel ahead finishes; then wait for its output
         prefetch_rows_l2(w_ptr, rn, k_start, K, PREFETCH)
-    if EARLY_W > 0:  # SWAP_AB: the first one or two [BLOCK_N, BLOCK_K] weight tiles into registers before the wait
-        tl.static_assert(SWAP_AB and PREQUANT and EVEN_K and not BLOCK_SCALE and EARLY_W <= 2)
-        w_e0 = tl.load(w_ptr + rn[:, None] * K + (k_start + offs_k)[None, :])
-        if EARLY_W > 1:
-            w_e1 = tl.load(w_ptr + rn[:, None] * K + (k_start + BLOCK_K + offs_k)[None, :])
     pdl_enter(USE_PDL)
     if N * K > 2**31 - 1:
         rn = rn.to(tl.int64)
@@ -165,13 +159,7 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
             acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if EARLY_W > 0:  # the tiles loaded before the wait, then the pipelined loop over the rest
-            acc_t = tl.dot(w_e0, tl.trans(tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)), acc_t)
-            if EARLY_W > 1:
-                acc_t = tl.dot(w_e1, tl.trans(tl.load(x_ptrs + BLOCK_K, mask=row_ok[:, None], other=0.0)), acc_t)
-            w_ptrs += EARLY_W * BLOCK_K
-            x_ptrs += EARLY_W * BLOCK_K
-        for k in range(EARLY_W * BLOCK_K, K_PER_SPLIT, BLOCK_K):
+        for k in range(0, K_PER_SPLIT, BLOCK_K):
             if EVEN_K:
                 w = tl.load(w_ptrs)
                 x_mask = row_ok[:, None]
@@ -321,10 +309,6 @@ def _qgemv_reduce_kernel(ws_ptr, b_ptr, r_ptr, y_ptr, M,
 # (1 KB without the hints: 2.550). The prefetched rows are not lost to eviction: the next GEMV's prefetches
 # slow the current GEMV's last loads.
 PREFETCH_BYTES = 512
-
-# One-token SWAP_AB GEMVs (channel or tensor scales, K a multiple of BLOCK_K, one K slice) load their first
-# EARLY_TILES [BLOCK_N, BLOCK_K] weight tiles (0-2) into registers before the PDL wait.
-EARLY_TILES = 0
 
 
 @dataclass(frozen=True)
@@ -584,8 +568,6 @@ def qlinear_small_m(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias:
                   PREFETCH=prefetch_bytes(PREFETCH_BYTES, K), WEIGHT_ONLY=cfg.WEIGHT_ONLY,
                   EPILOGUE_SILU_MUL=epilogue is not None, **({"REDUCE_STEPS": True} if cfg.REDUCE_STEPS else {}),
                   **({"PRELOAD": True} if cfg.PRELOAD else {}), **({"PAIR_BLOCK": interleave} if interleave else {}))
-    if EARLY_TILES and cfg.SWAP_AB and m_bucket == 1 and not block and cfg.SPLIT_K == 1 and K % cfg.BLOCK_K == 0:
-        consts["EARLY_W"] = min(EARLY_TILES, 2, K // cfg.BLOCK_K)
     has_bias, has_residual = bias is not None, residual is not None
     if cfg.SPLIT_K == 1:
         launch(_qgemv_kernel, grid, [x, xs, w, scale, bias, residual, y, M],
