@@ -454,7 +454,11 @@ def _base_config(m_bucket: int, n: int, k: int, dtype: torch.dtype, granularity:
         # w @ x^T on e4m3 wgmma (SWAP_AB), [64 rows, 256 B] steps, K split to ~1 program per SM. Llama-3-8B's
         # one-token gate/up GEMV (80 KB of shared memory: two programs an SM, 448 programs in two waves) in the
         # whole step (2026-12-02, ``bench/decode_ab.py``): 2.522 ms against [128, 128 B] x 4 stages 2.597 (one
-        # wave of 224), [64, 128 B] x 5 stages 2.598 (four an SM: one wave), [64, 128 B] x 8 stages 2.536.
+        # wave of 224), [64, 128 B] x 5 stages 2.598 (four an SM: one wave), [64, 128 B] x 8 stages 2.536. The
+        # first one or two [64, 256 B] weight tiles loaded into registers before the PDL wait (the qkv and gate/up
+        # GEMVs; 2026-12-03, commit 5ef6ed5): 2.611 / 2.665 against 2.498 ms. The layout conversion for the wgmma
+        # takes 20 KB more shared memory (qkv one program an SM), and the qkv, gate/up and down GEMVs after each
+        # all added time (``--timeline``: down 17.5 against 15.4 us a layer).
         return QGemvConfig(BLOCK_N=64, BLOCK_K=256, SPLIT_K=split_k_for(cdiv(n, 64), k, 256), USE_DOT=True,
                            PREQUANT=True, num_warps=4, num_stages=4, QUANT_BLOCK_K=qbk, SWAP_AB=True)
     if m_bucket == 1:
