@@ -63,7 +63,7 @@ def _prefetch_kernel(w_ptr, N: tl.constexpr, ROW_BYTES: tl.constexpr, P: tl.cons
 
 @triton.jit
 def _touch_kernel(w_ptr, out_ptr, N: tl.constexpr, ROW_BYTES: tl.constexpr, P: tl.constexpr, ROWS: tl.constexpr):
-    """``_prefetch_kernel``'s region read with plain loads (each 16-byte chunk), summed into out[pid]."""
+    """``_prefetch_kernel``'s region read with plain loads, as int32 words summed into out[pid]."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, P // 4) * 4
     ptrs = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * ROW_BYTES + cols[None, :]
@@ -94,7 +94,7 @@ def prefetch32(w: torch.Tensor, p: int, col: int = 0, rows: int | None = None) -
     prefetch(w, p, col, rows, step=32)
 
 
-_TOUCHED = {}
+_TOUCHED = {}  # touch's sums by grid size: one buffer each, so a captured graph replays into the same memory
 
 
 def touch(w: torch.Tensor, p: int, col: int = 0, rows: int | None = None) -> None:
@@ -108,7 +108,8 @@ def touch(w: torch.Tensor, p: int, col: int = 0, rows: int | None = None) -> Non
 
 
 def resident(args, delay_for) -> None:
-    """``--resident``: each shipped fp8 GEMV after its own region prefetched, against another copy's."""
+    """``--resident``: each shipped fp8 GEMV after a region of its own weight was brought into L2 (three ways),
+    against the same launches bringing in another copy's."""
     k = 4096
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     h = torch.randn(1, 14336, device="cuda", dtype=torch.bfloat16)
