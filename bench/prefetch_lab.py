@@ -51,23 +51,27 @@ from moe_lab import time_us  # noqa: E402  (a CUDA graph of back-to-back calls, 
 
 
 @triton.jit
-def _prefetch_kernel(w_ptr, N: tl.constexpr, ROW_BYTES: tl.constexpr, P: tl.constexpr, ROWS: tl.constexpr,
-                     STEP: tl.constexpr = 128):
-    """Ask L2 for bytes [0, P) of rows [pid * ROWS, +ROWS) of a row-major byte matrix [N, ROW_BYTES], one
-    prefetch every STEP bytes."""
+def _region(w_ptr, N: tl.constexpr, ROW_BYTES: tl.constexpr, P: tl.constexpr, ROWS: tl.constexpr,
+            STEP: tl.constexpr):
+    """Addresses every STEP bytes of bytes [0, P) of rows [pid * ROWS, +ROWS) (capped at row N - 1) of a
+    row-major byte matrix [N, ROW_BYTES]."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, P // STEP) * STEP
-    ptrs = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * ROW_BYTES + cols[None, :]
+    return w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * ROW_BYTES + cols[None, :]
+
+
+@triton.jit
+def _prefetch_kernel(w_ptr, N: tl.constexpr, ROW_BYTES: tl.constexpr, P: tl.constexpr, ROWS: tl.constexpr,
+                     STEP: tl.constexpr = 128):
+    """Ask L2 for ``_region``: one prefetch every STEP bytes."""
+    ptrs = _region(w_ptr, N, ROW_BYTES, P, ROWS, STEP)
     tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
 def _touch_kernel(w_ptr, out_ptr, N: tl.constexpr, ROW_BYTES: tl.constexpr, P: tl.constexpr, ROWS: tl.constexpr):
-    """``_prefetch_kernel``'s region read with plain loads, as int32 words summed into out[pid]."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, P // 4) * 4
-    ptrs = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * ROW_BYTES + cols[None, :]
-    v = tl.load(ptrs.to(tl.pointer_type(tl.int32)))
+    """``_region`` read with plain loads, as int32 words summed into out[pid]."""
+    v = tl.load(_region(w_ptr, N, ROW_BYTES, P, ROWS, 4).to(tl.pointer_type(tl.int32)))
     tl.store(out_ptr + tl.program_id(0), tl.sum(tl.sum(v, axis=1), axis=0))
 
 
@@ -120,9 +124,11 @@ def resident(args, delay_for) -> None:
     cases = {"gate_up": (28672, 4096, lambda w, s: triton_fp8.qlinear_small_m(x, w, s, epilogue="silu_mul",
                                                                                interleave=64)),
              "down": (4096, 14336, lambda w, s: triton_fp8.qlinear_small_m(h, w, s))}
-    for name in args.shapes.split(","):
-        if name not in cases:
-            continue
+    names = (args.shapes or ",".join(cases)).split(",")
+    unknown = [n for n in names if n not in cases]
+    if unknown:
+        raise SystemExit(f"--resident times {' and '.join(cases)}, not {', '.join(unknown)}")
+    for name in names:
         n, kk, gemv = cases[name]
         q, s = quantize_fp8(torch.randn(n, kk) * kk ** -0.5, "channel")
         copies = max(3, copies_for(n * kk))
@@ -134,6 +140,7 @@ def resident(args, delay_for) -> None:
         for region in args.regions.split(","):
             col, p, rows = (int(v) for v in region.split(":"))
             if col + p > kk or rows > n:
+                print(f"  region {region}: past the [{n}, {kk}] weight, skipped", flush=True)
                 continue
             mb = p * rows / 1e6
             for label, ask in (("prefetch", prefetch), ("prefetch32", prefetch32), ("loads", touch)):
@@ -148,7 +155,7 @@ def resident(args, delay_for) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--delay-us", default="3,6")
-    ap.add_argument("--shapes", default="qkv,o,gate_up,down")
+    ap.add_argument("--shapes", default=None, help="default: qkv,o,gate_up,down; with --resident gate_up,down")
     ap.add_argument("--p", default="2048,4096,8192,16384", help="bytes a row to prefetch")
     ap.add_argument("--resident", action="store_true", help="time GEMVs with part of their bytes in L2 (above)")
     ap.add_argument("--resident-delay-us", type=float, default=10.0)
@@ -167,7 +174,7 @@ def main() -> None:
         return
 
     for dtype in (torch.float8_e4m3fn, torch.bfloat16):
-        for name in args.shapes.split(","):
+        for name in (args.shapes or "qkv,o,gate_up,down").split(","):
             n, k = LLAMA3_8B_SHAPES[name]
             nbytes = n * k * (1 if dtype == torch.float8_e4m3fn else 2)
             copies = max(2, copies_for(nbytes))
