@@ -134,7 +134,7 @@ def scale_formats(tokens: int) -> None:
 def router() -> None:
     """The MoE block's norm and router at one token: the three kernels (add + RMSNorm, router GEMV,
     router) against the fused kernel (``triton_route.add_rms_norm_route``) over its rows a program,
-    warps and top-k (rounds of two reductions or packed keys). Each call reads another layer's router (copies covering the L2), as decode does."""
+    warps and top-k way (``triton_route.TOPK_WAYS``). Each call reads another layer's router (copies covering the L2), as decode does."""
     from mxc.kernels import torch_ref, triton_norm, triton_route
     from mxc.kernels.context import ForwardContext
 
@@ -152,10 +152,10 @@ def router() -> None:
 
     print(f"router: add + RMSNorm, GEMV, router (3 kernels): {time_us(three):6.2f} us", flush=True)
     ctx = ForwardContext([1], [0], [0])
-    for packed in (False, True):
+    for topk in triton_route.TOPK_WAYS:
         for rows in (1, 2, 4, 8):
             for warps in (1, 2, 4, 8):
-                tile = dict(rows=rows, num_warps=warps, packed=packed)
+                tile = dict(rows=rows, num_warps=warps, topk=topk)
 
                 def fused(i, tile=tile):
                     return triton_route.add_rms_norm_route(a[i % sets], b[i % sets], nw, rws[i % len(rws)], ctx,
@@ -168,7 +168,7 @@ def router() -> None:
                     print(f"  skip {tile}: {type(e).__name__} {str(e)[:60]}")
                     continue
                 print(f"router: fused, {rows} rows a program ({-(-E // rows)} programs), {warps} warps, top-k "
-                      f"{'packed' if packed else 'rounds'}: {t:6.2f} us", flush=True)
+                      f"{topk}: {t:6.2f} us", flush=True)
 
 
 def gemvs() -> None:

@@ -31,15 +31,22 @@ from mxc.kernels.launch import cdiv, launch, next_pow2
 from mxc.kernels.pdl import pdl_enter, reads_before_wait
 
 MAX_EXPERTS = 1024
+TOPK_WAYS = ("rounds", "packed", "bitonic")
+# How the routers take the top k (``_route_row``): "rounds" (two reductions a round), "packed" (one) or
+# "bitonic" (``tl.topk`` over the packed keys). A/B knob, read at launch.
+TOPK = "rounds"
 
 
 @triton.jit
 def _route_row(x, weights_ptr, ids_ptr, t, E: tl.constexpr, K: tl.constexpr, BLOCK_E: tl.constexpr,
-               BLOCK_K: tl.constexpr, SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, PACKED: tl.constexpr = False):
+               BLOCK_K: tl.constexpr, SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, PACKED: tl.constexpr = False,
+               BITONIC: tl.constexpr = False):
     """Route token ``t`` from its logits ``x`` [BLOCK_E] in fp32 (-inf past E): store its k weights and ids.
 
     k rounds of (max score, lowest expert holding it): two reductions a round, or with ``PACKED`` one,
-    over int64 keys (the score's bits, >= 0 for every score, above the reversed expert id)."""
+    over int64 keys (the score's bits, >= 0 for every score, above the reversed expert id). ``BITONIC``
+    takes the same keys' top BLOCK_K in one bitonic top-k (``tl.topk``: log2(BLOCK_E) merge stages
+    instead of k rounds of full reductions)."""
     offs = tl.arange(0, BLOCK_E)
     ok = offs < E
     if SIGMOID:
@@ -51,7 +58,12 @@ def _route_row(x, weights_ptr, ids_ptr, t, E: tl.constexpr, K: tl.constexpr, BLO
     offs_k = tl.arange(0, BLOCK_K)
     w = tl.zeros((BLOCK_K,), dtype=tl.float32)
     ids = tl.zeros((BLOCK_K,), dtype=tl.int64)
-    if PACKED:
+    if BITONIC:  # keys are distinct: the order is the rounds' (score, then the lower expert id)
+        key = (s.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - offs).to(tl.int64)
+        top = tl.topk(tl.where(ok, key, -1), BLOCK_K)  # descending; past E only when BLOCK_K > K
+        w = (top >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        ids = BLOCK_E - 1 - (top & 0xFFFFFFFF)
+    elif PACKED:
         key = (s.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - offs).to(tl.int64)
         key = tl.where(ok, key, -1)
         for j in tl.static_range(K):
@@ -76,12 +88,12 @@ def _route_row(x, weights_ptr, ids_ptr, t, E: tl.constexpr, K: tl.constexpr, BLO
 @triton.jit
 def route_kernel(logits_ptr, weights_ptr, ids_ptr, E: tl.constexpr, K: tl.constexpr, BLOCK_E: tl.constexpr,
                  BLOCK_K: tl.constexpr, SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr,
-                 USE_PDL: tl.constexpr = False):
+                 USE_PDL: tl.constexpr = False, BITONIC: tl.constexpr = False):
     pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     x = tl.load(logits_ptr + t * E + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
-    _route_row(x, weights_ptr, ids_ptr, t, E, K, BLOCK_E, BLOCK_K, SIGMOID, RENORMALIZE)
+    _route_row(x, weights_ptr, ids_ptr, t, E, K, BLOCK_E, BLOCK_K, SIGMOID, RENORMALIZE, BITONIC=BITONIC)
 
 
 @reads_before_wait("router_w_ptr", "norm_w_ptr")
@@ -90,7 +102,7 @@ def norm_route_kernel(a_ptr, b_ptr, norm_w_ptr, router_w_ptr, s_ptr, h_ptr, logi
                       count_ptr, T, eps, H: tl.constexpr, BLOCK_H: tl.constexpr, E: tl.constexpr,
                       ROWS: tl.constexpr, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                       SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, PACKED: tl.constexpr = False,
-                      USE_PDL: tl.constexpr = False):
+                      USE_PDL: tl.constexpr = False, BITONIC: tl.constexpr = False):
     """Program p: router rows [p * ROWS, +ROWS) for every token; the last program routes."""
     pid = tl.program_id(0)
     offs_h = tl.arange(0, BLOCK_H)
@@ -124,7 +136,7 @@ def norm_route_kernel(a_ptr, b_ptr, norm_w_ptr, router_w_ptr, s_ptr, h_ptr, logi
         for t in range(T):
             x = tl.load(logits_ptr + t * E + offs_e, mask=offs_e < E, other=float("-inf"), volatile=True)
             _route_row(x.to(tl.float32), weights_ptr, ids_ptr, t, E, K, BLOCK_E, BLOCK_K, SIGMOID,
-                       RENORMALIZE, PACKED)
+                       RENORMALIZE, PACKED, BITONIC)
         tl.store(count_ptr, 0)  # for the next call (the next kernel's count starts after this one ends)
 
 
@@ -136,16 +148,25 @@ def _config(H: int) -> tuple[int, int]:
     return 1, max(1, min(8, next_pow2(H) // 2048))
 
 
+def _topk_constexprs(topk: str | None) -> dict:
+    """The kernels' top-k constexprs for ``topk`` (None: ``TOPK``), passed only when set, so an artifact built
+    before a way existed finds its kernels."""
+    topk = topk or TOPK
+    if topk not in TOPK_WAYS:
+        raise ValueError(f"topk must be one of {', '.join(TOPK_WAYS)}, got {topk!r}")
+    return {"rounds": {}, "packed": {"PACKED": True}, "bitonic": {"BITONIC": True}}[topk]
+
+
 def add_rms_norm_route(a: torch.Tensor, b: torch.Tensor, norm_weight: torch.Tensor, router_weight: torch.Tensor,
                        ctx=None, *, eps: float, k: int, scoring: str = "softmax", renormalize: bool = False,
-                       rows: int | None = None, num_warps: int | None = None, packed: bool = False):
+                       rows: int | None = None, num_warps: int | None = None, topk: str | None = None):
     """``s = a + b``, ``h = rms_norm(s, norm_weight)``, then ``route(linear(h, router_weight), k, ...)`` in one
     kernel, for 1..32 tokens: returns ``(s, h, weights, ids)`` as ``torch_ref.add_rms_norm_route``.
 
     ``ctx`` (a ``ForwardContext``) keeps the kernel's counter (``counters``), shared by every layer of
     a call; without one it is allocated per call. ``rows`` (router rows a program, a power of two),
-    ``num_warps`` and ``packed`` (the top-k by one reduction a round, ``_route_row``) override the
-    defaults (``bench/moe_lab.py`` times them). Runs on ``meta`` tensors too."""
+    ``num_warps`` and ``topk`` (one of ``TOPK_WAYS``, ``_route_row``) override the defaults
+    (``bench/moe_lab.py`` times them). Runs on ``meta`` tensors too."""
     T, H = a.shape
     E = router_weight.shape[0]
     assert 1 <= T <= NORM_ROUTE_MAX_TOKENS, f"add_rms_norm_route: 1..{NORM_ROUTE_MAX_TOKENS} tokens, got {T}"
@@ -169,14 +190,16 @@ def add_rms_norm_route(a: torch.Tensor, b: torch.Tensor, norm_weight: torch.Tens
            [a, b, norm_weight, router_weight, s, h, logits, weights, ids, count, T, float(eps)],
            dict(H=H, BLOCK_H=next_pow2(H), E=E, ROWS=rows, K=k, BLOCK_E=next_pow2(E),
                 BLOCK_K=next_pow2(k), SIGMOID=scoring == "sigmoid", RENORMALIZE=bool(renormalize),
-                **({"PACKED": True} if packed else {})),
+                **_topk_constexprs(topk)),
            num_warps=num_warps or default_warps, num_stages=1)
     return s, h, weights, ids
 
 
-def route(logits: torch.Tensor, k: int, scoring: str = "softmax", renormalize: bool = False):
+def route(logits: torch.Tensor, k: int, scoring: str = "softmax", renormalize: bool = False,
+          topk: str | None = None):
     """``moe_ref.route`` in one kernel: logits [T, E] (contiguous; fp32, fp16 or bf16) ->
-    (weights [T, k] in the logits' dtype, ids [T, k] int64). Runs on ``meta`` tensors too."""
+    (weights [T, k] in the logits' dtype, ids [T, k] int64). ``topk`` as in ``add_rms_norm_route``; this
+    kernel has no packed way (it runs as rounds). Runs on ``meta`` tensors too."""
     if logits.dim() != 2 or not logits.is_contiguous():
         raise ValueError(f"logits must be contiguous [T, E], got {tuple(logits.shape)}")
     T, E = logits.shape
@@ -189,6 +212,7 @@ def route(logits: torch.Tensor, k: int, scoring: str = "softmax", renormalize: b
     if T:
         launch(route_kernel, (T,), [logits, weights, ids],
                dict(E=E, K=k, BLOCK_E=next_pow2(E), BLOCK_K=next_pow2(k),
-                    SIGMOID=scoring == "sigmoid", RENORMALIZE=bool(renormalize)),
+                    SIGMOID=scoring == "sigmoid", RENORMALIZE=bool(renormalize),
+                    **{n: v for n, v in _topk_constexprs(topk).items() if n == "BITONIC"}),
                num_warps=4 if E > 256 else 1, num_stages=1)
     return weights, ids

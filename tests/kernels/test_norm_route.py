@@ -51,36 +51,39 @@ def test_matches_reference(T, H, E, k, scoring, renormalize, dtype):
     torch.testing.assert_close(w.float(), ref_w.float(), atol=2 * TOL[dtype], rtol=2 * TOL[dtype])
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_ties_go_to_the_lower_expert(packed):
+@pytest.mark.parametrize("topk", triton_route.TOPK_WAYS)
+def test_ties_go_to_the_lower_expert(topk):
     """Experts 3 and 5 with the same router row (the same logit, the top score): 3 comes first."""
     a, b, nw, rw = _inputs(1, 64, 8, torch.float32, 3)
     rw[3] = rw[5] = 4 * rw[3]
-    _, _, w, ids = _run((a, b, nw, rw), None, eps=1e-6, k=3, packed=packed)
+    _, _, w, ids = _run((a, b, nw, rw), None, eps=1e-6, k=3, topk=topk)
     assert ids[0, :2].tolist() == [3, 5] and w[0, 0] == w[0, 1]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("scoring,renormalize", [("softmax", True), ("sigmoid", False)])
-def test_packed_top_k_matches_reference(scoring, renormalize, dtype):
-    """The packed top-k (one reduction a round) at the Qwen3-30B-A3B router's shape and a ragged one."""
-    for T, H, E, k in ((2, 2048, 128, 8), (3, 96, 60, 4)):
+@pytest.mark.parametrize("topk", ["packed", "bitonic"])
+def test_other_top_k_ways_match_reference(scoring, renormalize, dtype, topk):
+    """The packed top-k (one reduction a round) and the bitonic one at the Qwen3-30B-A3B router's shape and
+    ragged ones (k = E, and k not a power of two with E past it)."""
+    for T, H, E, k in ((2, 2048, 128, 8), (3, 96, 60, 4), (1, 64, 5, 5), (2, 80, 9, 6)):
         args = _inputs(T, H, E, dtype, seed=E + k)
         kw = dict(eps=1e-6, k=k, scoring=scoring, renormalize=renormalize)
-        got = _run(args, None, **kw, packed=True)
+        got = _run(args, None, **kw, topk=topk)
         ref = torch_ref.add_rms_norm_route(*args, **kw)
         assert torch.equal(got[3], ref[3])
         torch.testing.assert_close(got[2].float(), ref[2].float(), atol=2 * TOL[dtype], rtol=2 * TOL[dtype])
 
 
-@pytest.mark.parametrize("rows,num_warps,packed", [(1, 1, False), (4, 2, True), (8, 4, False), (2, 8, True)])
-def test_tile_overrides(rows, num_warps, packed):
+@pytest.mark.parametrize("rows,num_warps,topk", [(1, 1, "rounds"), (4, 2, "packed"), (8, 4, "bitonic"),
+                                                  (2, 8, "packed"), (1, 1, "bitonic")])
+def test_tile_overrides(rows, num_warps, topk):
     """Other rows a program (E = 12: the last program's rows run past E), warps and the packed top-k:
     the same result."""
     args = _inputs(3, 160, 12, torch.float32, 9)
     kw = dict(eps=1e-6, k=3, scoring="sigmoid", renormalize=True)
     got = triton_route.add_rms_norm_route(*(t.to(DEVICE) for t in args), None, **kw, rows=rows, num_warps=num_warps,
-                                          packed=packed)
+                                          topk=topk)
     ref = torch_ref.add_rms_norm_route(*args, **kw)
     assert torch.equal(got[3].cpu(), ref[3])
     torch.testing.assert_close(got[2].cpu(), ref[2])
@@ -132,10 +135,10 @@ from mxc.kernels import launch as L, triton_route
 meta = dict(dtype=torch.bfloat16, device="meta")
 rec = L.Recorder(pdl=True)
 with L.using(rec):
-    for packed in (False, True):
+    for topk in triton_route.TOPK_WAYS:
         triton_route.add_rms_norm_route(torch.empty(1, 2048, **meta), torch.empty(1, 2048, **meta),
                                         torch.empty(2048, **meta), torch.empty(128, 2048, **meta), eps=1e-6, k=8,
-                                        renormalize=True, packed=packed)
+                                        renormalize=True, topk=topk)
 fn = triton_route.norm_route_kernel
 for spec in rec.specs.values():
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in spec["signature"].items()
@@ -149,7 +152,7 @@ for spec in rec.specs.values():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="compile check is for machines without a GPU")
 def test_compiles_for_sm90():
-    """Both top-k variants compile for Hopper with PDL (the OLMoE build in tests/build also compiles the
+    """Every top-k way compiles for Hopper with PDL (the OLMoE build in tests/build also compiles the
     default one with the GPU machines' Triton 3.6)."""
     import os
     import subprocess
@@ -158,4 +161,4 @@ def test_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", _COMPILE], cwd=Path(__file__).resolve().parents[2], env=env,
                        capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.count("ok") == 2, r.stderr[-3000:]
+    assert r.returncode == 0 and r.stdout.count("ok") == 3, r.stderr[-3000:]
