@@ -5,8 +5,9 @@ with their expert ids, optionally renormalised to sum to 1, weights rounded to t
 The torch composition is about eight launches a layer (softmax, top-k's gather and sort,
 the sum, the division, dtype casts): at batch-1 decode of a 48-layer MoE (Qwen3-30B-A3B on an
 H200) they took ~0.9 ms of a 4.04 ms step. One program per token: the row of E <= 1024 scores
-stays in registers, and the top k come out of k rounds of (max, lowest index holding it, mask).
-Ties go to the lower expert id (``torch.topk`` leaves their order unspecified).
+stays in registers, and the top k come out of one bitonic top-k over keys that pack each score above
+its reversed expert id (``TOPK``; or k rounds of (max, lowest index holding it, mask)). Ties go to the
+lower expert id (``torch.topk`` leaves their order unspecified).
 
 ``add_rms_norm_route`` (decode, <= 32 tokens; the ``fuse_norm_route`` pass) also takes the three
 kernels before it: the residual add, the RMSNorm and the router GEMV. Each program reads ROWS router
@@ -15,8 +16,9 @@ the router's E x H), writes its ROWS logits, and the last program to finish (an 
 at 0 for the next call) routes every token from the logits the others wrote. Program 0 also
 writes the residual sum and the normalised rows, which the experts read. On the Qwen3-30B-A3B
 shape at batch 1 (H200, 2026-11-30) it took 5.8 us a layer at 2 rows and 8 warps a program against
-~6.8 us for the three kernels, and the step went from 2.73 to 2.65 ms; one row and one warp a program
-(the default since, ``_config``) took 5.35 us in ``bench/moe_lab.py``. ``PACKED`` (one reduction a
+~6.8 us for the three kernels, and the step went from 2.73 to 2.65 ms; one row a program took 5.35 us
+in ``bench/moe_lab.py`` with the rounds at one warp, and 4.67 us with the bitonic top-k at two (the
+default since 2026-12-03, ``_config``: the step 2.519 against 2.541 ms). ``PACKED`` (one reduction a
 top-k round instead of two) stays an option: it measured no faster at one warp.
 """
 
@@ -33,8 +35,11 @@ from mxc.kernels.pdl import pdl_enter, reads_before_wait
 MAX_EXPERTS = 1024
 TOPK_WAYS = ("rounds", "packed", "bitonic")
 # How the routers take the top k (``_route_row``): "rounds" (two reductions a round), "packed" (one) or
-# "bitonic" (``tl.topk`` over the packed keys). A/B knob, read at launch.
-TOPK = "rounds"
+# "bitonic" (``tl.topk`` over the packed keys). A/B knob, read at launch. Bitonic, with two warps a program
+# (``_config``): Qwen3-30B-A3B bf16 batch 1 2.519 against 2.541 ms a step with rounds at one warp, every one of
+# five interleaved rounds 0.02 ms apart (one H200, 2026-12-03, ``bench/decode_ab.py``); the fused router added
+# 3.58 us a layer instead of 4.10. At one warp bitonic took 2.539.
+TOPK = "bitonic"
 
 
 @triton.jit
@@ -141,11 +146,13 @@ def norm_route_kernel(a_ptr, b_ptr, norm_w_ptr, router_w_ptr, s_ptr, h_ptr, logi
 
 
 def _config(H: int) -> tuple[int, int]:
-    """(router rows a program, warps): one row and one warp per 2048 features. On the Qwen3-30B-A3B
-    shape at batch 1 (E = 128, H = 2048; H200, Triton 3.6, 2026-11-30, ``bench/moe_lab.py``) one row and
-    one warp took 5.35 us, against 5.7-8.4 us for 2-8 rows at 1-8 warps and 6.99 us for the three
-    kernels; the packed top-k was no faster at one warp (5.45)."""
-    return 1, max(1, min(8, next_pow2(H) // 2048))
+    """(router rows a program, warps): one row a program, at least two warps, one more warp per 2048 features
+    past 4096. On the Qwen3-30B-A3B shape at batch 1 (E = 128, H = 2048; one H200, Triton 3.6,
+    ``bench/moe_lab.py``, each call reading another layer's router): with the bitonic top-k (2026-12-03) one row
+    and two warps took 4.67 us (one warp 4.98; 4.65-4.71 for 1-2 rows at 2-8 warps), against 5.35 us for the
+    rounds at one row and one warp, the best of the rounds (2026-11-30: 5.7-8.4 us for 2-8 rows at 1-8 warps),
+    5.44 for the packed rounds and 7.15 for the three kernels."""
+    return 1, max(2, min(8, next_pow2(H) // 2048))
 
 
 def _topk_constexprs(topk: str | None) -> dict:

@@ -122,9 +122,9 @@ def test_meta_recording():
                                               torch.empty(2048, **meta), torch.empty(128, 2048, **meta),
                                               eps=1e-6, k=8, renormalize=True)
     assert [tuple(t.shape) for t in out] == [(1, 2048), (1, 2048), (1, 8), (1, 8)]
-    # the measured default: one router row and one warp a program (triton_route._config)
+    # the measured default: one router row and two warps a program (triton_route._config), the bitonic top-k
     assert seen == [((128,), dict(H=2048, BLOCK_H=2048, E=128, ROWS=1, K=8, BLOCK_E=128, BLOCK_K=8, SIGMOID=False,
-                                  RENORMALIZE=True), 1)]
+                                  RENORMALIZE=True, BITONIC=True), 2)]
 
 
 _COMPILE = """

@@ -63,17 +63,17 @@ def test_meta_recording():
         w, ids = triton_route.route(torch.empty(9, 128, dtype=torch.bfloat16, device="meta"), 8,
                                     renormalize=True)
     assert w.shape == (9, 8) and ids.dtype == torch.int64
-    assert seen == [((9,), dict(E=128, K=8, BLOCK_E=128, BLOCK_K=8, SIGMOID=False, RENORMALIZE=True))]
+    assert seen == [((9,), dict(E=128, K=8, BLOCK_E=128, BLOCK_K=8, SIGMOID=False, RENORMALIZE=True, BITONIC=True))]
 
 
 def test_topk_knob_is_read_at_launch(monkeypatch):
     """``TOPK`` picks the way when the call names none; only the bitonic way adds a constexpr."""
     seen = []
-    monkeypatch.setattr(triton_route, "TOPK", "bitonic")
+    monkeypatch.setattr(triton_route, "TOPK", "rounds")
     with launch_mod.using(lambda kernel, grid, args, consts, nw, ns: seen.append(consts)):
         triton_route.route(torch.empty(1, 128, dtype=torch.bfloat16, device="meta"), 8)
-        triton_route.route(torch.empty(1, 128, dtype=torch.bfloat16, device="meta"), 8, topk="rounds")
-    assert seen[0]["BITONIC"] is True and "BITONIC" not in seen[1]
+        triton_route.route(torch.empty(1, 128, dtype=torch.bfloat16, device="meta"), 8, topk="bitonic")
+    assert "BITONIC" not in seen[0] and seen[1]["BITONIC"] is True
 
 
 _COMPILE = """
