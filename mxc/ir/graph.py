@@ -157,6 +157,9 @@ class Graph:
     outputs: tuple[str, ...]
     ignore: tuple[str, ...] = ()  # checkpoint names deliberately unused ("{i}" = any layer)
     source: str = ""  # model file it was bound from
+    # (checkpoint name of a tied weight, checkpoint name of the weight it reuses, the tied_if that tied them):
+    # a checkpoint may store the tied weight's own tensor too, which must then hold the same values
+    tied: tuple[tuple[str, str, str], ...] = ()
 
     def replace(self, **changes) -> "Graph":
         return replace(self, **changes)

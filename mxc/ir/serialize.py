@@ -64,7 +64,10 @@ def dump_graph(graph: Graph, *, comments: bool = True) -> str:
              f"config: {_flow(graph.config)}", "inputs:"]
     lines += [f"  {k}: {_flow({'shape': list(t.shape), 'dtype': t.dtype})}" for k, t in graph.inputs.items()]
     lines += ["weights:"] + [f"  {k}: {_flow(_weight_dict(w))}" for k, w in graph.weights.items()]
-    lines += [f"ignore: {_flow(list(graph.ignore))}", "graph:"]
+    lines += [f"ignore: {_flow(list(graph.ignore))}"]
+    if graph.tied:  # absent from untied graphs' dumps
+        lines += [f"tied: {_flow([list(t) for t in graph.tied])}"]
+    lines += ["graph:"]
 
     def stmt(n: Node, indent: str) -> str:
         text = format_statement(n.outs, n.op, n.ins, n.attrs)
@@ -130,4 +133,4 @@ def load_graph(text: str) -> Graph:
                  inputs={k: TensorType(tuple(v["shape"]), v["dtype"]) for k, v in data["inputs"].items()},
                  weights={k: _weight(w) for k, w in (data.get("weights") or {}).items()},
                  body=tuple(body), outputs=tuple(data["outputs"]), ignore=tuple(data.get("ignore") or ()),
-                 source=data.get("source", ""))
+                 source=data.get("source", ""), tied=tuple(tuple(t) for t in data.get("tied") or ()))

@@ -84,6 +84,7 @@ class _Binder:
         self.dtype, self.overrides, self.resolvers = dtype, overrides, resolvers
         self.used_names: set[str] = set()
         self.aliases: dict[str, str] = {}  # tied weight -> the weight it reuses
+        self.ties: list[tuple[str, str, str]] = []  # Graph.tied
         self.disabled: set[str] = set()  # weights whose `when` is false
 
     # --- helpers --------------------------------------------------------------
@@ -120,7 +121,7 @@ class _Binder:
         ignore += [self.tied_hf[w] for w in self.aliases]
         return Graph(family=str(d["family"]), dtype=self.dtype, config=self.params, inputs=inputs,
                      weights=weights, body=tuple(body), outputs=tuple(outputs), ignore=tuple(ignore),
-                     source=self.path.name)
+                     source=self.path.name, tied=tuple(self.ties))
 
     def resolve_params(self, spec) -> dict:
         if not isinstance(spec, dict):
@@ -205,6 +206,7 @@ class _Binder:
                     raise self.err(line, f"{field}.tied_to", f"shape {list(shape)} differs from {target} {list(out[target].shape)}")
                 self.aliases[name] = target
                 self.tied_hf[name] = hf
+                self.ties.append((hf, out[target].hf[0], str(w.get("tied_if", "true"))))
                 continue
             stack = str(w["stack"]) if "stack" in w else None
             quantize = w.get("quantize", True)

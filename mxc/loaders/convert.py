@@ -8,7 +8,8 @@ and writes each tensor-parallel rank's slice (the shard spec; its rows interleav
 that rank's ``SafetensorsWriter``, whose header was computed from the IR.
 Peak memory is about one weight. Before any data moves, the
 checkpoint's names are checked against the graph: a missing, unexpected or
-mis-shaped tensor fails with its name and the shapes.
+mis-shaped tensor fails with its name and the shapes, and a tied weight's own
+tensor, where the checkpoint stores it, must hold the values of the weight it reuses.
 """
 
 from __future__ import annotations
@@ -120,6 +121,24 @@ def check_names(graph: Graph, ckpt) -> None:
                            f"(for weight {used_by}; does config.json match the weights?)")
 
 
+def check_tied(graph: Graph, ckpt) -> None:
+    """Fail on a tied weight (the LM head) whose own tensor the checkpoint stores with other values than the weight
+    it reuses (the embedding): transformers loads the two untied then, and a tied build would silently differ."""
+    have = set(ckpt.names())
+    for name, target, cond in graph.tied:
+        if name in have and target in have and not _same_values(ckpt, name, target):
+            raise MxcError(f"{ckpt.directory}: {name} differs from {target}, which config.json ties it to "
+                           f"({graph.source}: tied_if `{cond}`); transformers then loads the two untied: make `{cond}` "
+                           f"false in config.json to build them untied too")
+
+
+def _same_values(ckpt, a: str, b: str, rows: int = 4096) -> bool:
+    if tuple(ckpt.shape(a)) != tuple(ckpt.shape(b)):
+        return False
+    x, y = ckpt.get(a), ckpt.get(b)
+    return all(torch.equal(x[r:r + rows].float(), y[r:r + rows].float()) for r in range(0, x.shape[0], rows))
+
+
 def rank_slice(tensor: torch.Tensor, w: Weight, tp: int, rank: int) -> torch.Tensor:
     """The part of a full (merged) weight that ``rank`` holds, by its shard spec."""
     if tp == 1 or w.shard is None or w.shard.kind == "replicated":
@@ -215,6 +234,7 @@ def write_weights(graph: Graph, ckpt, paths: list[Path], metadata: dict[str, str
     weight), so each file's sha256 comes out of the writing: returned by path.
     """
     check_names(graph, ckpt)
+    check_tied(graph, ckpt)
     tp = len(paths)
     all_weights = list(graph.all_weights())
     scales = {w.name: w for w in all_weights if w.scale_of}

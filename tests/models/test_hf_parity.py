@@ -69,3 +69,35 @@ def test_logits_and_greedy_match_hf(case, hf_checkpoint, tmp_path):
         ref_tokens = hf.generate(ids, max_new_tokens=16, do_sample=False, min_new_tokens=16,
                                  use_cache=case not in NO_CACHE_REFERENCE)[:, ids.shape[1]:]
     assert torch.equal(model.generate(ids, max_new_tokens=16), ref_tokens)
+
+
+def test_a_tied_config_over_an_untied_checkpoint(hf_checkpoint, tmp_path):
+    """config.json ties the LM head to the embedding, but the checkpoint stores its own lm_head.weight with other
+    values: transformers then loads the two untied, so mxc refuses (it built the embedding as the head, every logit
+    wrong) and names the field; with it false, the build matches transformers. A stored copy still builds tied."""
+    import json
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM", tie_word_embeddings=True)
+    tensors = load_file(ckpt / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
+    mxc.build(str(ckpt), out=tmp_path / "copy", progress=False, log=lambda m: None)
+
+    tensors["lm_head.weight"] = torch.randn(tensors["lm_head.weight"].shape, generator=torch.Generator().manual_seed(2))
+    save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(mxc.MxcError, match=r"lm_head\.weight differs from model\.embed_tokens\.weight, which "
+                                           r"config\.json ties it to .*make `tie_word_embeddings` false") as e:
+        mxc.build(str(ckpt), out=tmp_path / "art", progress=False, log=lambda m: None)
+    assert "\n" not in str(e.value) and not (tmp_path / "art").exists()
+
+    hf = transformers.LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()  # untied, as it warns
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    model = mxc.load(mxc.build(str(ckpt), out=tmp_path / "art", progress=False, log=lambda m: None))
+    ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids).logits.float()
+    assert _rel_err(model.logits(ids), ref) <= 1e-4
