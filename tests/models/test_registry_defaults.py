@@ -15,7 +15,8 @@ from mxc.errors import MxcError
 from mxc.models.registry import bind_model, lookup, registry
 
 # only the fields without which no config binds: every other field the graph reads is left out
-REQUIRED = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4, vocab_size=256,
+# (32 heads: every config class's num_key_value_heads default divides it)
+REQUIRED = dict(hidden_size=1024, intermediate_size=96, num_hidden_layers=1, num_attention_heads=32, vocab_size=256,
                 max_position_embeddings=128)
 CONFIG_CLASSES = {
     "LlamaForCausalLM": transformers.LlamaConfig, "MistralForCausalLM": transformers.MistralConfig,
@@ -35,6 +36,8 @@ def hf_reads(arch: str, hf) -> dict:
     moe = arch in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
     windowed = arch in ("MistralForCausalLM", "MixtralForCausalLM") or getattr(hf, "use_sliding_window", False)
     reads = {
+        "num_key_value_heads": hf.num_key_value_heads,
+        "head_dim": getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
         "rms_norm_eps": hf.rms_norm_eps,
         "hidden_act": hf.hidden_act,
         "tie_word_embeddings": hf.tie_word_embeddings,
@@ -83,4 +86,4 @@ def test_partial_rotary_with_the_default_rope_is_refused():
         bound("LlamaForCausalLM", partial_rotary_factor=0.5)
     spec = bound("LlamaForCausalLM", partial_rotary_factor=0.5,
                  rope_scaling={"rope_type": "linear", "factor": 2.0}).config["rope"]
-    assert spec["rotary_dim"] == 8  # the scaled types honour it, as transformers' rope functions do
+    assert spec["rotary_dim"] == 16  # half of head_dim 32: the scaled types honour it, as transformers' rope functions do
