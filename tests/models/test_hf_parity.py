@@ -27,6 +27,9 @@ CASES = {
     "mistral-sliding": ("MistralForCausalLM", {"sliding_window": 6}),
     # a sliding_window left in a Llama config.json (a Mistral conversion): transformers' Llama does not window
     "llama-stray-window": ("LlamaForCausalLM", {"sliding_window": 4}),
+    # bias fields left in configs of architectures whose transformers class has no such biases: ignored there
+    "mistral-stray-biases": ("MistralForCausalLM", {"attention_bias": True, "mlp_bias": True}),
+    "qwen3-stray-mlp-bias": ("Qwen3ForCausalLM", {"head_dim": 32, "mlp_bias": True}),
     "qwen2": ("Qwen2ForCausalLM", {"tie_word_embeddings": True}),
     "qwen3": ("Qwen3ForCausalLM", {"head_dim": 32}),
     # mixture of experts

@@ -3,7 +3,8 @@ does not compute, or set where the architecture's transformers class ignores the
 
 A field a config.json leaves out must take the transformers config class's default (registry.yaml ``defaults``);
 a value llama.yaml does not compute (``hidden_act``, partial rotary with the default RoPE) is refused naming the
-field; a field the architecture ignores (a ``sliding_window`` left in a Llama config) must not change the model.
+field; a field the architecture ignores (a ``sliding_window`` left in a Llama config, ``attention_bias`` in a Mistral
+one) must not change the model.
 """
 
 from __future__ import annotations
@@ -81,9 +82,21 @@ def test_a_window_the_architecture_ignores_is_dropped(arch):
     assert bound("MistralForCausalLM", sliding_window=None).config["attention_window"] is None  # null: no window
 
 
+@pytest.mark.parametrize("arch, field", [("MistralForCausalLM", "attention_bias"), ("MistralForCausalLM", "mlp_bias"),
+                                         ("MixtralForCausalLM", "attention_bias"), ("Qwen2ForCausalLM", "mlp_bias"),
+                                         ("Qwen3ForCausalLM", "mlp_bias")])
+def test_a_bias_the_architecture_ignores_is_dropped(arch, field):
+    """transformers' class builds these projections without biases whatever the field says: a checkpoint has none."""
+    biases = {"bq", "bk", "bv", "bo"} if field == "attention_bias" else {"b_gate", "b_up", "b_down"}
+    assert not biases & {w for rep in bound(arch, **{field: True}).repeats() for w in rep.weights}
+    llama = bound("LlamaForCausalLM", attention_bias=True, mlp_bias=True)  # Llama's class honours both
+    assert {"bq", "bo", "b_gate"} <= {w for rep in llama.repeats() for w in rep.weights}
+
+
 def test_partial_rotary_with_the_default_rope_is_refused():
     with pytest.raises(MxcError, match="partial_rotary_factor < 1 with the default RoPE type"):
         bound("LlamaForCausalLM", partial_rotary_factor=0.5)
     spec = bound("LlamaForCausalLM", partial_rotary_factor=0.5,
                  rope_scaling={"rope_type": "linear", "factor": 2.0}).config["rope"]
-    assert spec["rotary_dim"] == 16  # half of head_dim 32: the scaled types honour it, as transformers' rope functions do
+    assert spec["rotary_dim"] == 16  # half of head_dim 32: the scaled types honour it, as transformers' rope
+    # functions do
