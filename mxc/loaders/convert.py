@@ -6,7 +6,7 @@ declared (concatenate ``segments`` along dim 0, cast to the weight's dtype)
 and writes each tensor-parallel rank's slice (the shard spec; its rows interleaved where the weight says,
 ``interleave_rows``) straight into
 that rank's ``SafetensorsWriter``, whose header was computed from the IR.
-Peak memory is about one weight. Before any data moves, the
+Peak memory is about one weight (two while a tied weight's stored tensor is compared). Before any data moves, the
 checkpoint's names are checked against the graph: a missing, unexpected or
 mis-shaped tensor fails with its name and the shapes, and a tied weight's own
 tensor, where the checkpoint stores it, must hold the values of the weight it reuses.
