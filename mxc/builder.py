@@ -59,6 +59,8 @@ def _read_config(path: Path) -> dict:
         raise MxcError(f"{path}: cannot read it as a config.json ({e.strerror})") from None
     except json.JSONDecodeError as e:
         raise MxcError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+    except UnicodeDecodeError as e:
+        raise MxcError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     if not isinstance(config, dict):
         raise MxcError(f"{path}: expected a JSON object")
     return config

@@ -75,6 +75,8 @@ def load_yaml(path: Path | str, text: str | None = None):
             text = path.read_text()
         except OSError as e:
             raise MxcError(f"{path}: cannot read: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise MxcError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.MarkedYAMLError as e:

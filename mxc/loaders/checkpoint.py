@@ -82,6 +82,8 @@ def _read_index(path: Path) -> dict[str, Path]:
         weight_map = json.loads(path.read_text())["weight_map"]
     except json.JSONDecodeError as e:
         raise MxcError(f"{path}: not valid JSON: {e}") from None
+    except UnicodeDecodeError as e:
+        raise MxcError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except (KeyError, TypeError):
         raise MxcError(f"{path}: expected a JSON object with a 'weight_map' field") from None
     if not isinstance(weight_map, dict):

@@ -36,6 +36,8 @@ def read_manifest(path: Path) -> dict:
         manifest = json.loads(mpath.read_text())
     except json.JSONDecodeError as e:
         raise MxcError(f"{mpath}: corrupt (not valid JSON: {e.msg} at line {e.lineno}); rebuild the artifact") from None
+    except UnicodeDecodeError as e:
+        raise MxcError(f"{mpath}: corrupt (not UTF-8 text: {e.reason} at byte {e.start}); rebuild the artifact") from None
     if not isinstance(manifest, dict):
         raise MxcError(f"{mpath}: corrupt (expected a JSON object); rebuild the artifact")
     if manifest.get("schema_version") != SCHEMA_VERSION:

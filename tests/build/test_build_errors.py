@@ -66,6 +66,23 @@ def test_config_not_json(ckpt, tmp_path):
     _one_line(e)
 
 
+def test_config_not_utf8(ckpt, tmp_path):
+    """A config.json (or a shard index) holding bytes that are not UTF-8: one line naming the file, no traceback."""
+    (ckpt / "config.json").write_bytes(b'{"architectures": ["Llama\xffForCausalLM"]}')
+    with pytest.raises(MxcError, match=r"config\.json: not UTF-8 text \(invalid start byte at byte 25\)") as e:
+        _build(ckpt, tmp_path / "art")
+    _one_line(e)
+
+
+def test_index_not_utf8(ckpt, tmp_path):
+    (ckpt / "model.safetensors").rename(ckpt / "model-00001-of-00001.safetensors")
+    (ckpt / "model.safetensors.index.json").write_bytes(b'{"weight_map": {"\xff": 1}}')
+    with pytest.raises(MxcError, match=r"model\.safetensors\.index\.json: not UTF-8 text") as e:
+        _build(ckpt, tmp_path / "art")
+    _one_line(e)
+    assert not (tmp_path / "art").exists()
+
+
 def test_config_missing(ckpt, tmp_path):
     (ckpt / "config.json").unlink()
     with pytest.raises(MxcError, match=r"config\.json: not found"):

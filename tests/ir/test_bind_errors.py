@@ -53,6 +53,14 @@ def test_malformed_yaml_extra_bracket(bind_bad):
     assert f"bad.yaml:{line}: malformed YAML" in msg
 
 
+def test_model_file_not_utf8(tmp_path, llama_text, bind_arch):
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(llama_text.encode().replace(b"hidden_size", b"hidden\xff_size", 1))
+    with pytest.raises(MxcError, match=r"bad\.yaml: not UTF-8 text \(invalid start byte at byte \d+\)") as e:
+        bind_arch("LlamaForCausalLM", model_file=path)
+    assert "\n" not in str(e.value)
+
+
 def test_unknown_op(bind_bad):
     msg, line = bind_bad("- h = rms_norm(x, ln1, eps=rms_norm_eps)\n", "- h = foo(x)\n")
     assert where(line, "graph") + "unknown op 'foo'" in msg

@@ -98,6 +98,16 @@ def test_corrupt_manifest(art):
     _refused(art, r"manifest\.json: corrupt")
 
 
+def test_manifest_not_utf8(art):
+    from mxc.inspect import summary
+
+    path = art / "manifest.json"
+    path.write_bytes(path.read_bytes().replace(b'"llama"', b'"ll\xffama"', 1))
+    _refused(art, r"manifest\.json: corrupt \(not UTF-8 text: invalid start byte at byte \d+\); rebuild")
+    with pytest.raises(MxcError, match=r"manifest\.json: corrupt \(not UTF-8 text"):
+        summary(art)
+
+
 def test_not_an_artifact(tmp_path):
     (tmp_path / "plain").mkdir()
     _refused(tmp_path / "plain", r"not an mxc artifact \(no manifest\.json\)")
