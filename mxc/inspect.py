@@ -25,16 +25,20 @@ def _kernel(choice) -> str:
 
 
 def _compiled(path: Path) -> list[str]:
-    """For a --target cuda artifact: how many binaries, and each kernel source rendered from a template."""
+    """For a --target cuda artifact: how many binaries, and each kernel source rendered from a template; a damaged
+    index shows as such, as a damaged weight file does (``mxc.load`` refuses it by its hash)."""
     index_path = path / "code" / "kernels" / "index.json"
     if not index_path.exists():
         return []
-    index = json.loads(index_path.read_text())
-    rendered = {e["source"]: (e["template"], e["template_params"]) for e in index.values() if "source" in e}
-    lines = [f"compiled     {len(index)} cubins ({len(rendered)} kernel modules rendered from templates)"]
-    for source, (template, params) in sorted(rendered.items(), key=lambda kv: kv[1][0]):
-        args = ", ".join(f"{k}={v}" for k, v in sorted(params.items()))
-        lines.append(f"  {template}({args})  code/kernels/{source}")
+    try:
+        index = json.loads(index_path.read_text())
+        rendered = {e["source"]: (e["template"], e["template_params"]) for e in index.values() if "source" in e}
+        lines = [f"compiled     {len(index)} cubins ({len(rendered)} kernel modules rendered from templates)"]
+        for source, (template, params) in sorted(rendered.items(), key=lambda kv: kv[1][0]):
+            args = ", ".join(f"{k}={v}" for k, v in sorted(params.items()))
+            lines.append(f"  {template}({args})  code/kernels/{source}")
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return ["compiled     code/kernels/index.json  DAMAGED (not a readable kernel index)"]
     return lines
 
 

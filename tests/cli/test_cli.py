@@ -101,6 +101,22 @@ def test_inspect_flags_damaged_weight_files(tmp_path, capsys):
     assert "DAMAGED" in capsys.readouterr().out
 
 
+def test_inspect_flags_a_damaged_kernel_index(tmp_path, capsys):
+    """A cuda artifact's code/kernels/index.json that is damaged shows as DAMAGED, as a weight file does: no
+    traceback (inspect reads the index whenever present, so a cpu artifact stands in for a cuda build here)."""
+    art = mxc.build("llama.yaml", out=tmp_path / "a", progress=False, log=lambda m: None)
+    (art / "code" / "kernels").mkdir()
+    for damaged in ("{damaged", "[1]", '{"k": {"source": "x"}}', '{"k": 1}', b'{"\xff": 1}'):
+        index = art / "code" / "kernels" / "index.json"
+        index.write_bytes(damaged if isinstance(damaged, bytes) else damaged.encode())
+        assert main(["inspect", str(art)]) == 0
+        captured = capsys.readouterr()
+        assert "Traceback" not in captured.err
+        line = next(ln for ln in captured.out.splitlines() if ln.startswith("compiled"))
+        assert "code/kernels/index.json  DAMAGED" in line, line
+        assert "files" in captured.out.splitlines()
+
+
 def test_generate_in_process_matches_library(artifact, capsys):
     assert main(["generate", str(artifact), "--ids", "4,5,6", "--max-new-tokens", "6", "--temperature", "0.9",
                  "--top-k", "40", "--top-p", "0.95", "--seed", "11"]) == 0
