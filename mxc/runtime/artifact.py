@@ -84,6 +84,11 @@ def _check_manifest_fields(mpath: Path, manifest: dict) -> None:
     if kv is not None and not (isinstance(kv, dict) and all(is_int(kv.get(k)) and kv[k] > 0
                                                             for k in ("layers", "kv_heads", "head_dim"))):
         bad("runtime.kv_cache", "null or an object of positive layers, kv_heads and head_dim")
+    layers = runtime.get("layers")
+    if layers is not None and not (isinstance(layers, dict) and is_int(layers.get("count")) and layers["count"] > 0
+                                   and isinstance(layers.get("index"), str) and isinstance(layers.get("prefix"), str)
+                                   and "{" + layers["index"] + "}" in layers["prefix"]):
+        bad("runtime.layers", "null or an object of a positive count, an index name and a prefix holding {index}")
     target, options = manifest.get("target"), manifest["options"]
     if not isinstance(target, dict) or target.get("name") not in ("cpu", "cuda"):
         bad("target", 'an object whose name is "cpu" or "cuda"')
@@ -100,13 +105,18 @@ def _check_manifest_fields(mpath: Path, manifest: dict) -> None:
     for name in ("architecture", "model_file", "family", "ir_sha256"):
         if not isinstance(manifest.get(name), str):
             bad(name, "a string")
-    if not isinstance(manifest.get("config"), dict):
-        bad("config", "an object")
+    if not isinstance(manifest.get("config"), dict) or not isinstance(manifest["config"].get("rope", {}), dict):
+        bad("config", "an object, its rope an object")
     source = manifest.get("source")
     if not isinstance(source, dict) or "weights" not in source or "checkpoint" not in source:
         bad("source", "an object with weights and checkpoint")
+    def is_choice(k) -> bool:  # one kernel name (or none), or [[up to N tokens or null, name], ...]
+        return k is None or isinstance(k, str) or isinstance(k, list) and all(
+            isinstance(b, list) and len(b) == 2 and (b[0] is None or is_int(b[0])) and isinstance(b[1], str) for b in k)
+
     kernels = manifest.get("kernels")
-    if not isinstance(kernels, list) or not all(isinstance(r, dict) and "kernel" in r for r in kernels):
+    if not isinstance(kernels, list) or not all(isinstance(r, dict) and "kernel" in r and is_choice(r["kernel"])
+                                                for r in kernels):
         bad("kernels", "a list of the nodes' kernel choices")
 
 

@@ -251,7 +251,13 @@ def test_bad_paths_devices_sampling_and_manifests(artifact, tmp_path, capsys):
                           (lambda m: m["runtime"].pop("kv_cache"), "field runtime.kv_cache"),
                           (lambda m: m["options"].pop("target"), "field options.target"),
                           (lambda m: m.pop("kernels"), "field kernels"),
-                          (lambda m: m.pop("source"), "field source")]:
+                          (lambda m: m.pop("source"), "field source"),
+                          (lambda m: m["runtime"].update(layers="x"), "field runtime.layers"),
+                          (lambda m: m["runtime"]["layers"].update(prefix=5), "field runtime.layers"),
+                          (lambda m: m["runtime"]["layers"].update(count=None), "field runtime.layers"),
+                          (lambda m: m["config"].update(rope=None), "field config"),
+                          (lambda m: m["kernels"][0].update(kernel={"a": 1}), "field kernels"),
+                          (lambda m: m["kernels"][0].update(kernel=[1, 2]), "field kernels")]:
         edited = tmp_path / "edited"
         shutil.rmtree(edited, ignore_errors=True)
         shutil.copytree(artifact, edited)
