@@ -6,6 +6,7 @@ seeded run is comparable; everything stays on the logits' device.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -21,8 +22,8 @@ def check_generate_args(max_new_tokens, temperature=0.0, top_k=None, top_p=None,
 
     if not whole(max_new_tokens) or max_new_tokens < 1:
         raise MxcError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature >= 0:
-        raise MxcError(f"temperature must be a number >= 0, got {temperature!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not 0 <= temperature < math.inf:
+        raise MxcError(f"temperature must be a finite number >= 0, got {temperature!r}")
     if top_k is not None and (not whole(top_k) or top_k < 1):
         raise MxcError(f"top_k must be an integer >= 1, got {top_k!r}")
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1):

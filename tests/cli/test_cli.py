@@ -238,7 +238,8 @@ def test_bad_paths_devices_sampling_and_manifests(artifact, tmp_path, capsys):
     _error(capsys, ["build", "llama.yaml", "--out", tmp_path / "o", "--quant-lm-head"], "--quant-lm-head: applies to fp8")
     _error(capsys, ["build", "llama.yaml", "--out", tmp_path / "o", "--quant-granularity", "block128"],
            "--quant-granularity block128: applies to fp8 weights; add --quant fp8")
-    _error(capsys, ["generate", artifact, "--ids", "1", "--temperature", "nan"], "temperature must be a number >= 0")
+    _error(capsys, ["generate", artifact, "--ids", "1", "--temperature", "nan"], "temperature must be a finite number >= 0")
+    _error(capsys, ["generate", artifact, "--ids", "1", "--temperature", "inf"], "temperature must be a finite number")
     _error(capsys, ["generate", artifact, "--ids", "1", "--device", "foo"], "--device foo: expected cpu, cuda")
     if not torch.cuda.is_available():
         _error(capsys, ["generate", artifact, "--ids", "1", "--device", "cuda"], "no CUDA GPU is usable here")

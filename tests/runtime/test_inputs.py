@@ -44,7 +44,9 @@ def test_edge_ids_accepted(model):
 @pytest.mark.parametrize("kw, pattern", [
     (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1, got 0"),
     (dict(max_new_tokens=2.5), "max_new_tokens must be an integer >= 1, got 2.5"),
-    (dict(temperature=-1.0), "temperature must be a number >= 0"), (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=-1.0), "temperature must be a finite number >= 0"), (dict(temperature=float("nan")), "temperature"),
+    # infinite: every logit divided to 0, a uniform draw that ignores top_k and top_p
+    (dict(temperature=float("inf"), top_k=1), "temperature must be a finite number >= 0, got inf"),
     (dict(top_p=0.0), r"top_p must be a number in \(0, 1\]"), (dict(top_p=1.5), "top_p"),
     (dict(top_k=0), "top_k must be an integer >= 1"), (dict(top_k=2.5), "top_k"),
     (dict(seed=10**23, temperature=1.0), r"seed must be an integer in \[-2\*\*63, 2\*\*64\)"),
