@@ -338,6 +338,9 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     out = Path(out) if out else Path("build") / src.model_file.stem
     if out.exists() and not is_artifact(out):  # only an artifact is ever replaced
         raise MxcError(f"--out {out}: exists and is not an mxc artifact; choose another path or remove it")
+    inside = next((p for p in out.absolute().parents if is_artifact(p)), None)
+    if inside is not None:  # its manifest would not list the new files: it would no longer load
+        raise MxcError(f"--out {out}: is inside the artifact {inside}; choose a path outside it")
     _check_writable(out, "--out")
     if dump_ir:
         _check_writable(Path(dump_ir), "--dump-ir")

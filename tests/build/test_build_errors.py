@@ -207,6 +207,17 @@ def test_out_with_another_programs_manifest_is_not_an_artifact(tmp_path):
     assert (out / "src" / "app.js").read_text() == "keep me"
 
 
+def test_out_inside_an_artifact(tmp_path):
+    """A build into a folder of another artifact would add files its manifest does not list, so that it no longer
+    loads: refused, and the artifact keeps loading."""
+    art = _build("llama.yaml", tmp_path / "art")
+    with pytest.raises(MxcError, match=r"--out .*sub: is inside the artifact .*art; choose a path outside it") as e:
+        _build("llama.yaml", art / "sub")
+    _one_line(e)
+    assert not (art / "sub").exists()
+    mxc.load(art)
+
+
 def test_out_is_a_file(tmp_path):
     out = tmp_path / "file"
     out.write_text("x")
