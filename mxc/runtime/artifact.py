@@ -110,6 +110,7 @@ def _check_manifest_fields(mpath: Path, manifest: dict) -> None:
     source = manifest.get("source")
     if not isinstance(source, dict) or "weights" not in source or "checkpoint" not in source:
         bad("source", "an object with weights and checkpoint")
+
     def is_choice(k) -> bool:  # one kernel name (or none), or [[up to N tokens or null, name], ...]
         return k is None or isinstance(k, str) or isinstance(k, list) and all(
             isinstance(b, list) and len(b) == 2 and (b[0] is None or is_int(b[0])) and isinstance(b[1], str) for b in k)
