@@ -21,8 +21,9 @@ from pathlib import Path
 # layout change, but every PDL kernel checked for what it reads before its wait (``mxc.codegen.pdl_check``): the
 # decode attention stored in schema-5 artifacts read q before its wait, a race with the RoPE kernel, so they
 # must be rebuilt; 7: the fp8 MLP's gate/up weight stored interleaved (``interleave`` in graph.yaml: an older runtime
-# would read it as halves) and the fp8 quantize and GEMV kernels keyed by a new constexpr (``PAIR_BLOCK``)
-SCHEMA_VERSION = 7
+# would read it as halves) and the fp8 quantize and GEMV kernels keyed by a new constexpr (``PAIR_BLOCK``); 8: the MoE
+# routers' bitonic top-k at two warps a program (``triton_route.TOPK``: older cuda MoE artifacts lack those cubins)
+SCHEMA_VERSION = 8
 
 
 def is_artifact(path: Path) -> bool:

@@ -156,8 +156,8 @@ def _config(H: int) -> tuple[int, int]:
 
 
 def _topk_constexprs(topk: str | None) -> dict:
-    """The kernels' top-k constexprs for ``topk`` (None: ``TOPK``), passed only when set, so an artifact built
-    before a way existed finds its kernels."""
+    """The kernels' top-k constexprs for ``topk`` (None: ``TOPK``), each passed only when set: the rounds keep the
+    binaries they had before the other ways existed."""
     topk = topk or TOPK
     if topk not in TOPK_WAYS:
         raise ValueError(f"topk must be one of {', '.join(TOPK_WAYS)}, got {topk!r}")
