@@ -146,8 +146,8 @@ def norm_route_kernel(a_ptr, b_ptr, norm_w_ptr, router_w_ptr, s_ptr, h_ptr, logi
 
 
 def _config(H: int) -> tuple[int, int]:
-    """(router rows a program, warps): one row a program, at least two warps, one more warp per 2048 features
-    past 4096. On the Qwen3-30B-A3B shape at batch 1 (E = 128, H = 2048; one H200, Triton 3.6,
+    """(router rows a program, warps): one row a program, next_pow2(H) / 2048 warps, at least two and at most
+    eight. On the Qwen3-30B-A3B shape at batch 1 (E = 128, H = 2048; one H200, Triton 3.6,
     ``bench/moe_lab.py``, each call reading another layer's router): with the bitonic top-k (2026-12-03) one row
     and two warps took 4.67 us (one warp 4.98; 4.65-4.71 for 1-2 rows at 2-8 warps), against 5.35 us for the
     rounds at one row and one warp, the best of the rounds (2026-11-30: 5.7-8.4 us for 2-8 rows at 1-8 warps),
