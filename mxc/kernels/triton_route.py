@@ -63,14 +63,14 @@ def _route_row(x, weights_ptr, ids_ptr, t, E: tl.constexpr, K: tl.constexpr, BLO
     offs_k = tl.arange(0, BLOCK_K)
     w = tl.zeros((BLOCK_K,), dtype=tl.float32)
     ids = tl.zeros((BLOCK_K,), dtype=tl.int64)
-    if BITONIC:  # keys are distinct: the order is the rounds' (score, then the lower expert id)
+    if PACKED or BITONIC:  # distinct keys: their order is the rounds' (score, then the lower expert id)
         key = (s.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - offs).to(tl.int64)
-        top = tl.topk(tl.where(ok, key, -1), BLOCK_K)  # descending; past E only when BLOCK_K > K
+        key = tl.where(ok, key, -1)
+    if BITONIC:
+        top = tl.topk(key, BLOCK_K)  # descending; past E only when BLOCK_K > K
         w = (top >> 32).to(tl.int32).to(tl.float32, bitcast=True)
         ids = BLOCK_E - 1 - (top & 0xFFFFFFFF)
     elif PACKED:
-        key = (s.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - offs).to(tl.int64)
-        key = tl.where(ok, key, -1)
         for j in tl.static_range(K):
             top = tl.max(key, axis=0)
             idx = BLOCK_E - 1 - (top & 0xFFFFFFFF)
