@@ -33,6 +33,8 @@
 #   gemvs   each GEMV's cost in the full step and in the GEMVs-only step (bench/ablate.py; bf16 and fp8)
 #   preload the one-token fp8 wgmma GEMV with its weight stages loaded into shared memory before the PDL wait
 #           (bench/gemv_preload_lab.py, Gluon): correctness, then 32 layers of quantize + GEMV against the shipped GEMV
+#   moefused the batch-1 MoE experts as one kernel (gate/up and down, fp32 atomics) against the shipped two
+#           (bench/moe_fused_lab.py): correctness, then 32 layers of router + experts + norm in a PDL graph
 #   resident what bytes already in L2 buy the shipped fp8 gate/up and down GEMVs (bench/prefetch_lab.py --resident:
 #           prefetched a line or a sector at a time, or read by loads, against another copy's bytes)
 #   prefill the fp8 prefill's pieces: attention in both grid orders, the CUTLASS GEMMs against _scaled_mm per shape,
@@ -76,6 +78,7 @@ case "${1:-}" in
             --disable-pass fuse_norm_linear --hf-batches "" ;;
   small)  run 280 small_lab.log python3 bench/small_lab.py ;;
   preload) run 200 preload_lab.log python3 bench/gemv_preload_lab.py ;;
+  moefused) run 300 moe_fused_lab.log python3 bench/moe_fused_lab.py ${MOEFUSED_ARGS:-} ;;
   resident) run 200 resident_lab.log python3 bench/prefetch_lab.py --resident --shapes gate_up,down \
               --resident-delay-us 20 --regions 0:4096:4096,512:1024:16384,0:512:28672 ;;
   gemvs)  # each GEMV's cost in the full step and in the GEMVs-only step (g_*), bf16 then fp8 (GEMVS_BF16=0: fp8 only)
@@ -122,6 +125,6 @@ case "${1:-}" in
           run 200 fp8moe_test.log python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_gpu.py -k moe
           run 380 fp8moe_ab.log python3 bench/decode_ab.py --config bench/qwen3_30b_a3b.json --quant fp8 --bf16 \
             --out "$scratch/abmoe8" --variant default= --timeline default; rm -rf "$scratch"/abmoe8* ;;
-  *) echo "usage: bash bench/gpu_session.sh tests|kattn|decode|ab|moe|moelab|tp|small|lab|ablate|pair|pairab|gaps|prefill|fp8moe|preload|gemvs|resident" >&2
+  *) echo "usage: bash bench/gpu_session.sh tests|kattn|decode|ab|moe|moelab|tp|small|lab|ablate|pair|pairab|gaps|prefill|fp8moe|preload|moefused|gemvs|resident" >&2
      exit 2 ;;
 esac

@@ -1,0 +1,257 @@
+"""Lab: the batch-1 MoE experts as one kernel, gate/up and down together, partial outputs summed by fp32 atomics.
+
+Today (``triton_moe_decode``) a Qwen3-30B-A3B layer's experts take two kernels at one token: the gate/up pair
+kernel (14.9 us a layer in the step for 12.1 us of bytes) and the tiled down kernel (9.1 us for 6.1 us of bytes:
+latency-bound, its programs wait on the gate/up kernel's last ones), then the next layer's RMSNorm. Here one
+program takes (pair p = t * k + j, a slice of BN intermediate columns):
+
+    h[s]   = silu(x[t] @ gate_e[s]^T) * (x[t] @ up_e[s]^T)            (rounded as the pair kernel rounds it)
+    acc[t] += weights[t, j] * (down_e[:, s] @ h[s])                  (fp32 atomics into acc [T, H])
+
+so no program waits on another: the down slice streams right after the program's own gate/up rows, and every
+program's bytes (gate/up 2 * BN rows, down BN columns) are in flight from the kernel's start. The finish kernel
+(one program a token) then rounds acc to the model dtype, adds the residual, writes it, RMSNorms it (the next
+layer's input norm, which the down kernel's residual add is followed by today) and zeroes acc for the next layer.
+
+What differs from the pair kernels: each expert's output is not rounded to the dtype before its routing weight
+(the k terms and the slices are summed in fp32, rounded once), and the sum's order is the atomics' (not bit-
+reproducible run to run). The down weights are read in the checkpoint's layout [E, H, I] (a slice is BN
+columns of every row: BN * 2 contiguous bytes a row) or transposed at load ([E, I, H]: BN whole rows).
+
+On the GPU (`bash bench/gpu_session.sh moefused`): checks every variant against the torch reference, then times
+32 layers of [router -> experts -> norm] in one CUDA graph with PDL: the shipped kernels against each variant.
+Kill criterion: no variant at least 2 us a layer under the shipped chain.
+On the CPU: ``TRITON_INTERPRET=1 python bench/moe_fused_lab.py --check`` (Triton interpreter, small shapes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from mxc.kernels import launch as L  # noqa: E402
+from mxc.kernels.launch import cdiv, next_pow2  # noqa: E402
+from mxc.kernels.pdl import pdl_enter, prefetch_l2  # noqa: E402
+from mxc.kernels.triton_gemv import dot_gate_up_rows  # noqa: E402
+
+
+@triton.jit
+def _fused_kernel(x_ptr, w1_ptr, w2_ptr, ids_ptr, wts_ptr, acc_ptr,
+                  E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
+                  BN: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
+                  DOWN_T: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
+    pair = tl.program_id(0).to(tl.int64)
+    t = pair // TOP_K
+    ty = x_ptr.dtype.element_ty
+    e = tl.load(ids_ptr + pair)
+    valid = (e >= 0) & (e < E)
+    e = tl.where(valid, e, 0)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    rn = offs_n % I
+    if DOWN_T:
+        d_base = w2_ptr + e * (I * H) + rn[:, None] * H  # [BN, 1]: row i of down^T
+        d_step = 1
+    else:
+        d_base = w2_ptr + e * (H * I) + rn[:, None]  # [BN, 1]: column i of down
+        d_step = I
+    if PREFETCH:  # the down slice asked of L2 before the gate/up rows are read
+        if DOWN_T:
+            prefetch_l2(d_base + tl.arange(0, H // 64)[None, :] * 64)
+        else:
+            prefetch_l2(w2_ptr + e * (H * I) + tl.arange(0, H)[None, :] * I + (tl.program_id(1) * BN))
+    offs_k = tl.arange(0, BLOCK_K)
+    g_ptrs = w1_ptr + e * (2 * I * H) + rn[:, None] * H + offs_k[None, :]
+    gate, up = dot_gate_up_rows(x_ptr + t * H + offs_k, g_ptrs, g_ptrs + I * H, H, BN, BLOCK_K)
+    gate = gate.to(ty).to(tl.float32)
+    up = up.to(ty).to(tl.float32)
+    act = tl.div_rn(gate, 1.0 + tl.exp(-gate)).to(ty).to(tl.float32)
+    h = (act * up).to(ty).to(tl.float32)
+    wt = tl.where(valid, tl.load(wts_ptr + pair).to(tl.float32), 0.0)
+    hw = tl.where(offs_n < I, h * wt, 0.0)
+    for c in tl.static_range(0, H, BLOCK_H):
+        cols = c + tl.arange(0, BLOCK_H)
+        w = tl.load(d_base + cols[None, :] * d_step).to(tl.float32)  # [BN, BLOCK_H]
+        y = tl.sum(w * hw[:, None], axis=0)
+        tl.atomic_add(acc_ptr + t * H + cols, y, sem="relaxed")
+
+
+@triton.jit
+def _finish_kernel(acc_ptr, r_ptr, nw_ptr, res_out_ptr, out_ptr, eps,
+                   H: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    ok = cols < H
+    ty = r_ptr.dtype.element_ty
+    a = tl.load(acc_ptr + t * H + cols, mask=ok, other=0.0).to(ty).to(tl.float32)
+    s = (tl.load(r_ptr + t * H + cols, mask=ok, other=0.0).to(tl.float32) + a).to(ty)
+    tl.store(res_out_ptr + t * H + cols, s, mask=ok)
+    tl.store(acc_ptr + t * H + cols, tl.zeros((BLOCK_H,), tl.float32), mask=ok)
+    sf = s.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / H + eps)
+    y = (sf * rstd).to(ty).to(tl.float32) * tl.load(nw_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * H + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def fused_experts(x, weights, ids, w1, w2, acc, *, down_t: bool, bn: int = 16, block_k: int = 256,
+                  block_h: int = 512, warps: int = 4, prefetch: bool = False) -> None:
+    """Add the experts' output of x [T, H] into acc [T, H] fp32 (zero before). w2 is [E, H, I], or [E, I, H]
+    with ``down_t``."""
+    T, H = x.shape
+    E, two_i, _ = w1.shape
+    I, k = two_i // 2, ids.shape[1]
+    L.launch(_fused_kernel, (T * k, cdiv(I, bn)), [x, w1, w2, ids, weights, acc],
+             dict(E=E, H=H, I=I, TOP_K=k, BN=bn, BLOCK_K=min(block_k, H), BLOCK_H=min(block_h, H), DOWN_T=down_t,
+                  PREFETCH=prefetch), num_warps=warps, num_stages=1)
+
+
+def finish(acc, residual, norm_weight, eps: float):
+    """(residual + acc rounded, rms_norm of that); acc zeroed."""
+    T, H = residual.shape
+    res_out, out = torch.empty_like(residual), torch.empty_like(residual)
+    L.launch(_finish_kernel, (T,), [acc, residual, norm_weight, res_out, out, float(eps)],
+             dict(H=H, BLOCK_H=next_pow2(H)), num_warps=max(1, min(8, next_pow2(H) // 256)), num_stages=1)
+    return res_out, out
+
+
+def reference(x, weights, ids, w1, w2, residual, norm_weight, eps):
+    from mxc.kernels import moe_ref, torch_ref
+
+    y = moe_ref.fused_moe(x, weights, ids, w1, w2)
+    s = (residual.float() + y.float()).to(x.dtype)
+    return s, torch_ref.rms_norm(s, norm_weight, eps)
+
+
+VARIANTS = [dict(down_t=dt, bn=bn, block_h=bh, warps=w, prefetch=pf)
+            for dt, bn, bh, w, pf in itertools.product((True, False), (8, 16, 32), (256, 512), (4, 8), (False, True))
+            if not (bn == 32 and bh == 512 and w == 4)]
+
+
+def check(device: str, E: int, H: int, I: int, K: int, T: int = 1, variants=VARIANTS) -> None:
+    g = torch.Generator(device="cpu").manual_seed(0)
+    dt = torch.bfloat16
+    w1 = (torch.randn(E, 2 * I, H, generator=g) * 0.05).to(dt).to(device)
+    w2 = (torch.randn(E, H, I, generator=g) * 0.05).to(dt).to(device)
+    w2t = w2.transpose(1, 2).contiguous()
+    x = torch.randn(T, H, generator=g).to(dt).to(device)
+    r = torch.randn(T, H, generator=g).to(dt).to(device)
+    nw = (1 + 0.1 * torch.randn(H, generator=g)).to(dt).to(device)
+    scores = torch.randn(T, E, generator=g).softmax(-1)
+    wts, ids = torch.topk(scores, K, dim=-1)
+    wts, ids = (wts / wts.sum(-1, keepdim=True)).to(dt).to(device), ids.to(device)
+    ids[0, -1] = E + 3  # an invalid id contributes nothing
+    # the reference drops invalid ids: give them a zero weight instead
+    wts_ref = wts.masked_fill(ids >= E, 0)
+    ref_s, ref_h = reference(x, wts_ref, ids.clamp(max=E - 1), w1, w2, r, nw, 1e-6)
+    for v in variants:
+        acc = torch.zeros(T, H, dtype=torch.float32, device=device)
+        fused_experts(x, wts, ids, w1, w2t if v["down_t"] else w2, acc, **v)
+        s, h = finish(acc, r, nw, 1e-6)
+        assert torch.count_nonzero(acc) == 0, "finish left acc non-zero"
+        for got, want in ((s, ref_s), (h, ref_h)):
+            err = (got.float() - want.float()).abs().max().item() / want.float().abs().max().item()
+            assert err < 1.5e-2, (v, err)
+    print(f"check {device}: {len(variants)} variants match the reference", flush=True)
+
+
+def time_chain(layer, layers: int = 32) -> float:
+    """us a layer: ``layer(i)`` for i < layers in one CUDA graph launched with PDL, timed by do_bench."""
+    from triton.testing import do_bench
+
+    with L.using(L.jit_launch_pdl):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            layer(0)
+            layer(1)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for i in range(layers):
+                layer(i)
+    return do_bench(g.replay, warmup=10, rep=100) * 1e3 / layers
+
+
+def bench(rounds: int) -> None:
+    from mxc.kernels import triton_moe_decode as tmd
+    from mxc.kernels import triton_norm, triton_route
+    from mxc.kernels.context import ForwardContext
+
+    E, H, I, K = 128, 2048, 768, 8
+    dt = torch.bfloat16
+    w1 = torch.randn(E, 2 * I, H, device="cuda", dtype=dt) * 0.02
+    w2 = torch.randn(E, H, I, device="cuda", dtype=dt) * 0.02
+    w2t = w2.transpose(1, 2).contiguous()
+    sets = 16
+    a = [torch.randn(1, H, device="cuda", dtype=dt) for _ in range(sets)]
+    b = [torch.randn(1, H, device="cuda", dtype=dt) for _ in range(sets)]
+    nw = torch.ones(H, device="cuda", dtype=dt)
+    rws = [torch.randn(E, H, device="cuda", dtype=dt) * H ** -0.5 for _ in range(sets)]
+    ctx = ForwardContext([1], [0], [0])
+    acc = torch.zeros(1, H, dtype=torch.float32, device="cuda")
+
+    def shipped(i):
+        s, h, wts, ids = triton_route.add_rms_norm_route(a[i % sets], b[i % sets], nw, rws[i % sets], ctx,
+                                                         eps=1e-6, k=K, renormalize=True)
+        y = tmd.fused_moe(h, wts, ids, w1, w2, residual=s)
+        return triton_norm.rms_norm(y, nw, 1e-6)
+
+    def fused(v):
+        def layer(i):
+            s, h, wts, ids = triton_route.add_rms_norm_route(a[i % sets], b[i % sets], nw, rws[i % sets], ctx,
+                                                             eps=1e-6, k=K, renormalize=True)
+            fused_experts(h, wts, ids, w1, w2t if v["down_t"] else w2, acc, **v)
+            return finish(acc, s, nw, 1e-6)
+        return layer
+
+    def router_only(i):
+        return triton_route.add_rms_norm_route(a[i % sets], b[i % sets], nw, rws[i % sets], ctx,
+                                               eps=1e-6, k=K, renormalize=True)
+
+    bytes_ = K * 3 * I * H * 2
+    print(f"expert bytes a layer {bytes_ / 1e6:.1f} MB", flush=True)
+    results: dict[str, list[float]] = {}
+    names = {"router only": router_only, "shipped": shipped}
+    for v in VARIANTS:
+        names[" ".join(f"{k}={val}" for k, val in v.items())] = fused(v)
+    for r in range(rounds):
+        for name, fn in names.items():
+            try:
+                t = time_chain(fn)
+            except Exception as e:  # out of resources
+                print(f"  skip {name}: {type(e).__name__} {str(e)[:80]}", flush=True)
+                continue
+            results.setdefault(name, []).append(t)
+    base = sorted(results["shipped"])[len(results["shipped"]) // 2]
+    router = sorted(results["router only"])[len(results["router only"]) // 2]
+    for name, ts in sorted(results.items(), key=lambda kv: sorted(kv[1])[len(kv[1]) // 2]):
+        med = sorted(ts)[len(ts) // 2]
+        print(f"{name:60s} {med:7.2f} us a layer ({'/'.join(f'{t:.2f}' for t in ts)}), "
+              f"{med - base:+6.2f} vs shipped, experts+norm {med - router:6.2f} us", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--check", action="store_true", help="CPU: the interpreter against the reference, small shapes")
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    if args.check:
+        assert os.environ.get("TRITON_INTERPRET") == "1", "--check runs under TRITON_INTERPRET=1"
+        check("cpu", E=8, H=64, I=48, K=4, T=2, variants=[v for v in VARIANTS if not v["prefetch"]])
+        return
+    check("cuda", E=128, H=2048, I=768, K=8)
+    bench(args.rounds)
+
+
+if __name__ == "__main__":
+    main()
