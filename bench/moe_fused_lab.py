@@ -48,7 +48,8 @@ from mxc.kernels.triton_gemv import dot_gate_up_rows  # noqa: E402
 def _fused_kernel(x_ptr, w1_ptr, w2_ptr, ids_ptr, wts_ptr, acc_ptr,
                   E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
                   BN: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
-                  DOWN_T: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr = False):
+                  DOWN_T: tl.constexpr, PREFETCH: tl.constexpr, STORE: tl.constexpr = False,
+                  COPIES: tl.constexpr = 1, PIPE: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     pdl_enter(USE_PDL)
     pair = tl.program_id(0).to(tl.int64)
     t = pair // TOP_K
@@ -71,7 +72,26 @@ def _fused_kernel(x_ptr, w1_ptr, w2_ptr, ids_ptr, wts_ptr, acc_ptr,
             prefetch_l2(w2_ptr + e * (H * I) + tl.arange(0, H)[None, :] * I + (tl.program_id(1) * BN))
     offs_k = tl.arange(0, BLOCK_K)
     g_ptrs = w1_ptr + e * (2 * I * H) + rn[:, None] * H + offs_k[None, :]
-    gate, up = dot_gate_up_rows(x_ptr + t * H + offs_k, g_ptrs, g_ptrs + I * H, H, BN, BLOCK_K)
+    if PIPE:  # the next step's tiles loaded before this step's products; the first down chunk before the sums
+        x_ptrs = x_ptr + t * H + offs_k
+        xk = tl.load(x_ptrs)
+        gk = tl.load(g_ptrs)
+        uk = tl.load(g_ptrs + I * H)
+        acc_g = tl.zeros((BN, BLOCK_K), dtype=tl.float32)
+        acc_u = tl.zeros((BN, BLOCK_K), dtype=tl.float32)
+        for k in range(BLOCK_K, H, BLOCK_K):
+            xn = tl.load(x_ptrs + k)
+            gn = tl.load(g_ptrs + k)
+            un = tl.load(g_ptrs + I * H + k)
+            acc_g += gk.to(tl.float32) * xk.to(tl.float32)[None, :]
+            acc_u += uk.to(tl.float32) * xk.to(tl.float32)[None, :]
+            xk, gk, uk = xn, gn, un
+        w0 = tl.load(d_base + tl.arange(0, BLOCK_H)[None, :] * d_step)
+        acc_g += gk.to(tl.float32) * xk.to(tl.float32)[None, :]
+        acc_u += uk.to(tl.float32) * xk.to(tl.float32)[None, :]
+        gate, up = tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1)
+    else:
+        gate, up = dot_gate_up_rows(x_ptr + t * H + offs_k, g_ptrs, g_ptrs + I * H, H, BN, BLOCK_K)
     gate = gate.to(ty).to(tl.float32)
     up = up.to(ty).to(tl.float32)
     act = tl.div_rn(gate, 1.0 + tl.exp(-gate)).to(ty).to(tl.float32)
@@ -80,23 +100,36 @@ def _fused_kernel(x_ptr, w1_ptr, w2_ptr, ids_ptr, wts_ptr, acc_ptr,
     hw = tl.where(offs_n < I, h * wt, 0.0)
     for c in tl.static_range(0, H, BLOCK_H):
         cols = c + tl.arange(0, BLOCK_H)
-        w = tl.load(d_base + cols[None, :] * d_step).to(tl.float32)  # [BN, BLOCK_H]
+        if PIPE and c == 0:
+            w = w0.to(tl.float32)
+        else:
+            w = tl.load(d_base + cols[None, :] * d_step).to(tl.float32)  # [BN, BLOCK_H]
         y = tl.sum(w * hw[:, None], axis=0)
-        tl.atomic_add(acc_ptr + t * H + cols, y, sem="relaxed")
+        dst = acc_ptr + (tl.program_id(1) % COPIES) * (tl.num_programs(0) // TOP_K * H) + t * H + cols
+        if STORE:  # timing only: plain stores (wrong sums), what the atomics cost
+            tl.store(dst, y)
+        else:
+            tl.atomic_add(dst, y, sem="relaxed")
 
 
 @triton.jit
 def _finish_kernel(acc_ptr, r_ptr, nw_ptr, res_out_ptr, out_ptr, eps,
-                   H: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr = False):
+                   H: tl.constexpr, BLOCK_H: tl.constexpr, COPIES: tl.constexpr = 1, USE_PDL: tl.constexpr = False):
     pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
+    T = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_H)
     ok = cols < H
     ty = r_ptr.dtype.element_ty
-    a = tl.load(acc_ptr + t * H + cols, mask=ok, other=0.0).to(ty).to(tl.float32)
+    a = tl.zeros((BLOCK_H,), tl.float32)
+    for c in tl.static_range(COPIES):
+        a += tl.load(acc_ptr + c * T * H + t * H + cols, mask=ok, other=0.0)
+    tl.debug_barrier()  # the loads above ahead of the zeroing below (the compiler may not reorder across it)
+    for c in tl.static_range(COPIES):
+        tl.store(acc_ptr + c * T * H + t * H + cols, tl.zeros((BLOCK_H,), tl.float32), mask=ok)
+    a = a.to(ty).to(tl.float32)
     s = (tl.load(r_ptr + t * H + cols, mask=ok, other=0.0).to(tl.float32) + a).to(ty)
     tl.store(res_out_ptr + t * H + cols, s, mask=ok)
-    tl.store(acc_ptr + t * H + cols, tl.zeros((BLOCK_H,), tl.float32), mask=ok)
     sf = s.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / H + eps)
     y = (sf * rstd).to(ty).to(tl.float32) * tl.load(nw_ptr + cols, mask=ok, other=0.0).to(tl.float32)
@@ -104,23 +137,24 @@ def _finish_kernel(acc_ptr, r_ptr, nw_ptr, res_out_ptr, out_ptr, eps,
 
 
 def fused_experts(x, weights, ids, w1, w2, acc, *, down_t: bool, bn: int = 16, block_k: int = 256,
-                  block_h: int = 512, warps: int = 4, prefetch: bool = False) -> None:
-    """Add the experts' output of x [T, H] into acc [T, H] fp32 (zero before). w2 is [E, H, I], or [E, I, H]
-    with ``down_t``."""
+                  block_h: int = 512, warps: int = 4, prefetch: bool = False, store: bool = False,
+                  copies: int = 1, pipe: bool = False) -> None:
+    """Add the experts' output of x [T, H] into acc [copies, T, H] fp32 (zero before; slice s of the intermediate
+    adds into copy s % copies). w2 is [E, H, I], or [E, I, H] with ``down_t``."""
     T, H = x.shape
     E, two_i, _ = w1.shape
     I, k = two_i // 2, ids.shape[1]
     L.launch(_fused_kernel, (T * k, cdiv(I, bn)), [x, w1, w2, ids, weights, acc],
              dict(E=E, H=H, I=I, TOP_K=k, BN=bn, BLOCK_K=min(block_k, H), BLOCK_H=min(block_h, H), DOWN_T=down_t,
-                  PREFETCH=prefetch), num_warps=warps, num_stages=1)
+                  PREFETCH=prefetch, STORE=store, COPIES=copies, PIPE=pipe), num_warps=warps, num_stages=1)
 
 
 def finish(acc, residual, norm_weight, eps: float):
-    """(residual + acc rounded, rms_norm of that); acc zeroed."""
+    """(residual + the sum of acc's copies rounded, rms_norm of that); acc zeroed."""
     T, H = residual.shape
     res_out, out = torch.empty_like(residual), torch.empty_like(residual)
     L.launch(_finish_kernel, (T,), [acc, residual, norm_weight, res_out, out, float(eps)],
-             dict(H=H, BLOCK_H=next_pow2(H)), num_warps=max(1, min(8, next_pow2(H) // 256)), num_stages=1)
+             dict(H=H, BLOCK_H=next_pow2(H), COPIES=acc.shape[0]), num_warps=max(1, min(8, next_pow2(H) // 256)), num_stages=1)
     return res_out, out
 
 
@@ -132,9 +166,15 @@ def reference(x, weights, ids, w1, w2, residual, norm_weight, eps):
     return s, torch_ref.rms_norm(s, norm_weight, eps)
 
 
-VARIANTS = [dict(down_t=dt, bn=bn, block_h=bh, warps=w, prefetch=pf)
-            for dt, bn, bh, w, pf in itertools.product((True, False), (8, 16, 32), (256, 512), (4, 8), (False, True))
-            if not (bn == 32 and bh == 512 and w == 4)]
+# The first call (2026-12-04) timed down_t in (True, False), bn in (8, 16, 32), block_h in (256, 512), warps in
+# (4, 8), prefetch in (False, True): best bn=32 block_h=512 warps=8, untransposed, no prefetch, 1.05 us a layer over
+# the shipped chain; every transposed variant slower still (5-111 us). The second: bn in (32, 64), block_h in (512,
+# 1024), warps in (8, 16), acc in 1 or 4 copies, plain stores in place of the atomics: best bn=32 block_h=1024
+# warps=16, one copy, 1.93 us a layer under the shipped chain; plain stores 0.28 us faster than the atomics, more
+# copies slower. This third set: more warps, wider K steps, the gate/up loop pipelined by hand (``pipe``: Triton's
+# num_stages does not pipeline these loads, no cp.async in the PTX).
+VARIANTS = [dict(down_t=False, bn=bn, block_h=bh, warps=w, block_k=bk, pipe=pp)
+            for bn, bh, w, bk, pp in itertools.product((16, 32), (1024, 2048), (16, 32), (256, 512), (False, True))]
 
 
 def check(device: str, E: int, H: int, I: int, K: int, T: int = 1, variants=VARIANTS) -> None:
@@ -154,13 +194,15 @@ def check(device: str, E: int, H: int, I: int, K: int, T: int = 1, variants=VARI
     wts_ref = wts.masked_fill(ids >= E, 0)
     ref_s, ref_h = reference(x, wts_ref, ids.clamp(max=E - 1), w1, w2, r, nw, 1e-6)
     for v in variants:
-        acc = torch.zeros(T, H, dtype=torch.float32, device=device)
+        if v.get("store"):
+            continue
+        acc = torch.zeros(v.get("copies", 1), T, H, dtype=torch.float32, device=device)
         fused_experts(x, wts, ids, w1, w2t if v["down_t"] else w2, acc, **v)
         s, h = finish(acc, r, nw, 1e-6)
         assert torch.count_nonzero(acc) == 0, "finish left acc non-zero"
         for got, want in ((s, ref_s), (h, ref_h)):
             err = (got.float() - want.float()).abs().max().item() / want.float().abs().max().item()
-            assert err < 1.5e-2, (v, err)
+            assert err < 2.5e-2, (v, err, "residual sum" if got is s else "normed")
     print(f"check {device}: {len(variants)} variants match the reference", flush=True)
 
 
@@ -198,7 +240,7 @@ def bench(rounds: int) -> None:
     nw = torch.ones(H, device="cuda", dtype=dt)
     rws = [torch.randn(E, H, device="cuda", dtype=dt) * H ** -0.5 for _ in range(sets)]
     ctx = ForwardContext([1], [0], [0])
-    acc = torch.zeros(1, H, dtype=torch.float32, device="cuda")
+    accs = {c: torch.zeros(c, 1, H, dtype=torch.float32, device="cuda") for c in (1, 4)}
 
     def shipped(i):
         s, h, wts, ids = triton_route.add_rms_norm_route(a[i % sets], b[i % sets], nw, rws[i % sets], ctx,
@@ -210,6 +252,7 @@ def bench(rounds: int) -> None:
         def layer(i):
             s, h, wts, ids = triton_route.add_rms_norm_route(a[i % sets], b[i % sets], nw, rws[i % sets], ctx,
                                                              eps=1e-6, k=K, renormalize=True)
+            acc = accs[v["copies"]]
             fused_experts(h, wts, ids, w1, w2t if v["down_t"] else w2, acc, **v)
             return finish(acc, s, nw, 1e-6)
         return layer
@@ -221,7 +264,8 @@ def bench(rounds: int) -> None:
     bytes_ = K * 3 * I * H * 2
     print(f"expert bytes a layer {bytes_ / 1e6:.1f} MB", flush=True)
     results: dict[str, list[float]] = {}
-    names = {"router only": router_only, "shipped": shipped}
+    names = {"router only": router_only, "shipped": shipped,
+             "second call's best": fused(dict(down_t=False, bn=32, block_h=1024, warps=16))}
     for v in VARIANTS:
         names[" ".join(f"{k}={val}" for k, val in v.items())] = fused(v)
     for r in range(rounds):
@@ -247,7 +291,7 @@ def main() -> None:
     args = p.parse_args()
     if args.check:
         assert os.environ.get("TRITON_INTERPRET") == "1", "--check runs under TRITON_INTERPRET=1"
-        check("cpu", E=8, H=64, I=48, K=4, T=2, variants=[v for v in VARIANTS if not v["prefetch"]])
+        check("cpu", E=8, H=64, I=48, K=4, T=2, variants=[dict(v, bn=min(v["bn"], 16), block_h=64, block_k=64) for v in VARIANTS][:4])
         return
     check("cuda", E=128, H=2048, I=768, K=8)
     bench(args.rounds)
