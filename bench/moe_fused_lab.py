@@ -108,6 +108,9 @@ def _fused_kernel(x_ptr, w1_ptr, w2_ptr, ids_ptr, wts_ptr, acc_ptr,
         dst = acc_ptr + (tl.program_id(1) % COPIES) * (tl.num_programs(0) // TOP_K * H) + t * H + cols
         if STORE:  # timing only: plain stores (wrong sums), what the atomics cost
             tl.store(dst, y)
+        elif acc_ptr.dtype.element_ty == tl.int64:  # fixed point, 32 fraction bits: integer sums, any order
+            # (truncated: an fp32 y * 2^32 of 2^24 or more is an integer already, so only |y| < 2^-8 loses < 2^-32)
+            tl.atomic_add(dst, (y * 4294967296.0).to(tl.int64), sem="relaxed")
         else:
             tl.atomic_add(dst, y, sem="relaxed")
 
@@ -123,10 +126,14 @@ def _finish_kernel(acc_ptr, r_ptr, nw_ptr, res_out_ptr, out_ptr, eps,
     ty = r_ptr.dtype.element_ty
     a = tl.zeros((BLOCK_H,), tl.float32)
     for c in tl.static_range(COPIES):
-        a += tl.load(acc_ptr + c * T * H + t * H + cols, mask=ok, other=0.0)
+        if acc_ptr.dtype.element_ty == tl.int64:
+            a += (tl.load(acc_ptr + c * T * H + t * H + cols, mask=ok, other=0).to(tl.float64)
+                  * (1.0 / 4294967296.0)).to(tl.float32)
+        else:
+            a += tl.load(acc_ptr + c * T * H + t * H + cols, mask=ok, other=0.0)
     tl.debug_barrier()  # the loads above ahead of the zeroing below (the compiler may not reorder across it)
     for c in tl.static_range(COPIES):
-        tl.store(acc_ptr + c * T * H + t * H + cols, tl.zeros((BLOCK_H,), tl.float32), mask=ok)
+        tl.store(acc_ptr + c * T * H + t * H + cols, tl.zeros((BLOCK_H,), acc_ptr.dtype.element_ty), mask=ok)
     a = a.to(ty).to(tl.float32)
     s = (tl.load(r_ptr + t * H + cols, mask=ok, other=0.0).to(tl.float32) + a).to(ty)
     tl.store(res_out_ptr + t * H + cols, s, mask=ok)
@@ -138,7 +145,7 @@ def _finish_kernel(acc_ptr, r_ptr, nw_ptr, res_out_ptr, out_ptr, eps,
 
 def fused_experts(x, weights, ids, w1, w2, acc, *, down_t: bool, bn: int = 16, block_k: int = 256,
                   block_h: int = 512, warps: int = 4, prefetch: bool = False, store: bool = False,
-                  copies: int = 1, pipe: bool = False) -> None:
+                  copies: int = 1, pipe: bool = False, fixed: bool = False) -> None:
     """Add the experts' output of x [T, H] into acc [copies, T, H] fp32 (zero before; slice s of the intermediate
     adds into copy s % copies). w2 is [E, H, I], or [E, I, H] with ``down_t``."""
     T, H = x.shape
@@ -173,8 +180,11 @@ def reference(x, weights, ids, w1, w2, residual, norm_weight, eps):
 # warps=16, one copy, 1.93 us a layer under the shipped chain; plain stores 0.28 us faster than the atomics, more
 # copies slower. This third set: more warps, wider K steps, the gate/up loop pipelined by hand (``pipe``: Triton's
 # num_stages does not pipeline these loads, no cp.async in the PTX).
-VARIANTS = [dict(down_t=False, bn=bn, block_h=bh, warps=w, block_k=bk, pipe=pp)
-            for bn, bh, w, bk, pp in itertools.product((16, 32), (1024, 2048), (16, 32), (256, 512), (False, True))]
+# ``fixed``: acc in int64 fixed point (32 fraction bits), so the sums do not depend on the atomics' order.
+VARIANTS = [dict(down_t=False, bn=bn, block_h=bh, warps=w, block_k=bk, pipe=pp, fixed=fx)
+            for bn, bh, w, bk, pp, fx in itertools.product((16, 32), (1024, 2048), (16, 32), (256, 512), (False, True),
+                                                           (False, True))
+            if not fx or (bn == 32 and w == 16)]
 
 
 def check(device: str, E: int, H: int, I: int, K: int, T: int = 1, variants=VARIANTS) -> None:
@@ -196,10 +206,14 @@ def check(device: str, E: int, H: int, I: int, K: int, T: int = 1, variants=VARI
     for v in variants:
         if v.get("store"):
             continue
-        acc = torch.zeros(v.get("copies", 1), T, H, dtype=torch.float32, device=device)
+        acc = torch.zeros(v.get("copies", 1), T, H, dtype=torch.int64 if v.get("fixed") else torch.float32,
+                          device=device)
         fused_experts(x, wts, ids, w1, w2t if v["down_t"] else w2, acc, **v)
         s, h = finish(acc, r, nw, 1e-6)
         assert torch.count_nonzero(acc) == 0, "finish left acc non-zero"
+        if v.get("fixed"):  # integer sums: the same bits whatever order the atomics land in
+            fused_experts(x, wts, ids, w1, w2t if v["down_t"] else w2, acc, **v)
+            assert torch.equal(finish(acc, r, nw, 1e-6)[0], s), (v, "not reproducible")
         for got, want in ((s, ref_s), (h, ref_h)):
             err = (got.float() - want.float()).abs().max().item() / want.float().abs().max().item()
             assert err < 2.5e-2, (v, err, "residual sum" if got is s else "normed")
@@ -240,7 +254,8 @@ def bench(rounds: int) -> None:
     nw = torch.ones(H, device="cuda", dtype=dt)
     rws = [torch.randn(E, H, device="cuda", dtype=dt) * H ** -0.5 for _ in range(sets)]
     ctx = ForwardContext([1], [0], [0])
-    accs = {c: torch.zeros(c, 1, H, dtype=torch.float32, device="cuda") for c in (1, 4)}
+    accs = {(c, fx): torch.zeros(c, 1, H, dtype=torch.int64 if fx else torch.float32, device="cuda")
+            for c in (1, 4) for fx in (False, True)}
 
     def shipped(i):
         s, h, wts, ids = triton_route.add_rms_norm_route(a[i % sets], b[i % sets], nw, rws[i % sets], ctx,
@@ -252,7 +267,7 @@ def bench(rounds: int) -> None:
         def layer(i):
             s, h, wts, ids = triton_route.add_rms_norm_route(a[i % sets], b[i % sets], nw, rws[i % sets], ctx,
                                                              eps=1e-6, k=K, renormalize=True)
-            acc = accs[v["copies"]]
+            acc = accs[v.get("copies", 1), v.get("fixed", False)]
             fused_experts(h, wts, ids, w1, w2t if v["down_t"] else w2, acc, **v)
             return finish(acc, s, nw, 1e-6)
         return layer
@@ -291,7 +306,8 @@ def main() -> None:
     args = p.parse_args()
     if args.check:
         assert os.environ.get("TRITON_INTERPRET") == "1", "--check runs under TRITON_INTERPRET=1"
-        check("cpu", E=8, H=64, I=48, K=4, T=2, variants=[dict(v, bn=min(v["bn"], 16), block_h=64, block_k=64) for v in VARIANTS][:4])
+        check("cpu", E=8, H=64, I=48, K=4, T=2, variants=[dict(v, bn=min(v["bn"], 16), block_h=64, block_k=64) for v in VARIANTS
+                                                     if v["bn"] == 32 and v["warps"] == 16][:8])
         return
     check("cuda", E=128, H=2048, I=768, K=8)
     bench(args.rounds)
