@@ -98,7 +98,7 @@ def _fused_kernel(x_ptr, w1_ptr, w2_ptr, ids_ptr, wts_ptr, acc_ptr,
     h = (act * up).to(ty).to(tl.float32)
     wt = tl.where(valid, tl.load(wts_ptr + pair).to(tl.float32), 0.0)
     hw = tl.where(offs_n < I, h * wt, 0.0)
-    for c in tl.range(0, H, BLOCK_H, loop_unroll_factor=1):  # not unrolled: one chunk's registers at a time
+    for c in tl.static_range(0, H, BLOCK_H):  # unrolled: a loop (tl.range) measured 1.5-1.8 us a layer slower
         cols = c + tl.arange(0, BLOCK_H)
         if PIPE and c == 0:
             w = w0.to(tl.float32)
@@ -183,12 +183,100 @@ def reference(x, weights, ids, w1, w2, residual, norm_weight, eps):
 # The third (four configs a call): hand pipelining slower (registers), wider K steps slower, 32 warps slower;
 # int64 fixed-point sums (order-independent: ``acc`` int64, 32 fraction bits) cost 6-8 us more than fp32 atomics.
 # Every config so far held more than 64 registers a thread at 16 warps (the best: 105): one program an SM, so
-# 192 programs ran in 1.45 waves. This fourth set: configs whose programs all fit at once (cuobjdump, sm_90), the
-# down chunks in a loop that is not unrolled (``tl.range``).
-VARIANTS = [dict(down_t=False, bn=bn, block_h=bh, warps=w, block_k=bk)
-            for bn, bh, w, bk in ((32, 1024, 16, 256), (16, 256, 16, 128), (16, 512, 16, 128), (16, 256, 8, 128),
-                                  (16, 512, 8, 64), (32, 256, 16, 128), (32, 512, 16, 128), (32, 256, 8, 128),
-                                  (32, 512, 8, 128), (32, 256, 8, 64), (64, 256, 16, 64), (16, 256, 4, 64))]
+# 192 programs ran in 1.45 waves. The fourth: configs whose programs all fit at once (cuobjdump, sm_90), with the
+# down chunks in a loop not unrolled (``tl.range``): none faster; the best config itself lost 1.5 us that way.
+VARIANTS = [dict(down_t=False, bn=32, block_h=1024, warps=16, block_k=256)]
+
+
+@triton.jit
+def _up_unrolled_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, E: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                        TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+    """``triton_moe_decode._pair_up_kernel`` (bf16) with its K loop unrolled (``tl.static_range``)."""
+    pdl_enter(USE_PDL)
+    pair = tl.program_id(0).to(tl.int64)
+    t = pair // TOP_K
+    ty = x_ptr.dtype.element_ty
+    e = tl.load(ids_ptr + pair)
+    e = tl.where((e >= 0) & (e < E), e, 0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = offs_n % I
+    offs_k = tl.arange(0, BLOCK_K)
+    g_ptrs = w_ptr + e * (2 * I * H) + rn[:, None] * H + offs_k[None, :]
+    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in tl.static_range(0, H, BLOCK_K):
+        x = tl.load(x_ptr + t * H + k + offs_k).to(tl.float32)
+        acc_g += tl.load(g_ptrs + k).to(tl.float32) * x[None, :]
+        acc_u += tl.load(g_ptrs + I * H + k).to(tl.float32) * x[None, :]
+    gate = tl.sum(acc_g, axis=1).to(ty).to(tl.float32)
+    up = tl.sum(acc_u, axis=1).to(ty).to(tl.float32)
+    act = tl.div_rn(gate, 1.0 + tl.exp(-gate)).to(ty).to(tl.float32)
+    tl.store(h_ptr + pair * I + offs_n, (act * up).to(ty), mask=offs_n < I)
+
+
+@triton.jit
+def _down_unrolled_kernel(h_ptr, w_ptr, weights_ptr, ids_ptr, r_ptr, out_ptr, E: tl.constexpr, H: tl.constexpr,
+                          I: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          USE_PDL: tl.constexpr = False):
+    """``triton_moe_decode._pair_down_tile_kernel`` (bf16, I % BLOCK_K == 0) with its K loop unrolled."""
+    pdl_enter(USE_PDL)
+    t = tl.program_id(0).to(tl.int64)
+    ty = h_ptr.dtype.element_ty
+    ROWS: tl.constexpr = TOP_K * BLOCK_N
+    r = tl.arange(0, ROWS)
+    j = r // BLOCK_N
+    n = tl.program_id(1) * BLOCK_N + r % BLOCK_N
+    rn = n % H
+    pair = t * TOP_K + j
+    e = tl.load(ids_ptr + pair)
+    valid = (e >= 0) & (e < E)
+    e = tl.where(valid, e, 0)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + (e * (H * I) + rn * I)[:, None] + offs_k[None, :]
+    x_ptrs = h_ptr + (pair * I)[:, None] + offs_k[None, :]
+    acc = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
+    for k in tl.static_range(0, I, BLOCK_K):
+        acc += tl.load(w_ptrs + k).to(tl.float32) * tl.load(x_ptrs + k).to(tl.float32)
+    y = tl.sum(acc, axis=1)
+    wt = tl.load(weights_ptr + pair).to(tl.float32)
+    z = tl.where(valid, (y.to(ty).to(tl.float32) * wt).to(ty).to(tl.float32), 0.0)
+    z2 = tl.reshape(z, (TOP_K, BLOCK_N))
+    jj = tl.arange(0, TOP_K)[:, None]
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for i in tl.static_range(TOP_K):
+        total += tl.sum(tl.where(jj == i, z2, 0.0), axis=0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    out = total.to(ty)
+    out = (tl.load(r_ptr + t * H + offs_n).to(tl.float32) + out.to(tl.float32)).to(ty)
+    tl.store(out_ptr + t * H + offs_n, out)
+
+
+def pair_experts(x, weights, ids, w1, w2, residual, *, up_unrolled: bool, down_unrolled: bool):
+    """The shipped two-kernel experts (``triton_moe_decode.fused_moe``, default configs, bf16) with either
+    kernel's K loop unrolled."""
+    from mxc.kernels import triton_moe_decode as tmd
+
+    T, H = x.shape
+    E, two_i, _ = w1.shape
+    I, k = two_i // 2, ids.shape[1]
+    up, down = tmd.config_for(H, I, x.dtype, k)
+    h = torch.empty((T * k, I), dtype=x.dtype, device=x.device)
+    out = torch.empty_like(x)
+    c = dict(E=E, H=H, I=I, TOP_K=k, BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K)
+    if up_unrolled:
+        L.launch(_up_unrolled_kernel, (T * k, cdiv(I, up.BLOCK_N)), [x, w1, ids, h], c, num_warps=up.num_warps,
+                 num_stages=1)
+    else:
+        L.launch(tmd._pair_up_kernel, (T * k, cdiv(I, up.BLOCK_N)), [x, w1, None, ids, h], c,
+                 num_warps=up.num_warps, num_stages=1)
+    c = dict(E=E, H=H, I=I, TOP_K=k, BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K)
+    if down_unrolled:
+        L.launch(_down_unrolled_kernel, (T, cdiv(H, down.BLOCK_N)), [h, w2, weights, ids, residual, out], c,
+                 num_warps=down.num_warps, num_stages=1)
+    else:
+        L.launch(tmd._pair_down_tile_kernel, (T, cdiv(H, down.BLOCK_N)), [h, w2, None, weights, ids, residual, out],
+                 c, num_warps=down.num_warps, num_stages=1)
+    return out
 
 
 def check(device: str, E: int, H: int, I: int, K: int, T: int = 1, variants=VARIANTS) -> None:
@@ -221,6 +309,12 @@ def check(device: str, E: int, H: int, I: int, K: int, T: int = 1, variants=VARI
         for got, want in ((s, ref_s), (h, ref_h)):
             err = (got.float() - want.float()).abs().max().item() / want.float().abs().max().item()
             assert err < 2.5e-2, (v, err, "residual sum" if got is s else "normed")
+    if I % 128 == 0 or I == 64:  # the unrolled down kernel takes whole K steps
+        for uu, du in ((True, False), (False, True), (True, True), (False, False)):
+            got = pair_experts(x, wts, ids, w1, w2, r, up_unrolled=uu, down_unrolled=du)
+            from mxc.kernels import triton_moe_decode as tmd
+            want = tmd.fused_moe(x, wts, ids, w1, w2, residual=r)
+            assert torch.equal(got, want), (uu, du, "the unrolled kernels differ from the shipped")
     print(f"check {device}: {len(variants)} variants match the reference", flush=True)
 
 
@@ -287,6 +381,13 @@ def bench(rounds: int) -> None:
              "second call's best": fused(dict(down_t=False, bn=32, block_h=1024, warps=16))}
     for v in VARIANTS:
         names[" ".join(f"{k}={val}" for k, val in v.items())] = fused(v)
+    for uu, du in ((True, False), (False, True), (True, True), (False, False)):
+        def pairs(i, uu=uu, du=du):
+            s, h, wts, ids = triton_route.add_rms_norm_route(a[i % sets], b[i % sets], nw, rws[i % sets], ctx,
+                                                             eps=1e-6, k=K, renormalize=True)
+            y = pair_experts(h, wts, ids, w1, w2, s, up_unrolled=uu, down_unrolled=du)
+            return triton_norm.rms_norm(y, nw, 1e-6)
+        names[f"pair kernels, up unrolled {uu}, down unrolled {du}"] = pairs
     for r in range(rounds):
         for name, fn in names.items():
             try:
@@ -311,9 +412,10 @@ def main() -> None:
     if args.check:
         assert os.environ.get("TRITON_INTERPRET") == "1", "--check runs under TRITON_INTERPRET=1"
         check("cpu", E=8, H=64, I=48, K=4, T=2, variants=[dict(v, bn=min(v["bn"], 16), block_h=min(v["block_h"], 32), block_k=64)
-                                                     for v in VARIANTS][:6] + [dict(VARIANTS[0], fixed=True, bn=16, block_h=32, block_k=64)])
+                                                     for v in VARIANTS] + [dict(VARIANTS[0], fixed=True, bn=16, block_h=32, block_k=64)])
+        check("cpu", E=8, H=64, I=64, K=4, T=2, variants=[])
         return
-    check("cuda", E=128, H=2048, I=768, K=8)
+    check("cuda", E=128, H=2048, I=768, K=8, T=1)
     bench(args.rounds)
 
 
