@@ -285,31 +285,40 @@ def dot_rows(x_ptrs, w_ptrs, K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.co
 
 
 @triton.jit
-def dot_gate_up_rows(x_ptrs, g_ptrs, u_ptrs, K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                     sg_ptrs=None, su_ptrs=None):
-    """``dot_rows`` over gate rows and the matching up rows in one pass over x: (gate, up) [ROWS]; with block
-    scales, ``sg_ptrs`` / ``su_ptrs`` as ``dot_rows``' ``s_ptrs``."""
+def _gate_up_step(x_ptrs, g_ptrs, u_ptrs, k, acc_g, acc_u, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                  sg_ptrs=None, su_ptrs=None):
+    """One BLOCK_K step of ``dot_gate_up_rows`` at column ``k``: (acc_g, acc_u) plus this step's products."""
     offs_k = tl.arange(0, BLOCK_K)
+    if K % BLOCK_K == 0:
+        x = tl.load(x_ptrs + k).to(tl.float32)
+        g = tl.load(g_ptrs + k).to(tl.float32)
+        u = tl.load(u_ptrs + k).to(tl.float32)
+    else:
+        k_ok = (k + offs_k) < K
+        x = tl.load(x_ptrs + k, mask=k_ok, other=0.0).to(tl.float32)
+        g = tl.load(g_ptrs + k, mask=k_ok[None, :], other=0.0).to(tl.float32)
+        u = tl.load(u_ptrs + k, mask=k_ok[None, :], other=0.0).to(tl.float32)
+    if sg_ptrs is not None:
+        g = _block_scaled(g, sg_ptrs, k, offs_k, K, BLOCK_K)
+        u = _block_scaled(u, su_ptrs, k, offs_k, K, BLOCK_K)
+    return acc_g + g * x[None, :], acc_u + u * x[None, :]
+
+
+@triton.jit
+def dot_gate_up_rows(x_ptrs, g_ptrs, u_ptrs, K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+                     sg_ptrs=None, su_ptrs=None, UNROLL: tl.constexpr = False):
+    """``dot_rows`` over gate rows and the matching up rows in one pass over x: (gate, up) [ROWS]; with block
+    scales, ``sg_ptrs`` / ``su_ptrs`` as ``dot_rows``' ``s_ptrs``. ``UNROLL``: the K loop unrolled, so the
+    compiler may issue later steps' loads before earlier steps' products (more bytes in flight a program; the
+    same sums in the same order)."""
     acc_g = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
     acc_u = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        if K % BLOCK_K == 0:
-            x = tl.load(x_ptrs).to(tl.float32)
-            g = tl.load(g_ptrs).to(tl.float32)
-            u = tl.load(u_ptrs).to(tl.float32)
-        else:
-            k_ok = (k + offs_k) < K
-            x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-            g = tl.load(g_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
-            u = tl.load(u_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
-        if sg_ptrs is not None:
-            g = _block_scaled(g, sg_ptrs, k, offs_k, K, BLOCK_K)
-            u = _block_scaled(u, su_ptrs, k, offs_k, K, BLOCK_K)
-        acc_g += g * x[None, :]
-        acc_u += u * x[None, :]
-        x_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
+    if UNROLL:
+        for k in tl.static_range(0, K, BLOCK_K):
+            acc_g, acc_u = _gate_up_step(x_ptrs, g_ptrs, u_ptrs, k, acc_g, acc_u, K, BLOCK_K, sg_ptrs, su_ptrs)
+    else:
+        for k in range(0, K, BLOCK_K):
+            acc_g, acc_u = _gate_up_step(x_ptrs, g_ptrs, u_ptrs, k, acc_g, acc_u, K, BLOCK_K, sg_ptrs, su_ptrs)
     return tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1)
 
 

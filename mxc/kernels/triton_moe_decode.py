@@ -41,7 +41,7 @@ from mxc.kernels.triton_gemv import dot_gate_up_rows, dot_rows
 def _pair_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr,
                     E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_SCALE: tl.constexpr = False,
-                    USE_PDL: tl.constexpr = False):
+                    UNROLL: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     pdl_enter(USE_PDL)
     pair = tl.program_id(0).to(tl.int64)
     t = pair // TOP_K
@@ -56,9 +56,10 @@ def _pair_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr,
         KB: tl.constexpr = (H + 127) // 128
         s_e = s_ptr + e * (2 * I // 128 * KB)
         gate, up = dot_gate_up_rows(x_ptr + t * H + offs_k, g_ptrs, g_ptrs + I * H, H, BLOCK_N, BLOCK_K,
-                                    s_e + (rn // 128) * KB, s_e + ((I + rn) // 128) * KB)
+                                    s_e + (rn // 128) * KB, s_e + ((I + rn) // 128) * KB, UNROLL=UNROLL)
     else:
-        gate, up = dot_gate_up_rows(x_ptr + t * H + offs_k, g_ptrs, g_ptrs + I * H, H, BLOCK_N, BLOCK_K)
+        gate, up = dot_gate_up_rows(x_ptr + t * H + offs_k, g_ptrs, g_ptrs + I * H, H, BLOCK_N, BLOCK_K,
+                                    UNROLL=UNROLL)
     if s_ptr is not None and not BLOCK_SCALE:  # fp8 row scales [E, 2I]
         gate = gate * tl.load(s_ptr + e * (2 * I) + rn).to(tl.float32)
         up = up * tl.load(s_ptr + e * (2 * I) + I + rn).to(tl.float32)
@@ -159,7 +160,10 @@ class PairConfig:
     BLOCK_K: int = 512
     num_warps: int = 8
     TILE: bool = False  # down only: the k experts in one tile (``_pair_down_tile_kernel``; power-of-two k)
+    UNROLL: bool = False  # up only: the K loop unrolled (``triton_gemv.dot_gate_up_rows``)
 
+
+UNROLL_MAX_STEPS = 16  # the up kernel's K loop is unrolled up to this many steps (``_default_configs``)
 
 # Field overrides of the default configs by (hidden, inter, "up" or "down"), applied after the rules: what
 # ``bench/decode_ab.py`` variants set to time other tiles in the whole step.
@@ -190,9 +194,14 @@ def _default_configs(hidden: int, inter: int, dtype: torch.dtype, top_k: int = 8
     2.712 / 2.713 / 2.754 ms against 2.544. The streamed lines slow the gate/up kernel running beside them (it
     added 18.9 us a layer instead of 15.1) for 0.35 us gained by the down kernel (2026-12-02; removed). Larger
     up steps, fewer round trips a program: 1 KB steps 2.690 ms (8 warps 2.616), 2 KB at 8 warps 2.712, 32 rows at
-    8 warps 2.566, against 2.538 for these defaults (2026-12-02, same method)."""
+    8 warps 2.566, against 2.538 for these defaults (2026-12-02, same method).
+    The up kernel's K loop unrolled (``UNROLL``, at most ``UNROLL_MAX_STEPS`` steps; the same sums): router + experts
+    + RMSNorm, 32 layers in a PDL graph (``bench/moe_fused_lab.py``, 2026-12-04), 28.51 us a layer against 29.44
+    rolled; unrolling the down kernel's loop as well, 30.86. Row- and block-scaled (fp8) experts keep the loop
+    (``fused_moe``: not measured)."""
     elems = 256 // torch.empty((), dtype=dtype).element_size()  # 256 B of x
     up = PairConfig(BLOCK_N=16, BLOCK_K=max(16, min(2 * elems, next_pow2(hidden))), num_warps=4)
+    up = replace(up, UNROLL=cdiv(hidden, up.BLOCK_K) <= UNROLL_MAX_STEPS)
     if top_k & (top_k - 1) == 0:
         down = PairConfig(BLOCK_N=2, BLOCK_K=max(16, min(elems, next_pow2(inter))), num_warps=4,
                           TILE=True)
@@ -214,12 +223,15 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_
     up, down = configs if configs is not None else config_for(H, I, x.dtype, top_k)
     if blocks and configs is None:  # steps inside one 128-column block: one scale a row (measured below)
         up, down = (replace(c, BLOCK_K=min(c.BLOCK_K, 128)) for c in (up, down))
+    if s_gate_up is not None and configs is None:  # fp8 experts: the unrolled loop is not measured (config_for)
+        up = replace(up, UNROLL=False)
     h = torch.empty((T * top_k, I), dtype=x.dtype, device=x.device)
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     if T == 0:
         return out
     launch(_pair_up_kernel, (T * top_k, cdiv(I, up.BLOCK_N)), [x, w_gate_up, s_gate_up, ids, h],
-           dict(E=E, H=H, I=I, TOP_K=top_k, BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, **blocks),
+           dict(E=E, H=H, I=I, TOP_K=top_k, BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, **blocks,
+                **({"UNROLL": True} if up.UNROLL else {})),
            num_warps=up.num_warps, num_stages=1)
     tile = down.TILE and top_k & (top_k - 1) == 0  # a tile's rows are a power of two
     launch(_pair_down_tile_kernel if tile else _pair_down_sum_kernel, (T, cdiv(H, down.BLOCK_N)),
