@@ -22,8 +22,10 @@ from pathlib import Path
 # decode attention stored in schema-5 artifacts read q before its wait, a race with the RoPE kernel, so they
 # must be rebuilt; 7: the fp8 MLP's gate/up weight stored interleaved (``interleave`` in graph.yaml: an older runtime
 # would read it as halves) and the fp8 quantize and GEMV kernels keyed by a new constexpr (``PAIR_BLOCK``); 8: the MoE
-# routers' bitonic top-k at two warps a program (``triton_route.TOPK``: older cuda MoE artifacts lack those cubins)
-SCHEMA_VERSION = 8
+# routers' bitonic top-k at two warps a program (``triton_route.TOPK``: older cuda MoE artifacts lack those cubins); 9:
+# the MoE gate/up pair kernel's K loop unrolled (``triton_moe_decode.PairConfig.UNROLL``: a new constexpr, so older
+# cuda MoE artifacts lack that cubin)
+SCHEMA_VERSION = 9
 
 
 def is_artifact(path: Path) -> bool:

@@ -204,6 +204,17 @@ def test_meta_recording():
     assert (k1, k2) == (tmd._pair_up_kernel, tmd._pair_down_tile_kernel)  # k = 8: the tiled down kernel
     assert g1 == (24, 768 // 16) and g2 == (3, 2048 // 2)
     assert c1["BLOCK_K"] == 256 and c2["BLOCK_K"] == 128 and c1["TOP_K"] == 8 and c1["E"] == 128
+    assert c1["UNROLL"] and "UNROLL" not in c2  # 8 steps of gate/up unrolled (``UNROLL_MAX_STEPS``)
+    seen.clear()
+    with launch_mod.using(lambda kernel, grid, args, consts, nw, ns: seen.append((kernel, grid, consts))):
+        f8 = torch.float8_e4m3fn
+        tmd.fused_moe(meta(3, 2048), meta(3, 8), meta(3, 8, dtype=torch.int64), meta(128, 1536, 2048, dtype=f8),
+                      meta(128, 2048, 768, dtype=f8), s_gate_up=meta(128, 1536, dtype=torch.float32),
+                      s_down=meta(128, 2048, dtype=torch.float32))
+        tmd.fused_moe(meta(3, 8192), meta(3, 8), meta(3, 8, dtype=torch.int64), meta(8, 256, 8192),
+                      meta(8, 8192, 128))
+    assert "UNROLL" not in seen[0][2]  # fp8 experts keep the loop (not measured)
+    assert "UNROLL" not in seen[2][2]  # 32 steps: over UNROLL_MAX_STEPS
 
 
 _COMPILE = """
