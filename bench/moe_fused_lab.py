@@ -22,6 +22,13 @@ On the GPU (`bash bench/gpu_session.sh moefused`): checks every variant against 
 32 layers of [router -> experts -> norm] in one CUDA graph with PDL: the shipped kernels against each variant.
 Kill criterion: no variant at least 2 us a layer under the shipped chain.
 On the CPU: ``TRITON_INTERPRET=1 python bench/moe_fused_lab.py --check`` (Triton interpreter, small shapes).
+
+Measured on one H200 (2026-12-04, docs/perf.md, fortieth run; six calls, the sets of ``VARIANTS`` below): the best
+fused config is 1.65-1.93 us a layer under the shipped chain (29.2-29.5 us), short of the criterion, and its fp32
+atomics make the sums' order, so the output's last bits, vary run to run; the order-independent int64 sums cost
+6-8 us more. Dropped. What the lab found instead: the fused kernel's down chunks lost 1.5 us a layer in a loop
+against unrolled, and the shipped gate/up pair kernel's K loop unrolled (``pair_experts``) took 28.51 against 29.44
+us a layer: ``triton_moe_decode.PairConfig.UNROLL``, now the default.
 """
 
 from __future__ import annotations
@@ -131,7 +138,9 @@ def _finish_kernel(acc_ptr, r_ptr, nw_ptr, res_out_ptr, out_ptr, eps,
                   * (1.0 / 4294967296.0)).to(tl.float32)
         else:
             a += tl.load(acc_ptr + c * T * H + t * H + cols, mask=ok, other=0.0)
-    tl.debug_barrier()  # the loads above ahead of the zeroing below (the compiler may not reorder across it)
+    # A guard, not a known fix: the second GPU call's check failed (0.64 of the output's scale) before this barrier
+    # was added, though that code's PTX already issued these loads ahead of the zeroing; every check since passed.
+    tl.debug_barrier()
     for c in tl.static_range(COPIES):
         tl.store(acc_ptr + c * T * H + t * H + cols, tl.zeros((BLOCK_H,), acc_ptr.dtype.element_ty), mask=ok)
     a = a.to(ty).to(tl.float32)
