@@ -164,6 +164,7 @@ class PairConfig:
 
 
 UNROLL_MAX_STEPS = 16  # the up kernel's K loop is unrolled up to this many steps (``_default_configs``)
+UNROLL_SCALED = False  # the same for fp8 (row- or block-scaled) experts: not measured yet, an A/B knob
 
 # Field overrides of the default configs by (hidden, inter, "up" or "down"), applied after the rules: what
 # ``bench/decode_ab.py`` variants set to time other tiles in the whole step.
@@ -223,7 +224,7 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_
     up, down = configs if configs is not None else config_for(H, I, x.dtype, top_k)
     if blocks and configs is None:  # steps inside one 128-column block: one scale a row (measured below)
         up, down = (replace(c, BLOCK_K=min(c.BLOCK_K, 128)) for c in (up, down))
-    if s_gate_up is not None and configs is None:  # fp8 experts: the unrolled loop is not measured (config_for)
+    if s_gate_up is not None and configs is None and not UNROLL_SCALED:  # fp8 experts: not measured (config_for)
         up = replace(up, UNROLL=False)
     h = torch.empty((T * top_k, I), dtype=x.dtype, device=x.device)
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
