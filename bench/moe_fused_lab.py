@@ -34,7 +34,6 @@ us a layer: ``triton_moe_decode.PairConfig.UNROLL``, now the default.
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import sys
 from pathlib import Path
@@ -197,95 +196,16 @@ def reference(x, weights, ids, w1, w2, residual, norm_weight, eps):
 VARIANTS = [dict(down_t=False, bn=32, block_h=1024, warps=16, block_k=256)]
 
 
-@triton.jit
-def _up_unrolled_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, E: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
-                        TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
-    """``triton_moe_decode._pair_up_kernel`` (bf16) with its K loop unrolled (``tl.static_range``)."""
-    pdl_enter(USE_PDL)
-    pair = tl.program_id(0).to(tl.int64)
-    t = pair // TOP_K
-    ty = x_ptr.dtype.element_ty
-    e = tl.load(ids_ptr + pair)
-    e = tl.where((e >= 0) & (e < E), e, 0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rn = offs_n % I
-    offs_k = tl.arange(0, BLOCK_K)
-    g_ptrs = w_ptr + e * (2 * I * H) + rn[:, None] * H + offs_k[None, :]
-    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in tl.static_range(0, H, BLOCK_K):
-        x = tl.load(x_ptr + t * H + k + offs_k).to(tl.float32)
-        acc_g += tl.load(g_ptrs + k).to(tl.float32) * x[None, :]
-        acc_u += tl.load(g_ptrs + I * H + k).to(tl.float32) * x[None, :]
-    gate = tl.sum(acc_g, axis=1).to(ty).to(tl.float32)
-    up = tl.sum(acc_u, axis=1).to(ty).to(tl.float32)
-    act = tl.div_rn(gate, 1.0 + tl.exp(-gate)).to(ty).to(tl.float32)
-    tl.store(h_ptr + pair * I + offs_n, (act * up).to(ty), mask=offs_n < I)
-
-
-@triton.jit
-def _down_unrolled_kernel(h_ptr, w_ptr, weights_ptr, ids_ptr, r_ptr, out_ptr, E: tl.constexpr, H: tl.constexpr,
-                          I: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          USE_PDL: tl.constexpr = False):
-    """``triton_moe_decode._pair_down_tile_kernel`` (bf16, I % BLOCK_K == 0) with its K loop unrolled."""
-    pdl_enter(USE_PDL)
-    t = tl.program_id(0).to(tl.int64)
-    ty = h_ptr.dtype.element_ty
-    ROWS: tl.constexpr = TOP_K * BLOCK_N
-    r = tl.arange(0, ROWS)
-    j = r // BLOCK_N
-    n = tl.program_id(1) * BLOCK_N + r % BLOCK_N
-    rn = n % H
-    pair = t * TOP_K + j
-    e = tl.load(ids_ptr + pair)
-    valid = (e >= 0) & (e < E)
-    e = tl.where(valid, e, 0)
-    offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + (e * (H * I) + rn * I)[:, None] + offs_k[None, :]
-    x_ptrs = h_ptr + (pair * I)[:, None] + offs_k[None, :]
-    acc = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
-    for k in tl.static_range(0, I, BLOCK_K):
-        acc += tl.load(w_ptrs + k).to(tl.float32) * tl.load(x_ptrs + k).to(tl.float32)
-    y = tl.sum(acc, axis=1)
-    wt = tl.load(weights_ptr + pair).to(tl.float32)
-    z = tl.where(valid, (y.to(ty).to(tl.float32) * wt).to(ty).to(tl.float32), 0.0)
-    z2 = tl.reshape(z, (TOP_K, BLOCK_N))
-    jj = tl.arange(0, TOP_K)[:, None]
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for i in tl.static_range(TOP_K):
-        total += tl.sum(tl.where(jj == i, z2, 0.0), axis=0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    out = total.to(ty)
-    out = (tl.load(r_ptr + t * H + offs_n).to(tl.float32) + out.to(tl.float32)).to(ty)
-    tl.store(out_ptr + t * H + offs_n, out)
-
-
 def pair_experts(x, weights, ids, w1, w2, residual, *, up_unrolled: bool, down_unrolled: bool):
-    """The shipped two-kernel experts (``triton_moe_decode.fused_moe``, default configs, bf16) with either
-    kernel's K loop unrolled."""
+    """The shipped two-kernel experts (``triton_moe_decode.fused_moe``, its default configs) with either kernel's K
+    loop unrolled or not (``PairConfig.UNROLL``; the lab first measured copies of the two kernels, 2026-12-04)."""
+    from dataclasses import replace
+
     from mxc.kernels import triton_moe_decode as tmd
 
-    T, H = x.shape
-    E, two_i, _ = w1.shape
-    I, k = two_i // 2, ids.shape[1]
-    up, down = tmd.config_for(H, I, x.dtype, k)
-    h = torch.empty((T * k, I), dtype=x.dtype, device=x.device)
-    out = torch.empty_like(x)
-    c = dict(E=E, H=H, I=I, TOP_K=k, BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K)
-    if up_unrolled:
-        L.launch(_up_unrolled_kernel, (T * k, cdiv(I, up.BLOCK_N)), [x, w1, ids, h], c, num_warps=up.num_warps,
-                 num_stages=1)
-    else:
-        L.launch(tmd._pair_up_kernel, (T * k, cdiv(I, up.BLOCK_N)), [x, w1, None, ids, h], c,
-                 num_warps=up.num_warps, num_stages=1)
-    c = dict(E=E, H=H, I=I, TOP_K=k, BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K)
-    if down_unrolled:
-        L.launch(_down_unrolled_kernel, (T, cdiv(H, down.BLOCK_N)), [h, w2, weights, ids, residual, out], c,
-                 num_warps=down.num_warps, num_stages=1)
-    else:
-        L.launch(tmd._pair_down_tile_kernel, (T, cdiv(H, down.BLOCK_N)), [h, w2, None, weights, ids, residual, out],
-                 c, num_warps=down.num_warps, num_stages=1)
-    return out
+    up, down = tmd.config_for(x.shape[1], w2.shape[2], x.dtype, ids.shape[1])
+    return tmd.fused_moe(x, weights, ids, w1, w2, residual=residual,
+                         configs=(replace(up, UNROLL=up_unrolled), replace(down, UNROLL=down_unrolled)))
 
 
 def check(device: str, E: int, H: int, I: int, K: int, T: int = 1, variants=VARIANTS) -> None:
@@ -318,31 +238,18 @@ def check(device: str, E: int, H: int, I: int, K: int, T: int = 1, variants=VARI
         for got, want in ((s, ref_s), (h, ref_h)):
             err = (got.float() - want.float()).abs().max().item() / want.float().abs().max().item()
             assert err < 2.5e-2, (v, err, "residual sum" if got is s else "normed")
-    if I % 128 == 0 or I == 64:  # the unrolled down kernel takes whole K steps
-        for uu, du in ((True, False), (False, True), (True, True), (False, False)):
-            got = pair_experts(x, wts, ids, w1, w2, r, up_unrolled=uu, down_unrolled=du)
-            from mxc.kernels import triton_moe_decode as tmd
-            want = tmd.fused_moe(x, wts, ids, w1, w2, residual=r)
-            assert torch.equal(got, want), (uu, du, "the unrolled kernels differ from the shipped")
+    rolled = pair_experts(x, wts, ids, w1, w2, r, up_unrolled=False, down_unrolled=False)
+    for uu, du in ((True, False), (False, True), (True, True)):
+        got = pair_experts(x, wts, ids, w1, w2, r, up_unrolled=uu, down_unrolled=du)
+        assert torch.equal(got, rolled), (uu, du, "the unrolled loops differ from the loops")
     print(f"check {device}: {len(variants)} variants match the reference", flush=True)
 
 
 def time_chain(layer, layers: int = 32) -> float:
-    """us a layer: ``layer(i)`` for i < layers in one CUDA graph launched with PDL, timed by do_bench."""
-    from triton.testing import do_bench
+    """us a layer: ``layer(i)`` for i < layers in one CUDA graph launched with PDL (``moe_lab.time_us``)."""
+    from moe_lab import time_us
 
-    with L.using(L.jit_launch_pdl):
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            layer(0)
-            layer(1)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for i in range(layers):
-                layer(i)
-    return do_bench(g.replay, warmup=10, rep=100) * 1e3 / layers
+    return time_us(layer, calls=layers, pdl=True)
 
 
 def bench(rounds: int) -> None:
@@ -422,7 +329,7 @@ def main() -> None:
         assert os.environ.get("TRITON_INTERPRET") == "1", "--check runs under TRITON_INTERPRET=1"
         check("cpu", E=8, H=64, I=48, K=4, T=2, variants=[dict(v, bn=min(v["bn"], 16), block_h=min(v["block_h"], 32), block_k=64)
                                                      for v in VARIANTS] + [dict(VARIANTS[0], fixed=True, bn=16, block_h=32, block_k=64)])
-        check("cpu", E=8, H=64, I=64, K=4, T=2, variants=[])
+        check("cpu", E=8, H=64, I=64, K=4, T=2, variants=[])  # whole K steps
         return
     check("cuda", E=128, H=2048, I=768, K=8, T=1)
     bench(args.rounds)

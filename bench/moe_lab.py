@@ -27,21 +27,27 @@ from mxc.kernels import triton_moe_decode as tmd  # noqa: E402
 E, H, I, K = 128, 2048, 768, 8
 
 
-def time_us(fn, calls: int = 32) -> float:
-    """Microseconds per ``fn(i)``: do_bench of a CUDA graph of ``calls`` back-to-back calls."""
+def time_us(fn, calls: int = 32, pdl: bool = False) -> float:
+    """Microseconds per ``fn(i)``: do_bench of a CUDA graph of ``calls`` back-to-back calls; with ``pdl``, the kernels
+    launched for programmatic dependent launch, as an artifact's decode graph runs them (``launch.jit_launch_pdl``)."""
+    from contextlib import nullcontext
+
     from triton.testing import do_bench
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn(0)
-        fn(1)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            fn(i)
-    return do_bench(g.replay, warmup=5, rep=40) * 1e3 / calls
+    from mxc.kernels import launch
+
+    with launch.using(launch.jit_launch_pdl) if pdl else nullcontext():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn(0)
+            fn(1)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for i in range(calls):
+                fn(i)
+    return do_bench(g.replay, warmup=10 if pdl else 5, rep=100 if pdl else 40) * 1e3 / calls
 
 
 def moe_kernels(tokens: int) -> None:

@@ -253,55 +253,70 @@ def _block_scaled(w, s_ptrs, k, offs_k, K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _rows_step(x_ptrs, w_ptrs, k, acc, K: tl.constexpr, BLOCK_K: tl.constexpr, X_PER_ROW: tl.constexpr = False,
+               s_ptrs=None):
+    """One BLOCK_K step of ``dot_rows``, the pointers at column ``k``: (acc plus this step's products, the
+    pointers moved to the next step)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    if K % BLOCK_K == 0:
+        x = tl.load(x_ptrs).to(tl.float32)
+        w = tl.load(w_ptrs).to(tl.float32)
+    else:
+        k_ok = (k + offs_k) < K
+        if X_PER_ROW:
+            x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
+        else:
+            x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
+    if s_ptrs is not None:
+        w = _block_scaled(w, s_ptrs, k, offs_k, K, BLOCK_K)
+    if X_PER_ROW:
+        acc += w * x
+    else:
+        acc += w * x[None, :]
+    return acc, x_ptrs + BLOCK_K, w_ptrs + BLOCK_K
+
+
+@triton.jit
 def dot_rows(x_ptrs, w_ptrs, K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-             X_PER_ROW: tl.constexpr = False, s_ptrs=None):
+             X_PER_ROW: tl.constexpr = False, s_ptrs=None, UNROLL: tl.constexpr = False):
     """The v1 loop: ``sum over K of w[r, :] * x`` [ROWS] in fp32, with per-thread partial products
     and one reduction at the end. ``w_ptrs`` [ROWS, BLOCK_K] points at column 0 of each weight row
     (rows contiguous along K); ``x_ptrs`` at column 0 of one input row [BLOCK_K], or with
     ``X_PER_ROW`` of each weight row's own input row [ROWS, BLOCK_K]. ``s_ptrs`` (fp8 weights with 128x128
-    block scales, else None): each row's scale row, the weights scaled as they are loaded."""
-    offs_k = tl.arange(0, BLOCK_K)
+    block scales, else None): each row's scale row, the weights scaled as they are loaded. ``UNROLL``: the K loop
+    unrolled (as ``dot_gate_up_rows``')."""
     acc = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        if K % BLOCK_K == 0:
-            x = tl.load(x_ptrs).to(tl.float32)
-            w = tl.load(w_ptrs).to(tl.float32)
-        else:
-            k_ok = (k + offs_k) < K
-            if X_PER_ROW:
-                x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
-            else:
-                x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
-        if s_ptrs is not None:
-            w = _block_scaled(w, s_ptrs, k, offs_k, K, BLOCK_K)
-        if X_PER_ROW:
-            acc += w * x
-        else:
-            acc += w * x[None, :]
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    if UNROLL:
+        for k in tl.static_range(0, K, BLOCK_K):
+            acc, x_ptrs, w_ptrs = _rows_step(x_ptrs, w_ptrs, k, acc, K, BLOCK_K, X_PER_ROW, s_ptrs)
+    else:
+        for k in range(0, K, BLOCK_K):
+            acc, x_ptrs, w_ptrs = _rows_step(x_ptrs, w_ptrs, k, acc, K, BLOCK_K, X_PER_ROW, s_ptrs)
     return tl.sum(acc, axis=1)
 
 
 @triton.jit
 def _gate_up_step(x_ptrs, g_ptrs, u_ptrs, k, acc_g, acc_u, K: tl.constexpr, BLOCK_K: tl.constexpr,
                   sg_ptrs=None, su_ptrs=None):
-    """One BLOCK_K step of ``dot_gate_up_rows`` at column ``k``: (acc_g, acc_u) plus this step's products."""
+    """One BLOCK_K step of ``dot_gate_up_rows``, the pointers at column ``k``: (acc_g, acc_u) plus this step's
+    products, and the pointers moved to the next step."""
     offs_k = tl.arange(0, BLOCK_K)
     if K % BLOCK_K == 0:
-        x = tl.load(x_ptrs + k).to(tl.float32)
-        g = tl.load(g_ptrs + k).to(tl.float32)
-        u = tl.load(u_ptrs + k).to(tl.float32)
+        x = tl.load(x_ptrs).to(tl.float32)
+        g = tl.load(g_ptrs).to(tl.float32)
+        u = tl.load(u_ptrs).to(tl.float32)
     else:
         k_ok = (k + offs_k) < K
-        x = tl.load(x_ptrs + k, mask=k_ok, other=0.0).to(tl.float32)
-        g = tl.load(g_ptrs + k, mask=k_ok[None, :], other=0.0).to(tl.float32)
-        u = tl.load(u_ptrs + k, mask=k_ok[None, :], other=0.0).to(tl.float32)
+        x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+        g = tl.load(g_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
+        u = tl.load(u_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
     if sg_ptrs is not None:
         g = _block_scaled(g, sg_ptrs, k, offs_k, K, BLOCK_K)
         u = _block_scaled(u, su_ptrs, k, offs_k, K, BLOCK_K)
-    return acc_g + g * x[None, :], acc_u + u * x[None, :]
+    acc_g += g * x[None, :]
+    acc_u += u * x[None, :]
+    return acc_g, acc_u, x_ptrs + BLOCK_K, g_ptrs + BLOCK_K, u_ptrs + BLOCK_K
 
 
 @triton.jit
@@ -315,10 +330,12 @@ def dot_gate_up_rows(x_ptrs, g_ptrs, u_ptrs, K: tl.constexpr, ROWS: tl.constexpr
     acc_u = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
     if UNROLL:
         for k in tl.static_range(0, K, BLOCK_K):
-            acc_g, acc_u = _gate_up_step(x_ptrs, g_ptrs, u_ptrs, k, acc_g, acc_u, K, BLOCK_K, sg_ptrs, su_ptrs)
+            acc_g, acc_u, x_ptrs, g_ptrs, u_ptrs = _gate_up_step(x_ptrs, g_ptrs, u_ptrs, k, acc_g, acc_u, K, BLOCK_K,
+                                                                 sg_ptrs, su_ptrs)
     else:
         for k in range(0, K, BLOCK_K):
-            acc_g, acc_u = _gate_up_step(x_ptrs, g_ptrs, u_ptrs, k, acc_g, acc_u, K, BLOCK_K, sg_ptrs, su_ptrs)
+            acc_g, acc_u, x_ptrs, g_ptrs, u_ptrs = _gate_up_step(x_ptrs, g_ptrs, u_ptrs, k, acc_g, acc_u, K, BLOCK_K,
+                                                                 sg_ptrs, su_ptrs)
     return tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1)
 
 

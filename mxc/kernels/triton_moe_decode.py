@@ -84,7 +84,7 @@ def _store_out(out_ptr, r_ptr, offs, mask, total):
 def _pair_down_sum_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, r_ptr, out_ptr,
                           E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_SCALE: tl.constexpr = False,
-                          USE_PDL: tl.constexpr = False):
+                          UNROLL: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     ty = h_ptr.dtype.element_ty
@@ -101,9 +101,9 @@ def _pair_down_sum_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, r_ptr, out_
         w_ptrs = w_ptr + e * (H * I) + rn[:, None] * I + offs_k[None, :]
         if BLOCK_SCALE:  # fp8 block scales [E, cdiv(H, 128), cdiv(I, 128)]
             y = dot_rows(h_ptr + pair * I + offs_k, w_ptrs, I, BLOCK_N, BLOCK_K,
-                         s_ptrs=s_ptr + e * ((H + 127) // 128 * KB) + (rn // 128) * KB)
+                         s_ptrs=s_ptr + e * ((H + 127) // 128 * KB) + (rn // 128) * KB, UNROLL=UNROLL)
         else:
-            y = dot_rows(h_ptr + pair * I + offs_k, w_ptrs, I, BLOCK_N, BLOCK_K)
+            y = dot_rows(h_ptr + pair * I + offs_k, w_ptrs, I, BLOCK_N, BLOCK_K, UNROLL=UNROLL)
         if s_ptr is not None and not BLOCK_SCALE:  # fp8 row scales [E, H]
             y = y * tl.load(s_ptr + e * H + rn).to(tl.float32)
         wt = tl.load(weights_ptr + pair).to(tl.float32)
@@ -115,7 +115,7 @@ def _pair_down_sum_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, r_ptr, out_
 def _pair_down_tile_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, r_ptr, out_ptr,
                            E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_SCALE: tl.constexpr = False,
-                           USE_PDL: tl.constexpr = False):
+                           UNROLL: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """``_pair_down_sum_kernel`` with the k experts in one [TOP_K * BLOCK_N, BLOCK_K] tile a step
     (row r = expert j * BLOCK_N + n): k times the bytes in flight of an expert-by-expert loop, whose
     short reductions (I of 768) stall on each expert's first loads. Same rounding and order: the
@@ -138,9 +138,9 @@ def _pair_down_tile_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, r_ptr, out
     if BLOCK_SCALE:  # fp8 block scales [E, cdiv(H, 128), cdiv(I, 128)]
         KB: tl.constexpr = (I + 127) // 128
         y = dot_rows(x_ptrs, w_ptrs, I, ROWS, BLOCK_K, X_PER_ROW=True,
-                     s_ptrs=s_ptr + e * ((H + 127) // 128 * KB) + (rn // 128) * KB)
+                     s_ptrs=s_ptr + e * ((H + 127) // 128 * KB) + (rn // 128) * KB, UNROLL=UNROLL)
     else:
-        y = dot_rows(x_ptrs, w_ptrs, I, ROWS, BLOCK_K, X_PER_ROW=True)  # [ROWS]
+        y = dot_rows(x_ptrs, w_ptrs, I, ROWS, BLOCK_K, X_PER_ROW=True, UNROLL=UNROLL)  # [ROWS]
     if s_ptr is not None and not BLOCK_SCALE:  # fp8 row scales [E, H]
         y = y * tl.load(s_ptr + e * H + rn).to(tl.float32)
     wt = tl.load(weights_ptr + pair).to(tl.float32)
@@ -160,7 +160,7 @@ class PairConfig:
     BLOCK_K: int = 512
     num_warps: int = 8
     TILE: bool = False  # down only: the k experts in one tile (``_pair_down_tile_kernel``; power-of-two k)
-    UNROLL: bool = False  # up only: the K loop unrolled (``triton_gemv.dot_gate_up_rows``)
+    UNROLL: bool = False  # the K loop unrolled (``triton_gemv.dot_gate_up_rows`` / ``dot_rows``; default: up only)
 
 
 UNROLL_MAX_STEPS = 16  # the up kernel's K loop is unrolled up to this many steps (``_default_configs``)
@@ -198,8 +198,8 @@ def _default_configs(hidden: int, inter: int, dtype: torch.dtype, top_k: int = 8
     8 warps 2.566, against 2.538 for these defaults (2026-12-02, same method).
     The up kernel's K loop unrolled (``UNROLL``, at most ``UNROLL_MAX_STEPS`` steps; the same sums): router + experts
     + RMSNorm, 32 layers in a PDL graph (``bench/moe_fused_lab.py``, 2026-12-04), 28.51 us a layer against 29.44
-    rolled; unrolling the down kernel's loop as well, 30.86. Row- and block-scaled (fp8) experts keep the loop
-    (``fused_moe``: not measured)."""
+    rolled; the down kernel's loop unrolled too, 30.86 (so the down config keeps its loop). Row- and block-scaled
+    (fp8) experts keep the loop (``fused_moe``: not measured; ``UNROLL_SCALED``)."""
     elems = 256 // torch.empty((), dtype=dtype).element_size()  # 256 B of x
     up = PairConfig(BLOCK_N=16, BLOCK_K=max(16, min(2 * elems, next_pow2(hidden))), num_warps=4)
     up = replace(up, UNROLL=cdiv(hidden, up.BLOCK_K) <= UNROLL_MAX_STEPS)
@@ -237,6 +237,7 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_
     tile = down.TILE and top_k & (top_k - 1) == 0  # a tile's rows are a power of two
     launch(_pair_down_tile_kernel if tile else _pair_down_sum_kernel, (T, cdiv(H, down.BLOCK_N)),
            [h, w_down, s_down, weights, ids, residual, out],
-           dict(E=E, H=H, I=I, TOP_K=top_k, BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, **blocks),
+           dict(E=E, H=H, I=I, TOP_K=top_k, BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, **blocks,
+                **({"UNROLL": True} if down.UNROLL else {})),
            num_warps=down.num_warps, num_stages=1)
     return out

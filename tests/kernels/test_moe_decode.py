@@ -2,7 +2,7 @@
 sum in the down kernel) against ``moe_ref.fused_moe`` and against the sorted ``triton_moe`` path,
 under the interpreter: ragged H = 48 / I = 40 with 32-wide K steps (a partial last step) and also
 whole steps, T in {1, 3, 4}, k in {1, 2, 4}, E in {4, 8}, fp32/fp16/bf16, fp8 experts with row
-scales, the gate/up K loop unrolled against the loop (bit for bit), tokens sharing an expert, invalid expert ids dropped as the sorted path drops them;
+scales, the K loops unrolled against the loops (bit for bit), tokens sharing an expert, invalid expert ids dropped as the sorted path drops them;
 meta-device recording and an sm_90 compile."""
 
 from __future__ import annotations
@@ -149,12 +149,20 @@ def test_fp8_experts_block_scales(dtype, configs):
            TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("scales", ["none", "channel", "block128"])
-@pytest.mark.parametrize("h,block_k", [(48, 32), (64, 16), (200, 64)], ids=["ragged", "whole", "ragged-blocks"])
-def test_unrolled_gate_up_equals_the_loop(dtype, scales, h, block_k):
-    """``PairConfig.UNROLL`` (the gate/up K loop unrolled) computes the same sums in the same order: the same
-    bits as the loop, at a partial last K step, whole steps, and steps across 128-column scale blocks."""
+UNROLL_CASES = [(dtype, "none", 48, 32, False) for dtype in DTYPES] + [  # dtype, scales, H, gate/up step, tiled down
+    (DTYPES[-1], "none", 64, 16, True),  # whole steps
+    (torch.float16, "channel", 48, 32, True),
+    (DTYPES[-1], "block128", 200, 64, False),  # steps across 128-column scale blocks
+    (torch.float32, "block128", 200, 64, True),
+]
+
+
+@pytest.mark.parametrize("dtype,scales,h,block_k,tile", UNROLL_CASES,
+                         ids=[f"{c[0]}-{c[1]}-H{c[2]}-k{c[3]}" + "-tiled" * c[4] for c in UNROLL_CASES])
+def test_unrolled_loops_equal_the_loops(dtype, scales, h, block_k, tile):
+    """``PairConfig.UNROLL`` (a kernel's K loop unrolled) computes the same sums in the same order: the same bits as
+    the loops, for gate/up and for both down kernels, at a partial last K step, whole steps, and steps across
+    128-column scale blocks."""
     i = 128 if scales == "block128" else 40  # block-scaled gate/up: whole 128-row blocks
     x, weights, ids, wgu, wd = _inputs(3, 2, 4, dtype, seed=6, h=h, i=i)
     kw = {}
@@ -165,13 +173,14 @@ def test_unrolled_gate_up_equals_the_loop(dtype, scales, h, block_k):
         (wgu, s1), (wd, s2) = quantize_fp8(wgu.float(), "channel"), quantize_fp8(wd.float(), "channel")
         kw = dict(s_gate_up=_dev(s1), s_down=_dev(s2))
     up = tmd.PairConfig(BLOCK_N=16, BLOCK_K=block_k, num_warps=4)
-    down = tmd.PairConfig(BLOCK_N=16, BLOCK_K=32, num_warps=4)
+    down = tmd.PairConfig(BLOCK_N=8, BLOCK_K=32, num_warps=4, TILE=tile)
     args = [_dev(t) for t in (x, weights, ids, wgu, wd)]
     rolled = tmd.fused_moe(*args, configs=(up, down), **kw)
-    unrolled = tmd.fused_moe(*args, configs=(replace(up, UNROLL=True), down), **kw)
-    assert torch.equal(unrolled, rolled)
-    if scales == "none":  # and both against the reference (the fp8 cases have their own tests above)
-        _check(unrolled, moe_ref.fused_moe(x, weights, ids, wgu, wd), TOL[dtype])
+    for u, d in ((True, False), (False, True), (True, True)):
+        unrolled = tmd.fused_moe(*args, configs=(replace(up, UNROLL=u), replace(down, UNROLL=d)), **kw)
+        assert torch.equal(unrolled, rolled), (u, d)
+    if scales == "none":  # and against the reference (the fp8 cases have their own tests above)
+        _check(rolled, moe_ref.fused_moe(x, weights, ids, wgu, wd), TOL[dtype])
 
 
 @pytest.mark.parametrize("configs", [RAGGED, TILED], ids=["loop", "tiled"])
