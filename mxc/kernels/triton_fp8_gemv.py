@@ -74,8 +74,7 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
                   PROLOGUE_SILU_MUL: tl.constexpr,
                   USE_PDL: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
                   WEIGHT_ONLY: tl.constexpr = False, EPILOGUE_SILU_MUL: tl.constexpr = False,
-                  REDUCE_STEPS: tl.constexpr = False, PRELOAD: tl.constexpr = False, PAIR_BLOCK: tl.constexpr = 0,
-                  UNROLL: tl.constexpr = 1):
+                  REDUCE_STEPS: tl.constexpr = False, PRELOAD: tl.constexpr = False, PAIR_BLOCK: tl.constexpr = 0):
     """One program: columns [pid_n * BLOCK_N, +BLOCK_N) of y over K slice pid_k.
 
     x_ptr: x [M, K] (or [M, 2K] under PROLOGUE_SILU_MUL) in its float dtype, with xs_ptr None;
@@ -89,8 +88,7 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
     N/2 below them; with PAIR_BLOCK B the weight's rows come in blocks of B gate then B up rows, each gate
     row's up row B below it (``triton_elementwise.check_interleave``). REDUCE_STEPS (one row): v2's loop,
     each step's products summed to BLOCK_N values, instead of v1's [BLOCK_N, BLOCK_K] accumulator. Built
-    for PDL (USE_PDL), it first asks L2 for PREFETCH bytes (0: none) of each of its weight rows. UNROLL: the FMA
-    loops' (v1, v2) unroll factor (1: the loop as it is; the same code as an unhinted loop).
+    for PDL (USE_PDL), it first asks L2 for PREFETCH bytes (0: none) of each of its weight rows.
     """
     tl.static_assert(SPLIT_K == 1 or not (HAS_BIAS or HAS_RESIDUAL))
     tl.static_assert(not PREQUANT or not PROLOGUE_SILU_MUL)
@@ -199,7 +197,7 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
         x_ptrs = x_ptr + k_start + offs_k
         xs0 = tl.max(xs, axis=0)
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k in tl.range(0, K_PER_SPLIT, BLOCK_K, loop_unroll_factor=UNROLL):
+        for k in range(0, K_PER_SPLIT, BLOCK_K):
             k_ok = (k_start + k + offs_k) < K
             if EVEN_K:
                 w = tl.load(w_ptrs).to(tl.float32)
@@ -223,7 +221,7 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
         # v2: w loaded once per step, one reduced dot product per row of x
         x_ptrs = x_ptr + k_start + offs_k
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in tl.range(0, K_PER_SPLIT, BLOCK_K, loop_unroll_factor=UNROLL):
+        for k in range(0, K_PER_SPLIT, BLOCK_K):
             k_ok = (k_start + k + offs_k) < K
             if EVEN_K:
                 w = tl.load(w_ptrs).to(tl.float32)
@@ -331,7 +329,6 @@ class QGemvConfig:
     WEIGHT_ONLY: bool = False  # FMA versions: x as it is, no activation quantization (nor its kernel)
     REDUCE_STEPS: bool = False  # one row, FMA: v2's loop (each step summed to BLOCK_N values), not v1's
     PRELOAD: bool = False  # one row, weight-only, K a power of two: the whole tile loaded before the PDL wait
-    UNROLL: int = 1  # FMA loops (v1, v2): unroll factor (not measured yet: an A/B knob through ``OVERRIDES``)
 
 
 # Shapes where ``gemv_tuning.tune_fp8`` found a config >= 3% faster than the rules below (H200, Triton 3.6, bf16
@@ -361,7 +358,11 @@ WEIGHT_ONLY_M1 = True
 # 2.680 ms. Slower there: [8, 4096] 2.668 (two programs an SM), [16, 2048] 2.592, [4, 2048] 2.690, [8, 1024] 2.782,
 # [8, 2048] at 4 warps 2.656. The o GEMV (K = 4096) gained nothing: [16, 4096] 2.610, [16, 2048] 2.599,
 # [16, 1024] 2.582 and [8, 2048] 2.552 against 2.560 with the down rule alone (within the rounds' spread).
-# Measured with channel scales; block128 takes the same tiles (8 rows divide a 128-row block).
+# Measured with channel scales; block128 takes the same tiles (8 rows divide a 128-row block). Measured and removed
+# (2026-12-04, same bench, one artifact, three rounds): the down GEMV's 7 steps unrolled (``tl.range``'s
+# loop_unroll_factor 7: 64 registers, no loop branch left) 2.519 against 2.512 ms; unrolled by 2 (80
+# registers, three programs an SM) 2.685. (The MoE gate/up pair kernel gained from its unrolled loop:
+# ``triton_moe_decode.PairConfig.UNROLL``.)
 REDUCE_STEPS_MIN_K = 8192
 
 # One-row weight-only GEMVs whose weights take at most PRELOAD_MAX_BYTES, with rows of a power of two elements,
@@ -507,8 +508,6 @@ def _check_gemv_config(cfg: QGemvConfig, block: bool) -> None:
     if cfg.PRELOAD and not (cfg.WEIGHT_ONLY and cfg.SPLIT_K == 1 and not (block or cfg.REDUCE_STEPS)):
         raise ValueError(f"PRELOAD is a one-row weight-only loop over one K slice (no REDUCE_STEPS), channel or tensor "
                          f"scales: {cfg}")
-    if cfg.UNROLL < 1 or (cfg.UNROLL > 1 and (cfg.USE_DOT or cfg.PRELOAD)):
-        raise ValueError(f"UNROLL (>= 1) unrolls the FMA loops; USE_DOT and PRELOAD have none to unroll: {cfg}")
     if cfg.WEIGHT_ONLY and (cfg.USE_DOT or cfg.PREQUANT):
         raise ValueError(f"WEIGHT_ONLY is an FMA version (no USE_DOT) and quantizes nothing (no PREQUANT): {cfg}")
 
@@ -576,8 +575,7 @@ def qlinear_small_m(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias:
                   PROLOGUE_SILU_MUL=silu_mul and not (cfg.PREQUANT or cfg.WEIGHT_ONLY), SWAP_AB=cfg.SWAP_AB,
                   PREFETCH=prefetch_bytes(PREFETCH_BYTES, K), WEIGHT_ONLY=cfg.WEIGHT_ONLY,
                   EPILOGUE_SILU_MUL=epilogue is not None, **({"REDUCE_STEPS": True} if cfg.REDUCE_STEPS else {}),
-                  **({"PRELOAD": True} if cfg.PRELOAD else {}), **({"PAIR_BLOCK": interleave} if interleave else {}),
-                  **({"UNROLL": cfg.UNROLL} if cfg.UNROLL != 1 else {}))
+                  **({"PRELOAD": True} if cfg.PRELOAD else {}), **({"PAIR_BLOCK": interleave} if interleave else {}))
     has_bias, has_residual = bias is not None, residual is not None
     if cfg.SPLIT_K == 1:
         launch(_qgemv_kernel, grid, [x, xs, w, scale, bias, residual, y, M],

@@ -47,9 +47,6 @@ _COMPILE_SCRIPT = textwrap.dedent("""
             tf.qlinear_gemm(meta(300, k), w, s, granularity=gran, prologue="rms_norm", norm_weight=meta(k))
         # the Llama-3-8B down GEMV at one row: weight-only in v2's loop (REDUCE_STEPS)
         tf.qlinear_small_m(meta(1, 14336), meta(n, 14336, dtype=tf.FP8), meta(n, dtype=torch.float32), None, meta(1, n))
-        tf.qlinear_small_m(meta(1, 14336), meta(n, 14336, dtype=tf.FP8), meta(n, dtype=torch.float32), None, meta(1, n),
-                           config=tf.QGemvConfig(8, 2048, num_warps=8, WEIGHT_ONLY=True, REDUCE_STEPS=True,
-                                                 UNROLL=7))  # the same, its 7 steps unrolled (an A/B knob)
         # the Llama-3-8B down projection's input: K = 14336 in three pieces under SiLU-and-mul
         tf.qlinear_gemm(meta(300, 2 * 14336), meta(n, 14336, dtype=tf.FP8), meta(n, dtype=torch.float32),
                         prologue="silu_mul")

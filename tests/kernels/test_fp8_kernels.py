@@ -87,16 +87,12 @@ WEIGHT_ONLY = [
      (False, True, False)),  # Llama-3-8B's down GEMV's loop (``REDUCE_STEPS_MIN_K``)
     (1, QGemvConfig(BLOCK_N=8, BLOCK_K=128, WEIGHT_ONLY=True, REDUCE_STEPS=True, SPLIT_K=2), "block128",
      torch.float32, (True, False, True)),
-    # the FMA loops unrolled (``UNROLL``, an A/B knob): v2's and v1's, over a ragged K
-    (1, QGemvConfig(BLOCK_N=8, BLOCK_K=64, WEIGHT_ONLY=True, REDUCE_STEPS=True, UNROLL=3), "channel", torch.bfloat16,
-     (False, True, False)),
-    (1, replace(V1, WEIGHT_ONLY=True, UNROLL=2), "block128", torch.float32, (True, False, True)),
 ]
 
 
 @pytest.mark.parametrize("M,cfg,gran,dtype,fusion", WEIGHT_ONLY,
                          ids=[f"M{v[0]}-split{v[1].SPLIT_K}-{v[2]}-{_fusion_id(v[4])}" + "-reduce" * v[1].REDUCE_STEPS
-                              + f"-unroll{v[1].UNROLL}" * (v[1].UNROLL > 1) for v in WEIGHT_ONLY])
+                              for v in WEIGHT_ONLY])
 def test_small_m_weight_only(M, cfg, gran, dtype, fusion):
     """Against the reference's unquantized product, and launching no quantize kernel."""
     bias, residual, prologue = fusion
