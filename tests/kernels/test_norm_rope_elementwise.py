@@ -171,6 +171,25 @@ def test_add_rms_norm(T, H, dtype):
     assert_padding_untouched(rbuf)
 
 
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+def test_rms_norm_eps_counts(dtype, residual):
+    """Rows whose mean square is of the order of eps: the kernel's eps moves them by far more than an ulp
+    (with EPS = 1e-6 and unit rows it is below the bf16 rounding, so the tests above would miss it)."""
+    torch.manual_seed(4)
+    eps = 1e-2
+    x = (0.1 * torch.randn(3, 64)).to(dtype)
+    w = (1 + 0.1 * torch.randn(64)).to(dtype)
+    if residual:
+        r = (0.1 * torch.randn(3, 64)).to(dtype)
+        s, out = add_rms_norm(x, r, w, eps)
+        assert torch.equal(s, torch_ref.add(x, r))
+        x = s
+    else:
+        out = rms_norm(x, w, eps)
+    assert_ulp(out, torch_ref.rms_norm(x, w, eps))
+
+
 def test_add_rms_norm_in_place_residual():
     torch.manual_seed(3)
     x, r = torch.randn(3, 100).bfloat16(), torch.randn(3, 100).bfloat16()
