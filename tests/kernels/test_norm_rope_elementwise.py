@@ -25,7 +25,7 @@ from mxc.kernels import torch_ref
 from mxc.kernels import kernel_templates
 from mxc.kernels.triton_elementwise import add, embedding, silu_mul
 from mxc.kernels.triton_norm import add_rms_norm, rms_norm
-from mxc.kernels.triton_rope import rope_qkv_write, rope_tables
+from mxc.kernels.triton_rope import GROUPED_MAX_TOKENS, rope_qkv_write, rope_tables
 from mxc.models.rope_config import normalize_rope
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -301,16 +301,16 @@ ROPE_CASES = [
 ]
 
 
-def rope_reference(qkv, positions, spec, k_cache, v_cache, cache_loc, q_norm, k_norm, HQ, HKV, D):
+def rope_reference(qkv, positions, spec, k_cache, v_cache, cache_loc, q_norm, k_norm, HQ, HKV, D, eps=EPS):
     """torch_ref composition: split, (whole-projection norm), heads, (per-head norm), cos_sin + apply_rope,
     k/v into the caches."""
     q, k, v = torch_ref.split(qkv, (HQ * D, HKV * D, HKV * D))
     whole = q_norm is not None and q_norm.shape != (D,)
     if whole:
-        q, k = torch_ref.rms_norm(q, q_norm, EPS), torch_ref.rms_norm(k, k_norm, EPS)
+        q, k = torch_ref.rms_norm(q, q_norm, eps), torch_ref.rms_norm(k, k_norm, eps)
     q, k, v = (torch_ref.heads(t, D) for t in (q, k, v))
     if q_norm is not None and not whole:
-        q, k = torch_ref.rms_norm(q, q_norm, EPS), torch_ref.rms_norm(k, k_norm, EPS)
+        q, k = torch_ref.rms_norm(q, q_norm, eps), torch_ref.rms_norm(k, k_norm, eps)
     cos, sin = rope_ref.cos_sin(spec, positions, qkv.dtype)
     q, k = rope_ref.apply_rope(q, cos, sin), rope_ref.apply_rope(k, cos, sin)
     k_cache.view(-1, HKV, D)[cache_loc] = k
@@ -348,6 +348,29 @@ def test_rope_qkv_write(kind, dtype, T, D, partial, heads, qk_norm):
         # No fp32 reduction in between: every rounding is the reference's. On the GPU, Triton's default
         # fp fusion turns round(x*cos) + round(rot*sin) into one fma (more exact than torch's two roundings).
         assert_ulp(q, q_ref)
+
+
+@pytest.mark.parametrize("T, qk_norm", [(3, "head"), (GROUPED_MAX_TOKENS + 1, "head"), (3, "whole")])
+def test_rope_qkv_write_norm_eps_counts(T, qk_norm):
+    """q/k heads whose mean square is of the order of eps, grouped (decode) and one program a token (prefill,
+    and the whole-projection norm): the kernel's eps moves them by far more than the tolerance (EPS = 1e-6 on
+    unit heads does not)."""
+    HQ, HKV, D, eps, dtype = 4, 2, 32, 1e-2, torch.float32
+    torch.manual_seed(5)
+    spec = rope_spec("default", D, partial=False)
+    cos, sin = rope_tables(spec, P, DEVICE)
+    qkv = (0.1 * torch.randn(T, (HQ + 2 * HKV) * D)).to(dtype)
+    positions = torch.randint(0, P, (T,))
+    slots = -(-T // MAX_LEN) + 1
+    cache_loc = torch.randperm(slots * MAX_LEN)[:T]
+    q_norm = (1 + 0.1 * torch.randn(HQ * D if qk_norm == "whole" else D)).to(dtype)
+    k_norm = (1 + 0.1 * torch.randn(HKV * D if qk_norm == "whole" else D)).to(dtype)
+    k_cache, v_cache = (torch.full((slots, MAX_LEN, HKV, D), float("nan"), dtype=dtype) for _ in range(2))
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    q = rope_qkv_write(qkv, positions, cos, sin, k_cache, v_cache, cache_loc, q_norm, k_norm, eps)
+    q_ref = rope_reference(qkv, positions, spec, k_ref, v_ref, cache_loc, q_norm, k_norm, HQ, HKV, D, eps=eps)
+    assert_close(q, q_ref, dtype)
+    assert_close(k_cache, k_ref, dtype, equal_nan=True)
 
 
 @pytest.mark.parametrize("kind", ROPE_CONFIGS)
