@@ -111,6 +111,9 @@ PREFILL_SHAPES = {  # name: (seq_lens, past_lens, max_q_len)
     "bigger-grid": ([3, 0, 6], [5, 2, 0], 24),  # an empty sequence; max_q_len above every length
     "multi-m-block": ([2, 18], [0, 6], 18),  # two M blocks for sequence 1 (BLOCK_M = 16 at D=16)
     "long-prefix": ([16, 3], [40, 50], 16),  # unmasked key blocks between the window edge and the diagonal
+    # the first query of each sequence two keys before a key block's end (BLOCK_N = 16 at D=16): that block
+    # holds keys later queries see and the first does not, so it must go through the causal mask
+    "block-edge-prefix": ([5, 3], [14, 30], 5),
 }
 
 
@@ -123,6 +126,7 @@ def _prefill_cases():
         yield pytest.param(torch.float16, 16, MQA, window, "multi-m-block", id=f"multi-m-block-w{window}")
     for window in (None, 4, 40):
         yield pytest.param(torch.float32, 16, GQA, window, "long-prefix", id=f"long-prefix-w{window}")
+    yield pytest.param(torch.float32, 16, GQA, None, "block-edge-prefix", id="block-edge-prefix")
 
 
 @pytest.mark.parametrize("dtype, D, heads, window, shape", list(_prefill_cases()))
