@@ -72,3 +72,24 @@ def test_sample_keeps_the_same_tokens_as_hf_warpers(monkeypatch, temperature, to
     assert torch.equal(probs > 0, keep)
     torch.testing.assert_close(probs, ref.softmax(-1))
     assert keep.gather(1, tokens[:, None]).all()
+
+
+def test_top_p_removes_tokens_whose_tail_mass_equals_one_minus_top_p(monkeypatch):
+    """Equal logits give exact probabilities (k/8 a tail): HF removes a token whose cumulative tail mass is
+    exactly 1 - top_p (``<=``), so top_p = 0.5 keeps 4 of 8; random logits never meet that boundary."""
+    logits = torch.zeros(2, 8)
+    seen = []
+    real = torch.multinomial
+
+    def spy(probs, *args, **kwargs):
+        seen.append(probs.clone())
+        return real(probs, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "multinomial", spy)
+    sample(logits.clone(), 1.0, None, 0.5, torch.Generator().manual_seed(0))
+    monkeypatch.undo()
+
+    (probs,) = seen
+    keep = torch.isfinite(_hf_warp(logits, 1.0, None, 0.5))
+    assert torch.equal((probs > 0).sum(-1), keep.sum(-1))
+    torch.testing.assert_close(probs[probs > 0], torch.full((int((probs > 0).sum()),), 1 / keep.sum(-1)[0].item()))
