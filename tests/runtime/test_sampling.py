@@ -48,13 +48,8 @@ def _hf_warp(logits, temperature, top_k, top_p):
     return scores
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [
-    (1.0, None, None), (0.7, 10, None), (1.3, None, 0.9), (0.5, 50, 0.8), (1.0, 3, 0.99), (2.0, 1, None),
-    (1.0, None, 0.3), (0.9, 255, 0.5), (1.0, 300, None), (1.0, None, 1.0),
-])
-def test_sample_keeps_the_same_tokens_as_hf_warpers(monkeypatch, temperature, top_k, top_p):
-    logits = torch.randn(6, 256, generator=torch.Generator().manual_seed(0)) * 3
-    logits[0, :4] = logits[0].max() + 1  # ties at the top
+def _sample_probs(monkeypatch, logits, temperature, top_k, top_p):
+    """(the probabilities ``sample`` draws from, the tokens it draws): ``torch.multinomial`` spied on."""
     seen = []
     real = torch.multinomial
 
@@ -65,8 +60,18 @@ def test_sample_keeps_the_same_tokens_as_hf_warpers(monkeypatch, temperature, to
     monkeypatch.setattr(torch, "multinomial", spy)
     tokens = sample(logits.clone(), temperature, top_k, top_p, torch.Generator().manual_seed(0))
     monkeypatch.undo()
-
     (probs,) = seen
+    return probs, tokens
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [
+    (1.0, None, None), (0.7, 10, None), (1.3, None, 0.9), (0.5, 50, 0.8), (1.0, 3, 0.99), (2.0, 1, None),
+    (1.0, None, 0.3), (0.9, 255, 0.5), (1.0, 300, None), (1.0, None, 1.0),
+])
+def test_sample_keeps_the_same_tokens_as_hf_warpers(monkeypatch, temperature, top_k, top_p):
+    logits = torch.randn(6, 256, generator=torch.Generator().manual_seed(0)) * 3
+    logits[0, :4] = logits[0].max() + 1  # ties at the top
+    probs, tokens = _sample_probs(monkeypatch, logits, temperature, top_k, top_p)
     ref = _hf_warp(logits, temperature, top_k, top_p)
     keep = torch.isfinite(ref)
     assert torch.equal(probs > 0, keep)
@@ -78,18 +83,7 @@ def test_top_p_removes_tokens_whose_tail_mass_equals_one_minus_top_p(monkeypatch
     """Equal logits give exact probabilities (k/8 a tail): HF removes a token whose cumulative tail mass is
     exactly 1 - top_p (``<=``), so top_p = 0.5 keeps 4 of 8; random logits never meet that boundary."""
     logits = torch.zeros(2, 8)
-    seen = []
-    real = torch.multinomial
-
-    def spy(probs, *args, **kwargs):
-        seen.append(probs.clone())
-        return real(probs, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "multinomial", spy)
-    sample(logits.clone(), 1.0, None, 0.5, torch.Generator().manual_seed(0))
-    monkeypatch.undo()
-
-    (probs,) = seen
+    probs, _ = _sample_probs(monkeypatch, logits, 1.0, None, 0.5)
     keep = torch.isfinite(_hf_warp(logits, 1.0, None, 0.5))
     assert torch.equal((probs > 0).sum(-1), keep.sum(-1))
     torch.testing.assert_close(probs[probs > 0], torch.full((int((probs > 0).sum()),), 1 / keep.sum(-1)[0].item()))
