@@ -89,12 +89,30 @@ def bucket(m: int) -> int:
 
 
 @triton.jit
+def _v1_step(x_ptrs, w_ptrs, k, acc2, K: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """One BLOCK_K step of ``_gemv_kernel``'s v1 loop, the pointers at column ``k`` of K: (acc2 plus this step's
+    products, the pointers moved to the next step)."""
+    if EVEN_K:
+        w = tl.load(w_ptrs).to(tl.float32)
+        x = tl.load(x_ptrs).to(tl.float32)
+    else:
+        k_ok = (k + tl.arange(0, BLOCK_K)) < K
+        w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
+        x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+    # x arrives in its own 1-D layout and moves to w's through shared memory
+    # (BLOCK_K values per step, 1/BLOCK_N of the weight bytes); a [1, BLOCK_K] load
+    # instead makes Triton move w to x's layout.
+    acc2 += w * x[None, :]
+    return acc2, x_ptrs + BLOCK_K, w_ptrs + BLOCK_K
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, bufs_ptr, state_ptr, rank, slot_elems,
                  N: tl.constexpr, K: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr,
                  HAS_RESIDUAL: tl.constexpr = False, PUSH_WORLD: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
-                 PREFETCH: tl.constexpr = 0):
+                 PREFETCH: tl.constexpr = 0, UNROLL: tl.constexpr = False):
     """One program: rows [pid_n * BLOCK_N, +BLOCK_N) of y over K slice pid_k.
 
     With SPLIT_K == 1, ``y_ptr`` is y [M, N] (bias and residual added, cast to y's dtype);
@@ -104,9 +122,10 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, bufs_ptr, state_ptr, rank
     With PUSH_WORLD ranks (> 0; ``y_ptr`` None), y goes into the push all-reduce's buffers instead:
     rows of this rank in slot ``state[0]`` of every rank's buffer (``bufs_ptr``, its own included),
     -0.0 sent as +0.0 (``peer_allreduce``); ``bufs_ptr``, ``state_ptr``, ``rank`` and ``slot_elems``
-    are None otherwise.
+    are None otherwise. ``UNROLL`` (v1 only): the K loop unrolled (``GemvConfig.UNROLL``; the same sums).
     """
     tl.static_assert(SPLIT_K == 1 or not (HAS_BIAS or HAS_RESIDUAL))
+    tl.static_assert(not UNROLL or (BLOCK_M == 1 and not USE_DOT))
     tl.static_assert(PUSH_WORLD == 0 or (SPLIT_K == 1 and not HAS_RESIDUAL))
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -153,20 +172,12 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, bufs_ptr, state_ptr, rank
         # v1: per-thread partial products, one reduction at the end
         x_ptrs = x_ptr + k_start + offs_k
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k in range(0, K_PER_SPLIT, BLOCK_K):
-            if EVEN_K:
-                w = tl.load(w_ptrs).to(tl.float32)
-                x = tl.load(x_ptrs).to(tl.float32)
-            else:
-                k_ok = (k_start + k + offs_k) < K
-                w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
-                x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-            # x arrives in its own 1-D layout and moves to w's through shared memory
-            # (BLOCK_K values per step, 1/BLOCK_N of the weight bytes); a [1, BLOCK_K] load
-            # instead makes Triton move w to x's layout.
-            acc2 += w * x[None, :]
-            w_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
+        if UNROLL:
+            for k in tl.static_range(0, K_PER_SPLIT, BLOCK_K):
+                acc2, x_ptrs, w_ptrs = _v1_step(x_ptrs, w_ptrs, k_start + k, acc2, K, BLOCK_K, EVEN_K)
+        else:
+            for k in range(0, K_PER_SPLIT, BLOCK_K):
+                acc2, x_ptrs, w_ptrs = _v1_step(x_ptrs, w_ptrs, k_start + k, acc2, K, BLOCK_K, EVEN_K)
         acc_t = tl.sum(acc2, axis=1)[:, None]  # [BLOCK_N, 1]
     else:
         # v2: w loaded once per step, one reduced dot product per row of x
@@ -351,6 +362,13 @@ class GemvConfig:
     USE_DOT: bool = False
     num_warps: int = 4
     num_stages: int = 1
+    UNROLL: bool = False  # v1 (BLOCK_M == 1, no dot) only: the K loop unrolled (``V1_UNROLL_MAX_STEPS``)
+
+
+# v1's K loop is unrolled (``GemvConfig.UNROLL``) up to this many steps a program; 0: never. An A/B knob: the
+# unrolled loop lets the compiler issue later steps' loads before earlier steps' products (the MoE gate/up pair
+# kernel measured faster so, ``triton_moe_decode.UNROLL_MAX_STEPS``), at more registers a thread.
+V1_UNROLL_MAX_STEPS = 0
 
 
 def _vec(dtype: torch.dtype) -> int:
@@ -418,13 +436,20 @@ def config_for(m_bucket: int, n: int, k: int, dtype: torch.dtype) -> GemvConfig:
     if dtype not in _DTYPES:
         raise ValueError(f"unsupported dtype {dtype}")
     if (m_bucket, n, k, dtype) in MEASURED:
-        return MEASURED[(m_bucket, n, k, dtype)]
+        return _unrolled(MEASURED[(m_bucket, n, k, dtype)], m_bucket, k)
     row = 512 // torch.empty((), dtype=dtype).element_size()  # elements in 512 B: one warp's span
     if m_bucket == 1:
         cfg = GemvConfig(BLOCK_N=16, BLOCK_K=4 * row, num_warps=8, num_stages=1)
     else:
         cfg = GemvConfig(BLOCK_N=32, BLOCK_K=row, USE_DOT=True, num_warps=4, num_stages=4)
-    return fill_gpu(cfg, n, k)
+    return _unrolled(fill_gpu(cfg, n, k), m_bucket, k)
+
+
+def _unrolled(cfg: GemvConfig, m_bucket: int, k: int) -> GemvConfig:
+    """``cfg`` with v1's K loop unrolled where it has at most ``V1_UNROLL_MAX_STEPS`` steps a program."""
+    steps = cdiv(k, cfg.SPLIT_K * cfg.BLOCK_K)  # each K slice's steps
+    v1 = m_bucket == 1 and not cfg.USE_DOT
+    return replace(cfg, UNROLL=True) if v1 and steps <= V1_UNROLL_MAX_STEPS else cfg
 
 
 def _tile_m(m_bucket: int, cfg: GemvConfig) -> int:
@@ -472,7 +497,8 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
         y = out
     grid = (cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)
     consts = dict(N=N, K=K, BLOCK_M=_tile_m(m_bucket, cfg), BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-                  SPLIT_K=cfg.SPLIT_K, USE_DOT=cfg.USE_DOT, PREFETCH=prefetch_bytes(PREFETCH_BYTES, K * w.element_size()))
+                  SPLIT_K=cfg.SPLIT_K, USE_DOT=cfg.USE_DOT, PREFETCH=prefetch_bytes(PREFETCH_BYTES, K * w.element_size()),
+                  **({"UNROLL": True} if cfg.UNROLL else {}))
     has_bias, has_residual = bias is not None, residual is not None
     if cfg.SPLIT_K == 1:
         launch(_gemv_kernel, grid, [x, w, bias, residual, y, M, None, None, None, None],
@@ -521,7 +547,7 @@ def linear_small_m_push(x: torch.Tensor, w: torch.Tensor, bufs: torch.Tensor, st
     cfg = config_for(bucket(M), N, K, x.dtype)
     consts = dict(N=N, K=K, BLOCK_M=_tile_m(bucket(M), cfg), BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
                   SPLIT_K=1, USE_DOT=cfg.USE_DOT, HAS_BIAS=False, HAS_RESIDUAL=False, PUSH_WORLD=int(world),
-                  PREFETCH=prefetch_bytes(PREFETCH_BYTES, K * w.element_size()))
+                  PREFETCH=prefetch_bytes(PREFETCH_BYTES, K * w.element_size()), **({"UNROLL": True} if cfg.UNROLL else {}))
     launch(_gemv_kernel, (cdiv(N, cfg.BLOCK_N), 1), [x, w, None, None, None, M, bufs, state, int(rank),
                                                            int(slot_elems)],
            consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
