@@ -89,30 +89,12 @@ def bucket(m: int) -> int:
 
 
 @triton.jit
-def _v1_step(x_ptrs, w_ptrs, k, acc2, K: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """One BLOCK_K step of ``_gemv_kernel``'s v1 loop, the pointers at column ``k`` of K: (acc2 plus this step's
-    products, the pointers moved to the next step)."""
-    if EVEN_K:
-        w = tl.load(w_ptrs).to(tl.float32)
-        x = tl.load(x_ptrs).to(tl.float32)
-    else:
-        k_ok = (k + tl.arange(0, BLOCK_K)) < K
-        w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
-        x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-    # x arrives in its own 1-D layout and moves to w's through shared memory
-    # (BLOCK_K values per step, 1/BLOCK_N of the weight bytes); a [1, BLOCK_K] load
-    # instead makes Triton move w to x's layout.
-    acc2 += w * x[None, :]
-    return acc2, x_ptrs + BLOCK_K, w_ptrs + BLOCK_K
-
-
-@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, bufs_ptr, state_ptr, rank, slot_elems,
                  N: tl.constexpr, K: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr,
                  HAS_RESIDUAL: tl.constexpr = False, PUSH_WORLD: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
-                 PREFETCH: tl.constexpr = 0, UNROLL: tl.constexpr = False):
+                 PREFETCH: tl.constexpr = 0):
     """One program: rows [pid_n * BLOCK_N, +BLOCK_N) of y over K slice pid_k.
 
     With SPLIT_K == 1, ``y_ptr`` is y [M, N] (bias and residual added, cast to y's dtype);
@@ -122,10 +104,9 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, bufs_ptr, state_ptr, rank
     With PUSH_WORLD ranks (> 0; ``y_ptr`` None), y goes into the push all-reduce's buffers instead:
     rows of this rank in slot ``state[0]`` of every rank's buffer (``bufs_ptr``, its own included),
     -0.0 sent as +0.0 (``peer_allreduce``); ``bufs_ptr``, ``state_ptr``, ``rank`` and ``slot_elems``
-    are None otherwise. ``UNROLL`` (v1 only): the K loop unrolled (``GemvConfig.UNROLL``; the same sums).
+    are None otherwise.
     """
     tl.static_assert(SPLIT_K == 1 or not (HAS_BIAS or HAS_RESIDUAL))
-    tl.static_assert(not UNROLL or (BLOCK_M == 1 and not USE_DOT))
     tl.static_assert(PUSH_WORLD == 0 or (SPLIT_K == 1 and not HAS_RESIDUAL))
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -172,12 +153,20 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, bufs_ptr, state_ptr, rank
         # v1: per-thread partial products, one reduction at the end
         x_ptrs = x_ptr + k_start + offs_k
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        if UNROLL:
-            for k in tl.static_range(0, K_PER_SPLIT, BLOCK_K):
-                acc2, x_ptrs, w_ptrs = _v1_step(x_ptrs, w_ptrs, k_start + k, acc2, K, BLOCK_K, EVEN_K)
-        else:
-            for k in range(0, K_PER_SPLIT, BLOCK_K):
-                acc2, x_ptrs, w_ptrs = _v1_step(x_ptrs, w_ptrs, k_start + k, acc2, K, BLOCK_K, EVEN_K)
+        for k in range(0, K_PER_SPLIT, BLOCK_K):
+            if EVEN_K:
+                w = tl.load(w_ptrs).to(tl.float32)
+                x = tl.load(x_ptrs).to(tl.float32)
+            else:
+                k_ok = (k_start + k + offs_k) < K
+                w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
+                x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+            # x arrives in its own 1-D layout and moves to w's through shared memory
+            # (BLOCK_K values per step, 1/BLOCK_N of the weight bytes); a [1, BLOCK_K] load
+            # instead makes Triton move w to x's layout.
+            acc2 += w * x[None, :]
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
         acc_t = tl.sum(acc2, axis=1)[:, None]  # [BLOCK_N, 1]
     else:
         # v2: w loaded once per step, one reduced dot product per row of x
@@ -362,13 +351,6 @@ class GemvConfig:
     USE_DOT: bool = False
     num_warps: int = 4
     num_stages: int = 1
-    UNROLL: bool = False  # v1 (BLOCK_M == 1, no dot) only: the K loop unrolled (``V1_UNROLL_MAX_STEPS``)
-
-
-# v1's K loop is unrolled (``GemvConfig.UNROLL``) up to this many steps a program; 0: never. An A/B knob: the
-# unrolled loop lets the compiler issue later steps' loads before earlier steps' products (the MoE gate/up pair
-# kernel measured faster so, ``triton_moe_decode.UNROLL_MAX_STEPS``), at more registers a thread.
-V1_UNROLL_MAX_STEPS = 0
 
 
 def _vec(dtype: torch.dtype) -> int:
@@ -429,6 +411,12 @@ def config_for(m_bucket: int, n: int, k: int, dtype: torch.dtype) -> GemvConfig:
       M >= 2 v3 with input_precision="tf32x3": o 34.6 us at M = 2, 111.8 us at M = 32 vs
       cuBLAS 26.4 and 47.3 ("ieee", on CUDA cores, was 148 us at M = 2).
     - few rows (N < ~4K): see ``fill_gpu``.
+    - v1's K loop unrolled (as the MoE gate/up pair kernel's, which gained), in the whole step
+      (``bench/decode_ab.py``, interleaved rounds, 2026-12-04): slower everywhere, so the loop stays.
+      Llama-3-8B bf16 4.238 / 4.571 ms against 4.081 (loops of up to 4 / 16 steps unrolled; the 16-row
+      tiles go from 128 to 173-255 registers a thread, one program an SM); its fp8 step (the LM head
+      only) 2.516 against 2.505; Qwen3-30B-A3B bf16 2.483 (qkv and LM head, 2 steps) / 2.488 (and o,
+      4 steps) against 2.475.
     ``gemv_tuning.tune`` times its candidates on a real GPU; its winners can replace rows here.
     """
     if m_bucket not in M_BUCKETS:
@@ -436,20 +424,13 @@ def config_for(m_bucket: int, n: int, k: int, dtype: torch.dtype) -> GemvConfig:
     if dtype not in _DTYPES:
         raise ValueError(f"unsupported dtype {dtype}")
     if (m_bucket, n, k, dtype) in MEASURED:
-        return _unrolled(MEASURED[(m_bucket, n, k, dtype)], m_bucket, k)
+        return MEASURED[(m_bucket, n, k, dtype)]
     row = 512 // torch.empty((), dtype=dtype).element_size()  # elements in 512 B: one warp's span
     if m_bucket == 1:
         cfg = GemvConfig(BLOCK_N=16, BLOCK_K=4 * row, num_warps=8, num_stages=1)
     else:
         cfg = GemvConfig(BLOCK_N=32, BLOCK_K=row, USE_DOT=True, num_warps=4, num_stages=4)
-    return _unrolled(fill_gpu(cfg, n, k), m_bucket, k)
-
-
-def _unrolled(cfg: GemvConfig, m_bucket: int, k: int) -> GemvConfig:
-    """``cfg`` with v1's K loop unrolled where it has at most ``V1_UNROLL_MAX_STEPS`` steps a program."""
-    steps = cdiv(k, cfg.SPLIT_K * cfg.BLOCK_K)  # each K slice's steps
-    v1 = m_bucket == 1 and not cfg.USE_DOT
-    return replace(cfg, UNROLL=True) if v1 and steps <= V1_UNROLL_MAX_STEPS else cfg
+    return fill_gpu(cfg, n, k)
 
 
 def _tile_m(m_bucket: int, cfg: GemvConfig) -> int:
@@ -497,8 +478,7 @@ def linear_small_m(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
         y = out
     grid = (cdiv(N, cfg.BLOCK_N), cfg.SPLIT_K)
     consts = dict(N=N, K=K, BLOCK_M=_tile_m(m_bucket, cfg), BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-                  SPLIT_K=cfg.SPLIT_K, USE_DOT=cfg.USE_DOT, PREFETCH=prefetch_bytes(PREFETCH_BYTES, K * w.element_size()),
-                  **({"UNROLL": True} if cfg.UNROLL else {}))
+                  SPLIT_K=cfg.SPLIT_K, USE_DOT=cfg.USE_DOT, PREFETCH=prefetch_bytes(PREFETCH_BYTES, K * w.element_size()))
     has_bias, has_residual = bias is not None, residual is not None
     if cfg.SPLIT_K == 1:
         launch(_gemv_kernel, grid, [x, w, bias, residual, y, M, None, None, None, None],
@@ -547,7 +527,7 @@ def linear_small_m_push(x: torch.Tensor, w: torch.Tensor, bufs: torch.Tensor, st
     cfg = config_for(bucket(M), N, K, x.dtype)
     consts = dict(N=N, K=K, BLOCK_M=_tile_m(bucket(M), cfg), BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
                   SPLIT_K=1, USE_DOT=cfg.USE_DOT, HAS_BIAS=False, HAS_RESIDUAL=False, PUSH_WORLD=int(world),
-                  PREFETCH=prefetch_bytes(PREFETCH_BYTES, K * w.element_size()), **({"UNROLL": True} if cfg.UNROLL else {}))
+                  PREFETCH=prefetch_bytes(PREFETCH_BYTES, K * w.element_size()))
     launch(_gemv_kernel, (cdiv(N, cfg.BLOCK_N), 1), [x, w, None, None, None, M, bufs, state, int(rank),
                                                            int(slot_elems)],
            consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -82,34 +82,6 @@ def test_dot_on_small_buckets(M, split, bias, dtype):
     _run(M, 40, 72, dtype, bias, GemvConfig(BLOCK_N=16, BLOCK_K=32, SPLIT_K=split, USE_DOT=True), seed=7)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("N,K,bias,split", SHAPES + [(40, 128, False, 1)], ids=["40x72", "96x200-bias-split3", "40x128"])
-def test_v1_unrolled_matches_loop(N, K, bias, split, dtype):
-    """v1 with its K loop unrolled (``GemvConfig.UNROLL``) gives the looped kernel's bits: ragged and whole last
-    steps, a K split with an empty-tail slice; and the reference."""
-    x, w, b = (None if t is None else t.to(DEVICE) for t in _inputs(1, N, K, dtype, bias, seed=5))
-    looped = replace(FMA, SPLIT_K=split)
-    y_loop = tg.linear_small_m(x, w, b, config=looped)
-    y_unrolled = tg.linear_small_m(x, w, b, config=replace(looped, UNROLL=True))
-    assert torch.equal(y_unrolled, y_loop)
-    _check(y_unrolled, _reference(x.cpu(), w.cpu(), None if b is None else b.cpu()), dtype)
-
-
-def test_v1_unroll_knob(monkeypatch):
-    """``V1_UNROLL_MAX_STEPS`` unrolls v1 configs (the measured table's too) up to that many steps a K slice, and
-    nothing else."""
-    assert not any(tg.config_for(mb, n, k, torch.bfloat16).UNROLL for mb in tg.M_BUCKETS
-                   for n, k in gemv_tuning.LLAMA3_8B_SHAPES.values()) or tg.V1_UNROLL_MAX_STEPS > 0
-    monkeypatch.setattr(tg, "V1_UNROLL_MAX_STEPS", 4)
-    assert tg.config_for(1, 2048, 4096, torch.bfloat16).UNROLL  # 4 steps of 1024
-    assert not tg.config_for(1, 4096, 14336, torch.bfloat16).UNROLL  # 14 steps
-    assert tg.config_for(1, 6144, 4096, torch.bfloat16).UNROLL is False  # measured: 16 steps of 256
-    assert tg.config_for(1, 5120, 2048, torch.bfloat16).UNROLL  # measured: 2 steps of 1024
-    assert not tg.config_for(2, 2048, 4096, torch.bfloat16).UNROLL  # tensor cores
-    split = tg.config_for(1, 512, 4096, torch.bfloat16)  # a TP shard: K split, steps counted a slice
-    assert split.SPLIT_K > 1 and split.UNROLL == (-(-4096 // (split.SPLIT_K * split.BLOCK_K)) <= 4)
-
-
 @pytest.mark.parametrize("M", [1, 4, 32])
 def test_default_config(M):
     """config_for's choice runs (its large tiles), with the split K it picks for a small N."""
