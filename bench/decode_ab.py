@@ -96,6 +96,7 @@ def main() -> None:
     p.add_argument("--out", default="build/bench-ab")
     p.add_argument("--config", default=str(HERE / "llama3_8b.json"))
     p.add_argument("--quant", choices=["fp8"])
+    p.add_argument("--quant-granularity", choices=["channel", "tensor", "block128"], default="channel")
     p.add_argument("--mlp-pair", action="store_true",
                    help="build with --mlp-pair (variants may set mxc.kernels.cuda_ops.MLP_PAIR=False for the chain)")
     p.add_argument("--variant", action="append", default=[], help="name=module.attr=value,... (repeatable)")
@@ -132,7 +133,8 @@ def main() -> None:
     out = Path(args.out)
     t0 = time.perf_counter()
     with recording_all(variants):
-        mxc.build("llama.yaml", out=out, quant=args.quant, mlp_pair=args.mlp_pair, **common)
+        mxc.build("llama.yaml", out=out, quant=args.quant, quant_granularity=args.quant_granularity,
+                  mlp_pair=args.mlp_pair, **common)
     print(f"build {time.perf_counter() - t0:.0f} s", flush=True)
     model = mxc.load(out, device="cuda", verify=False)
     nbytes, _ = weight_bytes(json.loads((out / "manifest.json").read_text()), out)

@@ -164,7 +164,7 @@ class PairConfig:
 
 
 UNROLL_MAX_STEPS = 16  # the up kernel's K loop is unrolled up to this many steps (``_default_configs``)
-UNROLL_SCALED = False  # the same for fp8 (row- or block-scaled) experts: not measured yet, an A/B knob
+UNROLL_SCALED = True  # the same for fp8 (row- or block-scaled) experts (measured: ``_default_configs``)
 
 # Field overrides of the default configs by (hidden, inter, "up" or "down"), applied after the rules: what
 # ``bench/decode_ab.py`` variants set to time other tiles in the whole step.
@@ -198,8 +198,9 @@ def _default_configs(hidden: int, inter: int, dtype: torch.dtype, top_k: int = 8
     8 warps 2.566, against 2.538 for these defaults (2026-12-02, same method).
     The up kernel's K loop unrolled (``UNROLL``, at most ``UNROLL_MAX_STEPS`` steps; the same sums): router + experts
     + RMSNorm, 32 layers in a PDL graph (``bench/moe_fused_lab.py``, 2026-12-04), 28.51 us a layer against 29.44
-    rolled; the down kernel's loop unrolled too, 30.86 (so the down config keeps its loop). Row- and block-scaled
-    (fp8) experts keep the loop (``fused_moe``: not measured; ``UNROLL_SCALED``)."""
+    rolled; the down kernel's loop unrolled too, 30.86 (so the down config keeps its loop). Row-scaled (fp8
+    channel) experts, unrolled against the loop in the whole Qwen3-30B-A3B fp8 step (``UNROLL_SCALED``,
+    ``bench/decode_ab.py``, five interleaved rounds, 2026-12-04): 2.072 against 2.145 ms."""
     elems = 256 // torch.empty((), dtype=dtype).element_size()  # 256 B of x
     up = PairConfig(BLOCK_N=16, BLOCK_K=max(16, min(2 * elems, next_pow2(hidden))), num_warps=4)
     up = replace(up, UNROLL=cdiv(hidden, up.BLOCK_K) <= UNROLL_MAX_STEPS)
@@ -224,7 +225,7 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_
     up, down = configs if configs is not None else config_for(H, I, x.dtype, top_k)
     if blocks and configs is None:  # steps inside one 128-column block: one scale a row (measured below)
         up, down = (replace(c, BLOCK_K=min(c.BLOCK_K, 128)) for c in (up, down))
-    if s_gate_up is not None and configs is None and not UNROLL_SCALED:  # fp8 experts: not measured (config_for)
+    if s_gate_up is not None and configs is None and not UNROLL_SCALED:  # fp8 experts' knob (config_for)
         up = replace(up, UNROLL=False)
     h = torch.empty((T * top_k, I), dtype=x.dtype, device=x.device)
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
