@@ -127,7 +127,8 @@ def scale_formats(tokens: int) -> None:
     fn = tmd.fused_moe if pairs else triton_moe.fused_moe
     variants = [(name, fmt, None) for name, fmt in formats.items()]
     if pairs:  # block scales at the row-scale configs' steps (gate/up 256 wide: a scale an element, gathered)
-        variants.append(("block128, row-scale steps", formats["block128"], tmd.config_for(H, I, torch.bfloat16)))
+        variants.append(("block128, row-scale steps", formats["block128"],
+                         tmd.config_for(H, I, torch.bfloat16, scales="row")))
     ref = moe_ref.fused_moe(xs[0], *routes[0], w1, w2)
     for name, (a, b, scales), cfg in variants:
         kw = dict(scales, **({"configs": cfg} if cfg else {}))

@@ -164,22 +164,25 @@ class PairConfig:
 
 
 UNROLL_MAX_STEPS = 16  # the up kernel's K loop is unrolled up to this many steps (``_default_configs``)
-UNROLL_SCALED = True  # the same for fp8 (row- or block-scaled) experts (measured: ``_default_configs``)
+UNROLL_SCALED = True  # fp8 (row- or block-scaled) experts: both kernels' loops (measured: ``_default_configs``)
 
 # Field overrides of the default configs by (hidden, inter, "up" or "down"), applied after the rules: what
 # ``bench/decode_ab.py`` variants set to time other tiles in the whole step.
 OVERRIDES: dict[tuple[int, int, str], dict] = {}
 
 
-def config_for(hidden: int, inter: int, dtype: torch.dtype, top_k: int = 8) -> tuple[PairConfig, PairConfig]:
-    """``_default_configs``, then ``OVERRIDES``."""
-    up, down = _default_configs(hidden, inter, dtype, top_k)
+def config_for(hidden: int, inter: int, dtype: torch.dtype, top_k: int = 8,
+               scales: str | None = None) -> tuple[PairConfig, PairConfig]:
+    """``_default_configs``, then ``OVERRIDES``. ``scales``: the experts' fp8 scales, "row" or "block" (128x128),
+    or None for unscaled experts."""
+    up, down = _default_configs(hidden, inter, dtype, top_k, scales)
     up = replace(up, **OVERRIDES.get((hidden, inter, "up"), {}))
     down = replace(down, **OVERRIDES.get((hidden, inter, "down"), {}))
     return up, down
 
 
-def _default_configs(hidden: int, inter: int, dtype: torch.dtype, top_k: int = 8) -> tuple[PairConfig, PairConfig]:
+def _default_configs(hidden: int, inter: int, dtype: torch.dtype, top_k: int = 8,
+                     scales: str | None = None) -> tuple[PairConfig, PairConfig]:
     """(up, down) configs. Measured on the H200 at the Qwen3-30B-A3B shape, one token, bf16
     (``bench/moe_lab.py``, 2026-11-30; up + down per layer): the batch-1 GEMV's shape for both
     (16 rows, 1 KB steps, 8 warps) 32.1 us; up with 16 rows, 512 B steps, 4 warps and the tiled
@@ -198,9 +201,13 @@ def _default_configs(hidden: int, inter: int, dtype: torch.dtype, top_k: int = 8
     8 warps 2.566, against 2.538 for these defaults (2026-12-02, same method).
     The up kernel's K loop unrolled (``UNROLL``, at most ``UNROLL_MAX_STEPS`` steps; the same sums): router + experts
     + RMSNorm, 32 layers in a PDL graph (``bench/moe_fused_lab.py``, 2026-12-04), 28.51 us a layer against 29.44
-    rolled; the down kernel's loop unrolled too, 30.86 (so the down config keeps its loop). Row-scaled (fp8
-    channel) experts, unrolled against the loop in the whole Qwen3-30B-A3B fp8 step (``UNROLL_SCALED``,
-    ``bench/decode_ab.py``, five interleaved rounds, 2026-12-04): 2.072 against 2.145 ms."""
+    rolled; the down kernel's loop unrolled too, 30.86 (so the down config keeps its loop); in the whole bf16
+    step (``bench/decode_ab.py``, 2026-12-04) the down kernel unrolled too: 2.585 against 2.467 ms. fp8 experts
+    gain from both (``UNROLL_SCALED``), in the whole Qwen3-30B-A3B fp8 step (``bench/decode_ab.py``, interleaved
+    rounds, 2026-12-04): gate/up unrolled 2.072 against 2.145 ms (channel scales) and 2.097 against 2.170
+    (block128); both unrolled 1.984 against gate/up only 2.067 (channel), and 2.013 against neither 2.178
+    (block128). Their steps stay those of bf16 experts (gate/up 256 columns, down 128): 512-column gate/up steps
+    measured 2.148 and 256-column down steps 2.139, against 2.067 (channel)."""
     elems = 256 // torch.empty((), dtype=dtype).element_size()  # 256 B of x
     up = PairConfig(BLOCK_N=16, BLOCK_K=max(16, min(2 * elems, next_pow2(hidden))), num_warps=4)
     up = replace(up, UNROLL=cdiv(hidden, up.BLOCK_K) <= UNROLL_MAX_STEPS)
@@ -209,6 +216,12 @@ def _default_configs(hidden: int, inter: int, dtype: torch.dtype, top_k: int = 8
                           TILE=True)
     else:
         down = PairConfig(BLOCK_N=16, BLOCK_K=max(16, min(4 * elems, next_pow2(inter))))
+    if scales == "block":  # steps inside one 128-column block: one scale a row (``bench/moe_lab.py``: against
+        # the row-scale steps)
+        up, down = (replace(c, BLOCK_K=min(c.BLOCK_K, 128)) for c in (up, down))
+    if scales is not None:  # fp8 experts: both loops unrolled, or neither
+        up, down = (replace(c, UNROLL=UNROLL_SCALED and cdiv(n, c.BLOCK_K) <= UNROLL_MAX_STEPS)
+                    for c, n in ((up, hidden), (down, inter)))
     return up, down
 
 
@@ -222,11 +235,8 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_
 
     T, H, E, I, top_k = check_inputs(x, weights, ids, w_gate_up, w_down, s_gate_up, s_down, residual)
     blocks = dict(BLOCK_SCALE=True) if s_gate_up is not None and s_gate_up.dim() == 3 else {}
-    up, down = configs if configs is not None else config_for(H, I, x.dtype, top_k)
-    if blocks and configs is None:  # steps inside one 128-column block: one scale a row (measured below)
-        up, down = (replace(c, BLOCK_K=min(c.BLOCK_K, 128)) for c in (up, down))
-    if s_gate_up is not None and configs is None and not UNROLL_SCALED:  # fp8 experts' knob (config_for)
-        up = replace(up, UNROLL=False)
+    scales = None if s_gate_up is None else "block" if blocks else "row"
+    up, down = configs if configs is not None else config_for(H, I, x.dtype, top_k, scales)
     h = torch.empty((T * top_k, I), dtype=x.dtype, device=x.device)
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     if T == 0:

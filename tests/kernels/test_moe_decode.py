@@ -222,7 +222,7 @@ def test_meta_recording():
                       s_down=meta(128, 2048, dtype=torch.float32))
         tmd.fused_moe(meta(3, 8192), meta(3, 8), meta(3, 8, dtype=torch.int64), meta(8, 256, 8192),
                       meta(8, 8192, 128))
-    assert seen[0][2]["UNROLL"]  # fp8 (row-scaled) experts too (``UNROLL_SCALED``, measured)
+    assert seen[0][2]["UNROLL"] and seen[1][2]["UNROLL"]  # fp8 experts: both loops (``UNROLL_SCALED``, measured)
     assert "UNROLL" not in seen[2][2]  # 32 steps: over UNROLL_MAX_STEPS
 
 
