@@ -24,8 +24,9 @@ from pathlib import Path
 # would read it as halves) and the fp8 quantize and GEMV kernels keyed by a new constexpr (``PAIR_BLOCK``); 8: the MoE
 # routers' bitonic top-k at two warps a program (``triton_route.TOPK``: older cuda MoE artifacts lack those cubins); 9:
 # the MoE gate/up pair kernel's K loop unrolled (``triton_moe_decode.PairConfig.UNROLL``: a new constexpr, so older
-# cuda MoE artifacts lack that cubin)
-SCHEMA_VERSION = 9
+# cuda MoE artifacts lack that cubin); 10: fp8 experts' pair kernels unrolled too (``UNROLL_SCALED``: older fp8 cuda
+# MoE artifacts lack those cubins)
+SCHEMA_VERSION = 10
 
 
 def is_artifact(path: Path) -> bool:

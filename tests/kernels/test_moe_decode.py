@@ -226,6 +226,21 @@ def test_meta_recording():
     assert "UNROLL" not in seen[2][2]  # 32 steps: over UNROLL_MAX_STEPS
 
 
+def test_scaled_configs(monkeypatch):
+    """fp8 experts' configs: block scales keep each step inside one 128-column block, the unroll counts the steps
+    after that, and ``OVERRIDES`` win over both."""
+    row_up, row_down = tmd.config_for(3072, 768, torch.bfloat16, scales="row")
+    blk_up, blk_down = tmd.config_for(3072, 768, torch.bfloat16, scales="block")
+    assert (row_up.BLOCK_K, blk_up.BLOCK_K, blk_down.BLOCK_K) == (256, 128, 128)
+    assert row_up.UNROLL and row_down.UNROLL and blk_down.UNROLL  # 12, 6 and 6 steps
+    assert not blk_up.UNROLL  # 24 steps: over UNROLL_MAX_STEPS
+    assert not tmd.config_for(3072, 768, torch.bfloat16)[1].UNROLL  # bf16 experts: the down loop stays
+    monkeypatch.setattr(tmd, "OVERRIDES", {(3072, 768, "down"): {"UNROLL": False}})
+    assert not tmd.config_for(3072, 768, torch.bfloat16, scales="row")[1].UNROLL
+    monkeypatch.setattr(tmd, "UNROLL_SCALED", False)
+    assert not tmd.config_for(3072, 768, torch.bfloat16, scales="row")[0].UNROLL
+
+
 _COMPILE = """
 import torch, triton
 from triton.backends.compiler import GPUTarget
