@@ -188,7 +188,7 @@ def _default_configs(hidden: int, inter: int, dtype: torch.dtype, top_k: int = 8
     (16 rows, 1 KB steps, 8 warps) 32.1 us; up with 16 rows, 512 B steps, 4 warps and the tiled
     down with 2 rows per expert (16-row tiles for k = 8), 256 B steps, 4 warps 25.5 us
     (2.96 TB/s of expert weights). The down loop's best was 31.5 us. Elements per step stay
-    those of x's dtype (fp8 experts: not measured). A k that is not a power of two takes the loop.
+    those of x's dtype (fp8 experts too: measured below). A k that is not a power of two takes the loop.
     In the whole batch-1 step (2026-12-02, ``bench/decode_ab.py``, medians of three interleaved rounds): 2.556 ms
     against the down tile's 512 B steps 2.675, its 4 rows an expert 2.621, and up's 8 rows 2.580. The down tile's
     whole [16, 768] weights loaded before the PDL wait (the router's ids read early: written two kernels ahead)
@@ -201,8 +201,8 @@ def _default_configs(hidden: int, inter: int, dtype: torch.dtype, top_k: int = 8
     8 warps 2.566, against 2.538 for these defaults (2026-12-02, same method).
     The up kernel's K loop unrolled (``UNROLL``, at most ``UNROLL_MAX_STEPS`` steps; the same sums): router + experts
     + RMSNorm, 32 layers in a PDL graph (``bench/moe_fused_lab.py``, 2026-12-04), 28.51 us a layer against 29.44
-    rolled; the down kernel's loop unrolled too, 30.86 (so the down config keeps its loop); in the whole bf16
-    step (``bench/decode_ab.py``, 2026-12-04) the down kernel unrolled too: 2.585 against 2.467 ms. fp8 experts
+    rolled; the down kernel's loop unrolled as well, 30.86, so the bf16 down config keeps its loop (in the whole
+    bf16 step, ``bench/decode_ab.py``, 2026-12-04: 2.585 against 2.467 ms). fp8 experts
     gain from both (``UNROLL_SCALED``), in the whole Qwen3-30B-A3B fp8 step (``bench/decode_ab.py``, interleaved
     rounds, 2026-12-04): gate/up unrolled 2.072 against 2.145 ms (channel scales) and 2.097 against 2.170
     (block128); both unrolled 1.984 against gate/up only 2.067 (channel), and 2.013 against neither 2.178
