@@ -86,6 +86,7 @@ class _Binder:
         self.aliases: dict[str, str] = {}  # tied weight -> the weight it reuses
         self.ties: list[tuple[str, str, str]] = []  # Graph.tied
         self.disabled: set[str] = set()  # weights whose `when` is false
+        self.read_as: dict[str, str] = {}  # param -> the config field it took its value from, by a bare-name default
 
     # --- helpers --------------------------------------------------------------
     def eval(self, expr, env, line, field):
@@ -147,6 +148,9 @@ class _Binder:
                 _check_declared(self.config_path, name, params[name], _default_kind(p.get("default")), None)
             elif "default" in p:
                 params[name] = self.eval(p["default"], params, line, f"params.{name}.default")
+                source = str(p["default"]).strip()
+                if source in params and (source in self.read_as or self.config.get(source) is not None):
+                    self.read_as[name] = self.read_as.get(source, source)  # e.g. Mixtral's intermediate_size
             else:
                 raise self.err(line, f"params.{name}",
                                f"{self.config_path} has no field {name!r} and the model file gives no default")
@@ -243,6 +247,7 @@ class _Binder:
             raise self.err(line, f"{field}.unit", f"expected a positive integer, got {unit!r}")
         dim = 1 if kind == "row" else 0
         expr = str(shape_exprs[dim]) if kind != "replicated" and dim < len(shape_exprs) else ""
+        expr = self.read_as.get(expr, expr)  # errors about the split name the field the config sets
         return ShardSpec(str(kind), unit=unit, exprs=(expr,) if expr else ())
 
     def eval_shape(self, spec, env, line, field) -> tuple[int, ...]:

@@ -195,6 +195,15 @@ def test_impossible_splits_are_refused_at_build(overrides, tp, needle, hf_checkp
     assert not (tmp_path / "a").exists()
 
 
+def test_refused_split_names_the_config_field(hf_checkpoint, tmp_path):
+    """Mixtral's config.json sets the experts' width as ``intermediate_size``; the model file's
+    ``moe_intermediate_size`` defaults to it, and the refusal names the field the user can read."""
+    ckpt, _ = hf_checkpoint("MixtralForCausalLM", intermediate_size=45, num_local_experts=4, num_experts_per_tok=2)
+    with pytest.raises(mxc.MxcError, match="cannot shard weight") as err:
+        mxc.build(str(ckpt), out=tmp_path / "a", tp=2, progress=False, log=lambda m: None)
+    assert "`intermediate_size` = 45 gives 45 parts" in str(err.value)
+
+
 @pytest.mark.parametrize("kv_heads,tp,target,needle", [
     (2, 4, "cpu", "normalizes k over all 32 columns, and its heads are fewer than the ranks (each rank holds 16"),
     (4, 2, "cuda", "normalizes q over all 64 columns: gathered across ranks, which the cuda attention kernels"),
