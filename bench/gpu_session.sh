@@ -35,6 +35,8 @@
 #           (bench/gemv_preload_lab.py, Gluon): correctness, then 32 layers of quantize + GEMV against the shipped GEMV
 #   moefused the batch-1 MoE experts as one kernel (gate/up and down, fp32 atomics) against the shipped two
 #           (bench/moe_fused_lab.py): correctness, then 32 layers of router + experts + norm in a PDL graph
+#   moestep the bf16 MoE experts' pair kernels at half the columns a step (the fp8 experts' weight bytes), unrolled:
+#           a Qwen3-30B-A3B bf16 step A/B (bench/decode_ab.py)
 #   resident what bytes already in L2 buy the shipped fp8 gate/up and down GEMVs (bench/prefetch_lab.py --resident:
 #           prefetched a line or a sector at a time, or read by loads, against another copy's bytes)
 #   prefill the fp8 prefill's pieces: attention in both grid orders, the CUTLASS GEMMs against _scaled_mm per shape,
@@ -125,6 +127,15 @@ case "${1:-}" in
           run 200 fp8moe_test.log python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_gpu.py -k moe
           run 380 fp8moe_ab.log python3 bench/decode_ab.py --config bench/qwen3_30b_a3b.json --quant fp8 --bf16 \
             --out "$scratch/abmoe8" --variant default= --timeline default; rm -rf "$scratch"/abmoe8* ;;
-  *) echo "usage: bash bench/gpu_session.sh tests|kattn|decode|ab|moe|moelab|tp|small|lab|ablate|pair|pairab|gaps|prefill|fp8moe|preload|moefused|gemvs|resident" >&2
+  moestep) # the bf16 experts' pair kernels at the fp8 experts' weight bytes a step (half the columns), unrolled, in
+          # the Qwen3-30B-A3B bf16 step (bench/decode_ab.py; variants through triton_moe_decode.OVERRIDES)
+          o=mxc.kernels.triton_moe_decode.OVERRIDES
+          run 560 moestep_ab.log python3 bench/decode_ab.py --config bench/qwen3_30b_a3b.json --rounds 5 \
+            --out "$scratch/abmoestep" --variant base= \
+            --variant d64u="$o={(2048,768,'down'):{'BLOCK_K':64,'UNROLL':True}}" \
+            --variant u128="$o={(2048,768,'up'):{'BLOCK_K':128}}" \
+            --variant both="$o={(2048,768,'up'):{'BLOCK_K':128},(2048,768,'down'):{'BLOCK_K':64,'UNROLL':True}}"
+          rm -rf "$scratch"/abmoestep* ;;
+  *) echo "usage: bash bench/gpu_session.sh tests|kattn|decode|ab|moe|moelab|tp|small|lab|ablate|pair|pairab|gaps|prefill|fp8moe|preload|moefused|gemvs|resident|moestep" >&2
      exit 2 ;;
 esac
