@@ -163,7 +163,7 @@ class PairConfig:
     UNROLL: bool = False  # the K loop unrolled (``triton_gemv.dot_gate_up_rows`` / ``dot_rows``; default: up only)
 
 
-UNROLL_MAX_STEPS = 16  # the up kernel's K loop is unrolled up to this many steps (``_default_configs``)
+UNROLL_MAX_STEPS = 16  # a pair kernel's K loop is unrolled up to this many steps (``_default_configs``: which ones)
 UNROLL_SCALED = True  # fp8 (row- or block-scaled) experts: both kernels' loops (measured: ``_default_configs``)
 
 # Field overrides of the default configs by (hidden, inter, "up" or "down"), applied after the rules: what
