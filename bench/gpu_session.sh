@@ -37,6 +37,8 @@
 #           (bench/moe_fused_lab.py): correctness, then 32 layers of router + experts + norm in a PDL graph
 #   moestep the bf16 MoE experts' pair kernels at half the columns a step (the fp8 experts' weight bytes), unrolled:
 #           a Qwen3-30B-A3B bf16 step A/B (bench/decode_ab.py)
+#   tiles   the one-token fp8 wgmma GEMV over tile-major weights (each stage's tile one contiguous piece) against the
+#           row-major ones, Llama-3-8B shapes one at a time (bench/tile_layout_lab.py)
 #   resident what bytes already in L2 buy the shipped fp8 gate/up and down GEMVs (bench/prefetch_lab.py --resident:
 #           prefetched a line or a sector at a time, or read by loads, against another copy's bytes)
 #   prefill the fp8 prefill's pieces: attention in both grid orders, the CUTLASS GEMMs against _scaled_mm per shape,
@@ -136,6 +138,7 @@ case "${1:-}" in
             --variant u128="$o={(2048,768,'up'):{'BLOCK_K':128}}" \
             --variant both="$o={(2048,768,'up'):{'BLOCK_K':128},(2048,768,'down'):{'BLOCK_K':64,'UNROLL':True}}"
           rm -rf "$scratch"/abmoestep* ;;
-  *) echo "usage: bash bench/gpu_session.sh tests|kattn|decode|ab|moe|moelab|tp|small|lab|ablate|pair|pairab|gaps|prefill|fp8moe|preload|moefused|gemvs|resident|moestep" >&2
+  tiles)  run 200 tile_layout_lab.log python3 bench/tile_layout_lab.py ;;
+  *) echo "usage: bash bench/gpu_session.sh tests|kattn|decode|ab|moe|moelab|tp|small|lab|ablate|pair|pairab|gaps|prefill|fp8moe|preload|moefused|gemvs|resident|moestep|tiles" >&2
      exit 2 ;;
 esac
