@@ -45,6 +45,12 @@ back-to-back calls over weight copies 4x the L2): at one token the best of 8-16 
 against the shipped 9.6 us, o 8.6 against 6.8 (v1 weight-only, preloaded), gate/up 32.5 against 32.6, down
 21.6 against 16.9 (v1 weight-only); at eight tokens o 8.7 against 9.8, gate/up 33.1 against 33.5, down 22.0
 against 23.0. Removed: no one-token GEMV got faster, and the TMA loads feed the same wgmma the pointer loads do.
+Weights stored tile-major (each program's [BLOCK_N, BLOCK_K] tiles one after another, so a stage reads one
+contiguous 16 KB piece instead of 64 rows' 256 B; 2026-12-04, ``bench/tile_layout_lab.py``, the SWAP_AB loop alone,
+back-to-back calls over copies 4x the L2): at the shipped [64, 256 B] x 4 tiles gate/up 30.34 against 30.58 us
+(shipped kernel 30.56), qkv (x 5) 8.38 against 8.43; the most any config gained was 1 us (gate/up [128, 128 B]
+29.79 against 30.79; down [64, 128 B] x 8 18.16 against 19.89, still above the shipped v2's ~17). Not built: a
+layout for the loader and the manifest for well under 1 us a layer.
 """
 
 from __future__ import annotations

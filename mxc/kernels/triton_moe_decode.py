@@ -207,7 +207,9 @@ def _default_configs(hidden: int, inter: int, dtype: torch.dtype, top_k: int = 8
     rounds, 2026-12-04): gate/up unrolled 2.072 against 2.145 ms (channel scales) and 2.097 against 2.170
     (block128); both unrolled 1.984 against gate/up only 2.067 (channel), and 2.013 against neither 2.178
     (block128). Their steps stay those of bf16 experts (gate/up 256 columns, down 128): 512-column gate/up steps
-    measured 2.148 and 256-column down steps 2.139, against 2.067 (channel)."""
+    measured 2.148 and 256-column down steps 2.139, against 2.067 (channel). bf16 experts at the fp8 experts' bytes
+    a step (half the columns) do not gain as fp8's do (2026-12-04, same bench, five rounds): down at 64 columns
+    unrolled 2.552, gate/up at 128 columns (16 unrolled steps) 2.738, both 2.829, against 2.469 ms."""
     elems = 256 // torch.empty((), dtype=dtype).element_size()  # 256 B of x
     up = PairConfig(BLOCK_N=16, BLOCK_K=max(16, min(2 * elems, next_pow2(hidden))), num_warps=4)
     up = replace(up, UNROLL=cdiv(hidden, up.BLOCK_K) <= UNROLL_MAX_STEPS)
