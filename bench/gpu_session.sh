@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The GPU measurements of docs/perf.md, in parts that each fit one 10-minute device call.
 # Usage (repository root, on the GPU machine): bash bench/gpu_session.sh PART
-#   tests   pytest tests/gpu (the TP test runs where there are two GPUs): more than 370 s on one H200 (2026-12-03), so
-#           a call of its own
+#   tests   pytest tests/gpu (the TP test runs where there are two GPUs): 420 s on one H200 (2026-12-04), so a call
+#           of its own. Carry build/cutlass and build/mlp_pair, built here (python -c "from mxc.kernels import
+#           cutlass_fp8 as c, mlp_pair_fp8 as m; c.build_library('build/cutlass/cutlass_fp8.so');
+#           m.library('build/mlp_pair/mlp_pair_fp8.so')"): without the CUTLASS library its 35 tests skip (the GPU
+#           image has no nvidia-cutlass to generate it), and fp8 builds there take torch._scaled_mm for prefill
 #   kattn   the attention kernels' tests on the GPU (tests/kernels/test_attention.py: its fp32 cases catch tf32
 #           dots, which the interpreter does not)
 #   decode  bf16 + fp8 decode/prefill, the PDL A/B per batch, per-kernel profiles at batch 1 and 8 and of
@@ -53,6 +56,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONFAU
 # libraries built on the CPU machine and carried (the GPU machine may have no nvcc)
 if [ -f build/mlp_pair/mlp_pair_fp8.so ] && [ -z "${MXC_MLP_PAIR_LIBRARY:-}" ]; then
   export MXC_MLP_PAIR_LIBRARY="$PWD/build/mlp_pair/mlp_pair_fp8.so"
+fi
+if [ -f build/cutlass/cutlass_fp8.so ] && [ -z "${MXC_CUTLASS_LIBRARY:-}" ]; then  # fp8 builds' CUTLASS GEMM
+  export MXC_CUTLASS_LIBRARY="$PWD/build/cutlass/cutlass_fp8.so" MXC_CUTLASS_SO="${MXC_CUTLASS_SO:-$PWD/build/cutlass/cutlass_fp8.so}"
 fi
 logs="${OUT:-build/gpu-logs}"
 mkdir -p "$logs"
