@@ -10,6 +10,7 @@ leaves the previous artifact intact, or nothing.
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import json
@@ -29,7 +30,7 @@ from mxc.compiler.pipeline import check_disabled, compile_graph
 from mxc.errors import MxcError
 from mxc.ir import Graph, dump_graph, verify
 from mxc.loaders.checkpoint import open_checkpoint
-from mxc.loaders.convert import write_weights
+from mxc.loaders.convert import weight_bytes, write_weights
 from mxc.loaders.dummy import DummyCheckpoint
 from mxc.loaders.prequantized import unquantized_linears
 from mxc.models import MODELS_DIR, Entry, architecture_of, bind_model, lookup
@@ -189,6 +190,26 @@ def _check_writable(path: Path, flag: str) -> None:
     if not base.is_dir() or not os.access(base, os.W_OK | os.X_OK):
         why = "is not a directory" if not base.is_dir() else "is not writable"
         raise MxcError(f"{flag} {path}: cannot be created ({base} {why})")
+
+
+def _check_space(out: Path, need: int) -> None:
+    """Fail before the build's long work if the disk ``out`` goes on has less room than the weights ``need``
+    (bytes; the old artifact at ``out``, if any, is replaced only at the end, so it takes no part)."""
+    base = out.absolute()
+    while not base.exists():
+        base = base.parent
+    free = shutil.disk_usage(base).free
+    if need > free:
+        raise MxcError(f"--out {out}: the artifact's weights take {_size(need)} and {base} has {_size(free)} free; "
+                       f"free some space or choose another --out")
+
+
+def _size(nbytes: int) -> str:
+    """``nbytes`` in GB, MB or KB, one decimal."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes / 1e3:.1f} KB"
 
 
 def _eos_ids(config: dict) -> list:
@@ -361,6 +382,8 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     log("compiling" + (f" (IR after each pass in {dump_ir})" if dump_ir else ""))
     graph = compile_graph(graph, options, Path(dump_ir) if dump_ir else None)
 
+    need = options.tp * weight_bytes(graph)
+    _check_space(out, need)
     tmp = out.parent / f".{out.name}.building-{os.getpid()}"
     try:  # the temporary directory goes on any exit, even a signal handled just after its mkdir
         try:
@@ -370,7 +393,13 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
             tmp.mkdir()
         except OSError as e:
             raise MxcError(f"--out {out}: cannot write an artifact there ({e.strerror or e})") from None
-        _write(tmp, graph, src, options, arch, progress, log)
+        try:
+            _write(tmp, graph, src, options, arch, progress, log)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise MxcError(f"--out {out}: {e.strerror} while writing the artifact (its weights take "
+                           f"{_size(need)}); free some space or choose another --out") from None
         _replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

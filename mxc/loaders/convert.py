@@ -14,6 +14,7 @@ tensor, where the checkpoint stores it, must hold the values of the weight it re
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -222,6 +223,11 @@ def _check_stored_dtypes(w: Weight, ckpt) -> None:
         if not stored.is_floating_point:
             raise MxcError(f"{ckpt.directory}: {hf} is stored as {stored}, expected floating-point weights "
                            f"(weight {w.name}); the checkpoint is damaged or not this architecture's")
+
+
+def weight_bytes(graph: Graph) -> int:
+    """Bytes of tensor data in one rank's weight file (every rank's file holds the same shapes)."""
+    return sum(DTYPES[w.dtype].itemsize * math.prod(w.shape) for w in graph.all_weights())
 
 
 def write_weights(graph: Graph, ckpt, paths: list[Path], metadata: dict[str, str] | None = None,

@@ -290,3 +290,59 @@ def test_every_part_of_a_merged_or_stacked_weight_is_checked(hf_checkpoint, tmp_
         _build(ckpt, tmp_path / "art")
     _one_line(e)
     assert not (tmp_path / "art").exists()
+
+
+def _tensor_bytes(art) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for path in (art / "weights").glob("rank*.safetensors"):
+        with safe_open(path, "pt") as f:
+            total += sum(f.get_tensor(name).nbytes for name in f.keys())
+    return total
+
+
+def test_too_little_disk_is_refused_before_the_build(tmp_path, monkeypatch):
+    """Weights larger than the free space: one line naming --out, the bytes needed (the tensors the build writes)
+    and free; nothing written."""
+    import re
+    import shutil
+
+    from mxc import builder
+
+    need = builder._size(_tensor_bytes(_build("llama.yaml", tmp_path / "ref")))
+    real = shutil.disk_usage
+    monkeypatch.setattr(builder.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+    out = tmp_path / "sub" / "art"
+    with pytest.raises(MxcError, match=rf"--out .*art: the artifact's weights take {re.escape(need)} and .* has "
+                                       rf"1\.0 KB free; free some space") as e:
+        _build("llama.yaml", out)
+    _one_line(e)
+    assert not (tmp_path / "sub").exists()
+
+
+def test_disk_full_while_writing_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    """ENOSPC from the weight writer (the disk filled by something else mid-build) becomes a one-line error
+    naming --out; the half-written directory goes, and an artifact already at --out stays."""
+    import errno
+    import re
+
+    from mxc import builder
+    from mxc.loaders import safetensors_writer
+
+    out = tmp_path / "art"
+    _build("llama.yaml", out)
+    before = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    need = builder._size(_tensor_bytes(out))
+
+    def full(self, name, tensor):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors_writer.SafetensorsWriter, "write", full)
+    want = rf"--out .*art: No space left on device while writing the artifact \(its weights take {re.escape(need)}\); "
+    with pytest.raises(MxcError, match=want + "free some space or choose another --out") as e:
+        _build("llama.yaml", out)
+    _one_line(e)
+    after = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert after == before
+    assert not list(tmp_path.glob(".*.building-*"))
