@@ -27,7 +27,7 @@ from mxc.artifact_format import SCHEMA_VERSION, file_digests, is_artifact
 from mxc.codegen.render import render_forward
 from mxc.compiler.options import BuildOptions
 from mxc.compiler.pipeline import check_disabled, compile_graph
-from mxc.errors import MxcError
+from mxc.errors import MxcError, size_text
 from mxc.ir import Graph, dump_graph, verify
 from mxc.loaders.checkpoint import open_checkpoint
 from mxc.loaders.convert import weight_bytes, write_weights
@@ -200,16 +200,8 @@ def _check_space(out: Path, need: int) -> None:
         base = base.parent
     free = shutil.disk_usage(base).free
     if need > free:
-        raise MxcError(f"--out {out}: the artifact's weights take {_size(need)} and {base} has {_size(free)} free; "
-                       f"free some space or choose another --out")
-
-
-def _size(nbytes: int) -> str:
-    """``nbytes`` in GB, MB or KB, one decimal."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes / 1e3:.1f} KB"
+        raise MxcError(f"--out {out}: the artifact's weights take {size_text(need)} and {base} has {size_text(free)} "
+                       f"free; free some space or choose another --out")
 
 
 def _eos_ids(config: dict) -> list:
@@ -399,7 +391,7 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
             if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
             raise MxcError(f"--out {out}: {e.strerror} while writing the artifact (its weights take "
-                           f"{_size(need)}); free some space or choose another --out") from None
+                           f"{size_text(need)}); free some space or choose another --out") from None
         _replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

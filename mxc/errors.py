@@ -22,3 +22,11 @@ class ConfigError(MxcError):
 
     def at(self, source: str) -> "ConfigError":
         return ConfigError(self.message, source)
+
+
+def size_text(nbytes: int) -> str:
+    """``nbytes`` as the error messages write sizes: GiB, MiB or KiB, one decimal."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes / 1024:.1f} KiB"

@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 import mxc
 from mxc.artifact_format import SCHEMA_VERSION, listed_files, sha256_file
-from mxc.errors import MxcError
+from mxc.errors import MxcError, size_text
 from mxc.runtime.model import Model, on_device
 
 
@@ -222,16 +222,30 @@ def load(path, device: str = "cpu", rank: int = 0, world_size: int = 1, verify: 
     if verify:
         verify_files(path, manifest)
     program = _exec_program(path / "code" / "forward.py", manifest["files"]["code/forward.py"])
-    weights = {}
-    with safe_open(path / "weights" / f"rank{rank}.safetensors", framework="pt", device=str(device)) as f:
-        for name in f.keys():
-            weights[name] = f.get_tensor(name)
     with on_device(device):  # kernels load into, and graphs capture on, the model's GPU, whichever is current
-        return _build_model(path, manifest, program, weights, device, rebuild_kernels, rank, world_size)
+        launcher = _kernel_launcher(path, manifest, device, rebuild_kernels)  # a wrong device or GPU fails first
+        weights = _load_weights(path, rank, device)
+        return _build_model(path, manifest, program, weights, device, launcher, rank, world_size)
 
 
-def _build_model(path, manifest, program, weights, device, rebuild_kernels, rank, world_size) -> Model:
-    launcher = _kernel_launcher(path, manifest, device, rebuild_kernels)
+def _load_weights(path: Path, rank: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s weights on ``device``; on a GPU, a one-line error first if they cannot fit its free memory."""
+    file = path / "weights" / f"rank{rank}.safetensors"
+    if device.type == "cuda":
+        _check_weights_fit(path, rank, file.stat().st_size, device)
+    with safe_open(file, framework="pt", device=str(device)) as f:
+        return {name: f.get_tensor(name) for name in f.keys()}
+
+
+def _check_weights_fit(path: Path, rank: int, nbytes: int, device: torch.device) -> None:
+    """``nbytes`` of weights fit the free memory of GPU ``device``, or a one-line error says what would make them."""
+    free, _ = torch.cuda.mem_get_info(device)
+    if nbytes > free:
+        raise MxcError(f"{path}: rank {rank}'s weights take {size_text(nbytes)}, more than the {size_text(free)} "
+                       f"free on {device}; free the GPU, or rebuild with --quant fp8 or a larger --tp")
+
+
+def _build_model(path, manifest, program, weights, device, launcher, rank, world_size) -> Model:
     if manifest.get("cutlass"):  # the CUTLASS fp8 GEMM the build compiled (mxc.kernels.cutlass_fp8)
         from mxc.kernels import cutlass_fp8
 

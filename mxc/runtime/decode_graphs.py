@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from mxc.errors import MxcError
+from mxc.errors import MxcError, size_text
 from mxc.kernels import launch
 from mxc.kernels.context import ForwardContext
 from mxc.runtime_buckets import batch_bucket, batch_buckets, prefill_graph_bucket, prefill_graph_buckets
@@ -137,8 +137,8 @@ def _check_cache_fits(shape, layers: int, dtype, device, max_batch: int, max_len
     need = 2 * layers * torch.Size(shape).numel() * dtype.itemsize
     free, _ = torch.cuda.mem_get_info(device)
     if need > free:
-        raise MxcError(f"the KV cache of --max-batch {max_batch} x --max-seq-len {max_len} takes {need / 2**30:.1f} "
-                       f"GiB, more than the {free / 2**30:.1f} GiB free on {device} after the weights; rebuild with a "
+        raise MxcError(f"the KV cache of --max-batch {max_batch} x --max-seq-len {max_len} takes {size_text(need)}, "
+                       f"more than the {size_text(free)} free on {device} after the weights; rebuild with a "
                        f"smaller --max-batch or --max-seq-len")
 
 

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import mxc
-from mxc.errors import MxcError
+from mxc.errors import MxcError, size_text
 
 DROPPED = "model.layers.1.mlp.up_proj.weight"
 
@@ -310,12 +310,12 @@ def test_too_little_disk_is_refused_before_the_build(tmp_path, monkeypatch):
 
     from mxc import builder
 
-    need = builder._size(_tensor_bytes(_build("llama.yaml", tmp_path / "ref")))
+    need = size_text(_tensor_bytes(_build("llama.yaml", tmp_path / "ref")))
     real = shutil.disk_usage
     monkeypatch.setattr(builder.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
     out = tmp_path / "sub" / "art"
     with pytest.raises(MxcError, match=rf"--out .*art: the artifact's weights take {re.escape(need)} and .* has "
-                                       rf"1\.0 KB free; free some space") as e:
+                                       rf"1\.0 KiB free; free some space") as e:
         _build("llama.yaml", out)
     _one_line(e)
     assert not (tmp_path / "sub").exists()
@@ -327,13 +327,12 @@ def test_disk_full_while_writing_is_one_line_and_leaves_nothing(tmp_path, monkey
     import errno
     import re
 
-    from mxc import builder
     from mxc.loaders import safetensors_writer
 
     out = tmp_path / "art"
     _build("llama.yaml", out)
     before = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    need = builder._size(_tensor_bytes(out))
+    need = size_text(_tensor_bytes(out))
 
     def full(self, name, tensor):
         raise OSError(errno.ENOSPC, "No space left on device")

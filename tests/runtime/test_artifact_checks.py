@@ -120,3 +120,33 @@ def test_world_size_must_match_tp(art):
 
 def test_rank_out_of_range(art):
     _refused(art, r"rank", rank=1)
+
+
+def test_weights_larger_than_the_gpus_free_memory_are_refused_before_loading(pristine, monkeypatch):
+    """On a GPU whose free memory is under the rank's weight file, load stops with one line naming the artifact, the
+    sizes and what would make them fit, before it allocates anything there (here a CPU-target artifact loaded as if
+    onto a GPU with 1 KiB free: the refusal comes before any CUDA call but the free-memory query)."""
+    import re
+
+    import torch
+
+    from mxc.errors import size_text
+    from mxc.runtime import artifact
+
+    queried = []
+
+    def mem_get_info(device):
+        queried.append(device)
+        return 1024, 80 << 30
+
+    def no_cuda(*args, **kwargs):
+        raise AssertionError("loaded onto the GPU after the refusal should have come")
+
+    monkeypatch.setattr(artifact, "_device", lambda name: torch.device("cuda:0"))
+    monkeypatch.setattr(artifact, "on_device", lambda device: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(artifact, "safe_open", no_cuda)
+    size = re.escape(size_text((pristine / "weights" / "rank0.safetensors").stat().st_size))
+    msg = _refused(pristine, rf"{pristine.name}: rank 0's weights take {size}, more than the 1\.0 KiB free on cuda:0; "
+                             r"free the GPU, or rebuild with --quant fp8 or a larger --tp", device="cuda")
+    assert queried == [torch.device("cuda:0")], msg
