@@ -126,6 +126,7 @@ def test_weights_larger_than_the_gpus_free_memory_are_refused_before_loading(pri
     """On a GPU whose free memory is under the rank's weight file, load stops with one line naming the artifact, the
     sizes and what would make them fit, before it allocates anything there (here a CPU-target artifact loaded as if
     onto a GPU with 1 KiB free: the refusal comes before any CUDA call but the free-memory query)."""
+    import contextlib
     import re
 
     import torch
@@ -143,7 +144,7 @@ def test_weights_larger_than_the_gpus_free_memory_are_refused_before_loading(pri
         raise AssertionError("loaded onto the GPU after the refusal should have come")
 
     monkeypatch.setattr(artifact, "_device", lambda name: torch.device("cuda:0"))
-    monkeypatch.setattr(artifact, "on_device", lambda device: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(artifact, "on_device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
     monkeypatch.setattr(artifact, "safe_open", no_cuda)
     size = re.escape(size_text((pristine / "weights" / "rank0.safetensors").stat().st_size))
