@@ -198,8 +198,9 @@ def _check_space(out: Path, need: int) -> None:
     base = out.absolute()
     while not base.exists():
         base = base.parent
-    free = shutil.disk_usage(base).free
-    if need > free:
+    usage = shutil.disk_usage(base)
+    free = usage.free
+    if usage.total and need > free:  # a filesystem reporting no size at all (some pseudo mounts) is not judged
         raise MxcError(f"--out {out}: the artifact's weights take {size_text(need)} and {base} has {size_text(free)} "
                        f"free; free some space or choose another --out")
 
