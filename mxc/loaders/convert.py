@@ -14,7 +14,6 @@ tensor, where the checkpoint stores it, must hold the values of the weight it re
 
 from __future__ import annotations
 
-import math
 import re
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from mxc.errors import MxcError
 from mxc.ir import Graph, Weight
 from mxc.ir.sharding import local_size, rank_slices
 from mxc.loaders.quantize import quantize_fp8
-from mxc.loaders.safetensors_writer import SafetensorsWriter
+from mxc.loaders.safetensors_writer import SafetensorsWriter, tensor_bytes
 
 SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale")  # fp8 checkpoints' scale tensors
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -227,7 +226,7 @@ def _check_stored_dtypes(w: Weight, ckpt) -> None:
 
 def weight_bytes(graph: Graph) -> int:
     """Bytes of tensor data in one rank's weight file (every rank's file holds the same shapes)."""
-    return sum(DTYPES[w.dtype].itemsize * math.prod(w.shape) for w in graph.all_weights())
+    return sum(tensor_bytes(DTYPES[w.dtype], w.shape) for w in graph.all_weights())
 
 
 def write_weights(graph: Graph, ckpt, paths: list[Path], metadata: dict[str, str] | None = None,

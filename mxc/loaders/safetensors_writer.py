@@ -29,6 +29,14 @@ DTYPE_CODES: dict[torch.dtype, str] = {
 }
 
 
+def tensor_bytes(dtype: torch.dtype, shape) -> int:
+    """Bytes of a tensor's data in the file (what the header's data_offsets span)."""
+    size = dtype.itemsize
+    for d in shape:
+        size *= int(d)
+    return size
+
+
 class SafetensorsWriter:
     """Write a safetensors file tensor by tensor against a header fixed up front."""
 
@@ -47,9 +55,7 @@ class SafetensorsWriter:
             if dtype not in DTYPE_CODES:
                 raise MxcError(f"{self.path}: tensor {name!r} has unsupported dtype {dtype}")
             shape = tuple(int(d) for d in shape)
-            size = dtype.itemsize
-            for d in shape:
-                size *= d
+            size = tensor_bytes(dtype, shape)
             header[name] = {"dtype": DTYPE_CODES[dtype], "shape": list(shape),
                             "data_offsets": [offset, offset + size]}
             self._specs[name] = (dtype, shape)
