@@ -4,7 +4,7 @@
 dimension rank ``rank`` holds: each segment (merged part) is split on its
 own, in whole units; a segment with fewer units than ranks is replicated so
 that every rank gets the unit its heads use; a vocabulary is padded to a
-multiple of the ranks (``_padded``). ``ShardError`` explains a split
+multiple of the ranks (``padded_vocab``). ``ShardError`` explains a split
 that cannot work, naming the model-file expression and the numbers.
 """
 
@@ -23,7 +23,7 @@ def _parts(spec: ShardSpec, size: int) -> list[tuple[int, str]]:
     return list(zip(segments, exprs))
 
 
-def _padded(spec: ShardSpec) -> bool:
+def padded_vocab(spec: ShardSpec) -> bool:
     """A whole vocabulary (one part, single rows): split into ``ceil(size / tp)`` rows a rank, the last ranks'
     slices ending in zero rows (the loader fills them) whose logits ``all_gather``'s ``size`` drops; so 32001
     tokens split over --tp 2."""
@@ -33,7 +33,7 @@ def _padded(spec: ShardSpec) -> bool:
 def rank_slices(spec: ShardSpec, size: int, tp: int, rank: int) -> list[tuple[int, int]]:
     """(start, length) ranges along the split dim held by ``rank``, in order. A padded vocabulary's rank holds
     ``ceil(size / tp)`` rows, of which the range gives the real ones (maybe fewer, maybe none)."""
-    if _padded(spec):
+    if padded_vocab(spec):
         per = -(-size // tp)
         start = min(rank * per, size)
         return [(start, min(per, size - start))]

@@ -36,30 +36,44 @@ from dataclasses import replace
 from mxc.compiler.rewrite import apply_rules
 from mxc.errors import MxcError
 from mxc.ir import Graph, Node, QuantSpec, Repeat, ShardSpec, Weight
+from mxc.ir.sharding import padded_vocab
 
 FP8 = "float8_e4m3fn"
 
 
-def _block_spec(spec: ShardSpec | None, name: str, tp: int, prequantized: bool = False) -> ShardSpec | None:
-    """The shard spec of block scales: the weight's split, counted in 128-row/column blocks. A rank's share of a
-    part must be whole blocks, or (one part) lie inside one block, whose scale that rank then holds a copy of:
-    in a merged weight a part's rows must start where its blocks do."""
-    if spec is None or spec.kind == "replicated":
-        return spec
+def _whole_blocks(spec: ShardSpec, tp: int) -> bool:
+    """Whether every rank's rows of every part start where a 128-block does, so block scales split with them. A
+    rank's share of a part must be whole blocks, or (one part) lie inside one block, whose scale that rank then
+    holds a copy of. A padded vocabulary (``padded_vocab``) needs only each rank's ceil(V / tp) rows to be whole
+    blocks: its last block may be partial (V = 255 at --tp 2), and a share inside a block is refused, since its
+    ranks would not take the copies their rows need."""
     sizes = spec.segments
-    refuse = any(s % 128 for s in sizes) or (spec.unit % 128 and 128 % spec.unit)
+    if padded_vocab(spec):
+        return -(-sizes[0] // tp) % 128 == 0
+    if any(s % 128 for s in sizes) or (spec.unit % 128 and 128 % spec.unit):
+        return False
     for s in sizes:
         units = s // spec.unit
         if units % tp == 0 or tp % units == 0:  # other splits fail in shard_tp with their own message
             share = s // tp if units % tp == 0 else spec.unit
-            refuse = refuse or (share % 128 and (len(sizes) > 1 or 128 % share))
-    if refuse:
+            if share % 128 and (len(sizes) > 1 or 128 % share):
+                return False
+    return True
+
+
+def _block_spec(spec: ShardSpec | None, name: str, tp: int, prequantized: bool = False) -> ShardSpec | None:
+    """The shard spec of block scales: the weight's split, counted in 128-row/column blocks (``_whole_blocks``
+    says when it can be)."""
+    if spec is None or spec.kind == "replicated":
+        return spec
+    sizes = spec.segments
+    if not _whole_blocks(spec, tp):
         fix = ("the checkpoint is fp8 with these block scales: use a --tp that leaves each rank whole 128-blocks, or "
                "build from the bf16 checkpoint with --quant fp8") if prequantized else "use --quant-granularity channel"
         raise MxcError(f"block128 fp8 scales of {name} cannot follow its tensor-parallel split "
                        f"(parts {list(sizes)}, unit {spec.unit}, --tp {tp}: a rank's rows are not whole 128-blocks): "
                        f"{fix}")
-    return replace(spec, segments=tuple(s // 128 for s in sizes), unit=max(1, spec.unit // 128))
+    return replace(spec, segments=tuple(-(-s // 128) for s in sizes), unit=max(1, spec.unit // 128))
 
 
 def scale_weight(w: Weight, local: str, granularity: str, tp: int, prequantized: bool = False) -> Weight:
