@@ -63,8 +63,6 @@ def cmd_generate(args) -> None:
     if (args.ids is None) == (args.prompt is None):
         raise MxcError("give exactly one of --ids or --prompt")
     path = Path(args.artifact)
-    if not path.is_dir():
-        raise MxcError(f"{path}: no such artifact directory")
     manifest = read_manifest(path)
     tokenizer = load_tokenizer(path) if args.prompt is not None else None
     if args.prompt is not None and tokenizer is None:

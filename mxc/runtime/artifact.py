@@ -29,6 +29,12 @@ def _compatible(version: str) -> bool:
 
 
 def read_manifest(path: Path) -> dict:
+    """The checked manifest of the artifact directory ``path``, or a one-line error saying what is wrong."""
+    if path.is_file():
+        hint = " (give the folder that holds it)" if path.name == "manifest.json" else ""
+        raise MxcError(f"{path}: a file, not an artifact directory{hint}")
+    if not path.is_dir():
+        raise MxcError(f"{path}: no such artifact directory")
     mpath = path / "manifest.json"
     if not mpath.is_file():
         raise MxcError(f"{path}: not an mxc artifact (no manifest.json); build one with `mxc build`")
@@ -204,8 +210,6 @@ def load(path, device: str = "cpu", rank: int = 0, world_size: int = 1, verify: 
     e.g. on a GPU of another architecture.
     """
     path = Path(path)
-    if not path.is_dir():
-        raise MxcError(f"{path}: no such artifact directory")
     manifest = read_manifest(path)
     tp = manifest.get("tp", 1)
     if world_size != tp:

@@ -112,6 +112,8 @@ def test_not_an_artifact(tmp_path):
     (tmp_path / "plain").mkdir()
     _refused(tmp_path / "plain", r"not an mxc artifact \(no manifest\.json\)")
     _refused(tmp_path / "missing", r"no such artifact directory")
+    (tmp_path / "plain" / "manifest.json").write_text("{}")
+    _refused(tmp_path / "plain" / "manifest.json", r"a file, not an artifact directory \(give the folder that holds it\)")
 
 
 def test_world_size_must_match_tp(art):
