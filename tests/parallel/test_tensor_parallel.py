@@ -172,7 +172,7 @@ def test_block128_lm_head_over_a_padded_vocabulary(hf_checkpoint, tmp_path):
     """An fp8 block128 LM head over 255 tokens at tp=2: each rank's 128 rows are one whole block (the second
     holds 127 real rows and a zero pad), so it builds, its weight and scales reassemble to the tp=1 build's and
     its logits are as close to transformers' as tp=1's. Over 128 tokens each rank's 64 rows lie inside one block
-    and are refused (they were taken once, the second rank reading the scales of rows it does not hold)."""
+    and are refused (earlier builds took them and gave the second rank a zero scale for rows that need block 0's)."""
     shape = dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=2, head_dim=128, intermediate_size=512)
     ckpt, hf = hf_checkpoint("LlamaForCausalLM", vocab_size=255, **shape)
     q = dict(quant="fp8", quant_granularity="block128", quant_lm_head=True, progress=False, log=lambda m: None)
