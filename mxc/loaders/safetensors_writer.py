@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 from pathlib import Path
 
@@ -31,10 +32,7 @@ DTYPE_CODES: dict[torch.dtype, str] = {
 
 def tensor_bytes(dtype: torch.dtype, shape) -> int:
     """Bytes of a tensor's data in the file (what the header's data_offsets span)."""
-    size = dtype.itemsize
-    for d in shape:
-        size *= int(d)
-    return size
+    return dtype.itemsize * math.prod(int(d) for d in shape)
 
 
 class SafetensorsWriter:

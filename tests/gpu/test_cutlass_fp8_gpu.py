@@ -1,8 +1,9 @@
-"""The CUTLASS fp8 GEMM (mxc.kernels.cutlass_fp8) on the GPU against torch._scaled_mm, and its speed at M = 2048.
+"""The CUTLASS fp8 GEMM (mxc.kernels.cutlass_fp8) on the GPU against torch._scaled_mm.
 
 Uses the libraries listed in $MXC_CUTLASS_SO (paths separated by ``os.pathsep``, built ahead of time with
 ``cutlass_fp8.compile_so``), else the prebuilt library $MXC_CUTLASS_LIBRARY names, else generates and compiles
-the default configuration here (needs nvidia-cutlass and nvcc). Run with ``-s`` to see the error and TFLOP/s lines; speed is printed, not asserted.
+the default configuration here (needs nvidia-cutlass and nvcc). Run with ``-s`` to see the error lines. Its speed
+at M = 2048, plain and with the residual, against ``torch._scaled_mm``: ``bench/prefill_lab.py``.
 """
 
 from __future__ import annotations
@@ -217,43 +218,6 @@ def test_cuda_graph_replay(gemm):
 def test_rejects_misaligned_k(gemm):
     with pytest.raises(RuntimeError, match="status 1"):
         gemm(0, 0, 0, 0, 0, 16, 4096, 4100)
-
-
-def _time_ms(fn, iters=50):
-    for _ in range(10):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
-@pytest.mark.parametrize("n,k", SHAPES)
-def test_tflops_m2048(gemm, n, k):
-    m = 2048
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    xq, sa = _quantized(m, k, gen)
-    wq, sb = _quantized(n, k, gen)
-    y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-    ws = torch.empty(max(gemm.workspace_bytes(m, n, k), 1), device="cuda", dtype=torch.uint8)
-    flop = 2.0 * m * n * k
-    t_cutlass = _time_ms(lambda: _run(gemm, xq, wq, sa, sb, out=y, ws=ws))
-    t_torch = _time_ms(lambda: _scaled_mm(xq, wq, sa, sb))
-    print(f"\nM={m} N={n} K={k}: CUTLASS {gemm.name}: {t_cutlass * 1e3:.1f} us, {flop / t_cutlass / 1e9:.0f} TFLOP/s;"
-          f" torch._scaled_mm: {t_torch * 1e3:.1f} us, {flop / t_torch / 1e9:.0f} TFLOP/s")
-    if gemm.has_residual:  # the residual kernel, against the plain one and the torch add it replaces
-        r = torch.randn(m, n, device="cuda", generator=gen).to(torch.bfloat16)
-        need = gemm.workspace_bytes(m, n, k, residual=True)
-        ws_r = torch.empty(max(need, 1), device="cuda", dtype=torch.uint8)
-        t_res = _time_ms(lambda: gemm(xq.data_ptr(), wq.data_ptr(), sa.data_ptr(), sb.data_ptr(), y.data_ptr(), m, n,
-                                      k, stream=torch.cuda.current_stream().cuda_stream, workspace=ws_r.data_ptr(),
-                                      workspace_bytes=need, residual=r.data_ptr()))
-        t_add = _time_ms(lambda: torch.add(r, y))
-        print(f"M={m} N={n} K={k}: CUTLASS with the residual {t_res * 1e3:.1f} us; plain + torch add "
-              f"{(t_cutlass + t_add) * 1e3:.1f} us")
 
 
 @pytest.mark.skipif(cutlass_fp8.available() is not None,
