@@ -24,6 +24,9 @@ _CMP = {
 }
 
 
+MAX_EXPONENT = 64  # x ** y with a larger |y|: no shape or scale needs one, and 10 ** 10 ** 10 would not end
+
+
 class ExprError(ValueError):
     """An expression that is malformed or names something unknown."""
 
@@ -41,6 +44,9 @@ def evaluate(node: ast.expr | str | int | float | bool | None, env: dict):
         return node
     if isinstance(node, str):
         node = parse_expr(node)
+    if not isinstance(node, ast.expr):  # a YAML mapping or list where an expression belongs
+        kind = "a mapping" if isinstance(node, dict) else "a list" if isinstance(node, list) else type(node).__name__
+        raise ExprError(f"expected an expression, got {kind} {node!r}")
     return _eval(node, env)
 
 
@@ -54,7 +60,10 @@ def _eval(n: ast.expr, env: dict):
             raise ExprError(f"unknown name {n.id!r}")
         return env[n.id]
     if isinstance(n, ast.BinOp) and type(n.op) in _BIN:
-        return _BIN[type(n.op)](_eval(n.left, env), _eval(n.right, env))
+        left, right = _eval(n.left, env), _eval(n.right, env)
+        if isinstance(n.op, ast.Pow) and isinstance(right, (int, float)) and abs(right) > MAX_EXPONENT:
+            raise ExprError(f"exponent {right!r} in {ast.unparse(n)!r} is past {MAX_EXPONENT}")
+        return _BIN[type(n.op)](left, right)
     if isinstance(n, ast.UnaryOp):
         v = _eval(n.operand, env)
         if isinstance(n.op, ast.USub):

@@ -47,10 +47,13 @@ def read_model_file(path: Path | str) -> LDict:
 
 
 def bind(path: Path | str, config: dict, *, dtype: str, overrides: dict | None = None,
-         resolvers: dict[str, Resolver] | None = None, config_path: str = "config.json") -> Graph:
-    """Bind the model file at ``path`` to ``config`` (an HF config dict, read from ``config_path``: errors name it)."""
+         resolvers: dict[str, Resolver] | None = None, config_path: str = "config.json",
+         read_as: dict[str, str] | None = None) -> Graph:
+    """Bind the model file at ``path`` to ``config`` (an HF config dict, read from ``config_path``: errors name it).
+    ``read_as``: override -> the config field it copies (the registry's ``attention_window: sliding_window``), so
+    that errors about its value name that field."""
     data = read_model_file(path)
-    return _Binder(Path(path), data, config, dtype, overrides or {}, resolvers or {}, config_path).run()
+    return _Binder(Path(path), data, config, dtype, overrides or {}, resolvers or {}, config_path, read_as).run()
 
 
 def _default_kind(default) -> str | None:
@@ -77,8 +80,20 @@ def _check_declared(where: str, name: str, value, kind: str | None, low) -> None
         raise MxcError(f"{where}: field {name} = {value!r}: expected {want}")
 
 
+class _MissingParam(Exception):
+    """A resolver read a param the model file does not declare before it."""
+
+
+class _ParamsSoFar(dict):
+    """The params a resolver sees: reading one not declared yet raises ``_MissingParam``, not a KeyError from
+    somewhere inside the resolver."""
+
+    def __missing__(self, key):
+        raise _MissingParam(key)
+
+
 class _Binder:
-    def __init__(self, path, data, config, dtype, overrides, resolvers, config_path="config.json"):
+    def __init__(self, path, data, config, dtype, overrides, resolvers, config_path="config.json", read_as=None):
         self.path, self.data, self.config, self.config_path = path, data, config, config_path
         self.err = SourceError(path.name)
         self.dtype, self.overrides, self.resolvers = dtype, overrides, resolvers
@@ -86,12 +101,15 @@ class _Binder:
         self.aliases: dict[str, str] = {}  # tied weight -> the weight it reuses
         self.ties: list[tuple[str, str, str]] = []  # Graph.tied
         self.disabled: set[str] = set()  # weights whose `when` is false
-        self.read_as: dict[str, str] = {}  # param -> the config field it took its value from, by a bare-name default
+        # param -> the config field it took its value from, by a bare-name default or override
+        self.read_as: dict[str, str] = dict(read_as or {})
 
     # --- helpers --------------------------------------------------------------
     def eval(self, expr, env, line, field):
         try:
             return evaluate(expr, env)
+        except OverflowError:  # 1e300 ** 2
+            raise self.err(line, field, f"{expr!r}: the result is too large for a float") from None
         except (ExprError, TypeError, ZeroDivisionError) as e:
             raise self.err(line, field, str(e)) from None
 
@@ -136,13 +154,17 @@ class _Binder:
             if name in self.overrides:
                 params[name] = self.overrides[name]
             elif "resolve" in p:
-                fn = self.resolvers.get(p["resolve"])
+                fn = self.resolvers.get(p["resolve"]) if isinstance(p["resolve"], str) else None
                 if fn is None:
-                    raise self.err(line, f"params.{name}.resolve", f"unknown resolver {p['resolve']!r}")
+                    raise self.err(line, f"params.{name}.resolve", f"unknown resolver {p['resolve']!r}; known: "
+                                   f"{', '.join(sorted(self.resolvers)) or 'none'}")
                 try:
-                    params[name] = fn(self.config, params)
+                    params[name] = fn(self.config, _ParamsSoFar(params))
                 except ConfigError as e:  # about a config field: name the file it was read from
                     raise e.at(self.config_path) from None
+                except _MissingParam as e:
+                    raise self.err(line, f"params.{name}.resolve", f"resolver {p['resolve']!r} needs the param "
+                                   f"{e.args[0]!r}, declared above this one") from None
             elif self.config.get(name) is not None:
                 params[name] = self.config[name]
                 _check_declared(self.config_path, name, params[name], _default_kind(p.get("default")), None)
@@ -158,10 +180,14 @@ class _Binder:
                 raise self.err(line, f"params.{name}.type", f"expected one of {sorted(PARAM_TYPES)}")
             if "min" in p and (isinstance(p["min"], bool) or not isinstance(p["min"], (int, float))):
                 raise self.err(line, f"params.{name}.min", f"expected a number, got {p['min']!r}")
-            if "type" in p or "min" in p:
-                from_config = name not in self.overrides and "resolve" not in p and self.config.get(name) is not None
+            nullable = "default" in p and p["default"] is None  # `default: null`: absent is a value too
+            if ("type" in p or "min" in p) and not (nullable and params[name] is None):
+                copied = name in self.overrides and name in self.read_as  # a config field under another name
+                from_config = copied or (name not in self.overrides and "resolve" not in p
+                                         and self.config.get(name) is not None)
                 where = self.config_path if from_config else f"{self.path.name} (params.{name}, from {self.config_path})"
-                _check_declared(where, name, params[name], p.get("type"), p.get("min"))
+                _check_declared(where, self.read_as[name] if copied else name, params[name], p.get("type"),
+                                p.get("min"))
             if "one_of" in p and not isinstance(p["one_of"], list):
                 raise self.err(line, f"params.{name}.one_of", "expected a list of the values the graph computes")
             if "one_of" in p and params[name] not in p["one_of"]:  # values the graph does not compute are refused
@@ -237,9 +263,9 @@ class _Binder:
         """``column`` or ``{kind: column, unit: head_dim}`` -> ShardSpec (None when absent)."""
         if spec is None:
             return None
+        if not isinstance(spec, (str, dict)) or isinstance(spec, dict) and set(spec) - {"kind", "unit"}:
+            raise self.err(line, field, f"expected a kind, or {{kind: ..., unit: expr}}; got {spec!r}")
         kind, unit = (spec, 1) if isinstance(spec, str) else (spec.get("kind"), spec.get("unit", 1))
-        if isinstance(spec, dict) and set(spec) - {"kind", "unit"}:
-            raise self.err(line, field, "expected a kind, or {kind: ..., unit: expr}")
         if kind not in ShardSpec.KINDS:
             raise self.err(line, field, f"expected one of {', '.join(ShardSpec.KINDS)}, got {kind!r}")
         unit = self.eval(unit, env, line, f"{field}.unit")

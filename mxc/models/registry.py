@@ -38,9 +38,29 @@ class Entry:
         return MODELS_DIR / self.model
 
 
+ENTRY_KEYS = ("model", "set", "refuse_if", "defaults", "tested")
+
+
 def registry() -> dict[str, Entry]:
-    data = yaml.safe_load((MODELS_DIR / "registry.yaml").read_text())
-    return {arch: Entry(arch, **spec) for arch, spec in data.items()}
+    path = MODELS_DIR / "registry.yaml"
+    data = yaml.safe_load(path.read_text())
+    if not isinstance(data, dict):
+        raise MxcError(f"{path}: expected a mapping architecture -> {{model: file.yaml, ...}}")
+    return {arch: _entry(path, arch, spec) for arch, spec in data.items()}
+
+
+def _entry(path: Path, arch: str, spec) -> Entry:
+    """One registry line, checked: a typo there (a contributor's new line) names the architecture and the key."""
+    where = f"{path.name}: {arch}"
+    if not isinstance(spec, dict) or "model" not in spec or set(spec) - set(ENTRY_KEYS):
+        raise MxcError(f"{where}: expected a mapping with model and keys among {', '.join(ENTRY_KEYS)}, got {spec!r}")
+    for key, kind in (("set", dict), ("refuse_if", list), ("defaults", dict), ("tested", bool)):
+        if key in spec and not isinstance(spec[key], kind):
+            raise MxcError(f"{where}: {key}: expected a {'mapping' if kind is dict else kind.__name__}, "
+                           f"got {spec[key]!r}")
+    if not (MODELS_DIR / str(spec["model"])).is_file():
+        raise MxcError(f"{where}: model: no model file {spec['model']!r} in {MODELS_DIR}")
+    return Entry(arch, **spec)
 
 
 def model_files() -> list[str]:
@@ -94,21 +114,25 @@ RESOLVERS = {"rope": _resolve_rope, "llama_rope": _resolve_llama_rope}
 def bind_model(model_file: Path, config: dict, dtype: str, entry: Entry | None,
                config_path: str = "config.json") -> Graph:
     """Bind ``model_file`` to ``config`` with the registry entry's settings."""
-    overrides = {}
+    overrides, read_as = {}, {}
     if entry is not None:
         config = {**entry.defaults, **config}  # a field present in config.json, null included, wins
         env = _ConfigEnv(config)
         for cond in entry.refuse_if:
             try:
                 hit = evaluate(cond, env)
-            except ExprError as e:
+            except (ExprError, TypeError, ArithmeticError) as e:  # TypeError: a field of another type (None > 1)
                 raise MxcError(f"{config_path}: cannot check {cond!r} for {entry.architecture}: {e}") from None
             if hit:
                 raise MxcError(f"{config_path}: `{cond}` is true, which is not supported for {entry.architecture} "
                                f"(registry.yaml refuse_if)")
         for key, value in entry.set.items():
+            if isinstance(value, str) and value.isidentifier() and value in config:
+                read_as[key] = value  # a config field copied: errors about the value name it
             try:
                 overrides[key] = evaluate(value, env) if isinstance(value, str) else value
-            except ExprError as e:
-                raise MxcError(f"{config_path}: {entry.architecture} needs {e}") from None
-    return bind(model_file, config, dtype=dtype, overrides=overrides, resolvers=RESOLVERS, config_path=config_path)
+            except (ExprError, TypeError, ArithmeticError) as e:
+                raise MxcError(f"{config_path}: {entry.architecture} sets {key} = {value}, which cannot be computed "
+                               f"from it: {e}") from None
+    return bind(model_file, config, dtype=dtype, overrides=overrides, resolvers=RESOLVERS, config_path=config_path,
+                read_as=read_as)

@@ -215,3 +215,40 @@ def test_param_type_must_be_known(bind_bad):
     assert where(line, "params.vocab_size.type") + "expected one of ['bool', 'int', 'number']" in msg
     msg, line = bind_bad("  vocab_size: {type: int, min: 1}", "  vocab_size: {type: int, min: one}")
     assert where(line, "params.vocab_size.min") + "expected a number, got 'one'" in msg
+
+
+# Found by mutating llama.yaml at random (a value replaced by a YAML mapping, list or number, a line dropped):
+# each used to end in a Python traceback instead of a file:line error.
+
+def test_shard_that_is_neither_a_kind_nor_a_mapping(bind_bad):
+    msg, line = bind_bad("hf: model.embed_tokens.weight, shard: vocab}", "hf: model.embed_tokens.weight, shard: 0}")
+    assert where(line, "weights.embed.shard") + "expected a kind, or {kind: ..., unit: expr}; got 0" in msg
+
+
+def test_expression_given_as_a_yaml_mapping_or_list(bind_bad):
+    msg, line = bind_bad("tied_to: embed, tied_if: tie_word_embeddings}", "tied_to: embed, tied_if: {}}",
+                         mark="lm_head:")
+    assert where(line, "weights.lm_head.tied_if") + "expected an expression, got a mapping {}" in msg
+    msg, line = bind_bad("  mlp_bias: {default: false}", "  mlp_bias: {default: [1, 2]}")
+    assert where(line, "params.mlp_bias.default") + "expected an expression, got a list [1, 2]" in msg
+
+
+def test_resolver_name_that_is_not_a_string(bind_bad):
+    msg, line = bind_bad("rope: {resolve: llama_rope}", "rope: {resolve: [llama_rope]}")
+    assert where(line, "params.rope.resolve") + "unknown resolver ['llama_rope']; known: llama_rope, rope" in msg
+
+
+def test_resolver_reading_an_undeclared_param(bind_bad):
+    msg, line = bind_bad("  head_dim: {default: hidden_size // num_attention_heads, type: int, min: 1}\n", "",
+                         mark="  rope: {resolve: llama_rope}")
+    assert where(line, "params.rope.resolve") + "resolver 'llama_rope' needs the param 'head_dim', declared above" in msg
+
+
+@pytest.mark.parametrize("expr,needle", [("2 ** 1000", "exponent 1000 in '2 ** 1000' is past 64"),
+                                         ("2.0 ** 64 ** 2", "exponent 4096"),
+                                         ("1e300 ** 2", "'1e300 ** 2': the result is too large for a float"),
+                                         ("1 // 0", "integer division or modulo by zero")])
+def test_arithmetic_errors_in_expressions(bind_bad, expr, needle):
+    """Arithmetic an expression cannot finish (or would take hours: 10 ** 10 ** 10) is a file:line error."""
+    msg, line = bind_bad("  mlp_bias: {default: false}", f"  mlp_bias: {{default: '{expr}'}}")
+    assert where(line, "params.mlp_bias.default") + needle in msg
