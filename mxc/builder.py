@@ -320,7 +320,7 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
         raise MxcError(f"--tp-allreduce {tp_allreduce}: the peer-memory all-reduce needs --target cuda (got {target})")
     if not isinstance(tp, int) or tp < 1:
         raise MxcError(f"--tp {tp}: expected a positive integer")
-    if max_batch < 1 or max_seq_len < 1:
+    if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in (max_batch, max_seq_len)):
         raise MxcError(f"--max-batch {max_batch} / --max-seq-len {max_seq_len}: expected positive integers")
     if prefill_graphs is None:
         prefill_graphs = PREFILL_GRAPH_TOKENS if target == "cuda" else 0

@@ -348,3 +348,11 @@ def test_disk_full_while_writing_is_one_line_and_leaves_nothing(tmp_path, monkey
     after = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     assert after == before
     assert not list(tmp_path.glob(".*.building-*"))
+
+
+@pytest.mark.parametrize("kw", [dict(max_seq_len="512"), dict(max_batch=True), dict(max_batch=0), dict(max_seq_len=1.5)])
+def test_cache_sizes_from_python_are_positive_integers(kw, tmp_path):
+    """mxc.build's max_batch and max_seq_len, as the CLI's flags: a string or float used to end in a TypeError
+    deep in the build."""
+    with pytest.raises(MxcError, match=r"--max-batch .* / --max-seq-len .*: expected positive integers"):
+        mxc.build("llama.yaml", out=tmp_path / "art", progress=False, log=lambda m: None, **kw)
