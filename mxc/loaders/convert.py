@@ -169,13 +169,6 @@ def rank_tensor(full: torch.Tensor, w: Weight, tp: int, rank: int) -> torch.Tens
     return (interleave_rows(local, w.interleave) if w.interleave else local).contiguous()
 
 
-def _as_fp8(tensor: torch.Tensor, w: Weight, where) -> torch.Tensor:
-    if tensor.dtype != torch.float8_e4m3fn:
-        raise MxcError(f"{where}: {w.hf[0]} is {tensor.dtype}, but config.json's quantization_config says the "
-                       f"checkpoint holds float8_e4m3fn weights")
-    return tensor
-
-
 def _checkpoint_scales(w: Weight, scale_w: Weight, ckpt) -> torch.Tensor:
     """The checkpoint's scales of ``w``'s parts, in the layout quantize_fp8 would have made (an expert stack's
     experts one after another: [E, rows])."""
@@ -213,9 +206,15 @@ def _part_scales(w: Weight, names: tuple[str, ...], shape: tuple[int, ...], ckpt
 
 def _check_stored_dtypes(w: Weight, ckpt) -> None:
     """Every checkpoint tensor of ``w`` (each part of a merged weight, each expert of a stack) holds floating-point
-    values, and fp8 ones only where ``w`` imports them with their scales: a cast would make anything else wrong."""
+    values, and fp8 ones only where ``w`` imports them with their scales, where every part must be e4m3 (one part
+    in another dtype used to fail in torch.cat, or for an expert stack be cast silently): a cast would make anything
+    else wrong."""
+    prequantized = w.quant is not None and w.quant.prequantized
     for hf, _ in parts_of(w):
         stored = ckpt.dtype(hf)
+        if prequantized and stored != torch.float8_e4m3fn:
+            raise MxcError(f"{ckpt.directory}: {hf} is stored as {stored}, but config.json's quantization_config "
+                           f"says the checkpoint holds float8_e4m3fn weights (weight {w.name})")
         if stored in (torch.float8_e4m3fn, torch.float8_e5m2) and (w.quant is None or not w.quant.prequantized):
             raise MxcError(f"{ckpt.directory}: {hf} is stored as {stored}, but mxc does not import "
                            f"it as fp8 (weight {w.name}); casting without its scales would be wrong")
@@ -260,7 +259,7 @@ def write_weights(graph: Graph, ckpt, paths: list[Path], metadata: dict[str, str
             outputs = [(w, tensor.to(DTYPES[w.dtype]))]
             if w.quant is not None and w.quant.prequantized:
                 scale_w = scales[f"{w.name}_scale"]
-                outputs = [(w, _as_fp8(tensor, w, ckpt.directory)), (scale_w, _checkpoint_scales(w, scale_w, ckpt))]
+                outputs = [(w, tensor), (scale_w, _checkpoint_scales(w, scale_w, ckpt))]
             elif w.quant is not None:
                 q, scale = quantize_fp8(tensor, w.quant.granularity, w.segments)
                 outputs = [(w, q), (scales[f"{w.name}_scale"], scale)]

@@ -10,6 +10,7 @@ same granularity.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -330,3 +331,23 @@ def test_fp8_checkpoints_mixed_within_a_weight_are_refused(keep, needle, hf_chec
     with pytest.raises(mxc.MxcError, match=needle) as e:
         mxc.build(str(tmp_path / "fp8-ckpt"), out=tmp_path / "a", progress=False, log=lambda m: None)
     assert "\n" not in str(e.value) and "--quant fp8" in str(e.value) and not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("arch,name,dtype", [
+    ("LlamaForCausalLM", "model.layers.1.self_attn.k_proj.weight", torch.float16),  # a merged part, not the first
+    ("LlamaForCausalLM", "model.layers.0.self_attn.q_proj.weight", torch.float8_e5m2),
+    ("Qwen3MoeForCausalLM", "model.layers.1.mlp.experts.3.up_proj.weight", torch.bfloat16),  # an expert stack's part
+], ids=["merged-part", "e5m2", "expert"])
+def test_an_fp8_checkpoint_part_in_another_dtype_is_named(arch, name, dtype, hf_checkpoint, tmp_path):
+    """A weight of a declared-fp8 checkpoint whose scale is there but whose values are not e4m3: the build names the
+    tensor. It used to fail in torch.cat (a merged part) or, for an expert stack, cast the values into e4m3 as if
+    they were its codes."""
+    qconfig, granularity, suffix = FORMATS["compressed-tensors-channel"]
+    ckpt, _ = hf_checkpoint(arch, **(MOE if "Moe" in arch else SHAPE))
+    fp8 = _prequantize(ckpt, tmp_path / "fp8-ckpt", qconfig, granularity, suffix)
+    fp8[name] = fp8[name].float().to(dtype)
+    save_file(fp8, tmp_path / "fp8-ckpt" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(mxc.MxcError, match=rf"{re.escape(name)} is stored as {dtype}, but config.json's "
+                                           r"quantization_config says the checkpoint holds float8_e4m3fn") as e:
+        mxc.build(str(tmp_path / "fp8-ckpt"), out=tmp_path / "a", progress=False, log=lambda m: None)
+    assert "\n" not in str(e.value) and not (tmp_path / "a").exists()
