@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements of docs/perf.md, in parts that each fit one 10-minute device call.
 # Usage (repository root, on the GPU machine): bash bench/gpu_session.sh PART
-#   tests   pytest tests/gpu (the TP test runs where there are two GPUs): 420 s on one H200 (2026-12-04), so a call
+#   tests   pytest tests/gpu (the TP test runs where there are two GPUs): 400-430 s on one H200 (2026-12-04), so a call
 #           of its own. Carry build/cutlass and build/mlp_pair, built here (python -c "from mxc.kernels import
 #           cutlass_fp8 as c, mlp_pair_fp8 as m; c.build_library('build/cutlass/cutlass_fp8.so');
 #           m.library('build/mlp_pair/mlp_pair_fp8.so')"): without the CUTLASS library its 35 tests skip (the GPU
