@@ -217,9 +217,34 @@ def _check_eos(src: Source) -> None:
                        f"a list of token ids")
 
 
+RUNTIME_INPUTS = ("tokens", "positions", "logit_rows")  # what the runtime passes the forward program, in order
+
+
+def _check_runtime_contract(graph: Graph, types: dict) -> None:
+    """The graph takes what the runtime gives and returns what it reads: int64 ``tokens [T]``, ``positions [T]``
+    and ``logit_rows [R]``, in that order, and one output, the logits ``[R, vocab]`` of the rows asked for."""
+    got = ", ".join(f"{name} [{_dims(t.shape)}] {t.dtype}" for name, t in graph.inputs.items())
+    shapes = [graph.inputs[n].shape for n in RUNTIME_INPUTS if n in graph.inputs]
+    if tuple(graph.inputs) != RUNTIME_INPUTS or any(t.dtype != "int64" for t in graph.inputs.values()) \
+            or any(len(s) != 1 for s in shapes) or shapes[0] != shapes[1] or shapes[0] == shapes[2]:
+        raise MxcError(f"{graph.source}: inputs: expected, in this order, tokens [T] int64, positions [T] int64, "
+                       f"logit_rows [R] int64; got {got}")
+    rows = graph.inputs["logit_rows"].shape[0]
+    out = types[graph.outputs[0]] if len(graph.outputs) == 1 else None
+    if out is None or len(out.shape) != 2 or out.shape[0] != rows:
+        raise MxcError(f"{graph.source}: outputs: expected one value, the logits [{rows}, vocab] of the logit_rows "
+                       f"(gather_rows before the LM head); got "
+                       f"{', '.join(f'{o} [{_dims(types[o].shape)}]' for o in graph.outputs)}")
+
+
+def _dims(shape) -> str:
+    return ", ".join(map(str, shape))
+
+
 def _runtime_info(graph: Graph, config: dict) -> dict:
     """What the runtime needs without reading the IR: KV cache geometry, vocabulary, stop tokens."""
     types = verify(graph)
+    _check_runtime_contract(graph, types)
     layers, kv = 0, None
     for node, rep in graph.nodes():
         if node.op == "attention":  # unfused: k is [T, kv_heads, head_dim]
@@ -228,9 +253,12 @@ def _runtime_info(graph: Graph, config: dict) -> dict:
         elif node.op == "qkv_rope_cache":
             layers += rep.count if rep else 1
             kv = (node.attrs["kv_heads"], node.attrs["head_dim"])
+    if kv is None:
+        raise MxcError(f"{graph.source}: the graph has no attention over the KV cache (the runtime decodes with one)")
     reps = graph.repeats()
     if len(reps) > 1:
-        raise NotImplementedError("the runtime's weight layout supports one repeated block")
+        raise MxcError(f"{graph.source}: {len(reps)} repeat blocks ({', '.join(r.loc for r in reps)}); the runtime's "
+                       f"weight layout supports one")
     prefix = None
     if reps:
         local, w = next(iter(reps[0].weights.items()))

@@ -138,9 +138,28 @@ class _Binder:
             outputs.append(scope[o])
         ignore = [str(x) for x in d.get("ignore", [])]
         ignore += [self.tied_hf[w] for w in self.aliases]
+        self.check_used(body, outputs)
         return Graph(family=str(d["family"]), dtype=self.dtype, config=self.params, inputs=inputs,
                      weights=weights, body=tuple(body), outputs=tuple(outputs), ignore=tuple(ignore),
                      source=self.path.name, tied=tuple(self.ties))
+
+    def check_used(self, body, outputs) -> None:
+        """Every statement's result is read by a later statement, carried to the next layer or an output: one
+        that is not is a mistake (a misspelt name below it), which the compiler would otherwise drop silently,
+        and with it, say, the attention and its KV cache."""
+        used = set(outputs)
+        for item in body:
+            for n in (item.body if isinstance(item, Repeat) else (item,)):
+                used.update(i for i in n.ins if i is not None)
+            if isinstance(item, Repeat):
+                used.update(item.carry.values())
+        for item in body:
+            for n in (item.body if isinstance(item, Repeat) else (item,)):
+                if not used.intersection(n.outs):
+                    line = int(n.loc.rpartition(":")[2] or 0)
+                    raise self.err(line, "graph", f"{n.op} computes {', '.join(n.outs)}, which nothing below reads "
+                                   f"(not an input of a later statement, a value carried to the next layer or an "
+                                   f"output)")
 
     def resolve_params(self, spec) -> dict:
         if not isinstance(spec, dict):

@@ -356,3 +356,50 @@ def test_cache_sizes_from_python_are_positive_integers(kw, tmp_path):
     deep in the build."""
     with pytest.raises(MxcError, match=r"--max-batch .* / --max-seq-len .*: expected positive integers"):
         mxc.build("llama.yaml", out=tmp_path / "art", progress=False, log=lambda m: None, **kw)
+
+
+def _build_edited(tmp_path, old: str, new: str):
+    from mxc.models.registry import MODELS_DIR
+
+    text = (MODELS_DIR / "llama.yaml").read_text()
+    assert text.count(old) == 1, old
+    (tmp_path / "edited.yaml").write_text(text.replace(old, new))
+    config = json.loads((MODELS_DIR / "configs" / "tiny-llama.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return mxc.build(str(tmp_path / "edited.yaml"), config=str(tmp_path / "config.json"), out=tmp_path / "art",
+                     progress=False, log=lambda m: None)
+
+
+@pytest.mark.parametrize("old,new,needle", [
+    ("  - x = gather_rows(x, logit_rows)                      # [R, hidden]\n", "",
+     r"edited\.yaml: outputs: expected one value, the logits \[R, vocab\] of the logit_rows .*; got logits \[T, 256\]"),
+    ("  tokens: {shape: [T], dtype: int64}       # all sequences' tokens, flattened\n"
+     "  positions: {shape: [T], dtype: int64}\n",
+     "  positions: {shape: [T], dtype: int64}\n  tokens: {shape: [T], dtype: int64}\n",
+     r"edited\.yaml: inputs: expected, in this order, tokens \[T\] int64, positions \[T\] int64, logit_rows \[R\] "
+     r"int64; got positions \[T\] int64, tokens \[T\] int64, logit_rows \[R\] int64$"),
+], ids=["no-gather", "inputs-swapped"])
+def test_a_graph_off_the_runtime_contract_is_refused(old, new, needle, tmp_path):
+    """The runtime passes tokens, positions and logit_rows in that order and reads logits [R, vocab]: a model file
+    that differs used to build and then fail (or, with the inputs swapped, run wrong) at generate time."""
+    with pytest.raises(MxcError, match=needle) as e:
+        _build_edited(tmp_path, old, new)
+    assert "\n" not in str(e.value) and not (tmp_path / "art").exists()
+
+
+def test_two_repeat_blocks_are_refused_in_one_line(tmp_path):
+    """A second repeated block (dense layers, then others) is not something the runtime's weight layout serves yet:
+    a one-line error, where it was a NotImplementedError."""
+    from mxc.models.registry import MODELS_DIR
+
+    lines = (MODELS_DIR / "llama.yaml").read_text().splitlines(keepends=True)
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("  - repeat:"))
+    end = next(i for i, ln in enumerate(lines) if i > start and ln.startswith("  - ") and "repeat" not in ln
+               and not ln.startswith("      "))
+    block = "".join(lines[start:end])
+    second = block.replace('name: "layers.{i}."', 'name: "extra.{i}."').replace(
+        'hf_prefix: "model.layers.{i}."', 'hf_prefix: "model.extra.{i}."')
+    old = "".join(lines[start:end])
+    with pytest.raises(MxcError, match=r"edited\.yaml: 2 repeat blocks \(edited\.yaml:\d+, edited\.yaml:\d+\); the "
+                                       r"runtime's weight layout supports one"):
+        _build_edited(tmp_path, old, old + second)

@@ -252,3 +252,10 @@ def test_arithmetic_errors_in_expressions(bind_bad, expr, needle):
     """Arithmetic an expression cannot finish (or would take hours: 10 ** 10 ** 10) is a file:line error."""
     msg, line = bind_bad("  mlp_bias: {default: false}", f"  mlp_bias: {{default: '{expr}'}}")
     assert where(line, "params.mlp_bias.default") + needle in msg
+
+
+def test_a_statement_whose_result_nothing_reads(bind_bad):
+    """The layer's attention output renamed: before, the compiler dropped the attention (dead code) and the build
+    wrote an artifact with no KV cache, which failed at load."""
+    msg, line = bind_bad("  - x = add(x, linear(flatten_heads(a), wo, bo))", "  - y = add(x, linear(flatten_heads(a), wo, bo))")
+    assert where(line, "graph") + "add computes y, which nothing below reads" in msg
