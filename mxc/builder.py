@@ -223,7 +223,7 @@ RUNTIME_INPUTS = ("tokens", "positions", "logit_rows")  # what the runtime passe
 def _check_runtime_contract(graph: Graph, types: dict) -> None:
     """The graph takes what the runtime gives and returns what it reads: int64 ``tokens [T]``, ``positions [T]``
     and ``logit_rows [R]``, in that order, and one output, the logits ``[R, vocab]`` of the rows asked for."""
-    got = ", ".join(f"{name} [{_dims(t.shape)}] {t.dtype}" for name, t in graph.inputs.items())
+    got = ", ".join(f"{name} {t}" for name, t in graph.inputs.items())
     shapes = [graph.inputs[n].shape for n in RUNTIME_INPUTS if n in graph.inputs]
     if tuple(graph.inputs) != RUNTIME_INPUTS or any(t.dtype != "int64" for t in graph.inputs.values()) \
             or any(len(s) != 1 for s in shapes) or shapes[0] != shapes[1] or shapes[0] == shapes[2]:
@@ -234,11 +234,7 @@ def _check_runtime_contract(graph: Graph, types: dict) -> None:
     if out is None or len(out.shape) != 2 or out.shape[0] != rows:
         raise MxcError(f"{graph.source}: outputs: expected one value, the logits [{rows}, vocab] of the logit_rows "
                        f"(gather_rows before the LM head); got "
-                       f"{', '.join(f'{o} [{_dims(types[o].shape)}]' for o in graph.outputs)}")
-
-
-def _dims(shape) -> str:
-    return ", ".join(map(str, shape))
+                       f"{', '.join(f'{o} {types[o]}' for o in graph.outputs)}")
 
 
 def _runtime_info(graph: Graph, config: dict) -> dict:

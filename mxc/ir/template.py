@@ -138,28 +138,23 @@ class _Binder:
             outputs.append(scope[o])
         ignore = [str(x) for x in d.get("ignore", [])]
         ignore += [self.tied_hf[w] for w in self.aliases]
-        self.check_used(body, outputs)
-        return Graph(family=str(d["family"]), dtype=self.dtype, config=self.params, inputs=inputs,
-                     weights=weights, body=tuple(body), outputs=tuple(outputs), ignore=tuple(ignore),
-                     source=self.path.name, tied=tuple(self.ties))
+        graph = Graph(family=str(d["family"]), dtype=self.dtype, config=self.params, inputs=inputs,
+                      weights=weights, body=tuple(body), outputs=tuple(outputs), ignore=tuple(ignore),
+                      source=self.path.name, tied=tuple(self.ties))
+        self.check_used(graph)
+        return graph
 
-    def check_used(self, body, outputs) -> None:
+    def check_used(self, graph: Graph) -> None:
         """Every statement's result is read by a later statement, carried to the next layer or an output: one
         that is not is a mistake (a misspelt name below it), which the compiler would otherwise drop silently,
         and with it, say, the attention and its KV cache."""
-        used = set(outputs)
-        for item in body:
-            for n in (item.body if isinstance(item, Repeat) else (item,)):
-                used.update(i for i in n.ins if i is not None)
-            if isinstance(item, Repeat):
-                used.update(item.carry.values())
-        for item in body:
-            for n in (item.body if isinstance(item, Repeat) else (item,)):
-                if not used.intersection(n.outs):
-                    line = int(n.loc.rpartition(":")[2] or 0)
-                    raise self.err(line, "graph", f"{n.op} computes {', '.join(n.outs)}, which nothing below reads "
-                                   f"(not an input of a later statement, a value carried to the next layer or an "
-                                   f"output)")
+        used = set(graph.outputs).union(*(r.carry.values() for r in graph.repeats()))
+        used.update(i for n, _ in graph.nodes() for i in n.ins if i is not None)
+        for n, _ in graph.nodes():
+            if not used.intersection(n.outs):
+                raise self.err(int(n.loc.rpartition(":")[2] or 0), "graph",
+                               f"{n.op} computes {', '.join(n.outs)}, which nothing below reads (not an input of a "
+                               f"later statement, a value carried to the next layer or an output)")
 
     def resolve_params(self, spec) -> dict:
         if not isinstance(spec, dict):
