@@ -1,8 +1,9 @@
 """``mxc build``: model definition + checkpoint -> artifact directory.
 
-Resolves the source (a bundled definition name, a YAML path, or an HF
-checkpoint directory whose config.json picks the definition), binds the graph,
-runs the compiler pipeline, renders the forward program, converts the weights
+Takes the source ``mxc.source`` resolves (a bundled definition name, a YAML path,
+or an HF checkpoint directory whose config.json picks the definition), checks
+the build's inputs and its output directory, binds the graph, runs the compiler
+pipeline, renders the forward program, converts the weights
 and writes the manifest. Everything is written into a temporary sibling
 directory that replaces ``out`` only at the end: a failed or killed build
 leaves the previous artifact intact, or nothing.
@@ -19,7 +20,7 @@ import shutil
 import sys
 import time
 import types
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import mxc
@@ -32,151 +33,18 @@ from mxc.ir import Graph, dump_graph, verify
 from mxc.loaders.checkpoint import open_checkpoint
 from mxc.loaders.convert import weight_bytes, write_weights
 from mxc.loaders.dummy import DummyCheckpoint
-from mxc.loaders.prequantized import unquantized_linears
-from mxc.models import MODELS_DIR, Entry, architecture_of, bind_model, lookup
-from mxc.ir.template import read_model_file
+from mxc.loaders.prequantized import checkpoint_quantization, unquantized_linears
+from mxc.models import bind_model
 from mxc.runtime_buckets import PREFILL_GRAPH_TOKENS
+from mxc.source import Source, check_eos, eos_ids, resolve_source
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "generation_config.json")
 
 
-@dataclass(frozen=True)
-class Source:
-    model_file: Path
-    config: dict
-    config_path: str
-    checkpoint: Path | None
-    entry: Entry | None
-
-
-def _read_config(path: Path) -> dict:
-    try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError:
-        why = "a checkpoint directory needs its config.json" if path.name == "config.json" else "check the --config path"
-        raise MxcError(f"{path}: not found; {why}") from None
-    except OSError as e:  # a directory, no permission
-        raise MxcError(f"{path}: cannot read it as a config.json ({e.strerror})") from None
-    except json.JSONDecodeError as e:
-        raise MxcError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
-    except UnicodeDecodeError as e:
-        raise MxcError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    if not isinstance(config, dict):
-        raise MxcError(f"{path}: expected a JSON object")
-    return config
-
-
-def _is_bundled(src: Path) -> bool:
-    """A bundled definition: its bare name (``llama.yaml``), or a path to the file itself (``mxc/models/llama.yaml``
-    in a checkout), which takes the registry's settings for the checkpoint's architecture as the name does."""
-    if src.exists():
-        return src.is_file() and src.resolve().parent == MODELS_DIR.resolve()
-    return src.name == str(src) and (MODELS_DIR / src.with_suffix(".yaml").name).exists()
-
-
-def resolve_source(source: str, checkpoint: str | None, config: str | None = None) -> Source:
-    """Work out the model file, config and checkpoint from the command line.
-
-    ``config`` (a config.json path, no checkpoint) builds that configuration
-    with deterministic random weights: benchmarks at real shapes without a download.
-    """
-    if config is not None and checkpoint is not None:
-        raise MxcError("--config is for random weights; a --checkpoint brings its own config.json")
-    src = Path(source)
-    if src.is_dir():
-        if checkpoint is not None:
-            raise MxcError(f"{source} is a checkpoint directory; do not also pass --checkpoint")
-        checkpoint, src = source, None
-    ckpt = Path(checkpoint) if checkpoint else None
-    if ckpt is not None and not ckpt.is_dir():
-        raise MxcError(f"--checkpoint {checkpoint}: not a directory")
-
-    bundled = src is not None and _is_bundled(src)
-    if src is not None and not src.exists() and not bundled:
-        from mxc.models import model_files
-        raise MxcError(f"{source}: no such file, and not a bundled definition ({', '.join(model_files())})")
-
-    if ckpt is not None:
-        config_path = ckpt / "config.json"
-        config = _read_config(config_path)
-        arch = architecture_of(config, str(config_path))
-        if src is None or bundled:
-            entry = lookup(arch, str(config_path))
-            if bundled and entry.model != src.with_suffix(".yaml").name:
-                raise MxcError(f"{config_path}: architecture {arch} is served by {entry.model}, not {src.name}")
-            return Source(entry.path, config, str(config_path), ckpt, entry)
-        return Source(src, config, str(config_path), ckpt, None)  # a user's own definition: no registry settings
-
-    model_file = MODELS_DIR / src.with_suffix(".yaml").name if bundled else src
-    if config is not None:
-        config_path = Path(config)
-    else:
-        tiny = read_model_file(model_file).get("tiny_config")
-        if tiny is None:
-            raise MxcError(f"{model_file}: no --checkpoint given and the definition names no tiny_config")
-        config_path = model_file.parent / str(tiny)
-    config = _read_config(config_path)
-    entry = lookup(architecture_of(config, str(config_path)), str(config_path)) if bundled else None
-    return Source(model_file, config, str(config_path), None, entry)
-
-
 def _tensor_names(directory) -> list[str]:
     with open_checkpoint(directory) as ckpt:
         return ckpt.names()
-
-
-def checkpoint_quantization(config: dict, config_path: str, names=None) -> tuple[str, str] | None:
-    """(granularity, scale-tensor suffix) when config.json says the weights are already fp8, else None.
-
-    ``names``: a callable giving the checkpoint's tensor names, asked only where the config leaves the format open
-    (quant_method fp8 with no weight_block_size: transformers' 128x128 blocks with ``weight_scale_inv``, or the
-    per-tensor ``weight_scale`` of AutoFP8 checkpoints, as vLLM reads them)."""
-    qc = config.get("quantization_config")
-    if not qc:
-        return None
-    if not isinstance(qc, dict):
-        raise MxcError(f"{config_path}: quantization_config must be a JSON object, got {type(qc).__name__}")
-    method = qc.get("quant_method")
-    if method == "fp8":  # transformers' fine-grained fp8: weight + weight_scale_inv per 128x128 block
-        block = qc.get("weight_block_size", "absent")
-        if block not in ("absent", None, [128, 128]):
-            raise MxcError(f"{config_path}: quantization_config.weight_block_size {block} is not supported "
-                           f"(expected [128, 128], or null for one scale a tensor)")
-        if block == [128, 128]:
-            return "block128", "weight_scale_inv"
-        suffixes = {n.rpartition(".")[2] for n in names()} if names is not None else set()
-        if "weight_scale" in suffixes and "weight_scale_inv" not in suffixes:  # AutoFP8: one scale a tensor
-            return "tensor", "weight_scale"
-        # absent: transformers' default, (128, 128) (FineGrainedFP8Config); null: per tensor
-        return ("block128" if block == "absent" else "tensor"), "weight_scale_inv"
-    if method == "compressed-tensors":
-        groups = qc.get("config_groups") or {}
-        groups = list(groups.values()) if isinstance(groups, dict) else None
-        if groups is None or not all(isinstance(g, dict) and isinstance(g.get("weights", {}), dict) for g in groups):
-            raise MxcError(f"{config_path}: quantization_config.config_groups must map group names to objects "
-                           f"with a 'weights' object")
-        schemes = [g.get("weights", {}) for g in groups] or [{}]
-        for weights in schemes:
-            if weights.get("type") != "float" or weights.get("num_bits") != 8:
-                raise MxcError(f"{config_path}: compressed-tensors scheme {weights} is not fp8; only fp8 is supported")
-        strategies = sorted({str(w.get("strategy")) for w in schemes})
-        if len(strategies) > 1:  # one granularity a build: each group's layers would need their own
-            raise MxcError(f"{config_path}: quantization_config.config_groups mix the fp8 strategies {strategies}; "
-                           f"mxc imports checkpoints whose groups share one strategy (channel or tensor)")
-        strategy = schemes[0].get("strategy")
-        if strategy == "block":  # llm-compressor's FP8_BLOCK: one scale a block_structure tile
-            blocks = sorted({str(w.get("block_structure")) for w in schemes})
-            if blocks != ["[128, 128]"]:
-                raise MxcError(f"{config_path}: compressed-tensors fp8 block_structure {', '.join(blocks)} is not "
-                               f"supported (expected [128, 128])")
-            return "block128", "weight_scale"
-        if strategy not in ("channel", "tensor"):
-            raise MxcError(f"{config_path}: compressed-tensors fp8 strategy {strategy!r} is not supported "
-                           f"(channel, tensor, or block with block_structure [128, 128])")
-        return strategy, "weight_scale"
-    raise MxcError(f"{config_path}: quantization_config.quant_method {method!r} is not supported (fp8, "
-                   f"compressed-tensors fp8)")
 
 
 def _check_writable(path: Path, flag: str) -> None:
@@ -203,18 +71,6 @@ def _check_space(out: Path, need: int) -> None:
     if usage.total and need > free:  # a filesystem reporting no size at all (some pseudo mounts) is not judged
         raise MxcError(f"--out {out}: the artifact's weights take {size_text(need)} and {base} has {size_text(free)} "
                        f"free; free some space or choose another --out")
-
-
-def _eos_ids(config: dict) -> list:
-    """config.json's eos_token_id (one id, a list or absent) as a list."""
-    eos = config.get("eos_token_id")
-    return eos if isinstance(eos, list) else ([eos] if eos is not None else [])
-
-
-def _check_eos(src: Source) -> None:
-    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in _eos_ids(src.config)):
-        raise MxcError(f"{src.config_path}: eos_token_id {src.config.get('eos_token_id')!r}: expected a token id or "
-                       f"a list of token ids")
 
 
 RUNTIME_INPUTS = ("tokens", "positions", "logit_rows")  # what the runtime passes the forward program, in order
@@ -264,7 +120,7 @@ def _runtime_info(graph: Graph, config: dict) -> dict:
             "layers": {"count": reps[0].count, "index": reps[0].index, "prefix": prefix} if reps else None,
             "kv_cache": {"layers": layers, "kv_heads": kv[0], "head_dim": kv[1]} if kv else None,
             "max_position_embeddings": config.get("max_position_embeddings"),
-            "eos_token_id": _eos_ids(config)}  # checked by _check_eos
+            "eos_token_id": eos_ids(config)}  # checked by check_eos
 
 
 def _kernel_table(graph: Graph) -> list[dict]:
@@ -382,7 +238,7 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     _check_writable(out, "--out")
     if dump_ir:
         _check_writable(Path(dump_ir), "--dump-ir")
-    _check_eos(src)
+    check_eos(src)
 
     mpe = src.config.get("max_position_embeddings")
     if isinstance(mpe, int) and not isinstance(mpe, bool) and max_seq_len > mpe:

@@ -6,6 +6,8 @@ and module paths; the tensors themselves say it plainly: a weight quantized to f
 ``unquantized_linears`` reads that for every linear weight (and expert stack) of a bound graph's layers, so the
 ``quantize`` pass imports the fp8 ones as they are and leaves the rest as the checkpoint holds them, as vLLM does.
 A weight must be one or the other in every layer and every expert: the layers share one definition.
+``checkpoint_quantization`` reads config.json's ``quantization_config``: whether the checkpoint is fp8 at all,
+with which scale granularity and scale-tensor names.
 """
 
 from __future__ import annotations
@@ -38,3 +40,56 @@ def unquantized_linears(graph: Graph, names, suffix: str, where) -> tuple[str, .
                                    f"definition); build from the bf16 checkpoint with --quant fp8")
                 keep.append(template)
     return tuple(sorted(keep))
+
+
+def checkpoint_quantization(config: dict, config_path: str, names=None) -> tuple[str, str] | None:
+    """(granularity, scale-tensor suffix) when config.json says the weights are already fp8, else None.
+
+    ``names``: a callable giving the checkpoint's tensor names, asked only where the config leaves the format open
+    (quant_method fp8 with no weight_block_size: transformers' 128x128 blocks with ``weight_scale_inv``, or the
+    per-tensor ``weight_scale`` of AutoFP8 checkpoints, as vLLM reads them)."""
+    qc = config.get("quantization_config")
+    if not qc:
+        return None
+    if not isinstance(qc, dict):
+        raise MxcError(f"{config_path}: quantization_config must be a JSON object, got {type(qc).__name__}")
+    method = qc.get("quant_method")
+    if method == "fp8":  # transformers' fine-grained fp8: weight + weight_scale_inv per 128x128 block
+        block = qc.get("weight_block_size", "absent")
+        if block not in ("absent", None, [128, 128]):
+            raise MxcError(f"{config_path}: quantization_config.weight_block_size {block} is not supported "
+                           f"(expected [128, 128], or null for one scale a tensor)")
+        if block == [128, 128]:
+            return "block128", "weight_scale_inv"
+        suffixes = {n.rpartition(".")[2] for n in names()} if names is not None else set()
+        if "weight_scale" in suffixes and "weight_scale_inv" not in suffixes:  # AutoFP8: one scale a tensor
+            return "tensor", "weight_scale"
+        # absent: transformers' default, (128, 128) (FineGrainedFP8Config); null: per tensor
+        return ("block128" if block == "absent" else "tensor"), "weight_scale_inv"
+    if method == "compressed-tensors":
+        groups = qc.get("config_groups") or {}
+        groups = list(groups.values()) if isinstance(groups, dict) else None
+        if groups is None or not all(isinstance(g, dict) and isinstance(g.get("weights", {}), dict) for g in groups):
+            raise MxcError(f"{config_path}: quantization_config.config_groups must map group names to objects "
+                           f"with a 'weights' object")
+        schemes = [g.get("weights", {}) for g in groups] or [{}]
+        for weights in schemes:
+            if weights.get("type") != "float" or weights.get("num_bits") != 8:
+                raise MxcError(f"{config_path}: compressed-tensors scheme {weights} is not fp8; only fp8 is supported")
+        strategies = sorted({str(w.get("strategy")) for w in schemes})
+        if len(strategies) > 1:  # one granularity a build: each group's layers would need their own
+            raise MxcError(f"{config_path}: quantization_config.config_groups mix the fp8 strategies {strategies}; "
+                           f"mxc imports checkpoints whose groups share one strategy (channel or tensor)")
+        strategy = schemes[0].get("strategy")
+        if strategy == "block":  # llm-compressor's FP8_BLOCK: one scale a block_structure tile
+            blocks = sorted({str(w.get("block_structure")) for w in schemes})
+            if blocks != ["[128, 128]"]:
+                raise MxcError(f"{config_path}: compressed-tensors fp8 block_structure {', '.join(blocks)} is not "
+                               f"supported (expected [128, 128])")
+            return "block128", "weight_scale"
+        if strategy not in ("channel", "tensor"):
+            raise MxcError(f"{config_path}: compressed-tensors fp8 strategy {strategy!r} is not supported "
+                           f"(channel, tensor, or block with block_structure [128, 128])")
+        return strategy, "weight_scale"
+    raise MxcError(f"{config_path}: quantization_config.quant_method {method!r} is not supported (fp8, "
+                   f"compressed-tensors fp8)")

@@ -175,10 +175,10 @@ def test_bundled_definition_for_another_arch(ckpt, tmp_path, monkeypatch):
     both. Only llama.yaml is bundled today, so the registry is made to send Llama to another file."""
     from dataclasses import replace
 
-    from mxc import builder
+    from mxc import source
 
-    real = builder.lookup
-    monkeypatch.setattr(builder, "lookup", lambda arch, where="config.json": replace(real(arch, where), model="gpt.yaml"))
+    real = source.lookup
+    monkeypatch.setattr(source, "lookup", lambda arch, where="config.json": replace(real(arch, where), model="gpt.yaml"))
     with pytest.raises(MxcError, match=r"config\.json: architecture LlamaForCausalLM is served by gpt\.yaml, "
                                         r"not llama\.yaml") as e:
         _build("llama.yaml", tmp_path / "art", checkpoint=str(ckpt))

@@ -1,0 +1,109 @@
+"""What a build's command line names: the model file, its config.json and the checkpoint.
+
+``resolve_source`` turns ``mxc build SOURCE [--checkpoint DIR | --config FILE]`` into a ``Source``: a bundled
+definition (by name or by its path), a user's own YAML, or a checkpoint directory whose config.json picks the
+definition through the registry; with no checkpoint, the definition's tiny config or ``--config`` with random
+weights. Bad paths and unreadable configs are one-line errors naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from mxc.errors import MxcError
+from mxc.ir.template import read_model_file
+from mxc.models import MODELS_DIR, Entry, architecture_of, lookup
+
+
+@dataclass(frozen=True)
+class Source:
+    model_file: Path
+    config: dict
+    config_path: str
+    checkpoint: Path | None
+    entry: Entry | None
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        why = "a checkpoint directory needs its config.json" if path.name == "config.json" else "check the --config path"
+        raise MxcError(f"{path}: not found; {why}") from None
+    except OSError as e:  # a directory, no permission
+        raise MxcError(f"{path}: cannot read it as a config.json ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise MxcError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+    except UnicodeDecodeError as e:
+        raise MxcError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if not isinstance(config, dict):
+        raise MxcError(f"{path}: expected a JSON object")
+    return config
+
+
+def _is_bundled(src: Path) -> bool:
+    """A bundled definition: its bare name (``llama.yaml``), or a path to the file itself (``mxc/models/llama.yaml``
+    in a checkout), which takes the registry's settings for the checkpoint's architecture as the name does."""
+    if src.exists():
+        return src.is_file() and src.resolve().parent == MODELS_DIR.resolve()
+    return src.name == str(src) and (MODELS_DIR / src.with_suffix(".yaml").name).exists()
+
+
+def resolve_source(source: str, checkpoint: str | None, config: str | None = None) -> Source:
+    """Work out the model file, config and checkpoint from the command line.
+
+    ``config`` (a config.json path, no checkpoint) builds that configuration
+    with deterministic random weights: benchmarks at real shapes without a download.
+    """
+    if config is not None and checkpoint is not None:
+        raise MxcError("--config is for random weights; a --checkpoint brings its own config.json")
+    src = Path(source)
+    if src.is_dir():
+        if checkpoint is not None:
+            raise MxcError(f"{source} is a checkpoint directory; do not also pass --checkpoint")
+        checkpoint, src = source, None
+    ckpt = Path(checkpoint) if checkpoint else None
+    if ckpt is not None and not ckpt.is_dir():
+        raise MxcError(f"--checkpoint {checkpoint}: not a directory")
+
+    bundled = src is not None and _is_bundled(src)
+    if src is not None and not src.exists() and not bundled:
+        from mxc.models import model_files
+        raise MxcError(f"{source}: no such file, and not a bundled definition ({', '.join(model_files())})")
+
+    if ckpt is not None:
+        config_path = ckpt / "config.json"
+        config = _read_config(config_path)
+        arch = architecture_of(config, str(config_path))
+        if src is None or bundled:
+            entry = lookup(arch, str(config_path))
+            if bundled and entry.model != src.with_suffix(".yaml").name:
+                raise MxcError(f"{config_path}: architecture {arch} is served by {entry.model}, not {src.name}")
+            return Source(entry.path, config, str(config_path), ckpt, entry)
+        return Source(src, config, str(config_path), ckpt, None)  # a user's own definition: no registry settings
+
+    model_file = MODELS_DIR / src.with_suffix(".yaml").name if bundled else src
+    if config is not None:
+        config_path = Path(config)
+    else:
+        tiny = read_model_file(model_file).get("tiny_config")
+        if tiny is None:
+            raise MxcError(f"{model_file}: no --checkpoint given and the definition names no tiny_config")
+        config_path = model_file.parent / str(tiny)
+    config = _read_config(config_path)
+    entry = lookup(architecture_of(config, str(config_path)), str(config_path)) if bundled else None
+    return Source(model_file, config, str(config_path), None, entry)
+
+
+def eos_ids(config: dict) -> list:
+    """config.json's eos_token_id (one id, a list or absent) as a list."""
+    eos = config.get("eos_token_id")
+    return eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+
+
+def check_eos(src: Source) -> None:
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in eos_ids(src.config)):
+        raise MxcError(f"{src.config_path}: eos_token_id {src.config.get('eos_token_id')!r}: expected a token id or "
+                       f"a list of token ids")
