@@ -324,6 +324,31 @@ def test_too_little_disk_is_refused_before_the_build(tmp_path, monkeypatch):
     assert _build("llama.yaml", out) == out
 
 
+def test_the_disk_check_counts_every_ranks_weights(ckpt, tmp_path, monkeypatch):
+    """--tp 2 writes a weight file a rank: room for a little more than one of them is not enough."""
+    import shutil
+
+    from mxc import builder
+
+    ref = _build(str(ckpt), tmp_path / "ref", tp=2)
+    files = sorted((ref / "weights").glob("rank*.safetensors"))
+    assert len(files) == 2
+    need = sum(f.stat().st_size for f in files)
+    real = shutil.disk_usage
+    short = (need + files[0].stat().st_size) // 2
+    monkeypatch.setattr(builder.shutil, "disk_usage", lambda p: real(p)._replace(free=short))
+    with pytest.raises(MxcError, match="free some space"):
+        _build(str(ckpt), tmp_path / "o", tp=2)
+
+
+@pytest.mark.parametrize("mpe", [128, 8192])
+def test_default_max_seq_len_is_the_models_up_to_4096(mpe, hf_checkpoint, tmp_path):
+    """Without --max-seq-len the KV cache is sized for max_position_embeddings, at most 4096 rows."""
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM", max_position_embeddings=mpe)
+    art = _build(str(ckpt), tmp_path / "a")
+    assert json.loads((art / "manifest.json").read_text())["options"]["max_seq_len"] == min(4096, mpe)
+
+
 def test_disk_full_while_writing_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
     """ENOSPC from the weight writer (the disk filled by something else mid-build) becomes a one-line error
     naming --out; the half-written directory goes, and an artifact already at --out stays."""

@@ -78,6 +78,19 @@ def test_quantize_rows_rms_norm(dtype, block):
     torch.testing.assert_close(xq.cpu().float(), ref_q.float(), rtol=0.13, atol=0.0)
 
 
+@pytest.mark.parametrize("tiled", [False, True], ids=["rows-kernel", "tile-kernel"])
+def test_quantize_rms_norm_uses_the_models_eps(tiled):
+    """Both kernels' RMSNorm prologue adds the eps they are given (rms_norm_eps differs between models): at 1e-2,
+    against rows whose mean square is 1e-4 to 1, a kernel adding any other eps gets other scales."""
+    M, k, eps = 6, 200, 1e-2
+    x = torch.randn(M, k, generator=torch.Generator().manual_seed(11)) * torch.logspace(-2, 0, M)[:, None]
+    g = 1 + 0.1 * torch.randn(k, generator=torch.Generator().manual_seed(12))
+    ref_q, ref_s = fp8_ref.quantize_rows(torch_ref.rms_norm(x, g, eps))
+    xq, xs = tfq._prequantize(_dev(x), M, k, False, 256, _dev(g), eps, tiled=tiled)
+    torch.testing.assert_close(xs.cpu(), ref_s, rtol=1e-5, atol=0)
+    assert (xq.cpu().view(torch.uint8) != ref_q.view(torch.uint8)).float().mean() < 0.02
+
+
 def _bits(xq, xs):
     return xq.cpu().view(torch.uint8), xs.cpu().view(torch.int32)
 

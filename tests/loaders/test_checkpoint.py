@@ -218,3 +218,11 @@ def test_garbage_bin(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"garbage bytes")
     with pytest.raises(MxcError, match=r"pytorch_model\.bin: not a valid PyTorch checkpoint"):
         open_checkpoint(tmp_path)
+
+
+def test_a_tensor_in_two_unindexed_files_is_refused(tmp_path):
+    """Shards without an index that both hold a tensor: which copy is meant is unknown, so the build stops."""
+    save_file({"x": torch.zeros(2), "y": torch.ones(2)}, tmp_path / "a.safetensors")
+    save_file({"x": torch.ones(2)}, tmp_path / "b.safetensors")
+    with pytest.raises(MxcError, match="tensor 'x' also appears in"):
+        open_checkpoint(tmp_path)

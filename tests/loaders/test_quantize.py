@@ -58,3 +58,13 @@ def test_activation_quantization_per_token():
     xq, xs = quantize_rows(x)
     assert torch.equal(xs, x.abs().amax(1) / 448)
     assert float(((xq.float() * xs[:, None]) - x).norm() / x.norm()) < 0.04
+
+
+@pytest.mark.parametrize("granularity", ["channel", "tensor", "block128"])
+def test_tiny_weights_keep_their_amax_scales(granularity):
+    """Weights near 1e-7 (a layer scaled down, padding rows) still get amax / 448 scales, not the clamp's."""
+    w = torch.randn(128, 128, generator=torch.Generator().manual_seed(0)) * 1e-7
+    q, s = quantize_fp8(w, granularity)
+    first = w[0] if granularity == "channel" else (w[:128, :128] if granularity == "block128" else w)
+    assert s.flatten()[0] == first.abs().amax() / 448
+    assert float((dequantize_weight(q, s, granularity) - w).norm() / w.norm()) < 0.04

@@ -116,3 +116,19 @@ def test_tied_lm_head_is_not_quantized(hf_checkpoint, tmp_path):
     ckpt, _ = hf_checkpoint("Qwen2ForCausalLM", tie_word_embeddings=True)
     with pytest.raises(mxc.MxcError, match="tied to the embedding table"):
         mxc.build(str(ckpt), out=tmp_path / "a", quant="fp8", quant_lm_head=True, progress=False, log=lambda m: None)
+
+
+def test_tensor_scales_of_merged_weights_are_one_a_part(hf_checkpoint, tmp_path):
+    """--quant-granularity tensor over the merged qkv: q, k and v each keep their own tensor scale (amax / 448 of
+    the checkpoint's tensor), repeated over its rows, as three separate linears would have."""
+    from safetensors.torch import load_file
+
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM")
+    art = mxc.build(str(ckpt), out=tmp_path / "a", quant="fp8", quant_granularity="tensor", progress=False,
+                    log=lambda m: None)
+    hf = load_file(ckpt / "model.safetensors")
+    stored = load_file(art / "weights" / "rank0.safetensors")
+    parts = [hf[f"model.layers.0.self_attn.{n}_proj.weight"].float() for n in "qkv"]
+    want = torch.cat([(t.abs().amax() / torch.finfo(torch.float8_e4m3fn).max).expand(t.shape[0]) for t in parts])
+    assert len(set(want.tolist())) == 3  # the parts' scales differ, so one scale for all would fail
+    torch.testing.assert_close(stored["layers.0.wqkv_scale"], want, rtol=0, atol=0)

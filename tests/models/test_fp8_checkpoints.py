@@ -351,3 +351,26 @@ def test_an_fp8_checkpoint_part_in_another_dtype_is_named(arch, name, dtype, hf_
                                            r"quantization_config says the checkpoint holds float8_e4m3fn") as e:
         mxc.build(str(tmp_path / "fp8-ckpt"), out=tmp_path / "a", progress=False, log=lambda m: None)
     assert "\n" not in str(e.value) and not (tmp_path / "a").exists()
+
+
+def test_block_scales_of_merged_parts_off_the_block_grid_are_refused(hf_checkpoint, tmp_path):
+    """q of 384 rows (3 blocks) and k, v of 96 (1 block each) stack to 5 block rows, as 576 merged rows would:
+    the shapes agree, but k's and v's scales would cover rows of other parts. Refused, not built wrong."""
+    qconfig, granularity, suffix = FORMATS["hf-fp8-block"]
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM", hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                            num_key_value_heads=1, head_dim=96)
+    _prequantize(ckpt, tmp_path / "fp8", qconfig, granularity, suffix)
+    with pytest.raises(mxc.MxcError, match="not whole 128-row blocks"):
+        mxc.build(str(tmp_path / "fp8"), out=tmp_path / "o", progress=False, log=lambda m: None)
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_granularity_unlike_the_checkpoints_is_refused(hf_checkpoint, tmp_path):
+    """--quant-granularity cannot requantize an fp8 checkpoint: asking for another one than it has is an error."""
+    qconfig, granularity, suffix = FORMATS["hf-fp8-block"]
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM", **SHAPE)
+    _prequantize(ckpt, tmp_path / "fp8", qconfig, granularity, suffix)
+    with pytest.raises(mxc.MxcError, match=r"already fp8 \(block128 scales\); --quant-granularity tensor cannot "
+                                           r"change that"):
+        mxc.build(str(tmp_path / "fp8"), out=tmp_path / "o", quant_granularity="tensor", progress=False,
+                  log=lambda m: None)

@@ -35,6 +35,9 @@ CASES = {
     "llama3": ({"max_position_embeddings": 131072}, {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                     "original_max_position_embeddings": 8192}, 500000.0, "llama3"),
     "linear_partial": ({**M64, "partial_rotary_factor": 0.5}, {"factor": 2.0}, 10000.0, "linear"),
+    # yarn's ramp at its edges: its high end clamped to the last dim, and a ramp of zero width (low == high)
+    "yarn_ramp_clamped": (M16K, {"factor": 4.0, "original_max_position_embeddings": 1024}, 10.0, "yarn"),
+    "yarn_ramp_empty": (M16K, {"factor": 4.0, "original_max_position_embeddings": 4}, 10000.0, "yarn"),
 }
 STYLES = ("legacy_type", "legacy_rope_type", "v5")
 

@@ -88,6 +88,35 @@ def test_newer_mxc_version(art):
     assert mxc.__version__ in msg
 
 
+def test_another_minor_version_is_refused_and_another_patch_loads(pristine, tmp_path):
+    """Compatibility is major.minor: an artifact of the next minor version is refused, one of another patch loads."""
+    major, minor, *_ = mxc.__version__.split(".")
+    newer_minor = tmp_path / "minor"
+    shutil.copytree(pristine, newer_minor)
+    _edit_manifest(newer_minor, mxc_version=f"{major}.{int(minor) + 1}.0")
+    _refused(newer_minor, "incompatible with mxc")
+    other_patch = tmp_path / "patch"
+    shutil.copytree(pristine, other_patch)
+    _edit_manifest(other_patch, mxc_version=f"{major}.{minor}.99")
+    mxc.load(other_patch)
+
+
+def test_file_digests_cover_every_chunk(tmp_path):
+    """A file longer than the hash's read size is hashed whole (weights are GBs; the artifacts in tests are not)."""
+    import hashlib
+
+    import torch
+
+    from mxc.artifact_format import sha256_file
+
+    path = tmp_path / "blob"
+    path.write_bytes(torch.randint(0, 256, (10_000,), generator=torch.Generator().manual_seed(0),
+                                   dtype=torch.uint8).numpy().tobytes())
+    want = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert sha256_file(path, chunk=1024) == want
+    assert sha256_file(path) == want
+
+
 def test_schema_version(art):
     _edit_manifest(art, schema_version=99)
     _refused(art, r"artifact schema 99 is not readable")

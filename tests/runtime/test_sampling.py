@@ -67,6 +67,7 @@ def _sample_probs(monkeypatch, logits, temperature, top_k, top_p):
 @pytest.mark.parametrize("temperature,top_k,top_p", [
     (1.0, None, None), (0.7, 10, None), (1.3, None, 0.9), (0.5, 50, 0.8), (1.0, 3, 0.99), (2.0, 1, None),
     (1.0, None, 0.3), (0.9, 255, 0.5), (1.0, 300, None), (1.0, None, 1.0),
+    (1.0, None, 1e-9),  # 1 - top_p rounds to 1.0 in float32: only the kept top token is left
 ])
 def test_sample_keeps_the_same_tokens_as_hf_warpers(monkeypatch, temperature, top_k, top_p):
     logits = torch.randn(6, 256, generator=torch.Generator().manual_seed(0)) * 3
@@ -87,3 +88,33 @@ def test_top_p_removes_tokens_whose_tail_mass_equals_one_minus_top_p(monkeypatch
     keep = torch.isfinite(_hf_warp(logits, 1.0, None, 0.5))
     assert torch.equal((probs > 0).sum(-1), keep.sum(-1))
     torch.testing.assert_close(probs[probs > 0], torch.full((int((probs > 0).sum()),), 1 / keep.sum(-1)[0].item()))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_logits_are_sampled_in_float32_as_hf_does(monkeypatch, dtype):
+    """The GPU's logits arrive in the model dtype; HF casts the next-token logits to float32 before its warpers."""
+    logits = (torch.randn(6, 4096, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+    probs, _ = _sample_probs(monkeypatch, logits, 0.7, 50, 0.9)
+    ref = _hf_warp(logits.float(), 0.7, 50, 0.9)
+    assert torch.equal(probs > 0, torch.isfinite(ref))
+    torch.testing.assert_close(probs, ref.softmax(-1))
+
+
+def test_top_p_1_is_no_filter(model):
+    TopPLogitsWarper(1.0)  # HF takes it too
+    assert torch.equal(model.generate(PROMPT, max_new_tokens=8, temperature=1.0, top_p=1.0, seed=5),
+                       model.generate(PROMPT, max_new_tokens=8, temperature=1.0, seed=5))
+
+
+@pytest.mark.parametrize("seed", [2**64 - 1, 2**64, -2**63, -2**63 - 1])
+def test_seeds_are_taken_exactly_where_torch_takes_them(seed):
+    from mxc.errors import MxcError
+    from mxc.runtime.sampling import check_generate_args
+
+    try:
+        torch.Generator().manual_seed(seed)
+    except (RuntimeError, ValueError):
+        with pytest.raises(MxcError, match="seed"):
+            check_generate_args(1, 1.0, seed=seed)
+    else:
+        check_generate_args(1, 1.0, seed=seed)
