@@ -428,3 +428,14 @@ def test_two_repeat_blocks_are_refused_in_one_line(tmp_path):
     with pytest.raises(MxcError, match=r"edited\.yaml: 2 repeat blocks \(edited\.yaml:\d+, edited\.yaml:\d+\); the "
                                        r"runtime's weight layout supports one"):
         _build_edited(tmp_path, old, old + second)
+
+
+def test_two_architectures_are_refused(hf_checkpoint, tmp_path):
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM")
+    path = ckpt / "config.json"
+    config = json.loads(path.read_text())
+    config["architectures"] = ["LlamaForCausalLM", "MistralForCausalLM"]
+    path.write_text(json.dumps(config))
+    with pytest.raises(MxcError, match="exactly one architecture") as e:
+        mxc.build(str(ckpt), out=tmp_path / "art", progress=False, log=lambda m: None)
+    assert "\n" not in str(e.value) and "config.json" in str(e.value)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -332,3 +333,24 @@ def test_tensor_parallel_generate_user_errors(tmp_path):
     r = _run("generate", out, "--ids", "1")
     _assert_user_error(r.returncode, r.stderr, "weights/rank1.safetensors was modified since the build")
     assert r.stdout == ""
+
+
+def test_inspect_heads_query_then_kv(tmp_path, capsys):
+    """`mxc inspect` prints the heads as config.json names them: query heads / kv heads."""
+    art = mxc.build("llama.yaml", out=tmp_path / "a", progress=False, log=lambda m: None)
+    c = json.loads((art / "manifest.json").read_text())["config"]
+    assert c["num_attention_heads"] != c["num_key_value_heads"]  # GQA: the order shows
+    assert main(["inspect", str(art)]) == 0
+    assert f"heads {c['num_attention_heads']}/{c['num_key_value_heads']} kv" in capsys.readouterr().out
+
+
+def test_help_states_the_defaults_the_parser_has():
+    """Every option whose --help names a default ("(default N)") has that default."""
+    from mxc.cli import parser
+
+    sub = next(a for a in parser()._actions if a.__class__.__name__ == "_SubParsersAction")
+    stated = [(name, a, m) for name, p in sub.choices.items() for a in p._actions
+              if (m := re.search(r"\(default (\d+)\)", a.help or ""))]
+    assert stated  # --max-batch's at least
+    for name, action, m in stated:
+        assert int(m.group(1)) == action.default, (name, action.dest)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import ast
+import operator
 
 import pytest
 
-from mxc.ir.expr import ExprError, evaluate, parse_expr
+from mxc.ir.expr import MAX_EXPONENT, ExprError, evaluate, parse_expr
 
 ENV = {"hidden_size": 64, "heads": 4, "head_dim": 16, "bias": True, "window": None, "eps": 1e-5}
 
@@ -112,3 +113,18 @@ def test_never_calls_eval(monkeypatch):
 
 def test_parse_expr_returns_a_tree():
     assert isinstance(parse_expr(" hidden_size // heads "), ast.BinOp)
+
+
+def test_exponent_limit_is_inclusive():
+    """The documented limit: an exponent *larger* than MAX_EXPONENT is refused; MAX_EXPONENT itself is not."""
+    assert evaluate(f"2 ** {MAX_EXPONENT}", {}) == 2 ** MAX_EXPONENT
+    assert evaluate(f"2 ** -{MAX_EXPONENT}", {}) == 2 ** -MAX_EXPONENT
+    with pytest.raises(ExprError, match="past"):
+        evaluate(f"2 ** {MAX_EXPONENT + 1}", {})
+
+
+@pytest.mark.parametrize("a,b", [(1, True), (0, False), (1.0, 1), (None, None), (True, True)])
+def test_is_compares_identity_as_python_does(a, b):
+    env = {"a": a, "b": b}
+    assert evaluate("a is b", env) is operator.is_(a, b)
+    assert evaluate("a is not b", env) is operator.is_not(a, b)

@@ -72,3 +72,15 @@ def test_round_trip_preserves_every_field():
 
 def test_loaded_graph_verifies(bound):
     assert verify(load_graph(dump_graph(bound))) == verify(bound)
+
+
+def _fp8(bind_arch):
+    g = bind_arch(intermediate_size=128)  # a rank's gate rows: whole 64-row blocks, so interleave_gate_up applies
+    return compile_graph(g, BuildOptions(quant="fp8"))
+
+
+def test_round_trip_compiled_fp8(bind_arch):
+    compiled = _fp8(bind_arch)
+    assert any(w.interleave for r in compiled.repeats() for w in r.weights.values())
+    back = load_graph(dump_graph(compiled))
+    assert back == compiled

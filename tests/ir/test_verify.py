@@ -178,3 +178,20 @@ def test_weight_table_checks(bind_arch, loc_of):
     at = loc_of("- repeat:")
     with pytest.raises(VerifyError, match=re.escape(f"{at}: repeat weight(s) ['embed'] shadow top-level")):
         verify(with_weights(embed=Weight("layers.{i}.embed", (4,), "float32", ("e",))))
+
+
+def test_interleave_of_partial_blocks_is_refused(bind_arch):
+    """An interleaved weight (gate/up rows in alternating blocks) must hold whole pairs of blocks."""
+    from dataclasses import replace
+
+    from mxc.compiler.options import BuildOptions
+    from mxc.compiler.pipeline import compile_graph
+
+    compiled = compile_graph(bind_arch(intermediate_size=128), BuildOptions(quant="fp8"))
+    (rep,) = compiled.repeats()
+    name, w = next((k, w) for k, w in rep.weights.items() if w.interleave and not w.scale_of)
+    bad = replace(w, interleave=w.shape[0] // 2 + 1)  # 2 * interleave does not divide the rows
+    broken = compiled.replace(body=tuple(it.replace(weights={**it.weights, name: bad}) if it is rep else it
+                                         for it in compiled.body))
+    with pytest.raises(VerifyError, match="whole blocks"):
+        verify(broken)

@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import replace
 from types import SimpleNamespace
 
-from mxc.compiler.passes import (eliminate_dead_code, fuse_add_rms_norm, fuse_linear_io, fuse_norm_linear,
+from mxc.compiler.options import BuildOptions
+from mxc.compiler.passes import (eliminate_dead_code, fuse_add_rms_norm, fuse_linear_io, fuse_mlp, fuse_norm_linear,
                                  fuse_rope_cache, merge_gate_up, merge_qkv)
+from mxc.compiler.pipeline import PIPELINE
 from mxc.ir import Repeat, verify
 
 
@@ -175,3 +177,36 @@ def test_values_read_beyond_their_body_are_not_folded_away(bind_arch):
     rep = layer(g)
     assert set(rep.carry) | set(rep.carry.values()) <= live
     assert set(g.outputs) <= live and final_norm.outs[0] not in live
+
+
+def test_declines_q_k_norms_of_different_eps(bind_arch, assert_same_logits):
+    g = bind_arch("Qwen3ForCausalLM")
+    body = []
+    for it in g.body:
+        if isinstance(it, Repeat):
+            nodes = tuple(n.replace(attrs={**n.attrs, "eps": 0.5}) if n.op == "rms_norm" and n.ins[1] == "k_norm"
+                          else n for n in it.body)
+            it = it.replace(body=nodes)
+        body.append(it)
+    g = g.replace(body=tuple(body))
+    fused = fuse_rope_cache.run(merge_qkv.run(g, BuildOptions()), BuildOptions())
+    assert not any(n.op == "qkv_rope_cache" for n, _ in fused.nodes())
+    assert_same_logits(g, fused)
+
+
+def test_declines_a_residual_other_than_the_norm_input(bind_arch):
+    opts = BuildOptions(quant="fp8")
+    g = bind_arch()
+    for name, run in PIPELINE[:PIPELINE.index(("fuse_mlp", fuse_mlp.run))]:
+        g = run(g, opts)
+    (rep,) = [it for it in g.body if isinstance(it, Repeat)]
+    (outer,) = [o for o in rep.carry]  # the layer's input x, carried: not the MLP norm's input
+    nodes = list(rep.body)
+    (i,) = [i for i, n in enumerate(nodes) if n.op == "qlinear" and n.attrs.get("prologue") == "silu_mul"]
+    down = nodes[i]
+    assert len(down.ins) == 5 and down.ins[4] != outer
+    nodes[i] = down.replace(ins=down.ins[:4] + (outer,))
+    g = g.replace(body=tuple(rep.replace(body=tuple(nodes)) if it is rep else it for it in g.body))
+    fused = fuse_mlp.run(g, opts)
+    assert not any(n.op == "rms_norm_mlp" for n, _ in fused.nodes())
+    assert fused == g  # nothing else to fuse at this point

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from mxc.compiler.options import BuildOptions
-from mxc.compiler.pipeline import PIPELINE, compile_graph
+from mxc.compiler.pipeline import PIPELINE, check_disabled, compile_graph
 from mxc.ir import load_graph, verify
+from mxc.models.registry import MODELS_DIR
 
 
 @pytest.mark.parametrize("arch, fields", [("LlamaForCausalLM", {}), ("Qwen2ForCausalLM", {}),
@@ -54,3 +55,26 @@ def test_no_dump_dir_writes_nothing(bind_arch, tmp_path, monkeypatch):
 def test_compiled_graph_numerics(bind_arch, assert_same_logits, arch, fields):
     bound = bind_arch(arch, **fields)
     assert_same_logits(bound, compile_graph(bound, BuildOptions()))
+
+
+REQUIRED = {"shard_tp", "quantize", "select_kernels"}
+
+
+@pytest.mark.parametrize("name", [n for n, _ in PIPELINE if n not in REQUIRED])
+def test_each_optimization_can_be_disabled(bind_arch, assert_same_logits, name):
+    assert check_disabled([name]) == (name,)
+    g = bind_arch()
+    assert_same_logits(compile_graph(g, BuildOptions()), compile_graph(g, BuildOptions(disable_passes=(name,))))
+
+
+@pytest.mark.parametrize("name", ["w", "L", "ctx", "layers"])
+def test_value_named_like_the_forwards_own_names(bind_arch, assert_same_logits, tmp_path, name):
+    text = (MODELS_DIR / "llama.yaml").read_text()
+    edited = text.replace("- m = mul(", f"- {name} = mul(").replace("linear(m, w_down, b_down)",
+                                                                     f"linear({name}, w_down, b_down)")
+    assert edited.count(f"{name} = mul(") == 1
+    path = tmp_path / "llama.yaml"
+    path.write_text(edited)
+    (tmp_path / "configs").symlink_to(MODELS_DIR / "configs")
+    opts = BuildOptions(disable_passes=("merge_gate_up",))  # keep the renamed value in the compiled graph
+    assert_same_logits(compile_graph(bind_arch(), opts), compile_graph(bind_arch(model_file=path), opts))

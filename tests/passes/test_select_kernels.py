@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import re
+import types
 
 import pytest
 
+from mxc.codegen.render import render_forward
 from mxc.compiler.options import BuildOptions
 from mxc.compiler.passes import select_kernels
 from mxc.compiler.pipeline import compile_graph
@@ -118,3 +120,36 @@ def test_cuda_attention_head_sizes(bind_arch, head_dim, why):
     else:
         with pytest.raises(MxcError, match=f"head_dim {head_dim} is not a {why}"):
             compile_graph(g, BuildOptions(target="cuda"))
+
+
+CHOICE = [[2, "k_small.linear"], [4, "k_mid.linear"], [None, "k_big.linear"]]
+
+
+class _Values(dict):
+    """Every value the expression names: a tensor-like with ``rows`` rows."""
+
+    def __init__(self, rows):
+        super().__init__({m.split(".")[0]: types.SimpleNamespace(linear=lambda *a, _m=m, **k: _m)
+                          for _, m in CHOICE})
+        self.rows = rows
+
+    def __missing__(self, key):  # a value, or the weights dict ``w`` (indexing it gives a value again)
+        return self
+
+    @property
+    def shape(self):
+        return (self.rows,)
+
+
+def test_dispatch_picks_the_first_bucket_holding_the_rows(bind_arch):
+    """A node whose kernel is chosen per token-count bucket ([max_tokens, kernel] entries, the last unbounded)
+    calls, in the rendered forward, the first entry whose bound holds its input's rows (select_kernels' rule)."""
+    g = select_kernels.run(bind_arch(), BuildOptions())
+    (out,) = g.outputs
+    body = tuple(n.replace(attrs={**n.attrs, "kernel": CHOICE}) if out in getattr(n, "outs", ()) else n for n in g.body)
+    src = render_forward(g.replace(body=body), ir_hash="test")
+    (line,) = [ln.strip() for ln in src.splitlines() if ln.strip().startswith(f"{out} = ")]
+    expr = line.split(" = ", 1)[1]
+    for rows in range(1, 7):
+        want = next(name for hi, name in CHOICE if hi is None or rows <= hi)
+        assert eval(expr, {"__builtins__": {}}, _Values(rows)) == want, (rows, expr)

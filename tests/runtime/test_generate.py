@@ -101,3 +101,18 @@ def test_kv_cache_matches_full_logits_qwen3(hf_checkpoint, tmp_path):
     with torch.no_grad():
         ref = hf(full).logits
     assert float((logits - ref).abs().max() / ref.abs().max()) <= 1e-4
+
+
+def test_eos_of_every_row_is_ignored_without_stop_at_eos(hf_checkpoint, tmp_path):
+    ckpt, hf = hf_checkpoint("LlamaForCausalLM")
+    prompt = torch.tensor([[10, 20, 30, 40]])
+    # reference: transformers' greedy continuation, eos disabled
+    ref = hf.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0,
+                      min_new_tokens=8)[:, 4:]
+    config = json.loads((ckpt / "config.json").read_text())
+    config["eos_token_id"] = int(ref[0, 0])  # the first token generated is an eos id
+    (ckpt / "config.json").write_text(json.dumps(config))
+    model = mxc.load(mxc.build(str(ckpt), out=tmp_path / "art", progress=False, log=lambda m: None))
+    out = model.generate(prompt, max_new_tokens=8)
+    assert out.shape == (1, 8)
+    assert torch.equal(out, ref)
