@@ -206,16 +206,15 @@ def _part_scales(w: Weight, names: tuple[str, ...], shape: tuple[int, ...], ckpt
 
 def _check_stored_dtypes(w: Weight, ckpt) -> None:
     """Every checkpoint tensor of ``w`` (each part of a merged weight, each expert of a stack) holds floating-point
-    values, and fp8 ones only where ``w`` imports them with their scales, where every part must be e4m3 (one part
-    in another dtype used to fail in torch.cat, or for an expert stack be cast silently): a cast would make anything
-    else wrong."""
+    values, and fp8 ones only where ``w`` imports them with their scales, where every part must be e4m3: a cast
+    would make anything else wrong."""
     prequantized = w.quant is not None and w.quant.prequantized
     for hf, _ in parts_of(w):
         stored = ckpt.dtype(hf)
         if prequantized and stored != torch.float8_e4m3fn:
             raise MxcError(f"{ckpt.directory}: {hf} is stored as {stored}, but config.json's quantization_config "
                            f"says the checkpoint holds float8_e4m3fn weights (weight {w.name})")
-        if stored in (torch.float8_e4m3fn, torch.float8_e5m2) and (w.quant is None or not w.quant.prequantized):
+        if stored in (torch.float8_e4m3fn, torch.float8_e5m2) and not prequantized:
             raise MxcError(f"{ckpt.directory}: {hf} is stored as {stored}, but mxc does not import "
                            f"it as fp8 (weight {w.name}); casting without its scales would be wrong")
         if not stored.is_floating_point:
