@@ -77,3 +77,16 @@ def test_static_inputs_refill_in_place():
         assert torch.equal(inputs.tensors[k], torch.from_numpy(a)) and inputs.tensors[k].dtype == torch.from_numpy(a).dtype
     with pytest.raises(AssertionError, match="differ from the layout"):
         inputs.fill(a=np.arange(6, dtype=np.int64), b=second["b"], c=second["c"])
+
+
+def test_counters_are_one_tensor_per_name_kept_for_later_calls():
+    """``counters``: int32 zeros of at least n, one tensor per name shared by every later call that fits in it (the
+    kernels leave it at 0); a larger n makes a larger one."""
+    ctx = ForwardContext([1], [0], [0])
+    a = ctx.counters("route", 4, "cpu")
+    assert a.dtype == torch.int32 and a.numel() >= 4 and not a.any()
+    assert ctx.counters("route", 4, "cpu") is a and ctx.counters("route", 2, "cpu") is a
+    other = ctx.counters("moe", 4, "cpu")
+    assert other is not a and other.data_ptr() != a.data_ptr()
+    big = ctx.counters("route", 9, "cpu")
+    assert big.numel() >= 9 and not big.any() and ctx.counters("route", 9, "cpu") is big

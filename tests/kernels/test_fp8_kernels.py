@@ -240,6 +240,9 @@ def test_config_table():
         assert {c.USE_DOT for c in gemv_tuning.fp8_candidates(4, gran)} == {False, True}
         for c in gemv_tuning.fp8_candidates(16, gran):
             tfv._check_gemv_config(c, gran == "block128")
+        assert all(c.USE_DOT for c in gemv_tuning.fp8_candidates(16, gran))  # v3 (and SWAP_AB) from 16
+        one = gemv_tuning.fp8_candidates(1, gran)  # v1 weight-only both as config_for runs it and under REDUCE_STEPS
+        assert any(c.WEIGHT_ONLY and not c.REDUCE_STEPS for c in one) and any(c.REDUCE_STEPS for c in one)
     small = tf.config_for(1, 512, 4096, torch.bfloat16, "block128")
     assert small.BLOCK_N == 8 and -(-512 // small.BLOCK_N) * small.SPLIT_K >= tf.NUM_SMS // 2
     small = tf.config_for(1, 512, 4096, torch.bfloat16, "channel")  # preloaded: smaller tiles instead of a K split

@@ -122,6 +122,32 @@ def test_config_table():
     assert {c.USE_DOT for c in gemv_tuning.candidates(4, torch.bfloat16)} == {False, True}
 
 
+
+def test_tuning_candidates_by_bucket():
+    """``gemv_tuning.candidates``: v1 (no tl.dot) only at M = 1, keeping BLOCK_N * BLOCK_K fp32 accumulators within
+    128 registers a thread (and dropping only what does not fit: a tile that fits 4 warps is tried with 4 too);
+    v2 and v3 (tl.dot) both at M = 2..8, v3 only from 16."""
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        one = gemv_tuning.candidates(1, dtype)
+        assert one and not any(c.USE_DOT for c in one)
+        assert all(c.BLOCK_N * c.BLOCK_K <= 128 * 32 * c.num_warps for c in one)
+        tiles = {(c.BLOCK_N, c.BLOCK_K, c.num_warps) for c in one}
+        assert all((bn, bk, 4) in tiles for bn, bk, nw in tiles if nw == 8 and bn * bk <= 128 * 32 * 4), dtype
+        assert any(bn * bk == 128 * 32 * nw for bn, bk, nw in tiles)  # tiles reach the budget exactly: all kept
+        for m in (2, 4, 8):
+            assert {c.USE_DOT for c in gemv_tuning.candidates(m, dtype)} == {False, True}, (m, dtype)
+        for m in (16, 32):
+            assert all(c.USE_DOT for c in gemv_tuning.candidates(m, dtype)), (m, dtype)
+
+
+def test_weight_copies_cover_four_times_the_l2():
+    """``copies_for``: the fewest copies whose bytes reach 4x the L2 (so cycling through them reads HBM), at least 1."""
+    budget = 4 * gemv_tuning.L2_BYTES
+    for nbytes in (1, 4096 * 4096 * 2, budget // 3, budget // 3 + 1, budget - 1, budget, budget + 1, 10 * budget):
+        c = gemv_tuning.copies_for(nbytes)
+        assert c >= 1 and c * nbytes >= budget and (c == 1 or (c - 1) * nbytes < budget), nbytes
+
+
 def test_rejects_bad_inputs():
     x, w, b = _inputs(2, 8, 16, torch.float16, bias=True)
     with pytest.raises(ValueError):

@@ -13,7 +13,7 @@ from mxc.compiler.passes import select_kernels
 from mxc.compiler.pipeline import compile_graph
 from mxc.errors import MxcError
 from mxc.ir import Graph, Repeat, verify
-from mxc.kernels.candidates import CANDIDATES, Candidate
+from mxc.kernels.candidates import CANDIDATES, HOST_READING, Candidate
 
 
 def strip_kernels(graph: Graph) -> Graph:
@@ -120,6 +120,33 @@ def test_cuda_attention_head_sizes(bind_arch, head_dim, why):
     else:
         with pytest.raises(MxcError, match=f"head_dim {head_dim} is not a {why}"):
             compile_graph(g, BuildOptions(target="cuda"))
+
+
+def test_host_reading_references_claim_no_cuda_node(bind_arch):
+    """A torch reference that reads sequence layout or expert ids on the host would be frozen inside a CUDA graph:
+    on cuda it claims nothing, so an op only it could run fails the build instead (here the MoE's unfused
+    ``experts``, fuse_moe disabled)."""
+    for op in HOST_READING:
+        (ref,) = [c for c in CANDIDATES[op] if c.name == f"torch_ref.{op}"]
+        assert "cuda" not in ref.targets, op
+    g = bind_arch("Qwen3MoeForCausalLM", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40)
+    assert "experts" in {n.op for n, _ in g.nodes()}
+    with pytest.raises(MxcError, match="no kernel for experts .* torch_ref.experts: runs on cpu, not cuda"):
+        compile_graph(g, BuildOptions(target="cuda", disable_passes=("fuse_moe",)))
+
+
+def test_moe_decode_kernels_serve_only_their_token_counts(bind_arch):
+    """On cuda the per-pair MoE kernels (weights read once per (token, expert) pair) serve only decode's few tokens
+    (MOE_PAIR_MAX_TOKENS) and the fused norm + router kernel its NORM_ROUTE_MAX_TOKENS; the sorted, grouped MoE and
+    the unfused router every larger count."""
+    from mxc.kernels.candidates import MOE_PAIR_MAX_TOKENS, NORM_ROUTE_MAX_TOKENS
+
+    g = compile_graph(bind_arch("Qwen3MoeForCausalLM", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40),
+                      BuildOptions(target="cuda"))
+    kernels = {n.op: n.attrs["kernel"] for n, _ in g.nodes() if n.op in ("fused_moe", "add_rms_norm_route")}
+    assert kernels == {"fused_moe": [[MOE_PAIR_MAX_TOKENS, "cuda_ops.fused_moe_pairs"], [None, "cuda_ops.fused_moe"]],
+                       "add_rms_norm_route": [[NORM_ROUTE_MAX_TOKENS, "triton_route.add_rms_norm_route"],
+                                              [None, "cuda_ops.add_rms_norm_route"]]}
 
 
 CHOICE = [[2, "k_small.linear"], [4, "k_mid.linear"], [None, "k_big.linear"]]

@@ -1,10 +1,13 @@
 """Buckets: decode batches in powers of two up to the first that holds max_batch, and short prompts in powers
 of two up to the build's limit (the runtime pads a batch, or a prompt, to one)."""
 
+import re
+from pathlib import Path
+
 import pytest
 
-from mxc.runtime_buckets import (batch_bucket, batch_buckets, padded_prefill, prefill_graph_bucket,
-                                  prefill_graph_buckets)
+from mxc.runtime_buckets import (PREFILL_GRAPH_TOKENS, batch_bucket, batch_buckets, padded_prefill,
+                                  prefill_graph_bucket, prefill_graph_buckets)
 
 
 def test_buckets_cover_max_batch():
@@ -16,6 +19,16 @@ def test_buckets_cover_max_batch():
     assert batch_bucket(5, 5) == 8
     with pytest.raises(ValueError, match="max_batch 64"):
         batch_bucket(65, 64)
+    for bad in (0, -1):  # no bucket holds no sequence
+        with pytest.raises(ValueError, match=f"max_batch must be >= 1, got {bad}"):
+            batch_buckets(bad)
+
+
+def test_default_prefill_graph_limit_is_the_documented_one():
+    """The builds' default largest prompt bucket is what the README's ``--prefill-graphs`` says."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    (default,) = re.findall(r"`--prefill-graphs` tokens \(`--target cuda` only; default (\d+);", readme)
+    assert PREFILL_GRAPH_TOKENS == int(default)
 
 
 def test_prefill_graph_buckets():

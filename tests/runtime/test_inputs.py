@@ -55,3 +55,25 @@ def test_bad_generation_settings(model, kw, pattern):
     args = {"max_new_tokens": 2, **kw}
     with pytest.raises(MxcError, match=pattern):
         model.generate([[1, 2]], **args)
+
+
+def test_cuda_decoder_capacity_counts_the_new_tokens(model, monkeypatch):
+    """On a GPU the KV cache holds --max-batch x --max-seq-len rows: a generation needs prompt + new tokens of them,
+    and is refused before any work when they do not fit (the kernels would write past the cache)."""
+    import types
+
+    made = []
+
+    def generate(ids, n, *args, **kwargs):
+        made.append((tuple(ids.shape), n))
+        return torch.zeros(ids.shape[0], n, dtype=torch.int64)
+
+    monkeypatch.setattr(model, "_decoder", types.SimpleNamespace(max_batch=2, max_len=16, generate=generate))
+    assert model.generate([[1] * 10] * 2, max_new_tokens=6).shape == (2, 6)  # 16 rows: a full slot
+    for ids, n in [([[1] * 10], 7), ([[1] * 16], 1), ([[1] * 4] * 3, 2)]:
+        with pytest.raises(MxcError, match=r"exceeds what the artifact was built for \(--max-batch 2, --max-seq-len "
+                                           r"16\)"):
+            model.generate(ids, max_new_tokens=n)
+    with pytest.raises(MxcError, match=r"batch 1 x 17 tokens exceeds"):
+        model.logits([[1] * 17])
+    assert made == [((2, 10), 6)]

@@ -1,0 +1,136 @@
+"""Kernel candidates' checks (``mxc.kernels.candidates``): each GPU candidate declines, with its reason, exactly what
+its kernel cannot take, at the limits the checks' own reasons state, and claims what it can."""
+
+from __future__ import annotations
+
+import pytest
+
+from mxc.compiler.options import BuildOptions
+from mxc.ir import Node, TensorType
+from mxc.kernels.candidates import CANDIDATES, WIDE_N
+
+CUDA = BuildOptions(target="cuda", dtype="bfloat16")
+
+
+def _why(name: str, op: str, ins: list, attrs: dict | None = None, options: BuildOptions = CUDA, i: int = 0):
+    """``why_not`` of the ``i``-th candidate called ``name`` for ``op`` on a node whose inputs have types ``ins``."""
+    cand = [c for c in CANDIDATES[op] if c.name == name][i]
+    node = Node(op, ("y",), tuple(f"in{j}" for j in range(len(ins))), attrs or {})
+    return cand.why_not(node, ins, options)
+
+
+def _t(*shape, dtype="bfloat16"):
+    return TensorType(shape, dtype)
+
+
+@pytest.mark.parametrize("op, weight_at", [("linear", 1), ("rms_norm_linear", 2)])
+def test_gemv_at_17_to_32_tokens_declines_wide_weights(op, weight_at):
+    """The 17..32-token GEMV declines weights of at least WIDE_N output rows, read from the op's own weight input
+    (``rms_norm_linear``'s is its third: x, norm weight, weight), and takes narrower ones."""
+    name = "triton_gemv.linear_small_m" if op == "linear" else "cuda_ops.rms_norm_linear_small_m"
+    for n, declined in [(WIDE_N - 16, False), (WIDE_N, True), (2 * WIDE_N, True)]:
+        ins = [_t("T", 4096), _t(4096), _t(n, 4096)]
+        if op == "linear":
+            ins = [ins[0], ins[2]]
+        assert ins[weight_at].shape[0] == n
+        why = _why(name, op, ins, {"eps": 1e-6} if op == "rms_norm_linear" else {}, i=1)
+        assert (why is not None) == declined, (n, why)
+        if declined:
+            assert f"N={n} >= {WIDE_N}" in why
+        assert _why(name, op, ins, {"eps": 1e-6} if op == "rms_norm_linear" else {}, i=0) is None  # <= 16 tokens
+
+
+def test_gemv_declines_a_fused_prologue_and_non_float_dtypes():
+    x, w = _t("T", 4096), _t(4096, 4096)
+    assert _why("triton_gemv.linear_small_m", "linear", [x, w]) is None
+    for i in (0, 1):  # at <= 16 and at 17..32 tokens
+        why = _why("triton_gemv.linear_small_m", "linear", [x, w], {"prologue": "silu_mul"}, i=i)
+        assert "takes no silu_mul prologue" in why
+    assert "dtype int8" in _why("triton_gemv.linear_small_m", "linear", [_t("T", 4096, dtype="int8"), w])
+
+
+@pytest.mark.parametrize("rotary_dim, why", [(128, None), (64, None), (66, None), (65, "odd rotary dim 65")])
+def test_rope_kernel_takes_even_rotary_dims(rotary_dim, why):
+    spec = {"type": "default", "rotary_dim": rotary_dim}
+    got = _why("cuda_ops.qkv_rope_cache", "qkv_rope_cache", [_t("T", 1024)], {"spec": spec})
+    assert got == why if why is None else why in got
+    dynamic = _why("cuda_ops.qkv_rope_cache", "qkv_rope_cache", [_t("T", 1024)], {"spec": {**spec, "type": "dynamic"}})
+    assert "dynamic-NTK" in dynamic
+
+
+@pytest.mark.parametrize("experts, declined", [(1024, False), (1025, True), (128, False)])
+def test_routers_hold_at_most_1024_scores(experts, declined):
+    """The Triton router (one program a token) and the fused norm + router kernel hold at most 1024 expert scores."""
+    route = _why("triton_route.route", "route", [_t("T", experts)], {"k": 8})
+    fused = _why("triton_route.add_rms_norm_route", "add_rms_norm_route",
+                 [_t("T", 2048), _t("T", 2048), _t(2048), _t(experts, 2048)], {"eps": 1e-6, "k": 8})
+    unfused = _why("cuda_ops.add_rms_norm_route", "add_rms_norm_route",
+                   [_t("T", 2048), _t("T", 2048), _t(2048), _t(experts, 2048)], {"eps": 1e-6, "k": 8})
+    for why in (route, fused, unfused):
+        assert (why is not None) == declined and (not declined or f"{experts} experts" in why), why
+
+
+@pytest.mark.parametrize("hidden, declined", [(8192, False), (8193, True), (4096, False)])
+def test_fused_norm_route_holds_rows_of_at_most_8192(hidden, declined):
+    ins = [_t("T", hidden), _t("T", hidden), _t(hidden), _t(128, hidden)]
+    why = _why("triton_route.add_rms_norm_route", "add_rms_norm_route", ins, {"eps": 1e-6, "k": 8})
+    assert (why is not None) == declined and (not declined or f"hidden size {hidden}" in why)
+    assert _why("cuda_ops.add_rms_norm_route", "add_rms_norm_route", ins, {"eps": 1e-6, "k": 8}) is None
+    ints = [_t("T", hidden, dtype="int8"), *ins[1:]]
+    why = _why("triton_route.add_rms_norm_route", "add_rms_norm_route", ints, {"eps": 1e-6, "k": 8})
+    assert declined or "dtype int8" in why
+
+
+@pytest.mark.parametrize("n, k, why", [(4096, 4096, None), (4104, 4096, "N=4104 and K=4096 must be multiples of 16"),
+                                       (4096, 4104, "N=4096 and K=4104 must be multiples of 16")])
+def test_scaled_mm_needs_multiples_of_16(n, k, why):
+    ins = [_t("T", k), _t(n, k, dtype="float8_e4m3fn"), _t(n, dtype="float32")]
+    got = _why("fp8_gemm.scaled_mm", "qlinear", ins, {"granularity": "channel"})
+    assert got == why if why is None else why in got
+    assert "128x128 blocks" in _why("fp8_gemm.scaled_mm", "qlinear", ins, {"granularity": "block128"})
+
+
+def test_cutlass_needs_n_a_multiple_of_8_only(monkeypatch):
+    """The CUTLASS GEMM's TMA rows are 16 bytes: K (fp8, 1 byte) a multiple of 16, N (bf16 output, 2 bytes) of 8."""
+    from mxc.kernels import cutlass_fp8
+
+    monkeypatch.setattr(cutlass_fp8, "available", lambda: None)
+    for n, ok in [(4104, True), (4100, False)]:
+        ins = [_t("T", 4096), _t(n, 4096, dtype="float8_e4m3fn"), _t(n, dtype="float32")]
+        assert (_why("fp8_gemm.cutlass", "qlinear", ins, {"granularity": "channel"}) is None) == ok, n
+
+
+@pytest.mark.parametrize("dtype, ok", [("bfloat16", True), ("float32", True), ("float16", False)])
+def test_one_shot_all_reduce_takes_bf16_or_fp32(dtype, ok):
+    one_shot = BuildOptions(target="cuda", dtype="bfloat16", tp=2, tp_allreduce="one_shot")
+    why = _why("cuda_ops.all_reduce_one_shot", "all_reduce", [_t("T", 4096, dtype=dtype)], options=one_shot)
+    assert (why is None) == ok and (ok or f"not {dtype}" in why)
+    asked_not = _why("cuda_ops.all_reduce_one_shot", "all_reduce", [_t("T", 4096, dtype=dtype)],
+                     options=BuildOptions(target="cuda", dtype="bfloat16", tp=2, tp_allreduce="push"))
+    assert "not asked for (--tp-allreduce one_shot)" in asked_not
+
+
+@pytest.mark.parametrize("dtype, ok", [("bfloat16", True), ("float16", True), ("float32", False)])
+def test_push_all_reduce_sums_bf16_or_fp16(dtype, ok):
+    push = BuildOptions(target="cuda", dtype="bfloat16", tp=2, tp_allreduce="push")
+    why = _why("cuda_ops.all_reduce_push", "all_reduce", [_t("T", 4096, dtype=dtype)], options=push)
+    assert (why is None) == ok and (ok or f"not {dtype}" in why)
+    asked_not = _why("cuda_ops.all_reduce_push", "all_reduce", [_t("T", 4096, dtype=dtype)],
+                     options=BuildOptions(target="cuda", dtype="bfloat16", tp=2, tp_allreduce="nccl"))
+    assert "not asked for (--tp-allreduce push)" in asked_not
+
+
+
+def test_mlp_pair_declines_interleaved_gate_up(monkeypatch):
+    """The persistent MLP kernel reads the gate/up weight as [gate; up] halves: an interleaved one goes elsewhere."""
+    from mxc.kernels import mlp_pair_fp8
+    from mxc.kernels.candidates import MLP_PAIR_KERNEL
+
+    monkeypatch.setattr(mlp_pair_fp8, "available", lambda: None)
+    fp8 = "float8_e4m3fn"
+    ins = [_t("T", 4096), _t(4096), _t(28672, 4096, dtype=fp8), _t(28672, dtype="float32"), _t(4096, 14336, dtype=fp8),
+           _t(4096, dtype="float32")]
+    options = BuildOptions(target="cuda", dtype="bfloat16", quant="fp8", mlp_pair=True)
+    assert _why(MLP_PAIR_KERNEL, "rms_norm_mlp", ins, {"granularity": "channel"}, options) is None
+    why = _why(MLP_PAIR_KERNEL, "rms_norm_mlp", ins, {"granularity": "channel", "interleave": 64}, options)
+    assert "not interleaved" in why
