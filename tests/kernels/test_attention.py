@@ -102,6 +102,22 @@ def test_decode_empty_sequence_gives_zeros(splits):
     _check(out[1:], ref, torch.float32)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("D", [48, 16])
+def test_decode_writes_only_inside_out(D, splits):
+    """Every launch under ``guarded`` (tests/kernels/guarded.py): the split kernel's padded group rows and head lanes
+    (BLOCK_D = 64 for D = 48) and the merge's head lanes store nothing past the last head of the last sequence, where
+    a neighbour inside the output would be overwritten in the interpreter's program order; the scratch of the
+    splits stays inside its tensors."""
+    from tests.kernels.guarded import guarded
+
+    q, kc, vc, slots_t, kv_lens_t, scale, ref = _run_reference(
+        [1, 1], [12, 28], [1, 0], 4, 2, D, 29, torch.float32, None, seed=D)
+    with guarded():
+        out = ta.decode_attention(q, kc, vc, slots_t, kv_lens_t, scale, None, num_splits=splits)
+    _check(out, ref, torch.float32)
+
+
 # ---------------------------------------------------------------------------------------------
 # prefill: ragged query counts, with no cache prefix and with one (chunked prefill)
 
@@ -114,6 +130,9 @@ PREFILL_SHAPES = {  # name: (seq_lens, past_lens, max_q_len)
     # the first query of each sequence two keys before a key block's end (BLOCK_N = 16 at D=16): that block
     # holds keys later queries see and the first does not, so it must go through the causal mask
     "block-edge-prefix": ([5, 3], [14, 30], 5),
+    # D = 256 runs 64-query blocks over 32-key blocks: with a window of 4 the last queries of a block see nothing in
+    # its first window-edge key block (and no block before it), so their running max is still -inf there
+    "wide-query-block": ([40, 7], [0, 30], 40),
 }
 
 
@@ -127,6 +146,8 @@ def _prefill_cases():
     for window in (None, 4, 40):
         yield pytest.param(torch.float32, 16, GQA, window, "long-prefix", id=f"long-prefix-w{window}")
     yield pytest.param(torch.float32, 16, GQA, None, "block-edge-prefix", id="block-edge-prefix")
+    for window in (None, 4):
+        yield pytest.param(torch.float32, 256, MQA, window, "wide-query-block", id=f"wide-query-block-w{window}")
 
 
 @pytest.mark.parametrize("dtype, D, heads, window, shape", list(_prefill_cases()))
@@ -149,6 +170,18 @@ def test_prefill_attention_pointer_loads(monkeypatch, shape, window):
     96 always do): the same results."""
     monkeypatch.setattr(ta, "PREFILL_TMA", False)
     _prefill_against_reference(torch.float16, 32, GQA, window, shape)
+
+
+@pytest.mark.parametrize("D", [48, 32])
+def test_prefill_writes_only_inside_out(D):
+    """Under ``guarded`` (tests/kernels/guarded.py): query rows past a sequence's end (its last query block is partial)
+    and head lanes past D (BLOCK_D = 64 for D = 48) store nothing, so nothing lands past the last token's row, where
+    a neighbour inside the output would be overwritten by its own program in the interpreter's order. D = 32 loads
+    through tensor descriptors, which pass unguarded."""
+    from tests.kernels.guarded import guarded
+
+    with guarded():
+        _prefill_against_reference(torch.float32, D, GQA, None, "chunked")
 
 
 def _prefill_against_reference(dtype, D, heads, window, shape):

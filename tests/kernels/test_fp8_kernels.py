@@ -267,6 +267,34 @@ def test_small_m_writes_only_inside_out():
         assert buf[:32].isnan().all() and buf[32 + M * N:].isnan().all()
 
 
+# (M, config, granularity, K): K split into slices of 128 whose last one runs past K although K is a whole number of
+# 64-wide steps (192 = 128 + 64: the second slice's second step is past K), or starts past K and past the last scale
+# block (200 in three slices of 128: the third from 256, K block 2 of 2); v1 and v3 block-scaled steps whose
+# columns past K fall in scale block KB (the block after the last)
+SPLIT_EDGES = [
+    (1, replace(V1, SPLIT_K=2), "channel", 192),
+    (3, replace(V2, SPLIT_K=2), "block128", 192),
+    (17, replace(DOT, SPLIT_K=2), "channel", 192),
+    (5, replace(SWAP, SPLIT_K=2), "tensor", 192),
+    (17, replace(DOT, SPLIT_K=3), "block128", 200),
+    (1, replace(V1, SPLIT_K=3), "block128", 200),
+    (3, replace(V2, SPLIT_K=3), "block128", 200),
+    (1, QGemvConfig(BLOCK_N=16, BLOCK_K=256), "block128", 100),
+]
+
+
+@pytest.mark.parametrize("M,cfg,gran,k", SPLIT_EDGES,
+                         ids=[_variant_id((M, c, g, torch.float32, FUSIONS[0], k)) for M, c, g, k in SPLIT_EDGES])
+def test_small_m_k_edges_guarded(M, cfg, gran, k):
+    """Every launch under ``guarded`` (tests/kernels/guarded.py): columns past K, and scales past the last K block
+    of a row block, are masked (their surroundings are NaN, so an unmasked load shows even where it is multiplied by
+    a masked zero), and nothing is written outside the scratch or y."""
+    from tests.kernels.guarded import guarded
+
+    with guarded():
+        _run(tf.qlinear_small_m, M, torch.float32, gran, FUSIONS[1] if M == 1 else FUSIONS[0], cfg, seed=M + k, k=k)
+
+
 # ----------------------------------------------------------------------------------------------
 # qlinear_gemm
 

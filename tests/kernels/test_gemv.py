@@ -82,6 +82,36 @@ def test_dot_on_small_buckets(M, split, bias, dtype):
     _run(M, 40, 72, dtype, bias, GemvConfig(BLOCK_N=16, BLOCK_K=32, SPLIT_K=split, USE_DOT=True), seed=7)
 
 
+@pytest.mark.parametrize("M,base", [(1, FMA), (3, FMA), (17, DOT)], ids=["v1", "v2", "v3"])
+@pytest.mark.parametrize("K,split", [(96, 2), (160, 3)])
+def test_split_k_whole_steps_past_k(M, base, K, split):
+    """K a whole number of BLOCK_K steps but not of SPLIT_K * BLOCK_K: the last slice runs past K (96 in 2 slices
+    of 64: 64-128; 160 in 3 of 64: 128-192), so its steps must be masked although K % BLOCK_K == 0. Under
+    ``guarded``: columns past K read NaN, and nothing is written outside y or the scratch."""
+    from tests.kernels.guarded import guarded
+
+    x, w, b = _inputs(M, 40, K, torch.float32, True, seed=K + M)
+    with guarded():
+        y = tg.linear_small_m(x.to(DEVICE), w.to(DEVICE), b.to(DEVICE), config=replace(base, SPLIT_K=split))
+    _check(y, _reference(x, w, b), torch.float32)
+
+
+@pytest.mark.parametrize("n,k", [(24, 4200), (256, 4096), (512, 4096), (512, 1024), (1024, 14336), (96, 768)])
+@pytest.mark.parametrize("m_bucket", [1, 2, 32])
+def test_config_rules(m_bucket, n, k):
+    """``config_for``'s documented rules: a K split keeps >= 2 BLOCK_K steps a slice and stops once the programs
+    fill the GPU; tl.dot configs run a tile of >= 16 rows (``_tile_m``), the FMA versions the bucket itself."""
+    cfg = tg.config_for(m_bucket, n, k, torch.bfloat16)
+    programs = -(-n // cfg.BLOCK_N)
+    if cfg.SPLIT_K > 1:
+        assert k >= 2 * cfg.SPLIT_K * cfg.BLOCK_K, cfg
+        assert programs * cfg.SPLIT_K // 2 < tg.NUM_SMS, cfg  # the last doubling was still short of the SMs
+    tile_m = tg._tile_m(m_bucket, cfg)
+    assert tile_m == (max(16, m_bucket) if cfg.USE_DOT else m_bucket)
+    for use_dot in (False, True):
+        assert tg._tile_m(m_bucket, replace(cfg, USE_DOT=use_dot)) >= (16 if use_dot else m_bucket)
+
+
 @pytest.mark.parametrize("M", [1, 4, 32])
 def test_default_config(M):
     """config_for's choice runs (its large tiles), with the split K it picks for a small N."""

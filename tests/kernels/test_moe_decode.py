@@ -68,6 +68,17 @@ def test_pairs_match_reference_and_sorted_path(T, k, E, dtype, configs):
     _check(y, tm.fused_moe(*args, config=SORTED), TOL[dtype])
 
 
+@pytest.mark.parametrize("k", [3, 6])
+def test_default_configs_k_not_a_power_of_two(k):
+    """``config_for``: a k that is not a power of two takes the expert-by-expert down loop (the tiled kernel's tile
+    of k * BLOCK_N rows needs a power of two), and the default configs run against the reference."""
+    assert not tmd.config_for(H, I, torch.float32, top_k=k)[1].TILE
+    assert tmd.config_for(H, I, torch.float32, top_k=4)[1].TILE
+    x, weights, ids, wgu, wd = _inputs(2, k, 8, torch.float32, seed=k)
+    y = tmd.fused_moe(*[_dev(t) for t in (x, weights, ids, wgu, wd)])
+    _check(y, moe_ref.fused_moe(x, weights, ids, wgu, wd), TOL[torch.float32])
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_tokens_sharing_experts(dtype):
     ids = torch.tensor([[1, 2], [2, 1], [1, 3]])
@@ -191,6 +202,41 @@ def test_invalid_ids_are_dropped_as_by_the_sorted_path(configs):
     keep = (ids >= 0) & (ids < 4)
     ref = moe_ref.fused_moe(x, weights * keep, ids.clamp(0, 3), wgu, wd)
     _check(y, ref, TOL[torch.float32])
+
+
+WIDE = tmd.PairConfig(BLOCK_N=16, BLOCK_K=256, num_warps=4)
+GUARD_CASES = {  # name: (H, I, configs, block scales)
+    # H = 52: a partial last n-tile of the down kernels (16- and 8-row tiles) and a partial last K step of gate/up;
+    # I = 40: a partial last n-tile of gate/up and a partial last K step of down
+    "loop": (52, 40, RAGGED, False),
+    "tiled": (52, 40, TILED, False),
+    # H = 100 and I = 128 in one 256-wide step each: the step's masked columns lie in a 128-column block past K
+    "block-scales-wide-steps": (100, 128, (WIDE, replace(WIDE, BLOCK_N=8, TILE=True)), True),
+}
+
+
+@pytest.mark.parametrize("case", list(GUARD_CASES))
+def test_no_access_outside_tensors(case):
+    """Every launch under ``guarded``: the partial last tiles' masks keep the stores inside h and out (a store one
+    column past the last pair's h row or the last token's output row fails, though a neighbour's inside the tensor
+    would be overwritten in the interpreter's program order), and the masked columns of a last K step read no
+    weight or scale past the experts' last (their surroundings are NaN). Expert E - 1 is used, so its last rows
+    and scales are read."""
+    from tests.kernels.guarded import guarded
+    from tests.kernels.test_moe_kernel import dequant_blocks
+
+    h, i, configs, blocks = GUARD_CASES[case]
+    ids = torch.tensor([[3, 0], [1, 3]])
+    x, weights, ids, wgu, wd = _inputs(2, 2, 4, torch.float32, seed=12, ids=ids, h=h, i=i)
+    kw = {}
+    if blocks:
+        (wgu, s1), (wd, s2) = _block_scaled_experts(4, h, i, seed=3)
+        kw = dict(s_gate_up=_dev(s1), s_down=_dev(s2))
+    with guarded():
+        y = tmd.fused_moe(*[_dev(t) for t in (x, weights, ids, wgu, wd)], configs=configs, **kw)
+    if blocks:
+        wgu, wd = dequant_blocks(wgu, s1, torch.float32), dequant_blocks(wd, s2, torch.float32)
+    _check(y, moe_ref.fused_moe(x, weights, ids, wgu, wd), TOL[torch.float32])
 
 
 def test_rejects_bad_inputs():

@@ -110,6 +110,16 @@ def test_moe_align_random(T, k, E, block_m, chunk):
     _check_align(_random_ids(T, k, E, g), E, block_m, chunk)
 
 
+@pytest.mark.parametrize("T,k,E,block_m,chunk", [(1, 1, 4, 16, 64), (33, 3, 5, 8, 64)])
+def test_moe_align_writes_only_inside_tensors(T, k, E, block_m, chunk):
+    """Under ``guarded`` (tests/kernels/guarded.py): P (16; 136) is not a multiple of CHUNK, so the count kernel's
+    last chunk of sentinels must stop at P, and the scatter writes only inside ``sorted_token_ids``."""
+    from tests.kernels.guarded import guarded
+
+    with guarded():
+        _check_align(_random_ids(T, k, E, torch.Generator().manual_seed(T + E)), E, block_m, chunk)
+
+
 def test_moe_align_tile_loops(monkeypatch):
     """The sort's loops over tiles of chunks and blocks, several steps each (tiles shrunk)."""
     monkeypatch.setattr(tm, "_OFFSETS_TILE_ELEMS", 8)  # E = 3 -> E_PAD 4 -> 2 chunks / blocks a step
@@ -180,6 +190,23 @@ def test_residual(k, dtype):
     assert torch.equal(y.cpu(), torch_ref.add(r, plain.cpu()))
     with pytest.raises(ValueError, match="residual"):
         tm.fused_moe(*args, residual=_dev(r[:, :-1].contiguous()), config=SMALL)
+
+
+@pytest.mark.parametrize("k,residual", [(1, False), (2, False), (1, True)])
+def test_writes_only_inside_tensors(k, residual):
+    """Every launch (the sort's three kernels, both GEMMs, the sum) under ``guarded`` (tests/kernels/guarded.py):
+    H = 52 leaves a partial last n-tile in GEMM 2 and a partial last column block in the sum kernel (64 wide),
+    whose stores one column past the last token's row would land outside the output; loads past it read NaN."""
+    from mxc.kernels import torch_ref
+    from tests.kernels.guarded import guarded
+
+    h = 52
+    x, weights, ids, wgu, wd = _inputs(5, k, 4, torch.float32, seed=21 + k, h=h)
+    r = torch.randn(5, h, generator=torch.Generator().manual_seed(2)) if residual else None
+    with guarded():
+        y = tm.fused_moe(_dev(x), _dev(weights), _dev(ids), _dev(wgu), _dev(wd), residual=_dev(r), config=SMALL)
+    ref = moe_ref.fused_moe(x, weights, ids, wgu, wd)
+    _check(y, ref if r is None else torch_ref.add(r, ref), TOL[torch.float32])
 
 
 def test_deterministic():
