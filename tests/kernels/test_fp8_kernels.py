@@ -380,7 +380,7 @@ def test_qlinear_dispatch():
 
 
 def test_rejects_bad_inputs():
-    x, q, s, b, r = _inputs(2, 8, 16, torch.float16, "channel", True, True, False, seed=1)
+    x, q, s, b, r = (_dev(t) for t in _inputs(2, 8, 16, torch.float16, "channel", True, True, False, seed=1))
     ok = dict(granularity="channel")
     tf.qlinear_small_m(x, q, s, b, r, **ok)
     bad = [
@@ -395,15 +395,15 @@ def test_rejects_bad_inputs():
         ((x, q, s, b, r[:1]), ok),
         ((x.t().contiguous().t(), q, s, b, r), ok),
         ((x.to(torch.float64), q, s, b, r), ok),
-        ((x, q, s, b, r), dict(ok, out=torch.empty(2, 8))),  # out dtype
+        ((x, q, s, b, r), dict(ok, out=torch.empty(2, 8, device=DEVICE))),  # out dtype
     ]
     for fn in (tf.qlinear_small_m, tf.qlinear_gemm):
         for args, kw in bad:
             with pytest.raises(ValueError):
                 fn(*args, **kw)
     with pytest.raises(ValueError):
-        tf.qlinear_small_m(torch.randn(33, 16).half(), q, s, **ok)  # past the last bucket
-    qb, sb = quantize_fp8(torch.randn(8, 16), "block128")
+        tf.qlinear_small_m(_dev(torch.randn(33, 16).half()), q, s, **ok)  # past the last bucket
+    qb, sb = (_dev(t) for t in quantize_fp8(torch.randn(8, 16), "block128"))
     with pytest.raises(ValueError):  # v3 with block scales: one K block a step
         tf.qlinear_small_m(x, qb, sb, granularity="block128", config=QGemvConfig(16, 256, USE_DOT=True))
     with pytest.raises(ValueError):

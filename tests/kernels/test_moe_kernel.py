@@ -237,7 +237,8 @@ def dequant_blocks(q, s, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("T,k,E,h,i,cfg", [
     (1, 2, 4, 200, 128, SMALL),  # ragged H: the last K block short, the K loop masked
-    (13, 2, 8, 300, 256, MoeConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, CHUNK=16)),  # steps span K blocks
+    # steps span K blocks (two stages of 32 x 256 tiles: within an H200's shared memory, unlike three of 64 x 256)
+    (13, 2, 8, 300, 256, MoeConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_stages=2, CHUNK=16)),
 ])
 def test_fp8_experts_block_scales(T, k, E, h, i, cfg, dtype):
     """Already-fp8 checkpoints' 128x128 block scales: every tile dequantized as the reference does. Each expert's
