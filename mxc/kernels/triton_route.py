@@ -51,7 +51,7 @@ def _route_row(x, weights_ptr, ids_ptr, t, E: tl.constexpr, K: tl.constexpr, BLO
     k rounds of (max score, lowest expert holding it): two reductions a round, or with ``PACKED`` one,
     over int64 keys (the score's bits, >= 0 for every score, above the reversed expert id). ``BITONIC``
     takes the same keys' top BLOCK_K in one bitonic top-k (``tl.topk``: log2(BLOCK_E) merge stages
-    instead of k rounds of full reductions)."""
+    instead of k rounds of full reductions); at k = 1 it is the packed round."""
     offs = tl.arange(0, BLOCK_E)
     ok = offs < E
     if SIGMOID:
@@ -66,11 +66,11 @@ def _route_row(x, weights_ptr, ids_ptr, t, E: tl.constexpr, K: tl.constexpr, BLO
     if PACKED or BITONIC:  # distinct keys: their order is the rounds' (score, then the lower expert id)
         key = (s.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - offs).to(tl.int64)
         key = tl.where(ok, key, -1)
-    if BITONIC:
+    if BITONIC and BLOCK_K > 1:  # a top 1 is the packed round's one max (Triton 3.6's tl.topk fails at k = 1)
         top = tl.topk(key, BLOCK_K)  # descending; past E only when BLOCK_K > K
         w = (top >> 32).to(tl.int32).to(tl.float32, bitcast=True)
         ids = BLOCK_E - 1 - (top & 0xFFFFFFFF)
-    elif PACKED:
+    elif PACKED or BITONIC:
         for j in tl.static_range(K):
             top = tl.max(key, axis=0)
             idx = BLOCK_E - 1 - (top & 0xFFFFFFFF)
