@@ -31,6 +31,22 @@ torch.set_num_threads(min(4, torch.get_num_threads()))
 _REPORTS: list[str] = []
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "interpreter: runs Triton kernels in Triton's interpreter on CPU tensors "
+                            "(simulated ranks, a whole program on the CPU); skipped where CUDA is available")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Where CUDA is available the interpreter is off, so the ``interpreter`` tests skip (tests/gpu runs the same
+    kernels and programs on the GPU); every other test runs on either machine."""
+    if not _has_cuda():
+        return
+    skip = pytest.mark.skip(reason="runs Triton's interpreter on CPU tensors, which is off where CUDA is available")
+    for item in items:
+        if item.get_closest_marker("interpreter"):
+            item.add_marker(skip)
+
+
 def pytest_runtest_logreport(report):
     if report.when == "call":
         _REPORTS.extend(value for key, value in report.user_properties if key == "report")

@@ -27,6 +27,8 @@ from mxc.loaders.dummy import DummyCheckpoint
 from mxc.loaders.quantize import quantize_fp8
 from mxc.models.registry import MODELS_DIR, bind_model, lookup
 
+pytestmark = pytest.mark.interpreter  # the CUDA program's kernels on CPU tensors (tests/gpu: on the GPU)
+
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, rms_norm_eps=1e-5,
             rope_theta=10000.0)

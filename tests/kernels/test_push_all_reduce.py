@@ -16,6 +16,8 @@ import torch
 from mxc.kernels import torch_ref
 from mxc.kernels.peer_allreduce import push_all_reduce
 
+pytestmark = pytest.mark.interpreter  # ranks run one after another, which only the interpreter allows
+
 EMPTY = -32768
 
 
