@@ -6,6 +6,8 @@
 #           cutlass_fp8 as c, mlp_pair_fp8 as m; c.build_library('build/cutlass/cutlass_fp8.so');
 #           m.library('build/mlp_pair/mlp_pair_fp8.so')"): without the CUTLASS library its 35 tests skip (the GPU
 #           image has no nvidia-cutlass to generate it), and fp8 builds there take torch._scaled_mm for prefill
+#   suite   the rest of the suite (all but tests/gpu) on the GPU: its kernel tests launch compiled kernels with the
+#           GPU's Triton instead of the interpreter; the `interpreter` tests skip (~250 s with 12 workers, 2026-12-04)
 #   kattn   the attention kernels' tests on the GPU (tests/kernels/test_attention.py: its fp32 cases catch tf32
 #           dots, which the interpreter does not)
 #   decode  bf16 + fp8 decode/prefill, the PDL A/B per batch, per-kernel profiles at batch 1 and 8 and of
@@ -74,6 +76,7 @@ run() {  # run LIMIT_S LOG CMD...: stop at the limit with every Python thread's 
 
 case "${1:-}" in
   tests)  run 560 pytest.log python3 -m pytest -q -p no:cacheprovider tests/gpu --durations=10 ;;
+  suite)  run 560 pytest_suite.log python3 -m pytest -q -p no:cacheprovider -n "${SUITE_WORKERS:-12}" tests --ignore=tests/gpu ;;
   kattn)  run 300 pytest_attention.log python3 -m pytest -q -p no:cacheprovider tests/kernels/test_attention.py ;;
   decode) run 570 decode.log python3 bench/decode.py --profile 1,8 --profile-prefill --quant fp8 --hf-batches 1,8,32 --pdl-ab \
             --out "$scratch/b8" ;;
