@@ -100,25 +100,18 @@ def test_cutlass_needs_n_a_multiple_of_8_only(monkeypatch):
         assert (_why("fp8_gemm.cutlass", "qlinear", ins, {"granularity": "channel"}) is None) == ok, n
 
 
-@pytest.mark.parametrize("dtype, ok", [("bfloat16", True), ("float32", True), ("float16", False)])
-def test_one_shot_all_reduce_takes_bf16_or_fp32(dtype, ok):
-    one_shot = BuildOptions(target="cuda", dtype="bfloat16", tp=2, tp_allreduce="one_shot")
-    why = _why("cuda_ops.all_reduce_one_shot", "all_reduce", [_t("T", 4096, dtype=dtype)], options=one_shot)
+@pytest.mark.parametrize("way, dtypes, other", [("one_shot", ("bfloat16", "float32"), "push"),
+                                                 ("push", ("bfloat16", "float16"), "nccl")])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_custom_all_reduces_take_their_dtypes_when_asked(way, dtypes, other, dtype):
+    """The one-shot all-reduce sums bf16 or fp32, the push one bf16 or fp16; each only where --tp-allreduce asks."""
+    kernel, ok = f"cuda_ops.all_reduce_{way}", dtype in dtypes
+    why = _why(kernel, "all_reduce", [_t("T", 4096, dtype=dtype)],
+               options=BuildOptions(target="cuda", dtype="bfloat16", tp=2, tp_allreduce=way))
     assert (why is None) == ok and (ok or f"not {dtype}" in why)
-    asked_not = _why("cuda_ops.all_reduce_one_shot", "all_reduce", [_t("T", 4096, dtype=dtype)],
-                     options=BuildOptions(target="cuda", dtype="bfloat16", tp=2, tp_allreduce="push"))
-    assert "not asked for (--tp-allreduce one_shot)" in asked_not
-
-
-@pytest.mark.parametrize("dtype, ok", [("bfloat16", True), ("float16", True), ("float32", False)])
-def test_push_all_reduce_sums_bf16_or_fp16(dtype, ok):
-    push = BuildOptions(target="cuda", dtype="bfloat16", tp=2, tp_allreduce="push")
-    why = _why("cuda_ops.all_reduce_push", "all_reduce", [_t("T", 4096, dtype=dtype)], options=push)
-    assert (why is None) == ok and (ok or f"not {dtype}" in why)
-    asked_not = _why("cuda_ops.all_reduce_push", "all_reduce", [_t("T", 4096, dtype=dtype)],
-                     options=BuildOptions(target="cuda", dtype="bfloat16", tp=2, tp_allreduce="nccl"))
-    assert "not asked for (--tp-allreduce push)" in asked_not
-
+    asked_not = _why(kernel, "all_reduce", [_t("T", 4096, dtype=dtype)],
+                     options=BuildOptions(target="cuda", dtype="bfloat16", tp=2, tp_allreduce=other))
+    assert f"not asked for (--tp-allreduce {way})" in asked_not
 
 
 def test_mlp_pair_declines_interleaved_gate_up(monkeypatch):
