@@ -80,3 +80,24 @@ def test_edited_stored_source_is_refused():
     name = kernel_templates.kernel("rms_norm", "rms_norm_kernel", **params).fn.__module__
     with pytest.raises(MxcError, match="does not match its name"):
         kernel_templates.pin("rms_norm", params, name, source.replace("eps", "eps * 2"))
+
+
+def test_nested_unpinned_keeps_the_outer_block_unpinned():
+    """Leaving an inner ``unpinned`` block restores the state before it (still unpinned), not pins on."""
+    import hashlib
+
+    params = dict(H=56, BLOCK_H=64, RESIDUAL=False)
+    fresh = kernel_templates.kernel("rms_norm", "rms_norm_kernel", **params)
+    stored = kernel_templates.render("rms_norm", **params) + "\n# another build\n"
+    name = f"mxc_generated.rms_norm_{hashlib.sha256(stored.encode()).hexdigest()[:16]}"
+    kernel_templates.pin("rms_norm", params, name, stored)
+    with kernel_templates.unpinned():
+        with kernel_templates.unpinned():
+            pass
+        assert kernel_templates.kernel("rms_norm", "rms_norm_kernel", **params) is fresh
+    assert kernel_templates.kernel("rms_norm", "rms_norm_kernel", **params).fn.__module__ == name
+
+
+def test_is_generated_needs_the_package_and_a_dot():
+    assert kernel_templates.is_generated("mxc_generated.rms_norm_0123456789abcdef")
+    assert not kernel_templates.is_generated("mxc_generated_extra.rms_norm") and not kernel_templates.is_generated("mxc")

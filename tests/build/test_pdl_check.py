@@ -186,3 +186,12 @@ def test_a_kernel_without_a_wait_is_not_read_into_the_next_function():
     ptx = (_HEAD + "\tadd.s64 %rd5, %rd1, %rd4;\n\tld.global.b32 { %r2 }, [ %rd5 + 0 ];\n\tret;\n}\n"
            + _ptx("").replace(".entry k(", ".entry k2(").replace("k_param", "k2_param"))
     assert pdl_check.touched_before_wait(ptx, "k") == []
+
+
+def test_prefetch_bytes_rule():
+    """``prefetch_bytes``: 0 for none, else the bytes asked capped at the row (a power of two), at least 128."""
+    from mxc.kernels.pdl import prefetch_bytes
+
+    assert prefetch_bytes(0, 4096) == 0 and prefetch_bytes(-5, 4096) == 0
+    assert prefetch_bytes(64, 4096) == 128 and prefetch_bytes(2048, 8192) == 2048
+    assert prefetch_bytes(8192, 1000) == 1024 and prefetch_bytes(4096, 100) == 128

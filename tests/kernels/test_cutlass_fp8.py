@@ -68,6 +68,10 @@ def test_small_m_kernels_and_the_dispatch(monkeypatch):
     assert "namespace mxc_cutlass_fp8_silu_pair {" in source and "namespace mxc_cutlass_fp8_small_silu_pair {" in source
     assert "struct SiluPairEpilogue" in source and "#pragma once" not in source  # the header, embedded
     assert f"int mxc_cutlass_fp8_silu_pair_block() {{ return {cutlass_fp8.PAIR_BLOCK}; }}" in source
+    # the library's name: the main plain kernel's, then the small-M plain kernel's (not a residual one's)
+    name = source.split('mxc_cutlass_fp8_name() { return "')[1].split('"')[0]
+    main, small_name = name.split("; M <= 256: ")
+    assert "_void_bf16" in main and "_void_bf16" in small_name and "64x128x128_1x1x1" in small_name
     single = cutlass_fp8.generate()
     assert "#define MXC_SMALL_M_MAX 0" in single and "namespace mxc_cutlass_fp8_small_plain = mxc_cutlass_fp8_plain;" in single
     monkeypatch.delenv(cutlass_fp8.PREBUILT_ENV, raising=False)
@@ -85,6 +89,8 @@ def test_generate_options():
     assert "silu_pair" not in fast  # SiLU-pair kernels for pingpong configurations only
     with pytest.raises(ValueError, match="schedule"):
         cutlass_fp8.generate(schedule="stream-k")
+    with pytest.raises(ValueError, match="scheduler"):
+        cutlass_fp8.generate(scheduler="round-robin")
 
 
 def test_compile_failure_reports_nvcc_output(tmp_path):
@@ -138,3 +144,75 @@ def test_lab_library_hook_picks_a_library_per_k(monkeypatch):
     assert cutlass_fp8.active(4096) == "a.so" and cutlass_fp8.active(14336) == "a.so"
     monkeypatch.setattr(cutlass_fp8, "LAB_LIBRARY", {0: "base.so", 14336: "down.so"})
     assert [cutlass_fp8.active(k) for k in (4096, 14336, 0)] == ["base.so", "down.so", "base.so"]
+
+
+class _FakeLib:
+    """Stands in for the ctypes library: counts the workspace queries, gives each kind its own size."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        sizes = {"mxc_cutlass_fp8_workspace": 1, "mxc_cutlass_fp8_residual_workspace": 2,
+                 "mxc_cutlass_fp8_silu_pair_workspace": 3}
+
+        def fn(*args):
+            self.calls.append(name)
+            return sizes.get(name, 0) * 1000 + args[0] if name in sizes else 0
+        return fn
+
+
+def _fake_gemm(has_residual=True, has_silu_pair=True):
+    gemm = object.__new__(cutlass_fp8.CutlassFp8Gemm)
+    gemm.path, gemm._lib, gemm._workspace = "fake.so", _FakeLib(), {}
+    gemm.has_residual, gemm.has_silu_pair = has_residual, has_silu_pair
+    return gemm
+
+
+def test_workspace_is_asked_once_per_shape_and_kind():
+    gemm = _fake_gemm()
+    assert [gemm.workspace_bytes(7, 8, 16, kind=k) for k in ("plain", "residual", "silu_pair")] == [1007, 2007, 3007]
+    assert gemm.workspace_bytes(7, 8, 16, residual=True) == 2007 and gemm.workspace_bytes(7, 8, 16) == 1007
+    assert len(gemm._lib.calls) == 3  # cached
+    for m in range(5000):  # one entry a shape, bounded
+        gemm.workspace_bytes(m, 8, 16)
+    assert len(gemm._workspace) <= 4096
+
+
+def test_missing_kernels_and_bad_status_raise():
+    gemm = _fake_gemm(has_residual=False, has_silu_pair=False)
+    with pytest.raises(RuntimeError, match="no residual kernel"):
+        gemm(0, 0, 0, 0, 0, 16, 32, 64, residual=1)
+    with pytest.raises(RuntimeError, match="no SiLU-pair kernels"):
+        gemm.silu_pair(0, 0, 0, 0, 0, 0, 16, 128, 64)
+    assert gemm._lib.calls == []  # refused before calling into the library
+    cutlass_fp8._check(0, "GEMM", 1, 2, 3)
+    for status in (1, 2, 3, 4, 9):
+        with pytest.raises(RuntimeError, match=f"M=1, N=2, K=3\\): status {status}"):
+            cutlass_fp8._check(status, "GEMM", 1, 2, 3)
+
+
+def test_library_config_says_prebuilt(monkeypatch):
+    monkeypatch.setenv(cutlass_fp8.PREBUILT_ENV, "/some/lib.so")
+    assert cutlass_fp8.library_config() == "prebuilt"
+
+
+def test_source_patches_refuse_unexpected_text():
+    """_round_product_first and _fix_evt_tile refuse source that does not hold the text they patch exactly once;
+    a 1x1x1 cluster needs no fix."""
+    with pytest.raises(RuntimeError, match="_round_product_first"):
+        cutlass_fp8._round_product_first("no epilogue tree here")
+    with pytest.raises(RuntimeError, match="_fix_evt_tile"):
+        cutlass_fp8._fix_evt_tile("no descriptor here", (128, 128, 128), (2, 1, 1))
+    assert cutlass_fp8._fix_evt_tile("anything", (128, 128, 128), (1, 1, 1)) == "anything"
+
+
+def test_silu_pair_supported_rule():
+    from mxc.kernels import cutlass_silu_pair
+
+    pp = dict(schedule="pingpong")
+    assert cutlass_silu_pair.supported([pp, dict(pp, tile=(64, 128, 128))])
+    assert not cutlass_silu_pair.supported([dict(schedule="cooperative")])
+    assert not cutlass_silu_pair.supported([pp, dict(pp, scheduler="persistent")])
+    assert not cutlass_silu_pair.supported([pp, dict(pp, tile=(64, 64, 128))])  # one tile width, one interleave
+    assert "SiluPairEpilogue<256>" in cutlass_silu_pair.kernel("ns", dict(tile=(64, 256, 128)), "Kernel")

@@ -493,3 +493,98 @@ def test_scaled_mm_cpu_against_the_reference(prologue):
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
     with pytest.raises(ValueError, match="runs on CUDA tensors"):
         fp8_gemm.cutlass(x, q, s, prologue=prologue, norm_weight=norm_weight)
+
+
+def test_gemm_rejects_bad_configs():
+    """qlinear_gemm refuses, before any launch, configs its kernel cannot run (``_check_gemm_config``), and
+    gemm_config_for an unsupported dtype or granularity."""
+    x, q, s, _, _ = (_dev(t) for t in _inputs(40, 32, 64, torch.float16, "channel", False, False, False, seed=3))
+    qb, sb = (_dev(t) for t in quantize_fp8(torch.randn(32, 64), "block128"))
+    launches = []
+    with launch_mod.using(lambda *a: launches.append(a)):
+        for cfg, msg in [(replace(GEMM, GROUP_M=0), "GROUP_M >= 1"), (replace(GEMM, QUANT_BLOCK_K=96), "powers of two"),
+                         (replace(GEMM, BLOCK_M=8), "BLOCK_M, BLOCK_N >= 16"),
+                         (replace(GEMM, BLOCK_K=16), "BLOCK_K >= 32")]:
+            with pytest.raises(ValueError, match=msg):
+                tf.qlinear_gemm(x, q, s, granularity="channel", config=cfg)
+        with pytest.raises(ValueError, match="dividing 128"):  # a 256-column tile spans two scale blocks
+            tf.qlinear_gemm(x, qb, sb, granularity="block128", config=replace(GEMM, BLOCK_N=256))
+    assert launches == []
+    tf.qlinear_gemm(x, q, s, granularity="channel", config=replace(GEMM, BLOCK_N=256))  # channel: any BLOCK_N
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        tf.gemm_config_for(32, 64, torch.float64, "channel")
+    with pytest.raises(ValueError, match="granularity"):
+        tf.gemm_config_for(32, 64, torch.float16, "row")
+
+
+@pytest.mark.parametrize("M", [3, 40])
+@pytest.mark.parametrize("gran", ["tensor", "block128"])
+def test_qlinear_passes_granularity_and_out(M, gran):
+    """qlinear hands its granularity and ``out`` to the wrapper it picks (GEMV at M <= 32, GEMM above)."""
+    dtype = torch.float16
+    x, q, s, b, r = _inputs(M, 24, 300, dtype, gran, True, True, False, seed=M)
+    out = torch.empty(M, 24, dtype=dtype, device=DEVICE)
+    y = tf.qlinear(_dev(x), _dev(q), _dev(s), _dev(b), _dev(r), granularity=gran, out=out)
+    assert y.data_ptr() == out.data_ptr()
+    _check(y, fp8_ref.qlinear(x, q, s, b, r, gran), dtype)
+
+
+def test_scaled_mm_cpu_interleave_and_eps():
+    """fp8_gemm.scaled_mm on the CPU de-interleaves the SiLU prologue's gate/up blocks (``interleave``) and
+    uses the RMSNorm prologue's ``eps``."""
+    from mxc.kernels import fp8_gemm
+
+    try:
+        one = torch.ones(16, 16).to(tf.FP8)
+        torch._scaled_mm(one, one.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except RuntimeError as e:
+        pytest.skip(f"this torch's CPU _scaled_mm takes no row-wise scales: {str(e).splitlines()[0][:80]}")
+    gen = torch.Generator().manual_seed(12)
+    n, k, B = 48, 64, 16
+    q, s = quantize_fp8(torch.randn(n, k, generator=gen) * k ** -0.5, "channel")
+    halves = torch.randn(5, 2 * k, generator=gen).to(torch.bfloat16)  # [gate | up]
+    gate, up = halves.chunk(2, dim=-1)  # interleaved: B gate columns, then their B up columns, block by block
+    inter = torch.stack([gate.reshape(5, -1, B), up.reshape(5, -1, B)], dim=2).reshape(5, 2 * k)
+    got = fp8_gemm.scaled_mm(inter, q, s, prologue="silu_mul", interleave=B)
+    want = fp8_ref.qlinear(halves, q, s, prologue="silu_mul")
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    x = torch.randn(5, k, generator=gen).to(torch.bfloat16) * 0.3
+    g = torch.rand(k, generator=gen).to(torch.bfloat16) + 0.5
+    got = fp8_gemm.scaled_mm(x, q, s, prologue="rms_norm", norm_weight=g, eps=1.0)  # eps comparable to mean(x^2)
+    want = fp8_ref.qlinear(torch_ref.rms_norm(x, g, 1.0), q, s)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_cutlass_paths_record_on_meta():
+    """On meta tensors (a build recording) fp8_gemm.cutlass records the quantize kernel alone, the RMSNorm
+    prologue's weight passed to it; fp8_gemm.silu_pair records the RMSNorm-quantize (with the norm weight) and
+    quantize_max over h [M, N/2] and pmax [M, N / (2 * interleave)]."""
+    from mxc.kernels import fp8_gemm
+
+    meta = lambda *shape, dtype=torch.bfloat16: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
+    m, n, k, B = 40, 512, 256, 64
+    w, s, g = meta(n, k, dtype=tf.FP8), meta(n, dtype=torch.float32), meta(k)
+    launches = []
+    with launch_mod.using(lambda kernel, grid, args, *rest: launches.append((kernel, args))):
+        y = fp8_gemm.cutlass(meta(m, k), w, s, prologue="rms_norm", norm_weight=g)
+        assert y.shape == (m, n) and y.dtype == torch.bfloat16 and y.device.type == "meta"
+        assert [kl for kl, _ in launches] == [tfq._quant_tile_kernel]
+        assert any(a is g for a in launches[0][1])
+        launches.clear()
+        xq, xs = fp8_gemm.silu_pair(meta(m, k), g, w, s, 1e-6, B)
+    assert xq.shape == (m, n // 2) and xs.shape[0] == m
+    assert len(launches) == 2 and any(a is g for a in launches[0][1])
+    pmax = [a for a in launches[1][1] if isinstance(a, torch.Tensor) and a.dtype == torch.float32 and a.dim() == 2]
+    assert [tuple(p.shape) for p in pmax] == [(m, n // (2 * B))]
+
+
+def test_has_silu_pair_needs_the_library_s_interleave(monkeypatch):
+    from types import SimpleNamespace
+
+    from mxc.kernels import cutlass_fp8, fp8_gemm
+
+    lib = SimpleNamespace(has_silu_pair=True, pair_block=64)
+    monkeypatch.setattr(cutlass_fp8, "active", lambda k=0: lib)
+    assert fp8_gemm.has_silu_pair(64) and not fp8_gemm.has_silu_pair(32) and not fp8_gemm.has_silu_pair(0)
+    lib.has_silu_pair = False
+    assert not fp8_gemm.has_silu_pair(64)

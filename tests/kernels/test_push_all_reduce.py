@@ -162,3 +162,49 @@ def test_pushing_gemv_then_the_wait_kernel(world, what, dtype):
             if call:
                 prev = (flags[r] + 2) % 3
                 assert bool((ranks.bufs[r][prev * ranks.slot:(prev + 1) * ranks.slot] == EMPTY).all())
+
+
+def test_host_checks_refuse_before_launching():
+    """push_all_reduce's host checks (a slot holds every rank's rows; the RMSNorm needs the residual; x
+    contiguous), the runtime's dtype rule and ``fits`` (PushAllReduce, OneShotAllReduce)."""
+    from mxc.kernels.peer_allreduce import OneShotAllReduce, PushAllReduce
+
+    ranks = Ranks(2, 64, max_tokens=2, dtype=torch.bfloat16)
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    def call(x, slot=ranks.slot, **kw):  # max_spins=1: a launch a check let through ends at once
+        return push_all_reduce(x, ranks.ptrs, ranks.states[0], 0, slot, 2, max_spins=1, **kw)
+    with pytest.raises(AssertionError, match="exceed a slot"):
+        call(x, slot=2 * 64 * 2 - 1)  # T * H fits, T * H * world does not
+    with pytest.raises(AssertionError, match="RMSNorm follows the residual"):
+        call(x, weight=torch.ones(64, dtype=torch.bfloat16))
+    with pytest.raises(AssertionError, match="contiguous"):
+        call(torch.randn(64, 2, dtype=torch.bfloat16).t())
+    assert ranks.states[0].tolist() == [0, 0, 0, 0]  # nothing launched (a launch advances the slot)
+    with pytest.raises(RuntimeError, match="bf16 or fp16"):
+        PushAllReduce(None, 2, 64, torch.float32, torch.device("cpu"))
+    comm = object.__new__(PushAllReduce)
+    comm.max_tokens, comm.hidden, comm.dtype = 2, 64, torch.bfloat16
+    assert comm.fits(x) and comm.fits(x[:1]) and not comm.fits(torch.cat([x, x[:1]]))
+    assert not comm.fits(x.half()) and not comm.fits(x[:, :32]) and not comm.fits(x[0])
+    one = object.__new__(OneShotAllReduce)
+    one.buffer = torch.empty(128, dtype=torch.bfloat16)
+    assert one.fits(x) and not one.fits(x.float()) and not one.fits(torch.cat([x, x[:1]]))
+
+
+def test_check_flag_from_a_peer_sticks(monkeypatch):
+    """A peer's late flag (all-reduced over the ranks) makes this rank's check raise, and keep raising after."""
+    import torch.distributed as dist
+
+    from mxc.errors import MxcError
+    from mxc.kernels.peer_allreduce import PushAllReduce
+
+    comm = object.__new__(PushAllReduce)
+    comm.world, comm.group, comm.state = 2, None, torch.zeros(4, dtype=torch.int32)
+    peer_late = [1]
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op=None, group=None: t.fill_(max(int(t), peer_late[0])))
+    with pytest.raises(MxcError, match="did not deliver"):
+        comm.check()
+    peer_late[0] = 0
+    with pytest.raises(MxcError, match="did not deliver"):
+        comm.check()
