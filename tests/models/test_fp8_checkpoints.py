@@ -62,6 +62,14 @@ def _prequantize(src, dst, qconfig, granularity, suffix, keep=lambda name: False
     return out
 
 
+def _refused(src, tmp_path, match: str, **options) -> mxc.MxcError:
+    """``mxc.build`` of ``src`` fails with a one-line error matching ``match`` and writes nothing."""
+    with pytest.raises(mxc.MxcError, match=match) as e:
+        mxc.build(str(src), out=tmp_path / "a", progress=False, log=lambda m: None, **options)
+    assert "\n" not in str(e.value) and not (tmp_path / "a").exists()
+    return e.value
+
+
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_prequantized_checkpoint_is_imported_as_is(fmt, hf_checkpoint, tmp_path):
     qconfig, granularity, suffix = FORMATS[fmt]
@@ -99,8 +107,7 @@ def test_unsupported_quantization_config_is_refused(hf_checkpoint, tmp_path):
     config = json.loads((ckpt / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "awq", "bits": 4}
     (ckpt / "config.json").write_text(json.dumps(config))
-    with pytest.raises(mxc.MxcError, match="quant_method 'awq' is not supported"):
-        mxc.build(str(ckpt), out=tmp_path / "a", progress=False, log=lambda m: None)
+    _refused(ckpt, tmp_path, "quant_method 'awq' is not supported")
 
 
 def test_fp8_tensor_not_declared_fp8_is_refused(hf_checkpoint, tmp_path):
@@ -111,9 +118,7 @@ def test_fp8_tensor_not_declared_fp8_is_refused(hf_checkpoint, tmp_path):
     tensors = load_file(tmp_path / "fp8-ckpt" / "model.safetensors")
     tensors["lm_head.weight"] = tensors["lm_head.weight"].to(torch.float8_e4m3fn)
     save_file(tensors, tmp_path / "fp8-ckpt" / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(mxc.MxcError, match="lm_head.weight is stored as torch.float8_e4m3fn"):
-        mxc.build(str(tmp_path / "fp8-ckpt"), out=tmp_path / "a", progress=False, log=lambda m: None)
-    assert not (tmp_path / "a").exists()
+    _refused(tmp_path / "fp8-ckpt", tmp_path, "lm_head.weight is stored as torch.float8_e4m3fn")
 
 
 def test_hf_fp8_without_weight_block_size_is_block_128(hf_checkpoint, tmp_path):
@@ -148,9 +153,7 @@ def test_scales_unlike_the_config_are_refused(said, stored, hf_checkpoint, tmp_p
     qconfig = {"quant_method": "fp8", "weight_block_size": [128, 128] if said == "block128" else None}
     ckpt, _ = hf_checkpoint("LlamaForCausalLM", **SHAPE)
     _prequantize(ckpt, tmp_path / "fp8-ckpt", qconfig, stored, "weight_scale_inv")
-    with pytest.raises(mxc.MxcError, match=r"_proj\.weight_scale_inv has shape \[.*\], expected ") as e:
-        mxc.build(str(tmp_path / "fp8-ckpt"), out=tmp_path / "a", progress=False, log=lambda m: None)
-    assert "\n" not in str(e.value) and not (tmp_path / "a").exists()
+    _refused(tmp_path / "fp8-ckpt", tmp_path, r"_proj\.weight_scale_inv has shape \[.*\], expected ")
 
 
 def test_compressed_tensors_groups_of_several_strategies_are_refused(hf_checkpoint, tmp_path):
@@ -160,8 +163,7 @@ def test_compressed_tensors_groups_of_several_strategies_are_refused(hf_checkpoi
               "mlp": {"targets": ["re:.*mlp.*"], "weights": {"type": "float", "num_bits": 8, "strategy": "channel"}}}
     ckpt, _ = hf_checkpoint("LlamaForCausalLM", **SHAPE)
     _prequantize(ckpt, tmp_path / "fp8-ckpt", {**qconfig, "config_groups": groups}, granularity, suffix)
-    with pytest.raises(mxc.MxcError, match=r"config_groups mix the fp8 strategies \['channel', 'tensor'\]"):
-        mxc.build(str(tmp_path / "fp8-ckpt"), out=tmp_path / "a", progress=False, log=lambda m: None)
+    _refused(tmp_path / "fp8-ckpt", tmp_path, r"config_groups mix the fp8 strategies \['channel', 'tensor'\]")
 
 
 def test_compressed_tensors_blocks_other_than_128_are_refused(hf_checkpoint, tmp_path):
@@ -170,8 +172,7 @@ def test_compressed_tensors_blocks_other_than_128_are_refused(hf_checkpoint, tmp
                                                 "block_structure": [64, 64]}}
     ckpt, _ = hf_checkpoint("LlamaForCausalLM", **SHAPE)
     _prequantize(ckpt, tmp_path / "fp8-ckpt", {**qconfig, "config_groups": {"g": group}}, granularity, suffix)
-    with pytest.raises(mxc.MxcError, match=r"block_structure \[64, 64\] is not supported \(expected \[128, 128\]\)"):
-        mxc.build(str(tmp_path / "fp8-ckpt"), out=tmp_path / "a", progress=False, log=lambda m: None)
+    _refused(tmp_path / "fp8-ckpt", tmp_path, r"block_structure \[64, 64\] is not supported \(expected \[128, 128\]\)")
 
 
 def test_quant_lm_head_over_a_bf16_lm_head_says_so(hf_checkpoint, tmp_path):
@@ -179,10 +180,8 @@ def test_quant_lm_head_over_a_bf16_lm_head_says_so(hf_checkpoint, tmp_path):
     qconfig, granularity, suffix = FORMATS["compressed-tensors-channel"]
     ckpt, _ = hf_checkpoint("LlamaForCausalLM", **SHAPE)
     _prequantize(ckpt, tmp_path / "fp8-ckpt", qconfig, granularity, suffix)
-    with pytest.raises(mxc.MxcError, match=r"missing tensor 'lm_head\.weight_scale' .*does not store that weight in "
-                                           r"fp8 with scales \(--quant-lm-head asks for the LM head's; build without it\)"):
-        mxc.build(str(tmp_path / "fp8-ckpt"), out=tmp_path / "a", quant_lm_head=True, progress=False,
-                  log=lambda m: None)
+    _refused(tmp_path / "fp8-ckpt", tmp_path, r"missing tensor 'lm_head\.weight_scale' .*does not store that weight "
+             r"in fp8 with scales \(--quant-lm-head asks for the LM head's; build without it\)", quant_lm_head=True)
 
 
 MOE = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
@@ -291,9 +290,8 @@ def test_an_fp8_router_is_refused_by_name(hf_checkpoint, tmp_path):
         q, s = quantize_fp8(tensors[f"model.layers.{i}.mlp.gate.weight"], granularity)
         tensors[f"model.layers.{i}.mlp.gate.weight"], tensors[f"model.layers.{i}.mlp.gate.weight_scale"] = q, s
     save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(mxc.MxcError, match=r"model\.layers\.0\.mlp\.gate\.weight is stored in fp8 with scales .*"
-                                           r"keeps weight layers\.0\.w_router in the model dtype"):
-        mxc.build(str(dst), out=tmp_path / "a", progress=False, log=lambda m: None)
+    _refused(dst, tmp_path, r"model\.layers\.0\.mlp\.gate\.weight is stored in fp8 with scales .*"
+             r"keeps weight layers\.0\.w_router in the model dtype")
 
 
 def test_linears_an_fp8_checkpoint_keeps_unquantized_stay_so(hf_checkpoint, tmp_path):
@@ -328,9 +326,7 @@ def test_fp8_checkpoints_mixed_within_a_weight_are_refused(keep, needle, hf_chec
     qconfig, granularity, suffix = FORMATS["compressed-tensors-channel"]
     ckpt, _ = hf_checkpoint("Qwen3MoeForCausalLM", **MOE)
     _prequantize(ckpt, tmp_path / "fp8-ckpt", qconfig, granularity, suffix, keep=keep)
-    with pytest.raises(mxc.MxcError, match=needle) as e:
-        mxc.build(str(tmp_path / "fp8-ckpt"), out=tmp_path / "a", progress=False, log=lambda m: None)
-    assert "\n" not in str(e.value) and "--quant fp8" in str(e.value) and not (tmp_path / "a").exists()
+    assert "--quant fp8" in str(_refused(tmp_path / "fp8-ckpt", tmp_path, needle))
 
 
 @pytest.mark.parametrize("arch,name,dtype", [
@@ -347,10 +343,8 @@ def test_an_fp8_checkpoint_part_in_another_dtype_is_named(arch, name, dtype, hf_
     fp8 = _prequantize(ckpt, tmp_path / "fp8-ckpt", qconfig, granularity, suffix)
     fp8[name] = fp8[name].float().to(dtype)
     save_file(fp8, tmp_path / "fp8-ckpt" / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(mxc.MxcError, match=rf"{re.escape(name)} is stored as {dtype}, but config.json's "
-                                           r"quantization_config says the checkpoint holds float8_e4m3fn") as e:
-        mxc.build(str(tmp_path / "fp8-ckpt"), out=tmp_path / "a", progress=False, log=lambda m: None)
-    assert "\n" not in str(e.value) and not (tmp_path / "a").exists()
+    _refused(tmp_path / "fp8-ckpt", tmp_path, rf"{re.escape(name)} is stored as {dtype}, but config.json's "
+             r"quantization_config says the checkpoint holds float8_e4m3fn")
 
 
 def test_block_scales_of_merged_parts_off_the_block_grid_are_refused(hf_checkpoint, tmp_path):
@@ -360,9 +354,7 @@ def test_block_scales_of_merged_parts_off_the_block_grid_are_refused(hf_checkpoi
     ckpt, _ = hf_checkpoint("LlamaForCausalLM", hidden_size=128, intermediate_size=256, num_attention_heads=4,
                             num_key_value_heads=1, head_dim=96)
     _prequantize(ckpt, tmp_path / "fp8", qconfig, granularity, suffix)
-    with pytest.raises(mxc.MxcError, match="not whole 128-row blocks"):
-        mxc.build(str(tmp_path / "fp8"), out=tmp_path / "o", progress=False, log=lambda m: None)
-    assert not (tmp_path / "o").exists()
+    _refused(tmp_path / "fp8", tmp_path, "not whole 128-row blocks")
 
 
 def test_a_granularity_unlike_the_checkpoints_is_refused(hf_checkpoint, tmp_path):
@@ -370,7 +362,5 @@ def test_a_granularity_unlike_the_checkpoints_is_refused(hf_checkpoint, tmp_path
     qconfig, granularity, suffix = FORMATS["hf-fp8-block"]
     ckpt, _ = hf_checkpoint("LlamaForCausalLM", **SHAPE)
     _prequantize(ckpt, tmp_path / "fp8", qconfig, granularity, suffix)
-    with pytest.raises(mxc.MxcError, match=r"already fp8 \(block128 scales\); --quant-granularity tensor cannot "
-                                           r"change that"):
-        mxc.build(str(tmp_path / "fp8"), out=tmp_path / "o", quant_granularity="tensor", progress=False,
-                  log=lambda m: None)
+    _refused(tmp_path / "fp8", tmp_path, r"already fp8 \(block128 scales\); --quant-granularity tensor cannot "
+             r"change that", quant_granularity="tensor")
