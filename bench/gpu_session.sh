@@ -49,6 +49,9 @@
 #   prefill the fp8 prefill's pieces: attention in both grid orders, the CUTLASS GEMMs against _scaled_mm per shape,
 #           the quantize kernels' configs, then a 7-round prefill A/B of PREFILL_VARIANTS ("--variant a=... --variant
 #           b=", bench/decode_ab.py syntax) with per-kernel profiles; prefill figures move 1-2 ms between rounds
+#   sanitize compute-sanitizer memcheck over the kernel tests (SANITIZE_TESTS; default tests/kernels) with PyTorch's
+#           caching allocator off, after a positive control (bench/sanitizer_control.py) it must catch; carry
+#           build/sanitizer (pip download nvidia-cuda-sanitizer-api --no-deps -d build/sanitizer) if the machine has none
 # Logs go to $OUT (the device tool's output folder) when set, else to build/gpu-logs.
 # Device-time plan for one session (each line one call, under 10 minutes):
 #   nvidia-h200:    tests, then lab  |  decode, then ab  |  moe (MOE_ARGS=--batch1-only: ~4 minutes)
@@ -67,6 +70,16 @@ mkdir -p "$logs"
 # large artifacts go to memory-backed storage where it is big enough (the MoE one is 61 GB)
 scratch=/tmp
 if [ -d /dev/shm ] && [ "$(df -B1G --output=avail /dev/shm | tail -1)" -gt 80 ]; then scratch=/dev/shm; fi
+
+sanitizer_path() {  # compute-sanitizer: on the PATH, else installed from the wheel carried in build/sanitizer
+  # (pip download nvidia-cuda-sanitizer-api --no-deps -d build/sanitizer, on the CPU machine)
+  if command -v compute-sanitizer >/dev/null; then command -v compute-sanitizer; return; fi
+  local whl=${SANITIZER_WHEEL:-}  # default: the CUDA 13 one (nvidia_cuda_sanitizer_api-13...)
+  [ -n "$whl" ] || whl=$(ls build/sanitizer/nvidia_cuda_sanitizer_api-*.whl 2>/dev/null | head -1)
+  [ -n "$whl" ] || { echo "no compute-sanitizer and no wheel in build/sanitizer" >&2; return 1; }
+  rm -rf "$scratch/sanitizer"; python3 -m pip install -q --no-deps --target "$scratch/sanitizer" "$whl" >&2 || return 1
+  find "$scratch/sanitizer" -path '*compute-sanitizer/compute-sanitizer' -type f | head -1
+}
 
 run() {  # run LIMIT_S LOG CMD...: stop at the limit with every Python thread's stack (SIGABRT)
   local limit=$1 log=$2; shift 2
@@ -148,6 +161,25 @@ case "${1:-}" in
             --variant both="$o={(2048,768,'up'):{'BLOCK_K':128},(2048,768,'down'):{'BLOCK_K':64,'UNROLL':True}}"
           rm -rf "$scratch"/abmoestep* ;;
   tiles)  run 200 tile_layout_lab.log python3 bench/tile_layout_lab.py ;;
-  *) echo "usage: bash bench/gpu_session.sh tests|kattn|decode|ab|moe|moelab|tp|small|lab|ablate|pair|pairab|gaps|prefill|fp8moe|preload|moefused|gemvs|resident|moestep|tiles" >&2
+  sanitize) # compute-sanitizer memcheck over kernel tests (SANITIZE_TESTS, default tests/kernels) with the caching
+          # allocator off, so a read past a tensor leaves every allocation; first a positive control that must be caught
+          san=$(sanitizer_path) || exit 1
+          memcheck() {  # memcheck LOG_PREFIX: the command line that runs the rest under memcheck, each process's
+            # report in $logs/LOG_PREFIX.PID.log (a command line, not a function, so that `run` can time it out)
+            echo env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$san" --tool memcheck --target-processes all \
+              --require-cuda-init no --print-limit 20 --log-file "$logs/$1.%p.log"
+          }
+          errors() { cat "$logs"/"$1".*.log 2>/dev/null | grep -c "^========= Invalid\|^========= Program hit" ; }
+          $(memcheck control_oob) python3 bench/sanitizer_control.py
+          $(memcheck control_ok) python3 bench/sanitizer_control.py --in-bounds
+          echo "control: out of bounds $(errors control_oob) reports (must be > 0), in bounds $(errors control_ok) (must be 0)"
+          if [ "$(errors control_oob)" = 0 ] || [ "$(errors control_ok)" != 0 ]; then
+            echo "control failed: a clean report below would prove nothing" >&2; exit 1; fi
+          # one process: under memcheck, xdist's workers did not come up in 500 s (2026-12-04)
+          run "${SANITIZE_LIMIT:-500}" sanitize.log $(memcheck kernels) python3 -m pytest -v --tb=line -p no:cacheprovider \
+            -p no:xdist ${SANITIZE_TESTS:-tests/kernels}
+          echo "memcheck reports in the tests: $(errors kernels)"
+          cat "$logs"/kernels.*.log | grep -B2 -A12 "^========= Invalid\|^========= Program hit" | head -200 ;;
+  *) echo "usage: bash bench/gpu_session.sh tests|kattn|decode|ab|moe|moelab|tp|small|lab|ablate|pair|pairab|gaps|prefill|fp8moe|preload|moefused|gemvs|resident|moestep|tiles|sanitize" >&2
      exit 2 ;;
 esac
