@@ -118,6 +118,12 @@ def available() -> str | None:
         return f"turned off (${PREBUILT_ENV}=none)"
     if prebuilt:
         return None if Path(prebuilt).is_file() else f"${PREBUILT_ENV}={prebuilt} is not a file"
+    return generator_available()
+
+
+def generator_available() -> str | None:
+    """None when this machine can generate and compile the library (``cutlass_cppgen`` and nvcc usable), whatever
+    ``$MXC_CUTLASS_LIBRARY`` says, else a one-line reason."""
     if nvcc_tool.find() is None:
         return "nvcc not found (set CUDA_HOME or put nvcc on PATH)"
     try:

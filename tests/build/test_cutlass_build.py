@@ -76,15 +76,22 @@ def test_runtime_without_a_library_says_so(monkeypatch):
         cutlass_fp8.active()
 
 
-@pytest.mark.skipif(cutlass_fp8.available() is not None, reason=f"CUTLASS unusable here: {cutlass_fp8.available()}")
-def test_fp8_cuda_build_ships_the_library(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = tmp_path / "art"
+def _fp8_cuda_build(out, **env_overrides):
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", cutlass_fp8.PREBUILT_ENV)}
     proc = subprocess.run([sys.executable, "-m", "mxc", "build", "llama.yaml", "--target", "cuda", "--quant", "fp8",
                            "--out", str(out), "--max-batch", "4", "--max-seq-len", "128"],
-                          env=env, capture_output=True, text=True, timeout=900)
+                          env={**env, **env_overrides}, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    manifest = json.loads((out / "manifest.json").read_text())
+    return json.loads((out / "manifest.json").read_text())
+
+
+@pytest.mark.skipif(cutlass_fp8.generator_available() is not None,
+                    reason=f"CUTLASS generator unusable here: {cutlass_fp8.generator_available()}")
+def test_fp8_cuda_build_ships_the_library(tmp_path):
+    """Generated and compiled by the build (a prebuilt library named by the environment is ignored here), then the
+    same library named as prebuilt: shipped as it is, its config recorded as "prebuilt"."""
+    out = tmp_path / "art"
+    manifest = _fp8_cuda_build(out)
     entry = manifest["cutlass"]
     assert entry["library"] == cutlass_fp8.LIBRARY and entry["library"] in manifest["files"]
     assert entry["config"] == {"tile": [128, 128, 128], "cluster": [2, 1, 1], "schedule": "pingpong",
@@ -96,3 +103,6 @@ def test_fp8_cuda_build_ships_the_library(tmp_path):
     program = (out / "code" / "forward.py").read_text()
     assert "fp8_gemm.cutlass(" in program and "cuda_ops.rms_norm_qlinear_cutlass(" in program
     assert not list(out.parent.glob(".art.*"))  # nothing half-written left
+    again = _fp8_cuda_build(tmp_path / "again", **{cutlass_fp8.PREBUILT_ENV: str(out / entry["library"])})
+    assert again["cutlass"] == {**entry, "config": "prebuilt"}
+    assert (tmp_path / "again" / entry["library"]).read_bytes() == (out / entry["library"]).read_bytes()
