@@ -22,6 +22,46 @@ def test_param_names_expand_descriptors():
     assert launch.descriptor_rank("tensordesc<fp16[16, 32, 8]>") == 3 and launch.descriptor_rank("*fp16") is None
 
 
+_PTX_PARAMS = """
+.visible .entry k_split(
+	.param .u64 k_split_param_0
+)
+.visible .entry k(
+	.param .u64 .ptr .global .align 1 k_param_0,
+	.param .align 64 .b8 k_param_1[128],
+	.param .u64 k_param_2,
+	.param .s32 k_param_3,
+	.param .f32 k_param_4,
+	.param .f64 k_param_5,
+	.param .b8 k_param_6,
+	.param .u16 k_param_7,
+	.param .b32 k_param_8
+)
+{
+	ret;
+}
+"""
+
+
+def test_ptx_params_reads_each_kind_from_the_entry_declaration():
+    """The kinds of ``k``'s parameters in order (a 128-byte, 64-aligned ``.b8`` array is a TMA map, a lone ``.b8``
+    a byte); ``k_split`` ahead of it is another entry; a missing entry or an unknown type is an error."""
+    assert aot.ptx_params(_PTX_PARAMS, "k") == ["ptr", "tmap", "i64", "i32", "f32", "f64", "i8", "i16", "i32"]
+    assert aot.ptx_params(_PTX_PARAMS, "k_split") == ["i64"]
+    with pytest.raises(RuntimeError, match="entry k2 not found"):
+        aot.ptx_params(_PTX_PARAMS, "k2")
+    with pytest.raises(RuntimeError, match=r"unrecognised PTX parameter '\.param \.f16 k_param_0' in k"):
+        aot.ptx_params(".visible .entry k(\n\t.param .f16 k_param_0\n)", "k")
+
+
+@pytest.mark.interpreter
+def test_kernels_are_not_compiled_ahead_of_time_under_the_interpreter():
+    from mxc.errors import MxcError
+
+    with pytest.raises(MxcError, match="cannot compile kernels ahead of time under TRITON_INTERPRET=1"):
+        aot._jit_function("mxc.kernels.pdl:pdl_enter")
+
+
 _COMPILE = """
 import json, sys, torch
 from mxc.codegen import aot
@@ -52,5 +92,44 @@ def test_prefill_attention_compiles_with_tma_maps(pdl):
     assert entry["params"][8:23] == tmap * 3 and set(entry["params"][23:]) <= {"ptr"}
     assert entry["args"][8:] == ["tensordesc<bf16[64, 128]>"] * 3
     assert len(entry["tensordesc"]) == 3 and entry["pdl"] == pdl
+    assert entry["shared"] > 0  # TMA copies land in shared memory: the launcher must reserve it
     for meta in entry["tensordesc"]:  # a bf16 [64, 128] block moves as [64, 64] boxes under the 128-byte swizzle
         assert meta["elem_size"] == 2 and meta["block_size"][0] == 64 and meta["block_size"][1] * 2 <= 128
+
+
+_DEVICE_DESCRIPTOR = """
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def device_desc(x_ptr, y_ptr, n):
+    desc = tl.make_tensor_descriptor(x_ptr, shape=[n, 64], strides=[64, 1], block_shape=[16, 64])
+    tl.store(y_ptr + tl.arange(0, 16)[:, None] * 64 + tl.arange(0, 64)[None, :], desc.load([0, 0]))
+"""
+
+_COMPILE_DEVICE_DESCRIPTOR = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from mxc.codegen import aot
+from mxc.errors import MxcError
+spec = {"kernel": "desc_kernels:device_desc", "signature": {"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32"},
+        "constexprs": {}, "num_warps": 4, "num_stages": 1}
+try:
+    aot._compile_one("k", spec, 90, None)
+    print("compiled")
+except MxcError as e:
+    print(e)
+"""
+
+
+def test_a_descriptor_made_on_the_device_is_refused(tmp_path):
+    """A descriptor built inside the kernel (``tl.make_tensor_descriptor``) needs Triton's global scratch memory for
+    its map, which the AOT launcher does not pass: the build refuses it instead of launching it without."""
+    (tmp_path / "desc_kernels.py").write_text(_DEVICE_DESCRIPTOR)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_DEVICE_DESCRIPTOR, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == ("kernel desc_kernels:device_desc needs Triton scratch memory, "
+                                                    "which the AOT launcher does not provide")

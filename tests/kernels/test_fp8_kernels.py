@@ -235,9 +235,18 @@ def test_config_table():
                 assert (cfg.SPLIT_K > 1) == ((n == 512 and not cfg.PRELOAD) or (swap and -(-n // 64) < tf.NUM_SMS))
         assert all(not c.USE_DOT or c.SWAP_AB for c in gemv_tuning.fp8_candidates(1, gran))  # v1, or w @ x^T on wgmma
         assert any(c.WEIGHT_ONLY for c in gemv_tuning.fp8_candidates(1, gran))  # what config_for runs at one row
-        assert not any(c.WEIGHT_ONLY for c in gemv_tuning.fp8_candidates(4, gran))
+        for m in (2, 4, 8):
+            assert not any(c.WEIGHT_ONLY for c in gemv_tuning.fp8_candidates(m, gran))
+            assert {c.USE_DOT for c in gemv_tuning.fp8_candidates(m, gran)} == {False, True}
         assert all(c.USE_DOT for c in gemv_tuning.fp8_candidates(32, gran))
-        assert {c.USE_DOT for c in gemv_tuning.fp8_candidates(4, gran)} == {False, True}
+        for m in tf.M_BUCKETS:  # fused and prequantized activations for each kernel version
+            cands = [c for c in gemv_tuning.fp8_candidates(m, gran) if not c.SWAP_AB]
+            for dot in {c.USE_DOT for c in cands}:
+                assert {c.PREQUANT for c in cands if c.USE_DOT == dot} == {False, True}, (m, gran, dot)
+        # v1 within 128 fp32 registers a thread (BLOCK_N * BLOCK_K), as candidates(): tiles at the budget are kept
+        v1 = [c for c in gemv_tuning.fp8_candidates(1, gran) if not c.USE_DOT and not c.REDUCE_STEPS]
+        assert all(c.BLOCK_N * c.BLOCK_K <= 128 * 32 * c.num_warps for c in v1)
+        assert any(c.BLOCK_N * c.BLOCK_K == 128 * 32 * c.num_warps for c in v1)
         for c in gemv_tuning.fp8_candidates(16, gran):
             tfv._check_gemv_config(c, gran == "block128")
         assert all(c.USE_DOT for c in gemv_tuning.fp8_candidates(16, gran))  # v3 (and SWAP_AB) from 16

@@ -168,6 +168,38 @@ def test_tuning_candidates_by_bucket():
             assert {c.USE_DOT for c in gemv_tuning.candidates(m, dtype)} == {False, True}, (m, dtype)
         for m in (16, 32):
             assert all(c.USE_DOT for c in gemv_tuning.candidates(m, dtype)), (m, dtype)
+        for m in tg.M_BUCKETS:  # what tune picks config_for may return: whole warps of 16 B, as test_config_table asks
+            assert all(c.BLOCK_K * torch.empty((), dtype=dtype).element_size() % 512 == 0
+                       for c in gemv_tuning.candidates(m, dtype)), (m, dtype)
+
+
+def test_best_times_each_candidate_with_and_without_split_k(monkeypatch):
+    """``_best`` (no GPU: the run and the timer are stand-ins): each base with SPLIT_K 1 and with ``split_k_for``'s
+    choice for its row tiles (``fixed`` fields set), each config once; a wrong result or a failure skips it; the
+    fastest of the rest wins."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    good, wrong, failing = GemvConfig(16, 256), GemvConfig(32, 256), GemvConfig(64, 256)
+    runs = []
+
+    def run(x, w, cfg):
+        runs.append(cfg)
+        if cfg.BLOCK_N == failing.BLOCK_N:
+            raise RuntimeError("out of resources")
+        return torch.tensor(float(cfg.BLOCK_N == wrong.BLOCK_N))  # 0: right
+
+    def time_us(fn, x, ws):
+        fn(x, ws[0])
+        return 0.5 if runs[-1].BLOCK_N == wrong.BLOCK_N else 10 / runs[-1].SPLIT_K  # the wrong one is fastest
+
+    monkeypatch.setattr(gemv_tuning, "time_us", time_us)
+    n, k = 512, 4096
+    split = tg.split_k_for(-(-n // good.BLOCK_N), k, good.BLOCK_K)
+    assert split > 1  # 32 row tiles do not fill the GPU
+    best = gemv_tuning._best([good, wrong, failing, good], n, k, run, lambda y: y.item() == 0, None,
+                             [torch.empty(1)], False, num_stages=2)
+    assert best == (replace(good, SPLIT_K=split, num_stages=2), 10 / split)
+    timed = [c for c in runs if c.BLOCK_N == good.BLOCK_N]  # each once checked, once timed
+    assert timed == [replace(good, SPLIT_K=s, num_stages=2) for s in (1, 1, split, split)]
 
 
 def test_weight_copies_cover_four_times_the_l2():

@@ -262,6 +262,29 @@ def test_load_checks_world_size_and_process_group(tmp_path):
         mxc.load(art, rank=0, world_size=2)
 
 
+def _fail_on(rank, world_size, device, bad_rank, error):
+    if rank == bad_rank and error is None:
+        os._exit(3)  # dies without a word (a signal, a crash in native code)
+    if rank == bad_rank:
+        raise error(f"bad input on rank {rank}")
+
+
+@pytest.mark.parametrize("world_size,bad_rank,message", [(1, 0, "bad input on rank 0"),
+                                                         (2, 1, "rank 1: bad input on rank 1")])
+def test_a_ranks_user_error_reaches_the_caller_as_one(world_size, bad_rank, message):
+    """``run_ranks``: a rank's ``MxcError`` is raised in the caller as one line, naming the rank when there are
+    several; any other failure is not turned into a user error."""
+    with pytest.raises(mxc.MxcError) as e:
+        run_ranks(_fail_on, world_size, "cpu", bad_rank, mxc.MxcError)
+    assert str(e.value) == message
+    with pytest.raises(Exception, match="bad input on rank") as e:
+        run_ranks(_fail_on, world_size, "cpu", bad_rank, RuntimeError)
+    assert not isinstance(e.value, mxc.MxcError)
+    with pytest.raises(Exception, match="exit code 3") as e:
+        run_ranks(_fail_on, world_size, "cpu", bad_rank, None)
+    assert not isinstance(e.value, mxc.MxcError)
+
+
 def test_cli_generate_starts_the_ranks(tmp_path):
     env = {k: v for k, v in os.environ.items()}
     one = mxc.build("llama.yaml", out=tmp_path / "one", progress=False, log=lambda m: None)

@@ -77,3 +77,39 @@ def test_cuda_decoder_capacity_counts_the_new_tokens(model, monkeypatch):
     with pytest.raises(MxcError, match=r"batch 1 x 17 tokens exceeds"):
         model.logits([[1] * 17])
     assert made == [((2, 10), 6)]
+
+
+def test_seed_zero_is_a_seed(model):
+    """``seed=0`` seeds the draw like any other seed: the global RNG's state does not matter."""
+    runs = []
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)
+        runs.append(model.generate([[1, 2, 3]], max_new_tokens=8, temperature=1.0, seed=0))
+    assert torch.equal(*runs)
+
+
+def test_cuda_decoder_stops_at_eos_only_when_asked(model, monkeypatch):
+    """The GPU decoder is told the eos ids only under ``stop_at_eos``, and its tokens then go through the same rule as
+    the host loop's (``generate``'s docstring): after a row's first eos, eos[0]; trimmed once every row stopped."""
+    import types
+
+    asked = []
+
+    def generate(ids, n, sampling, gen, agree, stop_ids=()):
+        asked.append(tuple(stop_ids))
+        return torch.tensor([[4, 6, 9], [8, 9, 7]])  # row 0 stops at its 2nd token, row 1 at its 2nd
+
+    monkeypatch.setattr(model, "_decoder", types.SimpleNamespace(max_batch=2, max_len=16, generate=generate))
+    monkeypatch.setattr(model, "eos_token_ids", [6, 9])
+    assert model.generate([[1, 2]] * 2, max_new_tokens=3).tolist() == [[4, 6, 9], [8, 9, 7]]
+    assert model.generate([[1, 2]] * 2, max_new_tokens=3, stop_at_eos=True).tolist() == [[4, 6], [8, 9]]
+    assert asked == [(), (6, 9)]
+
+
+def test_stop_at_eos_without_eos_ids_runs_to_the_end(model, monkeypatch):
+    """A model without eos ids never stops early, whatever the tokens (here every sampled token is 0)."""
+    from mxc.runtime import model as model_mod
+
+    monkeypatch.setattr(model, "eos_token_ids", [])
+    monkeypatch.setattr(model_mod, "sample", lambda logits, *a: torch.zeros(logits.shape[0], dtype=torch.int64))
+    assert model.generate([[1, 2]] * 2, max_new_tokens=4, stop_at_eos=True).tolist() == [[0] * 4] * 2
