@@ -87,7 +87,7 @@ def prefetch_rows_l2(w_ptr, rows, k_start, K: tl.constexpr, BYTES: tl.constexpr)
     4.048; at a quarter and half of them 2.503 / 4.015 and 2.500 / 4.025 (``bench/prefetch_lab.py --resident``: a
     GEMV gains the same from either, and about half of what the same bytes read by plain loads give it)."""
     ELEM: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-    cols = k_start + tl.minimum(tl.arange(0, BYTES // 128) * (128 // ELEM), K - 1)
+    cols = tl.minimum(k_start + tl.arange(0, BYTES // 128) * (128 // ELEM), K - 1)  # never past the row
     prefetch_l2(w_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :])
 
 

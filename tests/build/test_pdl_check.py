@@ -276,6 +276,7 @@ def _count_prefetch(ptrs):
     (256, 0, 256, {0: 1, 32: 1}),  # int32: 32 columns a 128-byte line; two lines from column 0
     (256, 64, 512, {64: 1, 96: 1, 128: 1, 160: 1}),  # four lines from column k_start
     (65, 0, 512, {0: 1, 32: 1, 64: 2}),  # a 260-byte row: the fourth line would start past it, stays in the row
+    (96, 64, 256, {64: 1, 95: 1}),  # a split-K program's slice near the row's end: its second line too stays in the row
 ])
 def test_prefetch_rows_l2_asks_for_one_address_a_line_of_the_given_rows(monkeypatch, k, k_start, nbytes, cols):
     """``prefetch_rows_l2``: the first ``BYTES`` bytes from column ``k_start`` of each row in ``rows``, one address a
