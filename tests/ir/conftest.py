@@ -18,11 +18,12 @@ TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atten
 
 @pytest.fixture
 def bind_arch():
-    """Factory: bind ``model_file`` (default llama.yaml) to a tiny config of ``arch``, fields overridden."""
+    """Factory: bind ``model_file`` (default llama.yaml) to a tiny config of ``arch``, fields overridden, in
+    ``dtype``."""
 
-    def bind(arch: str = "LlamaForCausalLM", model_file: Path = LLAMA_YAML, **fields):
+    def bind(arch: str = "LlamaForCausalLM", model_file: Path = LLAMA_YAML, *, dtype: str = "float32", **fields):
         config = {**TINY, "architectures": [arch], **fields}
-        return bind_model(Path(model_file), config, "float32", lookup(arch))
+        return bind_model(Path(model_file), config, dtype, lookup(arch))
 
     return bind
 

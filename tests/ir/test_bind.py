@@ -193,3 +193,41 @@ def test_rope_spec_is_resolved(bind_arch):
     rope = next(n for n in layer(g).body if n.op == "rope")
     assert rope.attrs["spec"]["theta"] == 500000.0 and rope.attrs["spec"]["rotary_dim"] == 16
     assert g.config["rope"] == rope.attrs["spec"]
+
+
+def test_shard_exprs_name_the_split_dim(bind_arch):
+    """ShardSpec.exprs: the model file's expression for the split dim (row: dim 1; a stack's dims after the expert
+    dim), named as the config sets it (Mixtral's moe_intermediate_size is its intermediate_size)."""
+    rep = layer(bind_arch())
+    assert rep.weights["wo"].shard == ShardSpec("row", unit=16, exprs=("num_attention_heads*head_dim",))
+    assert rep.weights["w_down"].shard == ShardSpec("row", exprs=("intermediate_size",))
+    rep = layer(bind_arch("MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2))
+    assert rep.weights["we_gate"].shard == ShardSpec("column", exprs=("intermediate_size",))
+    assert rep.weights["we_down"].shard == ShardSpec("row", exprs=("intermediate_size",))
+    rep = layer(bind_arch("Qwen2MoeForCausalLM", **MOE))
+    assert rep.weights["we_up"].shard == ShardSpec("column", exprs=("moe_intermediate_size",))
+
+
+def test_replicated_shard_has_no_split_expr(tmp_path, llama_text, bind_arch):
+    path = tmp_path / "m.yaml"
+    path.write_text(llama_text.replace("hf: model.norm.weight, init: ones}", "hf: model.norm.weight, init: ones, "
+                                                                         "shard: replicated}"))
+    assert bind_arch(model_file=path).weights["norm_f"].shard == ShardSpec("replicated")  # nothing splits
+
+
+def test_tied_records_names(bind_arch):
+    """Graph.tied: (the tied weight's checkpoint name, the one it reuses, its tied_if)."""
+    assert bind_arch(tie_word_embeddings=True).tied == (("lm_head.weight", "model.embed_tokens.weight",
+                                                         "tie_word_embeddings"),)
+
+
+def test_null_config_field_takes_the_default(bind_arch):
+    """A null in config.json (Mistral-style ``"head_dim": null``) is absent: the model file's default applies."""
+    assert layer(bind_arch(head_dim=None)).weights["wq"].shape == (64, 64)  # head_dim = hidden_size // heads
+
+
+def test_input_without_dtype_takes_the_graph_dtype(tmp_path, llama_text, bind_arch):
+    path = tmp_path / "m.yaml"
+    path.write_text(llama_text.replace("logit_rows: {shape: [R], dtype: int64}", "logit_rows: {shape: [R]}"))
+    g = bind_arch(model_file=path, dtype="bfloat16")
+    assert g.inputs["logit_rows"] == TensorType(("R",), "bfloat16")

@@ -259,3 +259,37 @@ def test_a_statement_whose_result_nothing_reads(bind_bad):
     wrote an artifact with no KV cache, which failed at load."""
     msg, line = bind_bad("  - x = add(x, linear(flatten_heads(a), wo, bo))", "  - y = add(x, linear(flatten_heads(a), wo, bo))")
     assert where(line, "graph") + "add computes y, which nothing below reads" in msg
+
+
+@pytest.mark.parametrize("old, new, field, needle", [
+    ("hf: input_layernorm.weight, init: ones}", "hf: input_layernorm.weight, init: ones, quantize: 1}",
+     "repeat.weights.ln1.quantize", "expected true or false, got 1"),
+    ("hf: self_attn.q_proj.weight, shard: {kind: column, unit: head_dim}}",
+     "hf: self_attn.q_proj.weight, shard: {kind: column, unit: 0}}", "repeat.weights.wq.shard.unit",
+     "expected a positive integer, got 0"),
+    ("hf: model.norm.weight, init: ones}", "hf: 'model.{hidden_size}.weight', init: ones}", "weights.norm_f.hf",
+     "{hidden_size} names a param that is not a string (64)"),
+    ("ln2:    {shape: [hidden_size]", "ln2:    {shape: [not mlp_bias]", "repeat.weights.ln2.shape",
+     "'not mlp_bias' evaluates to True; expected a positive integer"),
+    ("outputs: [logits]", "outputs: []", "outputs", "expected a non-empty list of value names"),
+], ids=["quantize-not-bool", "shard-unit-0", "hf-int-param", "shape-bool", "no-outputs"])
+def test_bad_weight_fields_and_outputs(bind_bad, old, new, field, needle):
+    msg, line = bind_bad(old, new)
+    assert where(line, field) + needle in msg
+
+
+def test_unknown_dtype(bind_arch):
+    with pytest.raises(MxcError, match=r"dtype: expected one of float32, bfloat16, float16, got 'float64'"):
+        bind_arch(dtype="float64")
+
+
+@pytest.mark.parametrize("field, value, want", [
+    # the model file's default is a literal, so the config value must be of its kind: "no" would read as true
+    ("tie_word_embeddings", "no", "expected true or false"),
+    ("rms_norm_eps", "1e-5", "expected a number"),  # a default written 1e-6 is a number, though YAML reads a string
+    ("num_experts", -1, "expected an integer >= 0"),  # min: 0
+])
+def test_config_value_of_the_wrong_kind(bind_arch, field, value, want):
+    with pytest.raises(MxcError) as e:
+        bind_arch(**{field: value})
+    assert str(e.value) == f"config.json: field {field} = {value!r}: {want}"

@@ -22,6 +22,12 @@ def tt(*shape, dtype="float32"):
 
 ROPE = normalize_rope({"rope_theta": 10000.0, "max_position_embeddings": 64}, 16)
 QKV_ATTRS = {"heads": 4, "kv_heads": 2, "head_dim": 16, "spec": ROPE, "layer": 0}
+FP8 = "float8_e4m3fn"
+# rms_norm_mlp over hidden 64, intermediate 96: x, norm, gate/up [192, 64] and its row scales, down [64, 96] and its
+MLP_INS = [tt("T", 64), tt(64), tt(192, 64, dtype=FP8), tt(192), tt(64, 96, dtype=FP8), tt(64)]
+MLP_ATTRS = {"eps": 1e-5, "granularity": "channel"}
+# fused_moe over 8 experts, top 2, hidden 64, intermediate 96: x, weights, ids, then the stacks
+MOE_INS = [tt("T", 64), tt("T", 2), tt("T", 2, dtype="int64")]
 
 # op -> (valid (inputs, attrs), expected output types, bad examples (inputs, attrs, message fragment))
 EXAMPLES = {
@@ -60,12 +66,15 @@ EXAMPLES = {
         ([tt("T", 64), tt(32)], {"eps": 1e-5}, "does not match the last dim"),
         ([tt("T", 64), tt(64)], {"eps": 0.0}, "eps must be > 0"),
         ([tt("T", 64), tt(64)], {}, "missing attribute(s) eps"),
+        ([tt("T", 64), tt(64, 64)], {"eps": 1e-5}, "does not match the last dim"),  # the weight is [H]
     ]),
     "linear": (([tt("T", 64), tt(128, 64), tt(128)], {}), [tt("T", 128)], [
         ([tt("T", 64), tt(128, 48)], {}, "disagree on K"),
         ([tt("T", 64), tt(128, 64), tt(64)], {}, "bias [64] float32 must be [128]"),
         ([tt("T", 4, 16), tt(128, 64)], {}, "expects x [T, K] and w [N, K]"),
         ([tt("T", 64), None], {}, "input 'weight' is required"),
+        ([tt("T", 128), tt(128, 64)], {"prologue": "gelu"}, "prologue must be None or 'silu_mul', got 'gelu'"),
+        ([tt("T", 129), tt(128, 64)], {"prologue": "silu_mul"}, "(after silu_mul) and weight"),  # odd: no halves
     ]),
     "heads": (([tt("T", 64)], {"size": 16}), [tt("T", 4, 16)], [
         ([tt("T", 64)], {"size": 24}, "cannot split"),
@@ -90,12 +99,14 @@ EXAMPLES = {
         ([tt("T", 4, 16), tt("T", 2, 16), tt("T", 2, 8)], {"scale": 0.25, "layer": 0}, "expects q, k, v"),
         ([tt("T", 4, 8), tt("T", 2, 16), tt("T", 2, 16)], {"scale": 0.25, "layer": 0}, "disagree"),
         ([tt("T", 4, 16), tt("T", 2, 16), tt("T", 2, 16)], {"scale": 0.25}, "missing attribute(s) layer"),
+        ([tt("T", 4, 16), tt("R", 2, 16), tt("R", 2, 16)], {"scale": 0.25, "layer": 0}, "disagree"),
     ]),
     # fused ops
     "add_rms_norm": (([tt("T", 64), tt("T", 64), tt(64)], {"eps": 1e-5}), [tt("T", 64), tt("T", 64)], [
         ([tt("T", 64), tt("T", 32), tt(64)], {"eps": 1e-5}, "inputs differ"),
         ([tt("T", 64), tt("T", 64), tt(32)], {"eps": 1e-5}, "does not match the last dim"),
         ([tt("T", 64), tt("T", 64), tt(64)], {"eps": -1.0}, "eps must be > 0"),
+        ([tt("T", 64), tt("T", 64, dtype="bfloat16"), tt(64)], {"eps": 1e-5}, "inputs differ"),
     ]),
     "add_rms_norm_route": (([tt("T", 64), tt("T", 64), tt(64), tt(8, 64)], {"eps": 1e-5, "k": 2}),
                            [tt("T", 64), tt("T", 64), tt("T", 2), tt("T", 2, dtype="int64")], [
@@ -116,6 +127,10 @@ EXAMPLES = {
         ([tt("T", 128), tt("T", dtype="int32")], QKV_ATTRS, "must be [T] int64"),
         ([tt("T", 128), tt("T", dtype="int64"), tt(32), tt(32)], QKV_ATTRS, "must be [16]"),
         ([tt("T", 128), tt("T", dtype="int64"), tt(16)], QKV_ATTRS, "q_norm and k_norm come together"),
+        ([tt("T", 128), tt("R", dtype="int64")], QKV_ATTRS, "must be [T] int64"),
+        ([tt("T", 128), tt("T", dtype="int64"), tt(16), tt(32)], QKV_ATTRS, "must be [16] each"),
+        # whole-projection norms are as wide as q (4 heads) and k (2 kv heads): [64] and [32]
+        ([tt("T", 128), tt("T", dtype="int64"), tt(64), tt(64)], QKV_ATTRS, "or [64] and [32]"),
         ([tt("T", 128), tt("T", dtype="int64")], {**QKV_ATTRS, "sizes": [1]}, "unknown attribute(s) sizes"),
     ]),
     "cached_attention": (([tt("T", 4, 16)], {"scale": 0.25, "layer": 0}), [tt("T", 4, 16)], [
@@ -127,6 +142,9 @@ EXAMPLES = {
         ([tt("T", 64), tt(32, 64), tt(32)], {"granularity": "channel"}, "must be float8_e4m3fn"),
         ([tt("T", 64), tt(32, 64, dtype="float8_e4m3fn"), tt(16)], {"granularity": "channel"}, "channel scale"),
         ([tt("T", 64), tt(32, 64, dtype="float8_e4m3fn"), tt(32)], {"granularity": "block128"}, "block128 scale"),
+        ([tt("T", 64), tt(32, 64, dtype=FP8), tt(32, dtype="bfloat16")], {"granularity": "channel"},
+         "must be float32"),
+        ([tt("T", 64), tt(32, 64, dtype=FP8), tt(1, 1)], {"granularity": "row"}, "unknown granularity 'row'"),
     ]),
     "rms_norm_qlinear": (([tt("T", 64), tt(64), tt(32, 64, dtype="float8_e4m3fn"), tt(32)],
                           {"eps": 1e-5, "granularity": "channel"}), [tt("T", 32)], [
@@ -145,6 +163,8 @@ EXAMPLES = {
           tt(64)], {"eps": 1e-5, "granularity": "channel"}, "disagree on K"),
         ([tt("T", 64), tt(64), tt(192, 64, dtype="float8_e4m3fn"), tt(192), tt(32, 96, dtype="float8_e4m3fn"),
           tt(32)], {"eps": 1e-5, "granularity": "channel"}, "must match the output"),
+        (MLP_INS, {**MLP_ATTRS, "interleave": 64}, "interleave=64 must be 0 or a block size dividing half"),  # of 96
+        (MLP_INS, {**MLP_ATTRS, "residual": 1}, "residual=1 must be true or false"),
     ]),
     # mixture of experts: 8 experts, top 2, hidden 64, expert intermediate 96
     "route": (([tt("T", 8)], {"k": 2, "scoring": "softmax", "renormalize": True}),
@@ -185,6 +205,10 @@ EXAMPLES = {
          "expects x [T, H], weights and ids [T, k]"),
         ([tt("T", 4, 16), tt("T", 2), tt("T", 2, dtype="int64"), tt(8, 192, 64), tt(8, 64, 96)], {},
          "expects x [T, H], weights and ids [T, k]"),
+        (MOE_INS + [tt(8, 192, 64, dtype=FP8), tt(8, 64, 96, dtype=FP8), tt(8, 192)], {},
+         "fp8 expert scales come together"),
+        (MOE_INS + [tt(8, 192, 64), tt(8, 64, 96), tt(8, 192), tt(8, 64)], {}, "scaled stacks must be fp8"),
+        (MOE_INS + [tt(8, 192, 64), tt(8, 64, 96), None, None, tt("T", 32)], {}, "must match the output"),
     ]),
     # tensor parallelism (the single-process reference: world_size 1, rank 0)
     "vocab_embedding": (([tt("T", dtype="int64"), tt(256, 64)], {}), [tt("T", 64)], [
@@ -289,11 +313,35 @@ def test_route_weights_take_the_logits_dtype():
 @pytest.mark.parametrize("op, ins, attrs", [
     ("heads", [tt("T", 64)], {"size": 0}),
     ("heads", [tt("T", 64)], {"size": 16.0}),
+    ("heads", [tt("T", 64)], {"size": True}),  # a YAML `true` is no head size, though Python calls it 1
     ("split", [tt("T", 64)], {"sizes": [96, -32]}),
-], ids=["heads-size0", "heads-float", "split-negative"])
+], ids=["heads-size0", "heads-float", "heads-bool", "split-negative"])
 def test_rule_rejects_non_positive_int_sizes(op, ins, attrs):
     with pytest.raises(RuleError):
         infer(op, ins, attrs)
+
+
+@pytest.mark.parametrize("op, ins, attrs, want", [
+    # OLMoE's q/k norms over the whole projections: [heads * head_dim] and [kv_heads * head_dim]
+    ("qkv_rope_cache", [tt("T", 128), tt("T", dtype="int64"), tt(64), tt(32)], QKV_ATTRS, [tt("T", 4, 16)]),
+    # 128x128 block scales cover partial blocks: [ceil(200 / 128), ceil(64 / 128)] (HF fp8 weight_scale_inv)
+    ("qlinear", [tt("T", 64), tt(200, 64, dtype=FP8), tt(2, 1)], {"granularity": "block128"}, [tt("T", 200)]),
+    ("fused_moe", MOE_INS + [tt(8, 192, 64, dtype=FP8), tt(8, 64, 96, dtype=FP8), tt(8, 2, 1), tt(8, 1, 1)], {},
+     [tt("T", 64)]),
+    ("fused_moe", MOE_INS + [tt(8, 192, 64, dtype=FP8), tt(8, 64, 96, dtype=FP8), tt(8, 192), tt(8, 64)], {},
+     [tt("T", 64)]),  # row scales: one per row of each expert
+    # gate/up rows in blocks of 32: 32 divides the 96 rows of each half
+    ("rms_norm_mlp", MLP_INS, {**MLP_ATTRS, "interleave": 32}, [tt("T", 64)]),
+    # without the residual add the output need not be x's shape
+    ("rms_norm_mlp", MLP_INS[:4] + [tt(32, 96, dtype=FP8), tt(32)], {**MLP_ATTRS, "residual": False}, [tt("T", 32)]),
+    ("route", [tt("T", 8)], {"k": 8}, [tt("T", 8), tt("T", 8, dtype="int64")]),  # every expert
+    # world 2 of 32 columns gather 64; a padded vocabulary keeps its first `size` columns, in (32, 64]
+    ("all_gather", [tt("T", 32)], {"world": 2, "size": 64}, [tt("T", 64)]),
+    ("all_gather", [tt("T", 32)], {"world": 2, "size": 50}, [tt("T", 50)]),
+], ids=["qkv-whole-norms", "qlinear-partial-blocks", "fused_moe-block-scales", "fused_moe-row-scales",
+        "mlp-interleave", "mlp-no-residual", "route-all-experts", "all_gather-full", "all_gather-padded"])
+def test_rule_accepts_edge_cases(op, ins, attrs, want):
+    assert list(infer(op, ins, attrs)) == want
 
 
 # --- the rule and the torch reference agree on output shapes and dtypes ----------------

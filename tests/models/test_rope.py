@@ -35,6 +35,15 @@ CASES = {
     "llama3": ({"max_position_embeddings": 131072}, {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                     "original_max_position_embeddings": 8192}, 500000.0, "llama3"),
     "linear_partial": ({**M64, "partial_rotary_factor": 0.5}, {"factor": 2.0}, 10000.0, "linear"),
+    # the rope dict's partial_rotary_factor wins over the top-level one, as its theta does
+    "linear_partial_inner": ({**M64, "partial_rotary_factor": 0.5}, {"factor": 2.0, "partial_rotary_factor": 0.25},
+                             10000.0, "linear"),
+    # DeepSeek-style: a null factor is max_position_embeddings / original_max_position_embeddings
+    "yarn_implicit_factor": (M16K, {"factor": None, "original_max_position_embeddings": 4096}, 10000.0, "yarn"),
+    "yarn_truncate_null": (M16K, {**YARN, "truncate": None}, 1000000.0, "yarn"),  # null is falsy: no truncation
+    # attention_factor from mscale and mscale_all_dim only when both are set
+    "yarn_mscale_only": (M16K, {**YARN, "factor": 40.0, "mscale": 1.0}, 1e4, "yarn"),
+    "yarn_mscale_all_dim_only": (M16K, {**YARN, "factor": 40.0, "mscale_all_dim": 1.0}, 1e4, "yarn"),
     # yarn's ramp at its edges: its high end clamped to the last dim, and a ramp of zero width (low == high)
     "yarn_ramp_clamped": (M16K, {"factor": 4.0, "original_max_position_embeddings": 1024}, 10.0, "yarn"),
     "yarn_ramp_empty": (M16K, {"factor": 4.0, "original_max_position_embeddings": 4}, 10000.0, "yarn"),
@@ -165,12 +174,20 @@ def test_normalize_specs():
         specs = [normalize_rope(config_json(case, s), HEAD_DIM) for s in STYLES]
         assert specs[0] == specs[1] == specs[2], case
     assert normalize_rope(config_json("linear_partial", "v5"), 64)["rotary_dim"] == 32
+    mscale = normalize_rope(config_json("yarn_mscale", "v5"), 8)
+    assert (mscale["mscale"], mscale["mscale_all_dim"]) == (1.0, 0.707)  # carried as the config gives them
     both = {"max_position_embeddings": 8, "rope_theta": 5.0, "rope_scaling": {"type": "linear", "factor": 2},
             "rope_parameters": {"rope_type": "dynamic", "rope_theta": 7.0, "factor": 3.0}}
     assert normalize_rope(both, 8) == {"type": "linear", "theta": 5.0, "rotary_dim": 8,
                                        "max_position_embeddings": 8, "factor": 2.0}
     both["rope_scaling"]["rope_theta"] = 9.0  # the rope dict's theta wins over the top-level one
     assert normalize_rope(both, 8)["theta"] == 9.0
+
+
+def test_rope_type_wins_over_type():
+    """With both keys, transformers keeps ``rope_type`` (standardize_rope_params only defaults it from ``type``)."""
+    d = {**BASE, **M64, "rope_theta": 10000.0, "rope_scaling": {"type": "linear", "rope_type": "dynamic", "factor": 2.0}}
+    assert normalize_rope(d, HEAD_DIM)["type"] == hf_rotary(d)[0].rope_parameters["rope_type"] == "dynamic"
 
 
 @pytest.mark.parametrize("config, message", [
@@ -195,6 +212,22 @@ def test_normalize_specs():
     ({"max_position_embeddings": 0}, "config.json: max_position_embeddings must be a positive integer, got 0"),
     ({"rope_scaling": {"type": "yarn", "factor": 2.0, "truncate": "no"}},
      "config.json: rope_scaling.truncate must be true, false or null, got 'no'"),
+    ({"rope_scaling": {"type": "linear", "factor": True}}, "config.json: rope_scaling.factor must be a number, got True"),
+    ({"rope_scaling": {"type": "linear", "factor": math.nan}}, "config.json: rope_scaling.factor must be a number, got nan"),
+    ({"rope_scaling": {"type": "linear", "factor": 0}}, "config.json: rope_scaling.factor must be positive, got 0.0"),
+    ({"rope_theta": 0}, "config.json: rope_theta must be positive, got 0"),
+    ({"max_position_embeddings": True}, "config.json: max_position_embeddings must be a positive integer, got True"),
+    ({"rope_scaling": {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 0}},
+     "config.json: rope_scaling.original_max_position_embeddings must be a positive integer, got 0"),
+    ({"rope_scaling": {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": True}},
+     "config.json: rope_scaling.original_max_position_embeddings must be a positive integer, got True"),
+    ({"rope_scaling": {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0}},
+     "config.json: rope_scaling.factor is required for rope type 'llama3'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}},
+     "config.json: rope_scaling.high_freq_factor is required for rope type 'llama3'"),
+    # HF's llama3 smoothing divides by high_freq_factor - low_freq_factor
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 2.0}},
+     "config.json: rope_scaling.high_freq_factor must differ from low_freq_factor (both 2.0)"),
 ])
 def test_normalize_errors(config, message):
     with pytest.raises(MxcError) as err:
