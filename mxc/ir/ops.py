@@ -99,7 +99,8 @@ def _rope(q, k, positions, spec, **_):
 def _attention(q, k, v, **attrs):
     _need(len(q.shape) == 3 and k.shape == v.shape and len(k.shape) == 3, lambda: f"expects q, k, v [T, heads, head_dim], got {q}, {k}, {v}")
     _need(q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2], lambda: f"q {q} and k {k} disagree")
-    _need(q.shape[1] % k.shape[1] == 0, lambda: f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
+    _need(k.shape[1] != 0 and q.shape[1] % k.shape[1] == 0,
+          lambda: f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
     return (q,)
 
 

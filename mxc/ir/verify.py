@@ -64,6 +64,10 @@ def _node(n: Node, types: dict, weights: dict) -> None:
         outs = infer(n.op, in_types, n.attrs)
     except (RuleError, TypeError, KeyError) as e:
         raise VerifyError(f"{where}: {e}") from None
+    except (ValueError, IndexError, AttributeError, ArithmeticError) as e:  # a rule reading inputs of another form
+        got = ", ".join("none" if t is None else str(t) for t in in_types)
+        raise VerifyError(f"{where}: inputs ({got}) do not have the form the op takes "
+                          f"({type(e).__name__}: {e})") from None
     if len(outs) != len(n.outs):
         raise VerifyError(f"{where}: op gives {len(outs)} outputs, node names {len(n.outs)}")
     for name, t in zip(n.outs, outs):

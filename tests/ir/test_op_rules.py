@@ -100,6 +100,7 @@ EXAMPLES = {
         ([tt("T", 4, 8), tt("T", 2, 16), tt("T", 2, 16)], {"scale": 0.25, "layer": 0}, "disagree"),
         ([tt("T", 4, 16), tt("T", 2, 16), tt("T", 2, 16)], {"scale": 0.25}, "missing attribute(s) layer"),
         ([tt("T", 4, 16), tt("R", 2, 16), tt("R", 2, 16)], {"scale": 0.25, "layer": 0}, "disagree"),
+        ([tt("T", 4, 16), tt("T", 0, 16), tt("T", 0, 16)], {"scale": 0.25, "layer": 0}, "not a multiple of 0 kv"),
     ]),
     # fused ops
     "add_rms_norm": (([tt("T", 64), tt("T", 64), tt(64)], {"eps": 1e-5}), [tt("T", 64), tt("T", 64)], [

@@ -195,3 +195,21 @@ def test_interleave_of_partial_blocks_is_refused(bind_arch):
                                          for it in compiled.body))
     with pytest.raises(VerifyError, match="whole blocks"):
         verify(broken)
+
+
+def test_inputs_of_another_form_name_the_node(bind_arch):
+    """A rule that cannot even read its inputs (here 2-D router weights where the experts' [E, rows, K] stacks go) is a
+    VerifyError at the node, with the inputs, not a bare unpacking error."""
+    def router_as_stacks(nodes):
+        i = next(i for i, n in enumerate(nodes) if n.op == "experts")
+        router = next(n for n in nodes if n.op == "linear" and "router" in n.ins[1]).ins[1]
+        nodes[i] = nodes[i].replace(ins=nodes[i].ins[:3] + (router, router, router))
+        return nodes
+
+    g = bind_arch("Qwen3MoeForCausalLM", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40)
+    with pytest.raises(VerifyError) as e:
+        verify(edit_layer(g, router_as_stacks))
+    msg = str(e.value)
+    assert re.match(r"llama\.yaml:\d+: experts -> \w+: inputs \(.*\[4, 64\] float32.*\) do not have the form the op "
+                    r"takes \(ValueError: ", msg), msg
+    assert "\n" not in msg
