@@ -101,3 +101,29 @@ def test_nested_unpinned_keeps_the_outer_block_unpinned():
 def test_is_generated_needs_the_package_and_a_dot():
     assert kernel_templates.is_generated("mxc_generated.rms_norm_0123456789abcdef")
     assert not kernel_templates.is_generated("mxc_generated_extra.rms_norm") and not kernel_templates.is_generated("mxc")
+
+
+def test_unpinned_restores_pins_after_an_error():
+    """A build step that raises inside ``unpinned`` must not leave the process rendering unpinned."""
+    import hashlib
+
+    params = dict(H=72, BLOCK_H=128, RESIDUAL=False)
+    stored = kernel_templates.render("rms_norm", **params) + "\n# a build that later failed\n"
+    name = f"mxc_generated.rms_norm_{hashlib.sha256(stored.encode()).hexdigest()[:16]}"
+    kernel_templates.pin("rms_norm", params, name, stored)
+    with pytest.raises(RuntimeError, match="build failed"):
+        with kernel_templates.unpinned():
+            raise RuntimeError("build failed")
+    assert kernel_templates.kernel("rms_norm", "rms_norm_kernel", **params).fn.__module__ == name
+
+
+def test_list_parameters_are_json_values_too():
+    """Parameters are JSON values, so a list is one: it keys the lookup as a tuple (a list is unhashable),
+    and the same list gives the same kernel."""
+    assert kernel_templates.params_key({"SIZES": [1, 2]}) == (("SIZES", "list", (1, 2)),)
+    a = kernel_templates.kernel("add", "add_kernel", N=24, BLOCK_N=32, SIZES=[1, 2])
+    assert kernel_templates.kernel("add", "add_kernel", N=24, BLOCK_N=32, SIZES=[1, 2]) is a
+
+
+def test_origin_of_a_module_never_rendered_is_none():
+    assert kernel_templates.origin("mxc_generated.rms_norm_ffffffffffffffff") is None

@@ -92,21 +92,24 @@ def test_the_pdl_config_is_reused_with_each_launch_s_grid_and_stream(binary, mon
     assert {c[:3] + c[4:] for c in driver.configs} == {(1, 1, 0, 1, cuda_launch._PROGRAMMATIC_STREAM_SERIALIZATION, 1)}
 
 
-def test_misaligned_tensor_is_refused(binary):
+@pytest.mark.parametrize("offset", [1, 2, 3])  # float32 elements: 4, 8 and 12 bytes past a 16-byte boundary
+def test_misaligned_tensor_is_refused(binary, offset):
     b, _ = binary
     base = torch.empty(16)
     with pytest.raises(MxcError, match="not 16-byte aligned"):
-        b.launch((1,), [base[1:], base, 1, 1.0])
+        b.launch((1,), [base[offset:], base, 1, 1.0])
+
+
+_DESC_META = {"swizzle": 3, "elem_size": 2, "elem_type": 10, "block_size": [64, 64], "fp4_padded": False,
+              "is_im2col": False}
 
 
 def _descriptor_binary(padding="zero"):
     """A kernel taking (tensor, descriptor of rank 2, int), as Triton compiles it: the map, the shape (i32) and
     strides (i64) after it, two scratch pointers at the end."""
     kinds = ["ptr", "tmap", "i32", "i32", "i64", "i64", "i32", "ptr", "ptr"]
-    meta = {"swizzle": 3, "elem_size": 2, "elem_type": 10, "block_size": [64, 64], "fp4_padded": False,
-            "is_im2col": False}
     entry = {"kernel": "m:k", "entry": "k", "pdl": False, "shared": 0, "num_warps": 4, "params": kinds,
-             "args": ["*bf16", "tensordesc<bf16[64, 128]>", "i32"], "tensordesc": [meta]}
+             "args": ["*bf16", "tensordesc<bf16[64, 128]>", "i32"], "tensordesc": [dict(_DESC_META)]}
     driver = _Driver(kinds)
     return cuda_launch._Binary(driver, b"", entry), driver
 
@@ -151,6 +154,159 @@ def test_descriptor_entry_that_does_not_match_its_parameters_is_refused():
     entry = dict(b.entry, params=["ptr", "i64", "i32", "i32", "i64", "i64", "i32"])
     with pytest.raises(MxcError, match="does not match the compiled parameters"):
         cuda_launch._Binary(_Driver(entry["params"]), b"", entry)
+    entry = {k: v for k, v in b.entry.items() if k != "tensordesc"}  # the parameters fit, but no map's metadata
+    with pytest.raises(MxcError, match="does not match the compiled parameters"):
+        cuda_launch._Binary(_Driver(entry["params"]), b"", entry)
     entry = dict(b.entry, tensordesc=[dict(b.entry["tensordesc"][0], is_im2col=True)])
     with pytest.raises(MxcError, match="im2col"):
         cuda_launch._Binary(_Driver(entry["params"]), b"", entry)
+
+
+class _FailingDriver(_Driver):
+    """Answers ``failing`` with a CUDA error code (700: CUDA_ERROR_ILLEGAL_ADDRESS), the rest with success."""
+
+    def __init__(self, kinds, failing):
+        super().__init__(kinds)
+        setattr(self, failing, lambda *_: 700)
+
+
+def _entry(kinds=("ptr", "ptr", "i32", "f32", "ptr", "ptr"), **fields):
+    """The ``binary`` fixture's index entry (two tensors, an int, a float, two scratch pointers), ``fields`` changed."""
+    return {"kernel": "m:k", "entry": "k", "pdl": True, "shared": 0, "num_warps": 4, "params": list(kinds),
+            "args": ["*bf16", "*bf16", "i32", "fp32"], **fields}
+
+
+@pytest.mark.parametrize("failing", ["cuModuleLoadData", "cuModuleGetFunction", "cuLaunchKernel", "cuLaunchKernelEx"])
+def test_a_driver_error_is_raised(failing, monkeypatch):
+    monkeypatch.setattr(cuda_launch, "stream_handle", lambda: 0)
+    entry = _entry()
+    driver = _FailingDriver(entry["params"], failing)
+    with pytest.raises(RuntimeError, match="CUDA driver error 700"):
+        cuda_launch._Binary(driver, b"", entry).launch((1,), [torch.empty(4), torch.empty(4), 1, 1.0],
+                                                        pdl=failing == "cuLaunchKernelEx")
+
+
+@pytest.mark.parametrize("shared, opt_in", [(0, False), (48 * 1024, False), (48 * 1024 + 16, True),
+                                            (100 * 1024, True)])
+def test_shared_memory_reaches_the_driver(shared, opt_in, monkeypatch):
+    """CUDA's rule: a kernel may use up to 48 KiB of dynamic shared memory by default, more only after
+    cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes); both launch paths pass the entry's bytes."""
+    monkeypatch.setattr(cuda_launch, "stream_handle", lambda: 0)
+    entry = _entry(shared=shared)
+    driver = _Driver(entry["params"])
+    attributes, launched = [], []
+    driver.cuFuncSetAttribute = lambda func, attr, value: attributes.append((attr, value)) or 0
+    driver.cuLaunchKernel = lambda func, gx, gy, gz, tx, ty, tz, smem, *rest: launched.append(smem) or 0
+    b = cuda_launch._Binary(driver, b"", entry)
+    assert attributes == ([(cuda_launch._MAX_DYNAMIC_SHARED, shared)] if opt_in else [])
+    x = torch.empty(4)
+    b.launch((1,), [x, x, 1, 1.0], pdl=False)
+    b.launch((1,), [x, x, 1, 1.0], pdl=True)
+    assert launched == [shared] and [c[2] for c in driver.configs] == [shared]
+
+
+@pytest.mark.parametrize("tail", [("ptr", "i32"), ("i32", "ptr"), ("i64",)])
+def test_parameters_past_the_arguments_must_be_scratch_pointers(tail):
+    """Triton appends only scratch pointers after a kernel's arguments; anything else means the index entry
+    does not describe its cubin."""
+    kinds = ("ptr", "ptr", "i32", "f32", *tail)
+    with pytest.raises(MxcError, match="scratch pointers"):
+        cuda_launch._Binary(_Driver(list(kinds)), b"", _entry(kinds))
+
+
+def test_a_cubin_built_without_pdl_launches_plain(monkeypatch):
+    monkeypatch.setattr(cuda_launch, "stream_handle", lambda: 0)
+    entry = _entry()
+    del entry["pdl"]
+    driver = _Driver(entry["params"])
+    x = torch.empty(4)
+    cuda_launch._Binary(driver, b"", entry).launch((1,), [x, x, 1, 1.0], pdl=True)
+    assert [kind for kind, *_ in driver.launches] == ["plain"]
+
+
+def _rms_norm_call(dtype):
+    """The launch ``triton_norm.rms_norm`` makes for 3 rows of 64 ``dtype`` values (meta tensors: no data)."""
+    from mxc.kernels import launch, triton_norm
+
+    calls = []
+    meta = lambda *shape: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
+    with launch.using(lambda *call: calls.append(call)):
+        triton_norm.rms_norm(meta(3, 64), meta(64), 1e-5)
+    (call,) = calls
+    return call
+
+
+def _launcher_for(tmp_path, calls, n_args=None):
+    """A launcher over an empty artifact, given one binary for each of ``calls`` (``n_args`` arguments: default
+    the call's own) and the driver that records that binary's launches."""
+    from mxc.kernels import launch
+
+    (tmp_path / "index.json").write_text("{}")
+    launcher = cuda_launch.CubinLauncher(tmp_path, driver=_Driver([]))
+    drivers = []
+    for kernel, _, args, constexprs, num_warps, num_stages in calls:
+        spec = launch.spec_of(kernel, args, launch.with_pdl(kernel, constexprs, False), num_warps, num_stages)
+        types_ = [t for t in spec["signature"].values() if t != "constexpr"][:n_args]
+        types_ += ["i32"] * ((n_args or 0) - len(types_))
+        kinds = [k for t in types_ for k in (["tmap", "i32", "i32", "i64", "i64"] if t.startswith("tensordesc") else
+                                             ["ptr"] if t.startswith("*") else ["f32"] if t == "fp32" else ["i32"])]
+        entry = {"kernel": spec["kernel"], "entry": "k", "shared": 0, "num_warps": num_warps, "params": kinds,
+                 "args": types_, "tensordesc": [dict(_DESC_META) for t in types_ if t.startswith("tensordesc")]}
+        drivers.append(_Driver(kinds))
+        launcher.binaries[launch.spec_key(spec)] = cuda_launch._Binary(drivers[-1], b"", entry)
+    return launcher, drivers
+
+
+def test_each_dtype_launches_its_own_binary(tmp_path, monkeypatch):
+    """The same kernel called with fp32 and with bf16 tensors is two binaries (the dtype is in the compiled
+    signature), also once the first call has been looked up."""
+    monkeypatch.setattr(cuda_launch, "stream_handle", lambda: 0)
+    calls = [_rms_norm_call(torch.float32), _rms_norm_call(torch.bfloat16)]
+    launcher, drivers = _launcher_for(tmp_path, calls)
+    for call in calls + calls:
+        launcher(*call)
+    assert [len(d.launches) for d in drivers] == [2, 2]
+
+
+def test_each_descriptor_type_launches_its_own_binary(tmp_path, monkeypatch):
+    """A descriptor argument's dtype and block shape are in the compiled signature
+    (``tensordesc<bf16[64, 64]>``): another dtype or block is another binary, also once the first has been
+    looked up. (The kernel's first argument is a descriptor here only for the launcher's sake.)"""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    monkeypatch.setattr(cuda_launch, "stream_handle", lambda: 0)
+    calls = []
+    for dtype, block in ((torch.bfloat16, [64, 64]), (torch.float16, [64, 64]), (torch.bfloat16, [32, 64])):
+        kernel, grid, args, *rest = _rms_norm_call(torch.float32)
+        desc = TensorDescriptor.from_tensor(torch.empty(128, 64, dtype=dtype), block)
+        calls.append((kernel, grid, [desc, *args[1:]], *rest))
+    launcher, drivers = _launcher_for(tmp_path, calls)
+    for call in calls + calls:
+        launcher(*call)
+    assert [len(d.launches) for d in drivers] == [2, 2, 2]
+
+
+@pytest.mark.parametrize("extra", [-1, 1])
+def test_argument_count_must_match_the_binary(tmp_path, extra):
+    call = _rms_norm_call(torch.float32)
+    n = len([a for a in call[2] if a is not None])
+    launcher, _ = _launcher_for(tmp_path, [call], n_args=n + extra)
+    with pytest.raises(MxcError, match=f"takes {n + extra} arguments in the artifact, the launch gives {n}"):
+        launcher(*call)
+
+
+def test_plain_restores_the_state_before_it(tmp_path):
+    """Leaving ``plain`` (after an error too) restores what was in force before it: an inner block leaves the
+    outer one plain."""
+    (tmp_path / "index.json").write_text("{}")
+    launcher = cuda_launch.CubinLauncher(tmp_path, pdl=True, driver=_Driver([]))
+    with launcher.plain():
+        with pytest.raises(ValueError):
+            with launcher.plain():
+                raise ValueError
+        assert launcher.pdl_launch is False
+    assert launcher.pdl_launch is True
+    with pytest.raises(ValueError):
+        with launcher.plain():
+            raise ValueError
+    assert launcher.pdl_launch is True
