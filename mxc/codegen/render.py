@@ -29,7 +29,9 @@ _RESERVED = {"w", "layers", "ctx", "L", "forward"}
 class _Renderer:
     def __init__(self, graph: Graph):
         self.graph = graph
-        self.modules: set[str] = set()
+        # every kernel module the program imports, known before any value is named: a value or input named like one
+        # (``torch_ref``) is renamed even where it is defined ahead of the module's first call
+        self.modules = {k.partition(".")[0] for n, _ in graph.nodes() for k in _kernels(n.attrs["kernel"])}
         self.constants: dict[str, str] = {}  # source text -> constant name
         self.names = {v: self._safe(v) for v in graph.inputs}
 
@@ -53,7 +55,6 @@ class _Renderer:
 
     def call(self, kernel: str, args: list[str]) -> str:
         module, _, fn = kernel.partition(".")
-        self.modules.add(module)
         return f"{module}.{fn}({', '.join(args)})"
 
     def node(self, n: Node, local_weights: dict) -> dict:
@@ -99,6 +100,11 @@ class _Renderer:
             modules=sorted(self.modules), constants=[(n, t) for t, n in self.constants.items()],
             inputs=[self.value(v) for v in self.graph.inputs], body=body,
             outputs=[self.value(o) for o in self.graph.outputs])
+
+
+def _kernels(kernel) -> list[str]:
+    """The kernels a node's ``kernel`` attribute names: one, or one per token-count bucket [(bound, kernel), ...]."""
+    return [kernel] if isinstance(kernel, str) else [name for _, name in kernel]
 
 
 def render_forward(graph: Graph, ir_hash: str) -> str:

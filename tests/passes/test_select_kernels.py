@@ -6,6 +6,7 @@ import re
 import types
 
 import pytest
+import torch
 
 from mxc.codegen.render import render_forward
 from mxc.compiler.options import BuildOptions
@@ -180,3 +181,73 @@ def test_dispatch_picks_the_first_bucket_holding_the_rows(bind_arch):
     for rows in range(1, 7):
         want = next(name for hi, name in CHOICE if hi is None or rows <= hi)
         assert eval(expr, {"__builtins__": {}}, _Values(rows)) == want, (rows, expr)
+
+
+def _renaming_graph() -> Graph:
+    """Values named like Python keywords (``lambda``, ``class``), like the forward's own names (``L``, ``w``)
+    and like a kernel module (``triton_norm``); two different dict attributes; a 3-layer repeat over a layer
+    weight, carrying ``s``. Every node is an ``add`` whose kernel lives in a different module."""
+    from mxc.ir import Node, Weight
+    from mxc.ir.graph import Sym, TensorType
+
+    t = TensorType((1,), "float32")
+    add = lambda outs, ins, kernel, **attrs: Node("add", outs, ins, {"kernel": kernel, **attrs}, loc="toy.yaml:1")
+    layer = Repeat(count=3, index="i", weights={"scale": Weight("layers.{i}.scale", (1,), "float32", ("s.{i}",))},
+                   body=(add(("s2",), ("s", "scale"), "triton_rope.add", layer=Sym("i")),), carry={"s": "s2"})
+    return Graph(family="toy", dtype="float32", config={}, inputs={"lambda": t, "L": t, "w": t},
+                 weights={"bias": Weight("bias", (1,), "float32", ("bias",))},
+                 body=(add(("triton_norm",), ("lambda", "L"), "triton_norm.add", spec={"a": 1}),
+                       add(("s",), ("triton_norm", "w"), "torch_ref.add", spec={"b": 2}),
+                       layer,
+                       add(("s3",), ("s", "L"), "triton_elementwise.add"),
+                       add(("class",), ("s3", "bias"), "triton_attention.add")),
+                 outputs=("class",))
+
+
+def test_values_named_like_a_later_or_bucketed_kernel_module_are_renamed():
+    """A value named like a kernel module is renamed even when it is defined before that module's first call, or is
+    an input, or the module is called only in a token-count bucket: the names never hide the modules. Kernels are
+    integer adds: triton_norm=1, torch_ref=1+1=2, triton_fp8=2+1=3 (one row: the bucket <= 8), out=3+2=5."""
+    from mxc.ir import Node
+    from mxc.ir.graph import TensorType
+
+    t = TensorType((1,), "float32")
+    node = lambda outs, ins, kernel: Node("add", outs, ins, {"kernel": kernel}, loc="toy.yaml:1")
+    graph = Graph(family="toy", dtype="float32", config={}, inputs={"triton_norm": t}, weights={},
+                  body=(node(("torch_ref",), ("triton_norm", "triton_norm"), "triton_norm.add"),
+                        node(("triton_fp8",), ("torch_ref", "triton_norm"), [(8, "triton_fp8.add"),
+                                                                           (None, "triton_gemv.add")]),
+                        node(("out",), ("triton_fp8", "torch_ref"), "torch_ref.add")),
+                  outputs=("out",))
+    src = render_forward(graph, ir_hash="test")
+    namespace: dict = {}
+    exec(compile(src, "<toy forward>", "exec"), namespace)
+    for name in ("triton_norm", "torch_ref", "triton_fp8", "triton_gemv"):
+        namespace[name] = types.SimpleNamespace(add=lambda a, b: a + b)
+    assert namespace["forward"]({}, [], None, torch.ones(1)).tolist() == [5.0]
+
+
+def test_rendered_forward_renames_clashing_values_and_runs_every_layer():
+    """The rendered forward of ``_renaming_graph``, its kernels replaced by integer adds that record their
+    attributes, computes by hand: lambda=1, L=2, w=4 give triton_norm=3, s=7; layer i adds 10**(i+1)
+    (7+10+100+1000=1117); then + L (2) + bias (10000) = 11119."""
+    src = render_forward(_renaming_graph(), ir_hash="test")
+    imports = [ln.split()[-1] for ln in src.splitlines() if ln.startswith("from mxc.kernels import ")]
+    assert imports == sorted(imports) and len(imports) == 5  # a set's order would vary with the hash seed
+    namespace: dict = {}
+    exec(compile(src, "<toy forward>", "exec"), namespace)
+    calls = []
+
+    def module(name):
+        def add(a, b, **attrs):
+            calls.append((name, attrs))
+            return a + b
+
+        return types.SimpleNamespace(add=add)
+
+    namespace.update({name: module(name) for name in imports})
+    layers = [{"scale": 10 ** (i + 1)} for i in range(3)]
+    assert namespace["forward"]({"bias": 10000}, layers, None, 1, 2, 4) == 11119
+    assert calls == [("triton_norm", {"spec": {"a": 1}}), ("torch_ref", {"spec": {"b": 2}}),
+                     *[("triton_rope", {"layer": i}) for i in range(3)], ("triton_elementwise", {}),
+                     ("triton_attention", {})]
