@@ -18,7 +18,9 @@ def _size(n: int) -> str:
 
 
 def _kernel(choice) -> str:
-    """A node's kernel: one name, or per token-count bucket ``name (<= 16 tokens) / ... / name``."""
+    """A node's kernel: one name, none, or per token-count bucket ``name (<= 16 tokens) / ... / name``."""
+    if choice is None:
+        return "(none)"
     if isinstance(choice, str):
         return choice
     return " / ".join(name if hi is None else f"{name} (<= {hi} tokens)" for hi, name in choice)
@@ -103,6 +105,8 @@ def _safetensors_size(f: Path) -> int | None:
             if not 0 < n <= 100 * 2**20:
                 return None
             header = json.loads(fh.read(n))
+        if not isinstance(header, dict):
+            return None
         ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
         return 8 + n + max(ends, default=0)
     except (OSError, ValueError, KeyError, TypeError, IndexError):
