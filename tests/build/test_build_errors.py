@@ -207,6 +207,21 @@ def test_out_with_another_programs_manifest_is_not_an_artifact(tmp_path):
     assert (out / "src" / "app.js").read_text() == "keep me"
 
 
+@pytest.mark.parametrize("content", [b'{"schema_version": 10}', b'{"mxc_version": "0.1.0"}',
+                                     b'["schema_version", "mxc_version"]', b"{not json", b'{"\xff": 1}'],
+                         ids=["no-mxc-version", "no-schema-version", "a-list", "not-json", "not-utf8"])
+def test_out_with_a_manifest_that_is_not_mxcs_is_not_replaced(content, tmp_path):
+    """Only a manifest.json that is a JSON object with both schema_version and mxc_version marks an artifact: any
+    other (someone else's, or unreadable) leaves the directory the user's, refused in one line."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "manifest.json").write_bytes(content)
+    with pytest.raises(MxcError, match=r"--out .*mine: exists and is not an mxc artifact") as e:
+        _build("llama.yaml", out)
+    _one_line(e)
+    assert (out / "manifest.json").read_bytes() == content
+
+
 def test_out_inside_an_artifact(tmp_path):
     """A build into a folder of another artifact would add files its manifest does not list, so that it no longer
     loads: refused, and the artifact keeps loading."""

@@ -152,6 +152,59 @@ def test_unsupported_dtype(tmp_path):
         SafetensorsWriter(tmp_path / "o.safetensors", {"c": (torch.complex64, (1,))})
 
 
+def test_round_trip_float64_and_int16(tmp_path):
+    tensors = {"f64": torch.randn(2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1)),
+               "i16": torch.tensor([-32768, -1, 0, 1, 32767], dtype=torch.int16)}
+    path = tmp_path / "out.safetensors"
+    with SafetensorsWriter(path, _specs(tensors)) as w:
+        for name, t in tensors.items():
+            w.write(name, t)
+    with safe_open(str(path), framework="pt") as f:
+        assert f.get_slice("f64").get_dtype() == "F64" and f.get_slice("i16").get_dtype() == "I16"
+    loaded = load_file(path)
+    for name, t in tensors.items():
+        assert loaded[name].dtype == t.dtype and torch.equal(loaded[name], t), name
+
+
+def test_metadata_must_map_str_to_str(tmp_path):
+    with pytest.raises(MxcError, match=r"o\.safetensors: safetensors metadata must map str to str"):
+        SafetensorsWriter(tmp_path / "o.safetensors", {"w": (torch.float32, (1,))}, metadata={"layers": 2})
+
+
+def test_missing_tensors_are_named_in_header_order(tmp_path):
+    specs = {name: (torch.float32, (1,)) for name in ("zeta", "alpha", "mid")}
+    w = SafetensorsWriter(tmp_path / "o.safetensors", specs)
+    assert w.missing() == ["zeta", "alpha", "mid"]
+    w.write("alpha", torch.zeros(1))
+    assert w.missing() == ["zeta", "mid"]
+    w.abort()
+
+
+def test_three_missing_tensors_are_all_named(tmp_path):
+    specs = {f"t{i}": (torch.float32, (1,)) for i in range(3)}
+    w = SafetensorsWriter(tmp_path / "o.safetensors", specs)
+    with pytest.raises(MxcError, match=r"3 tensor\(s\) never written: 't0', 't1', 't2'$"):
+        w.close()
+
+
+def test_no_digest_for_a_file_left_incomplete(tmp_path):
+    """Tensors written in header order but not all of them (an aborted build): no digest."""
+    specs = {"a": (torch.float32, (2,)), "b": (torch.float32, (2,))}
+    w = SafetensorsWriter(tmp_path / "o.safetensors", specs)
+    w.write("a", torch.ones(2))
+    w.abort()
+    assert w.digest is None
+
+
+def test_close_is_idempotent(tmp_path):
+    """A second close (a ``with`` block around an explicit close) neither reopens nor re-raises."""
+    w = SafetensorsWriter(tmp_path / "o.safetensors", {"a": (torch.float32, (1,))})
+    with pytest.raises(MxcError, match="never written"):
+        w.close()
+    w.close()
+    assert w.digest is None
+
+
 _PEAK_SCRIPT = textwrap.dedent("""
     import resource, sys, torch
     from mxc.loaders.safetensors_writer import SafetensorsWriter

@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 import mxc
+from mxc.artifact_format import SCHEMA_VERSION
 from mxc.errors import MxcError
 
 
@@ -182,3 +183,186 @@ def test_weights_larger_than_the_gpus_free_memory_are_refused_before_loading(pri
     msg = _refused(pristine, rf"{pristine.name}: rank 0's weights take {size}, more than the 1\.0 KiB free on cuda:0; "
                              r"free the GPU, or rebuild with --quant fp8 or a larger --tp", device="cuda")
     assert queried == [torch.device("cuda:0")], msg
+
+
+def _manifest_edit(edit):
+    def apply(art):
+        path = art / "manifest.json"
+        m = json.loads(path.read_text())
+        edit(m)
+        path.write_text(json.dumps(m))
+    return apply
+
+
+def _cuda_target(m, **options):
+    """A cpu artifact's manifest relabelled as a --target cuda build for sm_90 (its files untouched)."""
+    m["target"] = {**m["target"], "name": "cuda", "arch": "sm_90"}
+    m["options"].update(target="cuda", **options)
+
+
+@pytest.mark.parametrize("edit,pattern", [
+    (lambda m: m.update(schema_version=SCHEMA_VERSION - 1), rf"artifact schema {SCHEMA_VERSION - 1} is not readable "
+                                                            rf"by this mxc \(schema {SCHEMA_VERSION}\)"),
+    (lambda m: m.pop("schema_version"), r"artifact schema None is not readable"),
+    (lambda m: m.pop("mxc_version"), r"built by mxc None, incompatible"),
+    (lambda m: m["files"].pop("code/forward.py"), r"field files: expected .*holding code/forward\.py"),
+    (lambda m: m["files"].update({"graph.yaml": 5}), r"field files"),
+    (lambda m: m.update(tp=1.0), r"field tp: expected a positive integer"),
+    (lambda m: m.update(tp=True), r"field tp: expected a positive integer"),
+    (lambda m: m["runtime"].update(vocab_size=0), r"field runtime\.vocab_size"),
+    (lambda m: m["runtime"].update(eos_token_id=["2"]), r"field runtime\.eos_token_id"),
+    (lambda m: m["runtime"]["kv_cache"].update(head_dim=0), r"field runtime\.kv_cache"),
+    (lambda m: m["runtime"]["layers"].update(prefix="layers."), r"field runtime\.layers"),
+    (lambda m: m["runtime"]["layers"].update(count=0), r"field runtime\.layers"),
+    (lambda m: m["target"].update(name="cuda"), r"field target\.arch"),
+    (lambda m: m["options"].update(dtype="bfloat16"), r"field options\.dtype: expected 'float32', as runtime\.dtype"),
+    (lambda m: _cuda_target(m, max_batch=0), r"field options\.max_batch: expected a positive integer"),
+    (lambda m: _cuda_target(m, max_seq_len=0), r"field options\.max_seq_len: expected a positive integer"),
+    (lambda m: m.pop("ir_sha256"), r"field ir_sha256: expected a string"),
+    (lambda m: m["source"].pop("checkpoint"), r"field source"),
+    (lambda m: m["kernels"][0].update(kernel=[[16, "a", "b"]]), r"field kernels"),
+    (lambda m: m["kernels"][0].update(kernel=[["16", "a"]]), r"field kernels"),
+    (lambda m: m["kernels"][0].update(kernel=[[True, "a"]]), r"field kernels"),
+    (lambda m: m["kernels"][0].pop("kernel"), r"field kernels"),
+], ids=["older-schema", "no-schema", "no-mxc-version", "no-forward-py", "digest-not-str",
+        "tp-float", "tp-bool", "vocab-0", "eos-str", "kv-head-dim-0", "layers-prefix-no-index", "layers-count-0",
+        "cuda-no-arch", "options-dtype", "cuda-max-batch-0", "cuda-max-seq-len-0", "no-ir-sha256",
+        "source-no-checkpoint", "kernel-bucket-3-items", "kernel-bucket-str-bound", "kernel-bucket-bool-bound",
+        "kernel-row-no-kernel"])
+def test_damaged_manifest_fields_are_refused_by_name(art, edit, pattern):
+    """Each field the runtime reads, damaged, is refused in one line naming the manifest and the field."""
+    _manifest_edit(edit)(art)
+    msg = _refused(art, pattern)
+    assert str(art / "manifest.json") in msg
+
+
+def test_manifest_not_an_object(art):
+    path = art / "manifest.json"
+    path.write_text(json.dumps([json.loads(path.read_text())]))
+    _refused(art, r"manifest\.json: corrupt \(expected a JSON object\); rebuild")
+
+
+def test_a_cuda_artifact_on_the_cpu_is_refused(art):
+    """A --target cuda manifest is a valid one (read_manifest accepts it); loading it onto the CPU says to use a GPU."""
+    from mxc.runtime.artifact import read_manifest
+
+    _manifest_edit(_cuda_target)(art)
+    assert read_manifest(art)["target"]["name"] == "cuda"
+    _refused(art, r"built for --target cuda; load it with device='cuda'")
+
+
+def test_a_float16_artifact_loads(tmp_path):
+    art = mxc.build("llama.yaml", out=tmp_path / "art", dtype="float16", progress=False, log=lambda m: None)
+    assert json.loads((art / "manifest.json").read_text())["runtime"]["dtype"] == "float16"
+    model = mxc.load(art)
+    assert model.logits([[1, 2]]).shape == (1, 2, 256)
+
+
+def test_device_names_other_than_cpu_and_cuda_are_refused(art):
+    _refused(art, r"--device meta: expected cpu, cuda or cuda:N", device="meta")
+
+
+def test_cuda_device_index_must_exist(monkeypatch):
+    import torch
+
+    from mxc.runtime import artifact
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert artifact._device("cuda:1") == torch.device("cuda", 1)
+    assert artifact._device("cuda") == torch.device("cuda", 1)
+    with pytest.raises(MxcError, match=r"--device cuda:2: this machine has 2 CUDA device\(s\)"):
+        artifact._device("cuda:2")
+
+
+def test_tensor_parallel_ranks_need_one_gpu_each(monkeypatch, tmp_path):
+    import torch
+
+    from mxc.runtime import artifact
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    artifact.check_rank_devices("cuda", 2, tmp_path)  # two GPUs for two ranks
+    artifact.check_rank_devices("cpu", 4, tmp_path)  # the CPU takes any number
+    with pytest.raises(MxcError, match=r"built for --tp 3, whose ranks take one GPU each; this machine has 2"):
+        artifact.check_rank_devices("cuda", 3, tmp_path)
+
+
+def test_program_bytes_are_rechecked_before_they_run(art):
+    """The program is executed from bytes checked against the manifest's digest as read, not as verified earlier."""
+    import hashlib
+
+    from mxc.runtime import artifact
+
+    program = art / "code" / "forward.py"
+    module = artifact._exec_program(program, hashlib.sha256(program.read_bytes()).hexdigest())
+    assert callable(module.forward)
+    with pytest.raises(MxcError, match=r"forward\.py: modified while loading"):
+        artifact._exec_program(program, "0" * 64)
+
+
+def test_negative_rank_is_refused(art):
+    _refused(art, r"rank -1 is out of range for world_size=1", rank=-1)
+
+
+def test_kernels_for_another_gpu_architecture_are_refused(pristine, monkeypatch):
+    """A cuda artifact's cubins run only on the architecture they were compiled for (or JIT with rebuild_kernels);
+    on a matching GPU the cubin launcher gets the manifest's pdl option."""
+    import json as _json
+
+    import torch
+
+    from mxc.runtime import artifact, cuda_launch
+
+    manifest = _json.loads((pristine / "manifest.json").read_text())
+    _cuda_target(manifest, pdl=True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(MxcError, match=r"kernels were compiled for sm_90, this GPU is sm_80; rebuild"):
+        artifact._kernel_launcher(pristine, manifest, torch.device("cuda", 0), rebuild_kernels=False)
+    made = []
+    monkeypatch.setattr(cuda_launch, "CubinLauncher", lambda root, pdl: made.append((root, pdl)) or "launcher")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert artifact._kernel_launcher(pristine, manifest, torch.device("cuda", 0), rebuild_kernels=False) == "launcher"
+    assert made == [(pristine / "code" / "kernels", True)]
+
+
+def test_weights_that_just_fit_the_gpus_free_memory_are_not_refused(tmp_path, monkeypatch):
+    import torch
+
+    from mxc.runtime import artifact
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (4096, 80 << 30))
+    artifact._check_weights_fit(tmp_path, 0, 4096, torch.device("cuda", 0))
+    with pytest.raises(MxcError, match=r"rank 0's weights take 4\.0 KiB, more than the 4\.0 KiB free"):
+        artifact._check_weights_fit(tmp_path, 0, 4097, torch.device("cuda", 0))
+
+
+def test_python_caches_are_not_part_of_the_artifact(art):
+    """__pycache__ folders (Python may write them next to an artifact's code) are neither listed nor refused."""
+    from mxc.artifact_format import listed_files
+
+    cache = art / "code" / "__pycache__"
+    cache.mkdir()
+    (cache / "forward.cpython-311.pyc").write_bytes(b"\0" * 16)
+    assert not any("__pycache__" in rel for rel in listed_files(art))
+    assert mxc.load(art).logits([[1, 2]]).shape == (1, 2, 256)
+
+
+def test_file_digests_reuse_the_ones_already_computed(tmp_path, monkeypatch):
+    """The build passes the weights' digests computed while writing: those files are not hashed a second time."""
+    import hashlib
+
+    from mxc import artifact_format
+
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "big.bin").write_bytes(b"weights")
+    (tmp_path / "small.txt").write_bytes(b"code")
+    hashed = []
+    real = artifact_format.sha256_file
+    monkeypatch.setattr(artifact_format, "sha256_file", lambda path, *a: hashed.append(path) or real(path, *a))
+    known = hashlib.sha256(b"weights").hexdigest()
+    assert artifact_format.file_digests(tmp_path, {"w/big.bin": known}) == {
+        "small.txt": hashlib.sha256(b"code").hexdigest(), "w/big.bin": known}
+    assert hashed == [tmp_path / "small.txt"]
