@@ -47,6 +47,9 @@ CASES = {
     # yarn's ramp at its edges: its high end clamped to the last dim, and a ramp of zero width (low == high)
     "yarn_ramp_clamped": (M16K, {"factor": 4.0, "original_max_position_embeddings": 1024}, 10.0, "yarn"),
     "yarn_ramp_empty": (M16K, {"factor": 4.0, "original_max_position_embeddings": 4}, 10000.0, "yarn"),
+    # a zero-width ramp between dims (beta_fast == beta_slow, no truncation: low == high == 5.81): HF's 0.001
+    # widening makes it a step between dims 5 and 6
+    "yarn_ramp_point": (M16K, {**YARN, "beta_fast": 23.0, "beta_slow": 23.0, "truncate": False}, 10000.0, "yarn"),
 }
 STYLES = ("legacy_type", "legacy_rope_type", "v5")
 
@@ -122,6 +125,34 @@ def test_dynamic_inv_freq_by_seq_len(seq_len):
     assert torch.equal(ours, ref) and scaling == ref_scaling == 1.0
     default, _ = inv_freq({**spec, "type": "default"})
     assert torch.equal(ours, default) == (seq_len is None or seq_len <= 64)
+
+
+def test_llama3_band_edges_match_hf():
+    """llama3 with a wavelength exactly at each band edge (low/high_freq_factor = original max / a default
+    wavelength): the strict comparisons at the edges pick scaled, smoothed or unscaled as HF does."""
+    d = config_json("llama3", "v5")
+    params = d["rope_parameters"]
+    orig = params["original_max_position_embeddings"]
+    default = {**BASE, "max_position_embeddings": d["max_position_embeddings"], "rope_theta": params["rope_theta"]}
+    wavelen = 2 * math.pi / hf_rotary(default)[1].inv_freq  # float32, as both compute it
+    params.update(low_freq_factor=orig / float(wavelen[10]), high_freq_factor=orig / float(wavelen[5]))
+    for edge, i in ((orig / params["low_freq_factor"], 10), (orig / params["high_freq_factor"], 5)):
+        assert (wavelen == edge).nonzero().flatten().tolist() == [i]  # the edges fall on wavelengths exactly
+    spec, (cfg, _) = normalize_rope(d, HEAD_DIM), hf_rotary(d)
+    ref, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, torch.device("cpu"))
+    assert torch.equal(inv_freq(spec)[0], ref)
+
+
+def test_inv_freq_rejects_unknown_type():
+    with pytest.raises(ValueError, match="'longrope'"):
+        inv_freq({"type": "longrope", "theta": 10000.0, "rotary_dim": HEAD_DIM})
+
+
+def test_dynamic_cos_sin_of_no_positions():
+    """An empty batch has no longest position: dynamic gives empty tables (no max over nothing)."""
+    spec = normalize_rope(config_json("dynamic", "v5"), HEAD_DIM)
+    cos, sin = cos_sin(spec, torch.zeros(0, dtype=torch.int64), torch.bfloat16)
+    assert cos.shape == sin.shape == (0, HEAD_DIM) and cos.dtype == sin.dtype == torch.bfloat16
 
 
 def test_partial_rotary_default_matches_gpt_neox():
