@@ -16,6 +16,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -183,7 +184,8 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
         raise MxcError(f"--dtype {dtype}: expected float32, bfloat16 or float16")
     src = resolve_source(source, checkpoint, config)
     if max_seq_len is None:
-        mpe = src.config.get("max_position_embeddings") or 4096
+        mpe = src.config.get("max_position_embeddings")
+        mpe = 4096 if mpe is None else mpe
         if isinstance(mpe, bool) or not isinstance(mpe, int) or mpe < 1:
             raise MxcError(f"{src.config_path}: max_position_embeddings {mpe!r}: expected a positive integer")
         max_seq_len = min(4096, mpe)
@@ -396,11 +398,12 @@ def _pid_alive(pid: int) -> bool:
 def _recover(out: Path) -> None:
     """Clean up after builds that were killed: drop their partial output; if one died between
     its two renames, put the previous artifact back."""
-    for leftover in out.parent.glob(f".{out.name}.*-*"):
-        kind, _, pid = leftover.name.rpartition("-")
-        if not pid.isdigit() or _pid_alive(int(pid)):
+    mine = re.compile(rf"\.{re.escape(out.name)}\.(building|old)-(\d+)")  # not another output's (art.v2)
+    for leftover in out.parent.iterdir():
+        found = mine.fullmatch(leftover.name)
+        if not found or _pid_alive(int(found.group(2))):
             continue
-        if kind.endswith(".old") and not out.exists():
+        if found.group(1) == "old" and not out.exists():
             os.replace(leftover, out)
         else:
             shutil.rmtree(leftover, ignore_errors=True)
@@ -409,6 +412,7 @@ def _recover(out: Path) -> None:
 def _replace(tmp: Path, out: Path) -> None:
     """Swap the finished ``tmp`` in for ``out`` with two renames."""
     old = out.parent / f".{out.name}.old-{os.getpid()}"
+    shutil.rmtree(old, ignore_errors=True)  # a leftover of a dead build whose pid this one reuses
     if out.exists():
         os.replace(out, old)
     os.replace(tmp, out)

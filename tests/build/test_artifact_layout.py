@@ -93,3 +93,29 @@ def test_disable_pass_skips_it_and_keeps_the_math(built, tmp_path):
     assert "wqkv" not in graph and "w_gate_up" not in graph and "wqkv" in (art / "graph.yaml").read_text()
     ids = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(mxc.load(plain).logits(ids), mxc.load(art).logits(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_manifest_runtime_block_describes_the_config(built):
+    """The runtime reads the KV cache geometry, vocabulary, stop tokens and layer naming from the manifest, not the
+    IR: each must be what the definition's tiny config (the build's config.json) says."""
+    from mxc.models import MODELS_DIR
+
+    art, _ = built
+    config = json.loads((MODELS_DIR / "configs" / "tiny-llama.json").read_text())
+    runtime = _manifest(art)["runtime"]
+    assert runtime["vocab_size"] == config["vocab_size"]
+    assert runtime["inputs"] == ["tokens", "positions", "logit_rows"]
+    assert runtime["kv_cache"] == {"layers": config["num_hidden_layers"], "kv_heads": config["num_key_value_heads"],
+                                   "head_dim": config["hidden_size"] // config["num_attention_heads"]}
+    assert runtime["max_position_embeddings"] == config["max_position_embeddings"]
+    assert runtime["eos_token_id"] == [config["eos_token_id"]]
+    layers = runtime["layers"]
+    assert layers["count"] == config["num_hidden_layers"]
+    # every per-layer tensor of the weight file is the prefix, its index filled in, then a local name
+    with safe_open(art / "weights" / "rank0.safetensors", framework="pt") as f:
+        names = set(f.keys())
+    locals_ = {n.split(".", 2)[2] for n in names if n.startswith("layers.")}
+    assert locals_
+    want = {layers["prefix"].replace("{" + layers["index"] + "}", str(i)) + local
+            for i in range(layers["count"]) for local in locals_}
+    assert want == {n for n in names if n.startswith("layers.")}

@@ -339,6 +339,51 @@ def test_too_little_disk_is_refused_before_the_build(tmp_path, monkeypatch):
     assert _build("llama.yaml", out) == out
 
 
+def test_free_space_of_exactly_the_weights_is_enough(tmp_path, monkeypatch):
+    """The check refuses less room than the weights take: exactly their bytes free passes, one byte less does not."""
+    import shutil
+
+    from mxc import builder
+
+    need = _tensor_bytes(_build("llama.yaml", tmp_path / "ref"))
+    real = shutil.disk_usage
+    monkeypatch.setattr(builder.shutil, "disk_usage", lambda p: real(p)._replace(free=need - 1))
+    with pytest.raises(MxcError, match="free some space"):
+        _build("llama.yaml", tmp_path / "art")
+    monkeypatch.setattr(builder.shutil, "disk_usage", lambda p: real(p)._replace(free=need))
+    assert _build("llama.yaml", tmp_path / "art") == tmp_path / "art"
+
+
+def test_an_out_whose_parent_cannot_be_written_is_refused_before_the_build(tmp_path, monkeypatch):
+    """--out under an existing directory the user may not write: one line naming --out and that directory."""
+    import os
+    import re
+
+    from mxc import builder
+
+    real = os.access
+    monkeypatch.setattr(builder.os, "access", lambda p, mode: os.fspath(p) != str(tmp_path) and real(p, mode))
+    out = tmp_path / "sub" / "art"
+    with pytest.raises(MxcError, match=rf"--out {re.escape(str(out))}: cannot be created "
+                                       rf"\({re.escape(str(tmp_path))} is not writable\)") as e:
+        _build("llama.yaml", out)
+    _one_line(e)
+    assert not (tmp_path / "sub").exists()
+
+
+def test_a_stale_temporary_directory_of_this_pid_is_replaced(tmp_path):
+    """A ``.art.building-PID`` left by an earlier process that had this build's pid (pids are reused, after a
+    reboot or in a container) is not in the way: the build writes afresh and leaves no temporary directory."""
+    import os
+
+    stale = tmp_path / f".art.building-{os.getpid()}"
+    (stale / "weights").mkdir(parents=True)
+    (stale / "weights" / "rank0.safetensors").write_text("half-written")
+    art = _build("llama.yaml", tmp_path / "art")
+    mxc.load(art)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+
+
 def test_the_disk_check_counts_every_ranks_weights(ckpt, tmp_path, monkeypatch):
     """--tp 2 writes a weight file a rank: room for a little more than one of them is not enough."""
     import shutil
@@ -364,10 +409,13 @@ def test_default_max_seq_len_is_the_models_up_to_4096(mpe, hf_checkpoint, tmp_pa
     assert json.loads((art / "manifest.json").read_text())["options"]["max_seq_len"] == min(4096, mpe)
 
 
-def test_disk_full_while_writing_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
-    """ENOSPC from the weight writer (the disk filled by something else mid-build) becomes a one-line error
-    naming --out; the half-written directory goes, and an artifact already at --out stays."""
+@pytest.mark.parametrize("code", ["ENOSPC", "EDQUOT"])
+def test_disk_full_while_writing_is_one_line_and_leaves_nothing(code, tmp_path, monkeypatch):
+    """ENOSPC (or EDQUOT, a quota reached) from the weight writer (the disk filled by something else mid-build)
+    becomes a one-line error naming --out; the half-written directory goes, and an artifact already at --out
+    stays."""
     import errno
+    import os
     import re
 
     from mxc.loaders import safetensors_writer
@@ -378,10 +426,11 @@ def test_disk_full_while_writing_is_one_line_and_leaves_nothing(tmp_path, monkey
     need = size_text(_tensor_bytes(out))
 
     def full(self, name, tensor):
-        raise OSError(errno.ENOSPC, "No space left on device")
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
 
     monkeypatch.setattr(safetensors_writer.SafetensorsWriter, "write", full)
-    want = rf"--out .*art: No space left on device while writing the artifact \(its weights take {re.escape(need)}\); "
+    strerror = re.escape(os.strerror(getattr(errno, code)))
+    want = rf"--out .*art: {strerror} while writing the artifact \(its weights take {re.escape(need)}\); "
     with pytest.raises(MxcError, match=want + "free some space or choose another --out") as e:
         _build("llama.yaml", out)
     _one_line(e)
@@ -398,14 +447,18 @@ def test_cache_sizes_from_python_are_positive_integers(kw, tmp_path):
         mxc.build("llama.yaml", out=tmp_path / "art", progress=False, log=lambda m: None, **kw)
 
 
-def _build_edited(tmp_path, old: str, new: str):
+def _build_edited(tmp_path, old: str, new: str, *more: tuple[str, str], **fields):
+    """Build llama.yaml with ``old`` replaced by ``new`` (and each further (old, new) pair), bound to its tiny
+    config with ``fields`` overridden."""
     from mxc.models.registry import MODELS_DIR
 
     text = (MODELS_DIR / "llama.yaml").read_text()
-    assert text.count(old) == 1, old
-    (tmp_path / "edited.yaml").write_text(text.replace(old, new))
+    for o, n in ((old, new), *more):
+        assert text.count(o) == 1, o
+        text = text.replace(o, n)
+    (tmp_path / "edited.yaml").write_text(text)
     config = json.loads((MODELS_DIR / "configs" / "tiny-llama.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "config.json").write_text(json.dumps({**config, **fields}))
     return mxc.build(str(tmp_path / "edited.yaml"), config=str(tmp_path / "config.json"), out=tmp_path / "art",
                      progress=False, log=lambda m: None)
 
@@ -418,7 +471,13 @@ def _build_edited(tmp_path, old: str, new: str):
      "  positions: {shape: [T], dtype: int64}\n  tokens: {shape: [T], dtype: int64}\n",
      r"edited\.yaml: inputs: expected, in this order, tokens \[T\] int64, positions \[T\] int64, logit_rows \[R\] "
      r"int64; got positions \[T\] int64, tokens \[T\] int64, logit_rows \[R\] int64$"),
-], ids=["no-gather", "inputs-swapped"])
+    ("logit_rows: {shape: [R], dtype: int64}", "logit_rows: {shape: [T], dtype: int64}",
+     r"edited\.yaml: inputs: expected, in this order, .*; got tokens \[T\] int64, positions \[T\] int64, "
+     r"logit_rows \[T\] int64$"),
+    ("  - logits = linear(rms_norm(x, norm_f, eps=rms_norm_eps), lm_head)\n",
+     "  - logits = heads(linear(rms_norm(x, norm_f, eps=rms_norm_eps), lm_head), size=16)\n",
+     r"edited\.yaml: outputs: expected one value, the logits \[R, vocab\] .*; got logits \[R, 16, 16\]"),
+], ids=["no-gather", "inputs-swapped", "logit-rows-of-every-token", "logits-3d"])
 def test_a_graph_off_the_runtime_contract_is_refused(old, new, needle, tmp_path):
     """The runtime passes tokens, positions and logit_rows in that order and reads logits [R, vocab]: a model file
     that differs used to build and then fail (or, with the inputs swapped, run wrong) at generate time."""
@@ -454,3 +513,94 @@ def test_two_architectures_are_refused(hf_checkpoint, tmp_path):
     with pytest.raises(MxcError, match="exactly one architecture") as e:
         mxc.build(str(ckpt), out=tmp_path / "art", progress=False, log=lambda m: None)
     assert "\n" not in str(e.value) and "config.json" in str(e.value)
+
+
+ROPE_LINE = "      - q, k = rope(q, k, positions, spec=rope)\n"
+
+
+@pytest.mark.parametrize("shape, dtype", [("P", "int64"), ("T", "int32")])
+def test_positions_off_the_runtime_contract_are_refused_where_no_op_reads_them(shape, dtype, tmp_path):
+    """A definition without RoPE (positions unread, so no op checks them) must still take positions as the runtime
+    passes them: int64 [T], as many as the tokens."""
+    (tmp_path / "ok").mkdir()
+    (tmp_path / "bad").mkdir()
+    _build_edited(tmp_path / "ok", ROPE_LINE, "")  # the same definition with positions as the runtime passes them
+    with pytest.raises(MxcError, match=r"edited\.yaml: inputs: expected, in this order, tokens \[T\] int64, "
+                                       rf"positions \[T\] int64, .*; got .*positions \[{shape}\] {dtype},") as e:
+        _build_edited(tmp_path / "bad", ROPE_LINE, "",
+                      ("positions: {shape: [T], dtype: int64}", f"positions: {{shape: [{shape}], dtype: {dtype}}}"))
+    _one_line(e)
+    assert not (tmp_path / "bad" / "art").exists()
+
+
+def test_a_graph_without_attention_is_refused(tmp_path):
+    """The runtime decodes with a KV cache the attention ops fill: a definition with none is refused at build time."""
+    attention = "      - a = attention(q, k, v, scale=head_dim**-0.5, layer=i, sliding_window=attention_window)\n"
+    with pytest.raises(MxcError, match=r"edited\.yaml: the graph has no attention over the KV cache") as e:
+        _build_edited(tmp_path, attention, "      - a = mul(q, add(k, v))\n", num_key_value_heads=4)
+    _one_line(e)
+    assert not (tmp_path / "art").exists()
+
+
+
+ROPE_PARAM = "  rope: {resolve: llama_rope}    # normalized rope_parameters / rope_scaling\n"
+
+
+def test_default_max_seq_len_without_max_position_embeddings_is_4096(tmp_path):
+    """A definition without RoPE (which needs the field) binds a config.json without max_position_embeddings: the
+    KV cache then takes 4096 rows."""
+    art = _build_edited(tmp_path, ROPE_LINE, "", (ROPE_PARAM, ""), max_position_embeddings=None)
+    assert json.loads((art / "manifest.json").read_text())["options"]["max_seq_len"] == 4096
+
+
+@pytest.mark.parametrize("mpe", [-5, True, 2.5, 0])
+def test_max_position_embeddings_not_a_positive_integer_is_refused(mpe, tmp_path):
+    """Named as the config.json field it comes from (not as --max-seq-len, which was not given), where no RoPE
+    checks it first."""
+    with pytest.raises(MxcError, match=rf"config\.json: max_position_embeddings {mpe!r}: expected a positive "
+                                       r"integer$") as e:
+        _build_edited(tmp_path, ROPE_LINE, "", (ROPE_PARAM, ""), max_position_embeddings=mpe)
+    _one_line(e)
+
+
+@pytest.mark.parametrize("tp", [0, -1, "2", 1.0])
+def test_tp_not_a_positive_integer_is_refused(tp, tmp_path):
+    with pytest.raises(MxcError, match=rf"--tp {tp}: expected a positive integer") as e:
+        _build("llama.yaml", tmp_path / "art", tp=tp)
+    _one_line(e)
+    assert not (tmp_path / "art").exists()
+
+
+@pytest.mark.parametrize("arch, pdl", [(90, True), (100, True), (89, False), (80, False)])
+def test_pdl_is_on_by_default_for_cuda_on_sm90_and_later(arch, pdl, tmp_path, monkeypatch):
+    """``pdl=None`` (no --pdl / --no-pdl): programmatic dependent launch wherever it exists, --target cuda on sm_90+;
+    the options the artifact is written with say so (the writing itself, kernel compilation, is left out here)."""
+    from mxc import builder
+
+    seen = []
+    monkeypatch.setattr(builder, "_write", lambda tmp, graph, src, options, *rest: seen.append(options))
+    _build("llama.yaml", tmp_path / "art", target="cuda", arch=arch)
+    assert [o.pdl for o in seen] == [pdl]
+    _build("llama.yaml", tmp_path / "cpu", target="cpu", arch=arch)
+    assert seen[-1].pdl is False
+
+
+@pytest.mark.parametrize("max_seq_len, noted", [(512, False), (513, True)])
+def test_a_max_seq_len_past_max_position_embeddings_is_noted(max_seq_len, noted, tmp_path):
+    """The tiny config's max_position_embeddings is 512: a KV cache of exactly that many rows is within what the
+    model was trained on, one row more is noted."""
+    lines = []
+    mxc.build("llama.yaml", out=tmp_path / "art", max_seq_len=max_seq_len, progress=False, log=lines.append)
+    assert any(f"--max-seq-len {max_seq_len} is above" in ln for ln in lines) is noted, lines
+
+
+def test_a_stale_old_directory_of_this_pid_is_replaced(tmp_path):
+    import os
+
+    art = _build("llama.yaml", tmp_path / "art")
+    stale = tmp_path / f".art.old-{os.getpid()}"
+    stale.mkdir()
+    (stale / "manifest.json").write_text("{}")
+    assert _build("llama.yaml", art, max_seq_len=64) == art
+    assert json.loads((art / "manifest.json").read_text())["options"]["max_seq_len"] == 64
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -135,3 +136,135 @@ def test_bfloat16_build(hf_checkpoint, tmp_path):
     got = _logits(art)
     assert got.dtype == torch.float32
     assert float((got - ref).abs().max() / ref.abs().max()) < 0.05
+
+
+def _tiny_config(tmp_path, name="config.json", **fields) -> Path:
+    """llama.yaml's tiny config with ``fields`` overridden, written to tmp_path/name."""
+    config = {**json.loads((MODELS_DIR / "configs" / "tiny-llama.json").read_text()), **fields}
+    path = tmp_path / name
+    path.write_text(json.dumps(config))
+    return path
+
+
+def test_config_and_checkpoint_together_are_refused(hf_checkpoint, tmp_path):
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM")
+    with pytest.raises(mxc.MxcError, match="--config is for random weights; a --checkpoint brings its own config.json"):
+        _build("llama.yaml", tmp_path / "art", checkpoint=str(ckpt), config=str(_tiny_config(tmp_path)))
+    assert not (tmp_path / "art").exists()
+
+
+def test_bundled_name_without_its_suffix(tmp_path):
+    """``mxc build llama`` is ``mxc build llama.yaml``."""
+    a, b = _build("llama", tmp_path / "a"), _build("llama.yaml", tmp_path / "b")
+    assert (a / "graph.yaml").read_text() == (b / "graph.yaml").read_text()
+    assert json.loads((a / "manifest.json").read_text())["model_file"] == "llama.yaml"
+
+
+@pytest.mark.parametrize("source", ["nosuch/llama.yaml", "nosuch/llama"])
+def test_a_missing_path_is_not_the_bundled_definition_of_its_name(source, tmp_path):
+    """Only a bare name falls back to the bundled definitions: a path in a folder that does not hold the file is a
+    typo to report, not ``llama.yaml``."""
+    with pytest.raises(mxc.MxcError, match=rf"^{source}: no such file, and not a bundled definition"):
+        _build(source, tmp_path / "art")
+
+
+def test_bundled_definition_with_config_takes_the_registry_settings(hf_checkpoint, tmp_path):
+    """``mxc build llama.yaml --config qwen3/config.json`` (random weights at a real configuration) binds as the
+    checkpoint itself does: with the registry's settings for Qwen3 (its per-head q/k norms)."""
+    ckpt, _ = hf_checkpoint("Qwen3ForCausalLM", head_dim=32)
+    from_ckpt = _build(ckpt, tmp_path / "from_ckpt")
+    from_config = _build("llama.yaml", tmp_path / "from_config", config=str(ckpt / "config.json"))
+    assert (from_config / "graph.yaml").read_text() == (from_ckpt / "graph.yaml").read_text()
+    assert json.loads((from_config / "manifest.json").read_text())["source"]["weights"] == "dummy"
+
+
+def test_own_definition_reads_its_tiny_config_beside_it(tmp_path):
+    """A user's definition names its tiny_config relative to itself, not to the bundled definitions' folder."""
+    defs = tmp_path / "defs"
+    (defs / "configs").mkdir(parents=True)
+    shutil.copyfile(MODELS_DIR / "llama.yaml", defs / "mine.yaml")
+    _tiny_config(defs / "configs", name="tiny-llama.json", vocab_size=128)
+    art = _build(defs / "mine.yaml", tmp_path / "art")
+    assert mxc.load(art).vocab_size == 128
+
+
+def test_own_definition_without_tiny_config_or_checkpoint_is_refused(tmp_path):
+    text = (MODELS_DIR / "llama.yaml").read_text()
+    assert text.count("tiny_config: configs/tiny-llama.json\n") == 1
+    (tmp_path / "mine.yaml").write_text(text.replace("tiny_config: configs/tiny-llama.json\n", ""))
+    with pytest.raises(mxc.MxcError, match=r"mine\.yaml: no --checkpoint given and the definition names no "
+                                           r"tiny_config"):
+        _build(tmp_path / "mine.yaml", tmp_path / "art")
+
+
+@pytest.mark.parametrize("eos, ids", [(0, [0]), ([2, 7], [2, 7]), (None, [])])
+def test_eos_token_ids_reach_the_manifest(eos, ids, tmp_path):
+    """config.json's eos_token_id, one id (0 included), a list or null, is the runtime's list of stop tokens."""
+    art = _build("llama.yaml", tmp_path / "art", config=str(_tiny_config(tmp_path, eos_token_id=eos)))
+    assert json.loads((art / "manifest.json").read_text())["runtime"]["eos_token_id"] == ids
+    assert mxc.load(art).eos_token_ids == ids
+
+
+@pytest.mark.parametrize("eos", [-1, True, [2, -1], [2, False], 2.0])
+def test_eos_token_ids_that_are_not_token_ids_are_refused(eos, tmp_path):
+    with pytest.raises(mxc.MxcError, match=r"config\.json: eos_token_id .*: expected a token id or a list of token "
+                                           r"ids") as e:
+        _build("llama.yaml", tmp_path / "art", config=str(_tiny_config(tmp_path, eos_token_id=eos)))
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "art").exists()
+
+
+def test_a_config_that_is_not_a_json_object_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(mxc.MxcError, match=r"config\.json: expected a JSON object"):
+        _build("llama.yaml", tmp_path / "art", config=str(tmp_path / "config.json"))
+
+
+def test_progress_off_writes_nothing_to_stderr(tmp_path, capfd):
+    """``progress=False`` (and a log of one's own) is a silent build: the weight converter's progress bar too."""
+    capfd.readouterr()
+    logged = []
+    mxc.build("llama.yaml", out=tmp_path / "art", progress=False, log=logged.append)
+    assert capfd.readouterr().err == ""
+    assert logged and logged[-1] == f"wrote {tmp_path / 'art'}"
+
+
+# a Hugging Face tokenizer's files and the generation config, as a checkpoint carries them
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                      "vocab.json", "merges.txt", "generation_config.json")
+
+
+def test_the_checkpoints_tokenizer_files_are_copied_and_listed(hf_checkpoint, tmp_path):
+    """Every tokenizer file the checkpoint holds goes to ``tokenizer/`` unchanged (an HF tokenizer directory), each
+    listed in the manifest with its sha256; the checkpoint's other files do not."""
+    import hashlib
+
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM")
+    for i, name in enumerate(HF_TOKENIZER_FILES):
+        (ckpt / name).write_text(f'{{"file": {i}}}')
+    (ckpt / "README.md").write_text("a model card")
+    art = _build(ckpt, tmp_path / "art")
+    assert sorted(p.name for p in (art / "tokenizer").iterdir()) == sorted(HF_TOKENIZER_FILES)
+    files = json.loads((art / "manifest.json").read_text())["files"]
+    for name in HF_TOKENIZER_FILES:
+        data = (art / "tokenizer" / name).read_bytes()
+        assert data == (ckpt / name).read_bytes()
+        assert files[f"tokenizer/{name}"] == hashlib.sha256(data).hexdigest()
+    assert not (art / "tokenizer" / "config.json").exists()
+
+
+def test_a_folder_named_like_a_tokenizer_file_is_left_out(hf_checkpoint, tmp_path):
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM")
+    (ckpt / "tokenizer.json").write_text("{}")
+    (ckpt / "tokenizer.model").mkdir()  # e.g. a sentencepiece model's source folder
+    art = _build(ckpt, tmp_path / "art")
+    names = {p.name for p in (art / "tokenizer").iterdir()}
+    assert "tokenizer.json" in names and "tokenizer.model" not in names
+    mxc.load(art)
+
+
+def test_a_tp_build_writes_a_weight_file_a_rank_and_says_how_many(tmp_path):
+    """The manifest's tp is what the runtime reads to load (and check) the ranks' weight files."""
+    art = _build("llama.yaml", tmp_path / "art", tp=2)
+    assert sorted(p.name for p in (art / "weights").iterdir()) == ["rank0.safetensors", "rank1.safetensors"]
+    assert json.loads((art / "manifest.json").read_text())["tp"] == 2

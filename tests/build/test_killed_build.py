@@ -102,3 +102,60 @@ def test_signal_just_after_the_temporary_directory_is_made_leaves_nothing(tmp_pa
     with pytest.raises(KeyboardInterrupt):
         mxc.build("llama.yaml", out=tmp_path / "art", progress=False, log=lambda m: None)
     assert made and not made[0].exists() and not (tmp_path / "art").exists()
+
+
+def _dead_pid() -> int:
+    """The id of a process that has exited (and been reaped)."""
+    proc = subprocess.Popen([sys.executable, "-c", ""])
+    proc.wait()
+    return proc.pid
+
+
+def test_the_next_build_clears_dead_builds_leftovers_and_keeps_live_ones(tmp_path, monkeypatch):
+    """Leftovers of builds that died (``.art.building-PID``, ``.art.old-PID`` beside an artifact) go with the next
+    build into the same --out; those of a build still running stay: pid 1 (always alive), and a pid that signals
+    cannot reach (another user's build: EPERM is alive)."""
+    out = tmp_path / "art"
+    mxc.build("llama.yaml", out=out, progress=False, log=lambda m: None)
+    dead, others = _dead_pid(), _dead_pid()
+    real_kill = os.kill
+
+    def kill(pid, sig):
+        if pid == others:
+            raise PermissionError(1, "Operation not permitted")
+        return real_kill(pid, sig)
+
+    monkeypatch.setattr(os, "kill", kill)
+    for name in (f".art.building-{dead}", f".art.old-{dead}", ".art.building-1", f".art.building-{others}"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "part").write_text("x")
+    mxc.build("llama.yaml", out=out, progress=False, log=lambda m: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([".art.building-1", f".art.building-{others}", "art"])
+    mxc.load(out)
+
+
+def test_an_artifact_left_between_the_two_renames_is_put_back(hf_checkpoint, tmp_path):
+    """A build killed after moving the old artifact aside (``.art.old-PID``) and before moving the new one in leaves
+    no artifact at --out: the next build puts the old one back first, so that one failing keeps it."""
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM")
+    out = tmp_path / "art"
+    mxc.build("llama.yaml", out=out, progress=False, log=lambda m: None)
+    manifest = (out / "manifest.json").read_bytes()
+    out.rename(tmp_path / f".art.old-{_dead_pid()}")
+    (ckpt / "model.safetensors").rename(ckpt / "elsewhere")  # the next build fails while writing
+    with pytest.raises(mxc.MxcError, match="no checkpoint found"):
+        mxc.build(str(ckpt), out=out, progress=False, log=lambda m: None)
+    assert (out / "manifest.json").read_bytes() == manifest
+    mxc.load(out)
+    assert not list(tmp_path.glob(".art.*"))
+
+
+def test_a_build_leaves_another_outputs_stranded_artifact_alone(tmp_path):
+    """``art.v2``'s rebuild was killed between its two renames (its artifact waits in ``.art.v2.old-PID`` for the next
+    build into art.v2 to put back); a build into ``art`` must not take it."""
+    mxc.build("llama.yaml", out=tmp_path / "art.v2", progress=False, log=lambda m: None)
+    manifest = (tmp_path / "art.v2" / "manifest.json").read_bytes()
+    stranded = tmp_path / f".art.v2.old-{_dead_pid()}"
+    (tmp_path / "art.v2").rename(stranded)
+    mxc.build("llama.yaml", out=tmp_path / "art", progress=False, log=lambda m: None)
+    assert (stranded / "manifest.json").read_bytes() == manifest

@@ -84,3 +84,59 @@ def test_round_trip_compiled_fp8(bind_arch):
     assert any(w.interleave for r in compiled.repeats() for w in r.weights.values())
     back = load_graph(dump_graph(compiled))
     assert back == compiled
+
+
+def _toy(weights: dict, attrs: dict | None = None, tied=()) -> Graph:
+    return Graph(family="toy", dtype="bfloat16", config={}, inputs={"x": TensorType(("T", 4), "float32")},
+                 weights=weights, body=(Node("linear", ("y",), ("x", next(iter(weights))), attrs or {}, "toy.yaml:3"),),
+                 outputs=("y",), source="toy.yaml", tied=tied)
+
+
+def test_round_trip_preserves_quant_shard_and_expert_fields():
+    """The fields fp8, tensor parallelism and experts set: prequantized scales, a shard's unit and expressions, a
+    weight --quant leaves alone, an expert stack, interleaved rows."""
+    weights = {
+        "w": Weight("w", (8, 4), "float8_e4m3fn", ("a.weight",), shard=ShardSpec("column", (), 4, ("head_dim",)),
+                    quant=QuantSpec("fp8_e4m3", "block128", prequantized=True), interleave=64),
+        "w_scale": Weight("w_scale", (1, 1), "float32", ("a.weight_scale_inv",), scale_of="w"),
+        "router": Weight("router", (4, 4), "bfloat16", ("r.weight",), quantize=False),
+        "experts": Weight("experts", (2, 4, 4), "bfloat16", ("e.{e}.weight",), stack="e"),
+    }
+    g = _toy(weights)
+    back = load_graph(dump_graph(g))
+    assert back == g
+    assert back.weights["w"].quant.prequantized and back.weights["w"].shard.exprs == ("head_dim",)
+    assert back.weights["router"].quantize is False
+
+
+@pytest.mark.parametrize("value", ["a #b", "a#b", "k: v", "say \"hi\"", "it's", "- item", "[1", "x <- y", "{a", "*ref"])
+def test_round_trip_of_string_attributes_yaml_would_misread(value):
+    """A statement whose text YAML would read otherwise (a comment, a mapping, a flow sequence, an alias, the
+    location marker) is quoted in the dump and reads back as it was, its location too."""
+    g = _toy({"w": Weight("w", (4, 4), "float32", ("a.weight",))}, {"kernel": value, "note": "plain"})
+    text = dump_graph(g)
+    back = load_graph(text)
+    assert back == g and back.body[0].loc == "toy.yaml:3"
+    assert dump_graph(back) == text
+
+
+def test_round_trip_of_tied_weights():
+    w = {"embed": Weight("embed", (4, 4), "float32", ("e.weight",)), "head": Weight("head", (4, 4), "float32", ("e.weight",))}
+    tied = _toy(w, tied=(("head", "embed"),))
+    assert load_graph(dump_graph(tied)) == tied
+    assert "tied:" in dump_graph(tied) and "tied:" not in dump_graph(_toy(w))  # absent from untied graphs' dumps
+
+
+def test_a_graph_that_does_not_verify_still_dumps_with_its_locations():
+    """--dump-ir is for debugging passes, so a graph the verifier refuses (here a linear of mismatched widths) dumps
+    all the same, without type comments, and reads back with each node's location."""
+    g = Graph(family="toy", dtype="float32", config={}, inputs={"x": TensorType(("T", 3), "float32")},
+              weights={"w": Weight("w", (8, 4), "float32", ("a.weight",))},
+              body=(Node("linear", ("y",), ("x", "w"), {}, "toy.yaml:7"),), outputs=("y",), source="toy.yaml")
+    with pytest.raises(ValueError):
+        verify(g)
+    text = dump_graph(g)
+    (line,) = [ln for ln in text.splitlines() if "linear(x, w)" in ln]
+    assert line.endswith("<- toy.yaml:7") and "float32" not in line  # a location, no type
+    back = load_graph(text)
+    assert back == g and back.body[0].loc == "toy.yaml:7"

@@ -33,8 +33,12 @@ def models_dir(tmp_path, monkeypatch):
      "MyForCausalLM: refuse_if: expected a list, got 'use_sliding_window'"),
     ("MyForCausalLM: {model: llama.yaml, set: [qkv_bias]}", "MyForCausalLM: set: expected a mapping"),
     ("MyForCausalLM: {model: lama.yaml}", "MyForCausalLM: model: no model file 'lama.yaml'"),
+    ("MyForCausalLM: {model: configs}", "MyForCausalLM: model: no model file 'configs'"),  # a folder
+    ("MyForCausalLM: {model: llama.yaml, tested: 1}", "MyForCausalLM: tested: expected a bool, got 1"),
+    ("MyForCausalLM: {model: llama.yaml, defaults: [rms_norm_eps]}", "MyForCausalLM: defaults: expected a mapping"),
 ])
 def test_a_malformed_registry_line_is_named(models_dir, line, needle):
+    (models_dir / "configs").mkdir()
     (models_dir / "registry.yaml").write_text(f"LlamaForCausalLM: {{model: llama.yaml}}\n{line}\n")
     with pytest.raises(MxcError, match="registry.yaml: ") as e:
         reg.lookup("LlamaForCausalLM")
@@ -72,3 +76,80 @@ def test_a_copied_field_of_the_wrong_type_is_named_by_its_config_name(window):
         g = bind_model(reg.MODELS_DIR / "llama.yaml", dict(TINY, sliding_window=ok), "float32",
                        reg.lookup("MistralForCausalLM"))
         assert g.config["attention_window"] == ok
+
+
+@pytest.mark.parametrize("text", ["- LlamaForCausalLM\n", "llama.yaml\n", ""])
+def test_a_registry_that_is_not_a_mapping_is_named(models_dir, text):
+    (models_dir / "registry.yaml").write_text(text)
+    with pytest.raises(MxcError, match=r"registry\.yaml: expected a mapping architecture -> \{model: file\.yaml") as e:
+        reg.lookup("LlamaForCausalLM")
+    assert "\n" not in str(e.value)
+
+
+def test_an_unsupported_architecture_lists_the_supported_ones_sorted(models_dir):
+    (models_dir / "registry.yaml").write_text("ZedForCausalLM: {model: llama.yaml}\nAbcForCausalLM: {model: llama.yaml}\n"
+                                              "LlamaForCausalLM: {model: llama.yaml}\n")
+    with pytest.raises(MxcError, match=r"^my/config\.json: architecture 'FooForCausalLM' is not supported; supported: "
+                                       r"AbcForCausalLM, LlamaForCausalLM, ZedForCausalLM$"):
+        reg.lookup("FooForCausalLM", "my/config.json")
+
+
+def test_model_files_are_the_definitions_not_the_registry(models_dir):
+    (models_dir / "registry.yaml").write_text("LlamaForCausalLM: {model: llama.yaml}\n")
+    (models_dir / "gpt.yaml").write_text("family: gpt\n")
+    (models_dir / "notes.txt").write_text("x")
+    assert reg.model_files() == ["gpt.yaml", "llama.yaml"]
+
+
+@pytest.mark.parametrize("archs", [{"LlamaForCausalLM": 1}, "L", ["LlamaForCausalLM", "MistralForCausalLM"], []])
+def test_architectures_must_be_a_list_of_one(archs):
+    with pytest.raises(MxcError, match=r"^my/config\.json: field 'architectures' must list exactly one architecture, "
+                                       rf"got {re.escape(repr(archs))}$"):
+        reg.architecture_of({"architectures": archs}, "my/config.json")
+    assert reg.architecture_of({"architectures": ["LlamaForCausalLM"]}) == "LlamaForCausalLM"
+
+
+def test_registry_arithmetic_a_config_cannot_answer_is_named():
+    """A division by a config.json field of 0, in refuse_if or in set: one line naming the expression."""
+    refuse = Entry("MyForCausalLM", "llama.yaml", refuse_if=["hidden_size // zero_field > 1"])
+    with pytest.raises(MxcError, match=r"config.json: cannot check 'hidden_size // zero_field > 1' for MyForCausalLM: "
+                                       r"integer division or modulo by zero"):
+        bind_model(reg.MODELS_DIR / "llama.yaml", dict(TINY, zero_field=0), "float32", refuse)
+    sets = Entry("MyForCausalLM", "llama.yaml", set={"head_dim": "hidden_size // zero_field"})
+    with pytest.raises(MxcError, match=r"config.json: MyForCausalLM sets head_dim = hidden_size // zero_field, which "
+                                       r"cannot be computed from it: integer division or modulo by zero"):
+        bind_model(reg.MODELS_DIR / "llama.yaml", dict(TINY, zero_field=0), "float32", sets)
+
+
+@pytest.mark.parametrize("value, refused", [(True, True), ([1], True), (2, True), (False, False), ([], False),
+                                            (0, False), (None, False)])
+def test_refuse_if_refuses_on_any_true_value(value, refused):
+    """A refuse_if expression is a condition as Python reads one: a non-empty list (Qwen2-MoE's mlp_only_layers) or a
+    non-zero number refuses, as True does."""
+    entry = Entry("MyForCausalLM", "llama.yaml", refuse_if=["flagged"])
+    config = dict(TINY, flagged=value)
+    if refused:
+        with pytest.raises(MxcError, match=r"config.json: `flagged` is true, which is not supported for MyForCausalLM"):
+            bind_model(reg.MODELS_DIR / "llama.yaml", config, "float32", entry)
+    else:
+        bind_model(reg.MODELS_DIR / "llama.yaml", config, "float32", entry)
+
+
+def test_a_field_config_json_sets_wins_over_the_registry_default():
+    entry = Entry("MyForCausalLM", "llama.yaml", defaults={"num_key_value_heads": 1, "rms_norm_eps": 0.25})
+    g = bind_model(reg.MODELS_DIR / "llama.yaml", dict(TINY), "float32", entry)  # TINY sets num_key_value_heads 2
+    assert g.config["num_key_value_heads"] == 2 and g.config["rms_norm_eps"] == TINY["rms_norm_eps"]
+    no_eps = {k: v for k, v in TINY.items() if k != "rms_norm_eps"}
+    assert bind_model(reg.MODELS_DIR / "llama.yaml", no_eps, "float32", entry).config["rms_norm_eps"] == 0.25
+
+
+def test_a_set_naming_a_field_config_json_lacks_names_the_model_files_param():
+    """``set: {num_key_value_heads: my_heads}`` copies config.json's my_heads; where config.json has no such field
+    there is no field of that name to blame: the error names the model file's parameter instead."""
+    entry = Entry("MyForCausalLM", "llama.yaml", set={"num_key_value_heads": "my_heads"})
+    with pytest.raises(MxcError, match=r"llama\.yaml \(params\.num_key_value_heads, from config\.json\): field "
+                                       r"num_key_value_heads = None: expected an integer >= 1") as e:
+        bind_model(reg.MODELS_DIR / "llama.yaml", dict(TINY), "float32", entry)
+    assert "my_heads" not in str(e.value)
+    with pytest.raises(MxcError, match=r"^config\.json: field my_heads = 'x': expected an integer >= 1$"):
+        bind_model(reg.MODELS_DIR / "llama.yaml", dict(TINY, my_heads="x"), "float32", entry)
