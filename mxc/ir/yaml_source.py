@@ -38,25 +38,25 @@ class _DuplicateKey(ValueError):
         self.line = line
 
 
-def _convert(node: yaml.Node):
+def _convert(node: yaml.Node, loader: yaml.SafeLoader):
     line = node.start_mark.line + 1
     if isinstance(node, yaml.MappingNode):
         out = LDict()
         out.line, out.key_lines = line, {}
         for k, v in node.value:
-            key = _convert(k)
+            key = _convert(k, loader)
             key = str(key) if isinstance(key, LStr) else key
             if key in out:
                 raise _DuplicateKey(k.start_mark.line + 1, key)
-            out[key] = _convert(v)
+            out[key] = _convert(v, loader)
             out.key_lines[key] = k.start_mark.line + 1
         return out
     if isinstance(node, yaml.SequenceNode):
-        out = LList(_convert(v) for v in node.value)
+        out = LList(_convert(v, loader) for v in node.value)
         out.line = line
         return out
-    value = yaml.SafeLoader.construct_scalar(_SAFE, node)  # raw text
-    resolved = _SAFE.construct_object(node, deep=True)
+    value = loader.construct_scalar(node)  # raw text
+    resolved = loader.construct_object(node, deep=True)
     if isinstance(resolved, str):
         s = LStr(value)
         s.line = line
@@ -64,7 +64,9 @@ def _convert(node: yaml.Node):
     return resolved
 
 
-_SAFE = yaml.SafeLoader("")
+def _short(e: Exception) -> str:
+    """An error's first line (PyYAML adds where in the string on the next)."""
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def load_yaml(path: Path | str, text: str | None = None):
@@ -83,12 +85,15 @@ def load_yaml(path: Path | str, text: str | None = None):
         mark = e.problem_mark
         where = f"{path}:{mark.line + 1}" if mark else str(path)
         raise MxcError(f"{where}: malformed YAML: {e.problem}") from None
+    except yaml.reader.ReaderError as e:  # a character YAML does not allow: a position, not a mark
+        line = text.count("\n", 0, e.position) + 1
+        raise MxcError(f"{path}:{line}: malformed YAML: unacceptable character #x{e.character:04x}") from None
     except yaml.YAMLError as e:
-        raise MxcError(f"{path}: malformed YAML: {e}") from None
+        raise MxcError(f"{path}: malformed YAML: {_short(e)}") from None
     if node is None:
         raise MxcError(f"{path}: the file is empty")
     try:
-        return _convert(node)
+        return _convert(node, yaml.SafeLoader(""))  # a loader a file: it keeps every scalar it constructed
     except _DuplicateKey as e:
         raise MxcError(f"{path}:{e.line}: {e}") from None
 

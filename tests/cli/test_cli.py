@@ -477,3 +477,120 @@ def test_inspect_a_manifest_whose_kernel_is_null(artifact, tmp_path, capsys):
     lines = _inspect_lines(art, capsys)
     assert any(ln.startswith("kernels ") for ln in lines)
     assert any("(none)" in ln for ln in lines)
+
+
+def test_no_subcommand_is_a_one_line_usage_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([])
+    assert exc.value.code == 2
+    _assert_user_error(exc.value.code, capsys.readouterr().err)
+
+
+def test_help_exits_zero_and_lists_the_subcommands(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert all(cmd in out for cmd in ("build", "generate", "inspect", "models"))
+
+
+def test_ids_and_prompt_together_are_refused(artifact, capsys):
+    _error(capsys, ["generate", artifact, "--ids", "1", "--prompt", "hello"], "give exactly one of --ids or --prompt")
+
+
+def test_generate_arguments_are_checked_before_the_ranks_start(tmp_path, capsys, monkeypatch):
+    """At --tp 2 the command checks the token ids (first bad one named, with the vocabulary's range) and the
+    sampling arguments itself, before it starts any rank; ids 0 and vocab-1 are in range."""
+    import mxc.runtime.ranks
+
+    art = mxc.build("llama.yaml", out=tmp_path / "tp2", tp=2, progress=False, log=lambda m: None)
+    vocab = json.loads((art / "manifest.json").read_text())["runtime"]["vocab_size"]
+    started = []
+    monkeypatch.setattr(mxc.runtime.ranks, "run_ranks", lambda fn, tp, device, args, ids: started.append(ids))
+    _error(capsys, ["generate", art, "--ids", f"1,{vocab},-1"], f"token id {vocab} is outside the vocabulary "
+                                                                 f"(0..{vocab - 1})")
+    _error(capsys, ["generate", art, "--ids", "-1"], "token id -1 is outside")
+    _error(capsys, ["generate", art, "--ids", "1", "--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1")
+    assert started == []
+    assert main(["generate", str(art), "--ids", f"0,{vocab - 1}"]) == 0
+    assert started == [[0, vocab - 1]]
+
+
+def test_ids_print_no_text_and_do_not_stop_at_eos(hf_checkpoint, tmp_path, capsys):
+    """--ids on an artifact that has a tokenizer: one JSON line of ids only, all --max-new-tokens of them, the
+    end-of-sequence token included (only --prompt decodes and stops there)."""
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM")
+    _save_tokenizer(ckpt)
+    art = mxc.build(str(ckpt), out=tmp_path / "art", progress=False, log=lambda m: None)
+    greedy = mxc.load(art).generate([[1, 2]], max_new_tokens=6)[0].tolist()
+    eos = greedy[0]
+    assert any(t != eos for t in greedy[1:])  # an eos stop would change the output
+    manifest = json.loads((art / "manifest.json").read_text())
+    manifest["runtime"]["eos_token_id"] = [eos]
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["generate", str(art), "--ids", "1,2", "--max-new-tokens", "6"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"ids": greedy}
+    assert main(["generate", str(art), "--prompt", "hello world", "--max-new-tokens", "6"]) == 0
+    assert json.loads(capsys.readouterr().out)["ids"] != greedy  # the contrast: --prompt stops at the eos
+
+
+def test_generate_defaults_to_16_greedy_tokens(artifact, capsys):
+    assert main(["generate", str(artifact), "--ids", "1,2,3"]) == 0
+    got = json.loads(capsys.readouterr().out)["ids"]
+    assert got == mxc.load(artifact).generate([[1, 2, 3]], max_new_tokens=16)[0].tolist()
+
+
+def test_models_lists_every_registry_architecture_sorted_and_marks_the_aliases(capsys):
+    from mxc.models import registry
+
+    assert main(["models"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    archs = [ln.split()[0] for ln in lines]
+    assert archs == sorted(registry())
+    for ln in lines:
+        alias = ln.split()[0] in ("AquilaForCausalLM", "XverseForCausalLM", "InternLMForCausalLM")
+        assert ("not parity-tested" in ln) == alias, ln
+
+
+def test_build_options_reach_the_build(tmp_path, capsys):
+    assert main(["build", "llama.yaml", "--out", str(tmp_path / "a"), "--max-batch", "4", "--max-seq-len", "64"]) == 0
+    options = json.loads((tmp_path / "a" / "manifest.json").read_text())["options"]
+    assert (options["max_batch"], options["max_seq_len"]) == (4, 64)
+    _build_error(capsys, ["build", "llama.yaml", "--out", tmp_path / "b", "--tp-allreduce", "push"],
+                 "--tp-allreduce push: the peer-memory all-reduce needs --target cuda")
+
+
+def test_interrupt_exits_130_with_one_line(monkeypatch, capsys):
+    import mxc.builder
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(mxc.builder, "build", interrupted)
+    assert main(["build", "llama.yaml"]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["mxc: interrupted"]
+
+
+def test_signal_handlers_are_restored_after_a_command(capsys):
+    import signal
+
+    def mine(signum, frame):
+        pass
+    before = {s: signal.signal(s, mine) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        assert main(["models"]) == 0
+        assert signal.getsignal(signal.SIGTERM) is mine and signal.getsignal(signal.SIGHUP) is mine
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
+def test_main_runs_outside_the_main_thread(capsys):
+    """Signal handlers can only be set from the main thread: from another one main() runs without them."""
+    import threading
+
+    result = []
+    t = threading.Thread(target=lambda: result.append(main(["models"])))
+    t.start()
+    t.join(60)
+    assert result == [0]
+    assert "LlamaForCausalLM" in capsys.readouterr().out

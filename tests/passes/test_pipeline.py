@@ -78,3 +78,49 @@ def test_value_named_like_the_forwards_own_names(bind_arch, assert_same_logits, 
     (tmp_path / "configs").symlink_to(MODELS_DIR / "configs")
     opts = BuildOptions(disable_passes=("merge_gate_up",))  # keep the renamed value in the compiled graph
     assert_same_logits(compile_graph(bind_arch(), opts), compile_graph(bind_arch(model_file=path), opts))
+
+
+def test_check_disabled_sorts_and_dedupes():
+    assert check_disabled(["fuse_mlp", "merge_qkv", "fuse_mlp", "eliminate_dead_code"]) == (
+        "eliminate_dead_code", "fuse_mlp", "merge_qkv")
+    assert check_disabled([]) == ()
+
+
+def test_disable_pass_error_lists_every_optional_pass():
+    from mxc.errors import MxcError
+
+    with pytest.raises(MxcError) as exc:
+        check_disabled(["merge_qkv", "select_kernels"])  # every name is checked, not only the first
+    listed = str(exc.value).split("passes that can be disabled: ", 1)[1].split(", ")
+    assert listed == [n for n, _ in PIPELINE if n not in REQUIRED]
+
+
+def test_dump_dir_is_created_with_its_parents(bind_arch, tmp_path):
+    compile_graph(bind_arch(), BuildOptions(), dump_dir=tmp_path / "a" / "b" / "ir")
+    assert (tmp_path / "a" / "b" / "ir" / "00-bound.yaml").is_file()
+
+
+def test_dump_dir_that_cannot_be_made_is_a_user_error(bind_arch, tmp_path):
+    from mxc.errors import MxcError
+
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(MxcError, match="--dump-ir .*afile.*: cannot create the directory"):
+        compile_graph(bind_arch(), BuildOptions(), dump_dir=tmp_path / "afile" / "ir")
+
+
+def test_verifier_runs_after_every_pass(bind_arch, monkeypatch):
+    """A pass that leaves the graph inconsistent (here: drops the layers' first node) is caught right after it:
+    the next pass never runs."""
+    from mxc.compiler import pipeline
+    from mxc.ir import VerifyError
+
+    def broken(graph, options):
+        (rep,) = graph.repeats()
+        return graph.replace(body=tuple(rep.replace(body=rep.body[1:]) if it is rep else it for it in graph.body))
+    ran = []
+    (name, run), rest = PIPELINE[3], PIPELINE[4:]
+    monkeypatch.setattr(pipeline, "PIPELINE", [*PIPELINE[:3], ("broken", broken),
+                                               (name, lambda g, o: ran.append(name) or run(g, o)), *rest])
+    with pytest.raises(VerifyError):
+        compile_graph(bind_arch(), BuildOptions())
+    assert ran == []
