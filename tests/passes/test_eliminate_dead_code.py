@@ -88,3 +88,28 @@ def test_carry_unused_after_the_loop_stays_valid():
     g = _carry_graph(tail_reads_y=False)
     verify(g)
     dce(g)  # verify() inside: 'carry y <- y_1 names an undefined value'
+
+
+# --- mutation sweep additions --------------------------------------------------------
+
+def test_keeps_a_top_level_value_only_the_loop_reads():
+    """t is read only inside the repeat, by the node that makes the carried value: t's producer stays."""
+    f32 = TensorType(("T", 8), "float32")
+    g = Graph("toy", "float32", {}, {"x": f32}, {}, (
+        Node("silu", ("y",), ("x",), {}, "m:1"),
+        Node("mul", ("t",), ("x", "x"), {}, "m:2"),
+        Repeat(2, "i", {}, (Node("add", ("y_1",), ("y", "t"), {}, "m:4"),), {"y": "y_1"}, "m:3"),
+    ), ("y",))
+    verify(g)
+    assert dce(g) == g
+
+
+def test_keeps_a_node_with_one_output_read():
+    """A multi-output node (a split) stays when any of its outputs is read."""
+    f32 = TensorType(("T", 8), "float32")
+    g = Graph("toy", "float32", {}, {"x": f32}, {}, (
+        Node("split", ("a", "b"), ("x",), {"sizes": [4, 4]}, "m:1"),
+        Node("silu", ("z",), ("a",), {}, "m:2"),
+    ), ("z",))
+    verify(g)
+    assert dce(g) == g

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from mxc.compiler.passes import eliminate_dead_code, fuse_moe
-from mxc.ir import Repeat, ShardSpec, verify
+from mxc.ir import QuantSpec, Repeat, ShardSpec, verify
 
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40)
 
@@ -143,3 +145,84 @@ def test_quantize_flag_must_be_a_boolean(bind_arch, tmp_path):
     (tmp_path / "llama.yaml").write_text(text.replace("when: moe, quantize: false}", "when: moe, quantize: 'no'}"))
     with pytest.raises(MxcError, match=r"w_router\.quantize: expected true or false, got 'no'"):
         bind_arch("Qwen3MoeForCausalLM", model_file=tmp_path / "llama.yaml", **MOE)
+
+
+# --- mutation sweep additions --------------------------------------------------------
+
+def _edit_stack(graph, name, **changes):
+    from dataclasses import replace
+
+    rep = layer(graph)
+    new = rep.replace(weights={**rep.weights, name: replace(rep.weights[name], **changes)})
+    return graph.replace(body=tuple(new if it is rep else it for it in graph.body))
+
+
+_FP8 = QuantSpec("fp8_e4m3", "channel", prequantized=True)
+_UNMERGEABLE = {
+    "gate_quantized": ("we_gate", dict(quant=_FP8)),
+    "up_quantized": ("we_up", dict(quant=_FP8)),
+    "already_merged": ("we_gate", dict(hf=("a.{e}", "b.{e}"), segments=(20, 20))),
+    "shape_differs": ("we_up", dict(shape=(4, 48, 64))),  # not a valid graph: the pass still declines
+    "dtype_differs": ("we_up", dict(dtype="bfloat16")),
+    "shard_differs": ("we_up", dict(shard=ShardSpec("row"))),
+}
+
+
+@pytest.mark.parametrize("case", list(_UNMERGEABLE))
+def test_declines_stacks_it_cannot_merge(bind_arch, case):
+    """Quantized, already merged, or gate and up stacks of another shape, dtype or shard kind: experts stays."""
+    g = bind_arch("Qwen3MoeForCausalLM", **MOE)
+    assert fuse_moe.run(g, None) != g  # the unedited stacks do merge
+    name, changes = _UNMERGEABLE[case]
+    edited = _edit_stack(g, name, **changes)
+    assert fuse_moe.run(edited, None) == edited
+
+
+@pytest.mark.parametrize("arch, fields", [("Qwen3MoeForCausalLM", {"norm_topk_prob": True}),
+                                          ("Qwen3MoeForCausalLM", {"moe_scoring": "sigmoid"}),
+                                          ("MixtralForCausalLM", {"num_local_experts": 4})],
+                         ids=["renormalize", "sigmoid", "mixtral"])
+def test_norm_route_keeps_the_routers_scoring(bind_arch, assert_same_logits, arch, fields):
+    """The fused op scores and renormalises as the router it replaces did (the default softmax without
+    renormalisation would pick the same experts, but weight them differently)."""
+    from types import SimpleNamespace
+
+    from mxc.compiler.passes import fuse_norm_route
+
+    before = _routed(bind_arch, arch, **fields)
+    route = next(n for n in layer(before).body if n.op == "route")
+    assert (route.attrs["scoring"], route.attrs["renormalize"]) != ("softmax", False)
+    after = eliminate_dead_code.run(fuse_norm_route.run(before, SimpleNamespace(quant=None)), None)
+    node = next(n for n in layer(after).body if n.op == "add_rms_norm_route")
+    routing = ("scoring", "renormalize")
+    assert {a: node.attrs[a] for a in routing} == {a: route.attrs[a] for a in routing}
+    assert_same_logits(before, after)
+
+
+def test_norm_route_without_fuse_add_rms_norm(bind_arch, assert_same_logits):
+    """With ``--disable-pass fuse_add_rms_norm`` the router reads a plain rms_norm: nothing to fuse, the build works."""
+    from mxc.compiler.options import BuildOptions
+    from mxc.compiler.pipeline import compile_graph
+
+    g = bind_arch("Qwen3MoeForCausalLM", **MOE)
+    out = compile_graph(g, BuildOptions(disable_passes=("fuse_add_rms_norm",)))
+    ops = [n.op for n in layer(out).body]
+    assert "add_rms_norm_route" not in ops and "route" in ops
+    assert_same_logits(g, out)
+
+
+def test_norm_route_declines_a_router_reading_the_sum(bind_arch):
+    """A router over the residual sum s (not the normalised h) is not the fused op's router: it stays."""
+    from types import SimpleNamespace
+
+    from mxc.compiler.passes import fuse_norm_route
+
+    g = _routed(bind_arch)
+    rep = layer(g)
+    norm = next(n for n in rep.body if n.op == "add_rms_norm")
+    route = next(n for n in rep.body if n.op == "route")
+    body = tuple(n.replace(ins=(norm.outs[0],) + n.ins[1:]) if n.outs == route.ins else n for n in rep.body)
+    g = g.replace(body=tuple(rep.replace(body=body) if it is rep else it for it in g.body))
+    verify(g)
+    after = fuse_norm_route.run(g, SimpleNamespace(quant=None))
+    assert after == g

@@ -192,3 +192,31 @@ def test_moe_shared_expert_merges(bind_arch, assert_same_logits, loc_of):
     assert (w.shape, w.segments, w.hf) == ((96, 64), (48, 48), ("model.layers.{i}.mlp.shared_expert.gate_proj.weight",
                                                                  "model.layers.{i}.mlp.shared_expert.up_proj.weight"))
     assert_same_logits(before, after)
+
+
+# --- mutation sweep additions --------------------------------------------------------
+
+def test_declines_a_gate_other_than_silu(bind_arch):
+    """mul(sigmoid(gate), up) is not SiLU-and-mul: the rewrite to silu_mul would change the math."""
+    g = bind_arch()
+    g = with_body(g, [n.replace(op="sigmoid") if n.op == "silu" else n for n in layer(g).body])
+    verify(g)
+    assert count(g) == 0
+    assert merge_gate_up.run(g, None) == g
+
+
+def test_declines_biases_that_are_computed_values(bind_arch):
+    """Biases computed in the layer (not weights) cannot be concatenated by the loader: no merge."""
+    g = bind_arch(mlp_bias=True)
+    gate, up = linear_over(g, "w_gate"), linear_over(g, "w_up")
+    body = []
+    for n in layer(g).body:
+        if n is gate or n is up:
+            b = n.ins[2]
+            body.append(Node("silu", (f"{b}_act",), (b,), {}, "test:1"))
+            n = n.replace(ins=n.ins[:2] + (f"{b}_act",))
+        body.append(n)
+    g = with_body(g, body)
+    verify(g)
+    assert count(g) == 0
+    assert merge_gate_up.run(g, None) == g

@@ -215,3 +215,68 @@ def test_numeric_check_catches_a_wrong_concatenation(bind_arch, run_forward, wei
         L["wqkv"] = torch.cat([q, v, k])
     bad = run_forward(after, ckpt, (top, layers))
     assert not torch.allclose(good, bad, rtol=0, atol=1e-5)
+
+
+# --- mutation sweep additions --------------------------------------------------------
+
+@pytest.mark.parametrize("case", ["quantize_flag_differs", "shard_unit_differs"])
+def test_declines_weights_the_merge_would_misdescribe(bind_arch, case):
+    """The merged weight takes the first part's quantize flag and shard unit: parts that differ in them stay apart."""
+    g = bind_arch()
+    g = {
+        "quantize_flag_differs": lambda: _edit_weight(g, "wk", quantize=False),  # k kept in the model dtype
+        "shard_unit_differs": lambda: _edit_weight(g, "wv", shard=replace(layer(g).weights["wv"].shard, unit=32)),
+    }[case]()
+    verify(g)
+    assert count(g) == 0
+    assert merge_qkv.run(g, None) == g
+
+
+def _edit_layer_body(graph, edit):
+    rep = layer(graph)
+    return with_layer(graph, body=tuple(edit(list(rep.body))))
+
+
+def test_declines_k_and_v_from_one_projection(bind_arch):
+    """v reading k's projection (v = heads(k)): two distinct linears, not three, so nothing to merge."""
+    g = bind_arch()
+    g = _edit_layer_body(g, lambda body: [n.replace(ins=("k",)) if n.outs == ("v_1",) else n for n in body])
+    verify(g)
+    assert count(g) == 0
+    assert merge_qkv.run(g, None) == g
+
+
+def test_declines_v_not_made_by_a_projection(bind_arch):
+    """v computed from its projection by another op (silu) before the heads view: v traces to no linear."""
+    from mxc.ir import Node
+
+    def edit(body):
+        out = []
+        for n in body:
+            if n.outs == ("v_1",):
+                out.append(Node("silu", ("v_act",), ("v",), {}, "test:1"))
+                n = n.replace(ins=("v_act",))
+            out.append(n)
+        return out
+
+    g = _edit_layer_body(bind_arch(), edit)
+    verify(g)
+    assert count(g) == 0
+    assert merge_qkv.run(g, None) == g
+
+
+def test_merged_projection_takes_the_place_of_the_earliest(bind_arch, assert_same_logits):
+    """Projections in another order (v first, its heads view before q's projection): the merged linear and split
+    go where v was, so the heads view still reads a defined value."""
+    def edit(body):
+        nodes = {n.outs[0]: n for n in body}
+        head = [nodes[v] for v in ("h", "v", "v_1", "q", "k", "q_1", "k_1")]
+        return head + [n for n in body if n not in head]
+
+    before = _edit_layer_body(bind_arch(), edit)
+    verify(before)
+    after = merge_qkv.run(before, None)
+    verify(after)
+    assert stmts(layer(after).body)[1:4] == ["qkv = linear(h, wqkv)", "q, k, v = split(qkv, sizes=[64, 32, 32])",
+                                             "v_1 = heads(v, size=16)"]
+    assert_same_logits(before, after)

@@ -251,3 +251,42 @@ def test_rendered_forward_renames_clashing_values_and_runs_every_layer():
     assert calls == [("triton_norm", {"spec": {"a": 1}}), ("torch_ref", {"spec": {"b": 2}}),
                      *[("triton_rope", {"layer": i}) for i in range(3)], ("triton_elementwise", {}),
                      ("triton_attention", {})]
+
+
+# --- mutation sweep additions --------------------------------------------------------
+
+def _norm_kernels(bind_arch, monkeypatch, candidates):
+    """(kernel, kernel_reason) of every rms_norm once ``candidates`` are its only ones (cpu)."""
+    monkeypatch.setitem(CANDIDATES, "rms_norm", candidates)
+    out = select_kernels.run(bind_arch(), BuildOptions())
+    return {(n.attrs["kernel"] if isinstance(n.attrs["kernel"], str) else tuple(map(tuple, n.attrs["kernel"])),
+             n.attrs["kernel_reason"]) for n, _ in out.nodes() if n.op == "rms_norm"}
+
+
+def _cand(name, reason, tokens=(1, None), targets=("cpu",)):
+    return Candidate(name, "rms_norm", targets, reason, tokens)
+
+
+def test_candidates_adding_no_tokens_are_skipped(bind_arch, monkeypatch):
+    """Once 1..16 tokens are claimed, another 1..16 (or 1..8) candidate adds nothing; the next unbounded one
+    takes the rest. The reason names each bucket."""
+    got = _norm_kernels(bind_arch, monkeypatch, [
+        _cand("small.rms_norm", "small", (1, 16)), _cand("other.rms_norm", "other", (1, 16)),
+        _cand("tiny.rms_norm", "tiny", (1, 8)), _cand("big.rms_norm", "big")])
+    assert got == {(((16, "small.rms_norm"), (None, "big.rms_norm")), "<= 16 tokens: small; above: big")}
+
+
+def test_a_candidate_leaving_a_gap_is_skipped(bind_arch, monkeypatch):
+    """A candidate for 17.. tokens listed before any candidate for 1..16 would leave 1..16 unserved: skipped."""
+    got = _norm_kernels(bind_arch, monkeypatch, [_cand("large.rms_norm", "large", (17, None)),
+                                                 _cand("all.rms_norm", "all")])
+    assert got == {("all.rms_norm", "all")}
+
+
+def test_no_kernel_above_the_claimed_tokens(bind_arch, monkeypatch, loc_of):
+    monkeypatch.setitem(CANDIDATES, "rms_norm", [_cand("small.rms_norm", "small", (1, 16)),
+                                                 _cand("gpu.rms_norm", "gpu", targets=("cuda",))])
+    at = loc_of("- h = rms_norm(x, ln1, ")
+    with pytest.raises(MxcError, match=re.escape(f"no kernel for rms_norm -> h ({at}) on target cpu above 16 tokens: "
+                                                 "gpu.rms_norm: runs on cuda, not cpu")):
+        select_kernels.run(bind_arch(), BuildOptions())

@@ -15,26 +15,34 @@ Rewrites to::
 
 Either half applies alone. Adding the residual while the GEMV stores y saves
 a kernel and a round trip through memory per layer at decode. The SiLU-and-mul
-prologue is fused only under ``--quant fp8``, where the linear's first kernel
-(per-token activation quantization, one program per row) computes it once per
-element for free. A bf16 GEMV would recompute it in every program: measured
-on one H200 (Triton 3.6, 2026-11-30, Llama-3-8B down projection) that took
-37.6 us against 32.7 us unfused at batch 1, and 1029 us against 35.4 us at
-batch 8 (tensor-core path). Requires: the intermediate values have no other
+prologue is fused only into a layer linear that ``quantize`` makes fp8, where
+the linear's first kernel (per-token activation quantization, one program per
+row) computes it once per element for free; a linear whose weight stays in the
+model dtype (``quantize: false``, or kept unquantized by an fp8 checkpoint)
+reads its own ``silu_mul``. A bf16 GEMV would recompute it in every program:
+measured on one H200 (Triton 3.6, 2026-11-30, Llama-3-8B down projection) that
+took 37.6 us against 32.7 us unfused at batch 1, and 1029 us against 35.4 us
+at batch 8 (tensor-core path). Requires: the intermediate values have no other
 users. Preserves: the name of the last value; the math, including the
 model-dtype rounding of each unfused step.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
+from mxc.compiler.passes.quantize import becomes_fp8
 from mxc.compiler.rewrite import apply_rules
 from mxc.ir import Graph, Node
 
 
-def _prologue(lin: Node, ctx):
+def _prologue(lin: Node, ctx, options, top: frozenset):
     act = ctx.producing(lin.ins[0])
     if act is None or act.op != "silu_mul" or lin.attrs.get("prologue") or ctx.sole_user(act.outs[0]) is not lin:
         return None
+    w = ctx.weights.get(lin.ins[1])
+    if w is None or lin.ins[1] in top or not becomes_fp8(w, options):
+        return None  # its first kernel is no per-token quantize: a weight that stays in the model dtype
     return {ctx.index(lin): [lin.replace(ins=(act.ins[0],) + lin.ins[1:], attrs={**lin.attrs, "prologue": "silu_mul"})],
             ctx.index(act): []}
 
@@ -54,5 +62,6 @@ def _epilogue(add: Node, ctx):
 
 
 def run(graph: Graph, options) -> Graph:
-    rules = [("linear", _prologue)] if options.quant == "fp8" else []
+    top = frozenset(graph.weights)  # the LM head's: only layer linears take the prologue
+    rules = [("linear", partial(_prologue, options=options, top=top))] if options.quant == "fp8" else []
     return apply_rules(graph, rules + [("add", _epilogue)])[0]

@@ -103,6 +103,16 @@ def _stored_unquantized(w: Weight, keep: frozenset[str]) -> bool:
     return all(kept)
 
 
+def becomes_fp8(w: Weight, options) -> bool:
+    """Whether ``run`` leaves the layer linear weight ``w`` in fp8 (for passes before it that fuse differently
+    around fp8 linears): under ``--quant fp8``, unless declared ``quantize: false`` or stored unquantized by an
+    fp8 checkpoint (``options.quant_unquantized``)."""
+    if w.dtype == FP8 or w.quant is not None:
+        return True
+    return (options.quant == "fp8" and w.quantize
+            and not _stored_unquantized(w, frozenset(options.quant_unquantized)))
+
+
 def _rule(granularity: str, include: set[str] | None, tp: int, suffix: str | None = None,
           keep: frozenset[str] = frozenset()):
     def quantize(node: Node, ctx):
