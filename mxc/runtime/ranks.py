@@ -2,7 +2,9 @@
 
 ``run_ranks(fn, world_size, device, *args)`` spawns ``world_size`` processes
 with torch.multiprocessing, initialises torch.distributed in each (gloo on
-CPUs, NCCL on GPUs, one GPU per rank) over a free local port, and calls
+CPUs, NCCL on GPUs, one GPU per rank) through a rendezvous store the parent
+serves on a port it holds from bind to the end (a port picked free and then
+released can be taken by another job's ranks before ours bind it), and calls
 ``fn(rank, world_size, device, *args)`` in each; a rank's ``MxcError`` reaches
 the caller as one. A multi-node user starts the ranks with torchrun instead and
 calls ``mxc.load(path, rank=..., world_size=...)`` (with NCCL, without
@@ -13,16 +15,17 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
 
 import torch
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous_store():
+    """The ranks' rendezvous: a TCP store served by the calling process on a port the system picks and the store
+    holds while it lives, so no other job can take it between choosing and binding."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
 
 
 def _entry(rank: int, world_size: int, device: str, port: int, fn, args, errors) -> None:
@@ -43,6 +46,7 @@ def _run(rank: int, world_size: int, device: str, port: int, fn, args) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    store = dist.TCPStore("127.0.0.1", port, None, is_master=False)  # the parent's (rendezvous_store)
     if device.startswith("cuda"):
         torch.cuda.set_device(rank)
         device = f"cuda:{rank}"
@@ -50,7 +54,7 @@ def _run(rank: int, world_size: int, device: str, port: int, fn, args) -> None:
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         backend = "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     if backend == "gloo":
         try:
             fn(rank, world_size, device, *args)
@@ -78,8 +82,9 @@ def run_ranks(fn, world_size: int, device: str, *args) -> None:
     quiet = logging.getLogger("torch.multiprocessing.spawn")  # its line on stopping the other ranks
     level = quiet.level
     quiet.setLevel(logging.ERROR)
+    store = rendezvous_store()  # held here until the ranks are done
     try:
-        mp.spawn(_entry, args=(world_size, device, free_port(), fn, args, errors), nprocs=world_size, join=True)
+        mp.spawn(_entry, args=(world_size, device, store.port, fn, args, errors), nprocs=world_size, join=True)
     except mp.ProcessExitedException:
         if errors.empty():
             raise

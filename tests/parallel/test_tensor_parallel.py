@@ -386,3 +386,17 @@ def test_fp8_tp2_logits_as_close_to_hf_as_tp1(hf_checkpoint, tmp_path):
     halves = mxc.build(str(ckpt), out=tmp_path / "tp2-halves", tp=2, disable_passes=("interleave_gate_up",), **kw)
     run_ranks(_logits_worker, 2, "cpu", str(halves), str(out))
     assert torch.equal(torch.load(out, weights_only=True), two)
+
+
+def test_the_rendezvous_port_stays_taken_while_the_ranks_run():
+    """``run_ranks``' rendezvous store holds its port from bind to the end: another job cannot take it between the
+    choice and the ranks' connect (a port picked free and released could be: a CI run's ranks once met a stranger)."""
+    import socket
+
+    from mxc.runtime.ranks import rendezvous_store
+
+    store = rendezvous_store()
+    with socket.socket() as s, pytest.raises(OSError):
+        s.bind(("127.0.0.1", store.port))
+    store.set("k", "v")
+    assert store.get("k") == b"v"
