@@ -14,7 +14,7 @@ import mxc
 from mxc.compiler.options import BuildOptions
 from mxc.compiler.pipeline import compile_graph
 from mxc.kernels import cuda_ops, peer_allreduce, torch_ref
-from mxc.kernels.candidates import ONE_SHOT_MAX_TOKENS
+from mxc.kernels.candidates import ONE_SHOT_MAX_TOKENS, WIDE_N
 from mxc.kernels.context import ForwardContext
 from mxc.models.registry import MODELS_DIR, bind_model, lookup
 
@@ -288,3 +288,103 @@ def test_peer_memory_needs_cuda(capsys):
     for kind in ("one_shot", "push"):
         assert _peer_allreduce({"config": {"hidden_size": 64}}, kind, torch.bfloat16, torch.device("cpu")) is None
         assert f"{kind} all-reduce unavailable" in capsys.readouterr().err
+
+
+def _upto(last: str, arch: str = "LlamaForCausalLM", dtype: str = "bfloat16", options: dict | None = None,
+          **config):
+    """The tiny model at ``--tp 2 --target cuda`` through the pipeline up to and including the pass ``last``."""
+    from mxc.compiler.pipeline import PIPELINE
+
+    opts = BuildOptions(target="cuda", dtype=dtype, tp=2, **(options or {}))
+    graph = bind_model(MODELS_DIR / "llama.yaml", {**TINY, "architectures": [arch], **config}, dtype, lookup(arch))
+    for name, run in PIPELINE:
+        graph = run(graph, opts)
+        if name == last:
+            return graph, opts
+    raise AssertionError(last)
+
+
+def _layer(graph):
+    (rep,) = graph.repeats()
+    return rep
+
+
+def _with_reader(graph, value: str):
+    """``graph`` with one more node in the layer, right after ``value``'s producer, reading ``value``."""
+    from mxc.ir import Node
+
+    rep = _layer(graph)
+    nodes = list(rep.body)
+    at = next(i for i, n in enumerate(nodes) if value in n.outs)
+    nodes.insert(at + 1, Node("silu", (f"{value}_probe",), (value,), {}, nodes[at].loc))
+    return graph.replace(body=tuple(rep.replace(body=tuple(nodes)) if it is rep else it for it in graph.body))
+
+
+def test_an_all_reduce_read_first_fuses_too():
+    """Qwen2-MoE adds the shared expert to the all-reduced experts' output (``add(y, shared)``: the all-reduce is
+    the add's first input): it fuses as the residual-first ones do, the experts' partial sum going in."""
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    graph, _ = _upto("fuse_all_reduce", "Qwen2MoeForCausalLM", **moe)
+    nodes = _layer(graph).body
+    (experts,) = [n for n in nodes if n.op == "fused_moe"]
+    (user,) = [n for n in nodes if experts.outs[0] in n.ins]
+    assert user.op == "all_reduce_add" and user.ins[0] == experts.outs[0] and user.attrs == {"world": 2}
+    assert [n.op for n in nodes].count("all_reduce") == 1  # the shared expert's, read by its gate's scaling
+
+
+def test_an_all_reduce_read_elsewhere_is_not_fused():
+    """fuse_all_reduce: an all-reduce whose sum another node reads too stays, and so does the add after it; the
+    other layer all-reduce still fuses."""
+    from mxc.compiler.passes import fuse_all_reduce
+    from mxc.ir import verify
+
+    graph, opts = _upto("fuse_linear_io")
+    (down,) = [n for n in _layer(graph).body if n.op == "all_reduce" and any(
+        m.op == "add" and n.outs[0] in m.ins for m in _layer(graph).body)]
+    fused = fuse_all_reduce.run(_with_reader(graph, down.outs[0]), opts)
+    verify(fused)
+    ops = [n.op for n in _layer(fused).body]
+    assert down in _layer(fused).body and "add" in ops and "all_reduce_add" not in ops
+    assert "all_reduce_add_rms_norm" in ops
+
+
+def test_a_partial_read_elsewhere_does_not_join_its_all_reduce():
+    """fuse_linear_all_reduce: the down projection's partial sums read by another node too stay a linear of their
+    own (the fused op would not make them); the o projection's still joins its all-reduce."""
+    from mxc.compiler.passes import fuse_all_reduce, fuse_linear_all_reduce
+    from mxc.ir import verify
+
+    graph, opts = _upto("fuse_linear_io", options=dict(tp_allreduce="push"))
+    (down,) = [n for n in _layer(graph).body if n.op == "linear" and n.ins[1] == "w_down"]
+    graph = fuse_all_reduce.run(_with_reader(graph, down.outs[0]), opts)
+    joined = fuse_linear_all_reduce.run(graph, opts)
+    verify(joined)
+    ops = [n.op for n in _layer(joined).body]
+    assert down in _layer(joined).body and "all_reduce_add" in ops and "linear_all_reduce_add" not in ops
+    assert "linear_all_reduce_add_rms_norm" in ops
+
+
+def test_joined_linears_leave_no_linear_behind():
+    """The joined linear is gone from the pass's own output (with ``--disable-pass eliminate_dead_code`` it would
+    still run, its rows computed twice), and the fused ops keep the all-reduce's world and the norm's eps."""
+    from mxc.compiler.passes import fuse_linear_all_reduce
+
+    graph, opts = _upto("fuse_all_reduce", options=dict(tp_allreduce="push"))
+    joined = fuse_linear_all_reduce.run(graph, opts)
+    nodes = _layer(joined).body
+    assert not [n for n in nodes if n.op == "linear" and n.ins[1] in ("wo", "w_down")]
+    attrs = {n.op: n.attrs for n in nodes if n.op.startswith("linear_all_reduce")}
+    assert attrs == {"linear_all_reduce_add_rms_norm": {"eps": 1e-5, "world": 2},
+                     "linear_all_reduce_add": {"world": 2}}
+
+
+@pytest.mark.parametrize("hidden,joined", [(WIDE_N, False), (WIDE_N - 64, True)])
+def test_wide_outputs_do_not_join_their_all_reduce(hidden, joined):
+    """Row-parallel linears with ``WIDE_N`` output features or more (the model's hidden size here; their input
+    features are a rank's share of the heads or the intermediate size) stay apart from their all-reduce: cuBLAS
+    serves their 17..32 tokens. Just below, they join."""
+    graph, _ = _upto("fuse_linear_all_reduce", options=dict(tp_allreduce="push"), hidden_size=hidden,
+                     intermediate_size=2 * WIDE_N)
+    ops = [n.op for n in _layer(graph).body]
+    assert ("linear_all_reduce_add" in ops) is joined and ("linear_all_reduce_add_rms_norm" in ops) is joined
+    assert ("all_reduce_add" in ops) is not joined and ("all_reduce_add_rms_norm" in ops) is not joined
