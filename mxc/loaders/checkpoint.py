@@ -71,6 +71,8 @@ def _load_bin(path: Path) -> dict[str, torch.Tensor]:
     if not isinstance(state, dict):
         raise MxcError(f"{path}: expected a dict of tensors, found {type(state).__name__}")
     for name, value in state.items():
+        if not isinstance(name, str):
+            raise MxcError(f"{path}: entry {name!r} has a {type(name).__name__} key, expected a tensor name (str)")
         if not isinstance(value, torch.Tensor):
             raise MxcError(f"{path}: entry {name!r} is a {type(value).__name__}, expected a tensor")
     return state

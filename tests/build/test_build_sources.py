@@ -268,3 +268,42 @@ def test_a_tp_build_writes_a_weight_file_a_rank_and_says_how_many(tmp_path):
     art = _build("llama.yaml", tmp_path / "art", tp=2)
     assert sorted(p.name for p in (art / "weights").iterdir()) == ["rank0.safetensors", "rank1.safetensors"]
     assert json.loads((art / "manifest.json").read_text())["tp"] == 2
+
+
+def _dummy(*weights):
+    from mxc.ir import Graph
+    from mxc.loaders.dummy import DummyCheckpoint
+
+    return DummyCheckpoint(Graph("t", "float32", {}, {}, {w.name: w for w in weights}, (), ()))
+
+
+def test_dummy_weights_depend_on_the_name_only_not_the_read_order():
+    """Without a checkpoint, every tensor is N(0, 0.02) (norm scales 1 + N(0, 0.02)) drawn from its own name: the same
+    values in any read order, different values for different names, and get() in the dtype dtype() reports."""
+    from mxc.ir import Weight
+
+    weights = [Weight("a", (64, 32), "float32", ("a.weight",)), Weight("b", (64, 32), "float32", ("b.weight",)),
+               Weight("n", (4096,), "float32", ("n.weight",), init="ones")]
+    first = _dummy(*weights)
+    a, b = first.get("a.weight"), first.get("b.weight")
+    second = _dummy(*weights)
+    assert torch.equal(second.get("b.weight"), b) and torch.equal(second.get("a.weight"), a)
+    assert not torch.equal(a, b) and a.dtype == first.dtype("a.weight") == torch.float32
+    assert abs(a.std().item() - 0.02) < 0.002 and abs(a.mean().item()) < 0.002
+    n = first.get("n.weight")
+    assert abs(n.mean().item() - 1) < 0.002 and abs(n.std().item() - 0.02) < 0.002
+
+
+def test_large_dummy_tensors_repeat_one_block_to_any_size():
+    """A tensor past the 256K-element random block (not a multiple of it) repeats the block to its exact size; one of
+    256K elements or fewer repeats nothing."""
+    from mxc.ir import Weight
+
+    block = 1 << 18
+    ckpt = _dummy(Weight("big", (513, 512), "float32", ("big.weight",)),
+                  Weight("whole", (512, 512), "float32", ("whole.weight",)))
+    big = ckpt.get("big.weight")
+    assert big.shape == (513, 512) and torch.equal(big.flatten()[block:], big.flatten()[:513 * 512 - block])
+    whole = ckpt.get("whole.weight").flatten()
+    assert whole.shape == (block,) and whole[:block // 2].unique().numel() > block // 4
+    assert not torch.equal(whole[:1024], whole[1024:2048])

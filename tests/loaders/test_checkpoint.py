@@ -226,3 +226,149 @@ def test_a_tensor_in_two_unindexed_files_is_refused(tmp_path):
     save_file({"x": torch.ones(2)}, tmp_path / "b.safetensors")
     with pytest.raises(MxcError, match="tensor 'x' also appears in"):
         open_checkpoint(tmp_path)
+
+
+def test_legacy_bin_calling_a_function_is_refused(tmp_path, monkeypatch):
+    """The legacy (non-zip) format cannot be memory-mapped and is loaded again without mmap: still weights_only, so a
+    pickle that would run code is refused, and the code never runs."""
+    monkeypatch.chdir(tmp_path)
+    torch.save({"w": torch.zeros(2), "x": _RunsCode()}, tmp_path / "pytorch_model.bin",
+               _use_new_zipfile_serialization=False)
+    with pytest.raises(MxcError, match=r"pytorch_model\.bin: contains non-tensor pickled objects .*system"):
+        open_checkpoint(tmp_path)
+    assert not (tmp_path / "ran-code").exists()
+
+
+def test_bin_of_a_list_is_refused(tmp_path):
+    torch.save([torch.zeros(2)], tmp_path / "pytorch_model.bin")
+    with pytest.raises(MxcError, match=r"pytorch_model\.bin: expected a dict of tensors, found list"):
+        open_checkpoint(tmp_path)
+
+
+def test_bin_with_a_non_tensor_entry_is_refused(tmp_path):
+    """weights_only loading accepts plain numbers (a training step, say): an entry that is not a tensor is named."""
+    torch.save({"w": torch.zeros(2), "step": 3}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(MxcError, match=r"pytorch_model\.bin: entry 'step' is a int, expected a tensor"):
+        open_checkpoint(tmp_path)
+
+
+def test_bin_with_a_non_string_key_is_refused(tmp_path):
+    torch.save({"w": torch.zeros(2), 0: torch.ones(2)}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(MxcError, match=r"pytorch_model\.bin: .*0"):
+        open_checkpoint(tmp_path).names()
+
+
+def test_legacy_pickle_the_weights_only_loader_cannot_read_says_why(tmp_path):
+    """A plain pickle (protocol 0) that weights_only loading cannot read: the error gives torch's reason in one line,
+    not the first line of its advice to disable the check."""
+    import pickle
+
+    (tmp_path / "pytorch_model.bin").write_bytes(pickle.dumps({"a": 1}, protocol=0))
+    with pytest.raises(MxcError) as e:
+        open_checkpoint(tmp_path)
+    assert str(e.value) == f"{tmp_path / 'pytorch_model.bin'}: not a valid PyTorch checkpoint: Unsupported operand 100"
+
+
+@pytest.mark.parametrize("content", ["[]", '{"weight_map": ["a", "b"]}', '"weight_map"'])
+def test_index_of_the_wrong_shape_is_refused(tmp_path, content):
+    (tmp_path / "model.safetensors.index.json").write_text(content)
+    with pytest.raises(MxcError, match=r"model\.safetensors\.index\.json: (expected a JSON object with a 'weight_map' "
+                                       r"field|'weight_map' must map tensor names to file names)"):
+        open_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("file", [3, None, "sub"])
+def test_index_entry_not_naming_a_file_is_refused(tmp_path, file):
+    """A weight_map value that is no file name (a number, null) or names a directory: the entry is named."""
+    (tmp_path / "sub").mkdir()
+    save_file({"a": torch.zeros(1)}, tmp_path / "model-00001-of-00001.safetensors")
+    weight_map = {"a": "model-00001-of-00001.safetensors", "b": file}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(MxcError, match=rf"index\.json: weight_map entry 'b' points at missing file .*{file}$"):
+        open_checkpoint(tmp_path)
+
+
+def test_sharded_bin_index_names_tensor_absent_from_shard(tmp_path):
+    torch.save({"a": torch.zeros(1)}, tmp_path / "pytorch_model-00001-of-00001.bin")
+    weight_map = {"a": "pytorch_model-00001-of-00001.bin", "b": "pytorch_model-00001-of-00001.bin"}
+    (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with open_checkpoint(tmp_path) as ckpt:
+        assert torch.equal(ckpt.get("a"), torch.zeros(1))
+        with pytest.raises(MxcError, match=r"pytorch_model-00001-of-00001\.bin: tensor 'b' listed in the index is not"):
+            ckpt.shape("b")
+
+
+def _raw_safetensors(path, dtype_code, nbytes):
+    """A one-tensor safetensors file with a dtype code torch or mxc may not know (written by hand)."""
+    header = json.dumps({"w": {"dtype": dtype_code, "shape": [4], "data_offsets": [0, nbytes]}}).encode()
+    header += b" " * (-len(header) % 8)
+    path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(nbytes))
+
+
+def test_tensor_of_an_unsupported_dtype_is_named(tmp_path):
+    """Dtypes safetensors knows but mxc does not import (complex, fp6): one line naming the file and tensor, from
+    dtype() and from get()."""
+    _raw_safetensors(tmp_path / "model.safetensors", "C64", 32)
+    with open_checkpoint(tmp_path) as ckpt:
+        assert ckpt.shape("w") == (4,)
+        with pytest.raises(MxcError, match=r"model\.safetensors: tensor 'w' has unsupported dtype C64"):
+            ckpt.dtype("w")
+    (tmp_path / "model.safetensors").unlink()
+    _raw_safetensors(tmp_path / "model.safetensors", "F6_E2M3", 3)
+    with open_checkpoint(tmp_path) as ckpt:
+        with pytest.raises(MxcError, match=r"model\.safetensors: cannot read tensor 'w': .*F6_E2M3"):
+            ckpt.get("w")
+
+
+def test_model_safetensors_is_preferred_over_other_safetensors_files(tmp_path):
+    """A lone model.safetensors beside other .safetensors files (a consolidated copy, an adapter) is the checkpoint."""
+    save_file({"a": torch.zeros(1)}, tmp_path / "model.safetensors")
+    save_file({"a": torch.ones(1)}, tmp_path / "consolidated.safetensors")
+    with open_checkpoint(tmp_path) as ckpt:
+        assert ckpt.files == [tmp_path / "model.safetensors"] and torch.equal(ckpt.get("a"), torch.zeros(1))
+
+
+def test_a_safetensors_file_that_cannot_be_mapped_is_one_line(tmp_path):
+    """An OS error opening a shard (here /proc/self/mem, which cannot be memory-mapped; a permission error alike) is
+    reported with the file, not as a traceback."""
+    if not os.path.exists("/proc/self/mem"):
+        pytest.skip("needs /proc/self/mem")
+    (tmp_path / "model.safetensors").symlink_to("/proc/self/mem")
+    with pytest.raises(MxcError, match=r"model\.safetensors: not a valid safetensors file"):
+        open_checkpoint(tmp_path)
+
+
+def test_index_files_are_listed_once_in_order(tmp_path):
+    """An index listing the second shard's tensors first: each shard is listed once, in name order."""
+    save_file({"a": torch.zeros(1)}, tmp_path / "model-00001-of-00002.safetensors")
+    save_file({"b": torch.ones(1), "c": torch.ones(1)}, tmp_path / "model-00002-of-00002.safetensors")
+    weight_map = {"b": "model-00002-of-00002.safetensors", "a": "model-00001-of-00002.safetensors",
+                  "c": "model-00002-of-00002.safetensors"}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with open_checkpoint(tmp_path) as ckpt:
+        assert ckpt.files == [tmp_path / f"model-0000{i}-of-00002.safetensors" for i in (1, 2)]
+        assert ckpt.names() == ["a", "b", "c"]
+
+
+def test_safetensors_index_preferred_over_bin_index(tmp_path):
+    """Hub repositories often ship both formats, each with its index: the safetensors shards are read."""
+    save_file({"a": torch.zeros(1)}, tmp_path / "model-00001-of-00001.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model-00001-of-00001.safetensors"}}))
+    torch.save({"b": torch.ones(1)}, tmp_path / "pytorch_model-00001-of-00001.bin")
+    (tmp_path / "pytorch_model.bin.index.json").write_text(
+        json.dumps({"weight_map": {"b": "pytorch_model-00001-of-00001.bin"}}))
+    with open_checkpoint(tmp_path) as ckpt:
+        assert ckpt.names() == ["a"] and ckpt.index == tmp_path / "model.safetensors.index.json"
+
+
+def test_missing_checkpoint_directory(tmp_path):
+    with pytest.raises(MxcError, match=r"nope: checkpoint directory does not exist"):
+        open_checkpoint(tmp_path / "nope")
+
+
+def test_a_directory_named_like_a_shard_is_not_read(tmp_path):
+    save_file({"a": torch.zeros(1)}, tmp_path / "part0.safetensors")
+    (tmp_path / "backup.safetensors").mkdir()
+    with open_checkpoint(tmp_path) as ckpt:
+        assert ckpt.files == [tmp_path / "part0.safetensors"] and ckpt.names() == ["a"]

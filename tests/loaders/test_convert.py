@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from mxc.errors import MxcError
-from mxc.ir import QuantSpec, ShardSpec, Weight
-from mxc.loaders.convert import _check_stored_dtypes, _ignored, _part_scales, _same_values, rank_tensor
+from mxc.ir import Graph, QuantSpec, Repeat, ShardSpec, Weight
+from mxc.loaders.convert import (_check_stored_dtypes, _ignored, _part_scales, _same_values, check_names, check_tied,
+                                 rank_tensor, weight_bytes, write_weights)
+from mxc.loaders.quantize import quantize_fp8
 
 
 class _Tensors:
@@ -28,6 +34,15 @@ class _Tensors:
 
     def dtype(self, name):
         return self.tensors[name].dtype
+
+    def names(self):
+        return sorted(self.tensors)
+
+
+def _graph(top=(), layers=(), count=2, tied=()):
+    """A bound graph holding just weights: ``top`` at the top level, ``layers`` in a repeat of ``count`` ({i})."""
+    body = (Repeat(count, "i", {w.name: w for w in layers}, (), {}),) if layers else ()
+    return Graph("t", "float32", {}, {}, {w.name: w for w in top}, body, (), source="t.yaml", tied=tied)
 
 
 def test_tied_weights_are_compared_in_every_chunk():
@@ -118,3 +133,100 @@ def test_replicated_weights_are_whole_on_every_rank():
     column = Weight("c", (4, 3), "float32", ("c.weight",), shard=ShardSpec("column"))
     assert torch.equal(torch.cat([rank_tensor(full, column, 2, r) for r in range(2)]), full)
     assert rank_tensor(full, column, 2, 1).shape == (4, 3)
+
+
+def test_missing_tensors_are_named_and_counted():
+    """The first missing tensor is named with its shape and weight; "(and N more)" only when there are more."""
+    graph = _graph([Weight(n, (2, 3), "float32", (f"{n}.weight",)) for n in ("a", "b", "c")])
+    full = {f"{n}.weight": torch.zeros(2, 3) for n in "abc"}
+    for drop, tail in ((["b.weight", "c.weight"], " (and 1 more)"), (["c.weight"], "")):
+        ckpt = _Tensors({k: v for k, v in full.items() if k not in drop})
+        with pytest.raises(MxcError) as e:
+            check_names(graph, ckpt)
+        want = f"ckpt: missing tensor '{drop[0]}' (expected shape [2, 3], for weight {drop[0][0]}){tail}"
+        assert str(e.value) == want
+
+
+def _prequantized_layer():
+    w = Weight("l{i}.w", (4, 8), "float8_e4m3fn", ("m.{i}.w.weight",),
+               quant=QuantSpec("fp8_e4m3", "channel", prequantized=True))
+    return w, Weight("l{i}.w_scale", (4,), "float32", ("m.{i}.w.weight_scale",), scale_of="l{i}.w")
+
+
+def test_a_missing_layer_scale_does_not_blame_quant_lm_head():
+    """A layer's fp8 scale missing: the checkpoint does not store that weight in fp8; --quant-lm-head is named only
+    for a top-level weight (the LM head)."""
+    graph = _graph(layers=_prequantized_layer(), count=1)
+    ckpt = _Tensors({"m.0.w.weight": torch.zeros(4, 8).to(torch.float8_e4m3fn)})
+    with pytest.raises(MxcError, match=r"missing tensor 'm\.0\.w\.weight_scale' \(the checkpoint's fp8 scales, for "
+                                       r"weight l0\.w_scale\): the checkpoint does not store that weight in fp8 with "
+                                       r"scales$"):
+        check_names(graph, ckpt)
+
+
+def test_a_scale_left_out_of_the_index_gets_only_the_stale_index_hint(tmp_path):
+    """A scale tensor that is in a shard but not in the index: the hint says so, not that the weight is not fp8."""
+    graph = _graph(layers=_prequantized_layer(), count=1)
+    ckpt = _Tensors({"m.0.w.weight": torch.zeros(4, 8).to(torch.float8_e4m3fn)})
+    ckpt.unindexed = {"m.0.w.weight_scale": tmp_path / "model-00001-of-00001.safetensors"}
+    ckpt.index = tmp_path / "model.safetensors.index.json"
+    with pytest.raises(MxcError) as e:
+        check_names(graph, ckpt)
+    assert str(e.value).endswith(": it is in model-00001-of-00001.safetensors, but model.safetensors.index.json does "
+                                 "not list it (a stale index? add it to the index's weight_map)")
+
+
+def test_a_stray_scale_of_no_weight_is_an_unexpected_tensor():
+    """A scale-named tensor beside no weight the graph maps is reported as unexpected, not a KeyError."""
+    graph = _graph([Weight("a", (2, 3), "float32", ("a.weight",))])
+    ckpt = _Tensors({"a.weight": torch.zeros(2, 3), "b.weight_scale": torch.ones(2)})
+    with pytest.raises(MxcError, match=r"unexpected tensor 'b\.weight_scale': the t\.yaml definition neither maps"):
+        check_names(graph, ckpt)
+
+
+def test_a_tied_weight_stored_with_other_values_is_refused():
+    graph = _graph([Weight("embed", (4, 3), "float32", ("embed.weight",))],
+                   tied=(("head.weight", "embed.weight", "tie_word_embeddings"),))
+    e = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    check_tied(graph, _Tensors({"embed.weight": e, "head.weight": e.clone()}))
+    check_tied(graph, _Tensors({"embed.weight": e}))
+    with pytest.raises(MxcError, match=r"head\.weight differs from embed\.weight, which config\.json ties it to"):
+        check_tied(graph, _Tensors({"embed.weight": e, "head.weight": e + 1}))
+
+
+def _write(graph, ckpt, paths):
+    return write_weights(graph, ckpt, paths, progress=False)
+
+
+def test_quantized_weights_are_written_with_their_scales_and_digests(tmp_path):
+    """An fp8 weight and its scale land in the file as quantize_fp8 makes them, each scale right after its weight
+    (header order), so the returned sha256 is the file's."""
+    w = Weight("w", (6, 8), "float8_e4m3fn", ("w.weight",), quant=QuantSpec("fp8_e4m3", "channel"))
+    scale = Weight("w_scale", (6,), "float32", (), scale_of="w")
+    graph = _graph([w, Weight("n", (8,), "float32", ("n.weight",)), scale])
+    g = torch.Generator().manual_seed(0)
+    src = {"w.weight": torch.randn(6, 8, generator=g), "n.weight": torch.randn(8, generator=g)}
+    path = tmp_path / "rank0.safetensors"
+    digests = _write(graph, _Tensors(src), [path])
+    got = load_file(path)
+    q, s = quantize_fp8(src["w.weight"], "channel")
+    assert torch.equal(got["w"].view(torch.uint8), q.view(torch.uint8)) and torch.equal(got["w_scale"], s)
+    assert torch.equal(got["n"], src["n.weight"])
+    assert digests == {path: hashlib.sha256(path.read_bytes()).hexdigest()}
+    assert weight_bytes(graph) == sum(t.numel() * t.element_size() for t in got.values())  # the disk check's count
+
+
+def test_a_failed_write_leaves_no_rank_file_open(tmp_path):
+    """A weight that fails while converting (here an integer tensor) aborts every rank's file: none is still open
+    while the caller handles the error (and deletes the files)."""
+    fds = Path("/proc/self/fd")
+    if not fds.is_dir():
+        pytest.skip("needs /proc/self/fd")
+    graph = _graph([Weight("a", (2, 3), "float32", ("a.weight",)), Weight("b", (2, 3), "float32", ("b.weight",))])
+    ckpt = _Tensors({"a.weight": torch.zeros(2, 3), "b.weight": torch.zeros(2, 3, dtype=torch.int32)})
+    paths = [tmp_path / "rank0.safetensors", tmp_path / "rank1.safetensors"]
+    with pytest.raises(MxcError, match="b.weight is stored as torch.int32") as error:
+        _write(graph, ckpt, paths)
+    assert error.traceback  # the error, with its frames, is still held here, as by a caller's except clause
+    open_paths = {os.path.realpath(fds / fd) for fd in os.listdir(fds)}
+    assert not open_paths & {str(p.resolve()) for p in paths}

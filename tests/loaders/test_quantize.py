@@ -68,3 +68,52 @@ def test_tiny_weights_keep_their_amax_scales(granularity):
     first = w[0] if granularity == "channel" else (w[:128, :128] if granularity == "block128" else w)
     assert s.flatten()[0] == first.abs().amax() / 448
     assert float((dequantize_weight(q, s, granularity) - w).norm() / w.norm()) < 0.04
+
+
+@pytest.mark.parametrize("granularity", ["channel", "tensor", "block128"])
+def test_all_zero_groups_quantize_to_zero_with_finite_scales(granularity):
+    """A row, merged part or tile of zeros (pruned rows, padding) gets a positive finite scale and zero codes, not
+    0/0 = NaN."""
+    w = _w(256, 256)
+    w[128:] = 0  # channel: zero rows; tensor: a zero part; block128: zero tiles
+    q, s = quantize_fp8(w, granularity, segments=(128, 128))
+    assert torch.isfinite(s).all() and (s > 0).all()
+    assert not q.float().isnan().any() and (q[128:].float() == 0).all()
+    assert torch.equal(dequantize_weight(q, s, granularity)[128:], w[128:])
+
+
+@pytest.mark.parametrize("granularity", ["channel", "tensor", "block128"])
+def test_bf16_weights_get_float32_scales_as_computed_in_float32(granularity):
+    """Checkpoints are mostly bf16: their amax and scales are computed in float32, as for the same values given in
+    float32 (a bf16 scale would round the scale itself)."""
+    w = _w(200, 300).bfloat16()
+    q, s = quantize_fp8(w, granularity)
+    q32, s32 = quantize_fp8(w.float(), granularity)
+    assert s.dtype == torch.float32 and torch.equal(s, s32) and torch.equal(q.view(torch.uint8), q32.view(torch.uint8))
+
+
+def test_block128_scales_of_whole_blocks_and_small_ragged_tiles():
+    """Whole 128-blocks get exactly one scale each; a ragged tile's scale is its own values' amax / 448, the padding
+    of the grid counting for nothing (values far below 1 show it)."""
+    w = _w(256, 128) * 1e-3
+    q, s = quantize_fp8(w, "block128")
+    assert s.shape == (2, 1)
+    small = _w(130, 140) * 1e-3
+    q, s = quantize_fp8(small, "block128")
+    assert s.shape == (2, 2) and s[1, 1] == small[128:, 128:].abs().amax() / 448
+    assert s[0, 1] == small[:128, 128:].abs().amax() / 448
+
+
+def test_expert_stacks_are_quantized_expert_by_expert():
+    """A [E, N, K] stack: every expert its own scales, as if quantized alone."""
+    w = torch.stack([_w(64, 32, seed=e) * (e + 1) for e in range(3)])
+    for granularity in ("channel", "tensor", "block128"):
+        q, s = quantize_fp8(w, granularity)
+        for e in range(3):
+            qe, se = quantize_fp8(w[e], granularity)
+            assert torch.equal(s[e], se) and torch.equal(q[e].view(torch.uint8), qe.view(torch.uint8)), granularity
+
+
+def test_unknown_granularity_is_an_error():
+    with pytest.raises(ValueError, match="unknown fp8 granularity 'row'"):
+        quantize_fp8(_w(4, 4), "row")

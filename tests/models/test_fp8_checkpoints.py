@@ -364,3 +364,76 @@ def test_a_granularity_unlike_the_checkpoints_is_refused(hf_checkpoint, tmp_path
     _prequantize(ckpt, tmp_path / "fp8", qconfig, granularity, suffix)
     _refused(tmp_path / "fp8", tmp_path, r"already fp8 \(block128 scales\); --quant-granularity tensor cannot "
              r"change that", quant_granularity="tensor")
+
+
+def _bound(arch, **fields):
+    """The bound graph of ``arch`` at a tiny size (no checkpoint: unquantized_linears only reads tensor names)."""
+    from mxc.models.registry import bind_model, lookup
+
+    config = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, rms_norm_eps=1e-5,
+                  rope_theta=10000.0, architectures=[arch], **fields)
+    return bind_model(lookup(arch).path, config, "float32", lookup(arch))
+
+
+def test_one_unquantized_expert_is_refused_by_name():
+    """Experts are fp8 in every expert or none: one expert's gate stored without a scale (any expert, not only the
+    first) is named beside a quantized one."""
+    from mxc.loaders.prequantized import unquantized_linears
+
+    graph = _bound("Qwen3MoeForCausalLM", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    names = [f"model.layers.{i}.{p}.{s}" for i in range(2) for p in
+             [f"self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj")] +
+             [f"mlp.experts.{e}.{n}" for e in range(4) for n in ("gate_proj", "up_proj", "down_proj")]
+             for s in ("weight", "weight_scale")]
+    assert unquantized_linears(graph, names, "weight_scale", "ckpt") == ()
+    names.remove("model.layers.1.mlp.experts.2.gate_proj.weight_scale")
+    with pytest.raises(mxc.MxcError, match=r"ckpt: model\.layers\.0\.mlp\.experts\.0\.gate_proj\.weight is fp8 "
+                                           r"\(it has weight_scale\) but "
+                                           r"model\.layers\.1\.mlp\.experts\.2\.gate_proj\.weight is not"):
+        unquantized_linears(graph, names, "weight_scale", "ckpt")
+
+
+@pytest.mark.parametrize("qc", [None, {}])
+def test_no_or_empty_quantization_config_is_unquantized(qc):
+    from mxc.loaders.prequantized import checkpoint_quantization
+
+    assert checkpoint_quantization({"quantization_config": qc}, "config.json") is None
+    assert checkpoint_quantization({}, "config.json") is None
+
+
+@pytest.mark.parametrize("qc, needle", [
+    ("fp8", r"quantization_config must be a JSON object, got str"),
+    ({"quant_method": "fp8", "weight_block_size": [64, 64]},
+     r"quantization_config\.weight_block_size \[64, 64\] is not supported"),
+    ({"quant_method": "compressed-tensors", "config_groups": ["g"]},
+     r"quantization_config\.config_groups must map group names to objects"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"type": "int", "num_bits": 8,
+                                                                               "strategy": "channel"}}}},
+     r"compressed-tensors scheme .*'int'.* is not fp8"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"type": "float", "num_bits": 4,
+                                                                               "strategy": "channel"}}}},
+     r"compressed-tensors scheme .*'num_bits': 4.* is not fp8"),
+    ({"quant_method": "compressed-tensors", "config_groups": {}}, r"compressed-tensors scheme \{\} is not fp8"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"type": "float", "num_bits": 8,
+                                                                               "strategy": "group"}}}},
+     r"compressed-tensors fp8 strategy 'group' is not supported"),
+], ids=["not-object", "block-64", "groups-list", "int8", "fp4", "no-groups", "group-strategy"])
+def test_unsupported_quantization_configs_are_refused_in_one_line(qc, needle):
+    from mxc.loaders.prequantized import checkpoint_quantization
+
+    with pytest.raises(mxc.MxcError, match=r"^config\.json: " + needle) as e:
+        checkpoint_quantization({"quantization_config": qc}, "config.json", names=lambda: [])
+    assert "\n" not in str(e.value)
+
+
+def test_fine_grained_fp8_with_some_weight_scale_names_stays_blocks():
+    """quant_method fp8 without weight_block_size: per-tensor (AutoFP8) only where the scales are all
+    ``weight_scale``; a checkpoint with ``weight_scale_inv`` scales is transformers' 128x128 blocks."""
+    from mxc.loaders.prequantized import checkpoint_quantization
+
+    config = {"quantization_config": {"quant_method": "fp8"}}
+    autofp8 = ["a.weight", "a.weight_scale", "a.input_scale"]
+    assert checkpoint_quantization(config, "c", names=lambda: autofp8) == ("tensor", "weight_scale")
+    both = ["a.weight", "a.weight_scale_inv", "b.weight", "b.weight_scale"]
+    assert checkpoint_quantization(config, "c", names=lambda: both) == ("block128", "weight_scale_inv")
