@@ -144,23 +144,56 @@ def test_padded_vocabulary_shards(tp, hf_checkpoint, tmp_path):
     assert f"all_gather(logits_part, world={tp}, size=257)" in dump.read_text().replace("'", "")
 
 
+# (checkpoint shape, passes disabled): splits whose ranks hold whole 128-blocks of every part, or (one part) rows inside
+# one block whose scale each such rank holds a copy of
+BLOCK_SPLITS = {
+    "heads-of-128": (dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=2, head_dim=128,
+                          intermediate_size=512), ()),
+    # 4 heads of 96 rows a rank: 384 rows, 3 whole blocks of each of q, k and v
+    "heads-of-96": (dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=8, head_dim=96,
+                         intermediate_size=512), ()),
+    # gate and up unmerged, 64 rows each: each rank's 32 rows (and the down projection's 32 columns) inside block 0
+    "part-under-a-block": (dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=2, head_dim=128,
+                                intermediate_size=64), ("merge_gate_up",)),
+}
+
+
+def _logits_of(rank, world_size, device, paths: list, out_path: str):
+    logits = [mxc.load(p, rank=rank, world_size=world_size).logits(IDS) for p in paths]
+    if rank == 0:
+        torch.save(logits, out_path)
+
+
 def test_block128_scales_follow_whole_block_splits_only(hf_checkpoint, tmp_path):
-    """block128 under tp: ranks holding whole 128-blocks of every part build, their weights and scales the tp=1
-    build's; ranks holding half a block of each of q, k and v (one merged weight) are refused, not mis-scaled."""
-    ckpt, _ = hf_checkpoint("LlamaForCausalLM", hidden_size=256, num_attention_heads=2, num_key_value_heads=2,
-                            head_dim=128, intermediate_size=512)
-    q = dict(quant="fp8", quant_granularity="block128", progress=False, log=lambda m: None)
-    one = load_file(mxc.build(str(ckpt), out=tmp_path / "one", **q) / "weights" / "rank0.safetensors")
-    many = mxc.build(str(ckpt), out=tmp_path / "two", tp=2, **q)
+    """block128 under tp: splits whose ranks hold whole 128-blocks of every part (or rows inside one block of a lone
+    part) build, their weights and scales the tp=1 build's bit for bit and their logits as close to transformers'
+    as tp=1's; ranks holding half a block of each of q, k and v (one merged weight) are refused, not mis-scaled."""
     from mxc.ir import load_graph
 
-    for w in load_graph((many / "graph.yaml").read_text()).all_weights():
-        parts = [load_file(many / "weights" / f"rank{r}.safetensors")[w.name] for r in range(2)]
-        if w.shard is None or w.shard.kind == "replicated":
-            assert all(torch.equal(p, one[w.name]) for p in parts), w.name
-            continue
-        rebuilt = _reassemble(parts, w.shard, one[w.name].shape[w.shard_dim], w.shard_dim)
-        assert torch.equal(rebuilt.view(torch.uint8), one[w.name].view(torch.uint8)), w.name
+    q = dict(quant="fp8", quant_granularity="block128", progress=False, log=lambda m: None)
+    refs, ones, twos = [], [], []
+    for name, (shape, disable) in BLOCK_SPLITS.items():
+        ckpt, hf = hf_checkpoint("LlamaForCausalLM", name=name, **shape)
+        with torch.no_grad():
+            refs.append(hf(IDS).logits.float())
+        ones.append(mxc.build(str(ckpt), out=tmp_path / f"{name}-1", disable_passes=disable, **q))
+        many = mxc.build(str(ckpt), out=tmp_path / f"{name}-2", tp=2, disable_passes=disable, **q)
+        twos.append(str(many))
+        one = load_file(ones[-1] / "weights" / "rank0.safetensors")
+        for w in load_graph((many / "graph.yaml").read_text()).all_weights():
+            parts = [load_file(many / "weights" / f"rank{r}.safetensors")[w.name] for r in range(2)]
+            if w.shard is None or w.shard.kind == "replicated":
+                assert all(torch.equal(p, one[w.name]) for p in parts), (name, w.name)
+                continue
+            rebuilt = _reassemble(parts, w.shard, one[w.name].shape[w.shard_dim], w.shard_dim)
+            assert torch.equal(rebuilt.view(torch.uint8), one[w.name].view(torch.uint8)), (name, w.name)
+    out = tmp_path / "logits.pt"
+    run_ranks(_logits_of, 2, "cpu", twos, str(out))
+    for name, ref, one, two in zip(BLOCK_SPLITS, refs, ones, torch.load(out, weights_only=True)):
+        l2 = lambda a: float((a - ref).norm() / ref.norm())  # noqa: E731,B023
+        tp1, tp2 = l2(mxc.load(one).logits(IDS)), l2(two)
+        print(f"{name}: block128 fp8 logits L2 error against HF: tp1 {tp1:.4f}, tp2 {tp2:.4f}")
+        assert tp1 < 0.1 and tp2 < 0.1, name
 
     ckpt, _ = hf_checkpoint("LlamaForCausalLM", hidden_size=128, num_attention_heads=4, num_key_value_heads=4,
                             intermediate_size=256)

@@ -36,44 +36,65 @@ from dataclasses import replace
 from mxc.compiler.rewrite import apply_rules
 from mxc.errors import MxcError
 from mxc.ir import Graph, Node, QuantSpec, Repeat, ShardSpec, Weight
-from mxc.ir.sharding import padded_vocab
+from mxc.ir.sharding import ShardError, padded_vocab, rank_slices
 
 FP8 = "float8_e4m3fn"
 
 
-def _whole_blocks(spec: ShardSpec, tp: int) -> bool:
-    """Whether every rank's rows of every part start where a 128-block does, so block scales split with them. A
-    rank's share of a part must be whole blocks, or (one part) lie inside one block, whose scale that rank then
-    holds a copy of. A padded vocabulary (``padded_vocab``) needs only each rank's ceil(V / tp) rows to be whole
-    blocks: its last block may be partial (V = 255 at --tp 2), and a share inside a block is refused, since its
-    ranks would not take the copies their rows need."""
+def _blocks_follow(spec: ShardSpec, blocks: ShardSpec, tp: int) -> bool:
+    """Whether ``blocks`` (a split of the scale's 128-block rows or columns) gives every rank the scales of the
+    blocks its rows of ``spec`` lie in, in its local order: each rank's share of a part must start where a block
+    does, or (one part) lie inside one block, whose scale that rank then holds a copy of; with several parts each
+    share must be whole blocks, so the next part's local rows start on a local block too. The ranges are those
+    the loader slices (``rank_slices``), so what this accepts is what every rank loads."""
     sizes = spec.segments
-    if padded_vocab(spec):
-        return -(-sizes[0] // tp) % 128 == 0
-    if any(s % 128 for s in sizes) or (spec.unit % 128 and 128 % spec.unit):
+    if len(sizes) > 1 and any(s % 128 for s in sizes):
         return False
-    for s in sizes:
-        units = s // spec.unit
-        if units % tp == 0 or tp % units == 0:  # other splits fail in shard_tp with their own message
-            share = s // tp if units % tp == 0 else spec.unit
-            if share % 128 and (len(sizes) > 1 or 128 % share):
+    bases = [sum(sizes[:j]) for j in range(len(sizes))]
+    block_bases = [sum(blocks.segments[:j]) for j in range(len(sizes))]
+    for rank in range(tp):
+        try:
+            held = rank_slices(blocks, sum(blocks.segments), tp, rank)
+        except ShardError:
+            return False
+        rows = rank_slices(spec, sum(sizes), tp, rank)
+        for (start, n), (b_start, b_n), base, b_base in zip(rows, held, bases, block_bases):
+            first, last = (start - base) // 128, (start - base + n - 1) // 128
+            if (start - base) % 128 and (len(sizes) > 1 or first != last):
+                return False
+            if len(sizes) > 1 and n % 128:
+                return False
+            if (b_start - b_base, b_n) != (first, last - first + 1):
                 return False
     return True
 
 
 def _block_spec(spec: ShardSpec | None, name: str, tp: int, prequantized: bool = False) -> ShardSpec | None:
-    """The shard spec of block scales: the weight's split, counted in 128-row/column blocks (``_whole_blocks``
-    says when it can be)."""
+    """The shard spec of block scales: the weight's split, counted in 128-row/column blocks, in units of the blocks
+    a head spans (or of single blocks, for heads of 96 rows whose ranks still hold whole blocks), when
+    ``_blocks_follow`` says every rank then loads the scales its rows need. A padded vocabulary (``padded_vocab``)
+    needs each rank's ceil(V / tp) rows to be whole blocks: its last block may be partial (V = 255 at --tp 2)."""
     if spec is None or spec.kind == "replicated":
         return spec
     sizes = spec.segments
-    if not _whole_blocks(spec, tp):
+    blocks = tuple(-(-s // 128) for s in sizes)
+    try:
+        rank_slices(spec, sum(sizes), tp, 0)
+    except ShardError:  # shard_tp refuses this split with its own message
+        return replace(spec, segments=blocks, unit=max(1, spec.unit // 128))
+    if padded_vocab(spec):
+        follows = [replace(spec, segments=blocks, unit=1)] if -(-sizes[0] // tp) % 128 == 0 else []
+    else:
+        units = ([spec.unit // 128] if spec.unit % 128 == 0 else []) + [1]
+        follows = [b for b in (replace(spec, segments=blocks, unit=u) for u in dict.fromkeys(units))
+                   if _blocks_follow(spec, b, tp)]
+    if not follows:
         fix = ("the checkpoint is fp8 with these block scales: use a --tp that leaves each rank whole 128-blocks, or "
                "build from the bf16 checkpoint with --quant fp8") if prequantized else "use --quant-granularity channel"
         raise MxcError(f"block128 fp8 scales of {name} cannot follow its tensor-parallel split "
                        f"(parts {list(sizes)}, unit {spec.unit}, --tp {tp}: a rank's rows are not whole 128-blocks): "
                        f"{fix}")
-    return replace(spec, segments=tuple(-(-s // 128) for s in sizes), unit=max(1, spec.unit // 128))
+    return follows[0]
 
 
 def scale_weight(w: Weight, local: str, granularity: str, tp: int, prequantized: bool = False) -> Weight:
