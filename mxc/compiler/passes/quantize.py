@@ -130,8 +130,13 @@ def becomes_fp8(w: Weight, options) -> bool:
     fp8 checkpoint (``options.quant_unquantized``)."""
     if w.dtype == FP8 or w.quant is not None:
         return True
-    return (options.quant == "fp8" and w.quantize
-            and not _stored_unquantized(w, frozenset(options.quant_unquantized)))
+    return options.quant == "fp8" and _to_quantize(w, frozenset(options.quant_unquantized))
+
+
+def _to_quantize(w: Weight, keep: frozenset[str]) -> bool:
+    """Whether the bf16 weight ``w`` is one ``--quant fp8`` turns into fp8: not declared ``quantize: false`` and
+    not among the parts an fp8 checkpoint stores unquantized (``keep``)."""
+    return w.quantize and not _stored_unquantized(w, keep)
 
 
 def _rule(granularity: str, include: set[str] | None, tp: int, suffix: str | None = None,
@@ -140,8 +145,8 @@ def _rule(granularity: str, include: set[str] | None, tp: int, suffix: str | Non
         at = 2 if node.op == "rms_norm_linear" else 1  # the weight's position among the inputs
         local = node.ins[at]
         w = ctx.weights.get(local)
-        if (w is None or w.quant is not None or w.dtype == FP8 or not w.quantize
-                or (include is not None and local not in include) or _stored_unquantized(w, keep)):
+        if (w is None or w.quant is not None or w.dtype == FP8 or not _to_quantize(w, keep)
+                or (include is not None and local not in include)):
             return None
         scale_local = f"{local}_scale"
         ctx.weights[local] = replace(w, dtype=FP8, quant=QuantSpec("fp8_e4m3", granularity, suffix is not None))
