@@ -22,3 +22,9 @@ def fp8_llama_layer():
         return rep
 
     return compile_layer
+
+
+@pytest.fixture
+def ckpt(hf_checkpoint):
+    """The tiny Llama checkpoint the error tests edit."""
+    return hf_checkpoint("LlamaForCausalLM")[0]

@@ -1,0 +1,221 @@
+"""The output directory: a build never replaces what is not an mxc artifact, writes nowhere it cannot finish
+(disk space checked first, a full disk leaves nothing) and keeps the previous artifact when it fails."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import mxc
+from mxc.errors import MxcError, size_text
+from tests.build.helpers import DROPPED, build, edit_tensors, one_line
+
+
+def test_out_is_not_an_artifact(tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    with pytest.raises(MxcError, match=r"--out .*mine: exists and is not an mxc artifact"):
+        build("llama.yaml", out)
+    assert sorted(p.name for p in out.iterdir()) == ["precious.txt"]
+    assert (out / "precious.txt").read_text() == "keep me"
+
+
+def test_out_with_another_programs_manifest_is_not_an_artifact(tmp_path):
+    """A directory is replaced only when its manifest.json is mxc's: a web app's is the user's."""
+    out = tmp_path / "webapp"
+    (out / "src").mkdir(parents=True)
+    (out / "manifest.json").write_text('{"name": "my-extension"}')
+    (out / "src" / "app.js").write_text("keep me")
+    with pytest.raises(MxcError, match=r"--out .*webapp: exists and is not an mxc artifact"):
+        build("llama.yaml", out)
+    assert (out / "src" / "app.js").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("content", [b'{"schema_version": 10}', b'{"mxc_version": "0.1.0"}',
+                                     b'["schema_version", "mxc_version"]', b"{not json", b'{"\xff": 1}'],
+                         ids=["no-mxc-version", "no-schema-version", "a-list", "not-json", "not-utf8"])
+def test_out_with_a_manifest_that_is_not_mxcs_is_not_replaced(content, tmp_path):
+    """Only a manifest.json that is a JSON object with both schema_version and mxc_version marks an artifact: any
+    other (someone else's, or unreadable) leaves the directory the user's, refused in one line."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "manifest.json").write_bytes(content)
+    with pytest.raises(MxcError, match=r"--out .*mine: exists and is not an mxc artifact") as e:
+        build("llama.yaml", out)
+    one_line(e)
+    assert (out / "manifest.json").read_bytes() == content
+
+
+def test_out_inside_an_artifact(tmp_path):
+    """A build into a folder of another artifact would add files its manifest does not list, so that it no longer
+    loads: refused, and the artifact keeps loading."""
+    art = build("llama.yaml", tmp_path / "art")
+    with pytest.raises(MxcError, match=r"--out .*sub: is inside the artifact .*art; choose a path outside it") as e:
+        build("llama.yaml", art / "sub")
+    one_line(e)
+    assert not (art / "sub").exists()
+    mxc.load(art)
+
+
+def test_out_is_a_file(tmp_path):
+    out = tmp_path / "file"
+    out.write_text("x")
+    with pytest.raises(MxcError, match="exists and is not an mxc artifact"):
+        build("llama.yaml", out)
+    assert out.read_text() == "x"
+
+
+def test_failed_build_keeps_previous_artifact(ckpt, tmp_path):
+    out = tmp_path / "art"
+    build(ckpt, out)
+    before = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    logits = mxc.load(out).logits([[1, 2, 3]])
+
+    edit_tensors(ckpt, lambda t: t.pop(DROPPED))
+    with pytest.raises(MxcError, match="missing tensor"):
+        build(ckpt, out)
+
+    after = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert after == before
+    assert torch.equal(mxc.load(out).logits([[1, 2, 3]]), logits)  # loads and verifies every file
+    assert not list(tmp_path.glob(".*.building-*"))
+    assert not list(tmp_path.glob(".*.old-*"))
+
+
+def _tensor_bytes(art) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for path in (art / "weights").glob("rank*.safetensors"):
+        with safe_open(path, "pt") as f:
+            total += sum(f.get_tensor(name).nbytes for name in f.keys())
+    return total
+
+
+def test_too_little_disk_is_refused_before_thebuild(tmp_path, monkeypatch):
+    """Weights larger than the free space: one line naming --out, the bytes needed (the tensors the build writes)
+    and free; nothing written."""
+    import re
+    import shutil
+
+    from mxc import builder
+
+    need = size_text(_tensor_bytes(build("llama.yaml", tmp_path / "ref")))
+    real = shutil.disk_usage
+    monkeypatch.setattr(builder.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+    out = tmp_path / "sub" / "art"
+    with pytest.raises(MxcError, match=rf"--out .*art: the artifact's weights take {re.escape(need)} and .* has "
+                                       rf"1\.0 KiB free; free some space") as e:
+        build("llama.yaml", out)
+    one_line(e)
+    assert not (tmp_path / "sub").exists()
+    # a filesystem that reports no size at all (total 0, as some pseudo mounts do) is not judged: the build runs
+    monkeypatch.setattr(builder.shutil, "disk_usage", lambda p: real(p)._replace(total=0, free=0))
+    assert build("llama.yaml", out) == out
+
+
+def test_free_space_of_exactly_the_weights_is_enough(tmp_path, monkeypatch):
+    """The check refuses less room than the weights take: exactly their bytes free passes, one byte less does not."""
+    import shutil
+
+    from mxc import builder
+
+    need = _tensor_bytes(build("llama.yaml", tmp_path / "ref"))
+    real = shutil.disk_usage
+    monkeypatch.setattr(builder.shutil, "disk_usage", lambda p: real(p)._replace(free=need - 1))
+    with pytest.raises(MxcError, match="free some space"):
+        build("llama.yaml", tmp_path / "art")
+    monkeypatch.setattr(builder.shutil, "disk_usage", lambda p: real(p)._replace(free=need))
+    assert build("llama.yaml", tmp_path / "art") == tmp_path / "art"
+
+
+def test_an_out_whose_parent_cannot_be_written_is_refused_before_thebuild(tmp_path, monkeypatch):
+    """--out under an existing directory the user may not write: one line naming --out and that directory."""
+    import os
+    import re
+
+    from mxc import builder
+
+    real = os.access
+    monkeypatch.setattr(builder.os, "access", lambda p, mode: os.fspath(p) != str(tmp_path) and real(p, mode))
+    out = tmp_path / "sub" / "art"
+    with pytest.raises(MxcError, match=rf"--out {re.escape(str(out))}: cannot be created "
+                                       rf"\({re.escape(str(tmp_path))} is not writable\)") as e:
+        build("llama.yaml", out)
+    one_line(e)
+    assert not (tmp_path / "sub").exists()
+
+
+def test_a_stale_temporary_directory_of_this_pid_is_replaced(tmp_path):
+    """A ``.art.building-PID`` left by an earlier process that had this build's pid (pids are reused, after a
+    reboot or in a container) is not in the way: the build writes afresh and leaves no temporary directory."""
+    import os
+
+    stale = tmp_path / f".art.building-{os.getpid()}"
+    (stale / "weights").mkdir(parents=True)
+    (stale / "weights" / "rank0.safetensors").write_text("half-written")
+    art = build("llama.yaml", tmp_path / "art")
+    mxc.load(art)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+
+
+def test_the_disk_check_counts_every_ranks_weights(ckpt, tmp_path, monkeypatch):
+    """--tp 2 writes a weight file a rank: room for a little more than one of them is not enough."""
+    import shutil
+
+    from mxc import builder
+
+    ref = build(str(ckpt), tmp_path / "ref", tp=2)
+    files = sorted((ref / "weights").glob("rank*.safetensors"))
+    assert len(files) == 2
+    need = sum(f.stat().st_size for f in files)
+    real = shutil.disk_usage
+    short = (need + files[0].stat().st_size) // 2
+    monkeypatch.setattr(builder.shutil, "disk_usage", lambda p: real(p)._replace(free=short))
+    with pytest.raises(MxcError, match="free some space"):
+        build(str(ckpt), tmp_path / "o", tp=2)
+
+
+@pytest.mark.parametrize("code", ["ENOSPC", "EDQUOT"])
+def test_disk_full_while_writing_is_one_line_and_leaves_nothing(code, tmp_path, monkeypatch):
+    """ENOSPC (or EDQUOT, a quota reached) from the weight writer (the disk filled by something else mid-build)
+    becomes a one-line error naming --out; the half-written directory goes, and an artifact already at --out
+    stays."""
+    import errno
+    import os
+    import re
+
+    from mxc.loaders import safetensors_writer
+
+    out = tmp_path / "art"
+    build("llama.yaml", out)
+    before = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    need = size_text(_tensor_bytes(out))
+
+    def full(self, name, tensor):
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+
+    monkeypatch.setattr(safetensors_writer.SafetensorsWriter, "write", full)
+    strerror = re.escape(os.strerror(getattr(errno, code)))
+    want = rf"--out .*art: {strerror} while writing the artifact \(its weights take {re.escape(need)}\); "
+    with pytest.raises(MxcError, match=want + "free some space or choose another --out") as e:
+        build("llama.yaml", out)
+    one_line(e)
+    after = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert after == before
+    assert not list(tmp_path.glob(".*.building-*"))
+
+
+def test_a_stale_old_directory_of_this_pid_is_replaced(tmp_path):
+    import os
+
+    art = build("llama.yaml", tmp_path / "art")
+    stale = tmp_path / f".art.old-{os.getpid()}"
+    stale.mkdir()
+    (stale / "manifest.json").write_text("{}")
+    assert build("llama.yaml", art, max_seq_len=64) == art
+    assert json.loads((art / "manifest.json").read_text())["options"]["max_seq_len"] == 64
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
