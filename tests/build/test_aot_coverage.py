@@ -64,3 +64,15 @@ def test_scenarios_cover_every_bucket():
     assert max(t for b, t in runs) <= 512 and max(b for b, t in runs) <= 64
     buckets = {1 << (n - 1).bit_length() for n in totals}
     assert buckets == {1 << j for j in range(1, 16)}  # 2 .. 32768 = 64 * 512
+
+
+@pytest.mark.parametrize("max_batch,max_seq_len", [(4, 64), (3, 50), (1, 128), (5, 7)])
+def test_scenarios_include_the_largest_prefill(max_batch, max_seq_len):
+    """The largest prefill, ``max_batch`` sequences of ``max_seq_len`` tokens, is among the scenarios; no prefill
+    is longer than ``max_seq_len`` or wider than ``max_batch``, and the decodes come first, one a batch bucket."""
+    from mxc.runtime_buckets import batch_buckets
+
+    runs = aot.scenarios(max_batch, max_seq_len)
+    assert (max_batch, max_seq_len) in runs
+    assert all(1 <= b <= max_batch and 1 < t <= max_seq_len for b, t in runs if t > 1)
+    assert [b for b, t in runs if t == 1] == list(batch_buckets(max_batch))

@@ -133,3 +133,76 @@ def test_a_descriptor_made_on_the_device_is_refused(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == ("kernel desc_kernels:device_desc needs Triton scratch memory, "
                                                     "which the AOT launcher does not provide")
+
+
+class _Compiled:
+    def __init__(self, ptx, **md):
+        from types import SimpleNamespace
+
+        self.asm = {"ptx": ptx, "cubin": b"\x7fELF"}
+        self.metadata = SimpleNamespace(**{"name": "k", "shared": 0, "num_warps": 4, **md})
+
+
+_K_PTX = ".visible .entry k(\n\t.param .u64 .ptr .global .align 1 k_param_0,\n\t.param .u32 k_param_1,\n" \
+         "\t.param .align 64 .b8 k_param_2[128],\n\t.param .u32 k_param_3,\n\t.param .u64 k_param_4\n)\n{\n" \
+         "\tgriddepcontrol.wait;\n\tret;\n}\n"
+
+
+def _compile_with(monkeypatch, spec, **md):
+    """``aot._compile_one`` with Triton's compiler stood in for (what it is asked, what it returns): the host-side
+    rules around it, in this process."""
+    import triton
+    import triton.compiler
+    from types import SimpleNamespace
+
+    seen = {}
+    names = [n for n in spec["signature"]]
+    monkeypatch.setattr(aot, "_jit_function", lambda kernel, source=None: SimpleNamespace(arg_names=names))
+    monkeypatch.setattr(triton.compiler, "ASTSource", lambda fn, signature, constexprs, attrs: seen.update(attrs=attrs))
+    monkeypatch.setattr(triton, "compile", lambda src, target, options: _Compiled(md.pop("ptx", _K_PTX), **md))
+    return aot._compile_one("key", spec, 90, None), seen
+
+
+_SPEC = {"kernel": "m:k", "signature": {"x_ptr": "*bf16", "n": "i32", "d": "tensordesc<bf16[64, 128]>",
+                                        "B": "constexpr"},
+         "constexprs": {"B": 4}, "num_warps": 4, "num_stages": 1}
+
+
+def test_only_pointers_are_compiled_as_aligned(monkeypatch):
+    """Pointer arguments are compiled 16-byte aligned (the runtime checks it); integers, descriptors and
+    constexprs are not assumed divisible."""
+    (_, _, entry), seen = _compile_with(monkeypatch, _SPEC, tensordesc_meta=[{"elem_size": 2}])
+    assert seen["attrs"] == {(0,): [["tt.divisibility", 16]]}
+    assert entry["args"] == ["*bf16", "i32", "tensordesc<bf16[64, 128]>"] and entry["tensordesc"] == [{"elem_size": 2}]
+
+
+@pytest.mark.parametrize("scratch", ["global_scratch_size", "profile_scratch_size"])
+def test_scratch_memory_of_either_kind_is_refused(monkeypatch, scratch):
+    from mxc.errors import MxcError
+
+    with pytest.raises(MxcError, match="needs Triton scratch memory"):
+        _compile_with(monkeypatch, _SPEC, tensordesc_meta=[{}], **{scratch: 64})
+
+
+@pytest.mark.parametrize("maps", [0, 2])
+def test_descriptors_not_all_lowered_to_tma_are_refused(monkeypatch, maps):
+    from mxc.errors import MxcError
+
+    with pytest.raises(MxcError, match=f"Triton gave {maps} maps for 1 descriptors"):
+        _compile_with(monkeypatch, _SPEC, tensordesc_meta=[{}] * maps)
+
+
+def test_a_pdl_refusal_counts_the_other_violations(monkeypatch):
+    """Each violation past the first is counted in the one refusal."""
+    from mxc.codegen import pdl_check
+    from mxc.errors import MxcError
+
+    spec = {**_SPEC, "constexprs": {"B": 4, "USE_PDL": True}}
+    monkeypatch.setattr(pdl_check, "violations", lambda ptx, name, params, declared: ["loads x_ptr", "loads n", "x"])
+    with pytest.raises(MxcError, match="kernel m:k loads x_ptr: under PDL") as e:
+        _compile_with(monkeypatch, spec, tensordesc_meta=[{}])
+    assert str(e.value).endswith("; and 2 more")
+    monkeypatch.setattr(pdl_check, "violations", lambda ptx, name, params, declared: ["loads x_ptr"])
+    with pytest.raises(MxcError) as e:
+        _compile_with(monkeypatch, spec, tensordesc_meta=[{}])
+    assert "more" not in str(e.value)

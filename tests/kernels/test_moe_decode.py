@@ -333,3 +333,74 @@ def test_compiles_for_sm90():
     r = subprocess.run([sys.executable, "-c", _COMPILE], cwd=Path(__file__).resolve().parents[2], env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "ok 13" in r.stdout, r.stderr[-3000:]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("configs", [RAGGED, TILED], ids=["loop", "tiled"])
+def test_an_id_equal_to_e_is_dropped_without_reading_past_the_experts(configs):
+    """Expert id E (one past the last) is invalid like any other: its pair reads expert 0 (no row of its h is read
+    from past the weights: ``guarded`` surrounds them with NaN) and contributes nothing."""
+    from tests.kernels.guarded import guarded
+
+    E = 4
+    ids = torch.tensor([[0, E], [E, 2], [3, 1]])
+    x, weights, ids, wgu, wd = _inputs(3, 2, E, torch.float32, seed=14, ids=ids)
+    hs = []
+    with guarded():
+        inner = launch_mod._launcher
+
+        def capture(kernel, grid, args, consts, nw, ns):
+            inner(kernel, grid, args, consts, nw, ns)
+            if kernel is tmd._pair_up_kernel:
+                hs.append(args[4])
+
+        with launch_mod.using(capture):
+            y = tmd.fused_moe(x, weights, ids, wgu, wd, configs=configs)
+    (h,) = hs
+    assert h.isfinite().all()
+    keep = (ids >= 0) & (ids < E)
+    _check(y, moe_ref.fused_moe(x, weights * keep, ids.clamp(0, E - 1), wgu, wd), TOL[torch.float32])
+
+
+def test_loops_unrolled_up_to_unroll_max_steps():
+    """``UNROLL_MAX_STEPS`` steps are unrolled, one more are not: gate/up of bf16 experts, and both loops of fp8
+    experts (the down loop at its own step)."""
+    n = tmd.UNROLL_MAX_STEPS
+    step = tmd.config_for(4096, 768, torch.bfloat16)[0].BLOCK_K
+    assert tmd.config_for(n * step, 768, torch.bfloat16)[0].UNROLL
+    assert not tmd.config_for(n * step + 1, 768, torch.bfloat16)[0].UNROLL
+    for scales in ("row", "block"):
+        up_step, down_step = (c.BLOCK_K for c in tmd.config_for(4096, 4096, torch.bfloat16, scales=scales))
+        at = tmd.config_for(n * up_step, n * down_step, torch.bfloat16, scales=scales)
+        past = tmd.config_for(n * up_step + 1, n * down_step + 1, torch.bfloat16, scales=scales)
+        assert at[0].UNROLL and at[1].UNROLL and not past[0].UNROLL and not past[1].UNROLL, scales
+
+
+def test_no_launch_for_no_tokens():
+    """Zero tokens: an empty output and no launch (an empty grid, which the runtime's cubin launcher would hand to
+    the driver)."""
+    seen = []
+    meta = lambda *s, dtype=torch.bfloat16: torch.empty(*s, dtype=dtype, device="meta")  # noqa: E731
+    with launch_mod.using(lambda *a: seen.append(a)):
+        y = tmd.fused_moe(meta(0, 64), meta(0, 2), meta(0, 2, dtype=torch.int64), meta(4, 64, 64), meta(4, 64, 32))
+    assert y.shape == (0, 64) and seen == []
+
+
+@pytest.mark.interpreter  # the GPU's exp may round silu an fp32 ulp apart from torch's, flipping a rare rounding
+@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if _BF16_OK else []), ids=str)
+@pytest.mark.parametrize("configs", [RAGGED, TILED], ids=["loop", "tiled"])
+def test_rounds_as_the_reference(dtype, configs):
+    """Inputs whose every dot product is exact in fp32 (small multiples of 1/8; each down row picks one value of
+    h, times a power of two): then only the roundings differ, and they are the reference's (gate and up rounded,
+    silu in fp32 rounded, the product rounded, each expert's output times its weight rounded): equal bits."""
+    g = torch.Generator().manual_seed(17)
+    T, k, E = 3, 2, 4
+    x = torch.randint(-3, 4, (T, H), generator=g).to(dtype)
+    wgu = (torch.randint(-2, 3, (E, 2 * I, H), generator=g) / 8).to(dtype)
+    wd = torch.zeros(E, H, I)
+    wd[:, torch.arange(H), torch.arange(H) % I] = 2.0 ** torch.randint(-2, 3, (E, H), generator=g).float()
+    wd = wd.to(dtype)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    weights = (2.0 ** -torch.randint(0, 3, (T, k), generator=g).float()).to(dtype)
+    y = tmd.fused_moe(*[_dev(t) for t in (x, weights, ids, wgu, wd)], configs=configs).cpu()
+    assert torch.equal(y, moe_ref.fused_moe(x, weights, ids, wgu, wd))

@@ -162,3 +162,34 @@ def test_compiles_for_sm90():
     r = subprocess.run([sys.executable, "-c", _COMPILE], cwd=Path(__file__).resolve().parents[2], env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.count("ok") == 3, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("topk", triton_route.TOPK_WAYS)
+def test_most_tokens_in_one_program(topk):
+    """``NORM_ROUTE_MAX_TOKENS`` tokens (the most taken), with every router row in one program (rows >= E): that
+    program is both the first (it writes the sum and the normalised rows) and the last (it routes)."""
+    from mxc.kernels.candidates import NORM_ROUTE_MAX_TOKENS
+
+    T = NORM_ROUTE_MAX_TOKENS
+    args = _inputs(T, 40, 6, torch.float32, seed=31)
+    kw = dict(eps=1e-6, k=2, scoring="softmax", renormalize=True)
+    s, h, w, ids = _run(args, None, **kw, rows=8, topk=topk)
+    ref_s, ref_h, ref_w, ref_ids = torch_ref.add_rms_norm_route(*args, **kw)
+    assert torch.equal(s, ref_s)
+    torch.testing.assert_close(h, ref_h, atol=TOL[torch.float32], rtol=TOL[torch.float32])
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(w, ref_w, atol=2 * TOL[torch.float32], rtol=2 * TOL[torch.float32])
+
+
+def test_the_largest_expert_count():
+    """E = MAX_EXPERTS is taken (64 router rows a program here) and routes as the reference; one more is refused."""
+    E = triton_route.MAX_EXPERTS
+    args = _inputs(1, 16, E, torch.float32, seed=5)
+    kw = dict(eps=1e-6, k=4, scoring="sigmoid", renormalize=True)
+    _, _, w, ids = _run(args, None, **kw, rows=64)
+    _, _, ref_w, ref_ids = torch_ref.add_rms_norm_route(*args, **kw)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(w, ref_w, atol=2 * TOL[torch.float32], rtol=2 * TOL[torch.float32])
+    a, b, nw, rw = _inputs(1, 16, E + 1, torch.float32, seed=5)
+    with pytest.raises(ValueError, match=f"E <= {E}"):
+        triton_route.add_rms_norm_route(a, b, nw, rw, eps=1e-6, k=2)

@@ -208,3 +208,40 @@ def test_check_flag_from_a_peer_sticks(monkeypatch):
     peer_late[0] = 0
     with pytest.raises(MxcError, match="did not deliver"):
         comm.check()
+
+
+def test_runtime_methods_pass_their_arguments_through():
+    """``PushAllReduce``'s methods (what the ``cuda_ops`` adapters call) on one rank, its buffer an ordinary
+    tensor (the set-up is collective and needs CUDA): the sum (+ bias), the residual add, the RMSNorm with the
+    given eps, and the pushing GEMV's ``linear_add`` / ``linear_add_rms_norm``, each against the torch reference;
+    the slot advances each call."""
+    from mxc.kernels.peer_allreduce import PushAllReduce
+
+    H, K, T, dtype = 96, 80, 3, torch.bfloat16
+    g = torch.Generator().manual_seed(21)
+    ranks = Ranks(1, H, max_tokens=4, dtype=dtype)
+    comm = object.__new__(PushAllReduce)
+    comm.world, comm.rank, comm.max_tokens, comm.hidden, comm.dtype = 1, 0, 4, H, dtype
+    comm.slot_elems, comm.bufs, comm.state = ranks.slot, ranks.ptrs, ranks.states[0]
+    x, r = torch.randn(T, H, generator=g).to(dtype), torch.randn(T, H, generator=g).to(dtype)
+    bias, weight = (torch.randn(H, generator=g)).to(dtype), (1 + 0.1 * torch.randn(H, generator=g)).to(dtype)
+    xk, w = torch.randn(T, K, generator=g).to(dtype), (torch.randn(H, K, generator=g) * K ** -0.5).to(dtype)
+    eps = 0.5  # far from the default: a dropped eps shows
+    with_bias = (x.float() + bias.float()).to(dtype)
+    assert torch.equal(comm(x), x)
+    assert torch.equal(comm(x, bias), with_bias)
+    assert torch.equal(comm.add(x, r, bias), torch_ref.add(r, with_bias))
+    s, h = comm.add_rms_norm(x, r, weight, eps, bias)
+    want_s, want_h = torch_ref.add_rms_norm(r, with_bias, weight, eps)
+    assert torch.equal(s, want_s) and torch.equal(h, want_h)
+    y = torch_ref.linear(xk.float(), w.float()).to(dtype)  # the GEMV's rounded rows (an ulp apart at most)
+    y_b = (y.float() + bias.float()).to(dtype)
+    torch.testing.assert_close(comm.linear_add(xk, w, r, bias).float(), torch_ref.add(r, y_b).float(),
+                               atol=2e-2, rtol=2e-2)
+    s, h = comm.linear_add_rms_norm(xk, w, r, weight, eps, bias)
+    want_s, want_h = torch_ref.add_rms_norm(r, y_b, weight, eps)
+    torch.testing.assert_close(s.float(), want_s.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(h.float(), want_h.float(), atol=2e-2, rtol=2e-2)
+    assert comm.state.tolist() == [6 % 3, T * H, 0, 0]
+    comm.check()  # no peer was late
+    assert comm.fits(x) and not comm.fits(x.view(T, H, 1)) and not comm.fits(x[0, :4])  # rows of H only

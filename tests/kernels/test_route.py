@@ -103,3 +103,80 @@ def test_compiles_for_sm90():
     r = subprocess.run([sys.executable, "-c", _COMPILE], cwd=Path(__file__).resolve().parents[2], env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # the interpreter's sigmoid
+@pytest.mark.parametrize("topk", ["rounds", "bitonic"])
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_scores_that_underflow_are_still_distinct_experts(topk, scoring):
+    """Logits far below the top one score exactly 0 in fp32 (softmax and sigmoid alike): the k experts are still
+    k distinct ones, the ties among the zeros going to the lower ids, as ``moe_ref.route``'s scores order them."""
+    logits = torch.tensor([[-300.0, 0.0, -250.0, -200.0, 30.0], [-400.0, -300.0, 5.0, -350.0, -500.0]])
+    k = 4
+    w, ids = triton_route.route(logits.to(DEVICE), k, scoring, topk=topk)
+    ref_w, _ = moe_ref.route(logits, k, scoring)
+    scores = logits.softmax(-1) if scoring == "softmax" else logits.sigmoid()
+    assert (scores == 0).sum(-1).min() >= 2  # the case at hand: ties at 0 among the k
+    # the reference order with ties to the lower id: a stable sort of the scores, descending
+    want = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+    assert ids.cpu().tolist() == want.tolist()
+    torch.testing.assert_close(w.cpu(), ref_w)
+
+
+@pytest.mark.parametrize("topk", ["rounds", "bitonic"])
+def test_large_logits_do_not_overflow_the_softmax(topk):
+    """Logits over ~88 overflow exp in fp32: the softmax subtracts the row's max first, as torch does."""
+    logits = torch.tensor([[100.0, 99.0, 0.0, 98.5, -3.0], [200.0, 300.0, 250.0, 299.0, 1.0]])
+    w, ids = triton_route.route(logits.to(DEVICE), 2, "softmax", renormalize=False, topk=topk)
+    ref_w, ref_ids = moe_ref.route(logits, 2, "softmax")
+    assert torch.equal(ids.cpu(), ref_ids)
+    torch.testing.assert_close(w.cpu(), ref_w)
+
+
+def test_packed_way_runs_as_rounds():
+    """``route`` has no packed way: ``topk="packed"`` runs the rounds (the same result); every way launches with
+    the kernel's own constexprs only (Triton's JIT and the AOT compile refuse any other name)."""
+    seen = []
+    with launch_mod.using(lambda kernel, grid, args, consts, nw, ns: seen.append(consts)):
+        for topk in triton_route.TOPK_WAYS:
+            triton_route.route(torch.empty(1, 12, device="meta"), 3, topk=topk)
+    assert all(set(c) <= set(triton_route.route_kernel.arg_names) for c in seen), seen
+    logits = torch.randn(3, 12, generator=torch.Generator().manual_seed(2))
+    w, ids = triton_route.route(logits.to(DEVICE), 3, renormalize=True, topk="packed")
+    ref_w, ref_ids = moe_ref.route(logits, 3, renormalize=True)
+    assert torch.equal(ids.cpu(), ref_ids)
+    torch.testing.assert_close(w.cpu(), ref_w)
+
+
+def test_the_largest_expert_count():
+    """E = MAX_EXPERTS is taken (and routes as the reference); one more expert is refused."""
+    E = triton_route.MAX_EXPERTS
+    logits = torch.randn(2, E, generator=torch.Generator().manual_seed(4))
+    w, ids = triton_route.route(logits.to(DEVICE), 8, renormalize=True)
+    ref_w, ref_ids = moe_ref.route(logits, 8, renormalize=True)
+    assert torch.equal(ids.cpu(), ref_ids)
+    torch.testing.assert_close(w.cpu(), ref_w)
+    with pytest.raises(ValueError, match=f"E <= {E}"):
+        triton_route.route(torch.zeros(1, E + 1), 2)
+
+
+@pytest.mark.parametrize("topk", ["rounds", "bitonic"])
+@pytest.mark.interpreter
+def test_no_store_outside_the_outputs(topk):
+    """k = 3 (a block of 4): the last token's masked lane stores nothing past the weights and ids (``guarded``)."""
+    from tests.kernels.guarded import guarded
+
+    logits = torch.randn(3, 12, generator=torch.Generator().manual_seed(6))
+    with guarded():
+        w, ids = triton_route.route(logits, 3, renormalize=True, topk=topk)
+    ref_w, ref_ids = moe_ref.route(logits, 3, renormalize=True)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(w, ref_w)
+
+
+def test_no_launch_for_no_tokens():
+    """Zero tokens launch nothing (an empty grid, which the runtime's cubin launcher would hand to the driver)."""
+    seen = []
+    with launch_mod.using(lambda *a: seen.append(a)):
+        w, ids = triton_route.route(torch.empty(0, 8, dtype=torch.bfloat16, device="meta"), 2)
+    assert w.shape == ids.shape == (0, 2) and seen == []
