@@ -76,7 +76,7 @@ def test_a_graph_off_the_runtime_contract_is_refused(old, new, needle, tmp_path)
     assert "\n" not in str(e.value) and not (tmp_path / "art").exists()
 
 
-def test_two_repeat_blocks_are_refused_inone_line(tmp_path):
+def test_two_repeat_blocks_are_refused_in_one_line(tmp_path):
     """A second repeated block (dense layers, then others) is not something the runtime's weight layout serves yet:
     a one-line error, where it was a NotImplementedError."""
     from mxc.models.registry import MODELS_DIR

@@ -95,7 +95,7 @@ def _tensor_bytes(art) -> int:
     return total
 
 
-def test_too_little_disk_is_refused_before_thebuild(tmp_path, monkeypatch):
+def test_too_little_disk_is_refused_before_the_build(tmp_path, monkeypatch):
     """Weights larger than the free space: one line naming --out, the bytes needed (the tensors the build writes)
     and free; nothing written."""
     import re
@@ -132,7 +132,7 @@ def test_free_space_of_exactly_the_weights_is_enough(tmp_path, monkeypatch):
     assert build("llama.yaml", tmp_path / "art") == tmp_path / "art"
 
 
-def test_an_out_whose_parent_cannot_be_written_is_refused_before_thebuild(tmp_path, monkeypatch):
+def test_an_out_whose_parent_cannot_be_written_is_refused_before_the_build(tmp_path, monkeypatch):
     """--out under an existing directory the user may not write: one line naming --out and that directory."""
     import os
     import re
