@@ -127,3 +127,99 @@ def test_mlp_pair_declines_interleaved_gate_up(monkeypatch):
     assert _why(MLP_PAIR_KERNEL, "rms_norm_mlp", ins, {"granularity": "channel"}, options) is None
     why = _why(MLP_PAIR_KERNEL, "rms_norm_mlp", ins, {"granularity": "channel", "interleave": 64}, options)
     assert "not interleaved" in why
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "int8"])
+def test_rope_and_attention_kernels_take_float_dtypes_only(dtype):
+    """The fused RoPE + cache kernel and the attention kernels decline a non-float model dtype after their shape
+    checks pass; every float dtype they take."""
+    ok = dtype in ("bfloat16", "float16", "float32")
+    rope = _why("cuda_ops.qkv_rope_cache", "qkv_rope_cache", [_t("T", 1024, dtype=dtype)],
+                {"spec": {"type": "default", "rotary_dim": 64}})
+    attn = _why("cuda_ops.cached_attention", "cached_attention", [_t("T", 8, 128, dtype=dtype)], {"scale": 0.1})
+    for why in (rope, attn):
+        assert (why is None) == ok and (ok or f"dtype {dtype}" in why), why
+
+
+@pytest.mark.parametrize("op", ["qlinear", "rms_norm_qlinear", "rms_norm_mlp"])
+@pytest.mark.parametrize("dtype, ok", [("bfloat16", True), ("float16", True), ("float32", False)])
+def test_scaled_mm_writes_bf16_or_fp16_only(op, dtype, ok):
+    """torch._scaled_mm's fp8 GEMM writes a bf16 or fp16 output: an fp32 model goes elsewhere."""
+    fp8 = "float8_e4m3fn"
+    name = {"qlinear": "fp8_gemm.scaled_mm", "rms_norm_qlinear": "cuda_ops.rms_norm_qlinear_scaled_mm",
+            "rms_norm_mlp": "cuda_ops.rms_norm_mlp_scaled_mm"}[op]
+    why = _why(name, op, _fp8_inputs(op, 4096, 4096, 1024, dtype=dtype), {"granularity": "channel"})
+    assert (why is None) == ok and (ok or f"not {dtype}" in why), why
+
+
+def _fp8_inputs(op, n, k, down_k, dtype="bfloat16"):
+    """Input types of a channel-scaled fp8 op: ``qlinear`` (x, w [n, k], scale), ``rms_norm_qlinear`` (x, norm weight,
+    w, scale) or ``rms_norm_mlp`` (x, norm weight, gate/up [n, k], its scale, down [k, down_k], its scale)."""
+    fp8 = "float8_e4m3fn"
+    x, w, s = _t("T", k, dtype=dtype), _t(n, k, dtype=fp8), _t(n, dtype="float32")
+    return {"qlinear": [x, w, s], "rms_norm_qlinear": [x, _t(k, dtype=dtype), w, s],
+            "rms_norm_mlp": [x, _t(k, dtype=dtype), w, s, _t(k, down_k, dtype=fp8), _t(k, dtype="float32")]}[op]
+
+
+@pytest.mark.parametrize("name", ["cuda_ops.rms_norm_mlp_scaled_mm", "cuda_ops.rms_norm_mlp_cutlass"])
+def test_fp8_mlp_checks_its_down_weight_too(monkeypatch, name):
+    """The fused fp8 MLP's GEMMs check both weights: a down projection whose K (the intermediate size, here 1032) is
+    no multiple of 16 is declined even when the gate/up weight fits."""
+    from mxc.kernels import cutlass_fp8
+
+    monkeypatch.setattr(cutlass_fp8, "available", lambda: None)
+    assert _why(name, "rms_norm_mlp", _fp8_inputs("rms_norm_mlp", 2048, 4096, 1024), {"granularity": "channel"}) is None
+    why = _why(name, "rms_norm_mlp", _fp8_inputs("rms_norm_mlp", 2064, 4096, 1032), {"granularity": "channel"})
+    assert why is not None and "K=1032" in why, why
+
+
+def test_routers_decline_non_float_dtypes():
+    """Within their expert limit, the Triton router and the unfused norm + router still decline a non-float dtype."""
+    ints = [_t("T", 2048, dtype="int8"), _t("T", 2048, dtype="int8"), _t(2048, dtype="int8"),
+            _t(128, 2048, dtype="int8")]
+    route = _why("triton_route.route", "route", [_t("T", 128, dtype="int8")], {"k": 8})
+    unfused = _why("cuda_ops.add_rms_norm_route", "add_rms_norm_route", ints, {"eps": 1e-6, "k": 8})
+    for why in (route, unfused):
+        assert why is not None and "dtype int8" in why, why
+
+
+def test_only_the_torch_references_run_on_the_cpu():
+    """Every Triton, CUDA or cuBLAS candidate declines a cpu build (its kernels need a GPU): on the CPU the torch
+    references, and only they, claim nodes."""
+    cpu = BuildOptions(target="cpu")
+    for op, cands in CANDIDATES.items():
+        for c in cands:
+            why = c.why_not(Node(op, ("y",), ("x",), {}), [_t("T", 64)], cpu)
+            if c.name.startswith("torch_ref."):
+                assert why is None, c.name
+            else:
+                assert why is not None and why.endswith("not cpu"), (c.name, why)
+
+
+@pytest.mark.parametrize("op", ["all_reduce_add", "all_reduce_add_rms_norm", "linear_all_reduce_add",
+                                "linear_all_reduce_add_rms_norm"])
+def test_fused_all_reduces_take_float_dtypes_without_push(op):
+    """Where the push all-reduce is not asked for, each fused all-reduce op's own kernel takes the float dtypes and
+    declines others."""
+    opts = BuildOptions(target="cuda", dtype="bfloat16", tp=2)
+    for dtype in ("bfloat16", "float16", "float32", "int8"):
+        assert "not asked for" in _why(f"cuda_ops.{op}_push", op, [_t("T", 4096, dtype=dtype)], options=opts)
+        why = _why(f"cuda_ops.{op}", op, [_t("T", 4096, dtype=dtype)], options=opts)
+        assert (why is None) == (dtype != "int8") and (why is None or "dtype int8" in why), (dtype, why)
+
+
+def test_mlp_pair_needs_the_residual_and_names_its_shape(monkeypatch):
+    """The persistent MLP kernel adds the residual, so a tensor-parallel rank's part (no residual) goes elsewhere; a
+    shape it cannot take is named as hidden (the down weight's rows) and intermediate (its columns)."""
+    from mxc.kernels import mlp_pair_fp8
+    from mxc.kernels.candidates import MLP_PAIR_KERNEL
+
+    monkeypatch.setattr(mlp_pair_fp8, "available", lambda: None)
+    options = BuildOptions(target="cuda", dtype="bfloat16", quant="fp8", mlp_pair=True)
+    ins = _fp8_inputs("rms_norm_mlp", 2 * 14336, 4096, 14336)
+    assert _why(MLP_PAIR_KERNEL, "rms_norm_mlp", ins, {"granularity": "channel", "residual": True}, options) is None
+    why = _why(MLP_PAIR_KERNEL, "rms_norm_mlp", ins, {"granularity": "channel", "residual": False}, options)
+    assert why is not None and "adds the residual" in why
+    odd = _fp8_inputs("rms_norm_mlp", 2 * 11008, 4096, 11008)
+    why = _why(MLP_PAIR_KERNEL, "rms_norm_mlp", odd, {"granularity": "channel"}, options)
+    assert why is not None and "hidden 4096 and intermediate 11008" in why, why

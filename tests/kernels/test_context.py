@@ -11,6 +11,7 @@ CASES = [  # seq_lens, past_lens, slots, max_len
     ([3, 1, 4], [0, 6, 2], [2, 0, 1], 16),  # ragged, cached prefixes, slots out of order
     ([1, 1, 1], [7, 0, 3], [1, 2, 0], 9),  # a decode step
     ([2, 0, 3], [1, 4, 0], [0, 1, 2], 5),  # a sequence with no new token
+    ([1, 0, 1], [2, 3, 0], [2, 0, 1], 6),  # at most one new token each, but not one each: not a decode step
 ]
 
 
@@ -90,3 +91,62 @@ def test_counters_are_one_tensor_per_name_kept_for_later_calls():
     assert other is not a and other.data_ptr() != a.data_ptr()
     big = ctx.counters("route", 9, "cpu")
     assert big.numel() >= 9 and not big.any() and ctx.counters("route", 9, "cpu") is big
+
+
+def test_build_without_a_kv_cache():
+    """A model without attention layers has an empty cache list (or none): ``build`` still gives every sequence
+    tensor, with no cache rows to offset by (max_len 0)."""
+    case = ([3, 1], [2, 0], [1, 0], 0)
+    for caches in ([], None):
+        _check(ForwardContext.build(*case[:3], caches, caches, torch.device("cpu")), case)
+
+
+def test_build_passes_the_process_group_through():
+    """``build``'s extra keywords (the tensor-parallel rank, world size, group, peer all-reduce) reach the context."""
+    cache = [torch.zeros(2, 4, 1, 2)]
+    peer, group = object(), object()
+    ctx = ForwardContext.build([1, 1], [0, 2], [0, 1], cache, cache, torch.device("cpu"), rank=1, world_size=2,
+                               group=group, peer_allreduce=peer)
+    assert (ctx.rank, ctx.world_size, ctx.group, ctx.peer_allreduce) == (1, 2, group, peer)
+
+
+def test_to_device_on_a_device_other_than_cuda_copies_plainly():
+    """Only CUDA takes the pinned, packed copy: elsewhere (``meta``, as at build time) each array is its own
+    tensor of that shape and dtype on the device."""
+    for a, got in zip(_arrays(), to_device("meta", *_arrays())):
+        assert got.device.type == "meta" and got.shape == a.shape and got.dtype == torch.from_numpy(a.copy()).dtype
+
+
+def test_static_inputs_take_float32_and_refuse_another_dtype():
+    """Every dtype of the staging table round-trips through a refill (float32 included), and a refill whose array has
+    the layout's shape but another dtype is refused."""
+    first = dict(x=np.array([0.5, -2.0, 3.25], dtype=np.float32), n=np.array([7, 8, 9], dtype=np.int32))
+    inputs = StaticInputs("cpu", **first)
+    for k, a in first.items():
+        assert torch.equal(inputs.tensors[k], torch.from_numpy(a))
+    second = dict(x=np.array([1.5, 0.0, -4.0], dtype=np.float32), n=np.array([1, 2, 3], dtype=np.int32))
+    inputs.fill(**second)
+    for k, a in second.items():
+        assert torch.equal(inputs.tensors[k], torch.from_numpy(a))
+    with pytest.raises(AssertionError, match="differ from the layout"):
+        inputs.fill(x=second["x"], n=second["n"].astype(np.int64))
+
+
+def test_counters_are_made_on_the_device_asked_for():
+    """``counters`` of one name on two devices (``meta`` while recording a build, the real one when run) are two
+    tensors, each on its own device."""
+    ctx = ForwardContext([1], [0], [0])
+    cpu = ctx.counters("route", 4, "cpu")
+    meta = ctx.counters("route", 4, "meta")
+    assert cpu.device.type == "cpu" and meta.device.type == "meta" and meta.dtype == torch.int32
+    assert ctx.counters("route", 4, "cpu") is cpu and ctx.counters("route", 4, "meta") is meta
+
+
+@pytest.mark.parametrize("device", ["meta", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_static_inputs_live_on_their_device(device):
+    """``StaticInputs``' tensors are views of one buffer on the device asked for, not on the host."""
+    inputs = StaticInputs(device, a=np.arange(5, dtype=np.int64), b=np.array([3.0, 4.0], dtype=np.float32))
+    for k, (shape, dtype) in {"a": ((5,), torch.int64), "b": ((2,), torch.float32)}.items():
+        t = inputs.tensors[k]
+        assert t.device.type == device and tuple(t.shape) == shape and t.dtype == dtype
