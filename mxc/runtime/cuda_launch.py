@@ -78,7 +78,8 @@ def _plan(entry: dict) -> tuple[list[tuple], int]:
     for arg in entry["args"]:
         rank = descriptor_rank(arg)
         if rank is None:
-            plan.append(("ptr" if kinds[i:i + 1] == ["ptr"] else "value", i))
+            kind = kinds[i] if i < len(kinds) else None
+            plan.append(("ptr" if kind == "ptr" else "i32" if kind == "i32" else "value", i))
             i += 1
             continue
         meta = next(metas, None)
@@ -142,6 +143,12 @@ class _Binary:
                     raise MxcError(f"{self.entry['kernel']}: a tensor argument is not 16-byte aligned "
                                    f"(a view with an offset?); the kernel was compiled assuming alignment")
                 values[i].value = ptr
+            elif kind == "i32":  # ctypes would keep the low 32 bits of a larger int without a word
+                if not -0x80000000 <= arg <= 0x7FFFFFFF:
+                    raise MxcError(f"{self.entry['kernel']}: argument {arg} does not fit the 32-bit integer the "
+                                   f"kernel was compiled for (a size past 2**31 elements); use a smaller "
+                                   f"--max-batch or --max-seq-len")
+                values[i].value = arg
             elif kind == "value":
                 values[i].value = arg
             else:  # a tensor descriptor: its map, then its shape and strides

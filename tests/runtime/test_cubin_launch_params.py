@@ -100,6 +100,19 @@ def test_misaligned_tensor_is_refused(binary, offset):
         b.launch((1,), [base[offset:], base, 1, 1.0])
 
 
+@pytest.mark.parametrize("n", [2**31, -2**31 - 1, 2**32 + 7])
+def test_an_int_past_32_bits_is_refused_not_truncated(binary, n):
+    """An int argument the kernel takes as i32 (as launch types every int): ctypes would keep its low 32 bits, so
+    the kernel would run on a wrong size; the launch refuses it. The extremes of i32 still pass."""
+    b, driver = binary
+    x = torch.empty(8)
+    with pytest.raises(MxcError, match=rf"m:k: argument {n} does not fit the 32-bit integer"):
+        b.launch((1,), [x, x, n, 1.0])
+    for ok in (2**31 - 1, -2**31):
+        b.launch((1,), [x, x, ok, 1.0])
+    assert [launch[3][2] for launch in driver.launches] == [2**31 - 1, -2**31]
+
+
 _DESC_META = {"swizzle": 3, "elem_size": 2, "elem_type": 10, "block_size": [64, 64], "fp4_padded": False,
               "is_im2col": False}
 
