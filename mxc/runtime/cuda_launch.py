@@ -78,8 +78,8 @@ def _plan(entry: dict) -> tuple[list[tuple], int]:
     for arg in entry["args"]:
         rank = descriptor_rank(arg)
         if rank is None:
-            kind = kinds[i] if i < len(kinds) else None
-            plan.append(("ptr" if kind == "ptr" else "i32" if kind == "i32" else "value", i))
+            kind = kinds[i] if i < len(kinds) else "value"
+            plan.append((kind if kind in ("ptr", "i32") else "value", i))
             i += 1
             continue
         meta = next(metas, None)

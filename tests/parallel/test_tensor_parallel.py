@@ -158,12 +158,6 @@ BLOCK_SPLITS = {
 }
 
 
-def _logits_of(rank, world_size, device, paths: list, out_path: str):
-    logits = [mxc.load(p, rank=rank, world_size=world_size).logits(IDS) for p in paths]
-    if rank == 0:
-        torch.save(logits, out_path)
-
-
 def test_block128_scales_follow_whole_block_splits_only(hf_checkpoint, tmp_path):
     """block128 under tp: splits whose ranks hold whole 128-blocks of every part (or rows inside one block of a lone
     part) build, their weights and scales the tp=1 build's bit for bit and their logits as close to transformers'
@@ -188,7 +182,7 @@ def test_block128_scales_follow_whole_block_splits_only(hf_checkpoint, tmp_path)
             rebuilt = _reassemble(parts, w.shard, one[w.name].shape[w.shard_dim], w.shard_dim)
             assert torch.equal(rebuilt.view(torch.uint8), one[w.name].view(torch.uint8)), (name, w.name)
     out = tmp_path / "logits.pt"
-    run_ranks(_logits_of, 2, "cpu", twos, str(out))
+    run_ranks(_logits_worker, 2, "cpu", twos, str(out))
     for name, ref, one, two in zip(BLOCK_SPLITS, refs, ones, torch.load(out, weights_only=True)):
         l2 = lambda a: float((a - ref).norm() / ref.norm())  # noqa: E731,B023
         tp1, tp2 = l2(mxc.load(one).logits(IDS)), l2(two)
@@ -222,11 +216,11 @@ def test_block128_lm_head_over_a_padded_vocabulary(hf_checkpoint, tmp_path):
         as_bits = (lambda t: t.view(torch.uint8)) if parts[0].dtype == torch.float8_e4m3fn else (lambda t: t)
         assert torch.equal(as_bits(rebuilt), as_bits(full[name])), name
     out = tmp_path / "logits.pt"
-    run_ranks(_logits_worker, 2, "cpu", str(two), str(out))
+    run_ranks(_logits_worker, 2, "cpu", [str(two)], str(out))
     with torch.no_grad():
         ref = hf(IDS).logits.float()
     l2 = lambda a: float((a - ref).norm() / ref.norm())  # noqa: E731
-    tp1, tp2 = l2(mxc.load(one).logits(IDS)), l2(torch.load(out, weights_only=True))
+    tp1, tp2 = l2(mxc.load(one).logits(IDS)), l2(torch.load(out, weights_only=True)[0])
     print(f"block128 fp8 logits L2 error against HF: tp1 {tp1:.4f}, tp2 {tp2:.4f}")
     assert tp1 < 0.1 and tp2 < 0.1  # measured 0.085 and 0.084 (the fp8 LM head included)
 
@@ -390,8 +384,9 @@ def test_prequantized_checkpoint_shards_reassemble(fmt, arch, hf_checkpoint, tmp
     assert checked >= 4  # wqkv, w_gate_up or we_gate_up (and their per-rank scales) at least, in each layer
 
 
-def _logits_worker(rank, world_size, device, path: str, out_path: str):
-    logits = mxc.load(path, rank=rank, world_size=world_size).logits(IDS)
+def _logits_worker(rank, world_size, device, paths: list, out_path: str):
+    """Each artifact's logits of IDS, in one spawn of the ranks; rank 0 saves the list."""
+    logits = [mxc.load(p, rank=rank, world_size=world_size).logits(IDS) for p in paths]
     if rank == 0:
         torch.save(logits, out_path)
 
@@ -406,8 +401,8 @@ def test_fp8_tp2_logits_as_close_to_hf_as_tp1(hf_checkpoint, tmp_path):
     kw = dict(quant="fp8", dtype="bfloat16", progress=False, log=lambda m: None)
     one = mxc.load(mxc.build(str(ckpt), out=tmp_path / "tp1", **kw)).logits(IDS)
     out = tmp_path / "logits.pt"
-    run_ranks(_logits_worker, 2, "cpu", str(mxc.build(str(ckpt), out=tmp_path / "tp2", tp=2, **kw)), str(out))
-    two = torch.load(out, weights_only=True)
+    run_ranks(_logits_worker, 2, "cpu", [str(mxc.build(str(ckpt), out=tmp_path / "tp2", tp=2, **kw))], str(out))
+    (two,) = torch.load(out, weights_only=True)
     l2 = lambda a: float((a - ref).norm() / ref.norm())  # noqa: E731
     print(f"fp8 logits L2 error against HF bf16: tp1 {l2(one):.4f}, tp2 {l2(two):.4f}")
     assert l2(one) < 0.07 and l2(two) < 0.07  # measured 0.063 and 0.062
@@ -417,8 +412,8 @@ def test_fp8_tp2_logits_as_close_to_hf_as_tp1(hf_checkpoint, tmp_path):
     graph = (tmp_path / "tp2" / "graph.yaml").read_text()
     assert "rms_norm_mlp(" in graph and "residual=False" in graph and "interleave=64" in graph
     halves = mxc.build(str(ckpt), out=tmp_path / "tp2-halves", tp=2, disable_passes=("interleave_gate_up",), **kw)
-    run_ranks(_logits_worker, 2, "cpu", str(halves), str(out))
-    assert torch.equal(torch.load(out, weights_only=True), two)
+    run_ranks(_logits_worker, 2, "cpu", [str(halves)], str(out))
+    assert torch.equal(torch.load(out, weights_only=True)[0], two)
 
 
 def test_the_rendezvous_port_stays_taken_while_the_ranks_run():
