@@ -38,6 +38,9 @@
 #   gemvs   each GEMV's cost in the full step and in the GEMVs-only step (bench/ablate.py; bf16 and fp8)
 #   preload the one-token fp8 wgmma GEMV with its weight stages loaded into shared memory before the PDL wait
 #           (bench/gemv_preload_lab.py, Gluon): correctness, then 32 layers of quantize + GEMV against the shipped GEMV
+#   fold    the MoE router folded away (bench/router_fold_lab.py): the gate/up pair kernel routing from 128 unscaled
+#           logits itself against the shipped router + pair kernels, 32 layers in a PDL graph, and the o GEMV's
+#           extra 128 rows; kill criterion 2 us a layer
 #   moefused the batch-1 MoE experts as one kernel (gate/up and down, fp32 atomics) against the shipped two
 #           (bench/moe_fused_lab.py): correctness, then 32 layers of router + experts + norm in a PDL graph
 #   moestep the bf16 MoE experts' pair kernels at half the columns a step (the fp8 experts' weight bytes), unrolled:
@@ -107,6 +110,7 @@ case "${1:-}" in
             --disable-pass fuse_norm_linear --hf-batches "" ;;
   small)  run 280 small_lab.log python3 bench/small_lab.py ;;
   preload) run 200 preload_lab.log python3 bench/gemv_preload_lab.py ;;
+  fold)   run 200 router_fold_lab.log python3 bench/router_fold_lab.py ${FOLD_ARGS:-} ;;
   moefused) run 300 moe_fused_lab.log python3 bench/moe_fused_lab.py ${MOEFUSED_ARGS:-} ;;
   resident) run 200 resident_lab.log python3 bench/prefetch_lab.py --resident --shapes gate_up,down \
               --resident-delay-us 20 --regions 0:4096:4096,512:1024:16384,0:512:28672 ;;
@@ -185,6 +189,6 @@ case "${1:-}" in
             -p no:xdist ${SANITIZE_TESTS:-tests/kernels}
           echo "memcheck reports in the tests: $(errors kernels)"
           cat "$logs"/kernels.*.log | grep -v "Host Frame" | head -200 ;;
-  *) echo "usage: bash bench/gpu_session.sh tests|kattn|decode|ab|moe|moelab|tp|small|lab|ablate|pair|pairab|gaps|prefill|fp8moe|preload|moefused|gemvs|resident|moestep|tiles|sanitize" >&2
+  *) echo "usage: bash bench/gpu_session.sh tests|kattn|decode|ab|moe|moelab|tp|small|lab|ablate|pair|pairab|gaps|prefill|fp8moe|preload|fold|moefused|gemvs|resident|moestep|tiles|sanitize" >&2
      exit 2 ;;
 esac

@@ -43,10 +43,11 @@ TOPK = "bitonic"
 
 
 @triton.jit
-def _route_row(x, weights_ptr, ids_ptr, t, E: tl.constexpr, K: tl.constexpr, BLOCK_E: tl.constexpr,
-               BLOCK_K: tl.constexpr, SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, PACKED: tl.constexpr = False,
-               BITONIC: tl.constexpr = False):
-    """Route token ``t`` from its logits ``x`` [BLOCK_E] in fp32 (-inf past E): store its k weights and ids.
+def top_k_scores(x, E: tl.constexpr, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, PACKED: tl.constexpr = False,
+                 BITONIC: tl.constexpr = False):
+    """One token's routing from its logits ``x`` [BLOCK_E] in fp32 (-inf past E): (weights [BLOCK_K] fp32,
+    ids [BLOCK_K] int64), the first K of each meaningful.
 
     k rounds of (max score, lowest expert holding it): two reductions a round, or with ``PACKED`` one,
     over int64 keys (the score's bits, >= 0 for every score, above the reversed expert id). ``BITONIC``
@@ -86,6 +87,16 @@ def _route_row(x, weights_ptr, ids_ptr, t, E: tl.constexpr, K: tl.constexpr, BLO
             s = tl.where(offs == idx, -2.0, s)
     if RENORMALIZE:
         w = w / tl.sum(tl.where(offs_k < K, w, 0.0), axis=0)
+    return w, ids
+
+
+@triton.jit
+def _route_row(x, weights_ptr, ids_ptr, t, E: tl.constexpr, K: tl.constexpr, BLOCK_E: tl.constexpr,
+               BLOCK_K: tl.constexpr, SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, PACKED: tl.constexpr = False,
+               BITONIC: tl.constexpr = False):
+    """Route token ``t`` from its logits ``x`` (``top_k_scores``): store its k weights and ids."""
+    w, ids = top_k_scores(x, E, K, BLOCK_E, BLOCK_K, SIGMOID, RENORMALIZE, PACKED, BITONIC)
+    offs_k = tl.arange(0, BLOCK_K)
     tl.store(weights_ptr + t * K + offs_k, w.to(weights_ptr.dtype.element_ty), mask=offs_k < K)
     tl.store(ids_ptr + t * K + offs_k, ids, mask=offs_k < K)
 
