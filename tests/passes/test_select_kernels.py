@@ -74,7 +74,9 @@ def test_first_willing_candidate_wins(bind_arch, monkeypatch):
     monkeypatch.setitem(CANDIDATES, "linear", [cuda, picky, *CANDIDATES["linear"]])
     out = select_kernels.run(bind_arch(), BuildOptions())
     chosen = {n.ins[1]: (n.attrs["kernel"], n.attrs["kernel_reason"]) for n, _ in out.nodes() if n.op == "linear"}
-    assert chosen.pop("w_down") == ("torch_ref.linear", CANDIDATES["linear"][-1].reason)  # K = 96
+    # K = 96: the reason says which candidate for cpu declined and why; the cuda one (another target) is not news
+    assert chosen.pop("w_down") == ("torch_ref.linear",
+                                    CANDIDATES["linear"][-1].reason + " [declined: gemm64.linear: K=96 is not 64]")
     assert set(chosen) == {"wq", "wk", "wv", "wo", "w_gate", "w_up", "lm_head"}
     assert set(chosen.values()) == {("gemm64.linear", "K=64 GEMM")}
     (down,) = [n.outs[0] for n, _ in out.nodes() if n.op == "linear" and n.ins[1] == "w_down"]
@@ -276,6 +278,25 @@ def test_candidates_adding_no_tokens_are_skipped(bind_arch, monkeypatch):
     assert got == {(((16, "small.rms_norm"), (None, "big.rms_norm")), "<= 16 tokens: small; above: big")}
 
 
+def test_each_bucket_names_the_candidates_declined_for_it(bind_arch, monkeypatch):
+    """A decline is reported in the bucket it was asked for, not the next; a candidate skipped for a gap or for
+    adding nothing was never asked."""
+    no = lambda why: lambda node, in_types, options: why  # noqa: E731
+    got = _norm_kernels(bind_arch, monkeypatch, [
+        Candidate("fast.rms_norm", "rms_norm", ("cpu",), "fast", (1, 16), check=no("off")),
+        _cand("small.rms_norm", "small", (1, 16)), _cand("late.rms_norm", "late", (17, None)),
+        Candidate("wide.rms_norm", "rms_norm", ("cpu",), "wide", check=no("H too small")),
+        _cand("gpu.rms_norm", "gpu", targets=("cuda",)), _cand("big.rms_norm", "big")])
+    assert got == {(((16, "small.rms_norm"), (None, "late.rms_norm")),
+                    "<= 16 tokens: small [declined: fast.rms_norm: off]; above: late")}
+    got = _norm_kernels(bind_arch, monkeypatch, [
+        _cand("small.rms_norm", "small", (1, 16)),
+        Candidate("wide.rms_norm", "rms_norm", ("cpu",), "wide", check=no("H too small")),
+        _cand("gpu.rms_norm", "gpu", targets=("cuda",)), _cand("big.rms_norm", "big")])
+    assert got == {(((16, "small.rms_norm"), (None, "big.rms_norm")),
+                    "<= 16 tokens: small; above: big [declined: wide.rms_norm: H too small]")}
+
+
 def test_a_candidate_leaving_a_gap_is_skipped(bind_arch, monkeypatch):
     """A candidate for 17.. tokens listed before any candidate for 1..16 would leave 1..16 unserved: skipped."""
     got = _norm_kernels(bind_arch, monkeypatch, [_cand("large.rms_norm", "large", (17, None)),
@@ -290,3 +311,19 @@ def test_no_kernel_above_the_claimed_tokens(bind_arch, monkeypatch, loc_of):
     with pytest.raises(MxcError, match=re.escape(f"no kernel for rms_norm -> h ({at}) on target cpu above 16 tokens: "
                                                  "gpu.rms_norm: runs on cuda, not cpu")):
         select_kernels.run(bind_arch(), BuildOptions())
+
+
+def test_fp8_gemm_reason_says_cutlass_was_turned_off(bind_arch, monkeypatch):
+    """With the CUTLASS fp8 GEMM turned off, the prefill GEMMs' reason in the IR says so, beside the cuBLASLt choice
+    (README: "the build takes cuBLASLt and the IR says why")."""
+    from mxc.models.registry import MODELS_DIR, bind_model, lookup
+    from tests.passes.conftest import TINY
+
+    monkeypatch.setenv("MXC_CUTLASS_LIBRARY", "none")
+    bound = bind_model(MODELS_DIR / "llama.yaml", {**TINY, "architectures": ["LlamaForCausalLM"]}, "bfloat16",
+                       lookup("LlamaForCausalLM"))
+    g = compile_graph(bound, BuildOptions(target="cuda", quant="fp8", dtype="bfloat16"))
+    reasons = [n.attrs["kernel_reason"] for n, _ in g.nodes() if n.op.startswith(("rms_norm_q", "qlinear",
+                                                                                    "rms_norm_mlp"))]
+    assert reasons and all("cuBLASLt fp8" in r.split("above: ")[-1] and "[declined: " in r and
+                           "turned off ($MXC_CUTLASS_LIBRARY=none)" in r for r in reasons), reasons

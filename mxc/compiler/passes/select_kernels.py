@@ -1,7 +1,9 @@
 """select_kernels: every node is claimed by kernel candidates, or the build fails.
 
 Matches: every node. Rewrites to: the same node with ``kernel`` and
-``kernel_reason`` attributes. When one candidate serves every token count,
+``kernel_reason`` attributes. The reason is the chosen candidate's, followed by
+``[declined: ...]`` with why each candidate for the target asked before it said
+no (e.g. the CUTLASS fp8 GEMM turned off). When one candidate serves every token count,
 ``kernel`` is its ``module.function``; when candidates split the range,
 ``kernel`` is a list of ``[max_tokens, name]`` (``None`` = no upper bound) and
 the generated code dispatches on the input's row count, e.g. a Triton GEMV up
@@ -18,8 +20,9 @@ from mxc.kernels.candidates import CANDIDATES
 
 
 def _choose(node, in_types, options):
-    """[(hi, candidate)] covering token counts 1..inf in order, or raise."""
-    chosen, covered, rejections = [], 0, []  # covered: every count <= covered is served
+    """[(hi, candidate, declined)] covering token counts 1..inf in order, or raise. ``declined``: the reasons of
+    the candidates for this target that were asked for the range before the chosen one and said no."""
+    chosen, covered, rejections, declined = [], 0, [], []  # covered: every count <= covered is served
     for cand in CANDIDATES.get(node.op, []):
         lo, hi = cand.tokens
         if lo > covered + 1 or (hi is not None and hi <= covered):
@@ -27,11 +30,13 @@ def _choose(node, in_types, options):
         why = cand.why_not(node, in_types, options)
         if why is not None:
             rejections.append(why)
+            if options.target in cand.targets:  # a target's other kernels are not news
+                declined.append(why)
             continue
-        chosen.append((hi, cand))
+        chosen.append((hi, cand, declined))
         if hi is None:
             return chosen
-        covered = hi
+        covered, declined = hi, []
     listed = "; ".join(rejections) or "no candidates registered"
     raise MxcError(f"no kernel for {node.op} -> {', '.join(node.outs)} ({node.loc}) on target {options.target}"
                    + (f" above {covered} tokens" if covered else "") + f": {listed}")
@@ -49,11 +54,13 @@ def run(graph: Graph, options) -> Graph:
         for n in nodes:
             in_types = [None if v is None else types[v] if v in types else wtype(v, weights) for v in n.ins]
             chosen = _choose(n, in_types, options)
+            reasons = [c.reason + (f" [declined: {'; '.join(no)}]" if no else "") for _, c, no in chosen]
             if len(chosen) == 1:
-                kernel, reason = chosen[0][1].name, chosen[0][1].reason
+                kernel, reason = chosen[0][1].name, reasons[0]
             else:
-                kernel = [[hi, c.name] for hi, c in chosen]
-                reason = "; ".join(f"<= {hi} tokens: {c.reason}" if hi else f"above: {c.reason}" for hi, c in chosen)
+                kernel = [[hi, c.name] for hi, c, _ in chosen]
+                reason = "; ".join(f"<= {hi} tokens: {r}" if hi else f"above: {r}"
+                                   for (hi, _, _), r in zip(chosen, reasons))
             out.append(n.replace(attrs={**n.attrs, "kernel": kernel, "kernel_reason": reason}))
         return tuple(out), weights
 
