@@ -172,11 +172,11 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     ``pdl=None`` turns programmatic dependent launch on where it exists (``--target cuda``, sm_90+).
     ``tp_allreduce="auto"`` is ``push`` for ``--target cuda`` with ``tp > 1`` in bf16/fp16 (one_shot
     in fp32; on two H200s a tp=2 Llama-3-8B token took 3.09 ms with one_shot, 3.27 ms with NCCL),
-    else ``nccl``. ``mlp_pair`` (fp8, tp=1; experimental): each layer's MLP as one op (``fuse_mlp``), which
-    on cuda runs as one persistent launch at <= 8 tokens (``mxc.kernels.mlp_pair_fp8``) and elsewhere as the
-    unfused kernels (the CPU target's references: the same results). ``prefill_graphs=None`` is
+    else ``nccl``. ``mlp_pair`` (fp8, tp=1; experimental, measured slower on an H200): each layer's MLP op
+    (``fuse_mlp``, in every fp8 build) runs on cuda at <= 8 tokens as one persistent launch
+    (``mxc.kernels.mlp_pair_fp8``) instead of its kernel chain. ``prefill_graphs=None`` is
     ``PREFILL_GRAPH_TOKENS`` for ``--target cuda`` (0 elsewhere): batch-1 prompts up to that many tokens
-    replay a CUDA graph per power-of-two length.
+    replay the CUDA graph of their length bucket (``runtime_buckets.prefill_graph_buckets``).
     """
     if target not in ("cpu", "cuda"):
         raise MxcError(f"--target {target}: expected cpu or cuda")

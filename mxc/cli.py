@@ -132,14 +132,14 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--tp-allreduce", choices=["auto", "nccl", "one_shot", "push"], default="auto",
                    help="cuda, --tp > 1: decode all-reduces (up to 32 tokens) pushed into the peers' memory and "
                         "fused with the residual add and RMSNorm (push), one-shot over peer memory, or by NCCL "
-                        "(default auto: push for bf16/fp16 on cuda with --tp > 1; the runtime falls back to NCCL "
-                        "where peer memory is not usable)")
+                        "(default auto: push for bf16/fp16, one_shot for float32, on cuda with --tp > 1, else nccl; the "
+                        "runtime falls back to NCCL where peer memory is not usable)")
     b.add_argument("--mlp-pair", action="store_true",
-                   help="fp8, tp 1 (experimental; slower than the default kernels on an H200, docs/perf.md): each "
-                        "layer's MLP as one op, run on cuda at <= 8 tokens as one persistent launch "
+                   help="fp8, tp 1 (experimental; slower than the default kernels on an H200, docs/perf.md): run "
+                        "each layer's fused MLP op on cuda at <= 8 tokens as one persistent launch "
                         "(mxc.kernels.mlp_pair_fp8, compiled with nvcc at build)")
     b.add_argument("--disable-pass", metavar="PASS", action="append", default=[],
-                   help="skip an optional fusion pass (repeatable), e.g. fuse_linear_io")
+                   help="skip an optional pass (repeatable), e.g. fuse_linear_io")
     b.add_argument("--max-batch", type=int, default=32, help="cuda: sequences decoded together (default 32)")
     b.add_argument("--max-seq-len", type=int,
                    help="cuda: KV-cache length per sequence (default: min(4096, max_position_embeddings))")

@@ -1,4 +1,5 @@
-"""The one exception type for user-facing errors, and how their messages write sizes (``size_text``).
+"""The exception type for user-facing errors (``MxcError``, and its ``ConfigError``), and how their messages
+write sizes (``size_text``).
 
 Anything a user can cause (a bad YAML file, a missing tensor, a tampered
 artifact, an id outside the vocabulary) raises ``MxcError`` with a one-line,

@@ -1,7 +1,7 @@
 """Buckets shared by the build (which compiles kernels for them) and the runtime (which captures one CUDA
 graph per bucket and pads up to it; padding rows write only to the KV cache's scratch slot): decode batch
 sizes, powers of two up to the first one that holds ``max_batch``, and batch-1 prompt lengths, powers of two
-up to the build's ``prefill_graph_tokens``."""
+from 16 to 512, then every 256 tokens, up to the build's ``prefill_graph_tokens`` (none above ``max_seq_len``)."""
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:

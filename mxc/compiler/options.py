@@ -22,14 +22,14 @@ class BuildOptions:
     max_batch: int = 32  # cuda: sequences decoded together (KV-cache slots, CUDA-graph buckets)
     max_seq_len: int = 4096  # cuda: KV-cache length per sequence
     prefill_graph_tokens: int = 0  # cuda: batch-1 prompts up to this many tokens replay a CUDA graph per
-    # power-of-two length bucket (``runtime.prefill_graphs``); 0: every prefill eager
+    # length bucket (``runtime_buckets.prefill_graph_buckets``, ``runtime.prefill_graphs``); 0: every prefill eager
     disable_passes: tuple[str, ...] = ()  # optional passes skipped (``--disable-pass``)
     pdl: bool = False  # cuda: programmatic dependent launch between kernels (``mxc.kernels.pdl``)
     arch: int = 90  # cuda: the compute capability kernels are compiled for (sm_90)
     tp_allreduce: str = "nccl"  # cuda, tp > 1: decode all-reduces by "nccl", "one_shot" or "push" (peer
     # memory; push also fuses the residual add and RMSNorm); the builder resolves its "auto" default
-    mlp_pair: bool = False  # fp8: each layer's MLP as one op (``fuse_mlp``), on cuda one persistent launch at
-    # <= 8 tokens (``mxc.kernels.mlp_pair_fp8``); off until measured on a GPU
+    mlp_pair: bool = False  # fp8: each layer's MLP op (``fuse_mlp``) run on cuda as one persistent launch at
+    # <= 8 tokens (``mxc.kernels.mlp_pair_fp8``); off by default: measured slower on an H200
 
     def __post_init__(self):
         if self.target not in TARGETS:

@@ -18,7 +18,9 @@ The IR's tokens are all sequences flattened into one ``[T]`` batch.
 - ``rank``, ``world_size``, ``group``: the tensor-parallel process group;
   ``peer_allreduce``: the runtime's all-reduce over peer memory (one-shot or push), or None.
 
-Kernels read it; the runtime builds it.
+Kernels read it; the runtime builds it. ``host_arrays`` and ``to_device`` make its sequence tables;
+``StaticInputs`` refills them in place at fixed addresses with one pinned copy (the CUDA-graph buckets'
+inputs).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ The generated program calls ``cuda_ops.<op>(inputs..., ctx, attrs...)`` with
 the IR's calling convention; these functions pick the context's device
 tensors (KV cache of the layer, cache locations, sequence tables, RoPE
 tables), or the kernels for the token count (``rms_norm_linear``), and call
-the Triton wrappers. Nothing here reads device values on the
+the kernels' wrappers: Triton, cuBLAS through torch, the CUTLASS and MLP-pair
+libraries, the peer-memory all-reduces. Nothing here reads device values on the
 host, so a decode step can be captured in a CUDA graph.
 """
 

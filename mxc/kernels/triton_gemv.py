@@ -14,6 +14,8 @@ head fused 2.561 against 2.512, Qwen3-30B-A3B bf16 (qkv only: 640 programs of tw
 2.547. v1 keeps bytes in flight through resident programs, so per-program latency costs in proportion to the
 waves of programs (the LM head's 8016 programs: 49 us).
 Under fp8 both live in the activation-quantize kernel instead (``triton_fp8_quant``).
+With ``PUSH_WORLD`` ranks (``linear_small_m_push``, the ``fuse_linear_all_reduce`` pass) a row-parallel GEMV stores
+its rows into every rank's push all-reduce buffer instead of returning them.
 On the output side, a SiLU-and-mul epilogue on the merged gate/up GEMV at batch 1
 (``fuse_silu_epilogue``) measured 4.41 against 4.29 ms/token end to end on Llama-3-8B and was removed.
 

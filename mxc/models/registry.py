@@ -6,7 +6,7 @@ fields), the config conditions it cannot serve (``refuse_if``, expressions) and 
 config.json leaves out where the transformers config class's default differs from the model file's
 (``defaults``). ``bind_model``
 binds a definition to a config, with the resolvers model files may name
-(``rope``). An unknown architecture fails naming it and listing the known ones.
+(``RESOLVERS``: ``rope``, ``llama_rope``). An unknown architecture fails naming it and listing the known ones.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
 loader reads the ``hf`` parts and ``segments``), names the result from the
 parts (``wq``, ``wk``, ``wv`` -> ``wqkv``; ``w_gate``, ``w_up`` -> ``w_gate_up``)
 and keeps each part's row count as a shard segment, so tensor parallelism can
-split q, k and v separately. ``can_merge`` says why two linears cannot merge.
+split q, k and v separately. ``can_merge`` says whether linears (one input, weights that concatenate) can
+merge; ``merge`` builds the merged linear and adds its weight.
 """
 
 from __future__ import annotations

@@ -18,6 +18,8 @@ Matches / rewrites to::
     y = rms_norm(q, w_full)          ->  q_all = all_gather(q, world=tp)    # a norm over every head (OLMoE's q/k):
                                          y_all = rms_norm(q_all, w_full)    # the whole row on every rank, then
                                          y = rank_slice(y_all, world=tp)    # this rank's heads again
+    y = fused_moe(x, ..., we_down)   ->  y_part = fused_moe(x, ..., we_down)  # (or experts) down rows split:
+                                         y = all_reduce(y_part)             # partial sums per rank
 
 Column-parallel linears need no communication: their outputs feed per-head
 ops (attention) or elementwise ops (silu_mul) that stay local, but for a norm
