@@ -32,7 +32,7 @@ from mxc.compiler.pipeline import check_disabled, compile_graph
 from mxc.errors import MxcError, size_text
 from mxc.ir import Graph, dump_graph, verify
 from mxc.loaders.checkpoint import open_checkpoint
-from mxc.loaders.convert import weight_bytes, write_weights
+from mxc.loaders.convert import check_checkpoint, weight_bytes, write_weights
 from mxc.loaders.dummy import DummyCheckpoint
 from mxc.loaders.prequantized import checkpoint_quantization, unquantized_linears
 from mxc.models import bind_model
@@ -59,6 +59,21 @@ def _check_writable(path: Path, flag: str) -> None:
     if not base.is_dir() or not os.access(base, os.W_OK | os.X_OK):
         why = "is not a directory" if not base.is_dir() else "is not writable"
         raise MxcError(f"{flag} {path}: cannot be created ({base} {why})")
+
+
+def _check_dump_dir(dump: Path, out: Path) -> None:
+    """``--dump-ir``'s directory must be writable and neither an artifact (its manifest would not list the dumps:
+    it would no longer load), nor inside one, nor inside ``--out`` (the finished build replaces ``out``: the dumps
+    would go with it)."""
+    _check_writable(dump, "--dump-ir")
+    where = dump.resolve()
+    if where == out.resolve() or out.resolve() in where.parents:
+        raise MxcError(f"--dump-ir {dump}: is inside --out {out}, which the build replaces when it ends; choose a "
+                       f"directory outside it")
+    artifact = next((p for p in (where, *where.parents) if is_artifact(p)), None)
+    if artifact is not None:
+        raise MxcError(f"--dump-ir {dump}: is {'the' if artifact == where else 'inside the'} artifact {artifact}; "
+                       f"choose a directory outside it")
 
 
 def _check_space(out: Path, need: int) -> None:
@@ -206,9 +221,11 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
         raise MxcError(f"--max-batch {max_batch} / --max-seq-len {max_seq_len}: expected positive integers")
     if prefill_graphs is None:
         prefill_graphs = PREFILL_GRAPH_TOKENS if target == "cuda" else 0
-    if not isinstance(prefill_graphs, int) or prefill_graphs < 0 or (prefill_graphs and target != "cuda"):
-        raise MxcError(f"--prefill-graphs {prefill_graphs}: expected a token count >= 0 (0: off), with --target "
-                       f"cuda (got --target {target})")
+    if not isinstance(prefill_graphs, int) or isinstance(prefill_graphs, bool) or prefill_graphs < 0:
+        raise MxcError(f"--prefill-graphs {prefill_graphs}: expected a token count >= 0 (0: off)")
+    if prefill_graphs and target != "cuda":
+        raise MxcError(f"--prefill-graphs {prefill_graphs}: prompts replayed as CUDA graphs, with --target cuda "
+                       f"(got --target {target}); drop it")
     tensor_names = functools.cache(lambda: _tensor_names(src.checkpoint))  # read once, where asked
     prequant = checkpoint_quantization(src.config, src.config_path, tensor_names) if src.checkpoint else None
     scale_suffix = None
@@ -220,9 +237,11 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     elif quant is None and (quant_lm_head or quant_granularity != "channel"):
         flag = "--quant-lm-head" if quant_lm_head else f"--quant-granularity {quant_granularity}"
         raise MxcError(f"{flag}: applies to fp8 weights; add --quant fp8, or drop it")
-    if mlp_pair and (quant != "fp8" or tp != 1):
-        raise MxcError(f"--mlp-pair: the fused MLP op is fp8 at --tp 1 (got --quant {quant}, --tp {tp}); add "
-                       f"--quant fp8, or drop --mlp-pair")
+    if mlp_pair and quant != "fp8":
+        raise MxcError("--mlp-pair: the fused MLP kernel runs fp8 weights, and no --quant fp8 was given; add it, "
+                       "or drop --mlp-pair")
+    if mlp_pair and tp != 1:
+        raise MxcError(f"--mlp-pair: the fused MLP kernel runs at --tp 1 only (got --tp {tp}); drop --mlp-pair")
     options = BuildOptions(target=target, dtype=dtype or ("float32" if target == "cpu" else "bfloat16"),
                            max_batch=max_batch, max_seq_len=max_seq_len, tp=tp, quant=quant,
                            quant_granularity=quant_granularity, quant_lm_head=quant_lm_head,
@@ -239,7 +258,7 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
         raise MxcError(f"--out {out}: is inside the artifact {inside}; choose a path outside it")
     _check_writable(out, "--out")
     if dump_ir:
-        _check_writable(Path(dump_ir), "--dump-ir")
+        _check_dump_dir(Path(dump_ir), out)
     check_eos(src)
 
     mpe = src.config.get("max_position_embeddings")
@@ -260,6 +279,7 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     need = options.tp * weight_bytes(graph)
     _check_space(out, need)
     tmp = out.parent / f".{out.name}.building-{os.getpid()}"
+    created = [p for p in (out.parent.absolute(), *out.parent.absolute().parents) if not p.exists()]  # innermost first
     try:  # the temporary directory goes on any exit, even a signal handled just after its mkdir
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -278,6 +298,11 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
         _replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        for parent in created:  # the folders this build made for --out, where nothing else went since
+            try:
+                parent.rmdir()
+            except OSError:
+                break
         raise
     log(f"wrote {out}")
     return out
@@ -292,13 +317,15 @@ def _write(tmp: Path, graph: Graph, src: Source, options: BuildOptions, arch: in
     program_text = render_forward(graph, ir_hash)
     (tmp / "code" / "forward.py").write_text(program_text)
     cutlass = mlp_pair = None
-    if options.target == "cuda":
-        _compile_kernels(graph, program_text, tmp / "code" / "kernels", options, arch, progress, log)
-        cutlass = _cutlass_library(graph, tmp, log)
-        mlp_pair = _mlp_pair_library(graph, options, tmp, log)
-    log("writing weights" + (f" from {src.checkpoint}" if src.checkpoint else " (deterministic random: no --checkpoint)"))
     ckpt = open_checkpoint(src.checkpoint) if src.checkpoint else DummyCheckpoint(graph)
     with ckpt:
+        check_checkpoint(graph, ckpt)  # what the headers say, before the kernels' minutes of compiling
+        if options.target == "cuda":
+            _compile_kernels(graph, program_text, tmp / "code" / "kernels", options, arch, progress, log)
+            cutlass = _cutlass_library(graph, tmp, log)
+            mlp_pair = _mlp_pair_library(graph, options, tmp, log)
+        log("writing weights" + (f" from {src.checkpoint}" if src.checkpoint else
+                                 " (deterministic random: no --checkpoint)"))
         digests = write_weights(graph, ckpt, [tmp / "weights" / f"rank{r}.safetensors" for r in range(options.tp)],
                                 progress=progress)
     if src.checkpoint:
@@ -311,7 +338,8 @@ def _write(tmp: Path, graph: Graph, src: Source, options: BuildOptions, arch: in
         "schema_version": SCHEMA_VERSION,
         "mxc_version": mxc.__version__,
         "family": graph.family,
-        "architecture": (src.config.get("architectures") or [None])[0],
+        "architecture": (src.config.get("architectures") or [None])[0],  # None: a model file built from a config
+        # that names none
         "model_file": src.model_file.name,
         "config": graph.config,
         "hf_config": src.config,

@@ -62,7 +62,7 @@ def summary(path) -> str:
     kernels = Counter(_kernel(r["kernel"]) for r in m["kernels"])
     lines = [
         f"artifact     {path}",
-        f"model        {m['architecture']} ({m['model_file']}, family {m['family']})",
+        f"model        {m['architecture'] or '(no architectures in config.json)'} ({m['model_file']}, family {m['family']})",
         f"shape        {c.get('num_hidden_layers')} layers, hidden {c.get('hidden_size')}, "
         f"heads {c.get('num_attention_heads')}/{c.get('num_key_value_heads')} kv, head_dim {c.get('head_dim')}, "
         f"mlp {c.get('intermediate_size')}, vocab {rt['vocab_size']}",

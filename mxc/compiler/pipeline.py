@@ -76,12 +76,19 @@ def compile_graph(graph: Graph, options: BuildOptions, dump_dir: Path | None = N
             dump_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise MxcError(f"--dump-ir {dump_dir}: cannot create the directory ({e.strerror})") from None
-        (dump_dir / "00-bound.yaml").write_text(dump_graph(graph))
+        _dump(dump_dir / "00-bound.yaml", graph)
     for i, (name, run) in enumerate(PIPELINE, start=1):
         if name in options.disable_passes:
             continue
         graph = run(graph, options)
         verify(graph)
         if dump_dir is not None:
-            (dump_dir / f"{i:02d}-{name}.yaml").write_text(dump_graph(graph))
+            _dump(dump_dir / f"{i:02d}-{name}.yaml", graph)
     return graph
+
+
+def _dump(path: Path, graph: Graph) -> None:
+    try:
+        path.write_text(dump_graph(graph))
+    except OSError as e:
+        raise MxcError(f"--dump-ir {path.parent}: cannot write {path.name} ({e.strerror or e})") from None

@@ -59,8 +59,9 @@ def replicated_parts(spec: ShardSpec, size: int, tp: int) -> list[str]:
     """The parts (``expr = size``) that have fewer units than ranks, so that ranks hold copies of them. Right for
     a column-parallel weight's KV heads and for block scales; wrong for a row-parallel weight, whose copies the
     all-reduce would add up (``shard_tp`` refuses those)."""
-    return [f"`{expr}` = {seg}" if expr else f"{seg}" for seg, expr in _parts(spec, size)
-            if seg % spec.unit == 0 and 0 < seg // spec.unit < tp]
+    return [(f"`{expr}` = {seg}" if expr else f"{seg}") + (f" in units of {spec.unit}" if spec.unit > 1 else "")
+            + f" makes {seg // spec.unit} part{'s' * (seg // spec.unit > 1)}"
+            for seg, expr in _parts(spec, size) if seg % spec.unit == 0 and 0 < seg // spec.unit < tp]
 
 
 def local_size(spec: ShardSpec, size: int, tp: int) -> tuple[int, tuple[int, ...]]:

@@ -222,6 +222,16 @@ def _check_stored_dtypes(w: Weight, ckpt) -> None:
                            f"(weight {w.name}); the checkpoint is damaged or not this architecture's")
 
 
+def check_checkpoint(graph: Graph, ckpt) -> None:
+    """Everything the checkpoint's headers can say against ``graph``, before any tensor is converted (and, in a
+    build, before minutes of kernel compiling): names, shapes, stored dtypes, tied weights."""
+    check_names(graph, ckpt)
+    check_tied(graph, ckpt)
+    for w in graph.all_weights():
+        if not w.scale_of:
+            _check_stored_dtypes(w, ckpt)
+
+
 def weight_bytes(graph: Graph) -> int:
     """Bytes of tensor data in one rank's weight file (every rank's file holds the same shapes)."""
     return sum(tensor_bytes(DTYPES[w.dtype], w.shape) for w in graph.all_weights())
@@ -236,8 +246,7 @@ def write_weights(graph: Graph, ckpt, paths: list[Path], metadata: dict[str, str
     Tensors are laid out in the order they are written (each fp8 scale after its
     weight), so each file's sha256 comes out of the writing: returned by path.
     """
-    check_names(graph, ckpt)
-    check_tied(graph, ckpt)
+    check_checkpoint(graph, ckpt)
     tp = len(paths)
     all_weights = list(graph.all_weights())
     scales = {w.name: w for w in all_weights if w.scale_of}

@@ -108,9 +108,11 @@ def _check_manifest_fields(mpath: Path, manifest: dict) -> None:
         if target["name"] == "cuda" and not (is_int(options.get(name)) and options[name] > 0):
             bad(f"options.{name}", "a positive integer")
     # what `mxc inspect` shows
-    for name in ("architecture", "model_file", "family", "ir_sha256"):
+    for name in ("model_file", "family", "ir_sha256"):
         if not isinstance(manifest.get(name), str):
             bad(name, "a string")
+    if manifest.get("architecture") is not None and not isinstance(manifest["architecture"], str):
+        bad("architecture", "a string, or null (a model file built from a config.json naming no architectures)")
     if not isinstance(manifest.get("config"), dict) or not isinstance(manifest["config"].get("rope", {}), dict):
         bad("config", "an object, its rope an object")
     source = manifest.get("source")

@@ -68,6 +68,24 @@ def test_missing_tensor(ckpt, tmp_path):
     assert not (tmp_path / "art").exists()
 
 
+@pytest.mark.parametrize("edit", ["missing", "misshaped", "int32"])
+def test_a_bad_checkpoint_is_refused_before_the_kernels_compile(edit, ckpt, tmp_path, monkeypatch):
+    """What the checkpoint's headers say is checked before a cuda build's minutes of kernel compiling."""
+    from mxc import builder
+
+    def compile_kernels(*a, **kw):
+        raise AssertionError("compiled the kernels before checking the checkpoint")
+
+    monkeypatch.setattr(builder, "_compile_kernels", compile_kernels)
+    change = {"missing": lambda t: t.pop(DROPPED), "misshaped": lambda t: t.update({DROPPED: t[DROPPED][:-1]}),
+              "int32": lambda t: t.update({DROPPED: t[DROPPED].to(torch.int32)})}[edit]
+    edit_tensors(ckpt, change)
+    with pytest.raises(MxcError, match=r"missing tensor|has shape|stored as torch.int32") as e:
+        build(ckpt, tmp_path / "art", target="cuda")
+    one_line(e)
+    assert not (tmp_path / "art").exists()
+
+
 def test_tensor_left_out_of_the_index(ckpt, tmp_path):
     """A tensor in a shard that a stale index does not list: the error says where it is and what to fix."""
     names = sorted(load_file(ckpt / "model.safetensors"))

@@ -219,3 +219,55 @@ def test_a_stale_old_directory_of_this_pid_is_replaced(tmp_path):
     assert build("llama.yaml", art, max_seq_len=64) == art
     assert json.loads((art / "manifest.json").read_text())["options"]["max_seq_len"] == 64
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+
+
+@pytest.mark.parametrize("where", ["the-artifact", "inside-the-artifact"])
+def test_dump_ir_into_an_artifact_is_refused(where, tmp_path):
+    """An artifact's manifest would not list the dumps, so it would no longer load."""
+    other = build("llama.yaml", tmp_path / "other")
+    dump = other if where == "the-artifact" else other / "ir"
+    with pytest.raises(MxcError, match=r"--dump-ir .*: is (the|inside the) artifact .*other; choose a directory "
+                                       r"outside it") as e:
+        build("llama.yaml", tmp_path / "new", dump_ir=dump)
+    one_line(e)
+    assert not (tmp_path / "new").exists() and not (other / "ir").exists() and not (other / "00-bound.yaml").exists()
+    mxc.load(other)  # still loads
+
+
+@pytest.mark.parametrize("exists", [False, True])
+def test_dump_ir_inside_out_is_refused(exists, tmp_path):
+    """The finished build replaces --out, which would take the dumps with it (and --out's first build would find a
+    folder that is not an artifact)."""
+    out = tmp_path / "art"
+    if exists:
+        build("llama.yaml", out)
+    with pytest.raises(MxcError, match=r"--dump-ir .*ir: is inside --out .*art, which the build replaces") as e:
+        build("llama.yaml", out, dump_ir=out / "ir")
+    one_line(e)
+    assert not (out / "ir").exists() and out.exists() == exists
+
+
+def test_dump_ir_write_error_is_one_line(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    real = Path.write_text
+
+    def full(self, *a, **kw):
+        if self.suffix == ".yaml" and self.parent.name == "ir":
+            raise OSError(28, "No space left on device")
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(MxcError, match=r"--dump-ir .*ir: cannot write 00-bound.yaml \(No space left on device\)") as e:
+        build("llama.yaml", tmp_path / "art", dump_ir=tmp_path / "ir")
+    one_line(e)
+    assert not (tmp_path / "art").exists()
+
+
+def test_a_failed_build_removes_the_folders_it_made_for_out(ckpt, tmp_path):
+    """--out a/b/art where a does not exist: a failed build leaves no empty a/b behind, and a folder that was there
+    stays."""
+    edit_tensors(ckpt, lambda t: t.pop(DROPPED))
+    with pytest.raises(MxcError, match="missing tensor"):
+        build(ckpt, tmp_path / "a" / "b" / "art")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]

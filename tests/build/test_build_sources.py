@@ -188,6 +188,22 @@ def test_own_definition_reads_its_tiny_config_beside_it(tmp_path):
     assert mxc.load(art).vocab_size == 128
 
 
+def test_own_definition_with_a_config_naming_no_architectures_builds_an_artifact_that_loads(tmp_path, capsys):
+    """A user's definition needs no architectures in the config it binds: the manifest records none (null), and the
+    artifact loads, generates and is inspected, where it was refused by its own loader as a damaged manifest."""
+    from mxc.cli import main
+
+    shutil.copyfile(MODELS_DIR / "llama.yaml", tmp_path / "mine.yaml")
+    config = json.loads((MODELS_DIR / "configs" / "tiny-llama.json").read_text())
+    del config["architectures"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    art = _build(tmp_path / "mine.yaml", tmp_path / "art", config=str(tmp_path / "config.json"))
+    assert json.loads((art / "manifest.json").read_text())["architecture"] is None
+    assert mxc.load(art).generate([[1, 2, 3]], max_new_tokens=2).shape[-1] >= 2
+    assert main(["inspect", str(art)]) in (0, None)
+    assert "(no architectures in config.json) (mine.yaml, family llama)" in capsys.readouterr().out
+
+
 def test_own_definition_without_tiny_config_or_checkpoint_is_refused(tmp_path):
     text = (MODELS_DIR / "llama.yaml").read_text()
     assert text.count("tiny_config: configs/tiny-llama.json\n") == 1

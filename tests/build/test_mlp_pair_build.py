@@ -83,7 +83,8 @@ def test_pair_says_why_not(monkeypatch, fp8_llama_layer):
 
 
 def test_option_errors(tmp_path):
-    with pytest.raises(MxcError, match="--mlp-pair: the fused MLP op is fp8 at --tp 1"):
+    with pytest.raises(MxcError, match="--mlp-pair: the fused MLP kernel runs fp8 weights, and no --quant fp8 was "
+                                       "given; add it"):
         mxc.build("llama.yaml", out=tmp_path / "a", mlp_pair=True, **QUIET)
     with pytest.raises(MxcError, match="--tp 2"):
         mxc.build("llama.yaml", out=tmp_path / "b", quant="fp8", tp=2, mlp_pair=True, **QUIET)

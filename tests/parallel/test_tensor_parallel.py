@@ -246,7 +246,8 @@ def test_shard_tp_ir_has_explicit_collectives(hf_checkpoint, tmp_path):
     ({"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 6}, 4,
      "`num_attention_heads*head_dim` = 96 in units of 16 gives 6 parts, neither divisible by tp=4"),
     # more ranks than query heads: q could be replicated like KV heads, but not the o projection's rows
-    ({}, 8, "`num_attention_heads*head_dim` = 64 in units of 16 has fewer parts than ranks"),
+    ({}, 8, "`num_attention_heads*head_dim` = 64 in units of 16 makes 4 parts, fewer than the ranks; use a --tp that the "
+         "parts divide into"),
 ])
 def test_impossible_splits_are_refused_at_build(overrides, tp, needle, hf_checkpoint, tmp_path):
     ckpt, _ = hf_checkpoint("LlamaForCausalLM", **overrides)
@@ -290,6 +291,11 @@ def test_load_checks_world_size_and_process_group(tmp_path):
 
 
 def _fail_on(rank, world_size, device, bad_rank, error):
+    import torch.distributed as dist
+
+    # every rank through its gloo handshake first, as a real rank's collectives make it: else a good rank 0 could
+    # leave while rank 1 still connects, and rank 1 fail there, not where the test makes it (seen once in CI)
+    dist.barrier()
     if rank == bad_rank and error is None:
         os._exit(3)  # dies without a word (a signal, a crash in native code)
     if rank == bad_rank:

@@ -52,9 +52,8 @@ def _shard_weight(w: Weight, tp: int) -> Weight:
         raise MxcError(f"cannot shard weight {w.name} ({spec.kind}) across --tp {tp}: {e}") from None
     copied = replicated_parts(spec, size, tp) if spec.kind == "row" and not w.scale_of else []
     if copied:  # partial sums of copies would be added tp / units times by the all-reduce
-        unit = f" in units of {spec.unit}" if spec.unit > 1 else ""
-        raise MxcError(f"cannot shard weight {w.name} ({spec.kind}) across --tp {tp}: {copied[0]}{unit} has fewer "
-                       f"parts than ranks")
+        raise MxcError(f"cannot shard weight {w.name} ({spec.kind}) across --tp {tp}: {copied[0]}, fewer than the "
+                       f"ranks; use a --tp that the parts divide into")
     shape = list(w.shape)
     shape[w.shard_dim] = local
     return replace(w, shape=tuple(shape), shard=replace(spec, segments=spec.segments or (size,)))
