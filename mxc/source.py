@@ -72,6 +72,10 @@ def resolve_source(source: str, checkpoint: str | None, config: str | None = Non
     if src is not None and not src.exists() and not bundled:
         from mxc.models import model_files
         raise MxcError(f"{source}: no such file, and not a bundled definition ({', '.join(model_files())})")
+    if src is not None and src.is_file() and src.suffix.lower() == ".json":  # model definitions are YAML
+        what = "a config.json" if src.name == "config.json" else "a JSON file"
+        raise MxcError(f"{source}: {what}, not a model definition; pass its folder (mxc build {src.parent}) or use "
+                       f"--config")
 
     if ckpt is not None:
         config_path = ckpt / "config.json"
@@ -92,6 +96,9 @@ def resolve_source(source: str, checkpoint: str | None, config: str | None = Non
         if tiny is None:
             raise MxcError(f"{model_file}: no --checkpoint given and the definition names no tiny_config")
         config_path = model_file.parent / str(tiny)
+        if not config_path.exists():
+            raise MxcError(f"{model_file}: tiny_config {tiny} not found (relative to {model_file.name}'s folder); "
+                           f"pass --checkpoint or --config")
     config = _read_config(config_path)
     entry = lookup(architecture_of(config, str(config_path)), str(config_path)) if bundled else None
     return Source(model_file, config, str(config_path), None, entry)

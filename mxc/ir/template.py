@@ -108,8 +108,6 @@ class _Binder:
     def eval(self, expr, env, line, field):
         try:
             return evaluate(expr, env)
-        except OverflowError:  # 1e300 ** 2
-            raise self.err(line, field, f"{expr!r}: the result is too large for a float") from None
         except (ExprError, TypeError, ZeroDivisionError) as e:
             raise self.err(line, field, str(e)) from None
 
@@ -187,6 +185,10 @@ class _Binder:
                 source = str(p["default"]).strip()
                 if source in params and (source in self.read_as or self.config.get(source) is not None):
                     self.read_as[name] = self.read_as.get(source, source)  # e.g. Mixtral's intermediate_size
+            elif name in self.config:  # `"intermediate_size": null`: present, but no value
+                want = PARAM_TYPES.get(p.get("type"), "a value") + (f" >= {p['min']}" if "min" in p else "")
+                raise MxcError(f"{self.config_path}: field {name} is null: expected {want} ({self.path.name} gives "
+                               f"no default)")
             else:
                 raise self.err(line, f"params.{name}",
                                f"{self.config_path} has no field {name!r} and the model file gives no default")

@@ -10,6 +10,8 @@ Peak memory is about one weight (two while a tied weight's stored tensor is comp
 checkpoint's names are checked against the graph: a missing, unexpected or
 mis-shaped tensor fails with its name and the shapes, and a tied weight's own
 tensor, where the checkpoint stores it, must hold the values of the weight it reuses.
+A tensor holding NaN or infinity, one past the largest value of the build's dtype
+(1e38 in float16) and an fp8 scale that is not finite and positive fail by name too.
 """
 
 from __future__ import annotations
@@ -184,6 +186,10 @@ def _part_scales(w: Weight, names: tuple[str, ...], shape: tuple[int, ...], ckpt
     parts = []
     for hf, n in zip(names, rows):
         s = ckpt.get(hf).float()
+        bad = s[~(s.isfinite() & (s > 0))]
+        if bad.numel():
+            raise MxcError(f"{ckpt.directory}: {hf} holds {bad.numel()} fp8 scale(s) that are not finite and "
+                           f"positive (e.g. {float(bad[0])}); the checkpoint is damaged")
         if w.quant.granularity == "block128":
             if len(rows) > 1 and n % 128:
                 raise MxcError(f"{ckpt.directory}: {hf}: merged part of {n} rows is not whole 128-row blocks")
@@ -232,6 +238,29 @@ def check_checkpoint(graph: Graph, ckpt) -> None:
             _check_stored_dtypes(w, ckpt)
 
 
+WIDER = {torch.float16: "bfloat16 or float32", torch.bfloat16: "float32"}
+
+
+def _check_finite(w: Weight, ckpt, values: torch.Tensor) -> None:
+    """Fail where ``values`` (``w`` cast to its dtype, or the fp8 scales made of it) hold NaN or infinity, naming the
+    checkpoint tensor: one that holds some itself (damaged), or one past the largest value of the dtype it is cast
+    to (1e38 in float16). One min/max pass (a fraction of the cast's time); the culprit is looked for on failure."""
+    if values.numel() == 0 or all(v.isfinite() for v in torch.aminmax(values)):  # NaN propagates to both
+        return
+    dtype = DTYPES[w.dtype] if w.quant is None else torch.float32  # quantize_fp8 computes in float32
+    for hf, _ in parts_of(w):
+        part = ckpt.get(hf)
+        if not part.isfinite().all():
+            raise MxcError(f"{ckpt.directory}: {hf} holds NaN or infinite values (weight {w.name}); the checkpoint "
+                           f"is damaged")
+        if not part.to(dtype).isfinite().all():
+            name = str(dtype).removeprefix("torch.")
+            hint = f"build with a wider --dtype ({WIDER[dtype]})" if dtype in WIDER else "no --dtype holds it"
+            raise MxcError(f"{ckpt.directory}: {hf} holds values up to {float(part.abs().max()):.4g}, past "
+                           f"{name}'s largest {torch.finfo(dtype).max:.4g} (weight {w.name}); {hint}")
+    raise MxcError(f"{ckpt.directory}: weight {w.name} holds NaN or infinite values once converted to {w.dtype}")
+
+
 def weight_bytes(graph: Graph) -> int:
     """Bytes of tensor data in one rank's weight file (every rank's file holds the same shapes)."""
     return sum(tensor_bytes(DTYPES[w.dtype], w.shape) for w in graph.all_weights())
@@ -262,15 +291,17 @@ def write_weights(graph: Graph, ckpt, paths: list[Path], metadata: dict[str, str
         for w in tqdm(weights, desc="converting weights", unit="tensor", disable=not progress, leave=False):
             if w.scale_of:
                 continue  # written with its weight
-            _check_stored_dtypes(w, ckpt)
             tensor = read_full(w, ckpt, DTYPES[w.dtype] if w.quant is None and w.stack else None)
-            outputs = [(w, tensor.to(DTYPES[w.dtype]))]
             if w.quant is not None and w.quant.prequantized:
                 scale_w = scales[f"{w.name}_scale"]
                 outputs = [(w, tensor), (scale_w, _checkpoint_scales(w, scale_w, ckpt))]
             elif w.quant is not None:
                 q, scale = quantize_fp8(tensor, w.quant.granularity, w.segments)
+                _check_finite(w, ckpt, scale)  # a NaN or inf weight makes its group's scale one
                 outputs = [(w, q), (scales[f"{w.name}_scale"], scale)]
+            else:
+                outputs = [(w, tensor.to(DTYPES[w.dtype]))]
+                _check_finite(w, ckpt, outputs[0][1])
             for target, full in outputs:
                 for rank, out in enumerate(writers):
                     out.write(target.name, rank_tensor(full, target, tp, rank))

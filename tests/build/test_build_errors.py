@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -195,4 +196,36 @@ def test_every_part_of_a_merged_or_stacked_weight_is_checked(hf_checkpoint, tmp_
     with pytest.raises(MxcError, match=f"{name} is stored as {dtype}") as e:
         build(ckpt, tmp_path / "art")
     one_line(e)
+    assert not (tmp_path / "art").exists()
+
+
+@pytest.mark.parametrize("arch, name, value, dtype, needle", [
+    ("LlamaForCausalLM", "model.layers.0.mlp.up_proj.weight", 1e38, "float16",
+     r"holds values up to 1e\+38, past float16's largest 6\.55e\+04 \(weight layers\.0\.w_gate_up\); build with a "
+     r"wider --dtype \(bfloat16 or float32\)"),
+    ("LlamaForCausalLM", "model.norm.weight", float("nan"), "float32",
+     r"holds NaN or infinite values \(weight norm_f\); the checkpoint is damaged"),
+    ("LlamaForCausalLM", "model.layers.1.self_attn.k_proj.weight", float("inf"), "bfloat16", "holds NaN or infinite"),
+    ("MixtralForCausalLM", "model.layers.0.block_sparse_moe.experts.1.w2.weight", 1e38, "float16",
+     r"holds values up to 1e\+38, past float16's largest .* \(weight layers\.0\.we_down\)"),
+])
+def test_weights_that_are_not_finite_in_the_build_dtype_are_refused(hf_checkpoint, tmp_path, arch, name, value,
+                                                                    dtype, needle):
+    """A checkpoint value past the build dtype's range was cast to inf (generate then printed garbage ids); one that
+    is NaN or infinite in the checkpoint itself is damaged. Either fails naming the checkpoint tensor, expert
+    stacks (cast as they are stacked) included."""
+    ckpt, _ = hf_checkpoint(arch, **({"num_local_experts": 4, "num_experts_per_tok": 2} if "Mixtral" in arch else {}))
+    edit_tensors(ckpt, lambda t: t[name].view(-1).__setitem__(3, value))
+    with pytest.raises(MxcError, match=rf"{re.escape(name)} {needle}") as e:
+        build(ckpt, tmp_path / "art", dtype=dtype)
+    one_line(e)
+    assert not (tmp_path / "art").exists()
+
+
+def test_a_weight_that_is_not_finite_is_refused_before_fp8_quantization(ckpt, tmp_path):
+    """--quant fp8 of an inf weight: its scale came out inf, its values NaN."""
+    name = "model.layers.1.self_attn.o_proj.weight"
+    edit_tensors(ckpt, lambda t: t[name].view(-1).__setitem__(0, float("-inf")))
+    with pytest.raises(MxcError, match=rf"{re.escape(name)} holds NaN or infinite values \(weight layers\.1\.wo\)"):
+        build(ckpt, tmp_path / "art", quant="fp8")
     assert not (tmp_path / "art").exists()

@@ -213,6 +213,30 @@ def test_own_definition_without_tiny_config_or_checkpoint_is_refused(tmp_path):
         _build(tmp_path / "mine.yaml", tmp_path / "art")
 
 
+def test_own_definition_whose_tiny_config_is_not_beside_it_says_where_it_looked(tmp_path):
+    """A copy of llama.yaml in another folder: its tiny_config is read relative to the copy, and is not there."""
+    shutil.copyfile(MODELS_DIR / "llama.yaml", tmp_path / "my.yaml")
+    with pytest.raises(mxc.MxcError) as e:
+        _build(tmp_path / "my.yaml", tmp_path / "art")
+    assert str(e.value) == (f"{tmp_path / 'my.yaml'}: tiny_config configs/tiny-llama.json not found (relative to "
+                            f"my.yaml's folder); pass --checkpoint or --config")
+
+
+@pytest.mark.parametrize("name", ["config.json", "tiny.json"])
+def test_a_config_json_as_source_is_refused_as_such(hf_checkpoint, tmp_path, name):
+    """``mxc build ckpt/config.json`` read the config as a model definition: 'architectures: unknown section'."""
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM")
+    if name != "config.json":
+        shutil.copyfile(ckpt / "config.json", ckpt / name)
+    what = "a config.json" if name == "config.json" else "a JSON file"
+    for kw in ({}, {"checkpoint": str(ckpt)}):
+        with pytest.raises(mxc.MxcError) as e:
+            _build(ckpt / name, tmp_path / "art", **kw)
+        assert str(e.value) == (f"{ckpt / name}: {what}, not a model definition; pass its folder (mxc build {ckpt}) "
+                                f"or use --config")
+    assert not (tmp_path / "art").exists()
+
+
 @pytest.mark.parametrize("eos, ids", [(0, [0]), ([2, 7], [2, 7]), (None, [])])
 def test_eos_token_ids_reach_the_manifest(eos, ids, tmp_path):
     """config.json's eos_token_id, one id (0 included), a list or null, is the runtime's list of stop tokens."""

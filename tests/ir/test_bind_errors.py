@@ -144,6 +144,19 @@ def test_missing_config_field(llama_text, tmp_path):
             "and the model file gives no default") in str(e.value)
 
 
+@pytest.mark.parametrize("field, want", [("intermediate_size", "an integer >= 1"), ("rms_norm_eps", "a value")])
+def test_null_config_field(llama_text, tmp_path, field, want):
+    """A field config.json holds as null is not 'no field': the error says it is null and what it should be (a
+    param with no type: any value; rms_norm_eps's default taken out)."""
+    path = tmp_path / "llama.yaml"
+    path.write_text(llama_text.replace("  rms_norm_eps: {default: 1e-6}", "  rms_norm_eps: {}"))
+    config = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 96,
+              "vocab_size": 256, "rms_norm_eps": 1e-5, field: None}
+    with pytest.raises(MxcError) as e:
+        bind_model(path, config, "float32", lookup("LlamaForCausalLM"))
+    assert str(e.value) == f"config.json: field {field} is null: expected {want} (llama.yaml gives no default)"
+
+
 def test_wrong_number_of_outputs(bind_bad):
     msg, line = bind_bad("- q, k = rope(q, k, positions, spec=rope)", "- q = rope(q, k, positions, spec=rope)")
     assert where(line, "graph") + "rope has 2 output(s), but 1 name(s) are assigned" in msg
@@ -244,12 +257,18 @@ def test_resolver_reading_an_undeclared_param(bind_bad):
     assert where(line, "params.rope.resolve") + "resolver 'llama_rope' needs the param 'head_dim', declared above" in msg
 
 
-@pytest.mark.parametrize("expr,needle", [("2 ** 1000", "exponent 1000 in '2 ** 1000' is past 64"),
-                                         ("2.0 ** 64 ** 2", "exponent 4096"),
-                                         ("1e300 ** 2", "'1e300 ** 2': the result is too large for a float"),
-                                         ("1 // 0", "integer division or modulo by zero")])
+@pytest.mark.parametrize("expr,needle", [
+    ("2 ** 1000", "exponent 1000 in '2 ** 1000' is past 64"),
+    ("2.0 ** 64 ** 2", "exponent 4096"),
+    ("1e300 ** 2", "'1e300 ** 2': the result is too large for a float"),
+    ("1 // 0", "integer division or modulo by zero"),
+    ("((((10**60)**60)**60)**60)**60", "the result of '(10 ** 60) ** 60' is past 256 bits"),
+    ("''a'' * 10**12 == ''b''", "\"'a' * 10 ** 12\" repeats a sequence past 4096 items"),
+    ("[1] * 10**11 == []", "'[1] * 10 ** 11' repeats a sequence past 4096 items"),
+])
 def test_arithmetic_errors_in_expressions(bind_bad, expr, needle):
-    """Arithmetic an expression cannot finish (or would take hours: 10 ** 10 ** 10) is a file:line error."""
+    """Arithmetic an expression cannot finish (or would take hours: 10 ** 10 ** 10, or all memory: 'a' * 10**12;
+    YAML's '' is a quote) is a file:line error."""
     msg, line = bind_bad("  mlp_bias: {default: false}", f"  mlp_bias: {{default: '{expr}'}}")
     assert where(line, "params.mlp_bias.default") + needle in msg
 

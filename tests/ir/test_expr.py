@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import ast
 import operator
+import re
 
 import pytest
 
-from mxc.ir.expr import MAX_EXPONENT, ExprError, evaluate, parse_expr
+from mxc.ir.expr import MAX_EXPONENT, MAX_INT_BITS, MAX_LENGTH, ExprError, evaluate, parse_expr
 
 ENV = {"hidden_size": 64, "heads": 4, "head_dim": 16, "bias": True, "window": None, "eps": 1e-5}
 
@@ -128,3 +129,28 @@ def test_is_compares_identity_as_python_does(a, b):
     env = {"a": a, "b": b}
     assert evaluate("a is b", env) is operator.is_(a, b)
     assert evaluate("a is not b", env) is operator.is_not(a, b)
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("((((10**60)**60)**60)**60)**60", "the result of '(10 ** 60) ** 60' is past 256 bits"),
+    ("2**64 * 2**64 * 2**64 * 2**64 * 2", "is past 256 bits"),
+    ("'a' * 10**12 == 'b'", "repeats a sequence past 4096 items"),
+    ("10**11 * [1] == []", "repeats a sequence past 4096 items"),
+    ("[1] * 4096 + [1]", "is past 4096 items"),
+    ("'%0999999999d' % 1", "string formatting"),
+    ("1e300 ** 2", "'1e300 ** 2': the result is too large for a float"),
+    ("-" * 5000 + "1", "nested too deeply"),
+    ("-" * 1500 + "1", "nested too deeply"),
+])
+def test_results_are_bounded(text, needle):
+    """No expression takes all memory or runs for hours: an integer past MAX_INT_BITS, a string or list past
+    MAX_LENGTH items, a float overflow or nesting past the interpreter's stack is an ExprError, quickly."""
+    with pytest.raises(ExprError, match=re.escape(needle)):
+        evaluate(text, {})
+
+
+def test_result_limits_are_inclusive():
+    assert evaluate(f"2 ** 64 * 2 ** 64 * 2 ** 64 * 2 ** 63", {}).bit_length() == MAX_INT_BITS
+    assert evaluate(f"[0] * {MAX_LENGTH}", {}) == [0] * MAX_LENGTH
+    assert evaluate(f"'ab' * {MAX_LENGTH // 2}", {}) == "ab" * (MAX_LENGTH // 2)
+    assert evaluate("hidden_size % 7", ENV) == 1

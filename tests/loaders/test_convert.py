@@ -87,7 +87,8 @@ def test_merged_block_scaled_parts_must_be_whole_blocks():
 
 def test_row_scales_must_be_one_per_row():
     w = _fp8_weight((6, 8), "channel")
-    assert torch.equal(_part_scales(w, ("s",), (6, 8), _Tensors({"s": torch.arange(6.0)})), torch.arange(6.0))
+    scales = torch.arange(1.0, 7.0)
+    assert torch.equal(_part_scales(w, ("s",), (6, 8), _Tensors({"s": scales})), scales)
     for count in (5, 7):
         with pytest.raises(MxcError, match=f"has {count} scales, expected one per row \\(6\\)"):
             _part_scales(w, ("s",), (6, 8), _Tensors({"s": torch.rand(count)}))
@@ -230,3 +231,30 @@ def test_a_failed_write_leaves_no_rank_file_open(tmp_path):
     assert error.traceback  # the error, with its frames, is still held here, as by a caller's except clause
     open_paths = {os.path.realpath(fds / fd) for fd in os.listdir(fds)}
     assert not open_paths & {str(p.resolve()) for p in paths}
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -0.5])
+@pytest.mark.parametrize("granularity, shape", [("channel", (6,)), ("tensor", ()), ("block128", (1, 1))])
+def test_checkpoint_scales_must_be_finite_and_positive(bad, granularity, shape):
+    """An fp8 checkpoint's scale that is NaN, infinite, zero or negative is refused by name: a NaN or inf scale
+    makes its rows NaN, a zero one zeroes them, a negative one flips their sign."""
+    w = _fp8_weight((6, 8), granularity)
+    scales = torch.rand(shape) + 0.1
+    scales.view(-1)[-1] = bad
+    with pytest.raises(MxcError, match=re.escape(f"ckpt: s holds 1 fp8 scale(s) that are not finite and positive "
+                                                 f"(e.g. {bad}); the checkpoint is damaged")):
+        _part_scales(w, ("s",), (6, 8), _Tensors({"s": scales}))
+
+
+def test_values_past_the_dtype_are_refused_and_nothing_is_left_open(tmp_path):
+    """A float32 checkpoint value past float16's range would be cast to inf: refused naming the tensor, in every
+    part of a merged weight, before the weight is written."""
+    w = Weight("wqk", (4, 3), "float16", ("q.weight", "k.weight"), segments=(2, 2))
+    ckpt = _Tensors({"q.weight": torch.ones(2, 3), "k.weight": torch.tensor([[1.0, 7e4, 1.0], [1.0, -3e5, 1.0]])})
+    with pytest.raises(MxcError, match=re.escape("ckpt: k.weight holds values up to 3e+05, past float16's largest "
+                                                 "6.55e+04 (weight wqk); build with a wider --dtype "
+                                                 "(bfloat16 or float32)")):
+        _write(_graph([w]), ckpt, [tmp_path / "rank0.safetensors"])
+    ckpt.tensors["k.weight"] = torch.full((2, 3), 65519.0)  # rounds to float16's largest: kept
+    _write(_graph([w]), ckpt, [tmp_path / "rank0.safetensors"])
+    assert load_file(tmp_path / "rank0.safetensors")["wqk"].float().max() == 65504
