@@ -89,6 +89,17 @@ def _check_space(out: Path, need: int) -> None:
                        f"free; free some space or choose another --out")
 
 
+def _check_tokenizer(checkpoint: Path | None) -> None:
+    """The checkpoint's tokenizer.json, which the artifact carries for ``--prompt``, reads as the runtime reads it
+    (``runtime.tokenizer``): an unreadable one is refused before the build's long work, not met at ``--prompt``,
+    where rebuilding would not help."""
+    from mxc.runtime.tokenizer import read_tokenizer
+
+    if checkpoint is not None and (checkpoint / "tokenizer.json").is_file():
+        read_tokenizer(checkpoint / "tokenizer.json", "replace it with a good copy, or remove it to build without a "
+                                                      "tokenizer (then generate with --ids)")
+
+
 RUNTIME_INPUTS = ("tokens", "positions", "logit_rows")  # what the runtime passes the forward program, in order
 
 
@@ -260,6 +271,7 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     if dump_ir:
         _check_dump_dir(Path(dump_ir), out)
     check_eos(src)
+    _check_tokenizer(src.checkpoint)
 
     mpe = src.config.get("max_position_embeddings")
     if isinstance(mpe, int) and not isinstance(mpe, bool) and max_seq_len > mpe:

@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 
+from mxc import __version__
 from mxc.errors import MxcError
 
 
@@ -56,9 +57,10 @@ def _generate_and_print(rank: int, world_size: int, device: str, args, ids: list
 def cmd_generate(args) -> None:
     from pathlib import Path
 
-    from mxc.runtime.artifact import read_manifest
+    from mxc.runtime.artifact import check_generate_device, read_manifest
+    from mxc.runtime.model import check_capacity
     from mxc.runtime.sampling import check_generate_args
-    from mxc.runtime.tokenizer import load_tokenizer
+    from mxc.runtime.tokenizer import load_tokenizer, missing_reason
 
     if (args.ids is None) == (args.prompt is None):
         raise MxcError("give exactly one of --ids or --prompt")
@@ -66,8 +68,7 @@ def cmd_generate(args) -> None:
     manifest = read_manifest(path)
     tokenizer = load_tokenizer(path) if args.prompt is not None else None
     if args.prompt is not None and tokenizer is None:
-        raise MxcError(f"{args.artifact}: --prompt needs a tokenizer, and the checkpoint it was built from had none; "
-                       f"use --ids")
+        raise MxcError(f"{args.artifact}: {missing_reason(path)}; use --ids")
     ids = _ids(args.ids) if args.ids is not None else tokenizer.encode(args.prompt)
     if not ids:
         raise MxcError(f"--prompt {args.prompt!r}: encodes to no tokens; give some text")
@@ -76,14 +77,19 @@ def cmd_generate(args) -> None:
     if bad:
         raise MxcError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
     check_generate_args(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
+    if not args.temperature:
+        flag = next((f for f, v in (("--top-k", args.top_k), ("--top-p", args.top_p), ("--seed", args.seed))
+                     if v is not None), None)
+        if flag:
+            raise MxcError(f"{flag} needs --temperature > 0 (greedy decoding does not sample)")
+    check_capacity(1, len(ids), args.max_new_tokens, manifest["options"].get("max_seq_len"))
+    check_generate_device(args.device, manifest, path)
     tp = manifest.get("tp", 1)
     if tp == 1:
         _generate_and_print(0, 1, args.device, args, ids)
     else:  # one command starts every rank; rank 0 prints
-        from mxc.runtime.artifact import check_rank_devices
         from mxc.runtime.ranks import run_ranks
 
-        check_rank_devices(args.device, tp, path)
         run_ranks(_generate_and_print, tp, args.device, args, ids)
 
 
@@ -110,6 +116,7 @@ class _Parser(argparse.ArgumentParser):
 
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="mxc", description="Ahead-of-time model builder for LLM inference.")
+    p.add_argument("--version", action="version", version=f"mxc {__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     b = sub.add_parser("build", help="build an artifact from a model definition and a checkpoint")
@@ -142,7 +149,8 @@ def parser() -> argparse.ArgumentParser:
                    help="skip an optional pass (repeatable), e.g. fuse_linear_io")
     b.add_argument("--max-batch", type=int, default=32, help="cuda: sequences decoded together (default 32)")
     b.add_argument("--max-seq-len", type=int,
-                   help="cuda: KV-cache length per sequence (default: min(4096, max_position_embeddings))")
+                   help="longest sequence, prompt + new tokens, generate accepts; on cuda the KV-cache length per "
+                        "sequence (default: min(4096, max_position_embeddings))")
     b.add_argument("--prefill-graphs", type=int, metavar="TOKENS",
                    help="cuda: one-prompt prefills up to TOKENS tokens replay a CUDA graph per length bucket "
                         "(powers of two to 512, then every 256), padded up to it (short prompts wait on the host's "
@@ -154,10 +162,11 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--ids", help="prompt token ids, comma-separated")
     g.add_argument("--prompt", help="prompt text (needs a tokenizer in the artifact)")
     g.add_argument("--max-new-tokens", type=int, default=16)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int)
-    g.add_argument("--top-p", type=float)
-    g.add_argument("--seed", type=int)
+    g.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (default 0: greedy)")
+    g.add_argument("--top-k", type=int, help="with --temperature: sample from the K most likely tokens")
+    g.add_argument("--top-p", type=float, help="with --temperature: sample from the smallest set of tokens whose "
+                                               "probabilities sum to P")
+    g.add_argument("--seed", type=int, help="with --temperature: seed the sampling, for repeatable output")
     g.add_argument("--device", default="cpu")
     g.set_defaults(fn=cmd_generate)
 

@@ -1,17 +1,21 @@
 """Loading an artifact: verify the manifest and every file, then build a Model.
 
 ``load(path, device)`` refuses, with a one-line message, an artifact whose
-schema or mxc version this runtime cannot read, whose files were modified,
-added or removed (sha256 from the manifest), or whose rank count does not
-match. The generated program is executed from the verified bytes (an artifact
-is code plus data: load only artifacts you trust, as with any model format
-that carries code). No compilation happens here.
+schema or mxc version this runtime cannot read, whose manifest names files
+outside the artifact, whose files were modified, added or removed (sha256 from
+the manifest), or whose rank count does not match; a --target cuda artifact
+needs a GPU (``check_target_device``; ``check_generate_device`` checks
+``mxc generate --device`` and says so in the command line's words). The
+generated program is executed from the verified bytes (an artifact is code
+plus data: load only artifacts you trust, as with any model format that
+carries code). No compilation happens here.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import posixpath
 import types
 from pathlib import Path
 
@@ -69,6 +73,9 @@ def _check_manifest_fields(mpath: Path, manifest: dict) -> None:
     if (not isinstance(files, dict) or "code/forward.py" not in files
             or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items())):
         bad("files", "an object of path -> sha256 holding code/forward.py")
+    outside = next((k for k in files if not _inside(k)), None)
+    if outside is not None:  # the verifier would hash (and report on) a file that is not the artifact's
+        bad("files", f"paths inside the artifact, not {outside!r}")
     tp = manifest.get("tp", 1)
     if not is_int(tp) or tp < 1:
         bad("tp", "a positive integer")
@@ -104,8 +111,8 @@ def _check_manifest_fields(mpath: Path, manifest: dict) -> None:
         bad("options.target", f"{target['name']!r}, as target.name")
     if options.get("dtype") != runtime["dtype"]:
         bad("options.dtype", f"{runtime['dtype']!r}, as runtime.dtype")
-    for name in ("max_batch", "max_seq_len"):
-        if target["name"] == "cuda" and not (is_int(options.get(name)) and options[name] > 0):
+    for name in ("max_batch", "max_seq_len"):  # every build records them; a cuda artifact's cache needs them
+        if (target["name"] == "cuda" or name in options) and not (is_int(options.get(name)) and options[name] > 0):
             bad(f"options.{name}", "a positive integer")
     # what `mxc inspect` shows
     for name in ("model_file", "family", "ir_sha256"):
@@ -118,6 +125,10 @@ def _check_manifest_fields(mpath: Path, manifest: dict) -> None:
     source = manifest.get("source")
     if not isinstance(source, dict) or "weights" not in source or "checkpoint" not in source:
         bad("source", "an object with weights and checkpoint")
+    for name in ("cutlass", "mlp_pair"):  # a library the runtime loads: one of the verified files
+        library = manifest[name].get("library") if isinstance(manifest.get(name), dict) else None
+        if name in manifest and not (isinstance(library, str) and library in files):
+            bad(f"{name}.library", "one of the files the manifest lists")
 
     def is_choice(k) -> bool:  # one kernel name (or none), or [[up to N tokens or null, name], ...]
         return k is None or isinstance(k, str) or isinstance(k, list) and all(
@@ -127,6 +138,13 @@ def _check_manifest_fields(mpath: Path, manifest: dict) -> None:
     if not isinstance(kernels, list) or not all(isinstance(r, dict) and "kernel" in r and is_choice(r["kernel"])
                                                 for r in kernels):
         bad("kernels", "a list of the nodes' kernel choices")
+
+
+def _inside(rel: str) -> bool:
+    """Whether the manifest's file path ``rel`` names a file inside the artifact: relative, and not out of it
+    through ``..`` once normalised."""
+    norm = posixpath.normpath(rel)
+    return bool(rel) and not posixpath.isabs(norm) and norm != ".." and not norm.startswith("../")
 
 
 def _device(name) -> torch.device:
@@ -155,6 +173,20 @@ def check_rank_devices(name: str, world_size: int, path) -> None:
     if device.type == "cuda" and torch.cuda.device_count() < world_size:
         raise MxcError(f"{path}: built for --tp {world_size}, whose ranks take one GPU each; this machine has "
                        f"{torch.cuda.device_count()} (use --device cpu, or rebuild with a smaller --tp)")
+
+
+def check_target_device(path, manifest: dict, device: torch.device, fix: str = "load it with device='cuda'") -> None:
+    """A --target cuda artifact runs on a GPU only: a one-line error otherwise, ``fix`` saying how in the caller's
+    words (the Python API's, or the command line's)."""
+    if manifest["target"]["name"] == "cuda" and device.type != "cuda":
+        raise MxcError(f"{path}: built for --target cuda; {fix} (or rebuild with --target cpu)")
+
+
+def check_generate_device(name: str, manifest: dict, path) -> None:
+    """``mxc generate --device NAME``, checked before anything loads (and before a tensor-parallel artifact's
+    ranks start): a device this machine has, a GPU for a --target cuda artifact, and one GPU a rank."""
+    check_target_device(path, manifest, _device(name), "run it with --device cuda")
+    check_rank_devices(name, manifest.get("tp", 1), path)
 
 
 def verify_files(path: Path, manifest: dict) -> None:
@@ -187,8 +219,7 @@ def _kernel_launcher(path: Path, manifest: dict, device: torch.device, rebuild_k
     target = manifest["target"]
     if target["name"] != "cuda":
         return None
-    if device.type != "cuda":
-        raise MxcError(f"{path}: built for --target cuda; load it with device='cuda' (or rebuild with --target cpu)")
+    check_target_device(path, manifest, device)
     major, minor = torch.cuda.get_device_capability(device)
     here = f"sm_{major}{minor}"
     if rebuild_kernels:

@@ -4,7 +4,9 @@
 of the contract: flattening a ``[batch, seq]`` batch into the IR's token
 list, building the ``ForwardContext`` (sequence lengths, KV cache) and
 choosing which rows need logits. ``generate`` prefills the prompt, then
-decodes one token per step over a preallocated KV cache.
+decodes one token per step over a preallocated KV cache; ``check_capacity``
+holds both to the ``--max-seq-len`` (and on a GPU ``--max-batch``) the artifact
+was built for.
 """
 
 from __future__ import annotations
@@ -100,10 +102,11 @@ class Model:
             dist.broadcast(tokens, src=0)
         return tokens
 
-    def _check_capacity(self, b: int, total: int) -> None:
-        if self._decoder is not None and (b > self._decoder.max_batch or total > self._decoder.max_len):
-            raise MxcError(f"batch {b} x {total} tokens exceeds what the artifact was built for "
-                           f"(--max-batch {self._decoder.max_batch}, --max-seq-len {self._decoder.max_len})")
+    def _check_capacity(self, b: int, s: int, new: int = 0) -> None:
+        if self._decoder is not None:  # the GPU decoder's cache: --max-batch slots of --max-seq-len rows
+            check_capacity(b, s, new, self._decoder.max_len, self._decoder.max_batch)
+        else:
+            check_capacity(b, s, new, self.manifest["options"].get("max_seq_len"))
 
     # --- API ----------------------------------------------------------------------
     @_on_own_device
@@ -143,7 +146,7 @@ class Model:
         ids = self._ids(input_ids)
         gen = torch.Generator(self.device).manual_seed(seed) if seed is not None else None
         b, s = ids.shape
-        self._check_capacity(b, s + max_new_tokens)
+        self._check_capacity(b, s, max_new_tokens)
         if self._decoder is not None:
             sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
             with torch.inference_mode():
@@ -170,6 +173,27 @@ class Model:
             logits = self._run(ctx, nxt, ctx.positions, ctx.last_rows)
         out = torch.stack(out, dim=1).cpu()
         return _stop_at_eos(out, self.eos_token_ids) if stop_at_eos else out  # as the GPU decoder's tokens
+
+
+def check_capacity(b: int, s: int, new: int, max_len: int | None, max_batch: int | None = None) -> None:
+    """``b`` sequences of ``s`` prompt tokens and ``new`` new ones fit what the artifact was built for: at most
+    ``max_len`` (``--max-seq-len``) tokens a sequence on every device (a GPU's KV cache has no rows for more; the
+    CPU's cache is allocated per call, but to no more than the length the artifact was built for) and, given
+    ``max_batch`` (the GPU decoder's slots), at most that many sequences. Else a one-line error before any work
+    (``mxc generate`` checks here before a tensor-parallel artifact's ranks start). ``max_len=None``: no limit."""
+    total = s + new
+    over_batch = max_batch is not None and b > max_batch
+    if not over_batch and (max_len is None or total <= max_len):
+        return
+    limits = f"--max-seq-len {max_len}" if max_batch is None else f"--max-batch {max_batch}, --max-seq-len {max_len}"
+    if over_batch:
+        fix = f"run at most {max_batch} sequences a call, or rebuild with --max-batch {b}"
+    elif new and s < max_len:
+        fix = f"ask for at most {max_len - s} new tokens, or rebuild with --max-seq-len {total}"
+    else:
+        fix = f"give at most {max_len - 1 if new else max_len} prompt tokens, or rebuild with --max-seq-len {total}"
+    tokens = f"{total} tokens ({s} prompt + {new} new)" if new else f"{total} tokens"
+    raise MxcError(f"batch {b} x {tokens} exceeds what the artifact was built for ({limits}); {fix}")
 
 
 def _peer_allreduce(manifest: dict, kind: str, dtype: torch.dtype, device: torch.device):

@@ -6,9 +6,12 @@ CPUs, NCCL on GPUs, one GPU per rank) through a rendezvous store the parent
 serves on a port it holds from bind to the end (a port picked free and then
 released can be taken by another job's ranks before ours bind it), and calls
 ``fn(rank, world_size, device, *args)`` in each; a rank's ``MxcError`` reaches
-the caller as one. A multi-node user starts the ranks with torchrun instead and
-calls ``mxc.load(path, rank=..., world_size=...)`` (with NCCL, without
-``destroy_process_group()`` after decoding: see ``_run``).
+the caller as one. Interrupted (Ctrl-C, or a SIGTERM or SIGHUP sent to the
+command alone), it ends the ranks (``stop_ranks``) before it re-raises: they
+would decode on, and the parent's exit would wait for them. A multi-node user
+starts the ranks with torchrun instead and calls ``mxc.load(path, rank=...,
+world_size=...)`` (with NCCL, without ``destroy_process_group()`` after
+decoding: see ``_run``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 
 import torch
 
@@ -84,7 +88,14 @@ def run_ranks(fn, world_size: int, device: str, *args) -> None:
     quiet.setLevel(logging.ERROR)
     store = rendezvous_store()  # held here until the ranks are done
     try:
-        mp.spawn(_entry, args=(world_size, device, store.port, fn, args, errors), nprocs=world_size, join=True)
+        ranks = mp.start_processes(_entry, args=(world_size, device, store.port, fn, args, errors), nprocs=world_size,
+                                   join=False, start_method="spawn")
+        try:
+            while not ranks.join():  # a rank that fails stops the others (torch's ProcessContext.join)
+                pass
+        except BaseException:  # KeyboardInterrupt, the command's Terminated (SIGTERM, SIGHUP): the ranks run on
+            stop_ranks(ranks.processes)
+            raise
     except mp.ProcessExitedException:
         if errors.empty():
             raise
@@ -92,3 +103,16 @@ def run_ranks(fn, world_size: int, device: str, *args) -> None:
         raise MxcError(message if world_size == 1 else f"rank {rank}: {message}") from None
     finally:
         quiet.setLevel(level)
+
+
+def stop_ranks(processes, grace: float = 5.0) -> None:
+    """End the rank processes still running: SIGTERM, then SIGKILL for any left after ``grace`` seconds."""
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + grace
+    for p in processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()

@@ -1,7 +1,10 @@
 """The artifact's tokenizer, when the checkpoint carried one.
 
 Reads ``tokenizer/tokenizer.json`` with the ``tokenizers`` library (no
-transformers at run time). Returns ``None`` when the artifact has none.
+transformers at run time). Returns ``None`` when the artifact has none, and
+says why ``--prompt`` cannot run then (``missing_reason``). The build reads the
+checkpoint's ``tokenizer.json`` the same way (``read_tokenizer``) before it
+copies it, so an unreadable one is refused there, not at ``--prompt``.
 """
 
 from __future__ import annotations
@@ -9,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from mxc.errors import MxcError
+
+UNREADABLE = ("tokenizer.model", "vocab.json", "merges.txt")  # tokenizer files the build copies, mxc cannot read
 
 
 class Tokenizer:
@@ -24,12 +29,25 @@ class Tokenizer:
         return self._tok.decode(ids)
 
 
-def load_tokenizer(artifact: Path) -> Tokenizer | None:
-    path = Path(artifact) / "tokenizer" / "tokenizer.json"
-    if not path.is_file():
-        return None
+def read_tokenizer(path: Path, fix: str) -> Tokenizer:
+    """The tokenizer.json at ``path``, or a one-line error saying why it cannot be read, then ``fix``."""
     try:
         return Tokenizer(path)
     except Exception as e:  # noqa: BLE001  (the tokenizers library raises a bare Exception on a bad file)
         raise MxcError(f"{path}: not a readable tokenizer ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
-                       f"rebuild the artifact") from None
+                       f"{fix}") from None
+
+
+def load_tokenizer(artifact: Path) -> Tokenizer | None:
+    path = Path(artifact) / "tokenizer" / "tokenizer.json"
+    if not path.is_file():
+        return None
+    return read_tokenizer(path, "rebuild the artifact")  # the build read it: it changed since
+
+
+def missing_reason(artifact: Path) -> str:
+    """Why ``--prompt`` cannot run on ``artifact``, which has no tokenizer.json (what the build copied says)."""
+    only = [f for f in UNREADABLE if (Path(artifact) / "tokenizer" / f).is_file()]
+    if only:
+        return f"--prompt needs tokenizer.json; the checkpoint had only {', '.join(only)}, which mxc cannot read"
+    return "--prompt needs a tokenizer, and the checkpoint it was built from had none"

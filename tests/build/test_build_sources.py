@@ -274,6 +274,13 @@ HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens
                       "vocab.json", "merges.txt", "generation_config.json")
 
 
+def _tokenizer_json() -> str:
+    """A tokenizer.json the ``tokenizers`` library reads (the build refuses one it cannot)."""
+    from tokenizers import Tokenizer, models
+
+    return Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1}, unk_token="[UNK]")).to_str()
+
+
 def test_the_checkpoints_tokenizer_files_are_copied_and_listed(hf_checkpoint, tmp_path):
     """Every tokenizer file the checkpoint holds goes to ``tokenizer/`` unchanged (an HF tokenizer directory), each
     listed in the manifest with its sha256; the checkpoint's other files do not."""
@@ -281,7 +288,7 @@ def test_the_checkpoints_tokenizer_files_are_copied_and_listed(hf_checkpoint, tm
 
     ckpt, _ = hf_checkpoint("LlamaForCausalLM")
     for i, name in enumerate(HF_TOKENIZER_FILES):
-        (ckpt / name).write_text(f'{{"file": {i}}}')
+        (ckpt / name).write_text(_tokenizer_json() if name == "tokenizer.json" else f'{{"file": {i}}}')
     (ckpt / "README.md").write_text("a model card")
     art = _build(ckpt, tmp_path / "art")
     assert sorted(p.name for p in (art / "tokenizer").iterdir()) == sorted(HF_TOKENIZER_FILES)
@@ -295,7 +302,7 @@ def test_the_checkpoints_tokenizer_files_are_copied_and_listed(hf_checkpoint, tm
 
 def test_a_folder_named_like_a_tokenizer_file_is_left_out(hf_checkpoint, tmp_path):
     ckpt, _ = hf_checkpoint("LlamaForCausalLM")
-    (ckpt / "tokenizer.json").write_text("{}")
+    (ckpt / "tokenizer.json").write_text(_tokenizer_json())
     (ckpt / "tokenizer.model").mkdir()  # e.g. a sentencepiece model's source folder
     art = _build(ckpt, tmp_path / "art")
     names = {p.name for p in (art / "tokenizer").iterdir()}

@@ -325,6 +325,10 @@ def test_tensor_parallel_generate_user_errors(tmp_path):
     _assert_user_error(r.returncode, r.stderr, "top_k must be an integer >= 1, got 0")
     r = _run("generate", out, "--ids", "1", "--seed", "1" + "0" * 30, "--temperature", "1")
     _assert_user_error(r.returncode, r.stderr, "seed must be an integer in [-2**63, 2**64)")
+    r = _run("generate", out, "--ids", "1", "--max-new-tokens", "1000000000")
+    _assert_user_error(r.returncode, r.stderr, "exceeds what the artifact was built for (--max-seq-len 512)")
+    r = _run("generate", out, "--ids", "1", "--seed", "1" + "0" * 30, "--temperature", "1")
+    _assert_user_error(r.returncode, r.stderr, "seed must be an integer in [-2**63, 2**64)")
     if not torch.cuda.is_available():
         r = _run("generate", out, "--ids", "1", "--device", "cuda")
         _assert_user_error(r.returncode, r.stderr, "no CUDA GPU is usable here")
@@ -511,6 +515,9 @@ def test_generate_arguments_are_checked_before_the_ranks_start(tmp_path, capsys,
                                                                  f"(0..{vocab - 1})")
     _error(capsys, ["generate", art, "--ids", "-1"], "token id -1 is outside")
     _error(capsys, ["generate", art, "--ids", "1", "--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1")
+    _error(capsys, ["generate", art, "--ids", "1,2", "--max-new-tokens", "511"],
+           "batch 1 x 513 tokens (2 prompt + 511 new) exceeds what the artifact was built for (--max-seq-len 512); "
+           "ask for at most 510 new tokens, or rebuild with --max-seq-len 513")
     assert started == []
     assert main(["generate", str(art), "--ids", f"0,{vocab - 1}"]) == 0
     assert started == [[0, vocab - 1]]
@@ -532,6 +539,75 @@ def test_ids_print_no_text_and_do_not_stop_at_eos(hf_checkpoint, tmp_path, capsy
     assert json.loads(capsys.readouterr().out) == {"ids": greedy}
     assert main(["generate", str(art), "--prompt", "hello world", "--max-new-tokens", "6"]) == 0
     assert json.loads(capsys.readouterr().out)["ids"] != greedy  # the contrast: --prompt stops at the eos
+
+
+def test_generate_length_is_held_to_the_max_seq_len_built_for(artifact, capsys):
+    """Prompt + --max-new-tokens beyond the artifact's --max-seq-len (512): one line with both counts and the
+    limit, on the CPU too (a billion new tokens crashed allocating the KV cache; 2000 decoded past the limit)."""
+    for n in (10**9, 2000):
+        _error(capsys, ["generate", artifact, "--ids", "1", "--max-new-tokens", n],
+               f"batch 1 x {n + 1} tokens (1 prompt + {n} new) exceeds what the artifact was built for "
+               f"(--max-seq-len 512); ask for at most 511 new tokens, or rebuild with --max-seq-len {n + 1}")
+    assert main(["generate", str(artifact), "--ids", "1,2", "--max-new-tokens", "510"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["ids"]) == 510
+
+
+@pytest.mark.parametrize("flag,value", [("--top-k", "5"), ("--top-p", "0.9"), ("--seed", "0")])
+def test_sampling_flags_need_a_temperature(artifact, capsys, flag, value):
+    """--top-k, --top-p and --seed shape sampling: greedy decoding (no --temperature, or 0) would ignore them."""
+    _error(capsys, ["generate", artifact, "--ids", "1", flag, value],
+           f"{flag} needs --temperature > 0 (greedy decoding does not sample)")
+    _error(capsys, ["generate", artifact, "--ids", "1", flag, value, "--temperature", "0"],
+           f"{flag} needs --temperature")
+    assert main(["generate", str(artifact), "--ids", "1", flag, value, "--temperature", "0.5"]) == 0
+
+
+def test_a_cuda_artifact_on_the_cpu_says_which_flag(artifact, tmp_path, capsys):
+    """The command line's words (--device cuda), not the Python API's (device='cuda')."""
+    art = tmp_path / "cuda"
+    shutil.copytree(artifact, art)
+    manifest = json.loads((art / "manifest.json").read_text())
+    manifest["target"].update(name="cuda", arch="sm_90")
+    manifest["options"]["target"] = "cuda"
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    _error(capsys, ["generate", art, "--ids", "1"], f"{art}: built for --target cuda; run it with --device cuda "
+                                                    f"(or rebuild with --target cpu)")
+
+
+def test_prompt_on_a_sentencepiece_only_checkpoint_says_so(hf_checkpoint, tmp_path, capsys):
+    """A checkpoint with tokenizer.model (sentencepiece) and no tokenizer.json: --prompt names what it had."""
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM")
+    (ckpt / "tokenizer.model").write_bytes(b"\x0a\x0bsentencepiece")
+    art = mxc.build(str(ckpt), out=tmp_path / "art", progress=False, log=lambda m: None)
+    assert (art / "tokenizer" / "tokenizer.model").is_file()
+    capsys.readouterr()  # drop transformers' save progress bar
+    _error(capsys, ["generate", art, "--prompt", "hello"], f"{art}: --prompt needs tokenizer.json; the checkpoint had "
+                                                          f"only tokenizer.model, which mxc cannot read; use --ids")
+
+
+def test_an_unreadable_tokenizer_json_is_refused_at_build(hf_checkpoint, tmp_path, capsys):
+    """A damaged tokenizer.json in the checkpoint stops the build (before its long work), naming the file: at
+    --prompt it would say to rebuild, which cannot help."""
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM")
+    _save_tokenizer(ckpt)
+    (ckpt / "tokenizer.json").write_text((ckpt / "tokenizer.json").read_text()[:40])
+    capsys.readouterr()
+    assert main(["build", str(ckpt), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "compiling" not in err, err
+    assert re.fullmatch(rf"mxc: error: {re.escape(str(ckpt / 'tokenizer.json'))}: not a readable tokenizer \(.+\); "
+                        r"replace it with a good copy, or remove it to build without a tokenizer \(then generate with "
+                        r"--ids\)", err.splitlines()[-1]), err
+    assert not (tmp_path / "o").exists()
+    (ckpt / "tokenizer.json").unlink()
+    assert main(["build", str(ckpt), "--out", str(tmp_path / "o")]) == 0
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out == f"mxc {mxc.__version__}\n"
 
 
 def test_generate_defaults_to_16_greedy_tokens(artifact, capsys):

@@ -60,7 +60,10 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_logits_and_greedy_match_hf(case, hf_checkpoint, tmp_path):
     arch, overrides = CASES[case]
     ckpt, hf = hf_checkpoint(arch, **overrides)
-    art = mxc.build(str(ckpt), out=tmp_path / "art", progress=False, log=lambda m: None)
+    # dynamic NTK RoPE is tested past max_position_embeddings (16), where its scaling starts: a longer sequence than
+    # the build's default --max-seq-len (min(4096, max_position_embeddings)), which generate holds to
+    longer = {"max_seq_len": 64} if case == "llama-rope-dynamic" else {}
+    art = mxc.build(str(ckpt), out=tmp_path / "art", progress=False, log=lambda m: None, **longer)
     model = mxc.load(art)
 
     ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(1))

@@ -330,6 +330,66 @@ def test_cli_generate_starts_the_ranks(tmp_path):
     assert len(lines) == 1 and json.loads(lines[0]) == {"ids": expected}
 
 
+def _children(pid: int) -> dict[int, str]:
+    """The live child processes of ``pid`` and their command lines (from /proc; psutil is not a dependency)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+            with open(f"/proc/{entry}/cmdline") as f:
+                cmdline = f.read().replace("\0", " ")
+        except OSError:  # gone meanwhile
+            continue
+        if int(ppid) == pid and state != "Z":
+            found[int(entry)] = cmdline
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds the rank processes through /proc")
+def test_sigterm_to_generate_ends_its_ranks(tmp_path):
+    """SIGTERM to ``mxc generate`` alone (not its process group, as a service manager or ``kill`` sends it) on a
+    tp=2 artifact: the command ends its ranks, which would decode on, and exits 143 with its one line."""
+    import signal
+    import time
+
+    art = mxc.build("llama.yaml", out=tmp_path / "tp2", tp=2, max_seq_len=100_000, progress=False,
+                    log=lambda m: None)
+    proc = subprocess.Popen([sys.executable, "-m", "mxc", "generate", str(art), "--ids", "1",
+                             "--max-new-tokens", "99000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ranks = []
+    try:
+        deadline = time.monotonic() + 20
+        while len(ranks) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            ranks = [pid for pid, cmd in _children(proc.pid).items() if "spawn_main" in cmd]
+            time.sleep(0.1)
+        assert len(ranks) == 2, proc.stderr.read() if proc.poll() is not None else "no ranks in 20 s"
+        time.sleep(3)  # the ranks load the artifact and decode
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+        assert proc.returncode == 128 + signal.SIGTERM and err.strip() == "mxc: terminated (SIGTERM)", err
+        deadline = time.monotonic() + 5  # reaped by the parent before it exits; a moment for the kernel
+        while any(_alive(r) for r in ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [r for r in ranks if _alive(r)]
+    finally:
+        for pid in [proc.pid] + ranks:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait(5)
+
+
 @pytest.mark.parametrize("fmt,arch", [("hf-fp8-block", "LlamaForCausalLM"), ("compressed-tensors-tensor", "LlamaForCausalLM"),
                                       ("compressed-tensors-channel", "Qwen3MoeForCausalLM"),
                                       ("hf-fp8-block", "Qwen3MoeForCausalLM")])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -218,6 +219,7 @@ def _cuda_target(m, **options):
     (lambda m: m["options"].update(dtype="bfloat16"), r"field options\.dtype: expected 'float32', as runtime\.dtype"),
     (lambda m: _cuda_target(m, max_batch=0), r"field options\.max_batch: expected a positive integer"),
     (lambda m: _cuda_target(m, max_seq_len=0), r"field options\.max_seq_len: expected a positive integer"),
+    (lambda m: m["options"].update(max_seq_len="512"), r"field options\.max_seq_len: expected a positive integer"),
     (lambda m: m.pop("ir_sha256"), r"field ir_sha256: expected a string"),
     (lambda m: m["source"].pop("checkpoint"), r"field source"),
     (lambda m: m["kernels"][0].update(kernel=[[16, "a", "b"]]), r"field kernels"),
@@ -226,14 +228,38 @@ def _cuda_target(m, **options):
     (lambda m: m["kernels"][0].pop("kernel"), r"field kernels"),
 ], ids=["older-schema", "no-schema", "no-mxc-version", "no-forward-py", "digest-not-str",
         "tp-float", "tp-bool", "vocab-0", "eos-str", "kv-head-dim-0", "layers-prefix-no-index", "layers-count-0",
-        "cuda-no-arch", "options-dtype", "cuda-max-batch-0", "cuda-max-seq-len-0", "no-ir-sha256",
-        "source-no-checkpoint", "kernel-bucket-3-items", "kernel-bucket-str-bound", "kernel-bucket-bool-bound",
-        "kernel-row-no-kernel"])
+        "cuda-no-arch", "options-dtype", "cuda-max-batch-0", "cuda-max-seq-len-0", "cpu-max-seq-len-str",
+        "no-ir-sha256", "source-no-checkpoint", "kernel-bucket-3-items", "kernel-bucket-str-bound",
+        "kernel-bucket-bool-bound", "kernel-row-no-kernel"])
 def test_damaged_manifest_fields_are_refused_by_name(art, edit, pattern):
     """Each field the runtime reads, damaged, is refused in one line naming the manifest and the field."""
     _manifest_edit(edit)(art)
     msg = _refused(art, pattern)
     assert str(art / "manifest.json") in msg
+
+
+@pytest.mark.parametrize("name", ["/etc/hostname", "../outside.txt", "weights/../../outside.txt", "..", ""])
+def test_manifest_file_paths_stay_inside_the_artifact(art, name):
+    """A ``files`` entry naming a file outside the artifact (absolute, or out through ``..``) is refused before the
+    verifier reads it: it would hash that file and call it modified, or pass it as the artifact's own."""
+    outside = art.parent / "outside.txt"
+    outside.write_text("not the artifact's")
+    from mxc.artifact_format import sha256_file
+
+    _manifest_edit(lambda m: m["files"].update({name: sha256_file(outside)}))(art)
+    msg = _refused(art, rf"manifest\.json: field files: expected paths inside the artifact, not "
+                        rf"{re.escape(repr(name))}; the manifest was edited or damaged, rebuild the artifact")
+    assert str(art / "manifest.json") in msg
+    _manifest_edit(lambda m: m["files"].pop(name))(art)
+    assert mxc.load(art).vocab_size == 256
+
+
+@pytest.mark.parametrize("entry", ["cutlass", "mlp_pair"])
+def test_libraries_the_runtime_loads_are_listed_files(art, entry):
+    """The manifest's cutlass / mlp_pair library (a shared library the runtime opens) must be one of the verified
+    files, not a path elsewhere."""
+    _manifest_edit(lambda m: m.update({entry: {"library": "/tmp/elsewhere.so"}}))(art)
+    _refused(art, rf"field {entry}\.library: expected one of the files the manifest lists")
 
 
 def test_manifest_not_an_object(art):
@@ -248,7 +274,7 @@ def test_a_cuda_artifact_on_the_cpu_is_refused(art):
 
     _manifest_edit(_cuda_target)(art)
     assert read_manifest(art)["target"]["name"] == "cuda"
-    _refused(art, r"built for --target cuda; load it with device='cuda'")
+    _refused(art, r"built for --target cuda; load it with device='cuda' \(or rebuild with --target cpu\)$")
 
 
 def test_a_float16_artifact_loads(tmp_path):

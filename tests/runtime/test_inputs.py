@@ -79,6 +79,30 @@ def test_cuda_decoder_capacity_counts_the_new_tokens(model, monkeypatch):
     assert made == [((2, 10), 6)]
 
 
+def test_cpu_generation_is_held_to_the_max_seq_len_built_for(model, monkeypatch):
+    """On the CPU too, prompt + new tokens beyond the artifact's --max-seq-len (512 for the bundled tiny model) are
+    refused in one line naming both counts and the limit, before the KV cache is allocated (a billion new tokens
+    would ask the allocator for gigabytes); the limit itself is accepted."""
+    assert model._decoder is None and model.manifest["options"]["max_seq_len"] == 512
+    allocated = []
+    monkeypatch.setattr(model, "new_cache", lambda b, n: allocated.append(n))
+    for n, left in [(2000, 510), (10**9, 510)]:
+        with pytest.raises(MxcError) as e:
+            model.generate([[1, 2]], max_new_tokens=n)
+        assert str(e.value) == (f"batch 1 x {n + 2} tokens (2 prompt + {n} new) exceeds what the artifact was built "
+                                f"for (--max-seq-len 512); ask for at most {left} new tokens, or rebuild with "
+                                f"--max-seq-len {n + 2}")
+    with pytest.raises(MxcError, match=r"batch 1 x 513 tokens \(512 prompt \+ 1 new\) exceeds .*; give at most 511 "
+                                       r"prompt tokens, or rebuild with --max-seq-len 513"):
+        model.generate([[1] * 512], max_new_tokens=1)
+    with pytest.raises(MxcError, match=r"batch 1 x 513 tokens exceeds what the artifact was built for "
+                                       r"\(--max-seq-len 512\); give at most 512 prompt tokens"):
+        model.logits([[1] * 513])
+    assert allocated == []
+    monkeypatch.undo()
+    assert model.generate([[1] * 510], max_new_tokens=2).shape == (1, 2)  # 512: the limit itself
+
+
 def test_seed_zero_is_a_seed(model):
     """``seed=0`` seeds the draw like any other seed: the global RNG's state does not matter."""
     runs = []
