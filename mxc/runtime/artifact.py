@@ -185,6 +185,9 @@ def check_target_device(path, manifest: dict, device: torch.device, fix: str = "
 def check_generate_device(name: str, manifest: dict, path) -> None:
     """``mxc generate --device NAME``, checked before anything loads (and before a tensor-parallel artifact's
     ranks start): a device this machine has, a GPU for a --target cuda artifact, and one GPU a rank."""
+    if manifest["target"]["name"] == "cuda" and not torch.cuda.is_available():  # --device cpu would not do either
+        raise MxcError(f"{path}: built for --target cuda, and no CUDA GPU is usable here (torch.cuda.is_available() "
+                       f"is false); run it on a machine with one, or rebuild with --target cpu")
     check_target_device(path, manifest, _device(name), "run it with --device cuda")
     check_rank_devices(name, manifest.get("tp", 1), path)
 

@@ -562,14 +562,23 @@ def test_sampling_flags_need_a_temperature(artifact, capsys, flag, value):
     assert main(["generate", str(artifact), "--ids", "1", flag, value, "--temperature", "0.5"]) == 0
 
 
-def test_a_cuda_artifact_on_the_cpu_says_which_flag(artifact, tmp_path, capsys):
-    """The command line's words (--device cuda), not the Python API's (device='cuda')."""
+def test_a_cuda_artifact_on_the_cpu_says_which_flag(artifact, tmp_path, capsys, monkeypatch):
+    """The command line's words (--device cuda), not the Python API's (device='cuda'); on a machine with no GPU it
+    says so instead (--device cuda would not do either)."""
+    import torch
+
     art = tmp_path / "cuda"
     shutil.copytree(artifact, art)
     manifest = json.loads((art / "manifest.json").read_text())
     manifest["target"].update(name="cuda", arch="sm_90")
     manifest["options"]["target"] = "cuda"
     (art / "manifest.json").write_text(json.dumps(manifest))
+    if not torch.cuda.is_available():
+        for device in ("cpu", "cuda"):
+            _error(capsys, ["generate", art, "--ids", "1", "--device", device],
+                   f"{art}: built for --target cuda, and no CUDA GPU is usable here (torch.cuda.is_available() is "
+                   f"false); run it on a machine with one, or rebuild with --target cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine, --device cpu
     _error(capsys, ["generate", art, "--ids", "1"], f"{art}: built for --target cuda; run it with --device cuda "
                                                     f"(or rebuild with --target cpu)")
 
