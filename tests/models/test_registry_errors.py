@@ -153,3 +153,19 @@ def test_a_set_naming_a_field_config_json_lacks_names_the_model_files_param():
     assert "my_heads" not in str(e.value)
     with pytest.raises(MxcError, match=r"^config\.json: field my_heads = 'x': expected an integer >= 1$"):
         bind_model(reg.MODELS_DIR / "llama.yaml", dict(TINY, my_heads="x"), "float32", entry)
+
+
+@pytest.mark.parametrize("arch, experts_field", [("MixtralForCausalLM", "num_local_experts"),
+                                                 ("Qwen2MoeForCausalLM", "num_experts"),
+                                                 ("Qwen3MoeForCausalLM", "num_experts"),
+                                                 ("Qwen3MoeForCausalLM", "num_local_experts"),
+                                                 ("OlmoeForCausalLM", "num_experts")])
+def test_more_experts_a_token_than_experts_names_the_config_fields(arch, experts_field):
+    """num_experts_per_tok past the experts is refused naming config.json's own fields (under each architecture's
+    name for the expert count), not the router op of the bound graph."""
+    config = dict(TINY, num_experts_per_tok=5, moe_intermediate_size=32, **{experts_field: 4})
+    with pytest.raises(MxcError, match=rf"config.json: `num_experts_per_tok > .*{experts_field}.*` is true, which is "
+                                       rf"not supported for {arch}") as e:
+        bind_model(reg.MODELS_DIR / "llama.yaml", config, "float32", reg.lookup(arch))
+    assert "\n" not in str(e.value)
+    bind_model(reg.MODELS_DIR / "llama.yaml", dict(config, num_experts_per_tok=4), "float32", reg.lookup(arch))
