@@ -24,11 +24,14 @@ launch is refused if its PTX touches, before ``griddepcontrol.wait``, a pointer 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import multiprocessing
 import os
 import re
+import sys
+import types
 from pathlib import Path
 
 from tqdm import tqdm
@@ -123,6 +126,20 @@ def _compile_one(key: str, spec: dict, arch: int, source: str | None) -> tuple[s
     return key, compiled.asm["cubin"], entry
 
 
+@contextlib.contextmanager
+def _workers_without_main():
+    """While the pool starts its workers (on the submitting thread, ``spawn``): hide the caller's ``__main__``.
+    A spawned process runs the parent's main script again (as ``__mp_main__``) so that functions defined there
+    unpickle; the workers run mxc's own functions only. A script calling ``mxc.build`` without an
+    ``if __name__ == "__main__":`` guard would otherwise run again in every worker, and fail there."""
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")  # no __file__, no __spec__: nothing to re-run
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
 def compile_specs(specs: dict[str, dict], out_dir: Path, arch: int = 90, progress: bool = True,
                   workers: int | None = None) -> dict:
     """Compile every spec for sm_<arch> (in parallel processes); write cubins, the rendered sources of
@@ -142,8 +159,9 @@ def compile_specs(specs: dict[str, dict], out_dir: Path, arch: int = 90, progres
     workers = workers or min(len(specs), os.cpu_count() or 1)
     index = {}
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        jobs = [pool.submit(_compile_one, key, spec, arch, sources.get(spec["kernel"].partition(":")[0]))
-                for key, spec in sorted(specs.items())]
+        with _workers_without_main():  # the pool starts its processes as jobs are submitted
+            jobs = [pool.submit(_compile_one, key, spec, arch, sources.get(spec["kernel"].partition(":")[0]))
+                    for key, spec in sorted(specs.items())]
         for job in tqdm(jobs, desc=f"compiling kernels for sm_{arch}", unit="kernel", disable=not progress,
                         leave=False):
             key, cubin, entry = job.result()

@@ -1,0 +1,43 @@
+"""The build's kernel-compiling workers (``aot.compile_specs``, spawned processes) start without the caller's main
+script: a script that calls ``mxc.build(target="cuda")`` with no ``if __name__ == "__main__":`` guard ran again in
+every worker (its prints repeated, its builds started twice) and the pool broke."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+_SCRIPT = """
+import sys
+from pathlib import Path
+
+print("body", flush=True)  # no __main__ guard, as a user's script
+from mxc.codegen import aot
+
+spec = {"kernel": "mxc.kernels.triton_route:route_kernel",
+        "signature": {n: "constexpr" for n in ("E", "K", "BLOCK_E", "BLOCK_K", "SIGMOID", "RENORMALIZE", "USE_PDL",
+                                               "BITONIC")} | {"logits_ptr": "*bf16", "weights_ptr": "*bf16",
+                                                              "ids_ptr": "*i64"},
+        "constexprs": {"E": 8, "K": 2, "BLOCK_E": 8, "BLOCK_K": 2, "SIGMOID": False, "RENORMALIZE": True,
+                       "USE_PDL": False, "BITONIC": False},
+        "num_warps": 1, "num_stages": 1}
+one = dict(spec, constexprs=dict(spec["constexprs"], K=1, BLOCK_K=1))
+index = aot.compile_specs({"a": spec, "b": one}, Path(sys.argv[1]), progress=False, workers=2)
+print("compiled", len(index), flush=True)
+"""
+
+
+def test_workers_do_not_run_the_callers_unguarded_script(tmp_path):
+    script = tmp_path / "build_kernels.py"
+    script.write_text(_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiles for sm_90, as a build does
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, str(script), str(tmp_path / "out")], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.splitlines() == ["body", "compiled 2"]
+    assert (tmp_path / "out" / "index.json").is_file()
