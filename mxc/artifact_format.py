@@ -6,7 +6,8 @@ for ``--target cuda`` ``code/kernels/`` (cubins) and, where the build chose the 
 ``code/cutlass/fp8_gemm.so`` (the manifest's ``cutlass`` entry), with ``--mlp-pair``
 ``code/mlp_pair/mlp_pair_fp8.so`` (the manifest's ``mlp_pair`` entry; optional, so no new schema), and optionally
 ``tokenizer/``. The manifest lists the sha256 of every other
-file. ``SCHEMA_VERSION`` changes when this layout changes incompatibly.
+file, and its own sha256 over the rest of it (``manifest_digest``): a hand-edited manifest is refused as a
+whole, as an edited file is. ``SCHEMA_VERSION`` changes when this layout changes incompatibly.
 """
 
 from __future__ import annotations
@@ -25,8 +26,15 @@ from pathlib import Path
 # routers' bitonic top-k at two warps a program (``triton_route.TOPK``: older cuda MoE artifacts lack those cubins); 9:
 # the MoE gate/up pair kernel's K loop unrolled (``triton_moe_decode.PairConfig.UNROLL``: a new constexpr, so older
 # cuda MoE artifacts lack that cubin); 10: fp8 experts' pair kernels unrolled too (``UNROLL_SCALED``: older fp8 cuda
-# MoE artifacts lack those cubins)
-SCHEMA_VERSION = 10
+# MoE artifacts lack those cubins); 11: the manifest's own sha256 (``manifest_sha256``), checked at every read
+SCHEMA_VERSION = 11
+
+
+def manifest_digest(manifest: dict) -> str:
+    """sha256 of the manifest's fields but ``manifest_sha256`` itself, as canonical JSON (sorted keys): what the
+    builder records and every reader recomputes (JSON numbers and strings read back as written)."""
+    rest = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def is_artifact(path: Path) -> bool:

@@ -25,7 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import mxc
-from mxc.artifact_format import SCHEMA_VERSION, file_digests, is_artifact
+from mxc.artifact_format import SCHEMA_VERSION, file_digests, is_artifact, manifest_digest
 from mxc.codegen.render import render_forward
 from mxc.compiler.options import BuildOptions
 from mxc.compiler.pipeline import check_disabled, compile_graph
@@ -367,6 +367,7 @@ def _write(tmp: Path, graph: Graph, src: Source, options: BuildOptions, arch: in
         "tp": options.tp,
         "files": file_digests(tmp, {p.relative_to(tmp).as_posix(): d for p, d in digests.items()}),
     }
+    manifest["manifest_sha256"] = manifest_digest(manifest)
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
 
 

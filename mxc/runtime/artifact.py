@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 
 import mxc
-from mxc.artifact_format import SCHEMA_VERSION, listed_files, sha256_file
+from mxc.artifact_format import SCHEMA_VERSION, listed_files, manifest_digest, sha256_file
 from mxc.errors import MxcError, size_text
 from mxc.runtime.model import Model, on_device
 
@@ -56,6 +56,9 @@ def read_manifest(path: Path) -> dict:
     if not _compatible(str(manifest.get("mxc_version", ""))):
         raise MxcError(f"{mpath}: built by mxc {manifest.get('mxc_version')}, incompatible with mxc "
                        f"{mxc.__version__}; rebuild it, or load it with mxc {manifest.get('mxc_version')}")
+    if manifest.get("manifest_sha256") != manifest_digest(manifest):  # cheap: checked whatever `verify` says
+        raise MxcError(f"{mpath}: edited since the build (its contents do not match its manifest_sha256); rebuild "
+                       f"the artifact")
     _check_manifest_fields(mpath, manifest)
     return manifest
 

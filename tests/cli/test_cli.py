@@ -24,6 +24,13 @@ def _run(*args, exe=None):
     return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, env=ENV, timeout=120)
 
 
+def signed(manifest: dict) -> dict:
+    """An edited manifest with its manifest_sha256 made to match: what the checks behind the digest see."""
+    from mxc.artifact_format import manifest_digest
+
+    return {**manifest, "manifest_sha256": manifest_digest(manifest)}
+
+
 def _assert_user_error(code, err, pattern=""):
     assert code == 2, err
     assert "Traceback" not in err
@@ -265,7 +272,7 @@ def test_bad_paths_devices_sampling_and_manifests(artifact, tmp_path, capsys):
         shutil.copytree(artifact, edited)
         manifest = json.loads((edited / "manifest.json").read_text())
         edit(manifest)
-        (edited / "manifest.json").write_text(json.dumps(manifest))
+        (edited / "manifest.json").write_text(json.dumps(signed(manifest)))
         _error(capsys, ["generate", edited, "--ids", "1"], pattern)
         _error(capsys, ["inspect", edited], pattern)
 
@@ -367,7 +374,7 @@ def _inspect_copy(artifact, tmp_path, edit=None):
     if edit is not None:
         manifest = json.loads((art / "manifest.json").read_text())
         edit(manifest)
-        (art / "manifest.json").write_text(json.dumps(manifest))
+        (art / "manifest.json").write_text(json.dumps(signed(manifest)))
     return art
 
 
@@ -534,7 +541,7 @@ def test_ids_print_no_text_and_do_not_stop_at_eos(hf_checkpoint, tmp_path, capsy
     assert any(t != eos for t in greedy[1:])  # an eos stop would change the output
     manifest = json.loads((art / "manifest.json").read_text())
     manifest["runtime"]["eos_token_id"] = [eos]
-    (art / "manifest.json").write_text(json.dumps(manifest))
+    (art / "manifest.json").write_text(json.dumps(signed(manifest)))
     assert main(["generate", str(art), "--ids", "1,2", "--max-new-tokens", "6"]) == 0
     assert json.loads(capsys.readouterr().out) == {"ids": greedy}
     assert main(["generate", str(art), "--prompt", "hello world", "--max-new-tokens", "6"]) == 0
@@ -572,7 +579,7 @@ def test_a_cuda_artifact_on_the_cpu_says_which_flag(artifact, tmp_path, capsys, 
     manifest = json.loads((art / "manifest.json").read_text())
     manifest["target"].update(name="cuda", arch="sm_90")
     manifest["options"]["target"] = "cuda"
-    (art / "manifest.json").write_text(json.dumps(manifest))
+    (art / "manifest.json").write_text(json.dumps(signed(manifest)))
     if not torch.cuda.is_available():
         for device in ("cpu", "cuda"):
             _error(capsys, ["generate", art, "--ids", "1", "--device", device],

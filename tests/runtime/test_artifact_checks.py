@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 import mxc
-from mxc.artifact_format import SCHEMA_VERSION
+from mxc.artifact_format import SCHEMA_VERSION, manifest_digest
 from mxc.errors import MxcError
 
 
@@ -34,10 +34,16 @@ def _refused(path, pattern, **kw):
 
 
 def _edit_manifest(art, **changes):
+    """``changes`` written into the manifest, and its manifest_sha256 made to match: what the field checks behind the
+    digest see (a manifest written by another tool)."""
     path = art / "manifest.json"
     m = json.loads(path.read_text())
     m.update(changes)
-    path.write_text(json.dumps(m))
+    path.write_text(json.dumps(resigned(m)))
+
+
+def resigned(m: dict) -> dict:
+    return {**m, "manifest_sha256": manifest_digest(m)}
 
 
 def test_pristine_copy_loads(art):
@@ -191,7 +197,7 @@ def _manifest_edit(edit):
         path = art / "manifest.json"
         m = json.loads(path.read_text())
         edit(m)
-        path.write_text(json.dumps(m))
+        path.write_text(json.dumps(resigned(m)))
     return apply
 
 
@@ -392,3 +398,32 @@ def test_file_digests_reuse_the_ones_already_computed(tmp_path, monkeypatch):
     assert artifact_format.file_digests(tmp_path, {"w/big.bin": known}) == {
         "small.txt": hashlib.sha256(b"code").hexdigest(), "w/big.bin": known}
     assert hashed == [tmp_path / "small.txt"]
+
+
+@pytest.mark.parametrize("edit", [
+    lambda m: m["runtime"].update(vocab_size=m["runtime"]["vocab_size"] + 44),  # logits past the weights' rows
+    lambda m: m["runtime"]["kv_cache"].update(head_dim=8),
+    lambda m: m["runtime"].update(eos_token_id=[7]),
+    lambda m: m.update(manifest_sha256="0" * 64),
+    lambda m: m.pop("manifest_sha256"),
+], ids=["vocab_size", "head_dim", "eos", "digest", "no-digest"])
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_hand_edited_manifest_is_refused_whatever_verify_says(art, edit, verify):
+    """The manifest's fields are covered by its own sha256, so an edit that type-checks (a vocabulary larger than
+    the weights, another head size) is refused in one line instead of failing in an IndexError, or giving wrong ids;
+    the check is cheap, so verify=False skips only the files' hashes."""
+    path = art / "manifest.json"
+    m = json.loads(path.read_text())
+    edit(m)
+    path.write_text(json.dumps(m, indent=1))
+    _refused(art, r"manifest\.json: edited since the build \(its contents do not match its manifest_sha256\); "
+                  r"rebuild the artifact", verify=verify)
+
+
+def test_the_manifest_digest_reads_back_whatever_the_layout(art):
+    """What the build writes (indented) and the same fields written any other way (compact, other key order) keep
+    one digest: the check is of the contents."""
+    path = art / "manifest.json"
+    m = json.loads(path.read_text())
+    path.write_text(json.dumps(dict(reversed(list(m.items())))))
+    assert mxc.load(art).logits([[1, 2]]).shape == (1, 2, 256)
