@@ -120,7 +120,7 @@ def _check_runtime_contract(graph: Graph, types: dict) -> None:
                        f"{', '.join(f'{o} {types[o]}' for o in graph.outputs)}")
 
 
-def _runtime_info(graph: Graph, config: dict) -> dict:
+def _runtime_info(graph: Graph, src: Source) -> dict:
     """What the runtime needs without reading the IR: KV cache geometry, vocabulary, stop tokens."""
     types = verify(graph)
     _check_runtime_contract(graph, types)
@@ -146,8 +146,8 @@ def _runtime_info(graph: Graph, config: dict) -> dict:
     return {"vocab_size": logits.shape[-1], "dtype": graph.dtype, "inputs": list(graph.inputs),
             "layers": {"count": reps[0].count, "index": reps[0].index, "prefix": prefix} if reps else None,
             "kv_cache": {"layers": layers, "kv_heads": kv[0], "head_dim": kv[1]} if kv else None,
-            "max_position_embeddings": config.get("max_position_embeddings"),
-            "eos_token_id": eos_ids(config)}  # checked by check_eos
+            "max_position_embeddings": src.config.get("max_position_embeddings"),
+            "eos_token_id": eos_ids(src)}  # checked by check_eos
 
 
 def _kernel_table(graph: Graph) -> list[dict]:
@@ -358,7 +358,7 @@ def _write(tmp: Path, graph: Graph, src: Source, options: BuildOptions, arch: in
         "options": options.to_dict(),
         "target": _target_info(options, arch),
         "ir_sha256": ir_hash,
-        "runtime": _runtime_info(graph, src.config),
+        "runtime": _runtime_info(graph, src),
         "kernels": _kernel_table(graph),
         **({"cutlass": cutlass} if cutlass else {}),
         **({"mlp_pair": mlp_pair} if mlp_pair else {}),

@@ -76,12 +76,7 @@ def cmd_generate(args) -> None:
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:
         raise MxcError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-    check_generate_args(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
-    if not args.temperature:
-        flag = next((f for f, v in (("--top-k", args.top_k), ("--top-p", args.top_p), ("--seed", args.seed))
-                     if v is not None), None)
-        if flag:
-            raise MxcError(f"{flag} needs --temperature > 0 (greedy decoding does not sample)")
+    check_generate_args(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, flags=True)
     check_capacity(1, len(ids), args.max_new_tokens, manifest["options"].get("max_seq_len"))
     check_generate_device(args.device, manifest, path)
     tp = manifest.get("tp", 1)

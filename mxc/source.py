@@ -104,13 +104,32 @@ def resolve_source(source: str, checkpoint: str | None, config: str | None = Non
     return Source(model_file, config, str(config_path), None, entry)
 
 
-def eos_ids(config: dict) -> list:
-    """config.json's eos_token_id (one id, a list or absent) as a list."""
-    eos = config.get("eos_token_id")
-    return eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+def _as_list(eos) -> list:
+    return list(eos) if isinstance(eos, list) else ([eos] if eos is not None else [])
+
+
+def eos_ids(src: Source) -> list:
+    """The end-of-sequence ids: config.json's eos_token_id (one id, a list or absent), then those of the
+    checkpoint's generation_config.json that it lacks, as transformers' generate stops at either (an instruct
+    model's end-of-turn token is often only there)."""
+    ids = _as_list(src.config.get("eos_token_id"))
+    gen = _generation_config(src)
+    return ids + [t for t in _as_list(gen.get("eos_token_id")) if t not in ids]
+
+
+def _generation_config(src: Source) -> dict:
+    path = src.checkpoint / "generation_config.json" if src.checkpoint is not None else None
+    return _read_config(path) if path is not None and path.is_file() else {}
 
 
 def check_eos(src: Source) -> None:
-    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in eos_ids(src.config)):
-        raise MxcError(f"{src.config_path}: eos_token_id {src.config.get('eos_token_id')!r}: expected a token id or "
-                       f"a list of token ids")
+    """Each end-of-sequence id is a token id of the vocabulary, or a one-line error names the file that says it."""
+    vocab = src.config.get("vocab_size")
+    for where, config in ((src.config_path, src.config), (src.checkpoint and src.checkpoint / "generation_config.json",
+                                                           _generation_config(src))):
+        eos = config.get("eos_token_id")
+        ok = all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 and (not isinstance(vocab, int) or t < vocab)
+                 for t in _as_list(eos))
+        if not ok:
+            within = f" below vocab_size {vocab}" if isinstance(vocab, int) else ""
+            raise MxcError(f"{where}: eos_token_id {eos!r}: expected a token id or a list of token ids{within}")

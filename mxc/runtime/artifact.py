@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import posixpath
 import types
 from pathlib import Path
@@ -157,7 +158,7 @@ def _device(name) -> torch.device:
     except (RuntimeError, TypeError):
         raise MxcError(f"--device {name}: expected cpu, cuda or cuda:N") from None
     if device.type == "cpu":
-        return device
+        return torch.device("cpu")  # cpu:0 is the one CPU device
     if device.type != "cuda":
         raise MxcError(f"--device {name}: expected cpu, cuda or cuda:N")
     if not torch.cuda.is_available():
@@ -213,7 +214,8 @@ def verify_files(path: Path, manifest: dict) -> None:
 def _exec_program(path: Path, digest: str) -> types.ModuleType:
     source = path.read_bytes()
     if hashlib.sha256(source).hexdigest() != digest:  # re-check the bytes we execute
-        raise MxcError(f"{path}: modified while loading; rebuild the artifact")
+        raise MxcError(f"{path}: does not match the sha256 the manifest records for it (modified since the build); "
+                       f"rebuild the artifact")
     module = types.ModuleType(f"mxc_artifact_{digest[:12]}")
     module.__file__ = str(path)
     exec(compile(source, str(path), "exec"), module.__dict__)
@@ -246,8 +248,18 @@ def load(path, device: str = "cpu", rank: int = 0, world_size: int = 1, verify: 
 
     A cuda artifact runs its precompiled kernels (nothing is compiled at load);
     ``rebuild_kernels=True`` JIT-compiles them with the local Triton instead,
-    e.g. on a GPU of another architecture.
+    e.g. on a GPU of another architecture. A tensor-parallel artifact (``tp`` > 1)
+    loads in each process of an initialised default process group of ``tp`` ranks,
+    ``rank`` being the process's own. ``verify=False`` skips hashing the weights and
+    kernels (seconds for a large model) against the manifest; the manifest itself
+    and the program it executes are checked either way, and a damaged weight file
+    then gives wrong results, not an error.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise MxcError(f"path must be an artifact directory (str or Path), got {type(path).__name__}")
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise MxcError(f"{name} must be an integer, got {value!r}")
     path = Path(path)
     manifest = read_manifest(path)
     tp = manifest.get("tp", 1)
@@ -261,6 +273,9 @@ def load(path, device: str = "cpu", rank: int = 0, world_size: int = 1, verify: 
         if not dist.is_initialized() or dist.get_world_size() != world_size:
             raise MxcError(f"{path}: a tp={tp} artifact needs torch.distributed initialised with {tp} ranks in "
                            f"every process (or use `mxc generate`, which starts them)")
+        if dist.get_rank() != rank:  # another rank's shards: the collectives would sum the wrong slices
+            raise MxcError(f"{path}: loaded as rank {rank}, but this process is rank {dist.get_rank()} of the "
+                           f"process group; pass rank=torch.distributed.get_rank()")
     device = _device(device)
     if verify:
         verify_files(path, manifest)

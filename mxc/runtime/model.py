@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -31,11 +32,17 @@ def on_device(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
+_CALLS = threading.RLock()  # one forward at a time in a process: see _on_own_device
+
+
 def _on_own_device(method):
-    """Run a ``Model`` method with the model's GPU current (a model on cuda:1 called while cuda:0 is current)."""
+    """Run a ``Model`` method with the model's GPU current (a model on cuda:1 called while cuda:0 is current), one
+    call at a time in the process: the kernels' launcher is process-wide (``launch.using``) and a GPU model's KV
+    cache and CUDA graphs are its own, so calls from several threads (two models, or one) take turns. A server
+    batches requests instead."""
     @functools.wraps(method)
     def wrapped(self, *args, **kwargs):
-        with on_device(self.device):
+        with _CALLS, on_device(self.device):
             return method(self, *args, **kwargs)
     return wrapped
 
@@ -51,7 +58,7 @@ class Model:
         info = manifest["runtime"]
         self.vocab_size: int = info["vocab_size"]
         self.dtype = DTYPES[info["dtype"]]
-        self.eos_token_ids: list[int] = info["eos_token_id"]
+        self.eos_token_ids: list[int] = list(info["eos_token_id"])  # a copy: editing it leaves the manifest alone
         self._kv = info["kv_cache"]
         self._top, self._layers = _split_layers(weights, info.get("layers"))
         self.rank, self.world_size = rank, world_size
@@ -74,11 +81,14 @@ class Model:
     def _ids(self, input_ids) -> torch.Tensor:
         try:
             ids = torch.as_tensor(input_ids)
-        except (ValueError, TypeError) as e:  # ragged lists, non-numbers
+        except (ValueError, TypeError, RuntimeError) as e:  # ragged lists, non-numbers, None
             raise MxcError(f"input_ids must be a [batch, seq] integer tensor (prompts of one batch of one length: "
                            f"run prompts of other lengths in separate calls); {e}") from None
+        if ids.device.type == "meta":
+            raise MxcError("input_ids are on the meta device, which holds no values; give ids on the cpu or the "
+                           "model's device")
         if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32) or 0 in ids.shape:
-            raise MxcError(f"input_ids must be a [batch, seq] integer tensor with batch, seq >= 1, got "
+            raise MxcError(f"input_ids must be a [batch, seq] int64 or int32 tensor with batch, seq >= 1, got "
                            f"{list(ids.shape)} {ids.dtype}")
         bad = (ids < 0) | (ids >= self.vocab_size)
         if bad.any():

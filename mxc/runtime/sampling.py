@@ -14,9 +14,10 @@ import torch
 from mxc.errors import MxcError
 
 
-def check_generate_args(max_new_tokens, temperature=0.0, top_k=None, top_p=None, seed=None) -> None:
+def check_generate_args(max_new_tokens, temperature=0.0, top_k=None, top_p=None, seed=None, flags=False) -> None:
     """``generate``'s arguments, checked before any work (and, for a tensor-parallel command, before its ranks
-    start): an MxcError naming the first bad one."""
+    start): an MxcError naming the first bad one. Sampling arguments with greedy decoding (no temperature) are
+    refused, as it would ignore them, by their command-line names with ``flags``."""
     def whole(v) -> bool:
         return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
@@ -30,6 +31,10 @@ def check_generate_args(max_new_tokens, temperature=0.0, top_k=None, top_p=None,
         raise MxcError(f"top_p must be a number in (0, 1], got {top_p!r}")
     if seed is not None and (not whole(seed) or not -2**63 <= seed < 2**64):
         raise MxcError(f"seed must be an integer in [-2**63, 2**64), got {seed!r}")
+    unused = next((n for n, v in (("top_k", top_k), ("top_p", top_p), ("seed", seed)) if v is not None), None)
+    if not temperature and unused:
+        flag, temp = (f"--{unused.replace('_', '-')}", "--temperature") if flags else (unused, "temperature")
+        raise MxcError(f"{flag} needs {temp} > 0 (greedy decoding does not sample)")
 
 
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
@@ -37,7 +42,9 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = N
     """logits [B, V] -> token ids [B]."""
     if not temperature:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    logits = logits.float()
+    # from the row's largest logit down: a tiny temperature (1e-39) sends the others to -inf, not the top one to inf
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / float(temperature)
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

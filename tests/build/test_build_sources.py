@@ -245,13 +245,37 @@ def test_eos_token_ids_reach_the_manifest(eos, ids, tmp_path):
     assert mxc.load(art).eos_token_ids == ids
 
 
-@pytest.mark.parametrize("eos", [-1, True, [2, -1], [2, False], 2.0])
+@pytest.mark.parametrize("eos", [-1, True, [2, -1], [2, False], 2.0, 256, [2, 999]])
 def test_eos_token_ids_that_are_not_token_ids_are_refused(eos, tmp_path):
     with pytest.raises(mxc.MxcError, match=r"config\.json: eos_token_id .*: expected a token id or a list of token "
                                            r"ids") as e:
         _build("llama.yaml", tmp_path / "art", config=str(_tiny_config(tmp_path, eos_token_id=eos)))
     assert "\n" not in str(e.value)
     assert not (tmp_path / "art").exists()
+
+
+@pytest.mark.parametrize("config_eos, gen_eos, ids", [(2, [7, 2], [2, 7]), ([2, 5], 9, [2, 5, 9]), (None, 4, [4]),
+                                                   (3, None, [3])])
+def test_generation_config_eos_ids_join_config_jsons(config_eos, gen_eos, ids, hf_checkpoint, tmp_path):
+    """transformers' generate stops at generation_config.json's eos_token_id too (an instruct model's end-of-turn
+    token is often only there): the artifact's stop tokens are config.json's, then generation_config.json's others."""
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM")
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "eos_token_id": config_eos}))
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": gen_eos}))
+    art = _build(ckpt, tmp_path / "art")
+    assert mxc.load(art).eos_token_ids == ids
+
+
+@pytest.mark.parametrize("text, pattern", [('{"eos_token_id": 300}', r"eos_token_id 300: expected a token id .* below "
+                                                                       r"vocab_size 256"),
+                                           ("{not json", r"not valid JSON")])
+def test_a_bad_generation_config_is_named(text, pattern, hf_checkpoint, tmp_path):
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM")
+    (ckpt / "generation_config.json").write_text(text)
+    with pytest.raises(mxc.MxcError, match=r"generation_config\.json: " + pattern) as e:
+        _build(ckpt, tmp_path / "art")
+    assert "\n" not in str(e.value)
 
 
 def test_a_config_that_is_not_a_json_object_is_refused(tmp_path):

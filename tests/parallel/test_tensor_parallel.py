@@ -290,6 +290,22 @@ def test_load_checks_world_size_and_process_group(tmp_path):
         mxc.load(art, rank=0, world_size=2)
 
 
+def _load_as_rank_0(rank, world_size, device, art):
+    import torch.distributed as dist
+
+    dist.barrier()  # both ranks through the handshake (see _fail_on)
+    mxc.load(art, rank=0, world_size=world_size)
+
+
+def test_load_refuses_a_rank_other_than_the_process_groups(tmp_path):
+    """Rank 1 loading rank 0's shards: its collectives would sum the wrong slices (logits off by 0.7, other greedy
+    tokens, no error). The rank given must be the process's own in the process group."""
+    art = mxc.build("llama.yaml", out=tmp_path / "a", tp=2, progress=False, log=lambda m: None)
+    with pytest.raises(mxc.MxcError, match=r"^rank 1: .*: loaded as rank 0, but this process is rank 1 of the process "
+                                           r"group; pass rank=torch.distributed.get_rank\(\)$"):
+        run_ranks(_load_as_rank_0, 2, "cpu", art)
+
+
 def _fail_on(rank, world_size, device, bad_rank, error):
     import torch.distributed as dist
 

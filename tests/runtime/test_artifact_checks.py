@@ -331,7 +331,7 @@ def test_program_bytes_are_rechecked_before_they_run(art):
     program = art / "code" / "forward.py"
     module = artifact._exec_program(program, hashlib.sha256(program.read_bytes()).hexdigest())
     assert callable(module.forward)
-    with pytest.raises(MxcError, match=r"forward\.py: modified while loading"):
+    with pytest.raises(MxcError, match=r"forward\.py: does not match the sha256 the manifest records for it"):
         artifact._exec_program(program, "0" * 64)
 
 
@@ -427,3 +427,30 @@ def test_the_manifest_digest_reads_back_whatever_the_layout(art):
     m = json.loads(path.read_text())
     path.write_text(json.dumps(dict(reversed(list(m.items())))))
     assert mxc.load(art).logits([[1, 2]]).shape == (1, 2, 256)
+
+
+def test_cpu_with_an_index_is_the_cpu(art):
+    """cpu:0 (and torch.device("cpu", 0)) is the one CPU device, where safetensors refused "cpu:0"."""
+    import torch
+
+    want = mxc.load(art).logits([[1, 2]])
+    for device in ("cpu:0", torch.device("cpu", 0)):
+        model = mxc.load(art, device=device)
+        assert model.device == torch.device("cpu") and torch.equal(model.logits([[1, 2]]), want)
+
+
+@pytest.mark.parametrize("kw, pattern", [
+    (dict(path=None), r"path must be an artifact directory \(str or Path\), got NoneType"),
+    (dict(path=123), r"path must be an artifact directory \(str or Path\), got int"),
+    (dict(rank="0"), r"rank must be an integer, got '0'"),
+    (dict(rank=0.0), r"rank must be an integer, got 0\.0"),
+    (dict(rank=False), r"rank must be an integer, got False"),
+    (dict(world_size=1.0), r"world_size must be an integer, got 1\.0"),
+    (dict(world_size=True), r"world_size must be an integer, got True"),
+])
+def test_load_arguments_of_the_wrong_type_are_named(art, kw, pattern):
+    """Not a TypeError from Path(), nor weights/rank0.0.safetensors looked for, nor world_size=True accepted."""
+    path = kw.pop("path", art)
+    with pytest.raises(MxcError, match=pattern) as e:
+        mxc.load(path, **kw)
+    assert "\n" not in str(e.value)

@@ -30,9 +30,9 @@ def test_token_outside_vocab(model, bad):
 @pytest.mark.parametrize("ids", [[1, 2, 3], torch.tensor([1, 2, 3]), [[]], torch.ones(1, 2, 3, dtype=torch.long),
                                  torch.ones(1, 3), torch.ones(0, 2, dtype=torch.long), [[1, 2, 3], [4]], [["a"]]])
 def test_shape_and_dtype_refused(model, ids):
-    with pytest.raises(MxcError, match=r"input_ids must be a \[batch, seq\] integer tensor"):
+    with pytest.raises(MxcError, match=r"input_ids must be a \[batch, seq\] (integer|int64 or int32) tensor"):
         model.logits(ids)
-    with pytest.raises(MxcError, match=r"input_ids must be a \[batch, seq\] integer tensor"):
+    with pytest.raises(MxcError, match=r"input_ids must be a \[batch, seq\] (integer|int64 or int32) tensor"):
         model.generate(ids, max_new_tokens=2)
 
 
@@ -137,3 +137,66 @@ def test_stop_at_eos_without_eos_ids_runs_to_the_end(model, monkeypatch):
     monkeypatch.setattr(model, "eos_token_ids", [])
     monkeypatch.setattr(model_mod, "sample", lambda logits, *a: torch.zeros(logits.shape[0], dtype=torch.int64))
     assert model.generate([[1, 2]] * 2, max_new_tokens=4, stop_at_eos=True).tolist() == [[0] * 4] * 2
+
+
+@pytest.mark.parametrize("ids, pattern", [(None, r"input_ids must be a \[batch, seq\] integer tensor"),
+                                          (torch.ones(1, 2, dtype=torch.long, device="meta"), r"meta device"),
+                                          (torch.ones(1, 2, dtype=torch.uint8), r"int64 or int32 tensor .* torch.uint8")])
+def test_ids_no_tensor_can_be_made_of_are_named(model, ids, pattern):
+    """None (torch raised a RuntimeError), ids on the meta device (.item() failed) and a uint8 tensor."""
+    with pytest.raises(MxcError, match=pattern):
+        model.logits(ids)
+
+
+@pytest.mark.parametrize("kw", [dict(top_k=5), dict(top_p=0.9), dict(seed=0), dict(top_k=5, temperature=0.0)])
+def test_sampling_arguments_need_a_temperature(model, kw):
+    """Greedy decoding would ignore them (as the CLI already said)."""
+    name = next(k for k in kw if k != "temperature")
+    with pytest.raises(MxcError, match=rf"^{name} needs temperature > 0 \(greedy decoding does not sample\)$"):
+        model.generate([[1, 2]], max_new_tokens=2, **kw)
+
+
+def test_a_tiny_temperature_samples_the_top_token(model):
+    """logits / 1e-39 overflowed to inf and multinomial failed; from the row's top down it is greedy."""
+    from fractions import Fraction
+
+    greedy = model.generate([[1, 2, 3]], max_new_tokens=3)
+    assert torch.equal(model.generate([[1, 2, 3]], max_new_tokens=3, temperature=1e-39, seed=0), greedy)
+    assert model.generate([[1, 2, 3]], max_new_tokens=3, temperature=Fraction(7, 10), seed=0).shape == (1, 3)
+
+
+def test_eos_token_ids_are_the_models_own_copy(model):
+    model.eos_token_ids.append(99)
+    assert 99 not in model.manifest["runtime"]["eos_token_id"]
+    model.eos_token_ids.pop()
+
+
+def test_calls_from_threads_take_turns(model):
+    """One forward at a time in the process (the launcher is process-wide; a GPU model's cache and graphs are its
+    own): two threads calling one model never overlap inside the forward, and each gets its own answer."""
+    import threading
+    import time
+
+    inside, overlaps, forward = [0], [], model._forward
+
+    def tracked(*args):
+        inside[0] += 1
+        overlaps.append(inside[0])
+        time.sleep(0.01)
+        try:
+            return forward(*args)
+        finally:
+            inside[0] -= 1
+
+    want = {n: model.logits([[n, n + 1]]) for n in range(4)}
+    model._forward = tracked
+    try:
+        got = {}
+        threads = [threading.Thread(target=lambda n=n: got.__setitem__(n, model.logits([[n, n + 1]]))) for n in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        model._forward = forward
+    assert max(overlaps) == 1 and all(torch.equal(got[n], want[n]) for n in range(4))
