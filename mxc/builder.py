@@ -61,6 +61,21 @@ def _check_writable(path: Path, flag: str) -> None:
         raise MxcError(f"{flag} {path}: cannot be created ({base} {why})")
 
 
+def _check_argument_types(**given) -> None:
+    """``build``'s path and count arguments as the Python API may pass them (the command line gives strings and
+    ints): a one-line error naming the argument, not a TypeError from deep inside."""
+    for name in ("source", "out", "checkpoint", "config", "dump_ir"):
+        value = given[name]
+        if not (isinstance(value, (str, os.PathLike)) or (value is None and name != "source")):
+            raise MxcError(f"{name} must be a path (str or Path){'' if name == 'source' else ' or None'}, got "
+                           f"{type(value).__name__}")
+    if not isinstance(given["arch"], int) or isinstance(given["arch"], bool):
+        raise MxcError(f"arch must be an integer, got {given['arch']!r}")
+    passes = given["disable_passes"]
+    if not isinstance(passes, (list, tuple)) or not all(isinstance(p, str) for p in passes):
+        raise MxcError(f"disable_passes must be a list of pass names, got {passes!r}")
+
+
 def _check_dump_dir(dump: Path, out: Path) -> None:
     """``--dump-ir``'s directory must be writable and neither an artifact (its manifest would not list the dumps:
     it would no longer load), nor inside one, nor inside ``--out`` (the finished build replaces ``out``: the dumps
@@ -204,6 +219,8 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     ``PREFILL_GRAPH_TOKENS`` for ``--target cuda`` (0 elsewhere): batch-1 prompts up to that many tokens
     replay the CUDA graph of their length bucket (``runtime_buckets.prefill_graph_buckets``).
     """
+    _check_argument_types(source=source, out=out, checkpoint=checkpoint, config=config, dump_ir=dump_ir, arch=arch,
+                          disable_passes=disable_passes)
     if target not in ("cpu", "cuda"):
         raise MxcError(f"--target {target}: expected cpu or cuda")
     if dtype not in (None, "float32", "bfloat16", "float16"):
@@ -226,7 +243,7 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     tp_allreduce = resolve_tp_allreduce(tp_allreduce, target, tp, dtype or ("float32" if target == "cpu" else "bfloat16"))
     if tp_allreduce in ("one_shot", "push") and target != "cuda":
         raise MxcError(f"--tp-allreduce {tp_allreduce}: the peer-memory all-reduce needs --target cuda (got {target})")
-    if not isinstance(tp, int) or tp < 1:
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise MxcError(f"--tp {tp}: expected a positive integer")
     if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in (max_batch, max_seq_len)):
         raise MxcError(f"--max-batch {max_batch} / --max-seq-len {max_seq_len}: expected positive integers")

@@ -149,7 +149,7 @@ def test_max_position_embeddings_not_a_positive_integer_is_refused(mpe, tmp_path
     one_line(e)
 
 
-@pytest.mark.parametrize("tp", [0, -1, "2", 1.0])
+@pytest.mark.parametrize("tp", [0, -1, "2", 1.0, True])
 def test_tp_not_a_positive_integer_is_refused(tp, tmp_path):
     with pytest.raises(MxcError, match=rf"--tp {tp}: expected a positive integer") as e:
         build("llama.yaml", tmp_path / "art", tp=tp)
@@ -178,3 +178,25 @@ def test_a_max_seq_len_past_max_position_embeddings_is_noted(max_seq_len, noted,
     lines = []
     mxc.build("llama.yaml", out=tmp_path / "art", max_seq_len=max_seq_len, progress=False, log=lines.append)
     assert any(f"--max-seq-len {max_seq_len} is above" in ln for ln in lines) is noted, lines
+
+
+@pytest.mark.parametrize("kw, pattern", [
+    (dict(source=None), r"source must be a path \(str or Path\), got NoneType"),
+    (dict(source=123), r"source must be a path \(str or Path\), got int"),
+    (dict(out=123), r"out must be a path \(str or Path\) or None, got int"),
+    (dict(out=b"x"), r"out must be a path \(str or Path\) or None, got bytes"),
+    (dict(checkpoint=123), r"checkpoint must be a path"),
+    (dict(config={"vocab_size": 1}), r"config must be a path \(str or Path\) or None, got dict"),
+    (dict(dump_ir=1), r"dump_ir must be a path"),
+    (dict(arch="90", target="cuda"), r"arch must be an integer, got '90'"),
+    (dict(disable_passes=None), r"disable_passes must be a list of pass names, got None"),
+    (dict(disable_passes="fuse_linear_io"), r"disable_passes must be a list of pass names"),
+])
+def test_python_arguments_of_the_wrong_type_are_named(kw, pattern, tmp_path):
+    """What the Python API may pass that the command line cannot: one line naming the argument, not a TypeError (or,
+    for tp=True, a tp=1 build)."""
+    kw = {"source": "llama.yaml", "out": tmp_path / "art", **kw}
+    with pytest.raises(MxcError, match=pattern) as e:
+        mxc.build(kw.pop("source"), progress=False, log=lambda m: None, **kw)
+    one_line(e)
+    assert not (tmp_path / "art").exists()
