@@ -2,7 +2,7 @@
 
 Takes the source ``mxc.source`` resolves (a bundled definition name, a YAML path,
 or an HF checkpoint directory whose config.json picks the definition), checks
-the build's inputs and its output directory, binds the graph, runs the compiler
+the build's inputs and its output directory (``build_output``), binds the graph, runs the compiler
 pipeline, renders the forward program, converts the weights
 and writes the manifest. Everything is written into a temporary sibling
 directory that replaces ``out`` only at the end: a failed or killed build
@@ -16,7 +16,6 @@ import functools
 import hashlib
 import json
 import os
-import re
 import shutil
 import sys
 import time
@@ -25,7 +24,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import mxc
-from mxc.artifact_format import SCHEMA_VERSION, file_digests, is_artifact, manifest_digest
+from mxc.artifact_format import SCHEMA_VERSION, file_digests, manifest_digest
+from mxc.build_output import check_dump_dir, check_out, check_space, recover, replace_with
 from mxc.codegen.render import render_forward
 from mxc.compiler.options import BuildOptions
 from mxc.compiler.pipeline import check_disabled, compile_graph
@@ -48,17 +48,6 @@ def _tensor_names(directory) -> list[str]:
         return ckpt.names()
 
 
-def _check_writable(path: Path, flag: str) -> None:
-    """Fail before the build's long work if ``path`` cannot become a directory: its nearest existing ancestor
-    must be a writable directory (and ``path`` itself, if it exists, a directory)."""
-    if path.exists() and not path.is_dir():
-        raise MxcError(f"{flag} {path}: exists and is not a directory")
-    base = path.absolute()
-    while not base.exists():
-        base = base.parent
-    if not base.is_dir() or not os.access(base, os.W_OK | os.X_OK):
-        why = "is not a directory" if not base.is_dir() else "is not writable"
-        raise MxcError(f"{flag} {path}: cannot be created ({base} {why})")
 
 
 def _check_argument_types(**given) -> None:
@@ -76,32 +65,8 @@ def _check_argument_types(**given) -> None:
         raise MxcError(f"disable_passes must be a list of pass names, got {passes!r}")
 
 
-def _check_dump_dir(dump: Path, out: Path) -> None:
-    """``--dump-ir``'s directory must be writable and neither an artifact (its manifest would not list the dumps:
-    it would no longer load), nor inside one, nor inside ``--out`` (the finished build replaces ``out``: the dumps
-    would go with it)."""
-    _check_writable(dump, "--dump-ir")
-    where = dump.resolve()
-    if where == out.resolve() or out.resolve() in where.parents:
-        raise MxcError(f"--dump-ir {dump}: is inside --out {out}, which the build replaces when it ends; choose a "
-                       f"directory outside it")
-    artifact = next((p for p in (where, *where.parents) if is_artifact(p)), None)
-    if artifact is not None:
-        raise MxcError(f"--dump-ir {dump}: is {'the' if artifact == where else 'inside the'} artifact {artifact}; "
-                       f"choose a directory outside it")
 
 
-def _check_space(out: Path, need: int) -> None:
-    """Fail before the build's long work if the disk ``out`` goes on has less room than the weights ``need``
-    (bytes; the old artifact at ``out``, if any, is replaced only at the end, so it takes no part)."""
-    base = out.absolute()
-    while not base.exists():
-        base = base.parent
-    usage = shutil.disk_usage(base)
-    free = usage.free
-    if usage.total and need > free:  # a filesystem reporting no size at all (some pseudo mounts) is not judged
-        raise MxcError(f"--out {out}: the artifact's weights take {size_text(need)} and {base} has {size_text(free)} "
-                       f"free; free some space or choose another --out")
 
 
 def _check_tokenizer(checkpoint: Path | None) -> None:
@@ -279,14 +244,9 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     if out is not None and not str(out).strip():
         raise MxcError("--out '': give the artifact directory, or leave --out out for build/<definition>")
     out = Path(out) if out else Path("build") / src.model_file.stem
-    if out.exists() and not is_artifact(out):  # only an artifact is ever replaced
-        raise MxcError(f"--out {out}: exists and is not an mxc artifact; choose another path or remove it")
-    inside = next((p for p in out.absolute().parents if is_artifact(p)), None)
-    if inside is not None:  # its manifest would not list the new files: it would no longer load
-        raise MxcError(f"--out {out}: is inside the artifact {inside}; choose a path outside it")
-    _check_writable(out, "--out")
+    check_out(out)
     if dump_ir:
-        _check_dump_dir(Path(dump_ir), out)
+        check_dump_dir(Path(dump_ir), out)
     check_eos(src)
     _check_tokenizer(src.checkpoint)
 
@@ -306,13 +266,13 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     graph = compile_graph(graph, options, Path(dump_ir) if dump_ir else None)
 
     need = options.tp * weight_bytes(graph)
-    _check_space(out, need)
+    check_space(out, need)
     tmp = out.parent / f".{out.name}.building-{os.getpid()}"
     created = [p for p in (out.parent.absolute(), *out.parent.absolute().parents) if not p.exists()]  # innermost first
     try:  # the temporary directory goes on any exit, even a signal handled just after its mkdir
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
-            _recover(out)
+            recover(out)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
         except OSError as e:
@@ -324,7 +284,7 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
                 raise
             raise MxcError(f"--out {out}: {e.strerror} while writing the artifact (its weights take "
                            f"{size_text(need)}); free some space or choose another --out") from None
-        _replace(tmp, out)
+        replace_with(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         for parent in created:  # the folders this build made for --out, where nothing else went since
@@ -441,37 +401,3 @@ def _mlp_pair_library(graph, options: BuildOptions, tmp: Path, log) -> dict | No
         raise MxcError(f"building the fp8 MLP pair kernel failed ({str(e).splitlines()[0]}); "
                        f"build without --mlp-pair") from e
     return {"library": mlp_pair_fp8.LIBRARY, "source": mlp_pair_fp8.library_source()}
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _recover(out: Path) -> None:
-    """Clean up after builds that were killed: drop their partial output; if one died between
-    its two renames, put the previous artifact back."""
-    mine = re.compile(rf"\.{re.escape(out.name)}\.(building|old)-(\d+)")  # not another output's (art.v2)
-    for leftover in out.parent.iterdir():
-        found = mine.fullmatch(leftover.name)
-        if not found or _pid_alive(int(found.group(2))):
-            continue
-        if found.group(1) == "old" and not out.exists():
-            os.replace(leftover, out)
-        else:
-            shutil.rmtree(leftover, ignore_errors=True)
-
-
-def _replace(tmp: Path, out: Path) -> None:
-    """Swap the finished ``tmp`` in for ``out`` with two renames."""
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    shutil.rmtree(old, ignore_errors=True)  # a leftover of a dead build whose pid this one reuses
-    if out.exists():
-        os.replace(out, old)
-    os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
