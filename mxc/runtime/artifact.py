@@ -21,7 +21,7 @@ import types
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 import mxc
 from mxc.artifact_format import SCHEMA_VERSION, listed_files, manifest_digest, sha256_file
@@ -196,7 +196,8 @@ def check_generate_device(name: str, manifest: dict, path) -> None:
     check_rank_devices(name, manifest.get("tp", 1), path)
 
 
-def verify_files(path: Path, manifest: dict) -> None:
+def verify_files(path: Path, manifest: dict, hashes: bool = True) -> None:
+    """The artifact's files are the manifest's: none extra, none missing, and (``hashes``) each as built."""
     expected = manifest.get("files", {})
     present = set(listed_files(path))
     extra = sorted(present - set(expected))
@@ -207,7 +208,7 @@ def verify_files(path: Path, manifest: dict) -> None:
         f = path / rel
         if not f.is_file():
             raise MxcError(f"{path}: {rel} is missing; the artifact is incomplete, rebuild it")
-        if sha256_file(f) != digest:
+        if hashes and sha256_file(f) != digest:
             raise MxcError(f"{path}: {rel} was modified since the build (sha256 mismatch); rebuild the artifact")
 
 
@@ -277,8 +278,7 @@ def load(path, device: str = "cpu", rank: int = 0, world_size: int = 1, verify: 
             raise MxcError(f"{path}: loaded as rank {rank}, but this process is rank {dist.get_rank()} of the "
                            f"process group; pass rank=torch.distributed.get_rank()")
     device = _device(device)
-    if verify:
-        verify_files(path, manifest)
+    verify_files(path, manifest, hashes=verify)  # verify=False: the files' presence only, no hashing
     program = _exec_program(path / "code" / "forward.py", manifest["files"]["code/forward.py"])
     with on_device(device):  # kernels load into, and graphs capture on, the model's GPU, whichever is current
         launcher = _kernel_launcher(path, manifest, device, rebuild_kernels)  # a wrong device or GPU fails first
@@ -291,8 +291,11 @@ def _load_weights(path: Path, rank: int, device: torch.device) -> dict[str, torc
     file = path / "weights" / f"rank{rank}.safetensors"
     if device.type == "cuda":
         _check_weights_fit(path, rank, file.stat().st_size, device)
-    with safe_open(file, framework="pt", device=str(device)) as f:
-        return {name: f.get_tensor(name) for name in f.keys()}
+    try:
+        with safe_open(file, framework="pt", device=str(device)) as f:
+            return {name: f.get_tensor(name) for name in f.keys()}
+    except SafetensorError as e:  # damaged after the build, loaded with verify=False (verify=True says which file)
+        raise MxcError(f"{file}: not a readable safetensors file ({e}); the artifact is damaged, rebuild it") from None
 
 
 def _check_weights_fit(path: Path, rank: int, nbytes: int, device: torch.device) -> None:

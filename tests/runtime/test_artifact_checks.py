@@ -454,3 +454,15 @@ def test_load_arguments_of_the_wrong_type_are_named(art, kw, pattern):
     with pytest.raises(MxcError, match=pattern) as e:
         mxc.load(path, **kw)
     assert "\n" not in str(e.value)
+
+
+def test_verify_false_still_names_a_missing_or_damaged_file(art):
+    """verify=False skips the hashing only: a missing file is named (not a FileNotFoundError), and a weight file
+    damaged after the build is one line (not a SafetensorError)."""
+    weights = art / "weights" / "rank0.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    _refused(art, r"rank0\.safetensors: not a readable safetensors file .*; the artifact is damaged, rebuild it",
+             verify=False)
+    weights.unlink()
+    _refused(art, r"weights/rank0\.safetensors is missing; the artifact is incomplete, rebuild it", verify=False)
