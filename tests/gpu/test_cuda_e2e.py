@@ -107,7 +107,8 @@ def test_decoder_ends_once_every_row_stopped(temperature, hf_checkpoint, tmp_pat
                     max_seq_len=64, progress=False, log=lambda m: None)
     model = mxc.load(art, device="cuda")
     ids = torch.randint(0, 256, (3, 5), generator=torch.Generator().manual_seed(12))
-    full = model.generate(ids, max_new_tokens=40, temperature=temperature, seed=7)
+    seed = 7 if temperature else None  # greedy decoding takes no seed
+    full = model.generate(ids, max_new_tokens=40, temperature=temperature, seed=seed)
     eos = sorted({int(full[r, 2 + 3 * r]) for r in range(3)})  # row r has one by column 2 + 3r
     first = [min(c for c in range(40) if int(full[r, c]) in eos) for r in range(3)]
     looks = -(-(max(first) + 1) // 4) * 4  # tokens when a look first sees every row stopped
@@ -116,7 +117,7 @@ def test_decoder_ends_once_every_row_stopped(temperature, hf_checkpoint, tmp_pat
         raw = model._decoder.generate(ids.cuda(), 40, sampling, torch.Generator("cuda").manual_seed(7), stop_ids=eos)
     assert raw.shape == (3, min(looks, 40)) and torch.equal(raw.cpu(), full[:, :raw.shape[1]])
     model.eos_token_ids = eos
-    assert torch.equal(model.generate(ids, max_new_tokens=40, temperature=temperature, seed=7, stop_at_eos=True),
+    assert torch.equal(model.generate(ids, max_new_tokens=40, temperature=temperature, seed=seed, stop_at_eos=True),
                        _stop_at_eos(full, eos))
 
 
