@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 print("body", flush=True)  # no __main__ guard, as a user's script
+MAIN = sys.modules["__main__"]
 from mxc.codegen import aot
 
 spec = {"kernel": "mxc.kernels.triton_route:route_kernel",
@@ -28,6 +29,7 @@ spec = {"kernel": "mxc.kernels.triton_route:route_kernel",
 one = dict(spec, constexprs=dict(spec["constexprs"], K=1, BLOCK_K=1))
 index = aot.compile_specs({"a": spec, "b": one}, Path(sys.argv[1]), progress=False, workers=2)
 print("compiled", len(index), flush=True)
+print("main script module kept:", sys.modules["__main__"] is MAIN, flush=True)  # put back once the workers start
 """
 
 
@@ -39,5 +41,5 @@ def test_workers_do_not_run_the_callers_unguarded_script(tmp_path):
     r = subprocess.run([sys.executable, str(script), str(tmp_path / "out")], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.splitlines() == ["body", "compiled 2"]
+    assert r.stdout.splitlines() == ["body", "compiled 2", "main script module kept: True"]
     assert (tmp_path / "out" / "index.json").is_file()

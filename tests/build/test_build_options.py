@@ -34,6 +34,8 @@ def test_prefill_graphs_needs_cuda_and_a_count(ckpt, tmp_path):
     one_line(e)
     with pytest.raises(MxcError, match=r"^--prefill-graphs -1: expected a token count >= 0 \(0: off\)$"):
         build(ckpt, tmp_path / "art", prefill_graphs=-1, target="cuda")
+    with pytest.raises(MxcError, match=r"^--prefill-graphs True: expected a token count >= 0 \(0: off\)$"):
+        build(ckpt, tmp_path / "art", prefill_graphs=True)  # the Python API's bool is no count, as for --tp
     assert not (tmp_path / "art").exists()
 
 
@@ -189,6 +191,9 @@ def test_a_max_seq_len_past_max_position_embeddings_is_noted(max_seq_len, noted,
     (dict(config={"vocab_size": 1}), r"config must be a path \(str or Path\) or None, got dict"),
     (dict(dump_ir=1), r"dump_ir must be a path"),
     (dict(arch="90", target="cuda"), r"arch must be an integer, got '90'"),
+    (dict(arch=True, target="cuda"), r"arch must be an integer, got True"),
+    (dict(disable_passes=["fuse_linear_io", 3]), r"disable_passes must be a list of pass names, got \['fuse_linear_io', "
+                                                 r"3\]"),
     (dict(disable_passes=None), r"disable_passes must be a list of pass names, got None"),
     (dict(disable_passes="fuse_linear_io"), r"disable_passes must be a list of pass names"),
 ])

@@ -226,8 +226,8 @@ def test_dump_ir_into_an_artifact_is_refused(where, tmp_path):
     """An artifact's manifest would not list the dumps, so it would no longer load."""
     other = build("llama.yaml", tmp_path / "other")
     dump = other if where == "the-artifact" else other / "ir"
-    with pytest.raises(MxcError, match=r"--dump-ir .*: is (the|inside the) artifact .*other; choose a directory "
-                                       r"outside it") as e:
+    is_ = "the" if where == "the-artifact" else "inside the"
+    with pytest.raises(MxcError, match=rf"--dump-ir .*: is {is_} artifact .*other; choose a directory outside it") as e:
         build("llama.yaml", tmp_path / "new", dump_ir=dump)
     one_line(e)
     assert not (tmp_path / "new").exists() and not (other / "ir").exists() and not (other / "00-bound.yaml").exists()

@@ -222,7 +222,7 @@ def test_own_definition_whose_tiny_config_is_not_beside_it_says_where_it_looked(
                             f"my.yaml's folder); pass --checkpoint or --config")
 
 
-@pytest.mark.parametrize("name", ["config.json", "tiny.json"])
+@pytest.mark.parametrize("name", ["config.json", "tiny.json", "Tiny.JSON"])
 def test_a_config_json_as_source_is_refused_as_such(hf_checkpoint, tmp_path, name):
     """``mxc build ckpt/config.json`` read the config as a model definition: 'architectures: unknown section'."""
     ckpt, _ = hf_checkpoint("LlamaForCausalLM")

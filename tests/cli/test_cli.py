@@ -601,6 +601,28 @@ def test_prompt_on_a_sentencepiece_only_checkpoint_says_so(hf_checkpoint, tmp_pa
                                                           f"only tokenizer.model, which mxc cannot read; use --ids")
 
 
+def test_prompt_without_tokenizer_json_names_the_tokenizer_files_the_checkpoint_had(tmp_path):
+    """A GPT-2 style checkpoint (vocab.json and merges.txt, no tokenizer.json) is named as such; none at all too."""
+    from mxc.runtime.tokenizer import missing_reason
+
+    (tmp_path / "tokenizer").mkdir()
+    assert missing_reason(tmp_path) == "--prompt needs a tokenizer, and the checkpoint it was built from had none"
+    for name in ("vocab.json", "merges.txt"):
+        (tmp_path / "tokenizer" / name).write_text("{}")
+    assert missing_reason(tmp_path) == ("--prompt needs tokenizer.json; the checkpoint had only vocab.json, "
+                                        "merges.txt, which mxc cannot read")
+
+
+def test_a_tokenizer_json_damaged_after_the_build_says_to_rebuild(tmp_path):
+    """The build read the artifact's tokenizer.json: unreadable at --prompt, it changed since, and a rebuild helps."""
+    from mxc.runtime.tokenizer import load_tokenizer
+
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "tokenizer" / "tokenizer.json").write_text('{"version": "1.0", "mod')
+    with pytest.raises(mxc.MxcError, match=r"tokenizer\.json: not a readable tokenizer \(.+\); rebuild the artifact$"):
+        load_tokenizer(tmp_path)
+
+
 def test_an_unreadable_tokenizer_json_is_refused_at_build(hf_checkpoint, tmp_path, capsys):
     """A damaged tokenizer.json in the checkpoint stops the build (before its long work), naming the file: at
     --prompt it would say to rebuild, which cannot help."""

@@ -134,6 +134,9 @@ def test_is_compares_identity_as_python_does(a, b):
 @pytest.mark.parametrize("text, needle", [
     ("((((10**60)**60)**60)**60)**60", "the result of '(10 ** 60) ** 60' is past 256 bits"),
     ("2**64 * 2**64 * 2**64 * 2**64 * 2", "is past 256 bits"),
+    ("2**64 * 2**64 * 2**64 * 2**64", "is past 256 bits"),  # 257 bits: one past the limit
+    ("[1] * 4097", "repeats a sequence past 4096 items"),  # refused before it is made, at one past the limit
+    ("'a' * 4096 + 'a'", "is past 4096 items"),  # a string, as a list
     ("'a' * 10**12 == 'b'", "repeats a sequence past 4096 items"),
     ("10**11 * [1] == []", "repeats a sequence past 4096 items"),
     ("[1] * 4096 + [1]", "is past 4096 items"),
@@ -147,6 +150,18 @@ def test_results_are_bounded(text, needle):
     MAX_LENGTH items, a float overflow or nesting past the interpreter's stack is an ExprError, quickly."""
     with pytest.raises(ExprError, match=re.escape(needle)):
         evaluate(text, {})
+
+
+@pytest.mark.parametrize("text, message", [
+    ("-" * 5000 + "1", "cannot parse expression '" + "-" * 76 + "...: nested too deeply"),  # refused by the parser
+    ("-" * 1500 + "1", "'" + "-" * 76 + "...: too large or nested too deeply to evaluate"),  # parsed, then refused
+    ("'" + "a" * 100 + "' % 1", "string formatting \"'" + "a" * 75 + "... is not allowed"),  # 110 characters
+])
+def test_a_long_expression_is_named_shortened(text, message):
+    """The error names the expression itself, cut to 80 characters: one line, not hundreds or thousands."""
+    with pytest.raises(ExprError) as e:
+        evaluate(text, {})
+    assert str(e.value) == message
 
 
 def test_result_limits_are_inclusive():

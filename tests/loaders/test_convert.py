@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,8 @@ from safetensors.torch import load_file
 
 from mxc.errors import MxcError
 from mxc.ir import Graph, QuantSpec, Repeat, ShardSpec, Weight
-from mxc.loaders.convert import (_check_stored_dtypes, _ignored, _part_scales, _same_values, check_names, check_tied,
-                                 rank_tensor, weight_bytes, write_weights)
+from mxc.loaders.convert import (_check_finite, _check_stored_dtypes, _ignored, _part_scales, _same_values, check_names,
+                                 check_tied, rank_tensor, weight_bytes, write_weights)
 from mxc.loaders.quantize import quantize_fp8
 
 
@@ -258,3 +259,35 @@ def test_values_past_the_dtype_are_refused_and_nothing_is_left_open(tmp_path):
     ckpt.tensors["k.weight"] = torch.full((2, 3), 65519.0)  # rounds to float16's largest: kept
     _write(_graph([w]), ckpt, [tmp_path / "rank0.safetensors"])
     assert load_file(tmp_path / "rank0.safetensors")["wqk"].float().max() == 65504
+
+
+def test_a_tied_weight_stored_with_other_values_is_refused_when_writing(tmp_path):
+    """write_weights checks the tied weights too (``check_checkpoint``), before anything is written."""
+    graph = replace(_graph([Weight("embed", (4, 3), "float32", ("embed.weight",))],
+                           tied=(("head.weight", "embed.weight", "tie_word_embeddings"),)), ignore=("head.weight",))
+    e = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    _write(graph, _Tensors({"embed.weight": e, "head.weight": e.clone()}), [tmp_path / "rank0.safetensors"])
+    (tmp_path / "rank0.safetensors").unlink()
+    with pytest.raises(MxcError, match=r"head\.weight differs from embed\.weight, which config\.json ties it to"):
+        _write(graph, _Tensors({"embed.weight": e, "head.weight": e + 1}), [tmp_path / "rank0.safetensors"])
+    assert not (tmp_path / "rank0.safetensors").exists()
+
+
+@pytest.mark.parametrize("quant", [None, QuantSpec("fp8_e4m3", "channel")])
+def test_float64_values_past_float32_are_refused_with_no_dtype_to_suggest(tmp_path, quant):
+    """A float64 checkpoint value past float32's range: no --dtype holds it. fp8 weights are quantized in float32,
+    so theirs is float32's range too, not fp8's (where the scale takes the magnitude)."""
+    dtype = "float32" if quant is None else "float8_e4m3fn"
+    w = Weight("w", (2, 3), dtype, ("w.weight",), quant=quant)
+    weights = [w] + ([Weight("w_scale", (2,), "float32", (), scale_of="w")] if quant else [])
+    ckpt = _Tensors({"w.weight": torch.tensor([[1.0, 1e300, 1.0], [1.0, 1.0, 1.0]], dtype=torch.float64)})
+    with pytest.raises(MxcError) as e:
+        _write(_graph(weights), ckpt, [tmp_path / "rank0.safetensors"])
+    assert str(e.value) == ("ckpt: w.weight holds values up to 1e+300, past float32's largest 3.403e+38 (weight w); "
+                            "no --dtype holds it")
+
+
+def test_nothing_to_check_in_an_empty_tensor():
+    """No values, none that is not finite (torch.aminmax refuses an empty tensor)."""
+    w = Weight("w", (0, 3), "float32", ("w.weight",))
+    assert _check_finite(w, _Tensors({"w.weight": torch.empty(0, 3)}), torch.empty(0, 3)) is None

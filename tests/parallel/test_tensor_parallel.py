@@ -334,6 +334,41 @@ def test_a_ranks_user_error_reaches_the_caller_as_one(world_size, bad_rank, mess
     assert not isinstance(e.value, mxc.MxcError)
 
 
+class _Rank:
+    """A rank process as ``stop_ranks`` sees it: alive or not, ending on SIGTERM (``polite``) or only on SIGKILL."""
+
+    def __init__(self, alive: bool, polite: bool):
+        self.alive, self.polite, self.calls = alive, polite, []
+
+    def is_alive(self):
+        return self.alive
+
+    def terminate(self):
+        self.calls.append("terminate")
+        self.alive = not self.polite
+
+    def kill(self):
+        self.calls.append("kill")
+        self.alive = False
+
+    def join(self, timeout=None):
+        self.calls.append(("join", timeout))
+
+
+def test_stop_ranks_terminates_then_kills_what_is_left_after_the_grace():
+    """``stop_ranks``: SIGTERM to the ranks still running, then, once ``grace`` seconds are up, SIGKILL to those
+    that ignored it; a rank already ended is left alone."""
+    from mxc.runtime.ranks import stop_ranks
+
+    done, polite, stubborn = _Rank(False, True), _Rank(True, True), _Rank(True, False)
+    stop_ranks([done, polite, stubborn], grace=2.0)
+    assert [c for c in done.calls if c in ("terminate", "kill")] == []
+    assert polite.calls[0] == "terminate" and "kill" not in polite.calls
+    assert stubborn.calls[0] == "terminate" and stubborn.calls[-2:] == ["kill", ("join", None)]
+    waited = [c[1] for c in stubborn.calls if isinstance(c, tuple) and c[1] is not None]
+    assert len(waited) == 1 and 1.0 < waited[0] <= 2.0  # the rest of the grace, not no wait at all
+
+
 def test_cli_generate_starts_the_ranks(tmp_path):
     env = {k: v for k, v in os.environ.items()}
     one = mxc.build("llama.yaml", out=tmp_path / "one", progress=False, log=lambda m: None)

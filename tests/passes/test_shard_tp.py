@@ -123,6 +123,10 @@ def test_row_weight_with_fewer_columns_than_ranks_is_refused_by_its_field(bind_a
         shard(prepared(bind_arch(intermediate_size=2)), tp=4)
     assert str(e.value) == ("cannot shard weight layers.{i}.w_down (row) across --tp 4: `intermediate_size` = 2 makes "
                             "2 parts, fewer than the ranks; use a --tp that the parts divide into")
+    with pytest.raises(MxcError) as e:
+        shard(prepared(bind_arch(intermediate_size=1)), tp=2)
+    assert str(e.value) == ("cannot shard weight layers.{i}.w_down (row) across --tp 2: `intermediate_size` = 1 makes "
+                            "1 part, fewer than the ranks; use a --tp that the parts divide into")
 
 
 def test_a_model_that_splits_inconsistently_is_refused_as_a_user_error(bind_arch):

@@ -227,6 +227,7 @@ def _cuda_target(m, **options):
     (lambda m: _cuda_target(m, max_seq_len=0), r"field options\.max_seq_len: expected a positive integer"),
     (lambda m: m["options"].update(max_seq_len="512"), r"field options\.max_seq_len: expected a positive integer"),
     (lambda m: m.pop("ir_sha256"), r"field ir_sha256: expected a string"),
+    (lambda m: m.update(architecture=["LlamaForCausalLM"]), r"field architecture: expected a string, or null"),
     (lambda m: m["source"].pop("checkpoint"), r"field source"),
     (lambda m: m["kernels"][0].update(kernel=[[16, "a", "b"]]), r"field kernels"),
     (lambda m: m["kernels"][0].update(kernel=[["16", "a"]]), r"field kernels"),
@@ -235,13 +236,19 @@ def _cuda_target(m, **options):
 ], ids=["older-schema", "no-schema", "no-mxc-version", "no-forward-py", "digest-not-str",
         "tp-float", "tp-bool", "vocab-0", "eos-str", "kv-head-dim-0", "layers-prefix-no-index", "layers-count-0",
         "cuda-no-arch", "options-dtype", "cuda-max-batch-0", "cuda-max-seq-len-0", "cpu-max-seq-len-str",
-        "no-ir-sha256", "source-no-checkpoint", "kernel-bucket-3-items", "kernel-bucket-str-bound",
+        "no-ir-sha256", "architecture-list", "source-no-checkpoint", "kernel-bucket-3-items", "kernel-bucket-str-bound",
         "kernel-bucket-bool-bound", "kernel-row-no-kernel"])
 def test_damaged_manifest_fields_are_refused_by_name(art, edit, pattern):
     """Each field the runtime reads, damaged, is refused in one line naming the manifest and the field."""
     _manifest_edit(edit)(art)
     msg = _refused(art, pattern)
     assert str(art / "manifest.json") in msg
+
+
+def test_a_manifest_naming_no_architecture_loads(art):
+    """A model file built from a config.json that names no architectures records ``architecture: null``."""
+    _edit_manifest(art, architecture=None)
+    assert mxc.load(art).vocab_size == 256
 
 
 @pytest.mark.parametrize("name", ["/etc/hostname", "../outside.txt", "weights/../../outside.txt", "..", ""])
@@ -320,6 +327,23 @@ def test_tensor_parallel_ranks_need_one_gpu_each(monkeypatch, tmp_path):
     artifact.check_rank_devices("cpu", 4, tmp_path)  # the CPU takes any number
     with pytest.raises(MxcError, match=r"built for --tp 3, whose ranks take one GPU each; this machine has 2"):
         artifact.check_rank_devices("cuda", 3, tmp_path)
+
+
+def test_generate_checks_the_device_and_a_gpu_a_rank_before_loading(monkeypatch, tmp_path):
+    """``mxc generate --device``: a device this machine has, and one GPU for each of a --tp artifact's ranks."""
+    import torch
+
+    from mxc.runtime import artifact
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    artifact.check_generate_device("cuda", {"target": {"name": "cuda"}, "tp": 2}, tmp_path)
+    artifact.check_generate_device("cpu", {"target": {"name": "cpu"}, "tp": 4}, tmp_path)
+    with pytest.raises(MxcError, match=r"built for --tp 3, whose ranks take one GPU each; this machine has 2"):
+        artifact.check_generate_device("cuda", {"target": {"name": "cuda"}, "tp": 3}, tmp_path)
+    with pytest.raises(MxcError, match=r"--device cuda:2: this machine has 2 CUDA device\(s\)"):
+        artifact.check_generate_device("cuda:2", {"target": {"name": "cpu"}}, tmp_path)
 
 
 def test_program_bytes_are_rechecked_before_they_run(art):

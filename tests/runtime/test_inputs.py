@@ -76,6 +76,11 @@ def test_cuda_decoder_capacity_counts_the_new_tokens(model, monkeypatch):
             model.generate(ids, max_new_tokens=n)
     with pytest.raises(MxcError, match=r"batch 1 x 17 tokens exceeds"):
         model.logits([[1] * 17])
+    with pytest.raises(MxcError) as e:
+        model.generate([[1] * 4] * 3, max_new_tokens=2)
+    assert str(e.value) == ("batch 3 x 6 tokens (4 prompt + 2 new) exceeds what the artifact was built for "
+                            "(--max-batch 2, --max-seq-len 16); run at most 2 sequences a call, or rebuild with "
+                            "--max-batch 3")
     assert made == [((2, 10), 6)]
 
 
