@@ -71,9 +71,9 @@ def _check_argument_types(**given) -> None:
 
 def _check_tokenizer(checkpoint: Path | None) -> None:
     """The checkpoint's tokenizer.json, which the artifact carries for ``--prompt``, reads as the runtime reads it
-    (``runtime.tokenizer``): an unreadable one is refused before the build's long work, not met at ``--prompt``,
+    (``mxc.tokenizer``): an unreadable one is refused before the build's long work, not met at ``--prompt``,
     where rebuilding would not help."""
-    from mxc.runtime.tokenizer import read_tokenizer
+    from mxc.tokenizer import read_tokenizer
 
     if checkpoint is not None and (checkpoint / "tokenizer.json").is_file():
         read_tokenizer(checkpoint / "tokenizer.json", "replace it with a good copy, or remove it to build without a "
@@ -316,7 +316,7 @@ def _write(tmp: Path, graph: Graph, src: Source, options: BuildOptions, arch: in
         log("writing weights" + (f" from {src.checkpoint}" if src.checkpoint else
                                  " (deterministic random: no --checkpoint)"))
         digests = write_weights(graph, ckpt, [tmp / "weights" / f"rank{r}.safetensors" for r in range(options.tp)],
-                                progress=progress)
+                                progress=progress, checked=True)
     if src.checkpoint:
         present = [f for f in TOKENIZER_FILES if (src.checkpoint / f).is_file()]
         if present:

@@ -40,7 +40,7 @@ def cmd_build(args) -> None:
 
 def _generate_and_print(rank: int, world_size: int, device: str, args, ids: list[int]) -> None:
     import mxc
-    from mxc.runtime.tokenizer import load_tokenizer
+    from mxc.tokenizer import load_tokenizer
 
     model = mxc.load(args.artifact, device=device, rank=rank, world_size=world_size)
     tokenizer = load_tokenizer(model.path) if args.prompt is not None else None
@@ -60,7 +60,7 @@ def cmd_generate(args) -> None:
     from mxc.runtime.artifact import check_generate_device, read_manifest
     from mxc.runtime.model import check_capacity
     from mxc.runtime.sampling import check_generate_args
-    from mxc.runtime.tokenizer import load_tokenizer, missing_reason
+    from mxc.tokenizer import load_tokenizer, missing_reason
 
     if (args.ids is None) == (args.prompt is None):
         raise MxcError("give exactly one of --ids or --prompt")

@@ -382,7 +382,7 @@ def test_prompt_on_a_sentencepiece_only_checkpoint_says_so(hf_checkpoint, tmp_pa
 
 def test_prompt_without_tokenizer_json_names_the_tokenizer_files_the_checkpoint_had(tmp_path):
     """A GPT-2 style checkpoint (vocab.json and merges.txt, no tokenizer.json) is named as such; none at all too."""
-    from mxc.runtime.tokenizer import missing_reason
+    from mxc.tokenizer import missing_reason
 
     (tmp_path / "tokenizer").mkdir()
     assert missing_reason(tmp_path) == "--prompt needs a tokenizer, and the checkpoint it was built from had none"
@@ -394,7 +394,7 @@ def test_prompt_without_tokenizer_json_names_the_tokenizer_files_the_checkpoint_
 
 def test_a_tokenizer_json_damaged_after_the_build_says_to_rebuild(tmp_path):
     """The build read the artifact's tokenizer.json: unreadable at --prompt, it changed since, and a rebuild helps."""
-    from mxc.runtime.tokenizer import load_tokenizer
+    from mxc.tokenizer import load_tokenizer
 
     (tmp_path / "tokenizer").mkdir()
     (tmp_path / "tokenizer" / "tokenizer.json").write_text('{"version": "1.0", "mod')

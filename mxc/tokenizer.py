@@ -1,4 +1,5 @@
-"""The artifact's tokenizer, when the checkpoint carried one.
+"""The artifact's tokenizer, when the checkpoint carried one: shared by the build, which checks the checkpoint's
+before it copies it, and the runtime, which reads the artifact's for ``--prompt``.
 
 Reads ``tokenizer/tokenizer.json`` with the ``tokenizers`` library (no
 transformers at run time). Returns ``None`` when the artifact has none, and
