@@ -103,13 +103,21 @@ def test_rope_qkv_write_norm_eps_counts(T, qk_norm):
     """q/k heads whose mean square is of the order of eps, grouped (decode) and one program a token (prefill,
     and the whole-projection norm): the kernel's eps moves them by far more than the tolerance (EPS = 1e-6 on
     unit heads does not)."""
-    HQ, HKV, D, eps, dtype = 4, 2, 32, 1e-2, torch.float32
     torch.manual_seed(5)
+    q, q_ref, k_cache, k_ref, _ = _normed_rope_case(torch.float32, qk_norm, 4, 2, 32, T, scale=0.1, eps=1e-2,
+                                                    slots=-(-T // MAX_LEN) + 1)
+    assert_close(q, q_ref, torch.float32)
+    assert_close(k_cache, k_ref, torch.float32, equal_nan=True)
+
+
+def _normed_rope_case(dtype, qk_norm, HQ, HKV, D, T, scale, eps, slots=SLOTS):
+    """The RoPE kernel with q/k norms (per ``head`` or over the ``whole`` projection) against the reference, on T
+    tokens of random qkv times ``scale`` at random positions and cache rows: (q, q_ref, k_cache, k_ref, cache_loc),
+    the caches NaN but where written."""
     spec = rope_spec("default", D, partial=False)
     cos, sin = rope_tables(spec, P, DEVICE)
-    qkv = (0.1 * torch.randn(T, (HQ + 2 * HKV) * D)).to(dtype)
+    qkv = (scale * torch.randn(T, (HQ + 2 * HKV) * D)).to(dtype)
     positions = torch.randint(0, P, (T,))
-    slots = -(-T // MAX_LEN) + 1
     cache_loc = torch.randperm(slots * MAX_LEN)[:T]
     q_norm = (1 + 0.1 * torch.randn(HQ * D if qk_norm == "whole" else D)).to(dtype)
     k_norm = (1 + 0.1 * torch.randn(HKV * D if qk_norm == "whole" else D)).to(dtype)
@@ -117,8 +125,7 @@ def test_rope_qkv_write_norm_eps_counts(T, qk_norm):
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     q = rope_qkv_write(qkv, positions, cos, sin, k_cache, v_cache, cache_loc, q_norm, k_norm, eps)
     q_ref = rope_reference(qkv, positions, spec, k_ref, v_ref, cache_loc, q_norm, k_norm, HQ, HKV, D, eps=eps)
-    assert_close(q, q_ref, dtype)
-    assert_close(k_cache, k_ref, dtype, equal_nan=True)
+    return q, q_ref, k_cache, k_ref, cache_loc
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the GPU contracts round(x*cos) + round(...) into one fma")
@@ -129,19 +136,9 @@ def test_rope_qkv_write_norm_rounds_like_the_reference(dtype, qk_norm):
     rope products and sum) is the kernel's: in the interpreter q and k agree with it bit for bit but for the
     rare element where the fp32 sum of squares, taken in another order, flips a rounding (0 to 2 of 3072
     here); skipping one rounding moves about one element in six. test_rope_qkv_write's tolerances miss it."""
-    HQ, HKV, D, T = 8, 2, 64, 6
+    HKV, D = 2, 64
     torch.manual_seed(9)
-    spec = rope_spec("default", D, partial=False)
-    cos, sin = rope_tables(spec, P, DEVICE)
-    qkv = (torch.randn(T, (HQ + 2 * HKV) * D) * 2).to(dtype)
-    positions = torch.randint(0, P, (T,))
-    cache_loc = torch.randperm(SLOTS * MAX_LEN)[:T]
-    q_norm = (1 + 0.1 * torch.randn(HQ * D if qk_norm == "whole" else D)).to(dtype)
-    k_norm = (1 + 0.1 * torch.randn(HKV * D if qk_norm == "whole" else D)).to(dtype)
-    k_cache, v_cache = (torch.full((SLOTS, MAX_LEN, HKV, D), float("nan"), dtype=dtype) for _ in range(2))
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    q = rope_qkv_write(qkv, positions, cos, sin, k_cache, v_cache, cache_loc, q_norm, k_norm, EPS)
-    q_ref = rope_reference(qkv, positions, spec, k_ref, v_ref, cache_loc, q_norm, k_norm, HQ, HKV, D)
+    q, q_ref, k_cache, k_ref, cache_loc = _normed_rope_case(dtype, qk_norm, 8, HKV, D, 6, scale=2, eps=EPS)
     k, k_want = k_cache.view(-1, HKV, D)[cache_loc], k_ref.view(-1, HKV, D)[cache_loc]
     for got, want in ((q, q_ref), (k, k_want)):
         assert_ulp(got, want)
