@@ -94,7 +94,8 @@ run() {  # run LIMIT_S LOG CMD...: stop at the limit with every Python thread's 
 }
 
 case "${1:-}" in
-  tests)  run 560 pytest.log python3 -m pytest -q -p no:cacheprovider tests/gpu --durations=10 ;;
+  tests)  # GPU_TESTS: the test paths and pytest options (default tests/gpu), TESTS_LIMIT: seconds (default 560)
+          run "${TESTS_LIMIT:-560}" pytest.log python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu} --durations=10 ;;
   suite)  run 560 pytest_suite.log python3 -m pytest -q -p no:cacheprovider -n "${SUITE_WORKERS:-12}" tests --ignore=tests/gpu ;;
   kattn)  run 300 pytest_attention.log python3 -m pytest -q -p no:cacheprovider tests/kernels/test_attention.py ;;
   decode) run 570 decode.log python3 bench/decode.py --profile 1,8 --profile-prefill --quant fp8 --hf-batches 1,8,32 --pdl-ab \

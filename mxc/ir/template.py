@@ -1,7 +1,9 @@
 """Binding a model file to a configuration: YAML template -> concrete Graph.
 
 A model file declares ``params`` (read from the checkpoint's config, with
-defaults as expressions over earlier params), ``inputs``, ``weights`` (shape
+defaults as expressions over earlier params), ``checks`` (conditions over the
+params that the config must meet: a failed one names the config file, its
+fields and their values), ``inputs``, ``weights`` (shape
 expressions, HF names, optional ``when`` conditions, ``tied_to``), a ``graph``
 of statements with ``repeat`` and ``when`` blocks, and ``outputs``. Binding
 evaluates every expression, drops disabled weights and blocks, unrolls nested
@@ -12,18 +14,20 @@ Every error names the file, the line and the field.
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 from typing import Any, Callable
 
 from mxc.errors import ConfigError, MxcError
-from mxc.ir.expr import ExprError, evaluate
+from mxc.ir.expr import ExprError, evaluate, parse_expr
 from mxc.ir.graph import Graph, Node, Repeat, ShardSpec, Sym, TensorType, Weight, fresh_name
 from mxc.ir.ops import OPS, n_outputs
 from mxc.ir.statements import Call, StatementError, parse_statement
 from mxc.ir.yaml_source import LDict, SourceError, load_yaml
 
-TOP_KEYS = {"family", "doc", "params", "inputs", "weights", "ignore", "graph", "outputs", "tiny_config"}
+TOP_KEYS = {"family", "doc", "params", "checks", "inputs", "weights", "ignore", "graph", "outputs", "tiny_config"}
+CHECK_KEYS = {"require", "says"}
 WEIGHT_KEYS = {"shape", "hf", "shard", "when", "tied_to", "tied_if", "init", "stack", "quantize"}
 PARAM_KEYS = {"default", "resolve", "doc", "one_of", "type", "min"}
 PARAM_TYPES = {"int": "an integer", "number": "a number", "bool": "true or false"}
@@ -80,6 +84,15 @@ def _check_declared(where: str, name: str, value, kind: str | None, low) -> None
         raise MxcError(f"{where}: field {name} = {value!r}: expected {want}")
 
 
+def _names(expr) -> list[str]:
+    """The names an expression reads, in the order they first appear (a literal reads none)."""
+    if not isinstance(expr, str):
+        return []
+    names = sorted((n for n in ast.walk(parse_expr(expr)) if isinstance(n, ast.Name)),
+                   key=lambda n: (n.lineno, n.col_offset))
+    return list(dict.fromkeys(n.id for n in names))
+
+
 class _MissingParam(Exception):
     """A resolver read a param the model file does not declare before it."""
 
@@ -120,6 +133,7 @@ class _Binder:
         if self.dtype not in DTYPES:
             raise self.err(0, "dtype", f"expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
         self.params = self.resolve_params(d["params"])
+        self.check_config(d.get("checks", []))
         inputs = self.read_inputs(d["inputs"])
         self.used_names.update(inputs)
         weights = self.read_weights(d["weights"], self.params, prefix="", hf_prefix="", where="weights")
@@ -210,6 +224,25 @@ class _Binder:
                 raise MxcError(f"{self.config_path}: field {name} = {params[name]!r}: {self.path.name} supports "
                                f"{' or '.join(map(repr, p['one_of']))} only")
         return params
+
+    def check_config(self, spec) -> None:
+        """The model file's ``checks``: each ``require`` condition over the params must hold, else the error names
+        the config file, the fields the condition reads with their values, ``says`` and the check's line. They
+        catch what the bound graph would refuse later in its own terms (``attention -> a: 5 query heads ...``)."""
+        if not isinstance(spec, list):
+            raise self.err(self.data.key_line("checks"), "checks",
+                           "expected a list of {require: condition over params, says: what it requires}")
+        for i, check in enumerate(spec):
+            line, field = getattr(check, "line", 0) or getattr(spec, "line", 0), f"checks[{i}]"
+            if not isinstance(check, dict) or set(check) != CHECK_KEYS or not isinstance(check["says"], str):
+                raise self.err(line, field, "expected {require: condition over params, says: what it requires}")
+            if self.eval(check["require"], self.params, line, f"{field}.require"):
+                continue
+            read = [n for n in _names(check["require"])  # the params it reads, not the registry's switches
+                    if n in self.params and (n not in self.overrides or n in self.read_as)]
+            shown = ", ".join(f"{self.read_as.get(n, n)} = {self.params[n]!r}" for n in read)
+            raise MxcError(f"{self.config_path}: {shown + ': ' if shown else ''}{check['says']} "
+                           f"({self.path.name}:{line}, checks)")
 
     def read_inputs(self, spec) -> dict[str, TensorType]:
         out = {}

@@ -89,7 +89,8 @@ def test_user_errors(artifact, hf_checkpoint, tmp_path, capsys):
     ("tie_word_embeddings", "no", "tie_word_embeddings = 'no': expected true or false"),
     ("rms_norm_eps", "abc", "rms_norm_eps = 'abc': expected a number"),  # its default, 1e-6, is a string to YAML
     ("hidden_act", "gelu", "hidden_act = 'gelu': llama.yaml supports 'silu' or 'swish' only"),
-    ("num_key_value_heads", 3, "the model does not hold together with this config"),
+    ("num_key_value_heads", 3, "config.json: num_attention_heads = 4, num_key_value_heads = 3: the query heads must "
+                               "be a multiple of the kv heads"),  # llama.yaml's checks
     ("max_position_embeddings", "x", "max_position_embeddings 'x': expected a positive integer"),
     ("quantization_config", [1], "quantization_config must be a JSON object"),
     ("quantization_config", {"quant_method": "compressed-tensors", "config_groups": [1]}, "config_groups must map"),
@@ -124,6 +125,20 @@ def test_config_errors_name_the_file_given(tmp_path, capsys):
            "rope.json: rope_theta must be positive")
     build_error(capsys, ["build", "llama.yaml", "--config", tmp_path / "nope.json", "--out", tmp_path / "o"],
                  "nope.json: not found; check the --config path")
+
+
+def test_a_graph_that_does_not_verify_names_the_statement(tmp_path, capsys):
+    """A model file without the check that would have caught the config: the bound graph's verifier refuses it,
+    one line naming the statement, nothing written."""
+    models = Path(mxc.__file__).parent / "models"
+    text = (models / "llama.yaml").read_text()
+    start = text.index("\nchecks:") + 1
+    (tmp_path / "nochecks.yaml").write_text(text[:start] + text[text.index("\n\n", start) + 2:])
+    config = json.loads((models / "configs" / "tiny-llama.json").read_text())
+    (tmp_path / "heads.json").write_text(json.dumps({**config, "num_key_value_heads": 3}))
+    build_error(capsys, ["build", tmp_path / "nochecks.yaml", "--config", tmp_path / "heads.json",
+                         "--out", tmp_path / "o"], "the model does not hold together with this config: nochecks.yaml:")
+    assert not (tmp_path / "o").exists()
 
 
 def test_empty_out_is_refused_and_a_long_max_seq_len_noted(tmp_path, capsys):

@@ -312,3 +312,50 @@ def test_config_value_of_the_wrong_kind(bind_arch, field, value, want):
     with pytest.raises(MxcError) as e:
         bind_arch(**{field: value})
     assert str(e.value) == f"config.json: field {field} = {value!r}: {want}"
+
+
+@pytest.mark.parametrize("arch, fields, shown, says", [
+    ("LlamaForCausalLM", dict(num_attention_heads=6, num_key_value_heads=4), "num_attention_heads = 6, num_key_value_heads = 4",
+     "the query heads must be a multiple of the kv heads"),
+    ("LlamaForCausalLM", dict(num_key_value_heads=3), "num_attention_heads = 4, num_key_value_heads = 3",
+     "the query heads must be a multiple of the kv heads"),
+    ("LlamaForCausalLM", dict(rms_norm_eps=0.0), "rms_norm_eps = 0.0", "the RMSNorm epsilon must be positive"),
+    # the registry's switch `moe` is not shown; Mixtral's num_experts is its num_local_experts
+    ("MixtralForCausalLM", dict(num_local_experts=0, num_experts_per_tok=0), "num_local_experts = 0",
+     "a mixture of experts needs at least one expert"),
+    ("MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=0),
+     "num_experts_per_tok = 0, num_local_experts = 4", "each token is routed to between 1 and num_experts experts"),
+], ids=["heads-6-of-4", "kv-3", "eps-0", "no-experts", "top-0"])
+def test_model_file_checks_name_the_config_fields(bind_arch, llama_text, arch, fields, shown, says):
+    """llama.yaml's ``checks``: a config the graph cannot hold is refused in the config's terms (its fields and
+    values, what they must satisfy, the check's line), not by the bound graph's verifier in the graph's."""
+    with pytest.raises(MxcError) as e:
+        bind_arch(arch, **fields)
+    msg = str(e.value)
+    assert msg.startswith(f"config.json: {shown}: {says}"), msg
+    lines = llama_text.splitlines()
+    check_line = max(i for i, ln in enumerate(lines[:line_of(llama_text, says)], start=1)
+                     if ln.startswith("  - {require:"))  # the check starts on its require's line
+    assert msg.endswith(f"(llama.yaml:{check_line}, checks)"), msg
+
+
+def test_model_file_checks_pass_the_served_configs(bind_arch):
+    """The checks hold for what the family serves: GQA, MHA (kv heads defaulted to the query heads) and MQA."""
+    for kv in (2, 4, 1, None):
+        bind_arch(num_key_value_heads=kv)
+
+
+@pytest.mark.parametrize("new, field, needle", [
+    ("checks: {require: true}\n", "checks", "expected a list of {require: condition over params"),
+    ("checks:\n  - {require: true}\n", "checks[0]", "expected {require: condition over params, says:"),
+    ("checks:\n  - {require: true, says: 1}\n", "checks[0]", "expected {require: condition over params, says:"),
+    ("checks:\n  - {require: true, says: x, why: y}\n", "checks[0]", "expected {require: condition over params"),
+    ("checks:\n  - {require: no_such_param > 0, says: x}\n", "checks[0].require", "unknown name 'no_such_param'"),
+    ("checks:\n  - {require: hidden_size // 0, says: x}\n", "checks[0].require", "integer division or modulo by zero"),
+], ids=["not-a-list", "no-says", "says-not-text", "extra-key", "unknown-name", "zero-division"])
+def test_malformed_checks(bind_bad, llama_text, new, field, needle):
+    """The model file's own mistakes in its checks: file:line: field, as every binder error."""
+    start = llama_text.index("\nchecks:") + 1
+    old = llama_text[start:llama_text.index("\n\n", start) + 1]  # the whole section
+    msg, line = bind_bad(old, new, mark=new.splitlines()[-1])
+    assert msg.startswith(where(line, field)) and needle in msg, msg
