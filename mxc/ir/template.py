@@ -27,7 +27,7 @@ from mxc.ir.statements import Call, StatementError, parse_statement
 from mxc.ir.yaml_source import LDict, SourceError, load_yaml
 
 TOP_KEYS = {"family", "doc", "params", "checks", "inputs", "weights", "ignore", "graph", "outputs", "tiny_config"}
-CHECK_KEYS = {"require", "says"}
+CHECK_KEYS = {"require", "says", "when"}  # when: optional
 WEIGHT_KEYS = {"shape", "hf", "shard", "when", "tied_to", "tied_if", "init", "stack", "quantize"}
 PARAM_KEYS = {"default", "resolve", "doc", "one_of", "type", "min"}
 PARAM_TYPES = {"int": "an integer", "number": "a number", "bool": "true or false"}
@@ -226,21 +226,25 @@ class _Binder:
         return params
 
     def check_config(self, spec) -> None:
-        """The model file's ``checks``: each ``require`` condition over the params must hold, else the error names
-        the config file, the fields the condition reads with their values, ``says`` and the check's line. They
+        """The model file's ``checks``: each ``require`` condition over the params must hold (where its ``when``
+        does), else the error names the config file, the params the condition reads with their values (under the
+        config field's name where a param copies one), ``says`` and the check's line. They
         catch what the bound graph would refuse later in its own terms (``attention -> a: 5 query heads ...``)."""
         if not isinstance(spec, list):
             raise self.err(self.data.key_line("checks"), "checks",
                            "expected a list of {require: condition over params, says: what it requires}")
         for i, check in enumerate(spec):
             line, field = getattr(check, "line", 0) or getattr(spec, "line", 0), f"checks[{i}]"
-            if not isinstance(check, dict) or set(check) != CHECK_KEYS or not isinstance(check["says"], str):
-                raise self.err(line, field, "expected {require: condition over params, says: what it requires}")
+            if (not isinstance(check, dict) or not {"require", "says"} <= set(check) <= CHECK_KEYS
+                    or not isinstance(check["says"], str)):
+                raise self.err(line, field, "expected {require: condition over params, says: what it requires} "
+                                            "and optionally when: condition")
+            if "when" in check and not self.eval(check["when"], self.params, line, f"{field}.when"):
+                continue
             if self.eval(check["require"], self.params, line, f"{field}.require"):
                 continue
-            read = [n for n in _names(check["require"])  # the params it reads, not the registry's switches
-                    if n in self.params and (n not in self.overrides or n in self.read_as)]
-            shown = ", ".join(f"{self.read_as.get(n, n)} = {self.params[n]!r}" for n in read)
+            shown = ", ".join(f"{self.read_as.get(n, n)} = {self.params[n]!r}"
+                              for n in _names(check["require"]) if n in self.params)
             raise MxcError(f"{self.config_path}: {shown + ': ' if shown else ''}{check['says']} "
                            f"({self.path.name}:{line}, checks)")
 

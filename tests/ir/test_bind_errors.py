@@ -320,12 +320,14 @@ def test_config_value_of_the_wrong_kind(bind_arch, field, value, want):
     ("LlamaForCausalLM", dict(num_key_value_heads=3), "num_attention_heads = 4, num_key_value_heads = 3",
      "the query heads must be a multiple of the kv heads"),
     ("LlamaForCausalLM", dict(rms_norm_eps=0.0), "rms_norm_eps = 0.0", "the RMSNorm epsilon must be positive"),
-    # the registry's switch `moe` is not shown; Mixtral's num_experts is its num_local_experts
+    # the MoE checks' `when: moe` is not shown; Mixtral's num_experts is its num_local_experts
     ("MixtralForCausalLM", dict(num_local_experts=0, num_experts_per_tok=0), "num_local_experts = 0",
      "a mixture of experts needs at least one expert"),
     ("MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=0),
-     "num_experts_per_tok = 0, num_local_experts = 4", "each token is routed to between 1 and num_experts experts"),
-], ids=["heads-6-of-4", "kv-3", "eps-0", "no-experts", "top-0"])
+     "num_experts_per_tok = 0, num_local_experts = 4", "each token is routed to at least one expert and at most"),
+    ("Qwen2MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=5, moe_intermediate_size=32),
+     "num_experts_per_tok = 5, num_experts = 4", "each token is routed to at least one expert and at most"),
+], ids=["heads-6-of-4", "kv-3", "eps-0", "no-experts", "top-0", "top-5-of-4"])
 def test_model_file_checks_name_the_config_fields(bind_arch, llama_text, arch, fields, shown, says):
     """llama.yaml's ``checks``: a config the graph cannot hold is refused in the config's terms (its fields and
     values, what they must satisfy, the check's line), not by the bound graph's verifier in the graph's."""
@@ -335,7 +337,7 @@ def test_model_file_checks_name_the_config_fields(bind_arch, llama_text, arch, f
     assert msg.startswith(f"config.json: {shown}: {says}"), msg
     lines = llama_text.splitlines()
     check_line = max(i for i, ln in enumerate(lines[:line_of(llama_text, says)], start=1)
-                     if ln.startswith("  - {require:"))  # the check starts on its require's line
+                     if ln.startswith("  - {"))  # the line the check starts on
     assert msg.endswith(f"(llama.yaml:{check_line}, checks)"), msg
 
 
@@ -352,7 +354,8 @@ def test_model_file_checks_pass_the_served_configs(bind_arch):
     ("checks:\n  - {require: true, says: x, why: y}\n", "checks[0]", "expected {require: condition over params"),
     ("checks:\n  - {require: no_such_param > 0, says: x}\n", "checks[0].require", "unknown name 'no_such_param'"),
     ("checks:\n  - {require: hidden_size // 0, says: x}\n", "checks[0].require", "integer division or modulo by zero"),
-], ids=["not-a-list", "no-says", "says-not-text", "extra-key", "unknown-name", "zero-division"])
+    ("checks:\n  - {when: no_such_param, require: true, says: x}\n", "checks[0].when", "unknown name 'no_such_param'"),
+], ids=["not-a-list", "no-says", "says-not-text", "extra-key", "unknown-name", "zero-division", "unknown-in-when"])
 def test_malformed_checks(bind_bad, llama_text, new, field, needle):
     """The model file's own mistakes in its checks: file:line: field, as every binder error."""
     start = llama_text.index("\nchecks:") + 1
