@@ -7,8 +7,9 @@ serves on a port it holds from bind to the end (a port picked free and then
 released can be taken by another job's ranks before ours bind it), and calls
 ``fn(rank, world_size, device, *args)`` in each; a rank's ``MxcError`` reaches
 the caller as one. Interrupted (Ctrl-C, or a SIGTERM or SIGHUP sent to the
-command alone), it ends the ranks (``stop_ranks``) before it re-raises: they
-would decode on, and the parent's exit would wait for them. A multi-node user
+command alone), also while it is still starting them, it ends the ranks
+(``stop_ranks``) before it re-raises: they would decode on, or wait for the
+others at the rendezvous, and the parent's exit would wait for them. A multi-node user
 starts the ranks with torchrun instead and calls ``mxc.load(path, rank=...,
 world_size=...)`` (with NCCL, without ``destroy_process_group()`` after
 decoding: see ``_run``).
@@ -17,6 +18,7 @@ decoding: see ``_run``).
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import sys
 import time
@@ -87,14 +89,18 @@ def run_ranks(fn, world_size: int, device: str, *args) -> None:
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     store = rendezvous_store()  # held here until the ranks are done
+    before = set(multiprocessing.active_children())
+    ranks = None
     try:
-        ranks = mp.start_processes(_entry, args=(world_size, device, store.port, fn, args, errors), nprocs=world_size,
-                                   join=False, start_method="spawn")
         try:
+            ranks = mp.start_processes(_entry, args=(world_size, device, store.port, fn, args, errors),
+                                       nprocs=world_size, join=False, start_method="spawn")
             while not ranks.join():  # a rank that fails stops the others (torch's ProcessContext.join)
                 pass
         except BaseException:  # KeyboardInterrupt, the command's Terminated (SIGTERM, SIGHUP): the ranks run on
-            stop_ranks(ranks.processes)
+            # interrupted while they were being started: those started so far are this call's new children
+            stop_ranks(ranks.processes if ranks is not None
+                       else [p for p in multiprocessing.active_children() if p not in before])
             raise
     except mp.ProcessExitedException:
         if errors.empty():
@@ -106,13 +112,18 @@ def run_ranks(fn, world_size: int, device: str, *args) -> None:
 
 
 def stop_ranks(processes, grace: float = 5.0) -> None:
-    """End the rank processes still running: SIGTERM, then SIGKILL for any left after ``grace`` seconds."""
+    """End the rank processes still running: SIGTERM, then SIGKILL for any left after ``grace`` seconds, or at once
+    if the wait is interrupted (a second Ctrl-C): a rank left running would keep the command from exiting."""
+    processes = list(processes)
     for p in processes:
         if p.is_alive():
             p.terminate()
     deadline = time.monotonic() + grace
-    for p in processes:
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join()
+    try:
+        for p in processes:
+            p.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        for p in processes:
+            if p.is_alive():
+                p.kill()
+                p.join()

@@ -369,6 +369,49 @@ def test_stop_ranks_terminates_then_kills_what_is_left_after_the_grace():
     assert len(waited) == 1 and 1.0 < waited[0] <= 2.0  # the rest of the grace, not no wait at all
 
 
+def test_stop_ranks_kills_at_once_when_its_wait_is_interrupted():
+    """A second Ctrl-C while ``stop_ranks`` waits out the grace: the ranks still running get SIGKILL before the
+    interrupt goes on (a rank left running would keep the command from exiting)."""
+    from mxc.runtime.ranks import stop_ranks
+
+    class Interrupted(_Rank):
+        def join(self, timeout=None):
+            super().join(timeout)
+            if timeout is not None:
+                raise KeyboardInterrupt
+
+    first, stubborn = Interrupted(True, False), _Rank(True, False)
+    with pytest.raises(KeyboardInterrupt):
+        stop_ranks([first, stubborn], grace=60.0)
+    for rank in (first, stubborn):
+        assert rank.calls[0] == "terminate" and rank.calls[-2:] == ["kill", ("join", None)], rank.calls
+
+
+def test_run_ranks_interrupted_while_starting_them_stops_those_started(monkeypatch):
+    """Ctrl-C or SIGTERM while ``run_ranks`` is still starting the ranks: those already started are stopped, not
+    left waiting for the others at the rendezvous (the command's exit would wait for them)."""
+    import multiprocessing
+    import time
+
+    import torch.multiprocessing as tmp
+
+    from mxc.runtime import ranks
+
+    started = []
+
+    def start_one_then_interrupted(*args, **kwargs):
+        p = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(120,))
+        p.start()
+        started.append(p)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tmp, "start_processes", start_one_then_interrupted)
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        ranks.run_ranks(_fail_on, 2, "cpu", 0, None)
+    assert len(started) == 1 and not started[0].is_alive() and time.monotonic() - t0 < 60
+
+
 def test_cli_generate_starts_the_ranks(tmp_path):
     env = {k: v for k, v in os.environ.items()}
     one = mxc.build("llama.yaml", out=tmp_path / "one", progress=False, log=lambda m: None)
