@@ -44,6 +44,15 @@ def parse_expr(text: str) -> ast.expr:
         raise ExprError(f"cannot parse expression {_short(text)}: nested too deeply") from None
 
 
+def names_read(expr) -> list[str]:
+    """The names an expression reads, in the order they first appear (a literal reads none)."""
+    if not isinstance(expr, str):
+        return []
+    names = sorted((n for n in ast.walk(parse_expr(expr)) if isinstance(n, ast.Name)),
+                   key=lambda n: (n.lineno, n.col_offset))
+    return list(dict.fromkeys(n.id for n in names))
+
+
 def _short(text) -> str:
     text = repr(str(text))
     return text if len(text) <= 80 else text[:77] + "..."

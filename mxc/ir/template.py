@@ -14,13 +14,12 @@ Every error names the file, the line and the field.
 
 from __future__ import annotations
 
-import ast
 import re
 from pathlib import Path
 from typing import Any, Callable
 
 from mxc.errors import ConfigError, MxcError
-from mxc.ir.expr import ExprError, evaluate, parse_expr
+from mxc.ir.expr import ExprError, evaluate, names_read
 from mxc.ir.graph import Graph, Node, Repeat, ShardSpec, Sym, TensorType, Weight, fresh_name
 from mxc.ir.ops import OPS, n_outputs
 from mxc.ir.statements import Call, StatementError, parse_statement
@@ -82,15 +81,6 @@ def _check_declared(where: str, name: str, value, kind: str | None, low) -> None
     if not ok(value) or (low is not None and value < low):
         want = PARAM_TYPES.get(kind, "a value") + (f" >= {low}" if low is not None else "")
         raise MxcError(f"{where}: field {name} = {value!r}: expected {want}")
-
-
-def _names(expr) -> list[str]:
-    """The names an expression reads, in the order they first appear (a literal reads none)."""
-    if not isinstance(expr, str):
-        return []
-    names = sorted((n for n in ast.walk(parse_expr(expr)) if isinstance(n, ast.Name)),
-                   key=lambda n: (n.lineno, n.col_offset))
-    return list(dict.fromkeys(n.id for n in names))
 
 
 class _MissingParam(Exception):
@@ -244,7 +234,7 @@ class _Binder:
             if self.eval(check["require"], self.params, line, f"{field}.require"):
                 continue
             shown = ", ".join(f"{self.read_as.get(n, n)} = {self.params[n]!r}"
-                              for n in _names(check["require"]) if n in self.params)
+                              for n in names_read(check["require"]) if n in self.params)
             raise MxcError(f"{self.config_path}: {shown + ': ' if shown else ''}{check['says']} "
                            f"({self.path.name}:{line}, checks)")
 

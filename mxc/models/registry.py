@@ -18,7 +18,7 @@ import yaml
 
 from mxc.errors import ConfigError, MxcError
 from mxc.ir import Graph, bind
-from mxc.ir.expr import ExprError, evaluate
+from mxc.ir.expr import ExprError, evaluate, names_read
 from mxc.models.rope_config import normalize_rope
 
 MODELS_DIR = Path(__file__).parent
@@ -111,6 +111,20 @@ def _resolve_llama_rope(config: dict, params: dict) -> dict:
 RESOLVERS = {"rope": _resolve_rope, "llama_rope": _resolve_llama_rope}
 
 
+def _copied_field(expr, config: dict, value) -> str | None:
+    """The config field a ``set`` expression copies: the one field it reads that the config gives a value, when
+    the expression's value is that field's (``num_local_experts``, or ``num_experts if num_experts is not None
+    else num_local_experts`` on a config with only the second)."""
+    if not isinstance(expr, str):
+        return None
+    if expr.isidentifier() and expr in config:  # the field itself, null included
+        return expr
+    present = [n for n in names_read(expr) if config.get(n) is not None]
+    if len(present) == 1 and config[present[0]] == value and type(config[present[0]]) is type(value):
+        return present[0]
+    return None
+
+
 def bind_model(model_file: Path, config: dict, dtype: str, entry: Entry | None,
                config_path: str = "config.json") -> Graph:
     """Bind ``model_file`` to ``config`` with the registry entry's settings."""
@@ -127,12 +141,13 @@ def bind_model(model_file: Path, config: dict, dtype: str, entry: Entry | None,
                 raise MxcError(f"{config_path}: `{cond}` is true, which is not supported for {entry.architecture} "
                                f"(registry.yaml refuse_if)")
         for key, value in entry.set.items():
-            if isinstance(value, str) and value.isidentifier() and value in config:
-                read_as[key] = value  # a config field copied: errors about the value name it
             try:
                 overrides[key] = evaluate(value, env) if isinstance(value, str) else value
             except (ExprError, TypeError, ArithmeticError) as e:
                 raise MxcError(f"{config_path}: {entry.architecture} sets {key} = {value}, which cannot be computed "
                                f"from it: {e}") from None
+            field = _copied_field(value, config, overrides[key])
+            if field is not None:
+                read_as[key] = field  # a config field copied: errors about the value name it
     return bind(model_file, config, dtype=dtype, overrides=overrides, resolvers=RESOLVERS, config_path=config_path,
                 read_as=read_as)

@@ -169,3 +169,11 @@ def test_result_limits_are_inclusive():
     assert evaluate(f"[0] * {MAX_LENGTH}", {}) == [0] * MAX_LENGTH
     assert evaluate(f"'ab' * {MAX_LENGTH // 2}", {}) == "ab" * (MAX_LENGTH // 2)
     assert evaluate("hidden_size % 7", ENV) == 1
+
+
+def test_names_read_in_source_order():
+    from mxc.ir.expr import names_read
+
+    assert names_read("b + a * (c if a else b)") == ["b", "a", "c"]
+    assert names_read("1 <= k <= n") == ["k", "n"]
+    assert names_read("3") == [] and names_read(3) == [] and names_read(None) == []

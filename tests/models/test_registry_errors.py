@@ -162,12 +162,26 @@ def test_a_set_naming_a_field_config_json_lacks_names_the_model_files_param():
                                                  ("OlmoeForCausalLM", "num_experts")])
 def test_more_experts_a_token_than_experts_names_the_config_fields(arch, experts_field):
     """num_experts_per_tok past the experts is refused by llama.yaml's checks naming config.json's fields and
-    their values (under each architecture's name for the expert count where the registry copies the field as is),
-    not by the router op of the bound graph."""
+    their values (under each architecture's name for the expert count, Qwen3-MoE's whichever of its two the
+    config gives), not by the router op of the bound graph."""
     config = dict(TINY, num_experts_per_tok=5, moe_intermediate_size=32, **{experts_field: 4})
-    shown = "num_experts" if arch == "Qwen3MoeForCausalLM" else experts_field  # a registry expression over both
-    with pytest.raises(MxcError, match=rf"^config.json: num_experts_per_tok = 5, {shown} = 4: each token is routed "
+    with pytest.raises(MxcError, match=rf"^config.json: num_experts_per_tok = 5, {experts_field} = 4: each token is routed "
                                        rf"to at least one expert and at most all of them \(llama.yaml:\d+, checks\)$") as e:
         bind_model(reg.MODELS_DIR / "llama.yaml", config, "float32", reg.lookup(arch))
     assert "\n" not in str(e.value)
     bind_model(reg.MODELS_DIR / "llama.yaml", dict(config, num_experts_per_tok=4), "float32", reg.lookup(arch))
+
+
+@pytest.mark.parametrize("expr, config, value, field", [
+    ("num_local_experts", {"num_local_experts": 4}, 4, "num_local_experts"),
+    ("sliding_window", {"sliding_window": None}, None, "sliding_window"),  # present, null: the field still
+    ("num_experts if num_experts is not None else num_local_experts", {"num_local_experts": 4}, 4,
+     "num_local_experts"),
+    ("num_experts if num_experts is not None else num_local_experts", {"num_experts": 6, "num_local_experts": 4}, 6,
+     None),  # two fields with values: which one it copied is not said
+    ("2 * num_local_experts", {"num_local_experts": 4}, 8, None),  # computed, not copied
+    (True, {}, True, None),
+])
+def test_the_config_field_a_set_expression_copies(expr, config, value, field):
+    """Errors about a value the registry sets name the config field it copies, where there is one."""
+    assert reg._copied_field(expr, config, value) == field
