@@ -52,16 +52,18 @@ def check_dump_dir(dump: Path, out: Path) -> None:
                        f"choose a directory outside it")
 
 
-def check_space(out: Path, need: int) -> None:
+def check_space(out: Path, need: int, at_least: bool = False) -> None:
     """Fail before the build's long work if the disk ``out`` goes on has less room than the weights ``need``
-    (bytes; the old artifact at ``out``, if any, is replaced only at the end, so it takes no part)."""
+    (bytes, or a lower bound of them: ``at_least``; the old artifact at ``out``, if any, is replaced only at the
+    end, so it takes no part)."""
     base = out.absolute()
     while not base.exists():
         base = base.parent
     usage = shutil.disk_usage(base)
     free = usage.free
     if usage.total and need > free:  # a filesystem reporting no size at all (some pseudo mounts) is not judged
-        raise MxcError(f"--out {out}: the artifact's weights take {size_text(need)} and {base} has {size_text(free)} "
+        raise MxcError(f"--out {out}: the artifact's weights take {'at least ' * at_least}{size_text(need)} and "
+                       f"{base} has {size_text(free)} "
                        f"free; free some space or choose another --out")
 
 

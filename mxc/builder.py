@@ -32,7 +32,7 @@ from mxc.compiler.pipeline import check_disabled, compile_graph
 from mxc.errors import MxcError, size_text
 from mxc.ir import Graph, dump_graph, verify
 from mxc.loaders.checkpoint import open_checkpoint
-from mxc.loaders.convert import check_checkpoint, weight_bytes, write_weights
+from mxc.loaders.convert import DTYPES, check_checkpoint, weight_bytes, weight_elements, write_weights
 from mxc.loaders.dummy import DummyCheckpoint
 from mxc.loaders.prequantized import checkpoint_quantization, unquantized_linears
 from mxc.models import bind_model
@@ -256,6 +256,10 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
             f"positions past it are outside what the model was trained on")
     log(f"binding {src.model_file.name} to {src.config_path}")
     graph = bind_model(src.model_file, src.config, options.dtype, src.entry, src.config_path)
+    # before anything walks the layers: the ranks' files together hold every element at least once, in at least a
+    # byte (fp8) or the dtype's (a config of 10**12 layers would otherwise be walked for hours before check_space)
+    least = weight_elements(graph) * (1 if options.quant else DTYPES[options.dtype].itemsize)
+    check_space(out, least, at_least=True)
     if options.quant_scale_suffix:  # an fp8 checkpoint: which linear weights it left unquantized
         keep = unquantized_linears(graph, tensor_names(), options.quant_scale_suffix, src.checkpoint)
         if keep:

@@ -16,6 +16,7 @@ A tensor holding NaN or infinity, one past the largest value of the build's dtyp
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -259,6 +260,13 @@ def _check_finite(w: Weight, ckpt, values: torch.Tensor) -> None:
             raise MxcError(f"{ckpt.directory}: {hf} holds values up to {float(part.abs().max()):.4g}, past "
                            f"{name}'s largest {torch.finfo(dtype).max:.4g} (weight {w.name}); {hint}")
     raise MxcError(f"{ckpt.directory}: weight {w.name} holds NaN or infinite values once converted to {w.dtype}")
+
+
+def weight_elements(graph: Graph) -> int:
+    """Elements in every weight of the graph, each layer's counted without listing the layers (a config's layer
+    count is checked against the disk with it before anything walks them)."""
+    count = lambda ws: sum(math.prod(w.shape) for w in ws)  # noqa: E731
+    return count(graph.weights.values()) + sum(r.count * count(r.weights.values()) for r in graph.repeats())
 
 
 def weight_bytes(graph: Graph) -> int:

@@ -81,7 +81,7 @@ def normalize_rope(config: dict, head_dim: int) -> dict:
         prf = _num(config, "partial_rotary_factor", "", default=1.0)
     if not 0 < prf <= 1:
         raise ConfigError(f"partial_rotary_factor must be in (0, 1], got {prf!r}")
-    rotary_dim = int(head_dim * prf)
+    rotary_dim = head_dim if prf == 1 else int(head_dim * prf)  # exact where a float product of a huge dim is not
     if rotary_dim < 2 or rotary_dim % 2:
         raise ConfigError(f"rotary dim int(head_dim {head_dim} * partial_rotary_factor {prf}) "
                        f"= {rotary_dim} must be even and >= 2")

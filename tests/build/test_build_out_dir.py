@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,8 +108,9 @@ def test_too_little_disk_is_refused_before_the_build(tmp_path, monkeypatch):
     real = shutil.disk_usage
     monkeypatch.setattr(builder.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
     out = tmp_path / "sub" / "art"
-    with pytest.raises(MxcError, match=rf"--out .*art: the artifact's weights take {re.escape(need)} and .* has "
-                                       rf"1\.0 KiB free; free some space") as e:
+    # float32 weights: the check before compiling (at least the elements' bytes) is already exact
+    with pytest.raises(MxcError, match=rf"--out .*art: the artifact's weights take at least {re.escape(need)} and "
+                                       rf".* has 1\.0 KiB free; free some space") as e:
         build("llama.yaml", out)
     one_line(e)
     assert not (tmp_path / "sub").exists()
@@ -130,6 +132,34 @@ def test_free_space_of_exactly_the_weights_is_enough(tmp_path, monkeypatch):
         build("llama.yaml", tmp_path / "art")
     monkeypatch.setattr(builder.shutil, "disk_usage", lambda p: real(p)._replace(free=need))
     assert build("llama.yaml", tmp_path / "art") == tmp_path / "art"
+
+
+@pytest.mark.parametrize("kw", [dict(quant="fp8"), dict(tp=2), dict(quant="fp8", tp=2)], ids=["fp8", "tp2", "fp8-tp2"])
+def test_the_check_before_compiling_passes_what_fits(tmp_path, monkeypatch, kw):
+    """The lower bound checked before compiling never refuses a build whose files fit: fp8 weights (a byte an
+    element, scales on top) and tp ranks (replicated weights in each file) with exactly their bytes free."""
+    import shutil
+
+    from mxc import builder
+
+    need = _tensor_bytes(build("llama.yaml", tmp_path / "ref", **kw))
+    real = shutil.disk_usage
+    monkeypatch.setattr(builder.shutil, "disk_usage", lambda p: real(p)._replace(free=need))
+    assert build("llama.yaml", tmp_path / "art", **kw) == tmp_path / "art"
+
+
+def test_a_config_of_very_many_layers_is_refused_before_they_are_walked(tmp_path):
+    """A config.json of 10**12 layers: refused at once for its size, not walked layer by layer for hours."""
+    import time
+
+    config = json.loads((Path(mxc.__file__).parent / "models" / "configs" / "tiny-llama.json").read_text())
+    (tmp_path / "big.json").write_text(json.dumps({**config, "num_hidden_layers": 10**12}))
+    t0 = time.monotonic()
+    with pytest.raises(MxcError, match=r"--out .*art: the artifact's weights take at least [\d.]+ [KMGTP]?i?B") as e:
+        mxc.build("llama.yaml", config=str(tmp_path / "big.json"), out=tmp_path / "art", progress=False,
+                  log=lambda m: None)
+    one_line(e)
+    assert time.monotonic() - t0 < 30
 
 
 def test_an_out_whose_parent_cannot_be_written_is_refused_before_the_build(tmp_path, monkeypatch):

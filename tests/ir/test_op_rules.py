@@ -385,3 +385,11 @@ def test_torch_ref_matches_rule(op):
     want = infer(op, ins, attrs)
     assert [tuple(g.shape) for g in got] == [tuple(SIZES.get(d, d) for d in w.shape) for w in want]
     assert [g.dtype for g in got] == [DTYPES[w.dtype] for w in want]
+
+
+def test_rotary_dim_of_a_whole_head_is_exact_for_any_head_dim():
+    """partial_rotary_factor 1 (or absent) rotates the whole head: exactly head_dim, even past a float's 53 bits
+    (int(head_dim * 1.0) is not head_dim there, and the refusal of a partial factor named a wrong dim)."""
+    for head_dim in (128, 2**60 + 2):
+        spec = normalize_rope({"max_position_embeddings": 128}, head_dim)
+        assert spec["rotary_dim"] == head_dim
