@@ -48,8 +48,6 @@ def _tensor_names(directory) -> list[str]:
         return ckpt.names()
 
 
-
-
 def _check_argument_types(**given) -> None:
     """``build``'s path and count arguments as the Python API may pass them (the command line gives strings and
     ints): a one-line error naming the argument, not a TypeError from deep inside."""
@@ -63,10 +61,6 @@ def _check_argument_types(**given) -> None:
     passes = given["disable_passes"]
     if not isinstance(passes, (list, tuple)) or not all(isinstance(p, str) for p in passes):
         raise MxcError(f"disable_passes must be a list of pass names, got {passes!r}")
-
-
-
-
 
 
 def _check_tokenizer(checkpoint: Path | None) -> None:

@@ -265,8 +265,8 @@ def _check_finite(w: Weight, ckpt, values: torch.Tensor) -> None:
 def weight_elements(graph: Graph) -> int:
     """Elements in every weight of the graph, each layer's counted without listing the layers (a config's layer
     count is checked against the disk with it before anything walks them)."""
-    count = lambda ws: sum(math.prod(w.shape) for w in ws)  # noqa: E731
-    return count(graph.weights.values()) + sum(r.count * count(r.weights.values()) for r in graph.repeats())
+    top = sum(math.prod(w.shape) for w in graph.weights.values())
+    return top + sum(r.count * sum(math.prod(w.shape) for w in r.weights.values()) for r in graph.repeats())
 
 
 def weight_bytes(graph: Graph) -> int:
