@@ -48,6 +48,19 @@ def _tensor_names(directory) -> list[str]:
         return ckpt.names()
 
 
+_EMPTY_HINT = {
+    "source": " (a bundled definition such as llama.yaml, a YAML file or a checkpoint directory)",
+    "out": ", or leave --out out for build/<definition>",
+    "checkpoint": ", or leave --checkpoint out for deterministic random weights",
+    "config": ", or leave --config out",
+    "dump_ir": ", or leave --dump-ir out",
+}
+
+# The cuda kernels address the KV cache's rows ((max_batch + 1) sequences of max_seq_len, the scratch slot
+# included) in 32 bits (the prefill attention's tensor-map rows).
+KV_ROWS_LIMIT = 2**31
+
+
 def _check_argument_types(**given) -> None:
     """``build``'s path and count arguments as the Python API may pass them (the command line gives strings and
     ints): a one-line error naming the argument, not a TypeError from deep inside."""
@@ -56,6 +69,9 @@ def _check_argument_types(**given) -> None:
         if not (isinstance(value, (str, os.PathLike)) or (value is None and name != "source")):
             raise MxcError(f"{name} must be a path (str or Path){'' if name == 'source' else ' or None'}, got "
                            f"{type(value).__name__}")
+        if value is not None and not str(value).strip():  # an unset shell variable: never "no such option"
+            flag = "SOURCE" if name == "source" else f"--{name.replace('_', '-')}"
+            raise MxcError(f"{flag} {str(value)!r}: empty; give a path{_EMPTY_HINT[name]}")
     if not isinstance(given["arch"], int) or isinstance(given["arch"], bool):
         raise MxcError(f"arch must be an integer, got {given['arch']!r}")
     passes = given["disable_passes"]
@@ -163,7 +179,7 @@ def resolve_tp_allreduce(choice: str, target: str, tp, dtype: str = "bfloat16") 
 def build(source: str, *, out: str | Path | None = None, checkpoint: str | None = None, config: str | None = None,
           dtype: str | None = None, target: str = "cpu", dump_ir: str | Path | None = None,
           max_batch: int = 32, max_seq_len: int | None = None, arch: int = 90, tp: int = 1,
-          quant: str | None = None, quant_granularity: str = "channel", quant_lm_head: bool = False,
+          quant: str | None = None, quant_granularity: str | None = None, quant_lm_head: bool = False,
           disable_passes: tuple[str, ...] | list[str] = (), pdl: bool | None = None,
           tp_allreduce: str = "auto", mlp_pair: bool = False, prefill_graphs: int | None = None,
           progress: bool = True, log=_log) -> Path:
@@ -188,10 +204,11 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     if max_seq_len is None:
         mpe = src.config.get("max_position_embeddings")
         mpe = 4096 if mpe is None else mpe
-        if isinstance(mpe, bool) or not isinstance(mpe, int) or mpe < 1:
-            raise MxcError(f"{src.config_path}: max_position_embeddings {mpe!r}: expected a positive integer")
+        if isinstance(mpe, bool) or not isinstance(mpe, int) or mpe < 2:
+            raise MxcError(f"{src.config_path}: max_position_embeddings {mpe!r}: expected an integer >= 2 (a prompt "
+                           f"token and a new one), or pass --max-seq-len")
         max_seq_len = min(4096, mpe)
-    if quant not in (None, "fp8") or quant_granularity not in ("channel", "tensor", "block128"):
+    if quant not in (None, "fp8") or quant_granularity not in (None, "channel", "tensor", "block128"):
         raise MxcError(f"--quant {quant} / --quant-granularity {quant_granularity}: expected fp8 with "
                        f"channel, tensor or block128")
     if pdl is None:
@@ -206,6 +223,13 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
         raise MxcError(f"--tp {tp}: expected a positive integer")
     if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in (max_batch, max_seq_len)):
         raise MxcError(f"--max-batch {max_batch} / --max-seq-len {max_seq_len}: expected positive integers")
+    if max_seq_len < 2:
+        raise MxcError(f"--max-seq-len {max_seq_len}: a sequence needs room for a prompt token and a new one; give "
+                       f"at least 2")
+    if target == "cuda" and (max_batch + 1) * max_seq_len >= KV_ROWS_LIMIT:
+        raise MxcError(f"--max-batch {max_batch} / --max-seq-len {max_seq_len}: the KV cache would hold "
+                       f"{max_batch + 1} x {max_seq_len} rows a layer (the scratch slot included), past the "
+                       f"{KV_ROWS_LIMIT - 1} the cuda kernels address; lower one")
     if prefill_graphs is None:
         prefill_graphs = PREFILL_GRAPH_TOKENS if target == "cuda" else 0
     if not isinstance(prefill_graphs, int) or isinstance(prefill_graphs, bool) or prefill_graphs < 0:
@@ -217,16 +241,20 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     prequant = checkpoint_quantization(src.config, src.config_path, tensor_names) if src.checkpoint else None
     scale_suffix = None
     if prequant is not None:
-        if quant_granularity != "channel" and quant_granularity != prequant[0]:
+        if quant_granularity is not None and quant_granularity != prequant[0]:
             raise MxcError(f"{src.config_path}: the checkpoint is already fp8 ({prequant[0]} scales); "
                            f"--quant-granularity {quant_granularity} cannot change that")
         quant, (quant_granularity, scale_suffix) = "fp8", prequant
-    elif quant is None and (quant_lm_head or quant_granularity != "channel"):
+    elif quant is None and (quant_lm_head or quant_granularity is not None):
         flag = "--quant-lm-head" if quant_lm_head else f"--quant-granularity {quant_granularity}"
         raise MxcError(f"{flag}: applies to fp8 weights; add --quant fp8, or drop it")
     if mlp_pair and quant != "fp8":
         raise MxcError("--mlp-pair: the fused MLP kernel runs fp8 weights, and no --quant fp8 was given; add it, "
                        "or drop --mlp-pair")
+    quant_granularity = quant_granularity or "channel"
+    if mlp_pair and target != "cuda":
+        raise MxcError(f"--mlp-pair: the fused MLP kernel is a cuda kernel (got --target {target}); add --target "
+                       f"cuda, or drop --mlp-pair")
     if mlp_pair and tp != 1:
         raise MxcError(f"--mlp-pair: the fused MLP kernel runs at --tp 1 only (got --tp {tp}); drop --mlp-pair")
     options = BuildOptions(target=target, dtype=dtype or ("float32" if target == "cpu" else "bfloat16"),
@@ -235,8 +263,6 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
                            quant_scale_suffix=scale_suffix, disable_passes=check_disabled(disable_passes), pdl=pdl,
                            tp_allreduce=tp_allreduce, arch=arch, mlp_pair=mlp_pair,
                            prefill_graph_tokens=prefill_graphs)
-    if out is not None and not str(out).strip():
-        raise MxcError("--out '': give the artifact directory, or leave --out out for build/<definition>")
     out = Path(out) if out else Path("build") / src.model_file.stem
     check_out(out)
     if dump_ir:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import signal
 import sys
 import threading
@@ -19,13 +21,36 @@ from mxc.errors import MxcError
 
 
 def _ids(text: str) -> list[int]:
-    try:
-        ids = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise MxcError(f"--ids {text!r}: expected comma-separated integers like 1,2,3") from None
-    if not ids:
+    """``--ids``: comma-separated ASCII integers (spaces around them allowed); an empty item is refused by its
+    position rather than skipped, and ``int``'s other forms (``+1``, ``1_000``, other scripts' digits) are not
+    token ids."""
+    if not text.strip():
         raise MxcError("--ids: give at least one token id")
-    return ids
+    items = [t.strip() for t in text.split(",")]
+    for n, t in enumerate(items, 1):
+        if not re.fullmatch(r"-?[0-9]+", t, flags=re.ASCII):
+            what = "is empty" if not t else f"{t!r} is not an integer"
+            raise MxcError(f"--ids {text!r}: item {n} {what}; expected comma-separated integers like 1,2,3")
+    return [int(t) for t in items]
+
+
+class StdoutClosed(Exception):
+    """The reader of standard output went away (``mxc models | head -1``): the rest of the output is dropped."""
+
+
+def emit(text: str) -> None:
+    """Print a line of the command's result. A closed pipe raises StdoutClosed; another write error (a full disk)
+    is a user error, in one line. Either way stdout then points at /dev/null, so that what stays in its buffer
+    goes nowhere at the interpreter's exit rather than failing again there."""
+    try:
+        print(text, flush=True)
+    except OSError as e:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        if isinstance(e, BrokenPipeError):
+            raise StdoutClosed from None
+        raise MxcError(f"standard output: cannot write the result ({e.strerror or e})") from None
 
 
 def cmd_build(args) -> None:
@@ -51,7 +76,12 @@ def _generate_and_print(rank: int, world_size: int, device: str, args, ids: list
         result = {"ids": new}
         if tokenizer is not None:
             result["text"] = tokenizer.decode(new)
-        print(json.dumps(result), flush=True)
+        try:
+            emit(json.dumps(result))
+        except StdoutClosed:
+            if world_size == 1:
+                raise
+            # a rank has no exit status of its own to give (``run_ranks``): the command ends as if it printed
 
 
 def cmd_generate(args) -> None:
@@ -68,7 +98,7 @@ def cmd_generate(args) -> None:
     manifest = read_manifest(path)
     tokenizer = load_tokenizer(path) if args.prompt is not None else None
     if args.prompt is not None and tokenizer is None:
-        raise MxcError(f"{args.artifact}: {missing_reason(path)}; use --ids")
+        raise MxcError(f"{args.artifact}: {missing_reason(path, manifest.get('files', {}))}; use --ids")
     ids = _ids(args.ids) if args.ids is not None else tokenizer.encode(args.prompt)
     if not ids:
         raise MxcError(f"--prompt {args.prompt!r}: encodes to no tokens; give some text")
@@ -91,7 +121,7 @@ def cmd_generate(args) -> None:
 def cmd_inspect(args) -> None:
     from mxc.inspect import summary
 
-    print(summary(args.artifact))
+    emit(summary(args.artifact))
 
 
 def cmd_models(args) -> None:
@@ -99,7 +129,21 @@ def cmd_models(args) -> None:
 
     for arch, entry in sorted(registry().items()):
         note = "" if entry.tested else "  (same graph; not parity-tested here)"
-        print(f"{arch:28s} {entry.model}{note}")
+        emit(f"{arch:28s} {entry.model}{note}")
+
+
+class _Version(argparse.Action):
+    """``--version``, printed through ``emit`` (argparse's own prints with no care for a closed or full stdout)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        raise _VersionAsked
+
+
+class _VersionAsked(Exception):
+    pass
 
 
 class _Parser(argparse.ArgumentParser):
@@ -111,7 +155,7 @@ class _Parser(argparse.ArgumentParser):
 
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="mxc", description="Ahead-of-time model builder for LLM inference.")
-    p.add_argument("--version", action="version", version=f"mxc {__version__}")
+    p.add_argument("--version", action=_Version, help="show mxc's version and exit")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     b = sub.add_parser("build", help="build an artifact from a model definition and a checkpoint")
@@ -124,7 +168,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--target", choices=["cpu", "cuda"], default="cpu")
     b.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: writes weights/rank{r}.safetensors")
     b.add_argument("--quant", choices=["fp8"], help="fp8 e4m3 linear weights, activations quantized per token")
-    b.add_argument("--quant-granularity", choices=["channel", "tensor", "block128"], default="channel",
+    b.add_argument("--quant-granularity", choices=["channel", "tensor", "block128"],
                    help="fp8 weight scales: per output channel (default), per tensor, or per 128x128 block")
     b.add_argument("--quant-lm-head", action="store_true", help="quantize the LM head too")
     b.add_argument("--dump-ir", metavar="DIR", help="write the IR after every pass into DIR")
@@ -188,16 +232,27 @@ def _terminate(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    try:
+        args = parser().parse_args(argv)
+    except _VersionAsked:
+        return _run(lambda: emit(f"mxc {__version__}"))
+    return _run(lambda: args.fn(args))
+
+
+def _run(command) -> int:
+    """Run ``command`` with the project's exits: a user error in one line (2), a closed stdout quietly (141, as a
+    command killed by SIGPIPE), SIGTERM/SIGHUP and Ctrl-C after the command cleaned up (128 + the signal)."""
     handled = [s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s is not None]
     previous = {}
     if threading.current_thread() is threading.main_thread():  # handlers can only be set from the main thread
         previous = {s: signal.signal(s, _terminate) for s in handled}
     try:
-        args.fn(args)
+        command()
     except MxcError as e:
         print(f"mxc: error: {e}", file=sys.stderr)
         return 2
+    except StdoutClosed:
+        return 128 + 13
     except Terminated as e:
         print(f"mxc: terminated ({signal.Signals(e.signum).name})", file=sys.stderr)
         return 128 + e.signum

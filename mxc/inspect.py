@@ -6,7 +6,9 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from mxc.artifact_format import listed_files
 from mxc.runtime.artifact import read_manifest
+from mxc.runtime_buckets import prefill_graph_buckets
 
 
 def _size(n: int) -> str:
@@ -48,10 +50,27 @@ def _cuda_options(options: dict) -> list[str]:
     """The runtime's sizes and launch modes of a cuda artifact: its KV cache, graph buckets and PDL."""
     if options["target"] != "cuda":
         return []
-    graphs = options.get("prefill_graph_tokens", 0)
+    buckets = prefill_graph_buckets(options.get("prefill_graph_tokens", 0), options["max_seq_len"])
     return [f"cuda         KV cache {options['max_batch']} x {options['max_seq_len']} tokens (decode graphs per "
-            f"batch bucket), prefill graphs {f'up to {graphs} tokens' if graphs else 'off'}, "
+            f"batch bucket), prefill graphs {f'up to {buckets[-1]} tokens' if buckets else 'off'}, "
             f"PDL {'on' if options.get('pdl') else 'off'}"]
+
+
+def _mlp(c: dict) -> str:
+    """The MLP part of the shape line: the dense width, or for a mixture of experts its experts and routing."""
+    if not c.get("moe"):
+        return f"mlp {c.get('intermediate_size')}"
+    renorm = ", renormalised" if c.get("norm_topk_prob") else ""
+    shared = c.get("shared_expert_intermediate_size") or 0
+    return (f"{c.get('num_experts')} experts of mlp {c.get('moe_intermediate_size')} (top-{c.get('num_experts_per_tok')}"
+            f" {c.get('moe_scoring', 'softmax')}{renorm})" + (f" + a shared expert of mlp {shared}" if shared else ""))
+
+
+def _quant(options: dict) -> str:
+    if not options.get("quant"):
+        return "none"
+    lm_head = ", LM head too" if options.get("quant_lm_head") else ""
+    return f"{options['quant']} ({options.get('quant_granularity')} scales{lm_head})"
 
 
 def summary(path) -> str:
@@ -65,10 +84,10 @@ def summary(path) -> str:
         f"model        {m['architecture'] or '(no architectures in config.json)'} ({m['model_file']}, family {m['family']})",
         f"shape        {c.get('num_hidden_layers')} layers, hidden {c.get('hidden_size')}, "
         f"heads {c.get('num_attention_heads')}/{c.get('num_key_value_heads')} kv, head_dim {c.get('head_dim')}, "
-        f"mlp {c.get('intermediate_size')}, vocab {rt['vocab_size']}",
+        f"{_mlp(c)}, vocab {rt['vocab_size']}",
         f"rope         {c.get('rope', {}).get('type')} (theta {c.get('rope', {}).get('theta')})",
         f"build        target {m['options']['target']}, dtype {m['options']['dtype']}, tp {m.get('tp', 1)}, "
-        f"quant {m['options'].get('quant') or 'none'}",
+        f"quant {_quant(m['options'])}, max-seq-len {m['options'].get('max_seq_len')}",
         *_cuda_options(m["options"]),
         f"built by     mxc {m['mxc_version']} (torch {m['target'].get('torch')}), IR sha256 {m['ir_sha256'][:16]}",
         f"weights      {m['source']['weights']}" + (f" from {m['source']['checkpoint']}" if m['source']['checkpoint'] else ""),
@@ -79,6 +98,8 @@ def summary(path) -> str:
     for rel in m["files"]:
         f = path / rel
         lines.append(f"  {rel:32s} {_file_state(f)}")
+    for rel in sorted(set(listed_files(path)) - set(m["files"])):  # mxc.load refuses these (verify_files)
+        lines.append(f"  {rel:32s} EXTRA (not in manifest.json: loading refuses the artifact; remove it)")
     return "\n".join(lines)
 
 

@@ -46,8 +46,11 @@ def load_tokenizer(artifact: Path) -> Tokenizer | None:
     return read_tokenizer(path, "rebuild the artifact")  # the build read it: it changed since
 
 
-def missing_reason(artifact: Path) -> str:
-    """Why ``--prompt`` cannot run on ``artifact``, which has no tokenizer.json (what the build copied says)."""
+def missing_reason(artifact: Path, files=()) -> str:
+    """Why ``--prompt`` cannot run on ``artifact``, which has no tokenizer.json (what the build copied says; the
+    manifest's ``files`` tell a build that had a tokenizer from one that had none)."""
+    if "tokenizer/tokenizer.json" in files:
+        return "tokenizer/tokenizer.json is missing; the artifact is incomplete, rebuild it"
     only = [f for f in UNREADABLE if (Path(artifact) / "tokenizer" / f).is_file()]
     if only:
         return f"--prompt needs tokenizer.json; the checkpoint had only {', '.join(only)}, which mxc cannot read"

@@ -54,7 +54,10 @@ def read_manifest(path: Path) -> dict:
     if manifest.get("schema_version") != SCHEMA_VERSION:
         raise MxcError(f"{mpath}: artifact schema {manifest.get('schema_version')} is not readable by this mxc "
                        f"(schema {SCHEMA_VERSION}); rebuild it with mxc {mxc.__version__}")
-    if not _compatible(str(manifest.get("mxc_version", ""))):
+    if not isinstance(manifest.get("mxc_version"), str):
+        raise MxcError(f"{mpath}: field mxc_version: expected the version string of the mxc that built it; the "
+                       f"manifest was edited or damaged, rebuild the artifact")
+    if not _compatible(manifest["mxc_version"]):
         raise MxcError(f"{mpath}: built by mxc {manifest.get('mxc_version')}, incompatible with mxc "
                        f"{mxc.__version__}; rebuild it, or load it with mxc {manifest.get('mxc_version')}")
     if manifest.get("manifest_sha256") != manifest_digest(manifest):  # cheap: checked whatever `verify` says

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from mxc.errors import MxcError
+from mxc.errors import MxcError, size_text
 from mxc.kernels.context import ForwardContext, to_device
 from mxc.runtime.sampling import check_generate_args, sample
 
@@ -139,8 +139,15 @@ class Model:
             comm.check()
 
     def new_cache(self, batch: int, max_len: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """A KV cache for ``batch`` sequences of ``max_len`` tokens (the CPU path's, allocated per call: one past the
+        host's available memory is refused in one line, where zeroing it would have the process killed)."""
         kv = self._kv
         shape = (batch, max_len, kv["kv_heads"], kv["head_dim"])
+        need = 2 * kv["layers"] * torch.Size(shape).numel() * self.dtype.itemsize
+        available = host_memory_available() if self.device.type == "cpu" else None
+        if available is not None and need > available:
+            raise MxcError(f"the KV cache of {batch} x {max_len} tokens takes {size_text(need)}, more than the "
+                           f"{size_text(available)} of memory available; give a shorter prompt or fewer new tokens")
         make = lambda: [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(kv["layers"])]
         return make(), make()
 
@@ -185,6 +192,18 @@ class Model:
         return _stop_at_eos(out, self.eos_token_ids) if stop_at_eos else out  # as the GPU decoder's tokens
 
 
+def host_memory_available() -> int | None:
+    """The bytes of memory the host can give without swapping (Linux's MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def check_capacity(b: int, s: int, new: int, max_len: int | None, max_batch: int | None = None) -> None:
     """``b`` sequences of ``s`` prompt tokens and ``new`` new ones fit what the artifact was built for: at most
     ``max_len`` (``--max-seq-len``) tokens a sequence on every device (a GPU's KV cache has no rows for more; the
@@ -196,12 +215,16 @@ def check_capacity(b: int, s: int, new: int, max_len: int | None, max_batch: int
     if not over_batch and (max_len is None or total <= max_len):
         return
     limits = f"--max-seq-len {max_len}" if max_batch is None else f"--max-batch {max_batch}, --max-seq-len {max_len}"
+    # a rebuild is worth suggesting only for a length its KV cache can have (the cuda kernels' 32-bit rows)
+    rebuild = f", or rebuild with --max-seq-len {total}" if total < 2**31 else ""
     if over_batch:
         fix = f"run at most {max_batch} sequences a call, or rebuild with --max-batch {b}"
     elif new and s < max_len:
-        fix = f"ask for at most {max_len - s} new tokens, or rebuild with --max-seq-len {total}"
-    else:
-        fix = f"give at most {max_len - 1 if new else max_len} prompt tokens, or rebuild with --max-seq-len {total}"
+        fix = f"ask for at most {max_len - s} new tokens{rebuild}"
+    elif max_len > 1 or not new:
+        fix = f"give at most {max_len - 1 if new else max_len} prompt tokens{rebuild}"
+    else:  # an artifact built before --max-seq-len 1 was refused: no prompt fits beside a new token
+        fix = "rebuild with --max-seq-len 2 or more"
     tokens = f"{total} tokens ({s} prompt + {new} new)" if new else f"{total} tokens"
     raise MxcError(f"batch {b} x {tokens} exceeds what the artifact was built for ({limits}); {fix}")
 

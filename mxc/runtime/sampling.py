@@ -21,20 +21,22 @@ def check_generate_args(max_new_tokens, temperature=0.0, top_k=None, top_p=None,
     def whole(v) -> bool:
         return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
+    def name(arg: str) -> str:
+        return f"--{arg.replace('_', '-')}" if flags else arg
+
     if not whole(max_new_tokens) or max_new_tokens < 1:
-        raise MxcError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        raise MxcError(f"{name('max_new_tokens')} must be an integer >= 1, got {max_new_tokens!r}")
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not 0 <= temperature < math.inf:
-        raise MxcError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        raise MxcError(f"{name('temperature')} must be a finite number >= 0, got {temperature!r}")
     if top_k is not None and (not whole(top_k) or top_k < 1):
-        raise MxcError(f"top_k must be an integer >= 1, got {top_k!r}")
+        raise MxcError(f"{name('top_k')} must be an integer >= 1, got {top_k!r}")
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1):
-        raise MxcError(f"top_p must be a number in (0, 1], got {top_p!r}")
+        raise MxcError(f"{name('top_p')} must be a number in (0, 1], got {top_p!r}")
     if seed is not None and (not whole(seed) or not -2**63 <= seed < 2**64):
-        raise MxcError(f"seed must be an integer in [-2**63, 2**64), got {seed!r}")
+        raise MxcError(f"{name('seed')} must be an integer in [-2**63, 2**64), got {seed!r}")
     unused = next((n for n, v in (("top_k", top_k), ("top_p", top_p), ("seed", seed)) if v is not None), None)
     if not temperature and unused:
-        flag, temp = (f"--{unused.replace('_', '-')}", "--temperature") if flags else (unused, "temperature")
-        raise MxcError(f"{flag} needs {temp} > 0 (greedy decoding does not sample)")
+        raise MxcError(f"{name(unused)} needs {name('temperature')} > 0 (greedy decoding does not sample)")
 
 
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
@@ -43,8 +45,11 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = N
     if not temperature:
         return logits.argmax(dim=-1)
     logits = logits.float()
-    # from the row's largest logit down: a tiny temperature (1e-39) sends the others to -inf, not the top one to inf
-    logits = (logits - logits.max(dim=-1, keepdim=True).values) / float(temperature)
+    # from the row's largest logit down: a tiny temperature (1e-39) sends the others to -inf, not the top one to inf;
+    # one under float32's smallest normal (1e-46 would divide by a float32 0: 0 / 0 at the top) divides as that one,
+    # which sends every logit not tied with the top to -inf as well
+    temperature = max(float(temperature), torch.finfo(torch.float32).tiny)
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

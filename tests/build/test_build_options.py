@@ -141,12 +141,12 @@ def test_default_max_seq_len_without_max_position_embeddings_is_4096(tmp_path):
     assert json.loads((art / "manifest.json").read_text())["options"]["max_seq_len"] == 4096
 
 
-@pytest.mark.parametrize("mpe", [-5, True, 2.5, 0])
+@pytest.mark.parametrize("mpe", [-5, True, 2.5, 0, 1])
 def test_max_position_embeddings_not_a_positive_integer_is_refused(mpe, tmp_path):
     """Named as the config.json field it comes from (not as --max-seq-len, which was not given), where no RoPE
-    checks it first."""
-    with pytest.raises(MxcError, match=rf"config\.json: max_position_embeddings {mpe!r}: expected a positive "
-                                       r"integer$") as e:
+    checks it first; 1 leaves no room for a new token after a prompt's."""
+    with pytest.raises(MxcError, match=rf"config\.json: max_position_embeddings {mpe!r}: expected an integer >= 2 "
+                                       r"\(a prompt token and a new one\), or pass --max-seq-len$") as e:
         build_edited(tmp_path, ROPE_LINE, "", (ROPE_PARAM, ""), max_position_embeddings=mpe)
     one_line(e)
 

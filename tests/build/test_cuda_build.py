@@ -17,6 +17,7 @@ import sys
 import pytest
 
 from mxc.kernels import launch
+from mxc.runtime_buckets import prefill_graph_buckets
 
 QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 256,
@@ -119,7 +120,10 @@ def test_cuda_build_compiles_every_kernel_for_sm90(config, tp, quant, tmp_path):
         text = summary(art)
         assert "triton_gemv.linear_small_m (<= 16 tokens) / " in text and "cublas.linear" in text
         assert "kernel modules rendered from templates" in text and "  rms_norm(BLOCK_H=" in text
-        assert f"prefill graphs up to {manifest['options']['prefill_graph_tokens']} tokens" in text
+        options = manifest["options"]  # the largest prompt bucket: none past --max-seq-len (512 here, under 2048)
+        assert options["max_seq_len"] < options["prefill_graph_tokens"]
+        largest = prefill_graph_buckets(options["prefill_graph_tokens"], options["max_seq_len"])[-1]
+        assert largest <= options["max_seq_len"] and f"prefill graphs up to {largest} tokens," in text
         assert f"KV cache {manifest['options']['max_batch']} x {manifest['options']['max_seq_len']} tokens" in text
 
 

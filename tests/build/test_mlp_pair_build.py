@@ -87,13 +87,21 @@ def test_option_errors(tmp_path):
                                        "given; add it"):
         mxc.build("llama.yaml", out=tmp_path / "a", mlp_pair=True, **QUIET)
     with pytest.raises(MxcError, match="--tp 2"):
-        mxc.build("llama.yaml", out=tmp_path / "b", quant="fp8", tp=2, mlp_pair=True, **QUIET)
+        mxc.build("llama.yaml", out=tmp_path / "b", target="cuda", quant="fp8", tp=2, mlp_pair=True, **QUIET)
+    with pytest.raises(MxcError, match=r"--mlp-pair: the fused MLP kernel is a cuda kernel \(got --target cpu\); add "
+                                       r"--target cuda, or drop --mlp-pair"):
+        mxc.build("llama.yaml", out=tmp_path / "c", quant="fp8", mlp_pair=True, **QUIET)
+    assert not any(tmp_path.iterdir())
 
 
 def test_cpu_fused_build_gives_the_unfused_logits(tmp_path):
+    """``fuse_mlp`` (every fp8 build) against the same build without it: the CPU target's fused op is exact."""
     ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(1))
-    plain = mxc.load(mxc.build("llama.yaml", out=tmp_path / "plain", dtype="bfloat16", quant="fp8", **QUIET))
-    fused_dir = mxc.build("llama.yaml", out=tmp_path / "fused", dtype="bfloat16", quant="fp8", mlp_pair=True, **QUIET)
+    plain_dir = mxc.build("llama.yaml", out=tmp_path / "plain", dtype="bfloat16", quant="fp8",
+                          disable_passes=["fuse_mlp"], **QUIET)
+    assert "rms_norm_mlp(" not in (plain_dir / "graph.yaml").read_text()
+    plain = mxc.load(plain_dir)
+    fused_dir = mxc.build("llama.yaml", out=tmp_path / "fused", dtype="bfloat16", quant="fp8", **QUIET)
     assert "rms_norm_mlp(" in (fused_dir / "graph.yaml").read_text()
     fused = mxc.load(fused_dir)
     want = plain.logits(ids)

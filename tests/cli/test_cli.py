@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import sys
@@ -61,12 +62,13 @@ def test_generate_in_process_matches_library(artifact, capsys):
 
 def test_user_errors(artifact, hf_checkpoint, tmp_path, capsys):
     user_error(capsys, ["build", tmp_path / "nosuch.yaml", "--out", tmp_path / "o1"], "nosuch.yaml: no such file")
-    user_error(capsys, ["generate", artifact, "--ids", "1,x"], "--ids '1,x': expected comma-separated integers")
-    user_error(capsys, ["generate", artifact, "--ids", ","], "--ids: give at least one token id")
+    user_error(capsys, ["generate", artifact, "--ids", "1,x"], "--ids '1,x': item 2 'x' is not an integer; expected comma-separated integers")
+    user_error(capsys, ["generate", artifact, "--ids", ","], "--ids ',': item 1 is empty")
+    user_error(capsys, ["generate", artifact, "--ids", " "], "--ids: give at least one token id")
     user_error(capsys, ["generate", artifact, "--ids", "1,256"], "token id 256")
     user_error(capsys, ["generate", artifact, "--ids", "1,-3"], "token id -3")
     user_error(capsys, ["generate", artifact], "give exactly one of --ids or --prompt")
-    user_error(capsys, ["generate", artifact, "--ids", "1", "--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1")
+    user_error(capsys, ["generate", artifact, "--ids", "1", "--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1")
     (tmp_path / "plain").mkdir()
     user_error(capsys, ["generate", tmp_path / "plain", "--ids", "1"], "not an mxc artifact")
     user_error(capsys, ["inspect", tmp_path / "plain"], "not an mxc artifact")
@@ -91,7 +93,7 @@ def test_user_errors(artifact, hf_checkpoint, tmp_path, capsys):
     ("hidden_act", "gelu", "hidden_act = 'gelu': llama.yaml supports 'silu' or 'swish' only"),
     ("num_key_value_heads", 3, "config.json: num_attention_heads = 4, num_key_value_heads = 3: the query heads must "
                                "be a multiple of the kv heads"),  # llama.yaml's checks
-    ("max_position_embeddings", "x", "max_position_embeddings 'x': expected a positive integer"),
+    ("max_position_embeddings", "x", "max_position_embeddings 'x': expected an integer >= 2"),
     ("quantization_config", [1], "quantization_config must be a JSON object"),
     ("quantization_config", {"quant_method": "compressed-tensors", "config_groups": [1]}, "config_groups must map"),
     ("eos_token_id", "x", "eos_token_id 'x': expected a token id"),
@@ -142,7 +144,7 @@ def test_a_graph_that_does_not_verify_names_the_statement(tmp_path, capsys):
 
 
 def test_empty_out_is_refused_and_a_long_max_seq_len_noted(tmp_path, capsys):
-    build_error(capsys, ["build", "llama.yaml", "--out", ""], "--out '': give the artifact directory")
+    build_error(capsys, ["build", "llama.yaml", "--out", ""], "--out '': empty; give a path, or leave --out out for build/<definition>")
     lines = []
     mxc.build("llama.yaml", out=tmp_path / "a", max_seq_len=1000, progress=False, log=lines.append)
     assert any("--max-seq-len 1000 is above" in ln and "max_position_embeddings 512" in ln for ln in lines), lines
@@ -255,7 +257,7 @@ def test_tensor_parallel_generate_user_errors(tmp_path):
     out = tmp_path / "tp2"
     mxc.build("llama.yaml", out=out, tp=2, progress=False, log=lambda m: None)
     r = run_mxc("generate", out, "--ids", "1", "--top-k", "0")
-    assert_user_error(r.returncode, r.stderr, "top_k must be an integer >= 1, got 0")
+    assert_user_error(r.returncode, r.stderr, "--top-k must be an integer >= 1, got 0")
     r = run_mxc("generate", out, "--ids", "1", "--seed", "1" + "0" * 30, "--temperature", "1")
     assert_user_error(r.returncode, r.stderr, "seed must be an integer in [-2**63, 2**64)")
     r = run_mxc("generate", out, "--ids", "1", "--max-new-tokens", "1000000000")
@@ -315,7 +317,7 @@ def test_generate_arguments_are_checked_before_the_ranks_start(tmp_path, capsys,
     user_error(capsys, ["generate", art, "--ids", f"1,{vocab},-1"], f"token id {vocab} is outside the vocabulary "
                                                                  f"(0..{vocab - 1})")
     user_error(capsys, ["generate", art, "--ids", "-1"], "token id -1 is outside")
-    user_error(capsys, ["generate", art, "--ids", "1", "--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1")
+    user_error(capsys, ["generate", art, "--ids", "1", "--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1")
     user_error(capsys, ["generate", art, "--ids", "1,2", "--max-new-tokens", "511"],
            "batch 1 x 513 tokens (2 prompt + 511 new) exceeds what the artifact was built for (--max-seq-len 512); "
            "ask for at most 510 new tokens, or rebuild with --max-seq-len 513")
@@ -436,9 +438,9 @@ def test_an_unreadable_tokenizer_json_is_refused_at_build(hf_checkpoint, tmp_pat
 
 
 def test_version(capsys):
-    with pytest.raises(SystemExit) as e:
-        main(["--version"])
-    assert e.value.code == 0
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"mxc {mxc.__version__}\n"
+    assert main(["--version", "build"]) == 0  # as argparse's version action: before the subcommand is parsed
     assert capsys.readouterr().out == f"mxc {mxc.__version__}\n"
 
 
@@ -502,3 +504,89 @@ def test_main_runs_outside_the_main_thread(capsys):
     t.join(60)
     assert result == [0]
     assert "LlamaForCausalLM" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("ids, says", [
+    ("1,,2", "item 2 is empty"), (",1", "item 1 is empty"), ("1,", "item 2 is empty"),
+    ("+1", "item 1 '+1' is not an integer"), ("1_000", "item 1 '1_000' is not an integer"),
+    ("\u0661,\u0662", "item 1 '\u0661' is not an integer"), ("1 2", "item 1 '1 2' is not an integer"),
+])
+def test_ids_are_plain_comma_separated_integers(artifact, capsys, ids, says):
+    """Python's int() takes '+1', '1_000' and other scripts' digits, and empty items were skipped: none is a token
+    id list a user meant."""
+    user_error(capsys, ["generate", artifact, "--ids", ids],
+               f"--ids {ids!r}: {says}; expected comma-separated integers like 1,2,3")
+
+
+def test_ids_may_have_spaces_around_the_numbers(artifact, capsys):
+    assert main(["generate", str(artifact), "--ids", " 1 , 2 ", "--max-new-tokens", "3"]) == 0
+    spaced = capsys.readouterr().out
+    assert main(["generate", str(artifact), "--ids", "1,2", "--max-new-tokens", "3"]) == 0
+    assert capsys.readouterr().out == spaced
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["build", ""], "SOURCE '': empty; give a path (a bundled definition such as llama.yaml"),
+    (["build", "llama.yaml", "--checkpoint", ""], "--checkpoint '': empty; give a path, or leave --checkpoint out for "
+                                                  "deterministic random weights"),
+    (["build", "llama.yaml", "--config", " "], "--config ' ': empty; give a path, or leave --config out"),
+    (["build", "llama.yaml", "--dump-ir", ""], "--dump-ir '': empty; give a path, or leave --dump-ir out"),
+])
+def test_an_empty_path_is_refused_by_its_flag(argv, says, tmp_path, capsys, monkeypatch):
+    """An unset shell variable ("--checkpoint $CKPT") was taken as no flag at all: a random-weights build."""
+    monkeypatch.chdir(tmp_path)
+    user_error(capsys, argv + ["--out", tmp_path / "art"], says)
+    assert not (tmp_path / "art").exists() and not (tmp_path / "build").exists()
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--max-seq-len", "1"], "--max-seq-len 1: a sequence needs room for a prompt token and a new one; give at "
+                             "least 2"),
+    (["--target", "cuda", "--max-batch", "1000000000"],
+     "--max-batch 1000000000 / --max-seq-len 512: the KV cache would hold 1000000001 x 512 rows a layer (the scratch "
+     "slot included), past the 2147483647 the cuda kernels address; lower one"),
+    (["--target", "cuda", "--max-batch", "1", "--max-seq-len", str(2**30)], "past the 2147483647"),
+    (["--quant-granularity", "channel"], "--quant-granularity channel: applies to fp8 weights; add --quant fp8"),
+    (["--quant", "fp8", "--mlp-pair"], "--mlp-pair: the fused MLP kernel is a cuda kernel (got --target cpu)"),
+])
+def test_build_sizes_and_options_that_cannot_run_are_refused_at_once(argv, says, tmp_path, capsys):
+    """A billion-sequence cuda build ran out of the host's memory listing its buckets; --max-seq-len 1 built an
+    artifact no prompt fits; an option the build ignores (a given granularity without fp8, the cuda MLP kernel on
+    the cpu target) is refused as --pdl on the cpu is."""
+    user_error(capsys, ["build", "llama.yaml", "--out", tmp_path / "art", *argv], says)
+    assert not (tmp_path / "art").exists()
+
+
+def test_a_closed_stdout_ends_the_command_quietly(artifact, capsys, monkeypatch):
+    """`mxc models | head -1`: the reader went away. Exit as a command killed by SIGPIPE would (141), with no
+    traceback, and nothing more from the interpreter's exit flush (stdout then points at /dev/null)."""
+    for argv in (["models"], ["--version"], ["inspect", str(artifact)]):
+        read, write = os.pipe()
+        os.close(read)
+        with os.fdopen(write, "w") as closed:
+            monkeypatch.setattr(sys, "stdout", closed)
+            assert main(argv) == 141
+            print("after", file=closed, flush=True)  # /dev/null now: no BrokenPipeError
+        assert capsys.readouterr().err == ""
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full")
+def test_a_full_stdout_is_a_one_line_error(artifact, capsys, monkeypatch):
+    for argv in (["models"], ["--version"], ["inspect", str(artifact)]):
+        with open("/dev/full", "w") as full:  # closing flushes what is left into /dev/null, as the exit would
+            monkeypatch.setattr(sys, "stdout", full)
+            code = main(argv)
+        assert_user_error(code, capsys.readouterr().err,
+                          "standard output: cannot write the result (No space left on device)")
+
+
+def test_prompt_on_an_artifact_whose_tokenizer_went_missing_says_to_rebuild(hf_checkpoint, tmp_path, capsys):
+    """The manifest lists tokenizer/tokenizer.json: the checkpoint had one, and the artifact lost it."""
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM")
+    _save_tokenizer(ckpt)
+    art = tmp_path / "art"
+    assert main(["build", str(ckpt), "--out", str(art)]) == 0
+    (art / "tokenizer" / "tokenizer.json").unlink()
+    capsys.readouterr()
+    user_error(capsys, ["generate", art, "--prompt", "hello"],
+               f"{art}: tokenizer/tokenizer.json is missing; the artifact is incomplete, rebuild it; use --ids")

@@ -114,7 +114,9 @@ def test_inspect_of_a_healthy_cpu_artifact(artifact, capsys):
     rope = manifest["config"]["rope"]
     assert not any(ln.startswith("compiled") or ln.startswith("cuda ") for ln in lines), lines
     assert f"rope         {rope['type']} (theta {rope['theta']})" in lines
-    assert any(ln.startswith("build        target cpu,") and ln.endswith("quant none") for ln in lines), lines
+    max_seq_len = manifest["options"]["max_seq_len"]
+    assert any(ln.startswith("build        target cpu,") and ln.endswith(f"quant none, max-seq-len {max_seq_len}")
+               for ln in lines), lines
     assert "weights      dummy" in lines
     for rel in manifest["files"]:
         size = (artifact / rel).stat().st_size
@@ -168,6 +170,45 @@ def test_inspect_shows_a_cuda_artifacts_runtime_options(artifact, tmp_path, caps
     assert ("cuda         KV cache 4 x 256 tokens (decode graphs per batch bucket), prefill graphs up to 64 tokens, "
             "PDL on" in _inspect_lines(art, capsys))
 
+
+
+def test_inspect_shows_only_the_prefill_buckets_the_kv_cache_holds(artifact, tmp_path, capsys):
+    """--prefill-graphs 2048 with --max-seq-len 300: the largest bucket is 256 (none past the cache's length)."""
+    def edit(m):
+        m["target"] = {**m["target"], "name": "cuda", "arch": "sm_90"}
+        m["options"].update(target="cuda", max_batch=4, max_seq_len=300, prefill_graph_tokens=2048, pdl=True)
+
+    art = _inspect_copy(artifact, tmp_path, edit)
+    assert ("cuda         KV cache 4 x 300 tokens (decode graphs per batch bucket), prefill graphs up to 256 tokens, "
+            "PDL on" in _inspect_lines(art, capsys))
+
+
+def test_inspect_shows_experts_and_fp8_options(artifact, tmp_path, capsys):
+    """A mixture of experts shows its experts and routing, not the dense intermediate_size it does not use; fp8
+    shows its scales' granularity and whether the LM head is quantized."""
+    def edit(m):
+        m["config"].update(moe=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                           norm_topk_prob=True, moe_scoring="softmax", shared_expert_intermediate_size=64)
+        m["options"].update(quant="fp8", quant_granularity="block128", quant_lm_head=True)
+
+    art = _inspect_copy(artifact, tmp_path, edit)
+    lines = _inspect_lines(art, capsys)
+    shape = next(ln for ln in lines if ln.startswith("shape"))
+    assert shape.endswith(", 8 experts of mlp 32 (top-2 softmax, renormalised) + a shared expert of mlp 64, "
+                          "vocab 256"), shape
+    build = next(ln for ln in lines if ln.startswith("build"))
+    assert "quant fp8 (block128 scales, LM head too), max-seq-len 512" in build, build
+
+
+def test_inspect_flags_a_file_the_manifest_does_not_list(artifact, tmp_path, capsys):
+    art = _inspect_copy(artifact, tmp_path)
+    (art / "code" / "notes.txt").write_text("mine")
+    line = next(ln for ln in _inspect_lines(art, capsys) if "notes.txt" in ln)
+    assert line.split()[0] == "code/notes.txt" and "EXTRA (not in manifest.json: loading refuses the artifact" in line
+    import pytest
+
+    with pytest.raises(mxc.MxcError, match="code/notes.txt is not part of the artifact"):
+        mxc.load(art)
 
 
 def test_inspect_lists_the_kernels_rendered_from_templates(artifact, tmp_path, capsys):

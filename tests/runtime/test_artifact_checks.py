@@ -211,7 +211,8 @@ def _cuda_target(m, **options):
     (lambda m: m.update(schema_version=SCHEMA_VERSION - 1), rf"artifact schema {SCHEMA_VERSION - 1} is not readable "
                                                             rf"by this mxc \(schema {SCHEMA_VERSION}\)"),
     (lambda m: m.pop("schema_version"), r"artifact schema None is not readable"),
-    (lambda m: m.pop("mxc_version"), r"built by mxc None, incompatible"),
+    (lambda m: m.pop("mxc_version"), r"field mxc_version: expected the version string"),
+    (lambda m: m.update(mxc_version=1), r"field mxc_version: expected the version string"),
     (lambda m: m["files"].pop("code/forward.py"), r"field files: expected .*holding code/forward\.py"),
     (lambda m: m["files"].update({"graph.yaml": 5}), r"field files"),
     (lambda m: m.update(tp=1.0), r"field tp: expected a positive integer"),
@@ -233,7 +234,7 @@ def _cuda_target(m, **options):
     (lambda m: m["kernels"][0].update(kernel=[["16", "a"]]), r"field kernels"),
     (lambda m: m["kernels"][0].update(kernel=[[True, "a"]]), r"field kernels"),
     (lambda m: m["kernels"][0].pop("kernel"), r"field kernels"),
-], ids=["older-schema", "no-schema", "no-mxc-version", "no-forward-py", "digest-not-str",
+], ids=["older-schema", "no-schema", "no-mxc-version", "mxc-version-int", "no-forward-py", "digest-not-str",
         "tp-float", "tp-bool", "vocab-0", "eos-str", "kv-head-dim-0", "layers-prefix-no-index", "layers-count-0",
         "cuda-no-arch", "options-dtype", "cuda-max-batch-0", "cuda-max-seq-len-0", "cpu-max-seq-len-str",
         "no-ir-sha256", "architecture-list", "source-no-checkpoint", "kernel-bucket-3-items", "kernel-bucket-str-bound",

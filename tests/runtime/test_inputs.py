@@ -108,6 +108,38 @@ def test_cpu_generation_is_held_to_the_max_seq_len_built_for(model, monkeypatch)
     assert model.generate([[1] * 510], max_new_tokens=2).shape == (1, 2)  # 512: the limit itself
 
 
+def test_capacity_advice_is_only_what_can_be_done():
+    """No rebuild to a length no KV cache can have (2**70 new tokens), and no 'at most 0 prompt tokens' for an
+    artifact built (before that was refused) with --max-seq-len 1."""
+    from mxc.runtime.model import check_capacity
+
+    with pytest.raises(MxcError) as e:
+        check_capacity(1, 2, 2**70, 512)
+    assert str(e.value).endswith("; ask for at most 510 new tokens")
+    with pytest.raises(MxcError) as e:
+        check_capacity(1, 1, 1, 1)
+    assert str(e.value).endswith("(--max-seq-len 1); rebuild with --max-seq-len 2 or more")
+
+
+def test_a_cpu_kv_cache_past_the_host_s_memory_is_refused(model, monkeypatch):
+    """The CPU path allocates its cache per call: one past the memory available is refused in one line, before
+    zeroing it would have the process killed (an artifact built with a huge --max-seq-len lets such a call in)."""
+    import mxc.runtime.model as runtime_model
+
+    kv = model._kv
+    need = 2 * kv["layers"] * (20 * kv["kv_heads"] * kv["head_dim"]) * model.dtype.itemsize  # 2 prompt + 18 new
+    monkeypatch.setattr(runtime_model, "host_memory_available", lambda: need - 1)
+    with pytest.raises(MxcError, match=r"^the KV cache of 1 x 20 tokens takes .+, more than the .+ of memory "
+                                       r"available; give a shorter prompt or fewer new tokens$"):
+        model.generate([[1, 2]], max_new_tokens=18)
+    monkeypatch.setattr(runtime_model, "host_memory_available", lambda: need)
+    assert model.generate([[1, 2]], max_new_tokens=18).shape == (1, 18)
+    assert runtime_model.host_memory_available.__module__  # the patched one ran: the real one reads /proc/meminfo
+    monkeypatch.undo()
+    available = runtime_model.host_memory_available()
+    assert available is None or available > 0
+
+
 def test_seed_zero_is_a_seed(model):
     """``seed=0`` seeds the draw like any other seed: the global RNG's state does not matter."""
     runs = []

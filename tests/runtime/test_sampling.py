@@ -117,3 +117,13 @@ def test_seeds_are_taken_exactly_where_torch_takes_them(seed):
             check_generate_args(1, 1.0, seed=seed)
     else:
         check_generate_args(1, 1.0, seed=seed)
+
+
+@pytest.mark.parametrize("temperature", [1e-39, 1e-46, 5e-324])
+@pytest.mark.parametrize("filters", [{}, {"top_k": 5}, {"top_p": 0.5}])
+def test_a_temperature_past_float32_s_range_samples_the_top_token(temperature, filters):
+    """A positive temperature that is 0 in float32 (1e-46) divided the top logit 0 / 0 (NaN: multinomial raised);
+    any temperature that small leaves only the top token, as greedy does."""
+    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(0))
+    got = sample(logits, temperature, generator=torch.Generator().manual_seed(1), **filters)
+    assert torch.equal(got, logits.argmax(dim=-1))
