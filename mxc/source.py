@@ -8,12 +8,13 @@ weights. Bad paths and unreadable configs are one-line errors naming the file.
 
 from __future__ import annotations
 
-import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from mxc.errors import MxcError
 from mxc.ir.template import read_model_file
+from mxc.loaders.files import read_json
 from mxc.models import MODELS_DIR, Entry, architecture_of, lookup
 
 
@@ -26,18 +27,11 @@ class Source:
     entry: Entry | None
 
 
-def _read_config(path: Path) -> dict:
-    try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError:
-        why = "a checkpoint directory needs its config.json" if path.name == "config.json" else "check the --config path"
-        raise MxcError(f"{path}: not found; {why}") from None
-    except OSError as e:  # a directory, no permission
-        raise MxcError(f"{path}: cannot read it as a config.json ({e.strerror})") from None
-    except json.JSONDecodeError as e:
-        raise MxcError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
-    except UnicodeDecodeError as e:
-        raise MxcError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+def _read_config(path: Path, what: str = "a config.json", missing: str | None = None) -> dict:
+    if missing is None:
+        missing = ("a checkpoint directory needs its config.json" if path.name == "config.json"
+                   else "check the --config path")
+    config = read_json(path, what, missing)
     if not isinstance(config, dict):
         raise MxcError(f"{path}: expected a JSON object")
     return config
@@ -119,7 +113,9 @@ def eos_ids(src: Source) -> list:
 
 def _generation_config(src: Source) -> dict:
     path = src.checkpoint / "generation_config.json" if src.checkpoint is not None else None
-    return _read_config(path) if path is not None and path.is_file() else {}
+    if path is None or not os.path.lexists(path):  # optional; a broken symlink or a directory is named, not skipped
+        return {}
+    return _read_config(path, "a generation_config.json", "restore it, or remove it")
 
 
 def check_eos(src: Source) -> None:

@@ -12,15 +12,15 @@ tensor name) becomes a one-line ``MxcError`` naming the file or tensor.
 
 from __future__ import annotations
 
-import json
 import pickle
 import re
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from mxc.errors import MxcError
+from mxc.loaders.files import check_readable, not_a_file, read_json
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
@@ -41,14 +41,18 @@ def _short(exc: BaseException) -> str:
 
 
 def _open_safetensors(path: Path):
+    check_readable(path, "a safetensors file")  # no permission: the OS's reason, not safetensors' guess
     try:
         return safe_open(str(path), framework="pt")
-    except (SafetensorError, OSError, ValueError) as e:
+    except SafetensorError as e:
         raise MxcError(f"{path}: not a valid safetensors file (truncated or corrupt?): {_short(e)}") from None
+    except (OSError, ValueError) as e:  # e.g. a file that cannot be memory-mapped (/proc/self/mem)
+        raise MxcError(f"{path}: cannot read it as a safetensors file ({_short(e)})") from None
 
 
 def _load_bin(path: Path) -> dict[str, torch.Tensor]:
-    """Load a ``.bin`` state dict with ``weights_only=True``, memory-mapped when possible."""
+    """Load a ``.bin`` state dict with ``weights_only=True``, memory-mapped when possible: dense tensors only."""
+    check_readable(path, "a PyTorch checkpoint")
     try:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -75,26 +79,49 @@ def _load_bin(path: Path) -> dict[str, torch.Tensor]:
             raise MxcError(f"{path}: entry {name!r} has a {type(name).__name__} key, expected a tensor name (str)")
         if not isinstance(value, torch.Tensor):
             raise MxcError(f"{path}: entry {name!r} is a {type(value).__name__}, expected a tensor")
+        kind = _not_dense(value)
+        if kind:
+            raise MxcError(f"{path}: entry {name!r} is a {kind} tensor, expected a dense tensor of its values; save "
+                           f"the checkpoint again with dense tensors")
     return state
 
 
+def _not_dense(t: torch.Tensor) -> str | None:
+    """What kind of tensor ``t`` is where it is not a plain dense one with its values (weights_only loading gives
+    meta, sparse, nested and quantized tensors too), else None."""
+    if t.is_meta:
+        return "meta (no data)"
+    if t.is_nested:
+        return "nested"
+    if t.layout != torch.strided:
+        return f"sparse ({str(t.layout).removeprefix('torch.')})"
+    if t.is_quantized:
+        return f"quantized ({str(t.dtype).removeprefix('torch.')})"
+    return None
+
+
 def _read_index(path: Path) -> dict[str, Path]:
-    """Parse a sharded-checkpoint index into name -> shard path, checking every shard exists."""
-    try:
-        weight_map = json.loads(path.read_text())["weight_map"]
-    except json.JSONDecodeError as e:
-        raise MxcError(f"{path}: not valid JSON: {e}") from None
-    except UnicodeDecodeError as e:
-        raise MxcError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except (KeyError, TypeError):
-        raise MxcError(f"{path}: expected a JSON object with a 'weight_map' field") from None
+    """Parse a sharded-checkpoint index into name -> shard path, checking every shard is a file of the checkpoint."""
+    index = read_json(path, "a shard index", "the checkpoint's index is missing")
+    if not isinstance(index, dict) or "weight_map" not in index:
+        raise MxcError(f"{path}: expected a JSON object with a 'weight_map' field")
+    weight_map = index["weight_map"]
     if not isinstance(weight_map, dict):
         raise MxcError(f"{path}: 'weight_map' must map tensor names to file names")
     result = {}
     for name, file in weight_map.items():
-        shard = path.parent / str(file)
-        if not shard.is_file():
+        if not isinstance(file, str) or not file:
+            raise MxcError(f"{path}: weight_map entry {name!r} is {file!r}, expected a file name")
+        rel = PurePosixPath(file)  # a cache snapshot's shards are symlinks out of it: the name is checked, not them
+        if rel.is_absolute() or ".." in rel.parts:
+            raise MxcError(f"{path}: weight_map entry {name!r} is {file!r}: it must name a file inside the checkpoint "
+                           f"directory")
+        shard = path.parent / file
+        why = not_a_file(shard)
+        if why == "does not exist":
             raise MxcError(f"{path}: weight_map entry {name!r} points at missing file {shard}")
+        if why is not None:
+            raise MxcError(f"{path}: weight_map entry {name!r} points at {shard}, which {why}")
         result[name] = shard
     return result
 
@@ -199,6 +226,16 @@ def _safetensors_checkpoint(directory: Path, files: list[Path], index: Path | No
     return ckpt
 
 
+def _present(path: Path) -> bool:
+    """Whether the checkpoint has the file ``path`` names; where the name is something else (a broken symlink, an
+    interrupted download's; a directory; a FIFO), a one-line error says what, rather than passing it over."""
+    why = not_a_file(path)
+    if why is not None and why != "does not exist":
+        raise MxcError(f"{path}: {why}; expected the checkpoint's {'index' if path.suffix == '.json' else 'weights'} "
+                       f"there (download it again, or remove it)")
+    return why is None
+
+
 def open_checkpoint(directory) -> Checkpoint:
     """Find the weight files in ``directory`` and return a lazily-reading ``Checkpoint``."""
     directory = Path(directory)
@@ -207,16 +244,16 @@ def open_checkpoint(directory) -> Checkpoint:
     st_index = directory / "model.safetensors.index.json"
     bin_index = directory / "pytorch_model.bin.index.json"
     single_bin = directory / "pytorch_model.bin"
-    if st_index.is_file():
+    if _present(st_index):
         return _safetensors_checkpoint(directory, [], index=st_index)
-    if (directory / "model.safetensors").is_file():
+    if _present(directory / "model.safetensors"):
         return _safetensors_checkpoint(directory, [directory / "model.safetensors"])
     others = sorted(p for p in directory.glob("*.safetensors") if p.is_file())
     if others:
         return _safetensors_checkpoint(directory, others)
-    if bin_index.is_file():
+    if _present(bin_index):
         return Checkpoint(directory, _read_index(bin_index))
-    if single_bin.is_file():
+    if _present(single_bin):
         state = _load_bin(single_bin)
         ckpt = Checkpoint(directory, {name: single_bin for name in state})
         ckpt._bin = (single_bin, state)

@@ -11,7 +11,8 @@ checkpoint's names are checked against the graph: a missing, unexpected or
 mis-shaped tensor fails with its name and the shapes, and a tied weight's own
 tensor, where the checkpoint stores it, must hold the values of the weight it reuses.
 A tensor holding NaN or infinity, one past the largest value of the build's dtype
-(1e38 in float16) and an fp8 scale that is not finite and positive fail by name too.
+(1e38 in float16), an fp8 scale that is not finite and positive (or not stored as floating point) and an fp8
+weight holding NaN, or past float32 once scaled, fail by name too.
 """
 
 from __future__ import annotations
@@ -87,8 +88,7 @@ def check_names(graph: Graph, ckpt) -> None:
     wanted: dict[str, tuple[tuple[int, ...], str]] = {}
     for w in graph.all_weights():
         if w.scale_of:  # made from its weight's tensors, or read from the checkpoint's scales
-            names = [h for e in range(w.shape[0]) for h in w.expert_hf(e)] if w.stack else w.hf
-            wanted.update({hf: (None, w.name) for hf in names})
+            wanted.update({hf: (None, w.name) for hf in _scale_names(w)})
             continue
         for hf, shape in parts_of(w):
             wanted[hf] = (shape, w.name)
@@ -138,8 +138,9 @@ def check_tied(graph: Graph, ckpt) -> None:
 def _same_values(ckpt, a: str, b: str, rows: int = 4096) -> bool:
     if tuple(ckpt.shape(a)) != tuple(ckpt.shape(b)):
         return False
-    x, y = ckpt.get(a), ckpt.get(b)
-    return all(torch.equal(x[r:r + rows].float(), y[r:r + rows].float()) for r in range(0, x.shape[0], rows))
+    x, y = ckpt.get(a), ckpt.get(b)  # NaN equals NaN: a copied damaged value is reported as damage, later
+    return all(torch.isclose(x[r:r + rows].float(), y[r:r + rows].float(), rtol=0, atol=0, equal_nan=True).all()
+               for r in range(0, x.shape[0], rows))
 
 
 def rank_slice(tensor: torch.Tensor, w: Weight, tp: int, rank: int) -> torch.Tensor:
@@ -229,6 +230,24 @@ def _check_stored_dtypes(w: Weight, ckpt) -> None:
                            f"(weight {w.name}); the checkpoint is damaged or not this architecture's")
 
 
+def _scale_names(w: Weight) -> list[str]:
+    """The checkpoint's scale tensors a scale weight reads (every expert's; none where the build quantizes)."""
+    return [h for e in range(w.shape[0]) for h in w.expert_hf(e)] if w.stack else list(w.hf)
+
+
+SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _check_scale_dtypes(w: Weight, ckpt) -> None:
+    """The checkpoint's fp8 scales are floating-point numbers: a bool or integer tensor read as float would give
+    scales of 1 or whole numbers, a silently wrong model."""
+    for hf in _scale_names(w):
+        stored = ckpt.dtype(hf)
+        if stored not in SCALE_DTYPES:
+            raise MxcError(f"{ckpt.directory}: {hf} is stored as {stored}, expected floating-point fp8 scales "
+                           f"(weight {w.name}); the checkpoint is damaged")
+
+
 def check_checkpoint(graph: Graph, ckpt) -> None:
     """Everything the checkpoint's headers can say against ``graph``, before any tensor is converted (and, in a
     build, before minutes of kernel compiling): names, shapes, stored dtypes, tied weights."""
@@ -237,6 +256,8 @@ def check_checkpoint(graph: Graph, ckpt) -> None:
     for w in graph.all_weights():
         if not w.scale_of:
             _check_stored_dtypes(w, ckpt)
+        else:
+            _check_scale_dtypes(w, ckpt)
 
 
 WIDER = {torch.float16: "bfloat16 or float32", torch.bfloat16: "float32"}
@@ -260,6 +281,42 @@ def _check_finite(w: Weight, ckpt, values: torch.Tensor) -> None:
             raise MxcError(f"{ckpt.directory}: {hf} holds values up to {float(part.abs().max()):.4g}, past "
                            f"{name}'s largest {torch.finfo(dtype).max:.4g} (weight {w.name}); {hint}")
     raise MxcError(f"{ckpt.directory}: weight {w.name} holds NaN or infinite values once converted to {w.dtype}")
+
+
+FP8_MAX = 448.0  # e4m3fn's largest finite value; it has no infinity, and NaN is the bytes 0x7f and 0xff
+
+
+def _fp8_nan(t: torch.Tensor) -> bool:
+    return bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any())
+
+
+def _check_fp8(w: Weight, scale_w: Weight, ckpt, values: torch.Tensor, scales: torch.Tensor) -> None:
+    """Fail where a checkpoint's fp8 weight (its values as stored, imported as they are) holds NaN, or times its
+    scales (checked finite and positive) goes past float32's largest, naming the checkpoint tensors. One pass over
+    the bytes; the scales bound the rest (448 x the largest scale), so the values are multiplied out only on
+    failure."""
+    if _fp8_nan(values):
+        for hf, _ in parts_of(w):
+            if _fp8_nan(ckpt.get(hf)):
+                raise MxcError(f"{ckpt.directory}: {hf} holds NaN fp8 values (bytes 0x7f or 0xff; weight {w.name}); "
+                               f"the checkpoint is damaged")
+        raise MxcError(f"{ckpt.directory}: weight {w.name} holds NaN fp8 values; the checkpoint is damaged")
+    if scales.numel() == 0 or FP8_MAX * float(scales.max()) <= torch.finfo(torch.float32).max:
+        return
+    if w.stack:
+        names = [pair for e in range(full_shape(w)[0]) for pair in zip(w.expert_hf(e), scale_w.expert_hf(e))]
+    else:
+        names = list(zip(w.hf, scale_w.hf))
+    for hf, scale_hf in names:
+        part, s = ckpt.get(hf).float(), ckpt.get(scale_hf).float()
+        if w.quant.granularity == "block128":
+            s = s.repeat_interleave(128, 0)[:part.shape[0]].repeat_interleave(128, 1)[:, :part.shape[1]]
+        elif w.quant.granularity == "channel":
+            s = s.reshape(-1, 1)
+        if not (part * s).isfinite().all():
+            raise MxcError(f"{ckpt.directory}: {hf} times its scales {scale_hf} (up to {float(s.max()):.4g}) is past "
+                           f"float32's largest {torch.finfo(torch.float32).max:.4g} (weight {w.name}); the checkpoint "
+                           f"is damaged")
 
 
 def weight_elements(graph: Graph) -> int:
@@ -305,6 +362,7 @@ def write_weights(graph: Graph, ckpt, paths: list[Path], metadata: dict[str, str
             if w.quant is not None and w.quant.prequantized:
                 scale_w = scales[f"{w.name}_scale"]
                 outputs = [(w, tensor), (scale_w, _checkpoint_scales(w, scale_w, ckpt))]
+                _check_fp8(w, scale_w, ckpt, tensor, outputs[1][1])
             elif w.quant is not None:
                 q, scale = quantize_fp8(tensor, w.quant.granularity, w.segments)
                 _check_finite(w, ckpt, scale)  # a NaN or inf weight makes its group's scale one

@@ -42,12 +42,35 @@ def unquantized_linears(graph: Graph, names, suffix: str, where) -> tuple[str, .
     return tuple(sorted(keep))
 
 
+SUFFIXES = ("weight_scale", "weight_scale_inv")  # the scale tensors' names: compressed-tensors', transformers'
+
+
 def checkpoint_quantization(config: dict, config_path: str, names=None) -> tuple[str, str] | None:
     """(granularity, scale-tensor suffix) when config.json says the weights are already fp8, else None.
 
-    ``names``: a callable giving the checkpoint's tensor names, asked only where the config leaves the format open
-    (quant_method fp8 with no weight_block_size: transformers' 128x128 blocks with ``weight_scale_inv``, or the
-    per-tensor ``weight_scale`` of AutoFP8 checkpoints, as vLLM reads them)."""
+    ``names``: a callable giving the checkpoint's tensor names, which settle the format where the config leaves it
+    open (quant_method fp8 with no weight_block_size: transformers' 128x128 blocks with ``weight_scale_inv``, or the
+    per-tensor ``weight_scale`` of AutoFP8 checkpoints, as vLLM reads them) and must agree with it elsewhere."""
+    found = _quantization(config, config_path, names)
+    if found is not None and names is not None:
+        _check_suffix(found[1], names(), config, config_path)
+    return found
+
+
+def _check_suffix(suffix: str, names, config: dict, config_path: str) -> None:
+    """The checkpoint's scale tensors have the name the config implies: where it has none of those but has the
+    other kind, the config and the tensors disagree (every fp8 weight would otherwise read as unquantized)."""
+    suffixes = {n.rpartition(".")[2]: n for n in names}
+    other = next(s for s in SUFFIXES if s != suffix)
+    if suffix not in suffixes and other in suffixes:
+        qc = config["quantization_config"]
+        said = ", ".join(f"{k} {qc[k]}" for k in ("quant_method", "weight_block_size") if k in qc)
+        raise MxcError(f"{config_path}: quantization_config ({said}) means scale tensors named *.{suffix}, but the "
+                       f"checkpoint's are named *.{other} ({suffixes[other]}): the config and the tensor names "
+                       f"disagree; check that config.json came with these weights")
+
+
+def _quantization(config: dict, config_path: str, names) -> tuple[str, str] | None:
     qc = config.get("quantization_config")
     if not qc:
         return None

@@ -229,3 +229,20 @@ def test_a_weight_that_is_not_finite_is_refused_before_fp8_quantization(ckpt, tm
     with pytest.raises(MxcError, match=rf"{re.escape(name)} holds NaN or infinite values \(weight layers\.1\.wo\)"):
         build(ckpt, tmp_path / "art", quant="fp8")
     assert not (tmp_path / "art").exists()
+
+
+def test_a_nan_copied_into_a_tied_lm_head_is_named_as_damage(hf_checkpoint, tmp_path):
+    """A tied checkpoint storing lm_head.weight as an exact copy of an embedding that holds a NaN: the copy is the
+    same tensor (not "differs ... make tie_word_embeddings false"), and the NaN is what the error names."""
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM", tie_word_embeddings=True)
+
+    def damage(t):
+        t["model.embed_tokens.weight"][5, 3] = float("nan")
+        t["lm_head.weight"] = t["model.embed_tokens.weight"].clone()
+
+    edit_tensors(ckpt, damage)
+    with pytest.raises(MxcError, match=r"model\.embed_tokens\.weight holds NaN or infinite values \(weight embed\); "
+                                       r"the checkpoint is damaged") as e:
+        build(ckpt, tmp_path / "art")
+    one_line(e)
+    assert not (tmp_path / "art").exists()

@@ -291,3 +291,32 @@ def test_nothing_to_check_in_an_empty_tensor():
     """No values, none that is not finite (torch.aminmax refuses an empty tensor)."""
     w = Weight("w", (0, 3), "float32", ("w.weight",))
     assert _check_finite(w, _Tensors({"w.weight": torch.empty(0, 3)}), torch.empty(0, 3)) is None
+
+
+@pytest.mark.parametrize("granularity, scales", [("channel", torch.tensor([1.0, 1e36])), ("tensor", torch.tensor(1e36)),
+                                                 ("block128", torch.tensor([[1e36]]))])
+def test_fp8_values_past_float32_once_scaled_are_refused(tmp_path, granularity, scales):
+    """An fp8 weight times its (finite, positive) scale past float32's largest: refused naming both tensors. The
+    same scales over small enough values pass (the bound is only the first look)."""
+    w = _fp8_weight((2, 3), granularity)
+    graph = _graph([w, Weight("w_scale", (1, 1) if granularity == "block128" else (2,), "float32", ("w.weight_scale",),
+                              scale_of="w")])
+    values = torch.tensor([[1.0, 2.0, 1.0], [1.0, 448.0, 1.0]])
+    ckpt = _Tensors({"w.weight": values.to(torch.float8_e4m3fn), "w.weight_scale": scales})
+    with pytest.raises(MxcError, match=r"ckpt: w\.weight times its scales w\.weight_scale \(up to 1e\+36\) is past "
+                                       r"float32's largest 3\.403e\+38 \(weight w\); the checkpoint is damaged"):
+        _write(graph, ckpt, [tmp_path / "rank0.safetensors"])
+    ckpt.tensors["w.weight"] = (values / 448).to(torch.float8_e4m3fn)
+    _write(graph, ckpt, [tmp_path / "rank0.safetensors"])
+
+
+def test_a_nan_copied_into_a_tied_weight_is_not_a_difference():
+    """A tied head holding the embedding's NaN where the embedding has it is the same tensor (NaN != NaN would call it
+    different and advise untying); the NaN check then names the damage."""
+    e = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    e[1, 2] = float("nan")
+    other = e.clone()
+    other[3, 0] = float("nan")
+    ckpt = _Tensors({"embed.weight": e, "head.weight": e.clone(), "other.weight": other})
+    assert _same_values(ckpt, "embed.weight", "head.weight")
+    assert not _same_values(ckpt, "embed.weight", "other.weight")

@@ -437,3 +437,50 @@ def test_fine_grained_fp8_with_some_weight_scale_names_stays_blocks():
     assert checkpoint_quantization(config, "c", names=lambda: autofp8) == ("tensor", "weight_scale")
     both = ["a.weight", "a.weight_scale_inv", "b.weight", "b.weight_scale"]
     assert checkpoint_quantization(config, "c", names=lambda: both) == ("block128", "weight_scale_inv")
+
+
+@pytest.mark.parametrize("fmt, name", [
+    ("hf-fp8-block", "model.layers.1.self_attn.k_proj.weight"),  # a merged part, not the first
+    ("compressed-tensors-channel", "model.layers.0.mlp.down_proj.weight"),
+    ("compressed-tensors-tensor", "model.layers.1.mlp.up_proj.weight"),
+    ("compressed-tensors-block", "model.layers.0.self_attn.o_proj.weight"),
+])
+def test_a_nan_in_an_fp8_weight_is_refused_by_name(fmt, name, hf_checkpoint, tmp_path):
+    """An fp8 weight imported as stored holding a NaN code (0x7f; e4m3fn has no infinity): refused naming the tensor,
+    as a NaN in a bf16 weight is, not built into a model that generates garbage."""
+    qconfig, granularity, suffix = FORMATS[fmt]
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM", **SHAPE)
+    fp8 = _prequantize(ckpt, tmp_path / "fp8-ckpt", qconfig, granularity, suffix)
+    fp8[name].view(torch.uint8)[3, 5] = 0x7F if "block" in fmt else 0xFF  # +NaN and -NaN
+    save_file(fp8, tmp_path / "fp8-ckpt" / "model.safetensors", metadata={"format": "pt"})
+    _refused(tmp_path / "fp8-ckpt", tmp_path, rf"{re.escape(name)} holds NaN fp8 values \(bytes 0x7f or 0xff; weight "
+             r"layers\.\d\.w\w+\); the checkpoint is damaged")
+
+
+@pytest.mark.parametrize("fmt, dtype", [("hf-fp8-block", torch.bool), ("compressed-tensors-channel", torch.int32),
+                                        ("compressed-tensors-tensor", torch.bool)])
+def test_fp8_scales_stored_as_integers_or_bools_are_refused(fmt, dtype, hf_checkpoint, tmp_path):
+    """A scale tensor that is not floating point (read as float: every scale 1.0, or whole numbers) is refused by
+    name before the build compiles anything."""
+    qconfig, granularity, suffix = FORMATS[fmt]
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM", **SHAPE)
+    fp8 = _prequantize(ckpt, tmp_path / "fp8-ckpt", qconfig, granularity, suffix)
+    name = f"model.layers.1.mlp.gate_proj.{suffix}"
+    fp8[name] = fp8[name].to(dtype)
+    save_file(fp8, tmp_path / "fp8-ckpt" / "model.safetensors", metadata={"format": "pt"})
+    _refused(tmp_path / "fp8-ckpt", tmp_path, rf"{re.escape(name)} is stored as {dtype}, expected floating-point fp8 "
+             r"scales \(weight layers\.1\.w_gate_up_scale\)")
+
+
+@pytest.mark.parametrize("fmt, stored", [("hf-fp8-block", "weight_scale"),
+                                         ("compressed-tensors-block", "weight_scale_inv")])
+def test_scale_names_unlike_the_config_are_refused(fmt, stored, hf_checkpoint, tmp_path):
+    """quantization_config implies the scale tensors' names (transformers' blocks: weight_scale_inv; compressed-tensors:
+    weight_scale); where the checkpoint has only the other name, the two disagree, which the error says rather than
+    that the layers are "kept in the model dtype"."""
+    qconfig, granularity, suffix = FORMATS[fmt]
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM", **SHAPE)
+    _prequantize(ckpt, tmp_path / "fp8-ckpt", qconfig, granularity, stored)
+    _refused(tmp_path / "fp8-ckpt", tmp_path, rf"config\.json: quantization_config \(quant_method .*\) means scale "
+             rf"tensors named \*\.{suffix}, but the checkpoint's are named \*\.{stored} \(model\..*\.{stored}\): the "
+             r"config and the tensor names disagree")

@@ -44,6 +44,16 @@ CASES = {
     "qwen3-moe-no-renorm": ("Qwen3MoeForCausalLM", {"num_experts": 8, "num_experts_per_tok": 2,
                                                     "moe_intermediate_size": 40, "norm_topk_prob": False}),
     "olmoe": ("OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2}),
+    # MoE sizes left in configs of architectures whose transformers class does not read them: Mixtral's and OLMoE's
+    # experts are intermediate_size wide, and only Qwen2-MoE has a shared expert
+    "mixtral-stray-moe-sizes": ("MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                                       "moe_intermediate_size": 32,
+                                                       "shared_expert_intermediate_size": 32}),
+    "olmoe-stray-moe-sizes": ("OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
+                                                   "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}),
+    "qwen3-moe-stray-shared-expert": ("Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
+                                                              "moe_intermediate_size": 40,
+                                                              "shared_expert_intermediate_size": 32}),
 }
 
 # transformers' generate builds its KV cache from the config, and a config with sliding_window gets windowed cache
