@@ -15,6 +15,8 @@ import errno
 import functools
 import hashlib
 import json
+import numbers
+import operator
 import os
 import shutil
 import sys
@@ -77,6 +79,24 @@ def _check_argument_types(**given) -> None:
     passes = given["disable_passes"]
     if not isinstance(passes, (list, tuple)) or not all(isinstance(p, str) for p in passes):
         raise MxcError(f"disable_passes must be a list of pass names, got {passes!r}")
+    for name in ("quant_lm_head", "mlp_pair", "progress", "pdl"):  # "no" would count as true
+        value = given[name]
+        if not (isinstance(value, bool) or (value is None and name == "pdl")):
+            raise MxcError(f"{name} must be True or False{' (or None: the default)' if name == 'pdl' else ''}, got "
+                           f"{value!r}")
+    if not callable(given["log"]):
+        raise MxcError(f"log must be a callable taking one message (str), got {given['log']!r}")
+
+
+def _integer(value):
+    """An integral count as a Python int (numpy's int64 from a script is as good as an int); anything else as it
+    is, for the checks that name it."""
+    return operator.index(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value
+
+
+def _got(value) -> str:
+    """`` (got str)`` for a value that prints like a number but is not an int (``tp="2"``), else nothing."""
+    return "" if isinstance(value, int) and not isinstance(value, bool) else f" (got {type(value).__name__})"
 
 
 def _check_tokenizer(checkpoint: Path | None) -> None:
@@ -194,8 +214,10 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     ``PREFILL_GRAPH_TOKENS`` for ``--target cuda`` (0 elsewhere): batch-1 prompts up to that many tokens
     replay the CUDA graph of their length bucket (``runtime_buckets.prefill_graph_buckets``).
     """
+    arch, tp, max_batch, max_seq_len, prefill_graphs = map(_integer, (arch, tp, max_batch, max_seq_len, prefill_graphs))
     _check_argument_types(source=source, out=out, checkpoint=checkpoint, config=config, dump_ir=dump_ir, arch=arch,
-                          disable_passes=disable_passes)
+                          disable_passes=disable_passes, quant_lm_head=quant_lm_head, mlp_pair=mlp_pair,
+                          progress=progress, pdl=pdl, log=log)
     if target not in ("cpu", "cuda"):
         raise MxcError(f"--target {target}: expected cpu or cuda")
     if dtype not in (None, "float32", "bfloat16", "float16"):
@@ -220,9 +242,10 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     if tp_allreduce in ("one_shot", "push") and target != "cuda":
         raise MxcError(f"--tp-allreduce {tp_allreduce}: the peer-memory all-reduce needs --target cuda (got {target})")
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-        raise MxcError(f"--tp {tp}: expected a positive integer")
+        raise MxcError(f"--tp {tp}: expected a positive integer{_got(tp)}")
     if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in (max_batch, max_seq_len)):
-        raise MxcError(f"--max-batch {max_batch} / --max-seq-len {max_seq_len}: expected positive integers")
+        raise MxcError(f"--max-batch {max_batch} / --max-seq-len {max_seq_len}: expected positive integers"
+                       f"{_got(max_batch) or _got(max_seq_len)}")
     if max_seq_len < 2:
         raise MxcError(f"--max-seq-len {max_seq_len}: a sequence needs room for a prompt token and a new one; give "
                        f"at least 2")
@@ -233,7 +256,7 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     if prefill_graphs is None:
         prefill_graphs = PREFILL_GRAPH_TOKENS if target == "cuda" else 0
     if not isinstance(prefill_graphs, int) or isinstance(prefill_graphs, bool) or prefill_graphs < 0:
-        raise MxcError(f"--prefill-graphs {prefill_graphs}: expected a token count >= 0 (0: off)")
+        raise MxcError(f"--prefill-graphs {prefill_graphs}: expected a token count >= 0 (0: off){_got(prefill_graphs)}")
     if prefill_graphs and target != "cuda":
         raise MxcError(f"--prefill-graphs {prefill_graphs}: prompts replayed as CUDA graphs, with --target cuda "
                        f"(got --target {target}); drop it")

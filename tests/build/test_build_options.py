@@ -34,7 +34,7 @@ def test_prefill_graphs_needs_cuda_and_a_count(ckpt, tmp_path):
     one_line(e)
     with pytest.raises(MxcError, match=r"^--prefill-graphs -1: expected a token count >= 0 \(0: off\)$"):
         build(ckpt, tmp_path / "art", prefill_graphs=-1, target="cuda")
-    with pytest.raises(MxcError, match=r"^--prefill-graphs True: expected a token count >= 0 \(0: off\)$"):
+    with pytest.raises(MxcError, match=r"^--prefill-graphs True: expected a token count >= 0 \(0: off\) \(got bool\)$"):
         build(ckpt, tmp_path / "art", prefill_graphs=True)  # the Python API's bool is no count, as for --tp
     assert not (tmp_path / "art").exists()
 
@@ -203,5 +203,33 @@ def test_python_arguments_of_the_wrong_type_are_named(kw, pattern, tmp_path):
     kw = {"source": "llama.yaml", "out": tmp_path / "art", **kw}
     with pytest.raises(MxcError, match=pattern) as e:
         mxc.build(kw.pop("source"), progress=False, log=lambda m: None, **kw)
+    one_line(e)
+    assert not (tmp_path / "art").exists()
+
+
+def test_numpy_integers_are_counts_like_ints(tmp_path):
+    """A script's numpy counts (np.int64(2)) are integers: built as ints, not refused as "--tp 2: expected a
+    positive integer"."""
+    np = pytest.importorskip("numpy")
+    art = build("llama.yaml", tmp_path / "art", tp=np.int64(2), max_batch=np.int32(4), max_seq_len=np.int64(64))
+    options = json.loads((art / "manifest.json").read_text())["options"]
+    assert (options["tp"], options["max_batch"], options["max_seq_len"]) == (2, 4, 64)
+    assert all(type(options[k]) is int for k in ("tp", "max_batch", "max_seq_len"))
+
+
+@pytest.mark.parametrize("kw, pattern", [
+    (dict(tp="2"), r"--tp 2: expected a positive integer \(got str\)$"),
+    (dict(max_batch=4.0), r"--max-batch 4.0 / --max-seq-len 512: expected positive integers \(got float\)$"),
+    (dict(mlp_pair="false"), r"mlp_pair must be True or False, got 'false'$"),
+    (dict(quant_lm_head="no"), r"quant_lm_head must be True or False, got 'no'$"),
+    (dict(progress="yes"), r"progress must be True or False, got 'yes'$"),
+    (dict(pdl=1), r"pdl must be True or False \(or None: the default\), got 1$"),
+    (dict(log=None), r"log must be a callable taking one message \(str\), got None$"),
+])
+def test_api_arguments_of_the_wrong_type_are_named(kw, pattern, tmp_path):
+    """A string "false" counted as true (and then an error about a flag never given); log=None was a TypeError at
+    the first message; a string count printed like a number without saying it was one."""
+    with pytest.raises(MxcError, match=pattern) as e:
+        mxc.build("llama.yaml", out=tmp_path / "art", **{"log": lambda m: None, "progress": False, **kw})
     one_line(e)
     assert not (tmp_path / "art").exists()
