@@ -9,10 +9,18 @@ needs a GPU (``check_target_device``; ``check_generate_device`` checks
 generated program is executed from the verified bytes (an artifact is code
 plus data: load only artifacts you trust, as with any model format that
 carries code). No compilation happens here.
+
+The files are read one after another, by path: a rebuild in place (``mxc build
+--out`` on the same directory swaps the new artifact in by rename) that lands
+while they are read is refused in one line (``_same_build``) rather
+than pairing one build's program with the other's weights, and the ranks of a
+tensor-parallel artifact check that they all loaded the same build
+(``_check_ranks_agree``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -154,29 +162,34 @@ def _inside(rel: str) -> bool:
     return bool(rel) and not posixpath.isabs(norm) and norm != ".." and not norm.startswith("../")
 
 
-def _device(name) -> torch.device:
-    """``--device``: cpu, or a CUDA device this machine has (``cuda`` is the current one)."""
+def _device(name, flags: bool = False) -> torch.device:
+    """``load``'s ``device`` (or, with ``flags``, ``--device``, and the errors say so): cpu, or a CUDA device this
+    machine has (``cuda`` is the current one; an integer N is cuda:N, as torch.device(N) is where CUDA is the
+    accelerator)."""
+    arg = f"--device {name}" if flags else f"device={name!r}" if isinstance(name, str) else f"device={name}"
+    if isinstance(name, int) and not isinstance(name, bool):  # True stays as it is: torch.device refuses it below
+        name = f"cuda:{name}"
     try:
         device = torch.device(name)
     except (RuntimeError, TypeError):
-        raise MxcError(f"--device {name}: expected cpu, cuda or cuda:N") from None
+        raise MxcError(f"{arg}: expected cpu, cuda or cuda:N") from None
     if device.type == "cpu":
         return torch.device("cpu")  # cpu:0 is the one CPU device
     if device.type != "cuda":
-        raise MxcError(f"--device {name}: expected cpu, cuda or cuda:N")
+        raise MxcError(f"{arg}: expected cpu, cuda or cuda:N")
     if not torch.cuda.is_available():
-        raise MxcError(f"--device {name}: no CUDA GPU is usable here (torch.cuda.is_available() is false); "
-                       f"use --device cpu")
+        cpu = "--device cpu" if flags else "device='cpu'"
+        raise MxcError(f"{arg}: no CUDA GPU is usable here (torch.cuda.is_available() is false); use {cpu}")
     index = torch.cuda.current_device() if device.index is None else device.index
     if not 0 <= index < torch.cuda.device_count():
-        raise MxcError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        raise MxcError(f"{arg}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return torch.device("cuda", index)
 
 
 def check_rank_devices(name: str, world_size: int, path) -> None:
     """Before a tensor-parallel command starts its ranks (one GPU each, ``cuda:0`` to ``cuda:N-1``): ``--device``
     names cpu or cuda, and the machine has the GPUs."""
-    device = _device(name)
+    device = _device(name, flags=True)
     if device.type == "cuda" and torch.cuda.device_count() < world_size:
         raise MxcError(f"{path}: built for --tp {world_size}, whose ranks take one GPU each; this machine has "
                        f"{torch.cuda.device_count()} (use --device cpu, or rebuild with a smaller --tp)")
@@ -195,7 +208,7 @@ def check_generate_device(name: str, manifest: dict, path) -> None:
     if manifest["target"]["name"] == "cuda" and not torch.cuda.is_available():  # --device cpu would not do either
         raise MxcError(f"{path}: built for --target cuda, and no CUDA GPU is usable here (torch.cuda.is_available() "
                        f"is false); run it on a machine with one, or rebuild with --target cpu")
-    check_target_device(path, manifest, _device(name), "run it with --device cuda")
+    check_target_device(path, manifest, _device(name, flags=True), "run it with --device cuda")
     check_rank_devices(name, manifest.get("tp", 1), path)
 
 
@@ -250,22 +263,24 @@ def load(path, device: str = "cpu", rank: int = 0, world_size: int = 1, verify: 
          rebuild_kernels: bool = False) -> Model:
     """Load the artifact at ``path`` onto ``device``.
 
+    ``device`` is "cpu", "cuda" (the current GPU), "cuda:N", a torch.device, or an
+    integer N for cuda:N (as torch.device(N) is on a CUDA machine).
     A cuda artifact runs its precompiled kernels (nothing is compiled at load);
     ``rebuild_kernels=True`` JIT-compiles them with the local Triton instead,
     e.g. on a GPU of another architecture. A tensor-parallel artifact (``tp`` > 1)
     loads in each process of an initialised default process group of ``tp`` ranks,
-    ``rank`` being the process's own. ``verify=False`` skips hashing the weights and
-    kernels (seconds for a large model) against the manifest; the manifest itself
-    and the program it executes are checked either way, and a damaged weight file
-    then gives wrong results, not an error.
+    ``rank`` being the process's own; the ranks check that they loaded the same build. ``verify=False`` skips
+    hashing the weights and kernels (seconds for a large model) against the manifest; the manifest itself,
+    the program it executes and the names, shapes and dtypes of the weights are checked either way, and a
+    damaged weight value then gives wrong results, not an error. An artifact rebuilt in place while it loads
+    is refused: load it again.
     """
-    if not isinstance(path, (str, os.PathLike)):
-        raise MxcError(f"path must be an artifact directory (str or Path), got {type(path).__name__}")
+    path = _artifact_path(path)
     for name, value in (("rank", rank), ("world_size", world_size)):
         if not isinstance(value, int) or isinstance(value, bool):
             raise MxcError(f"{name} must be an integer, got {value!r}")
-    path = Path(path)
     manifest = read_manifest(path)
+    build = _build_id(path, manifest["manifest_sha256"])
     tp = manifest.get("tp", 1)
     if world_size != tp:
         raise MxcError(f"{path}: built for tp={tp}, but loaded with world_size={world_size}")
@@ -281,24 +296,132 @@ def load(path, device: str = "cpu", rank: int = 0, world_size: int = 1, verify: 
             raise MxcError(f"{path}: loaded as rank {rank}, but this process is rank {dist.get_rank()} of the "
                            f"process group; pass rank=torch.distributed.get_rank()")
     device = _device(device)
+    with on_device(device):  # kernels load into, and graphs capture on, the model's GPU, whichever is current
+        with _same_build(path, build):  # every file read is this manifest's build's
+            program, launcher, weights = _read_files(path, manifest, device, rank, verify, rebuild_kernels)
+        if world_size > 1:
+            _check_ranks_agree(path, manifest["manifest_sha256"])
+        return Model(program.forward, weights, manifest, device, path, launcher, rank=rank, world_size=world_size)
+
+
+def _artifact_path(path) -> Path:
+    """``load``'s ``path`` as a Path: a str or os.PathLike, not empty (Path("") would be the current directory)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise MxcError(f"path must be an artifact directory (str or Path), got {type(path).__name__}")
+    text = os.fspath(path)
+    if not isinstance(text, str):
+        raise MxcError(f"path must be an artifact directory (str or Path), got a {type(path).__name__} of bytes")
+    if not text.strip():
+        raise MxcError(f"path {text!r}: empty; give the artifact directory")
+    return Path(text)
+
+
+def _read_files(path: Path, manifest: dict, device: torch.device, rank: int, verify: bool, rebuild_kernels: bool):
+    """Everything ``load`` reads from the artifact after its manifest, by path: its files checked, the program,
+    the kernels' launcher, rank ``rank``'s weights and the kernel libraries; (program, launcher, weights)."""
     verify_files(path, manifest, hashes=verify)  # verify=False: the files' presence only, no hashing
     program = _exec_program(path / "code" / "forward.py", manifest["files"]["code/forward.py"])
-    with on_device(device):  # kernels load into, and graphs capture on, the model's GPU, whichever is current
-        launcher = _kernel_launcher(path, manifest, device, rebuild_kernels)  # a wrong device or GPU fails first
-        weights = _load_weights(path, rank, device)
-        return _build_model(path, manifest, program, weights, device, launcher, rank, world_size)
+    launcher = _kernel_launcher(path, manifest, device, rebuild_kernels)  # a wrong device or GPU fails first
+    weights = _load_weights(path, rank, device, _expected_weights(path, manifest))
+    _use_libraries(path, manifest)
+    return program, launcher, weights
 
 
-def _load_weights(path: Path, rank: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """Rank ``rank``'s weights on ``device``; on a GPU, a one-line error first if they cannot fit its free memory."""
+def _build_id(path: Path, digest) -> tuple | None:
+    """Which build is at ``path``: its directory (a rebuild swaps another in by rename, so even a rebuild of the
+    same build is told apart) and ``digest``, its manifest's manifest_sha256; None where there is none (mid-swap)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, digest
+
+
+@contextlib.contextmanager
+def _same_build(path: Path, build: tuple | None):
+    """The artifact at ``path`` is still ``build`` (``_build_id``, as its manifest was read) when the block ends:
+    else the files it read may be another build's, and a one-line error says to load it again, also in place of
+    the block's own error (a file of the new build fails as modified, or in a KeyError, and is not)."""
+    try:
+        yield
+    except Exception:
+        if _rebuilt(path, build):
+            raise MxcError(f"{path}: the artifact was rebuilt while it was being loaded; load it again") from None
+        raise
+    if _rebuilt(path, build):
+        raise MxcError(f"{path}: the artifact was rebuilt while it was being loaded; load it again")
+
+
+def _rebuilt(path: Path, build: tuple | None) -> bool:
+    """Whether the artifact at ``path`` is no longer ``build``: another directory, or another manifest_sha256 (the
+    manifest read again: cheap)."""
+    try:
+        digest = json.loads((path / "manifest.json").read_bytes()).get("manifest_sha256")
+    except (OSError, ValueError, AttributeError):  # gone, or half-written, in the middle of a swap
+        digest = None
+    return build is None or _build_id(path, digest) != build
+
+
+def _check_ranks_agree(path: Path, digest: str) -> None:
+    """Every rank of the default process group loaded the build of manifest_sha256 ``digest``: each reads the
+    artifact itself, and a rebuild between them would pair one build's shards with another's. Collective."""
+    import torch.distributed as dist
+
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest)  # gloo or NCCL (on the current device, the model's)
+    if len(set(digests)) > 1:
+        raise MxcError(f"ranks loaded different artifacts from {path} (it was rebuilt while they started); run again")
+
+
+def _expected_weights(path: Path, manifest: dict) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """The dtype and shape of each tensor the program reads from a rank's weight file, by name: the weights of the
+    graph the build wrote (graph.yaml, its bytes checked against the manifest's ir_sha256: a small file)."""
+    from mxc.ir import load_graph
+    from mxc.loaders.convert import DTYPES
+
+    file = path / "graph.yaml"
+    try:
+        text = file.read_bytes()
+    except OSError:
+        raise MxcError(f"{path}: graph.yaml is missing; the artifact is incomplete, rebuild it") from None
+    if hashlib.sha256(text).hexdigest() != manifest["ir_sha256"]:
+        raise MxcError(f"{file}: does not match the ir_sha256 the manifest records for it (modified since the build); "
+                       f"rebuild the artifact")
+    return {w.name: (DTYPES[w.dtype], tuple(w.shape)) for w in load_graph(text.decode()).all_weights()}
+
+
+def _load_weights(path: Path, rank: int, device: torch.device,
+                  expected: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s weights on ``device``, the tensors ``expected`` (``_expected_weights``) by name, dtype and
+    shape; on a GPU, a one-line error first if they cannot fit its free memory."""
     file = path / "weights" / f"rank{rank}.safetensors"
     if device.type == "cuda":
         _check_weights_fit(path, rank, file.stat().st_size, device)
     try:
         with safe_open(file, framework="pt", device=str(device)) as f:
-            return {name: f.get_tensor(name) for name in f.keys()}
+            _check_weight_names(file, set(f.keys()), expected)  # before any tensor is read
+            weights = {name: f.get_tensor(name) for name in f.keys()}
     except SafetensorError as e:  # damaged after the build, loaded with verify=False (verify=True says which file)
         raise MxcError(f"{file}: not a readable safetensors file ({e}); the artifact is damaged, rebuild it") from None
+    for name, t in weights.items():
+        if (t.dtype, tuple(t.shape)) != expected[name]:
+            dtype, shape = expected[name]
+            raise MxcError(f"{file}: tensor {name} is {str(t.dtype).removeprefix('torch.')} {list(t.shape)}, the "
+                           f"program expects {str(dtype).removeprefix('torch.')} {list(shape)}; the artifact is "
+                           f"damaged, rebuild it")
+    return weights
+
+
+def _check_weight_names(file: Path, names: set[str], expected: dict) -> None:
+    """A weight file holds the tensors the program reads, no more, no fewer: else one line names the first missing
+    (or unexpected) one, where the program would fail on it in a KeyError."""
+    missing = sorted(set(expected) - names)
+    if missing:
+        raise MxcError(f"{file}: has no tensor {missing[0]}, which the program reads; the artifact is damaged, "
+                       f"rebuild it")
+    extra = sorted(names - set(expected))
+    if extra:
+        raise MxcError(f"{file}: tensor {extra[0]} is not one the program reads; the artifact is damaged, rebuild it")
 
 
 def _check_weights_fit(path: Path, rank: int, nbytes: int, device: torch.device) -> None:
@@ -309,7 +432,8 @@ def _check_weights_fit(path: Path, rank: int, nbytes: int, device: torch.device)
                        f"free on {device}; free the GPU, or rebuild with --quant fp8 or a larger --tp")
 
 
-def _build_model(path, manifest, program, weights, device, launcher, rank, world_size) -> Model:
+def _use_libraries(path: Path, manifest: dict) -> None:
+    """Open the kernel libraries the build compiled, if any."""
     if manifest.get("cutlass"):  # the CUTLASS fp8 GEMM the build compiled (mxc.kernels.cutlass_fp8)
         from mxc.kernels import cutlass_fp8
 
@@ -318,4 +442,3 @@ def _build_model(path, manifest, program, weights, device, launcher, rank, world
         from mxc.kernels import mlp_pair_fp8
 
         mlp_pair_fp8.use(path / manifest["mlp_pair"]["library"])
-    return Model(program.forward, weights, manifest, device, path, launcher, rank=rank, world_size=world_size)

@@ -24,6 +24,8 @@ from mxc.kernels.context import ForwardContext, to_device
 from mxc.runtime.sampling import check_generate_args, sample
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# input_ids' dtypes: any integer one (not bool), cast to int64 once in the vocabulary
+INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32, torch.uint64)
 
 
 def on_device(device: torch.device):
@@ -84,18 +86,26 @@ class Model:
         except (ValueError, TypeError, RuntimeError) as e:  # ragged lists, non-numbers, None
             raise MxcError(f"input_ids must be a [batch, seq] integer tensor (prompts of one batch of one length: "
                            f"run prompts of other lengths in separate calls); {e}") from None
+        if ids.is_nested or ids.layout != torch.strided:  # what the checks below cannot index
+            layout = "nested" if ids.is_nested else str(ids.layout).removeprefix("torch.")
+            raise MxcError(f"input_ids must be a [batch, seq] integer tensor of the default (strided) layout, got a "
+                           f"{layout} tensor; give a plain tensor or a list of lists (run prompts of other lengths "
+                           f"in separate calls)")
         if ids.device.type == "meta":
             raise MxcError("input_ids are on the meta device, which holds no values; give ids on the cpu or the "
                            "model's device")
-        if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32) or 0 in ids.shape:
-            raise MxcError(f"input_ids must be a [batch, seq] int64 or int32 tensor with batch, seq >= 1, got "
+        if ids.dim() != 2 or ids.dtype not in INT_DTYPES or 0 in ids.shape:
+            raise MxcError(f"input_ids must be a [batch, seq] integer tensor with batch, seq >= 1, got "
                            f"{list(ids.shape)} {ids.dtype}")
-        bad = (ids < 0) | (ids >= self.vocab_size)
+        # compared as int64: as uint8, the vocabulary size would wrap, and torch compares no uint16 to uint64 (a
+        # uint64 id past int64's range reads negative, and is named by its own value)
+        wide = ids.to(torch.int64)
+        bad = (wide < 0) | (wide >= self.vocab_size)
         if bad.any():
             where = bad.nonzero()[0].tolist()
-            raise MxcError(f"token id {int(ids[tuple(where)])} at {where} is outside the vocabulary "
+            raise MxcError(f"token id {ids[tuple(where)].item()} at {where} is outside the vocabulary "
                            f"(0..{self.vocab_size - 1})")
-        ids = ids.to(torch.int64)
+        ids = wide
         return to_device(self.device, ids.numpy())[0] if ids.device.type == "cpu" else ids.to(self.device)
 
     def _run(self, ctx: ForwardContext, tokens, positions, logit_rows) -> torch.Tensor:
@@ -159,7 +169,8 @@ class Model:
         With ``stop_at_eos``, a sequence that produced an end-of-sequence token is padded with the first
         end-of-sequence id, and generation ends when every sequence has stopped.
         """
-        check_generate_args(max_new_tokens, temperature, top_k, top_p, seed)
+        max_new_tokens, temperature, top_k, top_p, seed = check_generate_args(max_new_tokens, temperature, top_k,
+                                                                              top_p, seed)  # as int and float
         ids = self._ids(input_ids)
         gen = torch.Generator(self.device).manual_seed(seed) if seed is not None else None
         b, s = ids.shape

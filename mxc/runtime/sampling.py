@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 
 import torch
 
 from mxc.errors import MxcError
 
 
-def check_generate_args(max_new_tokens, temperature=0.0, top_k=None, top_p=None, seed=None, flags=False) -> None:
+def check_generate_args(max_new_tokens, temperature=0.0, top_k=None, top_p=None, seed=None, flags=False) -> tuple:
     """``generate``'s arguments, checked before any work (and, for a tensor-parallel command, before its ranks
     start): an MxcError naming the first bad one. Sampling arguments with greedy decoding (no temperature) are
-    refused, as it would ignore them, by their command-line names with ``flags``."""
+    refused, as it would ignore them, by their command-line names with ``flags``. Returns them as Python's own
+    numbers, what torch takes (a numpy integer or float, a Fraction, pass the checks as their values do):
+    (max_new_tokens, temperature, top_k, top_p, seed), the integers as int and the others as float."""
     def whole(v) -> bool:
         return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
@@ -26,7 +29,8 @@ def check_generate_args(max_new_tokens, temperature=0.0, top_k=None, top_p=None,
 
     if not whole(max_new_tokens) or max_new_tokens < 1:
         raise MxcError(f"{name('max_new_tokens')} must be an integer >= 1, got {max_new_tokens!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not 0 <= temperature < math.inf:
+    if (isinstance(temperature, bool) or not isinstance(temperature, numbers.Real)
+            or not 0 <= _float(temperature) < math.inf):
         raise MxcError(f"{name('temperature')} must be a finite number >= 0, got {temperature!r}")
     if top_k is not None and (not whole(top_k) or top_k < 1):
         raise MxcError(f"{name('top_k')} must be an integer >= 1, got {top_k!r}")
@@ -37,6 +41,17 @@ def check_generate_args(max_new_tokens, temperature=0.0, top_k=None, top_p=None,
     unused = next((n for n, v in (("top_k", top_k), ("top_p", top_p), ("seed", seed)) if v is not None), None)
     if not temperature and unused:
         raise MxcError(f"{name(unused)} needs {name('temperature')} > 0 (greedy decoding does not sample)")
+    as_int = lambda v: None if v is None else operator.index(v)  # numbers.Integral's __index__ is int(v)
+    return as_int(max_new_tokens), _float(temperature), as_int(top_k), None if top_p is None else float(top_p), \
+        as_int(seed)
+
+
+def _float(v: numbers.Real) -> float:
+    """``v`` as a float; inf past the largest (a Fraction or an int too large for one)."""
+    try:
+        return float(v)
+    except OverflowError:
+        return math.inf if v > 0 else -math.inf
 
 
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,

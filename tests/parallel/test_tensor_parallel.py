@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -304,6 +305,31 @@ def test_load_refuses_a_rank_other_than_the_process_groups(tmp_path):
     with pytest.raises(mxc.MxcError, match=r"^rank 1: .*: loaded as rank 0, but this process is rank 1 of the process "
                                            r"group; pass rank=torch.distributed.get_rank\(\)$"):
         run_ranks(_load_as_rank_0, 2, "cpu", art)
+
+
+def _load_own_artifact(rank, world_size, device, arts, out_dir):
+    """Rank r loads ``arts[r]`` (what each rank of one command sees of a path rebuilt between their loads) and
+    writes what came of it, a model or its one-line error, to ``out_dir``/rank{r}."""
+    try:
+        model = mxc.load(arts[rank], rank=rank, world_size=world_size)
+        outcome = f"loaded {model.manifest['runtime']['dtype']}"
+    except mxc.MxcError as e:
+        outcome = str(e)
+    Path(out_dir, f"rank{rank}").write_text(outcome)
+
+
+def test_ranks_that_loaded_different_builds_are_refused(tmp_path):
+    """Each rank reads the artifact itself: a rebuild landing between them gave a float32 rank 0 and a float16 rank
+    1 (or a dense and an MoE one) computing on, with no error. Every rank refuses, in one line; ranks of one build
+    load."""
+    arts = [str(mxc.build("llama.yaml", out=tmp_path / name, tp=2, progress=False, log=lambda m: None, dtype=dtype))
+            for name, dtype in (("a", "float32"), ("b", "float16"))]
+    run_ranks(_load_own_artifact, 2, "cpu", arts, str(tmp_path))
+    for rank in range(2):
+        assert (tmp_path / f"rank{rank}").read_text() == (f"ranks loaded different artifacts from {arts[rank]} (it was "
+                                                          f"rebuilt while they started); run again")
+    run_ranks(_load_own_artifact, 2, "cpu", arts[:1] * 2, str(tmp_path))
+    assert [(tmp_path / f"rank{rank}").read_text() for rank in range(2)] == ["loaded float32"] * 2
 
 
 def _fail_on(rank, world_size, device, bad_rank, error):

@@ -178,9 +178,10 @@ def test_stop_at_eos_without_eos_ids_runs_to_the_end(model, monkeypatch):
 
 @pytest.mark.parametrize("ids, pattern", [(None, r"input_ids must be a \[batch, seq\] integer tensor"),
                                           (torch.ones(1, 2, dtype=torch.long, device="meta"), r"meta device"),
-                                          (torch.ones(1, 2, dtype=torch.uint8), r"int64 or int32 tensor .* torch.uint8")])
+                                          (torch.ones(1, 2, dtype=torch.bool), r"integer tensor .* torch.bool"),
+                                          (torch.ones(1, 2), r"integer tensor .* torch.float32")])
 def test_ids_no_tensor_can_be_made_of_are_named(model, ids, pattern):
-    """None (torch raised a RuntimeError), ids on the meta device (.item() failed) and a uint8 tensor."""
+    """None (torch raised a RuntimeError), ids on the meta device (.item() failed), and bool or float tensors."""
     with pytest.raises(MxcError, match=pattern):
         model.logits(ids)
 
@@ -237,3 +238,77 @@ def test_calls_from_threads_take_turns(model):
     finally:
         model._forward = forward
     assert max(overlaps) == 1 and all(torch.equal(got[n], want[n]) for n in range(4))
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.uint16, torch.uint32, torch.uint64])
+def test_ids_of_any_integer_dtype_are_accepted(model, dtype):
+    """Token ids of any integer dtype are the same ids as int64's (checked against the vocabulary first)."""
+    ids = [[1, 100, 127]]
+    want = model.logits(ids)
+    assert torch.equal(model.logits(torch.tensor(ids).to(dtype)), want)
+    assert torch.equal(model.generate(torch.tensor(ids).to(dtype), max_new_tokens=2), model.generate(ids, 2))
+
+
+def test_ids_past_the_vocabulary_are_named_by_their_value_in_any_integer_dtype(model):
+    """uint8 200 was compared with 256 as a uint8 (wrapping), uint16 to uint64 could not be compared at all; a
+    uint64 id past int64's range is named as it is, not as the negative int64 it reads as."""
+    import numpy as np
+
+    with pytest.raises(MxcError, match=r"token id 300 at \[0, 1\] is outside the vocabulary \(0\.\.255\)"):
+        model.logits(torch.tensor([[1, 300]], dtype=torch.int16))
+    with pytest.raises(MxcError, match=r"token id 300 at \[0, 1\] is outside the vocabulary"):
+        model.logits(torch.tensor([[1, 300]]).to(torch.uint32))
+    with pytest.raises(MxcError, match=rf"token id {2**64 - 1} at \[0, 0\] is outside the vocabulary"):
+        model.logits(torch.from_numpy(np.array([[2**64 - 1, 1]], dtype=np.uint64)))
+
+
+@pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr", "nested", "jagged"])
+def test_ids_of_other_layouts_are_refused(model, layout):
+    """A sparse tensor failed in a NotImplementedError, a nested one in a RuntimeError."""
+    import warnings
+
+    with warnings.catch_warnings():  # CSR's beta and the strided nested layout's prototype warnings
+        warnings.simplefilter("ignore")
+        if layout.startswith("sparse"):
+            ids = getattr(torch.tensor([[1, 2]]), f"to_{layout.replace('_coo', '')}")()
+        else:
+            kw = dict(layout=torch.jagged) if layout == "jagged" else {}
+            ids = torch.nested.nested_tensor([torch.tensor([1, 2]), torch.tensor([3])], **kw)
+            layout = "nested"
+    pattern = (rf"^input_ids must be a \[batch, seq\] integer tensor of the default \(strided\) layout, got a {layout} "
+               r"tensor; give a plain tensor or a list of lists")
+    with pytest.raises(MxcError, match=pattern):
+        model.logits(ids)
+    with pytest.raises(MxcError, match=pattern):
+        model.generate(ids, max_new_tokens=2)
+
+
+def test_numpy_numbers_and_fractions_sample_as_python_numbers(model):
+    """Arguments that pass the checks as their values do (numpy integers and floats, a Fraction) sample as those
+    values: a numpy seed failed in torch.Generator.manual_seed, a Fraction top_p against a tensor."""
+    from fractions import Fraction
+
+    import numpy as np
+
+    want = model.generate([[1, 2, 3]], max_new_tokens=5, temperature=0.75, top_k=50, top_p=0.5, seed=7)
+    for kw in [dict(seed=np.int64(7)), dict(seed=np.uint64(7)), dict(top_p=Fraction(1, 2)), dict(top_p=np.float32(0.5)),
+               dict(temperature=Fraction(3, 4)), dict(temperature=np.float64(0.75)), dict(top_k=np.int32(50)),
+               dict(max_new_tokens=np.int64(5))]:
+        args = {**dict(max_new_tokens=5, temperature=0.75, top_k=50, top_p=0.5, seed=7), **kw}
+        assert torch.equal(model.generate([[1, 2, 3]], **args), want), kw
+    assert torch.equal(model.generate([[1, 2, 3]], max_new_tokens=np.int8(5)), model.generate([[1, 2, 3]], 5))
+
+
+def test_normalised_generation_settings():
+    """check_generate_args returns Python's own numbers; a Fraction past float's range is not finite."""
+    from fractions import Fraction
+
+    import numpy as np
+
+    from mxc.runtime.sampling import check_generate_args
+
+    got = check_generate_args(np.int64(3), Fraction(1, 2), np.int32(4), np.float32(0.25), np.uint64(2**64 - 1))
+    assert got == (3, 0.5, 4, 0.25, 2**64 - 1) and [type(v) for v in got] == [int, float, int, float, int]
+    assert check_generate_args(1) == (1, 0.0, None, None, None)
+    with pytest.raises(MxcError, match=r"temperature must be a finite number >= 0, got Fraction"):
+        check_generate_args(1, Fraction(10**400))
