@@ -1,14 +1,22 @@
 """Where a build writes: ``--out`` and ``--dump-ir`` checked before the long work (writable, never another
 program's folder, never inside an artifact, room for the weights), and the swap at the end: the finished
 temporary sibling directory replaces ``out`` with two renames (``replace_with``), and the next build cleans up
-after one that was killed between them (``recover``)."""
+after one that was killed between them (``recover``); builds into the same ``out`` take their turns at both
+(``swap_lock``)."""
 
 from __future__ import annotations
 
 import os
 import re
 import shutil
+import time
+from contextlib import contextmanager
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; builds into the same --out there are not kept apart
+    fcntl = None
 
 from mxc.artifact_format import is_artifact
 from mxc.errors import MxcError, size_text
@@ -77,9 +85,74 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+LOCK_WAIT = 120.0  # seconds: a swap is two renames, recover some deletions; past this the holder is stuck
+
+
+@contextmanager
+def swap_lock(out: Path):
+    """Hold ``out``'s lock: an advisory ``flock`` on ``.{out.name}.lock`` beside it (never inside: an artifact's
+    files are listed and hashed), so that builds into the same ``out`` (two ``mxc build --out X`` at once) take turns
+    at ``recover`` and the swap. Interleaved, one build found ``out`` gone (the other had just moved it aside) and
+    renamed its own in, and the other's second rename then failed on the occupied name, leaving the previous
+    artifact stranded beside it; now the later build waits and simply replaces the earlier one's artifact.
+
+    The file is removed by its holder before it lets go, so none is left beside the artifact; a waiter that then
+    gets the lock of the removed file tries again with the path's current one. Where locks are not to be had
+    (no ``fcntl``, a filesystem without them, a directory the file cannot be made in) the swap goes on unlocked, as
+    before, and a failing rename reports itself; a holder stuck for ``LOCK_WAIT`` seconds is an ``MxcError``."""
+    path = out.parent / f".{out.name}.lock"
+    deadline = time.monotonic() + LOCK_WAIT
+    fd = None
+    while fcntl is not None:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            break
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:  # another build is swapping: its turn first
+                    if time.monotonic() > deadline:
+                        raise MxcError(f"--out {out}: another build into it has held {path} for over "
+                                       f"{LOCK_WAIT:.0f} s; let it finish (or remove {path} if no build is "
+                                       f"running) and try again") from None
+                    time.sleep(0.02)
+            try:
+                current = os.path.samestat(os.fstat(fd), os.stat(path))
+            except FileNotFoundError:
+                current = False
+        except OSError:  # no locks on this filesystem (ENOLCK, EOPNOTSUPP): unlocked
+            os.close(fd)
+            fd = None
+            break
+        except BaseException:
+            os.close(fd)
+            raise
+        if current:
+            break
+        os.close(fd)  # its holder removed it after we opened it: lock the one there now
+        fd = None
+    try:
+        yield
+    finally:
+        if fd is not None:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            os.close(fd)
+
+
 def recover(out: Path) -> None:
     """Clean up after builds that were killed: drop their partial output; if one died between
-    its two renames, put the previous artifact back."""
+    its two renames, put the previous artifact back. Under ``out``'s lock (``swap_lock``)."""
+    with swap_lock(out):
+        _recover(out)
+
+
+def _recover(out: Path) -> None:
     mine = re.compile(rf"\.{re.escape(out.name)}\.(building|old)-(\d+)")  # not another output's (art.v2)
     for leftover in out.parent.iterdir():
         found = mine.fullmatch(leftover.name)
@@ -92,10 +165,37 @@ def recover(out: Path) -> None:
 
 
 def replace_with(tmp: Path, out: Path) -> None:
-    """Swap the finished ``tmp`` in for ``out`` with two renames."""
+    """Swap the finished ``tmp`` in for ``out`` with two renames, under ``out``'s lock (``swap_lock``; what dead
+    builds left is cleaned up first, as ``recover`` does). A rename that fails is an ``MxcError`` that leaves the
+    previous artifact at ``out``, or, if it cannot be put back, says where it is."""
     old = out.parent / f".{out.name}.old-{os.getpid()}"
-    shutil.rmtree(old, ignore_errors=True)  # a leftover of a dead build whose pid this one reuses
-    if out.exists():
-        os.replace(out, old)
-    os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
+    with swap_lock(out):
+        try:
+            _recover(out)
+            if old.exists() and not out.exists():  # this process's swap interrupted between its renames, or a dead
+                os.replace(old, out)               # build's whose pid it reuses: the previous artifact, put back
+        except OSError:  # leftovers that cannot be cleaned up do not stop this build
+            pass
+        if out.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        moved = out.exists()
+        if moved:
+            try:
+                os.replace(out, old)
+            except OSError as e:
+                raise MxcError(f"--out {out}: cannot move the previous artifact aside to put the new one there "
+                               f"({e.strerror or e}); it is left in place; fix that and build again") from None
+        try:
+            os.replace(tmp, out)
+        except OSError as e:
+            why = e.strerror or str(e)
+            if moved:
+                try:
+                    os.replace(old, out)
+                except OSError:
+                    raise MxcError(f"--out {out}: cannot move the new artifact there ({why}), nor the previous one "
+                                   f"back; it is in {old}: move it back to {out} by hand") from None
+            kept = "; the previous artifact is left in place" if moved else ""
+            raise MxcError(f"--out {out}: cannot move the new artifact there ({why}){kept}; fix that and build "
+                           f"again") from None
+    shutil.rmtree(old, ignore_errors=True)  # outside the lock: the next build's turn need not wait for it

@@ -348,16 +348,45 @@ def _fail_on(rank, world_size, device, bad_rank, error):
                                                          (2, 1, "rank 1: bad input on rank 1")])
 def test_a_ranks_user_error_reaches_the_caller_as_one(world_size, bad_rank, message):
     """``run_ranks``: a rank's ``MxcError`` is raised in the caller as one line, naming the rank when there are
-    several; any other failure is not turned into a user error."""
+    several; another exception (a bug) is not turned into a user error; a rank that leaves with an exit status
+    and no error is one line naming the rank and the status."""
     with pytest.raises(mxc.MxcError) as e:
         run_ranks(_fail_on, world_size, "cpu", bad_rank, mxc.MxcError)
     assert str(e.value) == message
     with pytest.raises(Exception, match="bad input on rank") as e:
         run_ranks(_fail_on, world_size, "cpu", bad_rank, RuntimeError)
     assert not isinstance(e.value, mxc.MxcError)
-    with pytest.raises(Exception, match="exit code 3") as e:
+    with pytest.raises(mxc.MxcError, match=rf"^rank {bad_rank} exited with status 3 without an error message; ") as e:
         run_ranks(_fail_on, world_size, "cpu", bad_rank, None)
-    assert not isinstance(e.value, mxc.MxcError)
+    assert "\n" not in str(e.value)
+
+
+def _killed(rank, world_size, device, victim, sig, pids):
+    import signal
+    import time
+
+    import torch.distributed as dist
+
+    dist.barrier()  # both ranks up, as in _fail_on
+    with open(os.path.join(pids, str(rank)), "w") as f:
+        f.write(str(os.getpid()))
+    if rank == victim:
+        os.kill(os.getpid(), getattr(signal, sig))  # the out-of-memory killer, a kill -9, a crash
+    time.sleep(120)  # the other ranks: stopped by run_ranks, not waited for
+
+
+@pytest.mark.parametrize("sig,why", [("SIGKILL", "out of memory?"), ("SIGSEGV", "a crash in native code")])
+def test_a_rank_killed_by_a_signal_is_one_line_and_the_others_are_stopped(sig, why, tmp_path):
+    """A rank ended by a signal (the out-of-memory killer's SIGKILL, ``kill -9``) is one line naming the rank and
+    the signal, not torch's ProcessExitedException with its traceback; the other ranks are stopped."""
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(mxc.MxcError, match=rf"^rank 1 ended by {sig} \({why}") as e:
+        run_ranks(_killed, 2, "cpu", 1, sig, str(tmp_path))
+    assert "\n" not in str(e.value) and time.monotonic() - t0 < 60
+    pids = [int((tmp_path / str(rank)).read_text()) for rank in range(2)]
+    assert not [pid for pid in pids if _alive(pid)]
 
 
 class _Rank:
@@ -508,6 +537,62 @@ def test_sigterm_to_generate_ends_its_ranks(tmp_path):
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
         proc.wait(5)
+
+
+_SLEEPING_RANK = """
+import os, time
+
+def sleep(rank, world_size, device, pids):
+    with open(os.path.join(pids, str(rank)), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a rank follows its parent's death on Linux only")
+def test_ranks_end_when_the_command_is_killed(tmp_path):
+    """The command killed with SIGKILL (the out-of-memory killer, ``kill -9``) cannot stop its ranks: they end on
+    their own within moments, not left to init decoding on for ever. Its SIGINT ignored, as a shell script's
+    background job (``mxc generate ... &``) starts it: torch's own death signal, SIGINT, is then lost."""
+    import signal
+    import time
+
+    (tmp_path / "sleeping_rank.py").write_text(_SLEEPING_RANK)
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    code = (f"import sys; sys.path.insert(0, {str(tmp_path)!r}); import sleeping_rank; "
+            f"from mxc.runtime.ranks import run_ranks; run_ranks(sleeping_rank.sleep, 2, 'cpu', {str(pids)!r})")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    ranks = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(ranks) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+            ranks = [int(p.read_text()) for p in pids.iterdir() if p.read_text()]
+        assert len(ranks) == 2, proc.communicate()[1][-2000:] if proc.poll() is not None else "no ranks in 60 s"
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 5
+        while any(_alive(r) for r in ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [r for r in ranks if _alive(r)]
+    finally:
+        for pid in [proc.pid] + ranks:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait(5)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a rank follows its parent's death on Linux only")
+def test_a_rank_whose_parent_died_before_it_followed_it_ends_at_once():
+    """The parent dead before the rank's ``prctl`` (the kernel would then never send the signal): the rank sees it
+    is another process's child and ends as the signal would have ended it."""
+    import signal
+
+    code = "from mxc.runtime.ranks import _follow_parent; _follow_parent(-1); print('ran on')"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGTERM and "ran on" not in proc.stdout, proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("fmt,arch", [("hf-fp8-block", "LlamaForCausalLM"), ("compressed-tensors-tensor", "LlamaForCausalLM"),
