@@ -41,9 +41,11 @@ def check_generate_args(max_new_tokens, temperature=0.0, top_k=None, top_p=None,
     unused = next((n for n, v in (("top_k", top_k), ("top_p", top_p), ("seed", seed)) if v is not None), None)
     if not temperature and unused:
         raise MxcError(f"{name(unused)} needs {name('temperature')} > 0 (greedy decoding does not sample)")
-    as_int = lambda v: None if v is None else operator.index(v)  # numbers.Integral's __index__ is int(v)
-    return as_int(max_new_tokens), _float(temperature), as_int(top_k), None if top_p is None else float(top_p), \
-        as_int(seed)
+    def as_int(v):
+        return None if v is None else operator.index(v)  # numbers.Integral's __index__ is int(v)
+
+    return (as_int(max_new_tokens), _float(temperature), as_int(top_k), None if top_p is None else float(top_p),
+            as_int(seed))
 
 
 def _float(v: numbers.Real) -> float:
