@@ -135,6 +135,10 @@ class Model:
         ids = self._ids(input_ids)
         b, s = ids.shape
         self._check_capacity(b, s)
+        if self._decoder is None:  # every row's logits, in the model's dtype and as float32, beside the KV cache
+            self._check_host_memory(self._cache_bytes(b, s) + b * s * self.vocab_size * (self.dtype.itemsize + 4),
+                                    f"a logits call of {b} x {s} tokens needs at least",
+                                    "give fewer or shorter prompts a call")
         rows = torch.arange(b * s, device=self.device)
         k_cache, v_cache = (self._decoder.k_cache, self._decoder.v_cache) if self._decoder else self.new_cache(b, s)
         ctx = ForwardContext.build([s] * b, [0] * b, list(range(b)), k_cache, v_cache, self.device, **self._dist)
@@ -153,13 +157,22 @@ class Model:
         host's available memory is refused in one line, where zeroing it would have the process killed)."""
         kv = self._kv
         shape = (batch, max_len, kv["kv_heads"], kv["head_dim"])
-        need = 2 * kv["layers"] * torch.Size(shape).numel() * self.dtype.itemsize
-        available = host_memory_available() if self.device.type == "cpu" else None
-        if available is not None and need > available:
-            raise MxcError(f"the KV cache of {batch} x {max_len} tokens takes {size_text(need)}, more than the "
-                           f"{size_text(available)} of memory available; give a shorter prompt or fewer new tokens")
+        self._check_host_memory(self._cache_bytes(batch, max_len), f"the KV cache of {batch} x {max_len} tokens takes",
+                                "give a shorter prompt or fewer new tokens")
         make = lambda: [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(kv["layers"])]
         return make(), make()
+
+    def _cache_bytes(self, batch: int, max_len: int) -> int:
+        kv = self._kv
+        return 2 * kv["layers"] * batch * max_len * kv["kv_heads"] * kv["head_dim"] * self.dtype.itemsize
+
+    def _check_host_memory(self, need: int, what: str, fix: str) -> None:
+        """On the CPU, ``need`` bytes fit the host's available memory, or a one-line error (``what`` takes how much,
+        then ``fix``) before the allocation, which past it would have the process killed rather than raise."""
+        available = host_memory_available() if self.device.type == "cpu" else None
+        if available is not None and need > available:
+            raise MxcError(f"{what} {size_text(need)}, more than the {size_text(available)} of memory available; "
+                           f"{fix}")
 
     @_on_own_device
     def generate(self, input_ids, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,

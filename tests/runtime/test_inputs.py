@@ -312,3 +312,20 @@ def test_normalised_generation_settings():
     assert check_generate_args(1) == (1, 0.0, None, None, None)
     with pytest.raises(MxcError, match=r"temperature must be a finite number >= 0, got Fraction"):
         check_generate_args(1, Fraction(10**400))
+
+
+def test_a_cpu_logits_call_past_the_host_s_memory_is_refused(model, monkeypatch):
+    """Every row's [vocab] logits (in the model's dtype, then as float32) come on top of the KV cache: a call whose
+    logits alone pass the memory available is refused in one line, as the cache is."""
+    import mxc.runtime.model as runtime_model
+
+    b, s = 2, 10
+    cache = model._cache_bytes(b, s)
+    logits = b * s * model.vocab_size * (model.dtype.itemsize + 4)
+    monkeypatch.setattr(runtime_model, "host_memory_available", lambda: cache + logits - 1)
+    with pytest.raises(MxcError, match=rf"^a logits call of {b} x {s} tokens needs at least .+, more than the .+ of "
+                                       r"memory available; give fewer or shorter prompts a call$"):
+        model.logits([[1] * s] * b)
+    assert model.generate([[1] * s] * b, max_new_tokens=1).shape == (b, 1)  # its cache and last rows fit
+    monkeypatch.setattr(runtime_model, "host_memory_available", lambda: cache + logits)
+    assert model.logits([[1] * s] * b).shape == (b, s, model.vocab_size)
