@@ -505,6 +505,26 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _assert_ended(pids: list[int], within: float = 5.0) -> None:
+    """The processes ``pids`` end within ``within`` seconds (a moment for the kernel to deliver and reap)."""
+    import time
+
+    deadline = time.monotonic() + within
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if _alive(p)]
+
+
+def _kill_left(proc: subprocess.Popen, ranks: list[int]) -> None:
+    """A failed test's command and ranks, killed: none outlives the test."""
+    import signal
+
+    for pid in [proc.pid] + ranks:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait(5)
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds the rank processes through /proc")
 def test_sigterm_to_generate_ends_its_ranks(tmp_path):
     """SIGTERM to ``mxc generate`` alone (not its process group, as a service manager or ``kill`` sends it) on a
@@ -528,15 +548,9 @@ def test_sigterm_to_generate_ends_its_ranks(tmp_path):
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=20)
         assert proc.returncode == 128 + signal.SIGTERM and err.strip() == "mxc: terminated (SIGTERM)", err
-        deadline = time.monotonic() + 5  # reaped by the parent before it exits; a moment for the kernel
-        while any(_alive(r) for r in ranks) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [r for r in ranks if _alive(r)]
+        _assert_ended(ranks)  # reaped by the parent before it exits
     finally:
-        for pid in [proc.pid] + ranks:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        proc.wait(5)
+        _kill_left(proc, ranks)
 
 
 _SLEEPING_RANK = """
@@ -573,15 +587,9 @@ def test_ranks_end_when_the_command_is_killed(tmp_path):
         assert len(ranks) == 2, proc.communicate()[1][-2000:] if proc.poll() is not None else "no ranks in 60 s"
         proc.kill()
         proc.wait()
-        deadline = time.monotonic() + 5
-        while any(_alive(r) for r in ranks) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [r for r in ranks if _alive(r)]
+        _assert_ended(ranks)
     finally:
-        for pid in [proc.pid] + ranks:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        proc.wait(5)
+        _kill_left(proc, ranks)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a rank follows its parent's death on Linux only")
