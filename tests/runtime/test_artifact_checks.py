@@ -11,26 +11,7 @@ import pytest
 import mxc
 from mxc.artifact_format import SCHEMA_VERSION, manifest_digest
 from mxc.errors import MxcError
-
-
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory):
-    return mxc.build("llama.yaml", out=tmp_path_factory.mktemp("pristine") / "art", progress=False,
-                     log=lambda m: None)
-
-
-@pytest.fixture
-def art(pristine, tmp_path):
-    copy = tmp_path / "art"
-    shutil.copytree(pristine, copy)
-    return copy
-
-
-def _refused(path, pattern, **kw):
-    with pytest.raises(MxcError, match=pattern) as e:
-        mxc.load(path, **kw)
-    assert "\n" not in str(e.value)
-    return str(e.value)
+from tests.runtime.helpers import refused as _refused  # the fixtures, pristine and art: tests/runtime/conftest.py
 
 
 def _edit_manifest(art, **changes):
@@ -517,91 +498,3 @@ def test_verify_false_still_names_a_missing_or_damaged_file(art):
              verify=False)
     weights.unlink()
     _refused(art, r"weights/rank0\.safetensors is missing; the artifact is incomplete, rebuild it", verify=False)
-
-
-def _rebuild_during(monkeypatch, step: str, out, **build):
-    """Make load's ``step`` (a function of mxc.runtime.artifact) rebuild the artifact at ``out`` in place (as
-    ``mxc build --out`` does: the new directory swapped in by rename) before it runs."""
-    from mxc.runtime import artifact
-
-    original = getattr(artifact, step)
-
-    def rebuilding(*args, **kwargs):
-        monkeypatch.setattr(artifact, step, original)  # once
-        mxc.build("llama.yaml", out=out, progress=False, log=lambda m: None, **build)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(artifact, step, rebuilding)
-
-
-@pytest.mark.parametrize("step, verify", [("_exec_program", True), ("_load_weights", False), ("verify_files", True),
-                                          ("verify_files", False)])
-def test_an_artifact_rebuilt_while_it_loads_is_refused(tmp_path, monkeypatch, step, verify):
-    """A rebuild landing between load's reads of the manifest, the program and the weights (here a float16 build
-    swapped in for a float32 one) would pair one build's manifest or program with the other's weights, silently or
-    in an error blaming a modified file: one line says what happened instead, and loading again gets the new
-    build."""
-    out = tmp_path / "art"
-    mxc.build("llama.yaml", out=out, progress=False, log=lambda m: None)
-    _rebuild_during(monkeypatch, step, out, dtype="float16")
-    msg = _refused(out, r"the artifact was rebuilt while it was being loaded; load it again$", verify=verify)
-    assert msg.startswith(str(out))
-    model = mxc.load(out)  # the float16 build, whole
-    assert model.manifest["runtime"]["dtype"] == "float16" and model.logits([[1, 2]]).shape == (1, 2, 256)
-
-
-def test_a_rebuild_of_the_same_build_while_it_loads_is_refused(tmp_path, monkeypatch):
-    """The same manifest again, in another directory swapped in: the files read may come from either (a rebuild,
-    then another, back to the first manifest, would pass a manifest-only check), so it is refused too."""
-    out = tmp_path / "art"
-    mxc.build("llama.yaml", out=out, progress=False, log=lambda m: None)
-    _rebuild_during(monkeypatch, "_load_weights", out)
-    _refused(out, r"the artifact was rebuilt while it was being loaded; load it again$")
-
-
-def _damage_weights_header(art, old: bytes, new: bytes):
-    """Replace ``old`` with ``new`` (as long) in the first weight file's header: it still parses."""
-    path = art / "weights" / "rank0.safetensors"
-    data = path.read_bytes()
-    assert len(old) == len(new) and data.count(old) == 1
-    path.write_bytes(data.replace(old, new))
-
-
-@pytest.mark.parametrize("old, new, pattern", [
-    (b'"layers.0.ln1"', b'"layers.0.lnX"', r"has no tensor layers\.0\.ln1, which the program reads; the artifact is "
-                                           r"damaged, rebuild it$"),
-    (b'"norm_f"', b'"norm_g"', r"has no tensor norm_f, which the program reads"),
-    (b'"norm_f":{"dtype":"F32"', b'"norm_f":{"dtype":"I32"', r"tensor norm_f is int32 \[64\], the program expects "
-                                                             r"float32 \[64\]; the artifact is damaged, rebuild it$"),
-])
-def test_damaged_weight_names_and_dtypes_are_named_without_verify(art, old, new, pattern):
-    """With verify=False (no hashes), a weight file whose header was damaged but still parses (a tensor renamed, or
-    retyped, in as many bytes) is refused in one line naming the file and the tensor, where the program failed in a
-    KeyError: 'ln1'. verify=True says the file was modified."""
-    _damage_weights_header(art, old, new)
-    msg = _refused(art, pattern, verify=False)
-    assert msg.startswith(str(art / "weights" / "rank0.safetensors"))
-    _refused(art, r"weights/rank0\.safetensors was modified since the build")
-
-
-def test_an_unexpected_weight_is_named(art):
-    """A tensor the program does not read (names checked both ways: the file is the build's, whole)."""
-    from mxc.runtime import artifact
-
-    expected = artifact._expected_weights(art, json.loads((art / "manifest.json").read_text()))
-    with pytest.raises(MxcError, match=r"rank0\.safetensors: tensor extra is not one the program reads"):
-        artifact._check_weight_names(art / "rank0.safetensors", set(expected) | {"extra"}, expected)
-
-
-def test_a_damaged_graph_is_refused_without_verify(art):
-    """The weights are checked against graph.yaml, which is checked against the manifest's ir_sha256 first."""
-    path = art / "graph.yaml"
-    path.write_text(path.read_text().replace("shape: [64]", "shape: [65]", 1))
-    _refused(art, r"graph\.yaml: does not match the ir_sha256 the manifest records for it", verify=False)
-
-
-@pytest.mark.parametrize("path", ["", " ", "\t"])
-def test_an_empty_path_is_refused(art, monkeypatch, path):
-    """Path("") is the current directory: an empty path loaded whatever artifact the process was started in."""
-    monkeypatch.chdir(art)
-    _refused(path, rf"^path {re.escape(repr(path))}: empty; give the artifact directory$")
