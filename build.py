@@ -8,5 +8,5 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from mxc.cli import main  # noqa: E402
 
-if __name__ == "__main__":  # kernel compilation spawns processes that import this file again
+if __name__ == "__main__":
     sys.exit(main(["build", *sys.argv[1:]]))

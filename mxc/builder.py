@@ -38,7 +38,7 @@ from mxc.loaders.convert import DTYPES, check_checkpoint, weight_bytes, weight_e
 from mxc.loaders.dummy import DummyCheckpoint
 from mxc.loaders.prequantized import checkpoint_quantization, unquantized_linears
 from mxc.models import bind_model
-from mxc.runtime_buckets import PREFILL_GRAPH_TOKENS
+from mxc.runtime_buckets import PREFILL_GRAPH_MIN, PREFILL_GRAPH_TOKENS
 from mxc.source import Source, check_eos, eos_ids, resolve_source
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -211,8 +211,9 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     else ``nccl``. ``mlp_pair`` (fp8, tp=1; experimental, measured slower on an H200): each layer's MLP op
     (``fuse_mlp``, in every fp8 build) runs on cuda at <= 8 tokens as one persistent launch
     (``mxc.kernels.mlp_pair_fp8``) instead of its kernel chain. ``prefill_graphs=None`` is
-    ``PREFILL_GRAPH_TOKENS`` for ``--target cuda`` (0 elsewhere): batch-1 prompts up to that many tokens
-    replay the CUDA graph of their length bucket (``runtime_buckets.prefill_graph_buckets``).
+    ``PREFILL_GRAPH_TOKENS`` for ``--target cuda`` (0 elsewhere): batch-1 prompts up to the largest length bucket
+    within that many tokens and ``max_seq_len`` replay the CUDA graph of their bucket
+    (``runtime_buckets.prefill_graph_buckets``); longer ones run eagerly.
     """
     arch, tp, max_batch, max_seq_len, prefill_graphs = map(_integer, (arch, tp, max_batch, max_seq_len, prefill_graphs))
     _check_argument_types(source=source, out=out, checkpoint=checkpoint, config=config, dump_ir=dump_ir, arch=arch,
@@ -257,6 +258,9 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
         prefill_graphs = PREFILL_GRAPH_TOKENS if target == "cuda" else 0
     if not isinstance(prefill_graphs, int) or isinstance(prefill_graphs, bool) or prefill_graphs < 0:
         raise MxcError(f"--prefill-graphs {prefill_graphs}: expected a token count >= 0 (0: off){_got(prefill_graphs)}")
+    if 0 < prefill_graphs < PREFILL_GRAPH_MIN:
+        raise MxcError(f"--prefill-graphs {prefill_graphs}: the smallest prompt bucket replayed as a CUDA graph is "
+                       f"{PREFILL_GRAPH_MIN} tokens; give 0 (off) or at least {PREFILL_GRAPH_MIN}")
     if prefill_graphs and target != "cuda":
         raise MxcError(f"--prefill-graphs {prefill_graphs}: prompts replayed as CUDA graphs, with --target cuda "
                        f"(got --target {target}); drop it")

@@ -36,6 +36,9 @@ def test_prefill_graphs_needs_cuda_and_a_count(ckpt, tmp_path):
         build(ckpt, tmp_path / "art", prefill_graphs=-1, target="cuda")
     with pytest.raises(MxcError, match=r"^--prefill-graphs True: expected a token count >= 0 \(0: off\) \(got bool\)$"):
         build(ckpt, tmp_path / "art", prefill_graphs=True)  # the Python API's bool is no count, as for --tp
+    with pytest.raises(MxcError, match=r"^--prefill-graphs 15: the smallest prompt bucket .* is 16 tokens; "
+                                       r"give 0 \(off\) or at least 16$"):
+        build(ckpt, tmp_path / "art", prefill_graphs=15, target="cuda")  # no bucket: nothing would replay
     assert not (tmp_path / "art").exists()
 
 
