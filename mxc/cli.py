@@ -1,7 +1,7 @@
 """The ``mxc`` command line: build, generate, inspect, models.
 
 Each subcommand parses its arguments and calls the library (``mxc.build``,
-``mxc.load``, ``mxc.inspect``), holding no logic a library user could not
+``mxc.load``, ``mxc.inspect.summary``), holding no logic a library user could not
 call. A user error (``MxcError``) prints one line, ``mxc: error: ...``, and
 exits with status 2; no traceback.
 """
@@ -192,8 +192,8 @@ def parser() -> argparse.ArgumentParser:
                         "sequence (default: min(4096, max_position_embeddings))")
     b.add_argument("--prefill-graphs", type=int, metavar="TOKENS",
                    help="cuda: one-prompt prefills up to TOKENS tokens replay a CUDA graph per length bucket "
-                        "(powers of two to 512, then every 256), padded up to it (short prompts wait on the host's "
-                        "~10-20 ms of launches otherwise; default 2048, 0: off)")
+                        "(powers of two from 16 to 512, then every 256, none past TOKENS or --max-seq-len), padded up to "
+                        "it (short prompts wait on the host's ~10-20 ms of launches otherwise; default 2048, 0: off)")
     b.set_defaults(fn=cmd_build)
 
     g = sub.add_parser("generate", help="generate tokens with a built artifact")
@@ -204,7 +204,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (default 0: greedy)")
     g.add_argument("--top-k", type=int, help="with --temperature: sample from the K most likely tokens")
     g.add_argument("--top-p", type=float, help="with --temperature: sample from the smallest set of tokens whose "
-                                               "probabilities sum to P")
+                                               "probabilities sum to at least P")
     g.add_argument("--seed", type=int, help="with --temperature: seed the sampling, for repeatable output")
     g.add_argument("--device", default="cpu")
     g.set_defaults(fn=cmd_generate)

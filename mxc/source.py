@@ -103,12 +103,11 @@ def _as_list(eos) -> list:
 
 
 def eos_ids(src: Source) -> list:
-    """The end-of-sequence ids: config.json's eos_token_id (one id, a list or absent), then those of the
-    checkpoint's generation_config.json that it lacks, as transformers' generate stops at either (an instruct
-    model's end-of-turn token is often only there)."""
-    ids = _as_list(src.config.get("eos_token_id"))
-    gen = _generation_config(src)
-    return ids + [t for t in _as_list(gen.get("eos_token_id")) if t not in ids]
+    """The end-of-sequence ids, in order: the checkpoint's generation_config.json's eos_token_id where it names
+    some, as transformers' generate reads that file's alone (an id only config.json names does not stop it, and the
+    first pads the rows that stopped), else config.json's (one id, a list or absent): transformers' too where the
+    checkpoint has no generation_config.json (with one that names none, its generate would not stop at all)."""
+    return _as_list(_generation_config(src).get("eos_token_id")) or _as_list(src.config.get("eos_token_id"))
 
 
 def _generation_config(src: Source) -> dict:

@@ -254,11 +254,11 @@ def test_eos_token_ids_that_are_not_token_ids_are_refused(eos, tmp_path):
     assert not (tmp_path / "art").exists()
 
 
-@pytest.mark.parametrize("config_eos, gen_eos, ids", [(2, [7, 2], [2, 7]), ([2, 5], 9, [2, 5, 9]), (None, 4, [4]),
-                                                   (3, None, [3])])
-def test_generation_config_eos_ids_join_config_jsons(config_eos, gen_eos, ids, hf_checkpoint, tmp_path):
-    """transformers' generate stops at generation_config.json's eos_token_id too (an instruct model's end-of-turn
-    token is often only there): the artifact's stop tokens are config.json's, then generation_config.json's others."""
+@pytest.mark.parametrize("config_eos, gen_eos, ids", [(2, [7, 2], [7, 2]), ([2, 5], 9, [9]), (None, 4, [4]),
+                                                   (3, None, [3]), (3, [], [3])])
+def test_generation_config_eos_ids_replace_config_jsons(config_eos, gen_eos, ids, hf_checkpoint, tmp_path):
+    """transformers' generate stops at generation_config.json's eos_token_id alone, in its order (its first pads):
+    the artifact's stop tokens are those, or config.json's where generation_config.json names none."""
     ckpt, _ = hf_checkpoint("LlamaForCausalLM")
     config = json.loads((ckpt / "config.json").read_text())
     (ckpt / "config.json").write_text(json.dumps({**config, "eos_token_id": config_eos}))

@@ -116,3 +116,25 @@ def test_eos_of_every_row_is_ignored_without_stop_at_eos(hf_checkpoint, tmp_path
     out = model.generate(prompt, max_new_tokens=8)
     assert out.shape == (1, 8)
     assert torch.equal(out, ref)
+
+
+def test_stop_at_eos_stops_where_transformers_generate_does(hf_checkpoint, tmp_path):
+    """transformers' generate reads generation_config.json's eos_token_id alone: an id only config.json names does
+    not stop it, and generation_config.json's first id pads the rows that stopped (its union with config.json's,
+    config.json's first, stopped earlier and padded with another id)."""
+    import transformers
+
+    ckpt, hf = hf_checkpoint("LlamaForCausalLM")
+    prompts = torch.tensor([[10, 20, 30, 40], [200, 150, 100, 50]])
+    greedy = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=10, min_new_tokens=10,
+                         do_sample=False, eos_token_id=None, pad_token_id=0)[:, 4:].tolist()
+    only_config, stop = greedy[0][1], greedy[0][5]  # row 0's 2nd and 6th tokens
+    assert stop not in greedy[0][:5] and only_config not in greedy[0][:1]
+    _set_eos(ckpt, only_config)
+    unused = next(t for t in range(256) if t not in greedy[0] + greedy[1])
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": [unused, stop]}))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(ckpt).generate(
+        prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=10, do_sample=False)[:, 4:]
+    model = mxc.load(_build(ckpt, tmp_path / "art"))
+    assert model.eos_token_ids == [unused, stop]
+    assert torch.equal(model.generate(prompts, max_new_tokens=10, stop_at_eos=True), ref)
