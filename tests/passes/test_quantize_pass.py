@@ -208,3 +208,22 @@ def test_a_prequantized_checkpoints_blocks_that_cannot_follow_say_what_to_do(bin
     assert str(e.value).startswith("block128 fp8 scales of layers.{i}.wqkv cannot follow its tensor-parallel split")
     assert str(e.value).endswith(": the checkpoint is fp8 with these block scales: use a --tp that leaves each rank "
                                  "whole 128-blocks, or build from the bf16 checkpoint with --quant fp8")
+
+
+@pytest.mark.parametrize("options,says", [
+    (dict(quant_granularity="channel"), "--quant fp8 quantizes the experts"),
+    (dict(quant_granularity="channel", quant_scale_suffix="weight_scale"), "the checkpoint stores the experts in fp8")])
+def test_unfused_experts_under_fp8_are_refused(options, says, bind_arch):
+    """--disable-pass fuse_moe leaves the ``experts`` op, which takes no scales: under --quant fp8 its stacks stayed
+    in the model dtype unsaid, and an fp8 checkpoint's experts were refused by the loader as fp8 tensors of a weight
+    kept unquantized. The build now names the pass to keep; experts an fp8 checkpoint keeps unquantized still build."""
+    with pytest.raises(MxcError) as e:
+        through_quantize(bind_arch, 1, disable=("fuse_moe",), arch="Qwen3MoeForCausalLM", options=options, **MOE)
+    assert str(e.value).startswith(f"{says}, and only the fused MoE op (pass fuse_moe) takes fp8 experts")
+    assert str(e.value).endswith("build without --disable-pass fuse_moe") and "\n" not in str(e.value)
+    if "quant_scale_suffix" in options:
+        kept = tuple(f"model.layers.{{i}}.mlp.experts.{{e}}.{p}_proj.weight" for p in ("gate", "up", "down"))
+        g = through_quantize(bind_arch, 1, disable=("fuse_moe",), arch="Qwen3MoeForCausalLM",
+                             options=dict(options, quant_unquantized=kept), **MOE)
+        assert [n.op for n in layer(g).body if n.op in ("experts", "fused_moe")] == ["experts"]
+        assert layer(g).weights["wqkv"].quant.prequantized

@@ -25,7 +25,8 @@ block scales split along K), so every rank's scales match its slice.
 Expert stacks of ``fused_moe`` are quantized too, always with per-expert row
 scales (``[E, rows]``; the fused MoE kernel dequantizes them, activations stay
 in the model dtype); an already-fp8 checkpoint's experts keep its scales
-(block scales as ``[E, row blocks, column blocks]``). Preserves: value names;
+(block scales as ``[E, row blocks, column blocks]``). Experts left unfused (``--disable-pass fuse_moe``) are
+refused: the ``experts`` op takes no scales. Preserves: value names;
 the math up to fp8 rounding (tested against the unquantized model).
 """
 
@@ -174,7 +175,8 @@ def run(graph: Graph, options) -> Graph:
             sub = graph.replace(body=(item,), weights={})
             rule = _rule(g, None, options.tp, options.quant_scale_suffix, keep)
             rules = [("linear", rule), ("rms_norm_linear", rule),
-                     ("fused_moe", _expert_rule(options.tp, g, options.quant_scale_suffix, keep))]
+                     ("fused_moe", _expert_rule(options.tp, g, options.quant_scale_suffix, keep)),
+                     ("experts", _unfused_experts(options.quant_scale_suffix, keep))]
             item = apply_rules(sub, rules)[0].body[0]
         items.append(item)
     graph = graph.replace(body=tuple(items))
@@ -196,6 +198,22 @@ def run(graph: Graph, options) -> Graph:
         graph = graph.replace(weights=done.weights,
                               body=tuple(item if isinstance(item, Repeat) else next(it) for item in graph.body))
     return graph
+
+
+def _unfused_experts(suffix: str | None, keep: frozenset[str]):
+    """Experts left unfused (``--disable-pass fuse_moe``) cannot be fp8: only ``fused_moe`` takes expert scales.
+    Leaving them in the model dtype would ignore --quant fp8 for most of an MoE's weights, and an fp8 checkpoint's
+    experts would then be refused by the loader as if they were not meant to be fp8: say which option to drop."""
+
+    def refuse(node: Node, ctx):
+        stacks = [ctx.weights[node.ins[j]] for j in (3, 4, 5)]
+        if not any(_to_quantize(w, keep) for w in stacks):
+            return None  # an fp8 checkpoint's experts kept in the model dtype
+        what = "the checkpoint stores the experts in fp8" if suffix else "--quant fp8 quantizes the experts"
+        raise MxcError(f"{what}, and only the fused MoE op (pass fuse_moe) takes fp8 experts, which --disable-pass "
+                       f"fuse_moe skips (weight {stacks[0].name}): build without --disable-pass fuse_moe")
+
+    return refuse
 
 
 def _expert_rule(tp: int, granularity: str, suffix: str | None, keep: frozenset[str] = frozenset()):
