@@ -52,6 +52,8 @@ def _rope_ok(node, in_types, options):
 
 
 def _attention_ok(node, in_types, options):
+    if not node.attrs.get("causal", True):
+        return "non-causal attention: the Triton kernels mask every query's later keys (causal only)"
     d = node.attrs.get("head_dim") or in_types[0].shape[-1]  # q [T, heads, head_dim] for cached_attention
     if d % 16 or not 16 <= d <= 256:
         return f"head_dim {d} is not a multiple of 16 in 16..256"

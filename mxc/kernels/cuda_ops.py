@@ -295,6 +295,8 @@ def fused_moe_pairs(x, weights, ids, w_gate_up, w_down, s_gate_up=None, s_down=N
 
 
 def cached_attention(q, ctx: ForwardContext, scale, layer, causal=True, sliding_window=None, early_dependents=False):
+    if not causal:  # the kernels mask causally; the candidate declines such a node (``candidates._attention_ok``)
+        raise ValueError("cuda_ops.cached_attention: the Triton attention kernels are causal only, got causal=False")
     k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
     if ctx.decode:
         return triton_attention.decode_attention(q, k_cache, v_cache, ctx.slots_t, ctx.kv_lens, scale,

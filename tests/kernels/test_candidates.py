@@ -141,6 +141,20 @@ def test_rope_and_attention_kernels_take_float_dtypes_only(dtype):
         assert (why is None) == ok and (ok or f"dtype {dtype}" in why), why
 
 
+@pytest.mark.parametrize("causal, ok", [(None, True), (True, True), (False, False)])
+def test_attention_kernels_decline_non_causal_attention(causal, ok):
+    """The op's optional ``causal`` attribute: the Triton kernels mask causally whatever it says, so a node with
+    causal=False is declined with the reason (it computed causal attention before), and the adapter refuses it."""
+    from mxc.kernels import cuda_ops
+
+    attrs = {"scale": 0.1, "layer": 0} | ({} if causal is None else {"causal": causal})
+    why = _why("cuda_ops.cached_attention", "cached_attention", [_t("T", 8, 128)], attrs)
+    assert (why is None) == ok and (ok or "non-causal" in why), why
+    if not ok:
+        with pytest.raises(ValueError, match="causal only"):
+            cuda_ops.cached_attention(None, None, 0.1, 0, causal=False)
+
+
 @pytest.mark.parametrize("op", ["qlinear", "rms_norm_qlinear", "rms_norm_mlp"])
 @pytest.mark.parametrize("dtype, ok", [("bfloat16", True), ("float16", True), ("float32", False)])
 def test_scaled_mm_writes_bf16_or_fp16_only(op, dtype, ok):
