@@ -159,7 +159,6 @@ def test_attention_kernels_decline_non_causal_attention(causal, ok):
 @pytest.mark.parametrize("dtype, ok", [("bfloat16", True), ("float16", True), ("float32", False)])
 def test_scaled_mm_writes_bf16_or_fp16_only(op, dtype, ok):
     """torch._scaled_mm's fp8 GEMM writes a bf16 or fp16 output: an fp32 model goes elsewhere."""
-    fp8 = "float8_e4m3fn"
     name = {"qlinear": "fp8_gemm.scaled_mm", "rms_norm_qlinear": "cuda_ops.rms_norm_qlinear_scaled_mm",
             "rms_norm_mlp": "cuda_ops.rms_norm_mlp_scaled_mm"}[op]
     why = _why(name, op, _fp8_inputs(op, 4096, 4096, 1024, dtype=dtype), {"granularity": "channel"})

@@ -136,7 +136,7 @@ def test_fuse_norm_linear(bind_arch, assert_same_logits):
     assert len(o_proj.ins) == 4 and "add" not in ops(folded) and "add_rms_norm" not in ops(folded)
 
 
-def test_fuse_norm_linear_declines(bind_arch):
+def test_fuse_norm_linear_declines_a_norm_with_two_readers(bind_arch):
     """A norm with a second reader (a MoE block's router and experts) stays."""
     moe = merged(bind_arch("Qwen3MoeForCausalLM", num_experts=4, num_experts_per_tok=2))
     after = fuse_norm_linear.run(moe, FP8)
