@@ -30,9 +30,8 @@ def run(graph: Graph, options) -> Graph:
             continue
         live.update(item.carry.values())
         live.update(item.carry)  # the loop reads its carried values on the first iteration
-        inner = set(live)
+        inner = set(live)  # the carried values included: one backward sweep sees every read of the body
         body = _sweep(item.body, inner)
-        body = _sweep(item.body, inner | set(item.carry.values()))  # second sweep: loop-carried reads
         live |= inner
         used = {v for n in body for v in n.ins}
         items.append(item.replace(body=tuple(body), weights={k: w for k, w in item.weights.items() if k in used}))
