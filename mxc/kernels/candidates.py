@@ -172,6 +172,10 @@ def _mlp_pair_ok(node, in_types, options):
 # References that read sequence layout or expert ids on the host: right on the CPU, wrong inside a
 # captured CUDA graph (the values would be frozen at capture), so they do not claim nodes on cuda.
 HOST_READING = {"attention", "rope", "qkv_rope_cache", "cached_attention", "experts"}
+# The optional passes that replace the unfused ones on cuda (their fused ops have kernels there), with
+# eliminate_dead_code, which removes what they replaced: a build skipping one is told so (``select_kernels``).
+FUSED_ON_CUDA = {"rope": ("merge_qkv", "fuse_rope_cache"), "attention": ("merge_qkv", "fuse_rope_cache"),
+                 "experts": ("fuse_moe",)}
 
 
 def _torch_ref(op: str) -> Candidate:

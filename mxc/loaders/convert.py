@@ -194,8 +194,8 @@ def _part_scales(w: Weight, names: tuple[str, ...], shape: tuple[int, ...], ckpt
                            f"positive (e.g. {float(bad[0])}); the checkpoint is damaged")
         if w.quant.granularity == "block128":
             if len(rows) > 1 and n % 128:
-                keep_apart = "" if w.stack else ("; --disable-pass merge_qkv (or merge_gate_up) keeps the parts "
-                                                 "apart")
+                keep_apart = "" if w.stack else ("; for --target cpu, --disable-pass merge_qkv (or merge_gate_up) "
+                                                 "keeps the parts apart")
                 raise MxcError(f"{ckpt.directory}: {hf}: merged part of {n} rows is not whole 128-row blocks"
                                f"{keep_apart}")
             want = [-(-n // 128), -(-k // 128)]

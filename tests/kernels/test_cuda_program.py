@@ -98,7 +98,11 @@ BLOCK_FP8 = dict(quant="fp8", quant_granularity="block128", quant_scale_suffix="
 @pytest.mark.parametrize("arch,fields,quant", [
     ("LlamaForCausalLM", {}, None), ("Qwen3MoeForCausalLM", MOE, None), ("LlamaForCausalLM", {"head_dim": 80}, None),
     ("Qwen3MoeForCausalLM", {**MOE, "moe_intermediate_size": 128}, BLOCK_FP8),
-], ids=["llama", "qwen3-moe", "llama-head80", "qwen3-moe-fp8-blocks"])  # head80: RoPE, KV cache, masked lanes
+    # q/k/v biases and the gated shared expert; a window shorter than the prompt (prefill and decode masks)
+    ("Qwen2MoeForCausalLM", {**MOE, "shared_expert_intermediate_size": 48}, None),
+    ("MistralForCausalLM", {"sliding_window": 3}, None),
+], ids=["llama", "qwen3-moe", "llama-head80", "qwen3-moe-fp8-blocks", "qwen2-moe-shared",
+        "mistral-window3"])  # head80: RoPE, KV cache, masked lanes
 def test_cuda_program_matches_cpu_program(arch, fields, quant, B):
     cuda_graph, cuda_forward = _program(arch, "cuda", quant, **fields)
     cpu_graph, cpu_forward = _program(arch, "cpu", quant, **fields)

@@ -354,8 +354,8 @@ def test_block_scales_of_merged_parts_off_the_block_grid_are_refused(hf_checkpoi
     ckpt, _ = hf_checkpoint("LlamaForCausalLM", hidden_size=128, intermediate_size=256, num_attention_heads=4,
                             num_key_value_heads=1, head_dim=96)
     _prequantize(ckpt, tmp_path / "fp8", qconfig, granularity, suffix)
-    _refused(tmp_path / "fp8", tmp_path, "not whole 128-row blocks; --disable-pass merge_qkv .or merge_gate_up. "
-                                         "keeps the parts apart$")
+    _refused(tmp_path / "fp8", tmp_path, "not whole 128-row blocks; for --target cpu, --disable-pass merge_qkv "
+                                         ".or merge_gate_up. keeps the parts apart$")
     apart = mxc.load(mxc.build(str(tmp_path / "fp8"), out=tmp_path / "apart", disable_passes=["merge_qkv"],
                                progress=False, log=lambda m: None))  # the hint builds
     assert apart.logits(torch.tensor([[1, 2, 3]])).isfinite().all()

@@ -138,6 +138,22 @@ def test_host_reading_references_claim_no_cuda_node(bind_arch):
         compile_graph(g, BuildOptions(target="cuda", disable_passes=("fuse_moe",)))
 
 
+@pytest.mark.parametrize("arch,skipped,op", [
+    ("LlamaForCausalLM", "merge_qkv", "rope"), ("LlamaForCausalLM", "fuse_rope_cache", "rope"),
+    ("LlamaForCausalLM", "eliminate_dead_code", "rope"), ("Qwen3MoeForCausalLM", "fuse_moe", "experts"),
+])
+def test_a_skipped_fusion_cuda_needs_is_named(bind_arch, arch, skipped, op):
+    """On cuda the host-reading ops run only as the fusions' ops: a build skipping one of those passes (or
+    eliminate_dead_code, which leaves the replaced chain) is refused naming the ``--disable-pass`` to drop, not
+    only the unfused op (a dead ``rope`` for ``--disable-pass eliminate_dead_code``); on the CPU it builds."""
+    g = bind_arch(arch, **({"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 40}
+                           if "Moe" in arch else {}))
+    with pytest.raises(MxcError, match=f"no kernel for {op} .*runs on cpu, not cuda; on cuda {op} runs only fused "
+                                       rf"\(passes .*\), which --disable-pass {skipped} skips: build without it$"):
+        compile_graph(g, BuildOptions(target="cuda", disable_passes=(skipped,)))
+    compile_graph(g, BuildOptions(target="cpu", disable_passes=(skipped,)))
+
+
 def test_moe_decode_kernels_serve_only_their_token_counts(bind_arch):
     """On cuda the per-pair MoE kernels (weights read once per (token, expert) pair) serve only decode's few tokens
     (MOE_PAIR_MAX_TOKENS) and the fused norm + router kernel its NORM_ROUTE_MAX_TOKENS; the sorted, grouped MoE and

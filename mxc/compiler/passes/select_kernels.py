@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from mxc.errors import MxcError
 from mxc.ir import Graph, TensorType, map_bodies, verify
-from mxc.kernels.candidates import CANDIDATES
+from mxc.kernels.candidates import CANDIDATES, FUSED_ON_CUDA
 
 
 def _choose(node, in_types, options):
@@ -39,7 +39,18 @@ def _choose(node, in_types, options):
         covered, declined = hi, []
     listed = "; ".join(rejections) or "no candidates registered"
     raise MxcError(f"no kernel for {node.op} -> {', '.join(node.outs)} ({node.loc}) on target {options.target}"
-                   + (f" above {covered} tokens" if covered else "") + f": {listed}")
+                   + (f" above {covered} tokens" if covered else "") + f": {listed}" + _skipped_fusion(node, options))
+
+
+def _skipped_fusion(node, options) -> str:
+    """Where the node is left unfused because ``--disable-pass`` skipped a pass whose fused op the target runs
+    instead (or eliminate_dead_code, leaving the op that fusion replaced), what to drop."""
+    passes = FUSED_ON_CUDA.get(node.op, ()) if options.target == "cuda" else ()
+    skipped = [p for p in (*passes, "eliminate_dead_code") if passes and p in options.disable_passes]
+    if not skipped:
+        return ""
+    return (f"; on cuda {node.op} runs only fused (passes {', '.join(passes)}, then eliminate_dead_code removes "
+            f"the unfused op), which --disable-pass {', '.join(skipped)} skips: build without it")
 
 
 def run(graph: Graph, options) -> Graph:
