@@ -153,7 +153,9 @@ def test_results_are_bounded(text, needle):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("-" * 5000 + "1", "cannot parse expression '" + "-" * 76 + "...: nested too deeply"),  # refused by the parser
+    # refused by the parser (Python 3.11), or parsed, then refused (3.12's parser nests deeper)
+    ("-" * 5000 + "1", ("cannot parse expression '" + "-" * 76 + "...: nested too deeply",
+                        "'" + "-" * 76 + "...: too large or nested too deeply to evaluate")),
     ("-" * 1500 + "1", "'" + "-" * 76 + "...: too large or nested too deeply to evaluate"),  # parsed, then refused
     ("'" + "a" * 100 + "' % 1", "string formatting \"'" + "a" * 75 + "... is not allowed"),  # 110 characters
 ])
@@ -161,7 +163,7 @@ def test_a_long_expression_is_named_shortened(text, message):
     """The error names the expression itself, cut to 80 characters: one line, not hundreds or thousands."""
     with pytest.raises(ExprError) as e:
         evaluate(text, {})
-    assert str(e.value) == message
+    assert str(e.value) in ((message,) if isinstance(message, str) else message)
 
 
 def test_result_limits_are_inclusive():
