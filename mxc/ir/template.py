@@ -124,7 +124,7 @@ class _Binder:
             raise self.err(0, "dtype", f"expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
         self.params = self.resolve_params(d["params"])
         self.check_config(d.get("checks", []))
-        inputs = self.read_inputs(d["inputs"])
+        inputs = self.read_inputs(d["inputs"], d.key_line("inputs"))
         self.used_names.update(inputs)
         weights = self.read_weights(d["weights"], self.params, prefix="", hf_prefix="", where="weights")
         self.top_weights = weights
@@ -138,6 +138,8 @@ class _Binder:
             if o not in scope:
                 raise self.err(getattr(o, "line", 0), "outputs", f"{o!r} is not a value defined in the graph")
             outputs.append(scope[o])
+        if not isinstance(d.get("ignore", []), list):
+            raise self.err(d.key_line("ignore"), "ignore", "expected a list of checkpoint names ({i}: any layer)")
         ignore = [str(x) for x in d.get("ignore", [])]
         ignore += [self.tied_hf[w] for w in self.aliases]
         graph = Graph(family=str(d["family"]), dtype=self.dtype, config=self.params, inputs=inputs,
@@ -238,10 +240,12 @@ class _Binder:
             raise MxcError(f"{self.config_path}: {shown + ': ' if shown else ''}{check['says']} "
                            f"({self.path.name}:{line}, checks)")
 
-    def read_inputs(self, spec) -> dict[str, TensorType]:
+    def read_inputs(self, spec, line: int) -> dict[str, TensorType]:
+        if not isinstance(spec, dict):
+            raise self.err(line, "inputs", "expected a mapping name -> {shape: [...], dtype: ...}")
         out = {}
         for name, t in spec.items():
-            if not isinstance(t, dict) or "shape" not in t:
+            if not isinstance(t, dict) or not isinstance(t.get("shape"), list):
                 raise self.err(spec.key_line(name), f"inputs.{name}", "expected {shape: [...], dtype: ...}")
             out[str(name)] = TensorType(tuple(str(s) if isinstance(s, str) else s for s in t["shape"]), str(t.get("dtype", self.dtype)))
         return out

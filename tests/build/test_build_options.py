@@ -19,6 +19,16 @@ def test_bad_dtype_and_target(tmp_path):
         build("llama.yaml", tmp_path / "art", target="tpu")
 
 
+@pytest.mark.parametrize("kw, needle", [(dict(quant="int8"), "--quant int8"),
+                                        (dict(quant="fp8", quant_granularity="row"), "--quant-granularity row")])
+def test_bad_quant_from_python(kw, needle, tmp_path):
+    """mxc.build's quant arguments are not limited by argparse's choices: another value is one line naming it."""
+    with pytest.raises(MxcError, match=f"{needle}.*expected fp8 with channel, tensor or block128") as e:
+        build("llama.yaml", tmp_path / "art", **kw)
+    one_line(e)
+    assert not (tmp_path / "art").exists()
+
+
 def test_pdl_needs_cuda_sm90(ckpt, tmp_path):
     with pytest.raises(MxcError, match="--pdl: programmatic dependent launch needs --target cuda on sm_90") as e:
         build(ckpt, tmp_path / "art", pdl=True)

@@ -378,3 +378,61 @@ def test_large_dummy_tensors_repeat_one_block_to_any_size():
     whole = ckpt.get("whole.weight").flatten()
     assert whole.shape == (block,) and whole[:block // 2].unique().numel() > block // 4
     assert not torch.equal(whole[:1024], whole[1024:2048])
+
+
+ONE_LAYER = """\
+family: one-layer
+params:
+  hidden_size: {type: int}
+  num_attention_heads: {type: int}
+  num_key_value_heads: {type: int}
+  head_dim: {default: hidden_size // num_attention_heads, type: int}
+  vocab_size: {type: int}
+  rms_norm_eps: {}
+  rope: {resolve: llama_rope}
+inputs:
+  tokens: {shape: [T], dtype: int64}
+  positions: {shape: [T], dtype: int64}
+  logit_rows: {shape: [R], dtype: int64}
+weights:
+  embed:  {shape: [vocab_size, hidden_size], hf: model.embed_tokens.weight}
+  ln1:    {shape: [hidden_size], hf: model.layers.0.input_layernorm.weight}
+  wq:     {shape: [num_attention_heads*head_dim, hidden_size], hf: model.layers.0.self_attn.q_proj.weight}
+  wk:     {shape: [num_key_value_heads*head_dim, hidden_size], hf: model.layers.0.self_attn.k_proj.weight}
+  wv:     {shape: [num_key_value_heads*head_dim, hidden_size], hf: model.layers.0.self_attn.v_proj.weight}
+  wo:     {shape: [hidden_size, num_attention_heads*head_dim], hf: model.layers.0.self_attn.o_proj.weight}
+  ln2:    {shape: [hidden_size], hf: model.layers.0.post_attention_layernorm.weight}
+  w_gate: {shape: [intermediate_size, hidden_size], hf: model.layers.0.mlp.gate_proj.weight}
+  w_up:   {shape: [intermediate_size, hidden_size], hf: model.layers.0.mlp.up_proj.weight}
+  w_down: {shape: [hidden_size, intermediate_size], hf: model.layers.0.mlp.down_proj.weight}
+  norm_f: {shape: [hidden_size], hf: model.norm.weight}
+  lm_head: {shape: [vocab_size, hidden_size], hf: lm_head.weight}
+graph:
+  - x = embedding(tokens, embed)
+  - q = heads(linear(rms_norm(x, ln1, eps=rms_norm_eps), wq), size=head_dim)
+  - k = heads(linear(rms_norm(x, ln1, eps=rms_norm_eps), wk), size=head_dim)
+  - v = heads(linear(rms_norm(x, ln1, eps=rms_norm_eps), wv), size=head_dim)
+  - q, k = rope(q, k, positions, spec=rope)
+  - a = attention(q, k, v, scale=head_dim**-0.5, layer=0)
+  - x = add(x, linear(flatten_heads(a), wo))
+  - h = rms_norm(x, ln2, eps=rms_norm_eps)
+  - x = add(x, linear(mul(silu(linear(h, w_gate)), linear(h, w_up)), w_down))
+  - logits = linear(rms_norm(gather_rows(x, logit_rows), norm_f, eps=rms_norm_eps), lm_head)
+outputs: [logits]
+"""
+
+
+def test_a_definition_without_a_repeat_block(hf_checkpoint, tmp_path):
+    """A model file may write its layers out instead of repeating a block (the runtime then has no per-layer
+    weights to split): a one-layer Llama so written matches transformers, logits and cached greedy decoding."""
+    ckpt, hf = hf_checkpoint("LlamaForCausalLM", num_hidden_layers=1)
+    own = tmp_path / "one-layer.yaml"
+    own.write_text(ONE_LAYER.replace("  rms_norm_eps: {}", "  rms_norm_eps: {}\n  intermediate_size: {type: int}"))
+    art = _build(own, tmp_path / "art", checkpoint=str(ckpt))
+    assert json.loads((art / "manifest.json").read_text())["runtime"]["layers"] is None
+    model = mxc.load(art)
+    with torch.no_grad():
+        ref = hf(IDS).logits
+        want = hf.generate(IDS, max_new_tokens=8, do_sample=False, min_new_tokens=8)[:, IDS.shape[1]:]
+    assert float((model.logits(IDS) - ref).abs().max() / ref.abs().max()) <= 1e-4
+    assert torch.equal(model.generate(IDS, max_new_tokens=8), want)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
+
 import mxc
 from mxc.cli import main
 from tests.cli.helpers import signed
@@ -228,11 +230,13 @@ def test_inspect_lists_the_kernels_rendered_from_templates(artifact, tmp_path, c
 
 
 
-def test_inspect_flags_a_weight_file_whose_header_is_not_an_object(artifact, tmp_path, capsys):
+@pytest.mark.parametrize("header", [b"[1]", b"{not json", b'{"w": {"dtype": "F32"}}', b'{"w": {"data_offsets": 5}}'],
+                         ids=["not-an-object", "not-json", "no-offsets", "offsets-not-a-list"])
+def test_inspect_flags_a_weight_file_whose_header_is_not_an_object(header, artifact, tmp_path, capsys):
     import struct
 
     art = _inspect_copy(artifact, tmp_path)
-    (art / "weights" / "rank0.safetensors").write_bytes(struct.pack("<Q", 3) + b"[1]")
+    (art / "weights" / "rank0.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
     line = next(ln for ln in _inspect_lines(art, capsys) if "rank0.safetensors" in ln)
     assert "DAMAGED (no readable safetensors header)" in line
 

@@ -362,3 +362,34 @@ def test_malformed_checks(bind_bad, llama_text, new, field, needle):
     old = llama_text[start:llama_text.index("\n\n", start) + 1]  # the whole section
     msg, line = bind_bad(old, new, mark=new.splitlines()[-1])
     assert msg.startswith(where(line, field)) and needle in msg, msg
+
+
+def _section(text: str, name: str) -> str:
+    """The whole top-level section ``name`` of a model file, up to the blank line that ends it."""
+    start = text.index(f"\n{name}:") + 1
+    return text[start:text.index("\n\n", start) + 1]
+
+
+@pytest.mark.parametrize("section, new, field, needle", [
+    ("params", "params: [hidden_size]\ndoc:\n", "params", "expected a mapping name -> {default: expr}"),
+    ("inputs", "inputs: [tokens, positions, logit_rows]\n", "inputs", "expected a mapping name -> {shape: [...]"),
+    ("inputs", "inputs:\n  tokens: T\n", "inputs.tokens", "expected {shape: [...], dtype: ...}"),
+    ("inputs", "inputs:\n  tokens: {shape: 5, dtype: int64}\n", "inputs.tokens", "expected {shape: [...], dtype: ...}"),
+    ("weights", "weights: [embed, norm_f, lm_head]\n", "weights", "expected a mapping name -> {shape, hf, ...}"),
+    ("weights", "weights:\n  norm_f: model.norm.weight\n", "weights.norm_f", "expected a mapping with shape and hf"),
+    ("weights", "weights:\n  norm_f: {shape: hidden_size, hf: model.norm.weight}\n", "weights.norm_f.shape",
+     "expected a list of dimension expressions"),
+    ("ignore", "ignore: model.layers.{i}.self_attn.rotary_emb.inv_freq\n", "ignore",
+     "expected a list of checkpoint names"),
+    ("graph", "graph: {x: embedding(tokens, embed)}\n", "graph", "expected a list of statements"),
+    ("graph", "graph:\n  - repeat: 2\n    body: []\n", "repeat", "expected {repeat: {count, index, name, hf_prefix}"),
+], ids=["params-not-mapping", "inputs-not-mapping", "input-not-mapping", "input-shape-not-list",
+        "weights-not-mapping", "weight-not-mapping", "weight-shape-not-list", "ignore-not-list", "graph-not-list",
+        "repeat-not-mapping"])
+def test_malformed_sections(bind_bad, llama_text, section, new, field, needle):
+    """A section of the wrong form is named at its line, as every binder error, not a traceback (an ``inputs``
+    list, an input's shape of a number or an ``ignore`` string raised AttributeError or TypeError)."""
+    mark = next(ln for ln in new.splitlines() if field.split(".")[min(1, field.count("."))] + ":" in ln)
+    msg, line = bind_bad(_section(llama_text, section), new, mark=mark)
+    assert msg.startswith(where(line, field)) and needle in msg, msg
+    assert "\n" not in msg

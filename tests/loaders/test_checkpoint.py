@@ -220,6 +220,19 @@ def test_garbage_bin(tmp_path):
         open_checkpoint(tmp_path)
 
 
+@pytest.mark.parametrize("keep", [0.5, -30], ids=["half", "all-but-the-end"])
+def test_truncated_bin(tmp_path, keep):
+    """A .bin cut short (an interrupted copy) fails in torch's zip reader, not its unpickler: one line naming the
+    file, not torch's multi-line advice or a traceback."""
+    path = tmp_path / "pytorch_model.bin"
+    torch.save(_tensors(), path)
+    data = path.read_bytes()
+    path.write_bytes(data[:int(len(data) * keep)] if keep > 0 else data[:keep])
+    with pytest.raises(MxcError, match=r"pytorch_model\.bin: not a valid PyTorch checkpoint: ") as e:
+        open_checkpoint(tmp_path)
+    assert "\n" not in str(e.value)
+
+
 def test_a_tensor_in_two_unindexed_files_is_refused(tmp_path):
     """Shards without an index that both hold a tensor: which copy is meant is unknown, so the build stops."""
     save_file({"x": torch.zeros(2), "y": torch.ones(2)}, tmp_path / "a.safetensors")
@@ -308,17 +321,18 @@ def test_index_entry_in_a_subfolder_or_through_a_symlink_is_read(tmp_path):
         assert ckpt.names() == ["a"] and torch.equal(ckpt.get("a"), torch.zeros(1))
 
 
-@pytest.mark.parametrize("kind", ["meta", "sparse_coo", "sparse_csr", "nested"])
+@pytest.mark.parametrize("kind", ["meta", "sparse_coo", "sparse_csr", "nested", "quantized"])
 def test_bin_with_a_tensor_that_is_not_dense_is_refused(tmp_path, kind):
     """weights_only loading gives meta, sparse and nested tensors too: none holds a weight's values as mxc reads
     them, and each is named, not a traceback later."""
     import warnings
 
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # sparse CSR and nested tensors are beta / prototype
+        warnings.simplefilter("ignore")  # sparse CSR and nested tensors are beta / prototype, quantized deprecated
         t = {"meta": lambda: torch.empty(2, 2, device="meta"), "sparse_coo": lambda: torch.eye(2).to_sparse(),
              "sparse_csr": lambda: torch.eye(2).to_sparse_csr(),
-             "nested": lambda: torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])}[kind]()
+             "nested": lambda: torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)]),
+             "quantized": lambda: torch.quantize_per_tensor(torch.ones(2, 2), 0.1, 0, torch.qint8)}[kind]()
         torch.save({"w": torch.zeros(2), "x": t}, tmp_path / "pytorch_model.bin")
     with pytest.raises(MxcError, match=rf"pytorch_model\.bin: entry 'x' is a .*{kind.split('_')[0]}.* tensor, expected "
                                        rf"a dense tensor of its values"):

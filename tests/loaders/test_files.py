@@ -107,12 +107,16 @@ def test_a_broken_generation_config_is_named_not_skipped(tmp_path):
 
 @pytest.mark.parametrize("name", ["model.safetensors", "pytorch_model.bin", "model.safetensors.index.json"])
 @pytest.mark.parametrize("kind, needle", [("dangling", "is a broken symlink"), ("dir", "is a directory"),
-                                          ("fifo", r"is not a regular file \(a FIFO\)")])
+                                          ("fifo", r"is not a regular file \(a FIFO\)"),
+                                          ("loop", r"cannot be read \(Too many levels of symbolic links\)")])
 def test_a_weights_name_that_is_not_a_file_says_what_it_is(name, kind, needle, tmp_path):
-    """An interrupted download leaves a dangling symlink in the HF cache: named, not "no checkpoint found"."""
+    """An interrupted download leaves a dangling symlink in the HF cache: named, not "no checkpoint found"; a
+    symlink loop, with the OS's reason."""
     path = tmp_path / name
     if kind == "dangling":
         path.symlink_to(tmp_path / "blobs" / "0123abcd")
+    elif kind == "loop":  # a symlink to itself: stat fails with ELOOP, not FileNotFoundError
+        path.symlink_to(path.name)
     elif kind == "dir":
         path.mkdir()
     else:
