@@ -99,7 +99,8 @@ def swap_lock(out: Path):
     The file is removed by its holder before it lets go, so none is left beside the artifact; a waiter that then
     gets the lock of the removed file tries again with the path's current one. Where locks are not to be had
     (no ``fcntl``, a filesystem without them, a directory the file cannot be made in) the swap goes on unlocked, as
-    before, and a failing rename reports itself; a holder stuck for ``LOCK_WAIT`` seconds is an ``MxcError``."""
+    before (a lock file made for a refused ``flock`` removed at once), and a failing rename reports itself; a holder
+    stuck for ``LOCK_WAIT`` seconds is an ``MxcError``."""
     path = out.parent / f".{out.name}.lock"
     deadline = time.monotonic() + LOCK_WAIT
     fd = None
@@ -123,9 +124,13 @@ def swap_lock(out: Path):
                 current = os.path.samestat(os.fstat(fd), os.stat(path))
             except FileNotFoundError:
                 current = False
-        except OSError:  # no locks on this filesystem (ENOLCK, EOPNOTSUPP): unlocked
+        except OSError:  # no locks on this filesystem (ENOLCK, EOPNOTSUPP): unlocked, no file left
             os.close(fd)
             fd = None
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
             break
         except BaseException:
             os.close(fd)

@@ -12,7 +12,8 @@ mis-shaped tensor fails with its name and the shapes, and a tied weight's own
 tensor, where the checkpoint stores it, must hold the values of the weight it reuses.
 A tensor holding NaN or infinity, one past the largest value of the build's dtype
 (1e38 in float16), an fp8 scale that is not finite and positive (or not stored as floating point) and an fp8
-weight holding NaN, or past float32 once scaled, fail by name too.
+weight holding NaN, or once scaled past float32 (an expert's: past the model dtype, which the experts are
+dequantized into), fail by name too.
 """
 
 from __future__ import annotations
@@ -266,13 +267,14 @@ def check_checkpoint(graph: Graph, ckpt) -> None:
 WIDER = {torch.float16: "bfloat16 or float32", torch.bfloat16: "float32"}
 
 
-def _check_finite(w: Weight, ckpt, values: torch.Tensor) -> None:
-    """Fail where ``values`` (``w`` cast to its dtype, or the fp8 scales made of it) hold NaN or infinity, naming the
-    checkpoint tensor: one that holds some itself (damaged), or one past the largest value of the dtype it is cast
-    to (1e38 in float16). One min/max pass (a fraction of the cast's time); the culprit is looked for on failure."""
+def _check_finite(w: Weight, ckpt, values: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+    """Fail where ``values`` (``w`` cast to its dtype, or the largest values of the fp8 scales made of it, in
+    ``dtype``) hold NaN or infinity, naming the checkpoint tensor: one that holds some itself (damaged), or one past
+    the largest value of the dtype it is cast to (1e38 in float16). One min/max pass (a fraction of the cast's
+    time); the culprit is looked for on failure."""
     if values.numel() == 0 or all(v.isfinite() for v in torch.aminmax(values)):  # NaN propagates to both
         return
-    dtype = DTYPES[w.dtype] if w.quant is None else torch.float32  # quantize_fp8 computes in float32
+    dtype = dtype or DTYPES[w.dtype]
     for hf, _ in parts_of(w):
         part = ckpt.get(hf)
         if not part.isfinite().all():
@@ -289,22 +291,31 @@ def _check_finite(w: Weight, ckpt, values: torch.Tensor) -> None:
 FP8_MAX = 448.0  # e4m3fn's largest finite value; it has no infinity, and NaN is the bytes 0x7f and 0xff
 
 
+def _dequantized_dtype(w: Weight, model_dtype: str) -> torch.dtype:
+    """The dtype an fp8 weight's values times its scales are held in at run time: an expert stack's, the model's
+    (the fused MoE kernels, and their CPU reference, dequantize the experts into the activations' dtype); every
+    other weight's, float32 (the linears multiply in float32: quantize_fp8 computes in it too)."""
+    return DTYPES[model_dtype] if w.stack else torch.float32
+
+
 def _fp8_nan(t: torch.Tensor) -> bool:
     return bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any())
 
 
-def _check_fp8(w: Weight, scale_w: Weight, ckpt, values: torch.Tensor, scales: torch.Tensor) -> None:
+def _check_fp8(w: Weight, scale_w: Weight, ckpt, values: torch.Tensor, scales: torch.Tensor,
+               dtype: torch.dtype = torch.float32) -> None:
     """Fail where a checkpoint's fp8 weight (its values as stored, imported as they are) holds NaN, or times its
-    scales (checked finite and positive) goes past float32's largest, naming the checkpoint tensors. One pass over
-    the bytes; the scales bound the rest (448 x the largest scale), so the values are multiplied out only on
-    failure."""
+    scales (checked finite and positive) goes past the largest of ``dtype`` (``_dequantized_dtype``), naming the
+    checkpoint tensors. One pass over the bytes; the scales bound the rest (448 x the largest scale), so the values
+    are multiplied out only on failure."""
     if _fp8_nan(values):
         for hf, _ in parts_of(w):
             if _fp8_nan(ckpt.get(hf)):
                 raise MxcError(f"{ckpt.directory}: {hf} holds NaN fp8 values (bytes 0x7f or 0xff; weight {w.name}); "
                                f"the checkpoint is damaged")
         raise MxcError(f"{ckpt.directory}: weight {w.name} holds NaN fp8 values; the checkpoint is damaged")
-    if scales.numel() == 0 or FP8_MAX * float(scales.max()) <= torch.finfo(torch.float32).max:
+    largest = torch.finfo(dtype).max
+    if scales.numel() == 0 or FP8_MAX * float(scales.max()) <= largest:
         return
     if w.stack:
         names = [pair for e in range(full_shape(w)[0]) for pair in zip(w.expert_hf(e), scale_w.expert_hf(e))]
@@ -316,10 +327,11 @@ def _check_fp8(w: Weight, scale_w: Weight, ckpt, values: torch.Tensor, scales: t
             s = s.repeat_interleave(128, 0)[:part.shape[0]].repeat_interleave(128, 1)[:, :part.shape[1]]
         elif w.quant.granularity == "channel":
             s = s.reshape(-1, 1)
-        if not (part * s).isfinite().all():
+        if not (part * s).to(dtype).isfinite().all():
+            name = str(dtype).removeprefix("torch.")
+            hint = f"build with a wider --dtype ({WIDER[dtype]})" if dtype in WIDER else "the checkpoint is damaged"
             raise MxcError(f"{ckpt.directory}: {hf} times its scales {scale_hf} (up to {float(s.max()):.4g}) is past "
-                           f"float32's largest {torch.finfo(torch.float32).max:.4g} (weight {w.name}); the checkpoint "
-                           f"is damaged")
+                           f"{name}'s largest {largest:.4g} (weight {w.name}); {hint}")
 
 
 def weight_elements(graph: Graph) -> int:
@@ -365,10 +377,11 @@ def write_weights(graph: Graph, ckpt, paths: list[Path], metadata: dict[str, str
             if w.quant is not None and w.quant.prequantized:
                 scale_w = scales[f"{w.name}_scale"]
                 outputs = [(w, tensor), (scale_w, _checkpoint_scales(w, scale_w, ckpt))]
-                _check_fp8(w, scale_w, ckpt, tensor, outputs[1][1])
+                _check_fp8(w, scale_w, ckpt, tensor, outputs[1][1], _dequantized_dtype(w, graph.dtype))
             elif w.quant is not None:
                 q, scale = quantize_fp8(tensor, w.quant.granularity, w.segments)
-                _check_finite(w, ckpt, scale)  # a NaN or inf weight makes its group's scale one
+                held = _dequantized_dtype(w, graph.dtype)  # a NaN or inf weight makes its group's scale one
+                _check_finite(w, ckpt, (scale * FP8_MAX).to(held), held)
                 outputs = [(w, q), (scales[f"{w.name}_scale"], scale)]
             else:
                 outputs = [(w, tensor.to(DTYPES[w.dtype]))]

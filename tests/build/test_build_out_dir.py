@@ -285,6 +285,16 @@ def test_dump_ir_inside_out_is_refused(exists, tmp_path):
     assert not (out / "ir").exists() and out.exists() == exists
 
 
+def test_dump_ir_that_is_a_file_is_refused_before_the_build(tmp_path):
+    """``--dump-ir`` naming a file: one line before anything is built, the file untouched."""
+    dump = tmp_path / "ir"
+    dump.write_text("notes")
+    with pytest.raises(MxcError) as e:
+        build("llama.yaml", tmp_path / "art", dump_ir=dump)
+    assert one_line(e) == f"--dump-ir {dump}: exists and is not a directory"
+    assert dump.read_text() == "notes" and sorted(p.name for p in tmp_path.iterdir()) == ["ir"]
+
+
 def test_dump_ir_write_error_is_one_line(tmp_path, monkeypatch):
     from pathlib import Path
 

@@ -5,6 +5,7 @@ rename fails is one line and keeps the previous artifact."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import subprocess
 import sys
@@ -115,4 +116,117 @@ def test_builds_wait_for_the_lock_and_leave_no_lock_file(tmp_path, monkeypatch):
     assert _leftovers(tmp_path) == []
     with build_output.swap_lock(out):  # free again
         pass
+    assert _leftovers(tmp_path) == []
+
+
+def _no_lock_file():
+    """``os.open`` that cannot make ``.art.lock`` (a directory of that name, a read-only bind mount of the file)."""
+    opened = os.open
+
+    def refused(path, flags, mode=0o777, *, dir_fd=None):
+        if Path(path).name == ".art.lock":
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        return opened(path, flags, mode, dir_fd=dir_fd)
+
+    return refused
+
+
+@pytest.mark.parametrize("without", ["fcntl", "ENOLCK", "EOPNOTSUPP", "lock-file"])
+def test_without_locks_the_swap_goes_on_unlocked_and_leaves_nothing_beside(tmp_path, monkeypatch, without):
+    """Where locks are not to be had (no ``fcntl``: Windows; a filesystem refusing ``flock``: NFS without a lock
+    daemon, some FUSE mounts; a lock file that cannot be made), the swap goes on unlocked, as documented: the new
+    artifact replaces the previous one, and nothing is left beside it (the lock file made for a refused ``flock``
+    was left there, for good)."""
+    from types import SimpleNamespace
+
+    from mxc import build_output
+
+    out = tmp_path / "art"
+    build("llama.yaml", out)
+    if without == "fcntl":
+        monkeypatch.setattr(build_output, "fcntl", None)
+    elif without == "lock-file":
+        monkeypatch.setattr(os, "open", _no_lock_file())
+    else:
+        def flock(fd, op):
+            raise OSError(getattr(errno, without), os.strerror(getattr(errno, without)))
+
+        monkeypatch.setattr(build_output, "fcntl", SimpleNamespace(flock=flock, LOCK_EX=2, LOCK_NB=4))
+    build("llama.yaml", out, max_seq_len=64)
+    monkeypatch.undo()
+    mxc.load(out)
+    assert json.loads((out / "manifest.json").read_text())["options"]["max_seq_len"] == 64  # the new one
+    assert _leftovers(tmp_path) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+
+
+def test_a_previous_artifact_that_cannot_be_moved_aside_is_left_in_place(tmp_path, monkeypatch):
+    """The first rename of the swap (the previous artifact aside) fails (EACCES here, as on a directory the user may
+    not move, or EBUSY on a mount point): one line naming --out and why, the previous artifact in place and whole,
+    and neither the new build's output nor the lock left beside it."""
+    out = tmp_path / "art"
+    build("llama.yaml", out)
+    manifest = (out / "manifest.json").read_bytes()
+    replace = os.replace
+
+    def replace_failing(src, dst):
+        if Path(src) == out:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace_failing)
+    with pytest.raises(MxcError) as e:
+        build("llama.yaml", out, max_seq_len=64)
+    monkeypatch.undo()
+    assert one_line(e) == (f"--out {out}: cannot move the previous artifact aside to put the new one there "
+                           f"(Permission denied); it is left in place; fix that and build again")
+    assert (out / "manifest.json").read_bytes() == manifest
+    mxc.load(out)
+    assert _leftovers(tmp_path) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+
+
+def test_a_waiter_whose_lock_file_was_removed_locks_the_one_there_now(tmp_path, monkeypatch):
+    """``swap_lock``: a build waiting on the lock file gets it only once its holder has removed that file; it then
+    locks the file at the path now (made afresh), so a third build waits for it rather than taking a lock of its own
+    on a new file alongside; the last holder leaves no file."""
+    import threading
+
+    from mxc import build_output
+
+    out = tmp_path / "art"
+    monkeypatch.setattr(build_output, "LOCK_WAIT", 0.3)
+    locked, release, ended = threading.Event(), threading.Event(), []
+
+    def second():
+        try:
+            with build_output.swap_lock(out):
+                locked.set()
+                release.wait(30)
+        finally:
+            ended.append(True)
+
+    waiter = threading.Thread(target=second)
+    with build_output.swap_lock(out):
+        waiter.start()
+        assert not locked.wait(0.2)  # waiting, on the file this holder removes as it lets go
+    try:
+        assert locked.wait(10) and (tmp_path / ".art.lock").exists()
+        with pytest.raises(MxcError, match="another build into it has held"):
+            with build_output.swap_lock(out):
+                pass
+    finally:
+        release.set()
+        waiter.join(30)
+    assert ended and _leftovers(tmp_path) == []
+
+
+def test_an_artifact_this_process_left_between_the_two_renames_is_put_back_first(tmp_path):
+    """This process's own earlier swap stopped between its renames (an interrupt: ``.art.old-PID`` of this pid and
+    nothing at --out; a live pid's leftovers are not another build's to recover): the next build in the process
+    puts it back before its swap, then replaces it, leaving nothing beside."""
+    out = tmp_path / "art"
+    build("llama.yaml", out)
+    out.rename(tmp_path / f".art.old-{os.getpid()}")
+    build("llama.yaml", out, max_seq_len=64)
+    mxc.load(out)
+    assert json.loads((out / "manifest.json").read_text())["options"]["max_seq_len"] == 64  # the new one
     assert _leftovers(tmp_path) == []

@@ -310,6 +310,28 @@ def test_fp8_values_past_float32_once_scaled_are_refused(tmp_path, granularity, 
     _write(graph, ckpt, [tmp_path / "rank0.safetensors"])
 
 
+def test_fp8_experts_are_quantized_within_the_model_dtype(tmp_path):
+    """``--quant fp8`` of an expert stack in a float16 build: the experts are dequantized into the model dtype at run
+    time, so a value past float16's largest is refused naming the expert's tensor, as it is without --quant (it was
+    quantized and then ran as infinity); a dense fp8 weight is dequantized in float32 and keeps it, and a value that
+    rounds to float16's largest passes."""
+    quant = QuantSpec("fp8_e4m3", "channel")
+    experts = Weight("we", (2, 2, 3), "float8_e4m3fn", ("e.{e}.w",), stack="e", quant=quant)
+    dense = Weight("wd", (2, 3), "float8_e4m3fn", ("d.w",), quant=quant)
+    graph = replace(_graph([experts, Weight("we_scale", (2, 2), "float32", (), scale_of="we", stack="e"), dense,
+                            Weight("wd_scale", (2,), "float32", (), scale_of="wd")]), dtype="float16")
+    big = torch.tensor([[1.0, 7e4, 1.0], [1.0, -2.0, 1.0]])
+    ckpt = _Tensors({"e.0.w": torch.ones(2, 3), "e.1.w": big, "d.w": big})
+    with pytest.raises(MxcError) as e:
+        _write(graph, ckpt, [tmp_path / "rank0.safetensors"])
+    assert str(e.value) == ("ckpt: e.1.w holds values up to 7e+04, past float16's largest 6.55e+04 (weight we); "
+                            "build with a wider --dtype (bfloat16 or float32)")
+    ckpt.tensors["e.1.w"] = torch.full((2, 3), 65519.0)  # rounds to float16's largest: kept
+    _write(graph, ckpt, [tmp_path / "rank0.safetensors"])
+    got = load_file(tmp_path / "rank0.safetensors")
+    assert got["wd"].float().max() * got["wd_scale"].max() == pytest.approx(7e4)
+
+
 def test_a_nan_copied_into_a_tied_weight_is_not_a_difference():
     """A tied head holding the embedding's NaN where the embedding has it is the same tensor (NaN != NaN would call it
     different and advise untying); the NaN check then names the damage."""

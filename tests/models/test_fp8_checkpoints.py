@@ -259,6 +259,34 @@ def test_block_scaled_fp8_moe_checkpoint_matches_transformers(hf_checkpoint, tmp
     assert err < 1e-5, err
 
 
+@pytest.mark.parametrize("fmt", ["compressed-tensors-channel", "hf-fp8-block"])
+def test_fp8_experts_past_the_dtype_once_scaled_are_refused_by_name(fmt, hf_checkpoint, tmp_path):
+    """An fp8 MoE checkpoint's expert whose values times its scales go past float32's largest (a damaged scale) is
+    refused naming that expert's tensors, as a dense weight's is. Past the model dtype's largest, into which the
+    experts are dequantized, a float16 build is refused with the wider --dtype to use (it built, and every logit
+    came out NaN), and a bfloat16 one builds and runs."""
+    qconfig, granularity, suffix = FORMATS[fmt]
+    blocks = dict(hidden_size=256, head_dim=128, num_attention_heads=2, num_key_value_heads=2,
+                  moe_intermediate_size=128)  # whole 128-row blocks in every merged part
+    ckpt, _ = hf_checkpoint("Qwen3MoeForCausalLM", **(dict(MOE, **blocks) if granularity == "block128" else MOE))
+    dst = tmp_path / "fp8-ckpt"
+    fp8 = _prequantize(ckpt, dst, qconfig, granularity, suffix)
+    name = "model.layers.1.mlp.experts.5.up_proj."  # a merged part, not the first, of an expert in the middle
+    fp8[name + "weight"][-1, -1] = -448.0  # fp8's largest, in the last row and block (their scales' below)
+    weight = r"\(weight layers\.1\.we_gate_up\)"
+    for scale, dtype, match in [
+            (1e36, "float32", rf"\(up to 1e\+36\) is past float32's largest 3\.403e\+38 {weight}; the checkpoint is "
+                              r"damaged$"),
+            (1e3, "float16", rf"\(up to 1000\) is past float16's largest 6\.55e\+04 {weight}; build with a wider "
+                             r"--dtype \(bfloat16 or float32\)$")]:
+        fp8[name + suffix].view(-1)[-1] = scale
+        save_file(fp8, dst / "model.safetensors", metadata={"format": "pt"})
+        _refused(dst, tmp_path, rf"^{re.escape(str(dst))}: {re.escape(name)}weight times its scales "
+                 rf"{re.escape(name + suffix)} {match}", dtype=dtype)
+    art = mxc.build(str(dst), out=tmp_path / "bf16", dtype="bfloat16", progress=False, log=lambda m: None)
+    assert mxc.load(art).logits(torch.tensor([[1, 2, 3]])).isfinite().all()
+
+
 def _hf_state(model, tensors: dict) -> dict:
     """``tensors`` (per-expert names, as saved) in the model's in-memory layout (transformers 5 fuses experts)."""
     state = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -234,6 +235,76 @@ def test_sigterm_to_generate_ends_its_ranks(tmp_path):
         _assert_ended(ranks)  # reaped by the parent before it exits
     finally:
         _kill_left(proc, ranks)
+
+
+def _generate_watching(art, until, args=("--ids", "1", "--max-new-tokens", "99000")):
+    """``mxc generate art`` in a subprocess, every process it starts noted while it runs; ``until(ranks)`` is called
+    with the rank pids until it returns True. Returns (exit status, stdout, stderr, the children seen: pid -> command
+    line)."""
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "mxc", "generate", str(art), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    seen, done = {}, False
+    try:
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            seen.update(_children(proc.pid))
+            ranks = sorted(pid for pid, cmd in seen.items() if "spawn_main" in cmd)
+            done = done or until(ranks)
+            time.sleep(0.05)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        _kill_left(proc, list(seen))
+    return proc.returncode, out, err, seen
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds the rank processes through /proc")
+def test_cli_generate_with_a_rank_failing_or_killed_is_one_line_and_leaves_no_process(tmp_path):
+    """``mxc generate`` on a tp=2 artifact whose ranks fail with a user error (rank 1's weights file changed since the
+    build: each rank checks every file), or one of whose ranks a signal from another process ends mid-decode: one
+    line on stderr, nothing on stdout, exit status 2, and every process the command started (the ranks,
+    multiprocessing's resource tracker) gone."""
+    import shutil
+    import signal
+    import time
+
+    art = mxc.build("llama.yaml", out=tmp_path / "tp2", tp=2, max_seq_len=100_000, progress=False,
+                    log=lambda m: None)
+    damaged = tmp_path / "damaged"
+    shutil.copytree(art, damaged)
+    with open(damaged / "weights" / "rank1.safetensors", "r+b") as f:
+        f.seek(-4, os.SEEK_END)
+        f.write(b"\xff\x7f\xff\x7f")
+    code, out, err, started = _generate_watching(damaged, lambda ranks: False, ("--ids", "1", "--max-new-tokens", "4"))
+    assert (code, out) == (2, ""), err
+    assert re.fullmatch(rf"mxc: error: rank [01]: {re.escape(str(damaged))}: weights/rank1\.safetensors was modified "
+                        rf"since the build \(sha256 mismatch\); rebuild the artifact\n", err), err  # the first to end
+    assert len([pid for pid, cmd in started.items() if "spawn_main" in cmd]) == 2
+    _assert_ended(list(started))
+
+    t0 = []
+
+    def sigterm_one_decoding(ranks):
+        if len(ranks) == 2 and not t0:
+            t0.append(time.monotonic())
+        if t0 and time.monotonic() - t0[0] > 3:  # the ranks load the artifact and decode
+            os.kill(ranks[-1], signal.SIGTERM)
+            return True
+        return False
+
+    code, out, err, started = _generate_watching(art, sigterm_one_decoding)
+    assert t0 and (code, out) == (2, ""), err
+    assert re.fullmatch(r"mxc: error: rank [01] ended by SIGTERM \(sent by another process; the other ranks were "
+                        r"stopped\)\n", err), err
+    _assert_ended(list(started))
+
+
+def test_a_rank_ended_by_a_signal_python_has_no_name_for_is_named_by_number():
+    """A real-time signal (SIGRTMIN+6, 40 on Linux) has no ``signal.Signals`` member: its number is named."""
+    from mxc.runtime.ranks import exit_error
+
+    assert exit_error(1, -40) == "rank 1 ended by signal 40 (sent by another process; the other ranks were stopped)"
 
 
 _SLEEPING_RANK = """
