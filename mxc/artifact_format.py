@@ -16,6 +16,12 @@ import hashlib
 import json
 from pathlib import Path
 
+import torch
+
+# The dtypes weights are stored in (graph.yaml's weight dtypes): the model's, and fp8 for quantized linears
+WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                 "float8_e4m3fn": torch.float8_e4m3fn}
+
 # 2: kernels rendered from templates, their sources in code/kernels/src/; 3: the RoPE kernel's kv-group grid,
 # the tiled fp8 quantize and the push all-reduce (older artifacts lack those cubins); 4: the MoE norm + router
 # kernel, the GEMV's push arguments; 5: the CUTLASS fp8 GEMM library and the manifest's cutlass entry; 6: no

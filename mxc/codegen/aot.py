@@ -213,9 +213,9 @@ def record(program, graph, max_batch: int, max_seq_len: int, pdl: bool = False,
     """
     import torch
 
+    from mxc.artifact_format import WEIGHT_DTYPES as DTYPES
     from mxc.kernels import launch
     from mxc.kernels.context import ForwardContext
-    from mxc.loaders.convert import DTYPES
     from mxc.runtime_buckets import padded_prefill, prefill_graph_buckets
 
     meta = lambda shape, dtype: torch.empty(shape, dtype=dtype, device="meta")  # noqa: E731

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from mxc.artifact_format import WEIGHT_DTYPES
 from mxc.errors import MxcError
 from mxc.ir import Graph, Weight
 from mxc.ir.sharding import local_size, rank_slices
@@ -32,8 +33,7 @@ from mxc.loaders.quantize import quantize_fp8
 from mxc.loaders.safetensors_writer import SafetensorsWriter, tensor_bytes
 
 SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale")  # fp8 checkpoints' scale tensors
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "float8_e4m3fn": torch.float8_e4m3fn}
+DTYPES = WEIGHT_DTYPES  # by graph.yaml's dtype names
 
 
 def full_shape(w: Weight) -> tuple[int, ...]:

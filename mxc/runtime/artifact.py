@@ -32,7 +32,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 import mxc
-from mxc.artifact_format import SCHEMA_VERSION, listed_files, manifest_digest, sha256_file
+from mxc.artifact_format import SCHEMA_VERSION, WEIGHT_DTYPES, listed_files, manifest_digest, sha256_file
 from mxc.errors import MxcError, size_text
 from mxc.runtime.model import Model, on_device
 
@@ -377,7 +377,6 @@ def _expected_weights(path: Path, manifest: dict) -> dict[str, tuple[torch.dtype
     """The dtype and shape of each tensor the program reads from a rank's weight file, by name: the weights of the
     graph the build wrote (graph.yaml, its bytes checked against the manifest's ir_sha256: a small file)."""
     from mxc.ir import load_graph
-    from mxc.loaders.convert import DTYPES
 
     file = path / "graph.yaml"
     try:
@@ -387,7 +386,7 @@ def _expected_weights(path: Path, manifest: dict) -> dict[str, tuple[torch.dtype
     if hashlib.sha256(text).hexdigest() != manifest["ir_sha256"]:
         raise MxcError(f"{file}: does not match the ir_sha256 the manifest records for it (modified since the build); "
                        f"rebuild the artifact")
-    return {w.name: (DTYPES[w.dtype], tuple(w.shape)) for w in load_graph(text.decode()).all_weights()}
+    return {w.name: (WEIGHT_DTYPES[w.dtype], tuple(w.shape)) for w in load_graph(text.decode()).all_weights()}
 
 
 def _load_weights(path: Path, rank: int, device: torch.device,
