@@ -192,8 +192,9 @@ def parser() -> argparse.ArgumentParser:
                         "sequence (default: min(4096, max_position_embeddings))")
     b.add_argument("--prefill-graphs", type=int, metavar="TOKENS",
                    help="cuda: one-prompt prefills up to TOKENS tokens replay a CUDA graph per length bucket "
-                        "(powers of two from 16 to 512, then every 256, none past TOKENS or --max-seq-len), padded up to "
-                        "it (short prompts wait on the host's ~10-20 ms of launches otherwise; default 2048, 0: off)")
+                        "(powers of two from 16 to 512, then every 256, none past TOKENS or --max-seq-len), padded "
+                        "up to it (short prompts wait on the host's ~10-20 ms of launches otherwise; default 2048, "
+                        "0: off)")
     b.set_defaults(fn=cmd_build)
 
     g = sub.add_parser("generate", help="generate tokens with a built artifact")

@@ -41,6 +41,7 @@ def check_generate_args(max_new_tokens, temperature=0.0, top_k=None, top_p=None,
     unused = next((n for n, v in (("top_k", top_k), ("top_p", top_p), ("seed", seed)) if v is not None), None)
     if not temperature and unused:
         raise MxcError(f"{name(unused)} needs {name('temperature')} > 0 (greedy decoding does not sample)")
+
     def as_int(v):
         return None if v is None else operator.index(v)  # numbers.Integral's __index__ is int(v)
 
