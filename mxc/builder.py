@@ -39,7 +39,7 @@ from mxc.loaders.dummy import DummyCheckpoint
 from mxc.loaders.prequantized import checkpoint_quantization, unquantized_linears
 from mxc.models import bind_model
 from mxc.runtime_buckets import PREFILL_GRAPH_MIN, PREFILL_GRAPH_TOKENS
-from mxc.source import Source, check_eos, eos_ids, resolve_source
+from mxc.source import Source, check_eos, eos_ids, pad_id, resolve_source
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "generation_config.json")
@@ -157,7 +157,7 @@ def _runtime_info(graph: Graph, src: Source) -> dict:
             "layers": {"count": reps[0].count, "index": reps[0].index, "prefix": prefix} if reps else None,
             "kv_cache": {"layers": layers, "kv_heads": kv[0], "head_dim": kv[1]} if kv else None,
             "max_position_embeddings": src.config.get("max_position_embeddings"),
-            "eos_token_id": eos_ids(src)}  # checked by check_eos
+            "eos_token_id": eos_ids(src), "pad_token_id": pad_id(src)}  # eos checked by check_eos
 
 
 def _kernel_table(graph: Graph) -> list[dict]:

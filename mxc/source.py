@@ -110,6 +110,19 @@ def eos_ids(src: Source) -> list:
     return _as_list(_generation_config(src).get("eos_token_id")) or _as_list(src.config.get("eos_token_id"))
 
 
+def pad_id(src: Source) -> int | None:
+    """The id that fills a row after its end-of-sequence token, as transformers' generate pads: generation_config.json's
+    pad_token_id where the checkpoint has that file, else config.json's; None where that is unset (the runtime then
+    pads with the first eos id, as transformers does) or not a token id (transformers would write it into the ids;
+    some configs say -1)."""
+    has_file = src.checkpoint is not None and os.path.lexists(src.checkpoint / "generation_config.json")
+    pad = (_generation_config(src) if has_file else src.config).get("pad_token_id")
+    vocab = src.config.get("vocab_size")
+    if not isinstance(pad, int) or isinstance(pad, bool) or pad < 0 or (isinstance(vocab, int) and pad >= vocab):
+        return None
+    return pad
+
+
 def _generation_config(src: Source) -> dict:
     path = src.checkpoint / "generation_config.json" if src.checkpoint is not None else None
     if path is None or not os.path.lexists(path):  # optional; a broken symlink or a directory is named, not skipped

@@ -106,6 +106,9 @@ def _check_manifest_fields(mpath: Path, manifest: dict) -> None:
     eos = runtime.get("eos_token_id")
     if not isinstance(eos, list) or not all(is_int(t) for t in eos):
         bad("runtime.eos_token_id", "a list of token ids")
+    pad = runtime.get("pad_token_id")
+    if pad is not None and not (is_int(pad) and 0 <= pad < runtime["vocab_size"]):
+        bad("runtime.pad_token_id", "null or a token id below vocab_size")
     if runtime.get("dtype") not in ("float32", "bfloat16", "float16"):
         bad("runtime.dtype", "float32, bfloat16 or float16")
     kv = runtime.get("kv_cache", "absent")

@@ -61,6 +61,7 @@ class Model:
         self.vocab_size: int = info["vocab_size"]
         self.dtype = DTYPES[info["dtype"]]
         self.eos_token_ids: list[int] = list(info["eos_token_id"])  # a copy: editing it leaves the manifest alone
+        self.pad_token_id: int | None = info.get("pad_token_id")  # absent in artifacts built before mxc wrote it
         self._kv = info["kv_cache"]
         self._top, self._layers = _split_layers(weights, info.get("layers"))
         self.rank, self.world_size = rank, world_size
@@ -179,8 +180,9 @@ class Model:
                  top_p: float | None = None, seed: int | None = None, stop_at_eos: bool = False) -> torch.Tensor:
         """Prefill, then decode one token per step over a KV cache. Returns the new ids [batch, <=max_new_tokens].
 
-        With ``stop_at_eos``, a sequence that produced an end-of-sequence token is padded with the first
-        end-of-sequence id, and generation ends when every sequence has stopped.
+        With ``stop_at_eos``, a sequence that produced an end-of-sequence token is padded with ``pad_token_id`` (the
+        checkpoint's, else the first end-of-sequence id, as transformers' generate pads), and generation ends when
+        every sequence has stopped.
         """
         max_new_tokens, temperature, top_k, top_p, seed = check_generate_args(max_new_tokens, temperature, top_k,
                                                                               top_p, seed)  # as int and float
@@ -194,7 +196,7 @@ class Model:
                 out = self._decoder.generate(ids, max_new_tokens, sampling, gen, self._agree,
                                              stop_ids=self.eos_token_ids if stop_at_eos else ()).cpu()
             self._check_peers()
-            return _stop_at_eos(out, self.eos_token_ids) if stop_at_eos else out
+            return _stop_at_eos(out, self.eos_token_ids, self.pad_token_id) if stop_at_eos else out
         k_cache, v_cache = self.new_cache(b, s + max_new_tokens)
         slots = list(range(b))
         eos = torch.tensor(self.eos_token_ids or [-1], device=self.device)
@@ -213,7 +215,8 @@ class Model:
             ctx = ForwardContext.build([1] * b, [pos] * b, slots, k_cache, v_cache, self.device, **self._dist)
             logits = self._run(ctx, nxt, ctx.positions, ctx.last_rows)
         out = torch.stack(out, dim=1).cpu()
-        return _stop_at_eos(out, self.eos_token_ids) if stop_at_eos else out  # as the GPU decoder's tokens
+        # as the GPU decoder's tokens
+        return _stop_at_eos(out, self.eos_token_ids, self.pad_token_id) if stop_at_eos else out
 
 
 def host_memory_available() -> int | None:
@@ -273,15 +276,16 @@ def _peer_allreduce(manifest: dict, kind: str, dtype: torch.dtype, device: torch
     return None
 
 
-def _stop_at_eos(out: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
+def _stop_at_eos(out: torch.Tensor, eos_ids: list[int], pad_id: int | None) -> torch.Tensor:
     """``stop_at_eos``'s result, on either path, from the tokens generated (which may end early once every row
-    has stopped): after each row's first end-of-sequence token, ``eos_ids[0]`` (Hugging Face's padding when no
-    pad token is set); trimmed after the column where the last row stops."""
+    has stopped): after each row's first end-of-sequence token, ``pad_id``, else ``eos_ids[0]`` (Hugging Face's
+    padding); trimmed after the column where the last row stops."""
     if not eos_ids:
         return out
     is_eos = torch.isin(out, torch.tensor(eos_ids))
     count = is_eos.cumsum(dim=1)
-    out = torch.where(count - is_eos.long() > 0, eos_ids[0], out)  # an eos earlier in the row
+    pad = eos_ids[0] if pad_id is None else pad_id
+    out = torch.where(count - is_eos.long() > 0, pad, out)  # an eos earlier in the row
     stopped = (count > 0).all(0)
     if bool(stopped.any()):
         out = out[:, : int(stopped.float().argmax()) + 1]

@@ -200,6 +200,8 @@ def _cuda_target(m, **options):
     (lambda m: m.update(tp=True), r"field tp: expected a positive integer"),
     (lambda m: m["runtime"].update(vocab_size=0), r"field runtime\.vocab_size"),
     (lambda m: m["runtime"].update(eos_token_id=["2"]), r"field runtime\.eos_token_id"),
+    (lambda m: m["runtime"].update(pad_token_id=-1), r"field runtime\.pad_token_id: expected null or a token id"),
+    (lambda m: m["runtime"].update(pad_token_id=10 ** 9), r"field runtime\.pad_token_id"),
     (lambda m: m["runtime"]["kv_cache"].update(head_dim=0), r"field runtime\.kv_cache"),
     (lambda m: m["runtime"]["layers"].update(prefix="layers."), r"field runtime\.layers"),
     (lambda m: m["runtime"]["layers"].update(count=0), r"field runtime\.layers"),
@@ -216,7 +218,8 @@ def _cuda_target(m, **options):
     (lambda m: m["kernels"][0].update(kernel=[[True, "a"]]), r"field kernels"),
     (lambda m: m["kernels"][0].pop("kernel"), r"field kernels"),
 ], ids=["older-schema", "no-schema", "no-mxc-version", "mxc-version-int", "no-forward-py", "digest-not-str",
-        "tp-float", "tp-bool", "vocab-0", "eos-str", "kv-head-dim-0", "layers-prefix-no-index", "layers-count-0",
+        "tp-float", "tp-bool", "vocab-0", "eos-str", "pad-negative", "pad-past-vocab", "kv-head-dim-0",
+        "layers-prefix-no-index", "layers-count-0",
         "cuda-no-arch", "options-dtype", "cuda-max-batch-0", "cuda-max-seq-len-0", "cpu-max-seq-len-str",
         "no-ir-sha256", "architecture-list", "source-no-checkpoint", "kernel-bucket-3-items", "kernel-bucket-str-bound",
         "kernel-bucket-bool-bound", "kernel-row-no-kernel"])
@@ -498,3 +501,10 @@ def test_verify_false_still_names_a_missing_or_damaged_file(art):
              verify=False)
     weights.unlink()
     _refused(art, r"weights/rank0\.safetensors is missing; the artifact is incomplete, rebuild it", verify=False)
+
+
+def test_an_artifact_without_pad_token_id_loads_and_pads_with_the_first_eos_id(art):
+    """Artifacts of this schema built before the manifest named a pad id load as before."""
+    manifest = json.loads((art / "manifest.json").read_text())
+    _manifest_edit(lambda m: m["runtime"].pop("pad_token_id"))(art)
+    assert "pad_token_id" in manifest["runtime"] and mxc.load(art).pad_token_id is None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 import mxc
@@ -84,10 +85,40 @@ def test_stop_at_eos_of_full_runs_matches_the_host_loop():
         out = torch.randint(0, 12, (b, n), generator=gen)
         eos = [[], [5], [7, 2], [11, 3, 5]][trial % 4]
         want = _expected_with_eos(out.tolist(), eos, n) if eos else out.tolist()
-        assert _stop_at_eos(out, eos).tolist() == want, (out, eos)
+        assert _stop_at_eos(out, eos, None).tolist() == want, (out, eos)
         if eos and len(want[0]) < n:  # every row stopped: the same from any run at least that long
             length = len(want[0]) + trial % (n - len(want[0]))
-            assert _stop_at_eos(out[:, :length], eos).tolist() == want
+            assert _stop_at_eos(out[:, :length], eos, None).tolist() == want
+
+
+@pytest.mark.parametrize("config_pad, gen_config, pad", [
+    (7, None, 7),  # no generation_config.json: config.json's pad_token_id
+    (7, {"pad_token_id": 9}, 9),  # generation_config.json's
+    (7, {}, None),  # generation_config.json names none: config.json's is not read; the first eos id pads
+    (-1, None, None),  # not a token id: the first eos id pads
+])
+def test_stopped_rows_are_padded_as_transformers_generate_pads(config_pad, gen_config, pad, hf_checkpoint, tmp_path):
+    import transformers
+
+    ckpt, hf = hf_checkpoint("LlamaForCausalLM")
+    prompts = torch.tensor([[10, 20, 30, 40], [200, 150, 100, 50]])
+    greedy = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=10, min_new_tokens=10,
+                         do_sample=False, eos_token_id=None, pad_token_id=0)[:, 4:].tolist()
+    eos = greedy[0][2]
+    assert eos not in greedy[0][:2] and eos not in greedy[1][-3:]  # row 0 stops early; row 1 later or never
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "eos_token_id": eos, "pad_token_id": config_pad}))
+    (ckpt / "generation_config.json").unlink(missing_ok=True)
+    if gen_config is not None:
+        (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, **gen_config}))
+    model = mxc.load(_build(ckpt, tmp_path / "art"))
+    assert model.pad_token_id == pad
+    out = model.generate(prompts, max_new_tokens=10, stop_at_eos=True)
+    assert out.shape[1] > 3 and out[0, 3:].tolist() == [eos if pad is None else pad] * (out.shape[1] - 3)
+    if config_pad >= 0:  # transformers pads with -1 where config.json says so; mxc with the eos id
+        ref = transformers.AutoModelForCausalLM.from_pretrained(ckpt).generate(
+            prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=10, do_sample=False)[:, 4:]
+        assert torch.equal(out, ref)
 
 
 def test_kv_cache_matches_full_logits_qwen3(hf_checkpoint, tmp_path):
