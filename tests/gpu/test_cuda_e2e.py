@@ -116,9 +116,9 @@ def test_decoder_ends_once_every_row_stopped(temperature, hf_checkpoint, tmp_pat
     with torch.inference_mode():  # as model.generate calls it
         raw = model._decoder.generate(ids.cuda(), 40, sampling, torch.Generator("cuda").manual_seed(7), stop_ids=eos)
     assert raw.shape == (3, min(looks, 40)) and torch.equal(raw.cpu(), full[:, :raw.shape[1]])
-    model.eos_token_ids = eos
+    model.eos_token_ids, model.pad_token_id = eos, min(set(range(256)) - set(eos))  # a pad id of the checkpoint's
     assert torch.equal(model.generate(ids, max_new_tokens=40, temperature=temperature, seed=seed, stop_at_eos=True),
-                       _stop_at_eos(full, eos))
+                       _stop_at_eos(full, eos, model.pad_token_id))
 
 
 def test_buckets_past_pdl_max_run_plain(hf_checkpoint, tmp_path):
