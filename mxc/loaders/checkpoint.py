@@ -3,7 +3,10 @@
 This module owns finding the weight files in a checkpoint directory (sharded
 or single-file safetensors, sharded or single-file ``pytorch_model.bin``) and
 handing out tensors one by one, with shape and dtype available without reading
-any tensor data. Safetensors files are memory-mapped through ``safe_open``;
+any tensor data. Safetensors files are opened (and checked) through ``safe_open``, and a tensor's bytes are read
+from the file into its own buffer (``_read_tensor``): the pages a memory map touches stay mapped, counted in the
+process's resident memory, until the file's handle closes, so a build that read every tensor through the map held
+the whole checkpoint (2.2 GB of a 2.2 GB one) besides the tensor it converts;
 ``.bin`` files are loaded with ``weights_only=True`` (never plain unpickling),
 memory-mapped when possible, and only one ``.bin`` shard is held at a time. Every
 problem a user can cause (missing, truncated or unsafe files, bad index, unknown
@@ -12,8 +15,11 @@ tensor name) becomes a one-line ``MxcError`` naming the file or tensor.
 
 from __future__ import annotations
 
+import json
+import math
 import pickle
 import re
+import struct
 from pathlib import Path, PurePosixPath
 
 import torch
@@ -48,6 +54,44 @@ def _open_safetensors(path: Path):
         raise MxcError(f"{path}: not a valid safetensors file (truncated or corrupt?): {_short(e)}") from None
     except (OSError, ValueError) as e:  # e.g. a file that cannot be memory-mapped (/proc/self/mem)
         raise MxcError(f"{path}: cannot read it as a safetensors file ({_short(e)})") from None
+
+
+def _tensor_offsets(path: Path) -> dict[str, tuple[int, int]]:
+    """Where each tensor's bytes lie in the safetensors file ``path`` (one ``safe_open`` has checked): name -> (start,
+    end), from the start of the file."""
+    try:
+        with open(path, "rb") as f:
+            length = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(length))
+        return {name: (8 + length + meta["data_offsets"][0], 8 + length + meta["data_offsets"][1])
+                for name, meta in header.items() if name != "__metadata__"}
+    except (OSError, ValueError, struct.error, LookupError, TypeError, AttributeError) as e:  # changed since opened
+        raise MxcError(f"{path}: cannot read its safetensors header ({_short(e)}); was it replaced during the build? "
+                       f"build again") from None
+
+
+def _read_tensor(path: Path, name: str, span: tuple[int, int], dtype: torch.dtype, shape) -> torch.Tensor:
+    """The tensor ``name`` whose bytes are ``span`` of ``path``, read (not mapped) into a tensor of its own."""
+    start, end = span
+    if end - start != dtype.itemsize * math.prod(shape):
+        raise MxcError(f"{path}: tensor {name!r} takes {end - start} bytes in its header, not the {list(shape)} "
+                       f"{str(dtype).removeprefix('torch.')} it had when the build opened it; was the file replaced "
+                       f"during the build? build again")
+    out = torch.empty(end - start, dtype=torch.uint8)
+    view = memoryview(out.numpy())
+    try:
+        with open(path, "rb", buffering=0) as f:
+            f.seek(start)
+            done = 0
+            while done < len(view):  # one read returns at most 2 GiB on Linux
+                got = f.readinto(view[done:])
+                if not got:
+                    raise MxcError(f"{path}: cannot read tensor {name!r}: the file ends at byte {start + done}, before "
+                                   f"its data does ({end}); was it truncated? download it again")
+                done += got
+    except OSError as e:
+        raise MxcError(f"{path}: cannot read tensor {name!r}: {e.strerror or _short(e)}") from None
+    return out.view(dtype).reshape(shape)
 
 
 def _load_bin(path: Path) -> dict[str, torch.Tensor]:
@@ -134,6 +178,7 @@ class Checkpoint:
         self._where = name_to_file
         self.files: list[Path] = sorted(set(name_to_file.values()))
         self._handles: dict[Path, object] = {}
+        self._offsets: dict[Path, dict[str, tuple[int, int]]] = {}
         self._bin: tuple[Path, dict[str, torch.Tensor]] | None = None
         self.unindexed: dict[str, Path] = {}  # tensors in a shard that the index does not list (a stale index)
         self.index: Path | None = None
@@ -184,14 +229,18 @@ class Checkpoint:
     def get(self, name: str) -> torch.Tensor:
         path = self._file(name)
         if path.suffix == ".safetensors":
-            try:
-                return self._handle(path).get_tensor(name)
-            except (SafetensorError, OSError, ValueError) as e:
-                raise MxcError(f"{path}: cannot read tensor {name!r}: {_short(e)}") from None
+            if path not in self._offsets:
+                self._offsets[path] = _tensor_offsets(path)
+            span = self._offsets[path].get(name)
+            if span is None:
+                raise MxcError(f"{path}: tensor {name!r} is no longer in the file; was it replaced during the build? "
+                               f"build again")
+            return _read_tensor(path, name, span, self.dtype(name), self.shape(name))
         return self._bin_tensor(name, path)
 
     def close(self) -> None:
         self._handles.clear()
+        self._offsets.clear()
         self._bin = None
 
     def __enter__(self) -> Checkpoint:

@@ -18,6 +18,7 @@ dequantized into), fail by name too.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from pathlib import Path
@@ -72,8 +73,17 @@ def read_full(w: Weight, ckpt, dtype: torch.dtype | None = None) -> torch.Tensor
                 out[e, row:row + part.shape[0]].copy_(part)
                 row += part.shape[0]
         return out
-    parts = [ckpt.get(hf) for hf in w.hf]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    if len(w.hf) == 1:
+        return ckpt.get(w.hf[0])
+    # a merged weight is filled part by part too: one part at a time besides it, not all of them (torch.cat)
+    out = torch.empty(full_shape(w), dtype=functools.reduce(torch.promote_types, map(ckpt.dtype, w.hf)))
+    row = 0
+    for hf in w.hf:
+        part = ckpt.get(hf)
+        out[row:row + part.shape[0]].copy_(part)
+        row += part.shape[0]
+        del part
+    return out
 
 
 def _ignored(patterns: tuple[str, ...]) -> re.Pattern:

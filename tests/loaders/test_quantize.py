@@ -117,3 +117,31 @@ def test_expert_stacks_are_quantized_expert_by_expert():
 def test_unknown_granularity_is_an_error():
     with pytest.raises(ValueError, match="unknown fp8 granularity 'row'"):
         quantize_fp8(_w(4, 4), "row")
+
+
+@pytest.mark.parametrize("granularity", ["channel", "tensor", "block128"])
+def test_quantizing_holds_float32_a_chunk_of_rows_at_a_time(granularity, monkeypatch):
+    """The float32 arithmetic runs a chunk of rows at a time: over a whole 4096x14336 Llama build's gate/up weight
+    (235 MB in bf16) its copies and temporaries held 1.7 GB (1.2 GB more than the chunked build), for the same
+    values."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import mxc.loaders.quantize as quantize
+
+    class LargestFloat32(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                    LargestFloat32.largest = max(LargestFloat32.largest, t.untyped_storage().nbytes())
+            return out
+
+    w = _w(1000, 300).to(torch.bfloat16)
+    whole = quantize_fp8(w, granularity, segments=(600, 400))
+    monkeypatch.setattr(quantize, "CHUNK_BYTES", 128 * 300 * 4, raising=False)  # 128 rows of float32
+    with LargestFloat32():
+        q, s = quantize_fp8(w, granularity, segments=(600, 400))
+    assert LargestFloat32.largest <= 128 * 384 * 4  # a chunk (block128: padded to whole blocks), not 1000 rows
+    assert torch.equal(q.view(torch.uint8), whole[0].view(torch.uint8)) and torch.equal(s, whole[1])
