@@ -68,11 +68,31 @@ def check_space(out: Path, need: int, at_least: bool = False) -> None:
     while not base.exists():
         base = base.parent
     usage = shutil.disk_usage(base)
-    free = usage.free
+    # the partial output of builds into ``out`` that were killed (OOM, SIGKILL) is removed before this one writes
+    # (``recover``): its room counts as free, or a rebuild after one killed late was refused for lack of it
+    try:
+        left = sum(_disk_bytes(p) for kind, p in _dead_builds(out) if kind == "building")
+    except OSError:  # a folder that cannot be listed: recover says so when it gets there
+        left = 0
+    free = usage.free + left
     if usage.total and need > free:  # a filesystem reporting no size at all (some pseudo mounts) is not judged
+        counted = f", counting the {size_text(left)} of killed builds' leftovers it removes first" if left else ""
         raise MxcError(f"--out {out}: the artifact's weights take {'at least ' * at_least}{size_text(need)} and "
                        f"{base} has {size_text(free)} "
-                       f"free; free some space or choose another --out")
+                       f"free{counted}; free some space or choose another --out")
+
+
+def _disk_bytes(path: Path) -> int:
+    """Bytes a file or folder takes on its disk (its blocks: a sparse file's holes take none)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in (root, *(os.path.join(root, f) for f in files)):
+            try:
+                st = os.lstat(name)
+            except OSError:  # gone meanwhile
+                continue
+            total += st.st_blocks * 512 if hasattr(st, "st_blocks") else st.st_size
+    return total
 
 
 def _pid_alive(pid: int) -> bool:
@@ -157,13 +177,19 @@ def recover(out: Path) -> None:
         _recover(out)
 
 
-def _recover(out: Path) -> None:
+def _dead_builds(out: Path) -> list[tuple[str, Path]]:
+    """What builds into ``out`` that died left beside it: ("building", their partial output) and ("old", the previous
+    artifact one moved aside before its second rename)."""
+    if not out.parent.is_dir():
+        return []
     mine = re.compile(rf"\.{re.escape(out.name)}\.(building|old)-(\d+)")  # not another output's (art.v2)
-    for leftover in out.parent.iterdir():
-        found = mine.fullmatch(leftover.name)
-        if not found or _pid_alive(int(found.group(2))):
-            continue
-        if found.group(1) == "old" and not out.exists():
+    found = [(mine.fullmatch(p.name), p) for p in out.parent.iterdir()]
+    return [(m.group(1), p) for m, p in found if m and not _pid_alive(int(m.group(2)))]
+
+
+def _recover(out: Path) -> None:
+    for kind, leftover in _dead_builds(out):
+        if kind == "old" and not out.exists():
             os.replace(leftover, out)
         else:
             shutil.rmtree(leftover, ignore_errors=True)

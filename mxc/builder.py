@@ -331,10 +331,14 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
         try:
             _write(tmp, graph, src, options, arch, progress, log)
         except OSError as e:
-            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
-            raise MxcError(f"--out {out}: {e.strerror} while writing the artifact (its weights take "
-                           f"{size_text(need)}); free some space or choose another --out") from None
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise MxcError(f"--out {out}: {e.strerror} while writing the artifact (its weights take "
+                               f"{size_text(need)}); free some space or choose another --out") from None
+            where = str(e.filename).replace(str(tmp), str(out)) if e.filename else f"--out {out}"
+            raise MxcError(f"{where}: {e.strerror or e} while building the artifact; fix that and build "
+                           f"again") from None  # EIO, EROFS, ...: the environment's, one line
+        except MxcError as e:  # a file being written is named where it would have been
+            raise MxcError(str(e).replace(str(tmp), str(out))) from None
         replace_with(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

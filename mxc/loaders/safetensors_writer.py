@@ -12,6 +12,7 @@ written (``digest``), which spares the build a second pass over tens of GB.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from mxc.errors import MxcError
+from mxc.errors import MxcError, size_text
 
 DTYPE_CODES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -83,9 +84,13 @@ class SafetensorsWriter:
             raise MxcError(f"{self.path}: tensor {name!r} expected shape {list(shape)}, "
                            f"got {list(tensor.shape)}")
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-        self._file.seek(self._data_start + self._offsets[name])
-        if data.numel():
-            self._file.write(memoryview(data.numpy()))
+        try:
+            self._file.seek(self._data_start + self._offsets[name])  # flushes what earlier writes left buffered
+            if data.numel():
+                self._file.write(memoryview(data.numpy()))
+        except OSError as e:
+            self._too_large(e, f"at tensor {name!r}")
+            raise
         if self._hash is not None and self._offsets[name] == self._hashed:
             if data.numel():
                 self._hash.update(memoryview(data.numpy()))
@@ -93,6 +98,15 @@ class SafetensorsWriter:
         else:
             self._hash = None
         self._written.add(name)
+
+    def _too_large(self, e: OSError, where: str) -> None:
+        """EFBIG (a file past its filesystem's largest or ``ulimit -f``) as a one-line ``MxcError``; ENOSPC and EDQUOT
+        stay OSErrors: the build says how much room its weights take."""
+        if e.errno == errno.EFBIG:
+            size = size_text(self._data_start + self._size)
+            raise MxcError(f"{self.path}: {size}: larger than its filesystem or the file size limit (ulimit -f) "
+                           f"allows (File too large {where}); write it to another filesystem (FAT32 holds at most "
+                           f"4 GiB a file) or raise the limit") from None
 
     @property
     def digest(self) -> str | None:
@@ -109,7 +123,12 @@ class SafetensorsWriter:
         """Close the file; raise if any tensor was never written."""
         if self._file.closed:
             return
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError as e:
+            self._hash = None  # its last bytes are not in the file
+            self._too_large(e, "writing its last bytes")
+            raise
         missing = self.missing()
         if missing:
             shown = ", ".join(repr(n) for n in missing[:3])
@@ -117,8 +136,14 @@ class SafetensorsWriter:
             raise MxcError(f"{self.path}: {len(missing)} tensor(s) never written: {shown}{more}")
 
     def abort(self) -> None:
-        """Close the file without the completeness check (the caller deletes it)."""
-        self._file.close()
+        """Close the file without the completeness check (the caller deletes it). Never raises: the buffered bytes it
+        cannot flush (the disk that failed the write is still full) are of a file that goes, and an OSError here
+        took the place of the error being handled (an ``MxcError`` became a traceback) and left the other ranks'
+        files open."""
+        try:
+            self._file.close()
+        except OSError:
+            pass
 
     def __enter__(self) -> SafetensorsWriter:
         return self

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -247,6 +248,29 @@ def test_disk_full_while_writing_is_one_line_and_leaves_nothing(code, tmp_path, 
     assert not list(tmp_path.glob(".*.building-*"))
 
 
+@pytest.mark.parametrize("named", [True, False])
+def test_other_write_errors_are_one_line_naming_the_file_where_it_would_be(named, tmp_path, monkeypatch):
+    """An OSError other than a full disk while writing (EIO, EROFS remounted mid-build) is one line naming the file
+    at its place in --out (not the temporary folder, gone by then), or --out; nothing is left (was a traceback)."""
+    import errno
+    import os
+
+    from mxc.loaders import safetensors_writer
+
+    out = tmp_path / "art"
+
+    def failing(self, name, tensor):
+        raise OSError(errno.EIO, os.strerror(errno.EIO), *([str(self.path)] if named else []))
+
+    monkeypatch.setattr(safetensors_writer.SafetensorsWriter, "write", failing)
+    where = re.escape(str(out / "weights" / "rank0.safetensors")) if named else re.escape(f"--out {out}")
+    with pytest.raises(MxcError, match=rf"^{where}: {os.strerror(errno.EIO)} while building the artifact; fix that "
+                                       r"and build again$") as e:
+        build("llama.yaml", out)
+    one_line(e)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_a_stale_old_directory_of_this_pid_is_replaced(tmp_path):
     import os
 
@@ -319,3 +343,63 @@ def test_a_failed_build_removes_the_folders_it_made_for_out(ckpt, tmp_path):
     with pytest.raises(MxcError, match="missing tensor"):
         build(ckpt, tmp_path / "a" / "b" / "art")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork") or __import__("sys").platform != "linux",
+                    reason="RLIMIT_FSIZE and Python's ignored SIGXFSZ, on Linux")
+def test_a_weights_file_past_the_file_size_limit_is_one_line_and_leaves_nothing(tmp_path):
+    """A rank's file larger than the filesystem takes (FAT32's 4 GiB) or than ``ulimit -f`` (here: 64 KiB, the tiny
+    model's is 418 KiB) fails its write with EFBIG: one line naming the file and its size, status 2, the previous
+    artifact kept and no temporary directory left (was a traceback)."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    out = tmp_path / "art"
+    build("llama.yaml", out)
+    manifest = (out / "manifest.json").read_bytes()
+    limit = 64 << 10
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
+                                                       os.environ.get("PYTHONPATH")]))}
+    r = subprocess.run([sys.executable, "-m", "mxc", "build", "llama.yaml", "--out", str(out)], env=env,
+                       capture_output=True, text=True, timeout=300,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    last = r.stderr.splitlines()[-1]
+    assert last.startswith(f"mxc: error: {out / 'weights' / 'rank0.safetensors'}: 418.4 KiB"), last  # not the temp dir
+    assert last.startswith("mxc: error: ") and "rank0.safetensors: 418.4 KiB: larger than its filesystem or the file " \
+        "size limit (ulimit -f) allows (File too large at tensor " in last and last.endswith("or raise the limit"), last
+    assert (out / "manifest.json").read_bytes() == manifest
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+
+
+def test_the_disk_check_counts_a_killed_builds_leftovers_as_free(tmp_path, monkeypatch):
+    """A build killed while writing (OOM, SIGKILL) leaves ``.art.building-PID``, which the next build into the same
+    --out removes before it writes: its room counts as free. On a 300 MiB disk, a rebuild of a 211 MiB artifact after
+    one killed at 126 MiB was refused ("175.0 MiB free"), the space held by a hidden folder it never named."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from mxc import builder
+
+    out = tmp_path / "art"
+    dead = subprocess.Popen([sys.executable, "-c", ""])
+    dead.wait()
+    left = tmp_path / f".art.building-{dead.pid}" / "weights"
+    left.mkdir(parents=True)
+    (left / "rank0.safetensors").write_bytes(os.urandom(1 << 20))  # more than the tiny model's weights (incompressible)
+    real = shutil.disk_usage
+    monkeypatch.setattr(builder.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+    assert build("llama.yaml", out) == out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+
+    left.mkdir(parents=True)  # not enough with it: the message counts it
+    (left / "rank0.safetensors").write_bytes(os.urandom(100 << 10))
+    with pytest.raises(MxcError, match=r"has 1\d\d\.\d KiB free, counting the \d+\.\d KiB of killed builds' leftovers "
+                                       r"it removes first; free some space or choose another --out$") as e:
+        build("llama.yaml", out)
+    one_line(e)

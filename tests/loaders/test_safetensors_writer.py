@@ -237,3 +237,47 @@ def test_peak_memory_is_a_few_tensors(tmp_path):
     assert path.stat().st_size > 64 * 1024 * 1024
     with safe_open(str(path), framework="pt") as f:
         assert f.get_tensor("t7")[0].item() == 7.0
+
+
+class _FailingClose:
+    """A file whose buffered bytes cannot be flushed at close (the disk that failed a write is still full)."""
+
+    closed = False
+
+    def __init__(self, real, code):
+        self.real, self.code = real, code
+
+    def close(self):
+        import errno
+
+        self.real.close()
+        self.closed = True
+        raise OSError(getattr(errno, self.code), os.strerror(getattr(errno, self.code)))
+
+
+def test_abort_never_raises(tmp_path):
+    """abort (on the way out of a failed write) swallows the OSError of flushing what the full disk refused: it took
+    the place of the error being handled (an MxcError became a traceback) and left the other ranks' files open."""
+    w = SafetensorsWriter(tmp_path / "o.safetensors", {"a": (torch.float32, (1,))})
+    w._file = _FailingClose(w._file, "ENOSPC")
+    w.abort()
+    assert w._file.closed
+
+
+@pytest.mark.parametrize("code", ["EFBIG", "ENOSPC"])
+def test_a_file_too_large_at_close_is_one_line(tmp_path, code):
+    """EFBIG when close flushes the last bytes (past ``ulimit -f`` or FAT32's 4 GiB) is a one-line MxcError naming the
+    file and its size; ENOSPC stays an OSError, which the build turns into its own message with the room needed."""
+    w = SafetensorsWriter(tmp_path / "o.safetensors", {"a": (torch.float32, (1,))})
+    w.write("a", torch.ones(1))
+    w._file = _FailingClose(w._file, code)
+    if code == "EFBIG":
+        with pytest.raises(MxcError, match=r"o\.safetensors: 0\.1 KiB: larger than its filesystem or the file size "
+                                           r"limit \(ulimit -f\) allows \(File too large writing its last bytes\); "
+                                           r"write it to another filesystem \(FAT32 holds at most 4 GiB a file\) or "
+                                           r"raise the limit$"):
+            w.close()
+    else:
+        with pytest.raises(OSError, match="No space left"):
+            w.close()
+    assert w.digest is None
