@@ -60,7 +60,8 @@ def cmd_build(args) -> None:
           dump_ir=args.dump_ir, max_batch=args.max_batch, max_seq_len=args.max_seq_len, tp=args.tp,
           quant=args.quant, quant_granularity=args.quant_granularity, quant_lm_head=args.quant_lm_head,
           disable_passes=args.disable_pass, pdl=args.pdl, tp_allreduce=args.tp_allreduce, mlp_pair=args.mlp_pair,
-          prefill_graphs=args.prefill_graphs)
+          prefill_graphs=args.prefill_graphs,
+          progress=sys.stderr.isatty())  # bars on a terminal; a log or a pipe gets the phases' lines only
 
 
 def _generate_and_print(rank: int, world_size: int, device: str, args, ids: list[int]) -> None:

@@ -470,6 +470,23 @@ def test_build_options_reach_the_build(tmp_path, capsys):
                  "--tp-allreduce push: the peer-memory all-reduce needs --target cuda")
 
 
+def test_build_progress_bars_only_on_a_terminal(tmp_path, capsys, monkeypatch):
+    """The weight conversion's (and kernel compiling's) progress bars go to a terminal; stderr into a log or a pipe
+    gets the build's phase lines only (a bar's redraws there were one ever longer line of carriage returns)."""
+    assert main(["build", "llama.yaml", "--out", str(tmp_path / "a")]) == 0
+    err = capsys.readouterr().err
+    assert "converting weights" not in err and "\r" not in err
+    assert err.splitlines()[-1] == f"mxc: wrote {tmp_path / 'a'}"
+
+    import mxc.builder
+
+    asked = []
+    monkeypatch.setattr(mxc.builder, "build", lambda *a, **kw: asked.append(kw["progress"]))
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert main(["build", "llama.yaml", "--out", str(tmp_path / "b")]) == 0
+    assert asked == [True]
+
+
 def test_interrupt_exits_130_with_one_line(monkeypatch, capsys):
     import mxc.builder
 
