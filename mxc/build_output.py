@@ -1,8 +1,8 @@
 """Where a build writes: ``--out`` and ``--dump-ir`` checked before the long work (writable, never another
 program's folder, never inside an artifact, room for the weights), and the swap at the end: the finished
-temporary sibling directory replaces ``out`` with two renames (``replace_with``), and the next build cleans up
-after one that was killed between them (``recover``); builds into the same ``out`` take their turns at both
-(``swap_lock``)."""
+temporary sibling directory replaces ``out`` with two renames (``replace_with``; an interrupt between them puts the
+previous artifact back), and the next build cleans up after one that was killed between them (``recover``); builds
+into the same ``out`` take their turns at both (``swap_lock``)."""
 
 from __future__ import annotations
 
@@ -210,23 +210,36 @@ def replace_with(tmp: Path, out: Path) -> None:
         if out.exists():
             shutil.rmtree(old, ignore_errors=True)
         moved = out.exists()
-        if moved:
-            try:
-                os.replace(out, old)
-            except OSError as e:
-                raise MxcError(f"--out {out}: cannot move the previous artifact aside to put the new one there "
-                               f"({e.strerror or e}); it is left in place; fix that and build again") from None
         try:
-            os.replace(tmp, out)
-        except OSError as e:
-            why = e.strerror or str(e)
-            if moved:
+            _swap(tmp, out, old, moved)
+        except BaseException:  # an interrupt (Ctrl-C) between the renames: the previous artifact goes back first
+            if moved and old.exists() and not out.exists():
                 try:
                     os.replace(old, out)
                 except OSError:
-                    raise MxcError(f"--out {out}: cannot move the new artifact there ({why}), nor the previous one "
-                                   f"back; it is in {old}: move it back to {out} by hand") from None
-            kept = "; the previous artifact is left in place" if moved else ""
-            raise MxcError(f"--out {out}: cannot move the new artifact there ({why}){kept}; fix that and build "
-                           f"again") from None
+                    pass  # said by _swap's error; else the next build into out puts it back (recover)
+            raise
     shutil.rmtree(old, ignore_errors=True)  # outside the lock: the next build's turn need not wait for it
+
+
+def _swap(tmp: Path, out: Path, old: Path, moved: bool) -> None:
+    """The two renames: ``out`` (if ``moved``) aside to ``old``, then ``tmp`` to ``out``; a failure as one line."""
+    if moved:
+        try:
+            os.replace(out, old)
+        except OSError as e:
+            raise MxcError(f"--out {out}: cannot move the previous artifact aside to put the new one there "
+                           f"({e.strerror or e}); it is left in place; fix that and build again") from None
+    try:
+        os.replace(tmp, out)
+    except OSError as e:
+        why = e.strerror or str(e)
+        if moved:
+            try:
+                os.replace(old, out)
+            except OSError:
+                raise MxcError(f"--out {out}: cannot move the new artifact there ({why}), nor the previous one "
+                               f"back; it is in {old}: move it back to {out} by hand") from None
+        kept = "; the previous artifact is left in place" if moved else ""
+        raise MxcError(f"--out {out}: cannot move the new artifact there ({why}){kept}; fix that and build "
+                       f"again") from None

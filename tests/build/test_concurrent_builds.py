@@ -230,3 +230,26 @@ def test_an_artifact_this_process_left_between_the_two_renames_is_put_back_first
     mxc.load(out)
     assert json.loads((out / "manifest.json").read_text())["options"]["max_seq_len"] == 64  # the new one
     assert _leftovers(tmp_path) == []
+
+
+def test_an_interrupt_between_the_renames_puts_the_previous_artifact_back(tmp_path, monkeypatch):
+    """Ctrl-C after the previous artifact was moved aside, before the new one was moved in: --out was left missing
+    until the next build into it; now the previous artifact goes back before the interrupt propagates, and nothing
+    is left beside it."""
+    out = tmp_path / "art"
+    build("llama.yaml", out)
+    manifest = (out / "manifest.json").read_bytes()
+    replace = os.replace
+
+    def interrupted(src, dst):
+        if Path(dst) == out and Path(src).name.startswith(".art.building-"):
+            raise KeyboardInterrupt
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        build("llama.yaml", out, max_seq_len=64)
+    monkeypatch.undo()
+    assert (out / "manifest.json").read_bytes() == manifest
+    mxc.load(out)
+    assert _leftovers(tmp_path) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["art"]
