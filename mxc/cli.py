@@ -34,6 +34,21 @@ def _ids(text: str) -> list[int]:
     return [int(t) for t in items]
 
 
+def _prompt(text: str) -> str:
+    """``--prompt`` as text the tokenizer takes: bytes of the command line that are not text in the locale's
+    encoding (a Latin-1 file's é in a UTF-8 shell) reach Python as lone surrogates, which the tokenizer refused with
+    a traceback."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+        enc = sys.getfilesystemencoding()
+        raise MxcError(f"--prompt: {what} at character {e.start + 1} is not {enc} text; give the prompt in {enc} "
+                       f"(e.g. iconv -t {enc})") from None
+    return text
+
+
 class StdoutClosed(Exception):
     """The reader of standard output went away (``mxc models | head -1``): the rest of the output is dropped."""
 
@@ -100,7 +115,7 @@ def cmd_generate(args) -> None:
     tokenizer = load_tokenizer(path) if args.prompt is not None else None
     if args.prompt is not None and tokenizer is None:
         raise MxcError(f"{args.artifact}: {missing_reason(path, manifest.get('files', {}))}; use --ids")
-    ids = _ids(args.ids) if args.ids is not None else tokenizer.encode(args.prompt)
+    ids = _ids(args.ids) if args.ids is not None else tokenizer.encode(_prompt(args.prompt))
     if not ids:
         raise MxcError(f"--prompt {args.prompt!r}: encodes to no tokens; give some text")
     vocab = manifest["runtime"]["vocab_size"]
@@ -201,7 +216,9 @@ def parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate tokens with a built artifact")
     g.add_argument("artifact")
     g.add_argument("--ids", help="prompt token ids, comma-separated")
-    g.add_argument("--prompt", help="prompt text (needs a tokenizer in the artifact)")
+    g.add_argument("--prompt", help="prompt text (needs a tokenizer.json in the artifact), encoded as that file says "
+                                    "(a BOS where it adds one), as transformers' tok(TEXT); prints \"text\" too, the "
+                                    "new tokens decoded without special tokens, and stops at the end-of-sequence token")
     g.add_argument("--max-new-tokens", type=int, default=16)
     g.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (default 0: greedy)")
     g.add_argument("--top-k", type=int, help="with --temperature: sample from the K most likely tokens")

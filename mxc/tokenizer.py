@@ -22,12 +22,20 @@ class Tokenizer:
         from tokenizers import Tokenizer as _Tok
 
         self._tok = _Tok.from_file(str(path))
+        # A tokenizer.json saved after a truncating or padding call carries those settings: transformers' tokenizer
+        # (``tok(text)``) turns them off, so the prompt is neither cut to max_length nor padded with pad tokens here
+        self._tok.no_truncation()
+        self._tok.no_padding()
 
     def encode(self, text: str) -> list[int]:
+        """``text``'s ids, special tokens (a BOS) added as tokenizer.json's post-processor says: transformers'
+        ``tok(text).input_ids``."""
         return self._tok.encode(text).ids
 
     def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids)
+        """The text of ``ids`` without special tokens (the end-of-sequence token a --prompt stops at included):
+        transformers' ``tok.decode(ids, skip_special_tokens=True)``."""
+        return self._tok.decode(ids, skip_special_tokens=True)
 
 
 def read_tokenizer(path: Path, fix: str) -> Tokenizer:

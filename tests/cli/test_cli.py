@@ -241,6 +241,63 @@ def test_generate_with_prompt(artifact, hf_checkpoint, tmp_path, capsys):
     user_error(capsys, ["generate", out, "--prompt", "hello world"], "tokenizer.json: not a readable tokenizer")
 
 
+def test_prompt_is_encoded_whole_whatever_truncation_or_padding_tokenizer_json_kept(hf_checkpoint, tmp_path, capsys,
+                                                                                     monkeypatch):
+    """A tokenizer.json saved after a truncating, padding call keeps those settings, which transformers' tok(TEXT)
+    turns off: --prompt too (the prompt was cut to max_length, a short one padded with pad tokens)."""
+    import mxc.cli
+    from tokenizers import Tokenizer
+
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM")
+    _save_tokenizer(ckpt)
+    tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    tok.enable_truncation(max_length=2)
+    tok.enable_padding(pad_id=0, pad_token="[UNK]", length=6)
+    tok.save(str(ckpt / "tokenizer.json"))
+    art = mxc.build(str(ckpt), out=tmp_path / "art", progress=False, log=lambda m: None)
+    started = []
+    monkeypatch.setattr(mxc.cli, "_generate_and_print", lambda rank, world, device, args, ids: started.append(ids))
+    for prompt in ("hello world w1 w2", "hello"):
+        assert main(["generate", str(art), "--prompt", prompt]) == 0
+    assert started == [[1, 2, 4, 5], [1]]
+
+
+def test_text_leaves_out_special_tokens(hf_checkpoint, tmp_path, capsys):
+    """"text" is the new tokens decoded without special tokens (transformers' tok.decode(new,
+    skip_special_tokens=True)): the end-of-sequence token --prompt stops at is in "ids", not in "text"."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM")
+    words = [f"w{i}" for i in range(256)]
+    art = mxc.build(str(ckpt), out=tmp_path / "plain", progress=False, log=lambda m: None)
+    greedy = mxc.load(art).generate([[1, 2]], max_new_tokens=6)[0].tolist()
+    eos = greedy[2]
+    assert eos not in greedy[:2]
+    words[eos] = "<eos>"
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken("<eos>", special=True)])
+    tok.save(str(ckpt / "tokenizer.json"))
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    art = mxc.build(str(ckpt), out=tmp_path / "art", progress=False, log=lambda m: None)
+    capsys.readouterr()
+    assert main(["generate", str(art), "--prompt", "w1 w2", "--max-new-tokens", "6"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result == {"ids": greedy[:3], "text": " ".join(words[t] for t in greedy[:2])}
+
+
+def test_a_prompt_of_bytes_that_are_not_text_is_one_line(hf_checkpoint, tmp_path, capsys):
+    """A Latin-1 é in a UTF-8 locale's command line reaches Python as a lone surrogate ("caf\\udce9"), which the
+    tokenizer refused with a traceback (TypeError: TextInputSequence must be str)."""
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM")
+    _save_tokenizer(ckpt)
+    art = mxc.build(str(ckpt), out=tmp_path / "art", progress=False, log=lambda m: None)
+    capsys.readouterr()  # drop transformers' save progress bar
+    enc = sys.getfilesystemencoding()
+    user_error(capsys, ["generate", art, "--prompt", "caf\udce9"],
+               f"--prompt: byte 0xe9 at character 4 is not {enc} text; give the prompt in {enc} (e.g. iconv -t {enc})")
+
+
 def test_argparse_errors_are_one_line(capsys):
     from mxc.cli import main
 
