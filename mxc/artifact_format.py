@@ -48,7 +48,7 @@ def is_artifact(path: Path) -> bool:
     other directory, one with some other program's manifest.json included, is the user's."""
     try:
         manifest = json.loads((Path(path) / "manifest.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested too deeply to parse
         return False
     return isinstance(manifest, dict) and "schema_version" in manifest and "mxc_version" in manifest
 

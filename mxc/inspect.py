@@ -31,7 +31,7 @@ def _compiled(path: Path) -> list[str]:
     """For a --target cuda artifact: how many binaries, and each kernel source rendered from a template; a damaged
     index shows as such, as a damaged weight file does (``mxc.load`` refuses it by its hash)."""
     index_path = path / "code" / "kernels" / "index.json"
-    if not index_path.exists():
+    if not index_path.is_file():  # a FIFO there would block the read forever
         return []
     try:
         index = json.loads(index_path.read_text())
@@ -103,9 +103,10 @@ def summary(path) -> str:
 
 
 def _file_state(f: Path) -> str:
-    """A file's size, MISSING, or for a safetensors file whose size is not what its header says, TRUNCATED or
+    """A file's size, MISSING (not a regular file either: ``mxc.load`` calls a directory or a FIFO there missing, and
+    reading a FIFO would block), or for a safetensors file whose size is not what its header says, TRUNCATED or
     OVERSIZED (read from the header: no hashing of gigabytes; ``mxc.load`` verifies the hashes)."""
-    if not f.exists():
+    if not f.is_file():
         return "MISSING"
     size = f.stat().st_size
     if f.suffix == ".safetensors":

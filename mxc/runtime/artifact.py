@@ -29,6 +29,7 @@ import types
 from pathlib import Path
 
 import torch
+import yaml
 from safetensors import SafetensorError, safe_open
 
 import mxc
@@ -57,6 +58,9 @@ def read_manifest(path: Path) -> dict:
         raise MxcError(f"{mpath}: corrupt (not valid JSON: {e.msg} at line {e.lineno}); rebuild the artifact") from None
     except UnicodeDecodeError as e:
         raise MxcError(f"{mpath}: corrupt (not UTF-8 text: {e.reason} at byte {e.start}); rebuild the artifact") from None
+    except (ValueError, RecursionError) as e:  # JSON the parser gives up on: nested too deep, a number too long
+        why = "nested too deeply" if isinstance(e, RecursionError) else str(e).split(";")[0]
+        raise MxcError(f"{mpath}: corrupt (not JSON mxc can read: {why}); rebuild the artifact") from None
     if not isinstance(manifest, dict):
         raise MxcError(f"{mpath}: corrupt (expected a JSON object); rebuild the artifact")
     if manifest.get("schema_version") != SCHEMA_VERSION:
@@ -132,6 +136,9 @@ def _check_manifest_fields(mpath: Path, manifest: dict) -> None:
     for name in ("max_batch", "max_seq_len"):  # every build records them; a cuda artifact's cache needs them
         if (target["name"] == "cuda" or name in options) and not (is_int(options.get(name)) and options[name] > 0):
             bad(f"options.{name}", "a positive integer")
+    tokens = options.get("prefill_graph_tokens", 0)  # a cuda artifact's prompt graphs (and `mxc inspect`) size by it
+    if not (is_int(tokens) and tokens >= 0):
+        bad("options.prefill_graph_tokens", "a token count >= 0 (0: no prefill graphs)")
     # what `mxc inspect` shows
     for name in ("model_file", "family", "ir_sha256"):
         if not isinstance(manifest.get(name), str):
@@ -221,14 +228,21 @@ def verify_files(path: Path, manifest: dict, hashes: bool = True) -> None:
     present = set(listed_files(path))
     extra = sorted(present - set(expected))
     if extra:
-        raise MxcError(f"{path}: file {extra[0]} is not part of the artifact (not in manifest.json); "
+        raise MxcError(f"{path}: file {_shown(extra[0])} is not part of the artifact (not in manifest.json); "
                        f"remove it or rebuild")
     for rel, digest in expected.items():
         f = path / rel
         if not f.is_file():
-            raise MxcError(f"{path}: {rel} is missing; the artifact is incomplete, rebuild it")
+            raise MxcError(f"{path}: {_shown(rel)} is missing; the artifact is incomplete, rebuild it")
         if hashes and sha256_file(f) != digest:
-            raise MxcError(f"{path}: {rel} was modified since the build (sha256 mismatch); rebuild the artifact")
+            raise MxcError(f"{path}: {_shown(rel)} was modified since the build (sha256 mismatch); rebuild the "
+                           f"artifact")
+
+
+def _shown(rel: str) -> str:
+    """A file's relative path as an error shows it: quoted where it holds a newline or another unprintable
+    character, so that the message stays one line."""
+    return rel if rel.isprintable() else repr(rel)
 
 
 def _exec_program(path: Path, digest: str) -> types.ModuleType:
@@ -236,10 +250,23 @@ def _exec_program(path: Path, digest: str) -> types.ModuleType:
     if hashlib.sha256(source).hexdigest() != digest:  # re-check the bytes we execute
         raise MxcError(f"{path}: does not match the sha256 the manifest records for it (modified since the build); "
                        f"rebuild the artifact")
+    try:
+        code = compile(source, str(path), "exec")
+    except (SyntaxError, ValueError) as e:  # a manifest re-signed over another program (ValueError: null bytes)
+        raise MxcError(f"{path}: not a Python program ({type(e).__name__}: {_first_line(e)}); the artifact was "
+                       f"written by another tool or damaged, rebuild it") from None
     module = types.ModuleType(f"mxc_artifact_{digest[:12]}")
     module.__file__ = str(path)
-    exec(compile(source, str(path), "exec"), module.__dict__)
+    exec(code, module.__dict__)
+    if not callable(getattr(module, "forward", None)):
+        raise MxcError(f"{path}: defines no forward function; the artifact was written by another tool or damaged, "
+                       f"rebuild it")
     return module
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _kernel_launcher(path: Path, manifest: dict, device: torch.device, rebuild_kernels: bool):
@@ -360,7 +387,7 @@ def _rebuilt(path: Path, build: tuple | None) -> bool:
     manifest read again: cheap)."""
     try:
         digest = json.loads((path / "manifest.json").read_bytes()).get("manifest_sha256")
-    except (OSError, ValueError, AttributeError):  # gone, or half-written, in the middle of a swap
+    except (OSError, ValueError, AttributeError, RecursionError):  # gone, or half-written, in the middle of a swap
         digest = None
     return build is None or _build_id(path, digest) != build
 
@@ -389,7 +416,12 @@ def _expected_weights(path: Path, manifest: dict) -> dict[str, tuple[torch.dtype
     if hashlib.sha256(text).hexdigest() != manifest["ir_sha256"]:
         raise MxcError(f"{file}: does not match the ir_sha256 the manifest records for it (modified since the build); "
                        f"rebuild the artifact")
-    return {w.name: (WEIGHT_DTYPES[w.dtype], tuple(w.shape)) for w in load_graph(text.decode()).all_weights()}
+    try:  # the build's graph, by its hash; one that is not (a manifest re-signed over it) is named, not a traceback
+        return {w.name: (WEIGHT_DTYPES[w.dtype], tuple(w.shape)) for w in load_graph(text.decode()).all_weights()}
+    except (yaml.YAMLError, LookupError, TypeError, ValueError, AttributeError, SyntaxError, StopIteration,
+            RecursionError) as e:
+        raise MxcError(f"{file}: not a graph this mxc can read ({type(e).__name__}: {_first_line(e)}); the artifact "
+                       f"was written by another tool or damaged, rebuild it") from None
 
 
 def _load_weights(path: Path, rank: int, device: torch.device,

@@ -249,3 +249,36 @@ def test_inspect_a_manifest_whose_kernel_is_null(artifact, tmp_path, capsys):
     assert any(ln.startswith("kernels ") for ln in lines)
     assert any("(none)" in ln for ln in lines)
 
+
+
+
+@pytest.mark.parametrize("rel", ["weights/rank0.safetensors", "code/kernels/index.json"])
+def test_inspect_does_not_block_on_a_fifo_in_the_artifact(rel, artifact, tmp_path):
+    """A FIFO where a weight file (or a cuda artifact's kernel index) should be: inspect calls it MISSING, as
+    ``mxc.load`` does, where it blocked forever reading the FIFO's header."""
+    import os
+
+    from tests.cli.helpers import run_mxc
+
+    art = _inspect_copy(artifact, tmp_path)
+    path = art / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    os.mkfifo(path)
+    proc = run_mxc("inspect", art)  # a 120 s timeout: TimeoutExpired where it blocks
+    assert proc.returncode == 0, proc.stderr
+    if rel.startswith("weights/"):
+        assert next(ln for ln in proc.stdout.splitlines() if rel in ln).split() == [rel, "MISSING"]
+
+
+def test_inspect_of_a_cuda_manifest_with_damaged_prefill_graphs_is_one_line(artifact, tmp_path, capsys):
+    """options.prefill_graph_tokens, which inspect (and a GPU load) sizes the prompt graphs by, is checked with the
+    manifest's other fields (was a TypeError traceback in inspect)."""
+    from tests.cli.helpers import user_error
+
+    def edit(m):
+        m["target"] = {**m["target"], "name": "cuda", "arch": "sm_90"}
+        m["options"].update(target="cuda", max_batch=4, max_seq_len=256, prefill_graph_tokens="2048")
+
+    art = _inspect_copy(artifact, tmp_path, edit)
+    user_error(capsys, ["inspect", art], "field options.prefill_graph_tokens: expected a token count >= 0")

@@ -66,6 +66,11 @@ def test_stray_file(art):
     _refused(art, r"file weights/extra\.safetensors is not part of the artifact")
 
 
+def test_a_stray_file_whose_name_holds_a_newline_is_named_in_one_line(art):
+    (art / "code" / "evil\nmxc: ok").write_text("x")
+    _refused(art, r"file 'code/evil\\nmxc: ok' is not part of the artifact")
+
+
 def test_stray_file_named_manifest_in_subdir(art):
     (art / "code" / "manifest.json").write_text("{}")
     _refused(art, r"code/manifest\.json is not part of the artifact")
@@ -114,6 +119,38 @@ def test_schema_version(art):
 def test_corrupt_manifest(art):
     (art / "manifest.json").write_text("{not json")
     _refused(art, r"manifest\.json: corrupt")
+
+
+@pytest.mark.parametrize("text, why", [
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    ('{"schema_version": ' + "9" * 5000 + "}", "Exceeds the limit (4300 digits) for integer string conversion"),
+])
+def test_manifest_json_the_parser_gives_up_on(art, text, why):
+    """JSON nested past the recursion limit, or a number past Python's digit limit, is a corrupt manifest in one line
+    (was a RecursionError or a ValueError traceback in load, inspect and generate); a build may not replace it."""
+    from mxc.build_output import check_out
+    from mxc.inspect import summary
+
+    (art / "manifest.json").write_text(text)
+    _refused(art, rf"manifest\.json: corrupt \(not JSON mxc can read: {re.escape(why)}.*\); rebuild the artifact$")
+    with pytest.raises(MxcError, match=r"manifest\.json: corrupt"):
+        summary(art)
+    with pytest.raises(MxcError, match=r"exists and is not an mxc artifact"):
+        check_out(art)
+
+
+def test_a_program_that_does_not_compile_or_has_no_forward_is_named(art):
+    """A code/forward.py that is not a Python program, or defines no ``forward``, under a manifest re-signed over it
+    (another tool's artifact) is refused in one line, not a SyntaxError or AttributeError traceback."""
+    from mxc.artifact_format import sha256_file
+
+    program = art / "code" / "forward.py"
+    for text, pattern in ((b"def (:\n", r"not a Python program \(SyntaxError: "), (b"\xff\xfe", r"not a Python program"),
+                          (b"x = 1\n", r"defines no forward function")):
+        program.write_bytes(text)
+        _manifest_edit(lambda m: m["files"].update({"code/forward.py": sha256_file(program)}))(art)
+        msg = _refused(art, pattern)
+        assert msg.startswith(str(program)) and msg.endswith("rebuild it")
 
 
 def test_manifest_not_utf8(art):
@@ -210,6 +247,8 @@ def _cuda_target(m, **options):
     (lambda m: _cuda_target(m, max_batch=0), r"field options\.max_batch: expected a positive integer"),
     (lambda m: _cuda_target(m, max_seq_len=0), r"field options\.max_seq_len: expected a positive integer"),
     (lambda m: m["options"].update(max_seq_len="512"), r"field options\.max_seq_len: expected a positive integer"),
+    (lambda m: _cuda_target(m, prefill_graph_tokens="x"), r"field options\.prefill_graph_tokens: expected a token "
+                                                           r"count >= 0"),
     (lambda m: m.pop("ir_sha256"), r"field ir_sha256: expected a string"),
     (lambda m: m.update(architecture=["LlamaForCausalLM"]), r"field architecture: expected a string, or null"),
     (lambda m: m["source"].pop("checkpoint"), r"field source"),
@@ -221,8 +260,8 @@ def _cuda_target(m, **options):
         "tp-float", "tp-bool", "vocab-0", "eos-str", "pad-negative", "pad-past-vocab", "kv-head-dim-0",
         "layers-prefix-no-index", "layers-count-0",
         "cuda-no-arch", "options-dtype", "cuda-max-batch-0", "cuda-max-seq-len-0", "cpu-max-seq-len-str",
-        "no-ir-sha256", "architecture-list", "source-no-checkpoint", "kernel-bucket-3-items", "kernel-bucket-str-bound",
-        "kernel-bucket-bool-bound", "kernel-row-no-kernel"])
+        "cuda-prefill-graph-tokens-str", "no-ir-sha256", "architecture-list", "source-no-checkpoint",
+        "kernel-bucket-3-items", "kernel-bucket-str-bound", "kernel-bucket-bool-bound", "kernel-row-no-kernel"])
 def test_damaged_manifest_fields_are_refused_by_name(art, edit, pattern):
     """Each field the runtime reads, damaged, is refused in one line naming the manifest and the field."""
     _manifest_edit(edit)(art)

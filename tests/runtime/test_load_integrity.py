@@ -99,3 +99,32 @@ def test_an_empty_path_isrefused(art, monkeypatch, path):
     """Path("") is the current directory: an empty path loaded whatever artifact the process was started in."""
     monkeypatch.chdir(art)
     refused(path, rf"^path {re.escape(repr(path))}: empty; give the artifact directory$")
+
+
+@pytest.mark.parametrize("text, pattern", [
+    ("family: !!python/object/apply:os.system ['true']\n", r"YAMLError|ConstructorError: could not determine a "
+                                                            r"constructor for the tag"),
+    ("- 1\n- 2\n", r"TypeError: "),
+    ("", r"TypeError: "),
+    ("a: [\n", r"(ParserError|ScannerError): "),
+    (None, r"KeyError: 'float64'"),
+], ids=["yaml-tag", "a-list", "empty", "not-yaml", "unknown-dtype"])
+def test_a_graph_that_is_not_one_is_named(art, text, pattern):
+    """A graph.yaml that parses to no graph (or uses a YAML tag: safe_load refuses it) under a manifest re-signed
+    over it is refused in one line naming the file, with or without verify (was a traceback)."""
+    import hashlib
+
+    from mxc.artifact_format import manifest_digest
+
+    graph = art / "graph.yaml"
+    if text is None:  # a weight dtype this mxc does not know
+        text = graph.read_text().replace("dtype: float32", "dtype: float64")
+    graph.write_text(text)
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    m = json.loads((art / "manifest.json").read_text())
+    m["ir_sha256"] = m["files"]["graph.yaml"] = digest
+    (art / "manifest.json").write_text(json.dumps({**m, "manifest_sha256": manifest_digest(m)}))
+    for verify in (True, False):
+        msg = refused(art, rf"graph\.yaml: not a graph this mxc can read \(({pattern}).*\); the artifact was written "
+                           rf"by another tool or damaged, rebuild it$", verify=verify)
+        assert msg.startswith(str(graph))
