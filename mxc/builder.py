@@ -394,7 +394,9 @@ def _write(tmp: Path, graph: Graph, src: Source, options: BuildOptions, arch: in
         "kernels": _kernel_table(graph),
         **({"cutlass": cutlass} if cutlass else {}),
         **({"mlp_pair": mlp_pair} if mlp_pair else {}),
-        "source": {"checkpoint": str(src.checkpoint) if src.checkpoint else None,
+        # the checkpoint folder's name, not its path: an artifact that is shipped tells neither where nor by whom
+        # (/home/<user>) it was built, and builds from two copies of a checkpoint are the same bytes
+        "source": {"checkpoint": src.checkpoint.resolve().name if src.checkpoint else None,
                    "weights": "checkpoint" if src.checkpoint else "dummy"},
         "tp": options.tp,
         "files": file_digests(tmp, {p.relative_to(tmp).as_posix(): d for p, d in digests.items()}),

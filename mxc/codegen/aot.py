@@ -86,6 +86,24 @@ def _jit_function(kernel: str, source: str | None = None):
     return fn
 
 
+@contextlib.contextmanager
+def _without_line_info():
+    """Compile with no source line info (``TRITON_DISABLE_LINE_INFO``, a key of Triton's cache): with it, every cubin
+    carried the absolute directories of mxc's and Triton's sources on the build machine (``/home/<user>/...``), so
+    builds of the same inputs from two checkouts or virtual environments differed, and an artifact told where it was
+    built. The machine code is the same; the cubins lose their debug sections (line tables, the PTX text)."""
+    key = "TRITON_DISABLE_LINE_INFO"
+    before = os.environ.get(key)
+    os.environ[key] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
+
+
 def _compile_one(key: str, spec: dict, arch: int, source: str | None) -> tuple[str, bytes, dict]:
     """Compile one spec (runs in a worker process; ``source``: the rendered module of a generated kernel)."""
     import triton
@@ -96,9 +114,10 @@ def _compile_one(key: str, spec: dict, arch: int, source: str | None) -> tuple[s
     aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
                for n, t in spec["signature"].items() if t.startswith("*")}
     src = ASTSource(fn, signature=spec["signature"], constexprs=spec["constexprs"], attrs=aligned)
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": spec["num_warps"], "num_stages": spec["num_stages"],
-                                       "enable_fp_fusion": True})
+    with _without_line_info():
+        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                                  options={"num_warps": spec["num_warps"], "num_stages": spec["num_stages"],
+                                           "enable_fp_fusion": True})
     md = compiled.metadata
     if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
         raise MxcError(f"kernel {spec['kernel']} needs Triton scratch memory, which the AOT launcher does not provide")

@@ -52,6 +52,9 @@ def compile_so(source: str, out_path, *, what: str, arch: str = "90a", include_d
         cmd = [nvcc, "-O3", "-std=c++17", "--expt-relaxed-constexpr", f"-gencode=arch=compute_{arch},code=sm_{arch}",
                "-shared", "-Xcompiler", "-fPIC", "-cudart", "static", "-DNDEBUG", "-Xptxas=-warn-spills",
                "-Xcudafe", "--diag_suppress=esa_on_defaulted_function_ignored",
+               # no local symbols: they held nvcc's temporary file name (tmpxft_<pid>_...), so two compiles of one
+               # source differed and so did the artifacts that ship the library; the exported ones stay for ctypes
+               "-Xlinker=--discard-all",
                *[f"-I{d}" for d in include_dirs], *extra_flags, str(src), "-o", str(tmp_so)]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)

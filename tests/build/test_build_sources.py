@@ -40,7 +40,7 @@ def test_checkpoint_dir_as_source(hf_checkpoint, tmp_path):
     ckpt, hf = hf_checkpoint("LlamaForCausalLM")
     art = _build(ckpt, tmp_path / "art")
     m = json.loads((art / "manifest.json").read_text())
-    assert m["source"] == {"checkpoint": str(ckpt), "weights": "checkpoint"}
+    assert m["source"] == {"checkpoint": ckpt.name, "weights": "checkpoint"}  # its folder's name, not its path
     with torch.no_grad():
         ref = hf(IDS).logits
     assert float((_logits(art) - ref).abs().max() / ref.abs().max()) <= 1e-4
@@ -114,14 +114,21 @@ def test_rebuild_into_existing_artifact_replaces_it(hf_checkpoint, tmp_path):
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
-def test_build_does_not_depend_on_checkpoint_location(hf_checkpoint, tmp_path):
+def test_build_does_not_depend_on_checkpoint_location(hf_checkpoint, tmp_path, monkeypatch):
+    """Two copies of a checkpoint folder, one given by its absolute path, the other relative to the working
+    directory, give the same artifact bytes: the manifest names the folder, not where it is (it recorded the path
+    as given, which told where and by whom an artifact was built)."""
     ckpt, _ = hf_checkpoint("LlamaForCausalLM")
-    moved = tmp_path / "elsewhere" / "copy"
+    moved = tmp_path / "elsewhere" / ckpt.name
     shutil.copytree(ckpt, moved)
-    a, b = _build(ckpt, tmp_path / "a"), _build(moved, tmp_path / "b")
-    ma, mb = (json.loads((p / "manifest.json").read_text()) for p in (a, b))
-    assert ma["ir_sha256"] == mb["ir_sha256"]
-    assert ma["files"] == mb["files"]
+    a = _build(ckpt, tmp_path / "a")
+    monkeypatch.chdir(moved.parent)
+    b = _build(ckpt.name, tmp_path / "b")
+    files = sorted(p.relative_to(a).as_posix() for p in a.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(b).as_posix() for p in b.rglob("*") if p.is_file())
+    for rel in files:
+        assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
+    assert str(tmp_path).encode() not in (a / "manifest.json").read_bytes()
 
 
 def test_bfloat16_build(hf_checkpoint, tmp_path):
