@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 from mxc.errors import MxcError
 
 
-def load(path, device="cpu", **kwargs):
+def load(path, device=None, **kwargs):
     """Load a built artifact; see :func:`mxc.runtime.artifact.load`."""
     from mxc.runtime.artifact import load as _load
 

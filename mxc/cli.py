@@ -103,7 +103,7 @@ def _generate_and_print(rank: int, world_size: int, device: str, args, ids: list
 def cmd_generate(args) -> None:
     from pathlib import Path
 
-    from mxc.runtime.artifact import check_generate_device, read_manifest
+    from mxc.runtime.artifact import check_generate_device, default_device, read_manifest
     from mxc.runtime.model import check_capacity
     from mxc.runtime.sampling import check_generate_args
     from mxc.tokenizer import load_tokenizer, missing_reason
@@ -124,14 +124,15 @@ def cmd_generate(args) -> None:
         raise MxcError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
     check_generate_args(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, flags=True)
     check_capacity(1, len(ids), args.max_new_tokens, manifest["options"].get("max_seq_len"))
-    check_generate_device(args.device, manifest, path)
+    device = default_device(manifest) if args.device is None else args.device
+    check_generate_device(device, manifest, path)
     tp = manifest.get("tp", 1)
     if tp == 1:
-        _generate_and_print(0, 1, args.device, args, ids)
+        _generate_and_print(0, 1, device, args, ids)
     else:  # one command starts every rank; rank 0 prints
         from mxc.runtime.ranks import run_ranks
 
-        run_ranks(_generate_and_print, tp, args.device, args, ids)
+        run_ranks(_generate_and_print, tp, device, args, ids)
 
 
 def cmd_inspect(args) -> None:
@@ -225,7 +226,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, help="with --temperature: sample from the smallest set of tokens whose "
                                                "probabilities sum to at least P")
     g.add_argument("--seed", type=int, help="with --temperature: seed the sampling, for repeatable output")
-    g.add_argument("--device", default="cpu")
+    g.add_argument("--device", help="cpu, cuda or cuda:N (default: the artifact's target's, cuda for --target cuda)")
     g.set_defaults(fn=cmd_generate)
 
     i = sub.add_parser("inspect", help="print a readable summary of an artifact")

@@ -212,12 +212,21 @@ def check_target_device(path, manifest: dict, device: torch.device, fix: str = "
         raise MxcError(f"{path}: built for --target cuda; {fix} (or rebuild with --target cpu)")
 
 
+def _check_cuda_usable(path, manifest: dict, verb: str) -> None:
+    if manifest["target"]["name"] == "cuda" and not torch.cuda.is_available():
+        raise MxcError(f"{path}: built for --target cuda, and no CUDA GPU is usable here (torch.cuda.is_available() "
+                       f"is false); {verb} it on a machine with one, or rebuild with --target cpu")
+
+
+def default_device(manifest: dict) -> str:
+    """Where an artifact runs unless told otherwise: its target's device (the current GPU for --target cuda)."""
+    return "cuda" if manifest["target"]["name"] == "cuda" else "cpu"
+
+
 def check_generate_device(name: str, manifest: dict, path) -> None:
     """``mxc generate --device NAME``, checked before anything loads (and before a tensor-parallel artifact's
     ranks start): a device this machine has, a GPU for a --target cuda artifact, and one GPU a rank."""
-    if manifest["target"]["name"] == "cuda" and not torch.cuda.is_available():  # --device cpu would not do either
-        raise MxcError(f"{path}: built for --target cuda, and no CUDA GPU is usable here (torch.cuda.is_available() "
-                       f"is false); run it on a machine with one, or rebuild with --target cpu")
+    _check_cuda_usable(path, manifest, "run")  # --device cpu would not do either
     check_target_device(path, manifest, _device(name, flags=True), "run it with --device cuda")
     check_rank_devices(name, manifest.get("tp", 1), path)
 
@@ -289,12 +298,13 @@ def _kernel_launcher(path: Path, manifest: dict, device: torch.device, rebuild_k
     return CubinLauncher(path / "code" / "kernels", pdl=manifest["options"].get("pdl", False))
 
 
-def load(path, device: str = "cpu", rank: int = 0, world_size: int = 1, verify: bool = True,
+def load(path, device: str | None = None, rank: int = 0, world_size: int = 1, verify: bool = True,
          rebuild_kernels: bool = False) -> Model:
     """Load the artifact at ``path`` onto ``device``.
 
     ``device`` is "cpu", "cuda" (the current GPU), "cuda:N", a torch.device, or an
-    integer N for cuda:N (as torch.device(N) is on a CUDA machine).
+    integer N for cuda:N (as torch.device(N) is on a CUDA machine); None (the default) is
+    the artifact's target's: "cuda" for a --target cuda artifact, else "cpu".
     A cuda artifact runs its precompiled kernels (nothing is compiled at load);
     ``rebuild_kernels=True`` JIT-compiles them with the local Triton instead,
     e.g. on a GPU of another architecture. A tensor-parallel artifact (``tp`` > 1)
@@ -325,6 +335,9 @@ def load(path, device: str = "cpu", rank: int = 0, world_size: int = 1, verify: 
         if dist.get_rank() != rank:  # another rank's shards: the collectives would sum the wrong slices
             raise MxcError(f"{path}: loaded as rank {rank}, but this process is rank {dist.get_rank()} of the "
                            f"process group; pass rank=torch.distributed.get_rank()")
+    if device is None:
+        _check_cuda_usable(path, manifest, "load")
+        device = default_device(manifest)
     device = _device(device)
     with on_device(device):  # kernels load into, and graphs capture on, the model's GPU, whichever is current
         with _same_build(path, build):  # every file read is this manifest's build's

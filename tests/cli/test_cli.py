@@ -439,8 +439,32 @@ def test_a_cuda_artifact_on_the_cpu_says_which_flag(artifact, tmp_path, capsys, 
                    f"{art}: built for --target cuda, and no CUDA GPU is usable here (torch.cuda.is_available() is "
                    f"false); run it on a machine with one, or rebuild with --target cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine, --device cpu
-    user_error(capsys, ["generate", art, "--ids", "1"], f"{art}: built for --target cuda; run it with --device cuda "
-                                                    f"(or rebuild with --target cpu)")
+    user_error(capsys, ["generate", art, "--ids", "1", "--device", "cpu"],
+               f"{art}: built for --target cuda; run it with --device cuda (or rebuild with --target cpu)")
+
+
+@pytest.mark.parametrize("target, device", [("cuda", "cuda"), ("cpu", "cpu")])
+def test_generate_runs_on_the_artifacts_target_by_default(target, device, artifact, tmp_path, monkeypatch):
+    """``mxc generate ART`` with no --device runs a --target cuda artifact on the GPU (it was --device cpu, refused
+    with a hint to pass --device cuda) and a cpu one on the CPU."""
+    import torch
+
+    from mxc import cli
+    from mxc.runtime import artifact as runtime_artifact
+
+    art = tmp_path / "art"
+    shutil.copytree(artifact, art)
+    if target == "cuda":
+        manifest = json.loads((art / "manifest.json").read_text())
+        manifest["target"].update(name="cuda", arch="sm_90")
+        manifest["options"]["target"] = "cuda"
+        (art / "manifest.json").write_text(json.dumps(signed(manifest)))
+    checked, ran = [], []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(runtime_artifact, "check_generate_device", lambda name, m, p: checked.append(name))
+    monkeypatch.setattr(cli, "_generate_and_print", lambda rank, world, name, args, ids: ran.append(name))
+    assert cli.main(["generate", str(art), "--ids", "1"]) in (0, None)
+    assert checked == ran == [device]
 
 
 def test_prompt_on_a_sentencepiece_only_checkpoint_says_so(hf_checkpoint, tmp_path, capsys):

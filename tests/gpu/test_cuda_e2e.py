@@ -129,8 +129,8 @@ def test_buckets_past_pdl_max_run_plain(hf_checkpoint, tmp_path):
     ckpt, _ = hf_checkpoint("LlamaForCausalLM", hidden_size=128, intermediate_size=256)
     art = mxc.build(str(ckpt), out=tmp_path / "art", target="cuda", dtype="bfloat16", max_batch=16,
                     max_seq_len=64, progress=False, log=lambda m: None)
-    model = mxc.load(art, device="cuda")
-    assert model._launcher.pdl and PDL_MAX_BUCKET < 12
+    model = mxc.load(art)  # no device: a cuda artifact's default is the current GPU
+    assert model.device.type == "cuda" and model._launcher.pdl and PDL_MAX_BUCKET < 12
     ids = torch.randint(0, 256, (12, 5), generator=torch.Generator().manual_seed(6))
     batched = model.generate(ids, max_new_tokens=8)
     for b in (0, 5, 11):

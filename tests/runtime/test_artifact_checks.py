@@ -311,7 +311,32 @@ def test_a_cuda_artifact_on_the_cpu_is_refused(art):
 
     _manifest_edit(_cuda_target)(art)
     assert read_manifest(art)["target"]["name"] == "cuda"
-    _refused(art, r"built for --target cuda; load it with device='cuda' \(or rebuild with --target cpu\)$")
+    _refused(art, r"built for --target cuda; load it with device='cuda' \(or rebuild with --target cpu\)$",
+             device="cpu")
+
+
+def test_a_cuda_artifact_loads_onto_the_gpu_by_default(art, monkeypatch):
+    """``device`` left out is the artifact's target's: the current GPU for a cuda artifact (it was "cpu", refused),
+    and on a machine without one the refusal says that no device would do."""
+    import torch
+
+    from mxc.runtime import artifact
+
+    _manifest_edit(_cuda_target)(art)
+    if not torch.cuda.is_available():
+        _refused(art, r"built for --target cuda, and no CUDA GPU is usable here \(torch\.cuda\.is_available\(\) is "
+                      r"false\); load it on a machine with one, or rebuild with --target cpu$")
+    asked = []
+
+    def device(name, flags=False):
+        asked.append(name)
+        raise MxcError("stop here")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(artifact, "_device", device)
+    with pytest.raises(MxcError, match="stop here"):
+        mxc.load(art)
+    assert asked == ["cuda"]
 
 
 def test_a_float16_artifact_loads(tmp_path):
