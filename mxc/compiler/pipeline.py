@@ -3,11 +3,15 @@
 Each pass is a pure ``run(graph, options) -> Graph`` in ``passes/``. The
 verifier runs after every pass; ``compile_graph`` can dump the IR after each
 (``--dump-ir DIR``: ``00-bound.yaml``, ``01-merge_qkv.yaml``, ...). Optional passes
-can be skipped (``--disable-pass``); the skipped ones leave no dump.
+can be skipped (``--disable-pass``); the skipped ones leave no dump. The dumps of an earlier
+build into the same DIR are removed first (a skipped pass's would read as this build's), and a
+pass whose graph the verifier refuses has its dump written before the error: the last file is
+where it broke.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from mxc.compiler.options import BuildOptions
@@ -76,15 +80,29 @@ def compile_graph(graph: Graph, options: BuildOptions, dump_dir: Path | None = N
             dump_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise MxcError(f"--dump-ir {dump_dir}: cannot create the directory ({e.strerror})") from None
+        _clear_dumps(dump_dir)
         _dump(dump_dir / "00-bound.yaml", graph)
     for i, (name, run) in enumerate(PIPELINE, start=1):
         if name in options.disable_passes:
             continue
         graph = run(graph, options)
-        verify(graph)
-        if dump_dir is not None:
+        if dump_dir is not None:  # before verify: the graph a pass broke is the one to read
             _dump(dump_dir / f"{i:02d}-{name}.yaml", graph)
+        verify(graph)
     return graph
+
+
+def _clear_dumps(dump_dir: Path) -> None:
+    """Remove an earlier build's dumps from ``dump_dir``: where this build skips a pass (``--disable-pass``) or
+    stops early, its file would stay and read as this build's. Only ``NN-bound.yaml`` and ``NN-<pass>.yaml`` go:
+    nothing else in the directory is touched."""
+    dump_name = re.compile(r"\d{2}-(%s)\.yaml" % "|".join(map(re.escape, ["bound", *(n for n, _ in PIPELINE)])))
+    try:
+        for p in dump_dir.iterdir():
+            if dump_name.fullmatch(p.name) and not p.is_dir():
+                p.unlink()
+    except OSError as e:
+        raise MxcError(f"--dump-ir {dump_dir}: cannot remove an earlier build's dumps ({e.strerror or e})") from None
 
 
 def _dump(path: Path, graph: Graph) -> None:

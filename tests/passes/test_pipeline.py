@@ -124,3 +124,41 @@ def test_verifier_runs_after_every_pass(bind_arch, monkeypatch):
     with pytest.raises(VerifyError):
         compile_graph(bind_arch(), BuildOptions())
     assert ran == []
+
+
+def test_dumps_of_an_earlier_build_do_not_stay(bind_arch, tmp_path):
+    """A second build into the same --dump-ir directory with a pass disabled: the first build's dump of that pass is
+    gone (it would read as this build's: wqkv merged where this build never merged); other files stay."""
+    ir = tmp_path / "ir"
+    compile_graph(bind_arch(), BuildOptions(), dump_dir=ir)
+    assert (ir / "01-merge_qkv.yaml").is_file()
+    (ir / "notes.txt").write_text("mine")
+    (ir / "01-mine.yaml").write_text("mine")
+    final = compile_graph(bind_arch(), BuildOptions(disable_passes=("merge_qkv",)), dump_dir=ir)
+    names = sorted(p.name for p in ir.iterdir())
+    assert names == ["00-bound.yaml", "01-mine.yaml"] + [f"{i:02d}-{name}.yaml" for i, (name, _) in
+                                                         enumerate(PIPELINE, start=1) if name != "merge_qkv"] + \
+        ["notes.txt"]
+    assert "wqkv" not in (ir / names[-2]).read_text() and load_graph((ir / names[-2]).read_text()) == final
+
+
+def test_a_pass_that_breaks_the_graph_leaves_its_dump_last(bind_arch, tmp_path, monkeypatch):
+    """--dump-ir is for debugging passes: the graph a pass broke is dumped before the verifier refuses it, and is the
+    last file (no later pass's dump, from this build or an earlier one, follows it)."""
+    from mxc.compiler import pipeline
+    from mxc.ir import VerifyError
+
+    ir = tmp_path / "ir"
+    compile_graph(bind_arch(), BuildOptions(), dump_dir=ir)  # an earlier build's dumps of every pass
+
+    def broken(graph, options):
+        (rep,) = graph.repeats()
+        return graph.replace(body=tuple(rep.replace(body=rep.body[1:]) if it is rep else it for it in graph.body))
+    name = PIPELINE[3][0]
+    monkeypatch.setattr(pipeline, "PIPELINE", [*PIPELINE[:3], (name, broken), *PIPELINE[4:]])
+    with pytest.raises(VerifyError):
+        compile_graph(bind_arch(), BuildOptions(), dump_dir=ir)
+    names = sorted(p.name for p in ir.iterdir())
+    assert names[-1] == f"04-{name}.yaml" and len(names) == 5, names
+    with pytest.raises(VerifyError):
+        verify(load_graph((ir / names[-1]).read_text()))
