@@ -45,14 +45,48 @@ def _compiled(path: Path) -> list[str]:
     return lines
 
 
-def _cuda_options(options: dict) -> list[str]:
-    """The runtime's sizes and launch modes of a cuda artifact: its KV cache, graph buckets and PDL."""
+def _cuda_options(options: dict, tp: int) -> list[str]:
+    """The runtime's sizes and launch modes of a cuda artifact: its KV cache, graph buckets and PDL; with tp > 1 its
+    all-reduce (--tp-allreduce), and --mlp-pair where given."""
     if options["target"] != "cuda":
         return []
     buckets = prefill_graph_buckets(options.get("prefill_graph_tokens", 0), options["max_seq_len"])
+    more = f", all-reduce {options.get('tp_allreduce')}" if tp > 1 else ""
+    more += ", --mlp-pair" if options.get("mlp_pair") else ""
     return [f"cuda         KV cache {options['max_batch']} x {options['max_seq_len']} tokens (decode graphs per "
             f"batch bucket), prefill graphs {f'up to {buckets[-1]} tokens' if buckets else 'off'}, "
-            f"PDL {'on' if options.get('pdl') else 'off'}"]
+            f"PDL {'on' if options.get('pdl') else 'off'}{more}"]
+
+
+def _rope(c: dict) -> str:
+    """RoPE's type, theta and its type's parameters (a linear or llama3 factor, yarn's ...), and the rotated part of
+    a head where it is not all of it."""
+    rope = c.get("rope") or {}
+    params = [f"{k} {v}" for k, v in rope.items()
+              if k not in ("type", "theta", "rotary_dim", "max_position_embeddings") and v is not None]
+    if rope.get("rotary_dim") not in (None, c.get("head_dim")):
+        params.insert(0, f"rotary_dim {rope['rotary_dim']} of head_dim {c.get('head_dim')}")
+    return f"{rope.get('type')} (theta {rope.get('theta')}{''.join(', ' + p for p in params)})"
+
+
+def _kernels(m: dict) -> list[str]:
+    """The kernels chosen, each with its number of IR nodes: those in the layers (each of which runs once a layer),
+    then those outside them."""
+    layers = (m["runtime"].get("layers") or {}).get("count")
+    groups = [("layers", f"in each of the {layers} layers" if layers is not None else "in the layers"),
+              ("top", "outside the layers")]
+    lines = []
+    for where, title in groups:
+        counts = Counter(_kernel(r["kernel"]) for r in m["kernels"] if (r.get("in") == "layers") == (where == "layers"))
+        if counts:
+            width = len(str(max(counts.values())))
+            lines += [f"{'kernels' if not lines else '':12s} {title}"]
+            lines += [f"  {n:>{width}} x {k}" for k, n in counts.items()]
+    return lines or ["kernels      (none)"]
+
+
+def _list(value) -> list:
+    return value if isinstance(value, list) else []
 
 
 def _mlp(c: dict) -> str:
@@ -65,11 +99,18 @@ def _mlp(c: dict) -> str:
             f" {c.get('moe_scoring', 'softmax')}{renorm})" + (f" + a shared expert of mlp {shared}" if shared else ""))
 
 
-def _quant(options: dict) -> str:
+def _quant(options: dict, moe: bool = False) -> str:
     if not options.get("quant"):
         return "none"
     lm_head = ", LM head too" if options.get("quant_lm_head") else ""
-    return f"{options['quant']} ({options.get('quant_granularity')} scales{lm_head})"
+    granularity = options.get("quant_granularity")
+    # --quant fp8 gives the experts of a mixture one scale a row whatever the granularity (quantize's _expert_rule);
+    # an fp8 checkpoint's experts keep its scales
+    imported = options.get("quant_scale_suffix") is not None
+    experts = "; channel scales for the experts" if moe and granularity != "channel" and not imported else ""
+    kept = len(_list(options.get("quant_unquantized")))  # what an fp8 checkpoint left in the model dtype
+    kept = f"; {kept} of the layers' linear weights left in {options.get('dtype')} by it" if kept else ""
+    return f"{options['quant']} ({granularity} scales{lm_head}{', from the checkpoint' * imported}{experts}{kept})"
 
 
 def summary(path) -> str:
@@ -77,28 +118,31 @@ def summary(path) -> str:
     m = read_manifest(path)
     c = m["config"]
     rt = m["runtime"]
-    kernels = Counter(_kernel(r["kernel"]) for r in m["kernels"])
     lines = [
         f"artifact     {path}",
         f"model        {m['architecture'] or '(no architectures in config.json)'} ({m['model_file']}, family {m['family']})",
         f"shape        {c.get('num_hidden_layers')} layers, hidden {c.get('hidden_size')}, "
         f"heads {c.get('num_attention_heads')}/{c.get('num_key_value_heads')} kv, head_dim {c.get('head_dim')}, "
-        f"{_mlp(c)}, vocab {rt['vocab_size']}",
-        f"rope         {c.get('rope', {}).get('type')} (theta {c.get('rope', {}).get('theta')})",
+        + (f"sliding window {c['attention_window']} tokens, " if c.get("attention_window") else "")
+        + f"{_mlp(c)}, vocab {rt['vocab_size']}",
+        f"rope         {_rope(c)}",
         f"build        target {m['options']['target']}, dtype {m['options']['dtype']}, tp {m.get('tp', 1)}, "
-        f"quant {_quant(m['options'])}, max-seq-len {m['options'].get('max_seq_len')}",
-        *_cuda_options(m["options"]),
+        f"quant {_quant(m['options'], bool(c.get('moe')))}, max-seq-len {m['options'].get('max_seq_len')}"
+        + "".join(f", --disable-pass {name}" for name in _list(m["options"].get("disable_passes"))),
+        *_cuda_options(m["options"], m.get("tp", 1)),
         f"built by     mxc {m['mxc_version']} (torch {m['target'].get('torch')}), IR sha256 {m['ir_sha256'][:16]}",
         f"weights      {m['source']['weights']}" + (f" from {m['source']['checkpoint']}" if m['source']['checkpoint'] else ""),
-        "kernels      " + ", ".join(f"{k} x{n}" for k, n in kernels.items()),
+        *_kernels(m),
     ]
     lines += _compiled(path)
     lines.append("files")
+    extra = sorted(set(listed_files(path)) - set(m["files"]))  # mxc.load refuses these (verify_files)
+    width = max([32, *map(len, [*m["files"], *extra])])  # one column of sizes, however long a name
     for rel in m["files"]:
         f = path / rel
-        lines.append(f"  {rel:32s} {_file_state(f)}")
-    for rel in sorted(set(listed_files(path)) - set(m["files"])):  # mxc.load refuses these (verify_files)
-        lines.append(f"  {rel:32s} EXTRA (not in manifest.json: loading refuses the artifact; remove it)")
+        lines.append(f"  {rel:{width}s} {_file_state(f)}")
+    for rel in extra:
+        lines.append(f"  {rel:{width}s} EXTRA (not in manifest.json: loading refuses the artifact; remove it)")
     return "\n".join(lines)
 
 

@@ -187,7 +187,8 @@ def test_inspect_shows_only_the_prefill_buckets_the_kv_cache_holds(artifact, tmp
 
 def test_inspect_shows_experts_and_fp8_options(artifact, tmp_path, capsys):
     """A mixture of experts shows its experts and routing, not the dense intermediate_size it does not use; fp8
-    shows its scales' granularity and whether the LM head is quantized."""
+    shows its scales' granularity, whether the LM head is quantized, and that --quant fp8 gives the experts channel
+    scales whatever the granularity (quantize's _expert_rule: block128 here)."""
     def edit(m):
         m["config"].update(moe=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                            norm_topk_prob=True, moe_scoring="softmax", shared_expert_intermediate_size=64)
@@ -199,7 +200,7 @@ def test_inspect_shows_experts_and_fp8_options(artifact, tmp_path, capsys):
     assert shape.endswith(", 8 experts of mlp 32 (top-2 softmax, renormalised) + a shared expert of mlp 64, "
                           "vocab 256"), shape
     build = next(ln for ln in lines if ln.startswith("build"))
-    assert "quant fp8 (block128 scales, LM head too), max-seq-len 512" in build, build
+    assert "quant fp8 (block128 scales, LM head too; channel scales for the experts), max-seq-len 512" in build, build
 
 
 def test_inspect_flags_a_file_the_manifest_does_not_list(artifact, tmp_path, capsys):
@@ -282,3 +283,124 @@ def test_inspect_of_a_cuda_manifest_with_damaged_prefill_graphs_is_one_line(arti
 
     art = _inspect_copy(artifact, tmp_path, edit)
     user_error(capsys, ["inspect", art], "field options.prefill_graph_tokens: expected a token count >= 0")
+
+
+def test_inspect_shows_the_experts_scales_of_a_real_build(hf_checkpoint, tmp_path, capsys):
+    """--quant fp8 --quant-granularity block128 of a mixture: attention weights get block scales, the experts one scale
+    a row (the weight file says so); inspect said "block128 scales" for the whole model."""
+    from safetensors import safe_open
+
+    ckpt, _ = hf_checkpoint("Qwen3MoeForCausalLM", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    art = mxc.build(str(ckpt), out=tmp_path / "a", quant="fp8", quant_granularity="block128", progress=False,
+                    log=lambda m: None)
+    with safe_open(art / "weights" / "rank0.safetensors", framework="pt") as f:
+        assert f.get_slice("layers.0.wo_scale").get_shape() == [1, 1]  # one 128x128 block
+        assert f.get_slice("layers.0.we_down_scale").get_shape() == [4, 64]  # [experts, rows]
+    build = next(ln for ln in _inspect_lines(art, capsys) if ln.startswith("build"))
+    assert "quant fp8 (block128 scales; channel scales for the experts)" in build, build
+
+
+@pytest.mark.parametrize("rope, shown", [
+    ({"type": "linear", "theta": 10000.0, "rotary_dim": 16, "max_position_embeddings": 512, "factor": 2.0},
+     "linear (theta 10000.0, factor 2.0)"),
+    ({"type": "llama3", "theta": 500000.0, "rotary_dim": 16, "max_position_embeddings": 512, "factor": 8.0,
+      "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+     "llama3 (theta 500000.0, factor 8.0, low_freq_factor 1.0, high_freq_factor 4.0, "
+     "original_max_position_embeddings 64)"),
+    ({"type": "yarn", "theta": 10000.0, "rotary_dim": 8, "max_position_embeddings": 512, "factor": 4.0,
+      "original_max_position_embeddings": 32, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": None,
+      "mscale_all_dim": None, "attention_factor": 1.25, "truncate": True},
+     "yarn (theta 10000.0, rotary_dim 8 of head_dim 16, factor 4.0, original_max_position_embeddings 32, "
+     "beta_fast 32.0, beta_slow 1.0, attention_factor 1.25, truncate True)"),
+], ids=["linear", "llama3", "yarn-partial"])
+def test_inspect_shows_the_rope_scaling_parameters(rope, shown, artifact, tmp_path, capsys):
+    """The rope line shows the scaling the spec holds (a linear factor 2 and 8 were the same line: type and theta
+    only), and a rotary_dim short of head_dim; None parameters are left out."""
+    art = _inspect_copy(artifact, tmp_path, lambda m: m["config"].update(rope=rope))
+    assert f"rope         {shown}" in _inspect_lines(art, capsys)
+
+
+def test_inspect_shows_the_sliding_window(hf_checkpoint, tmp_path, capsys):
+    """A Mistral's sliding_window windows its attention (config attention_window): the shape line says so."""
+    ckpt, _ = hf_checkpoint("MistralForCausalLM", sliding_window=16)
+    art = mxc.build(str(ckpt), out=tmp_path / "a", progress=False, log=lambda m: None)
+    assert json.loads((art / "manifest.json").read_text())["config"]["attention_window"] == 16
+    shape = next(ln for ln in _inspect_lines(art, capsys) if ln.startswith("shape"))
+    assert "head_dim 16, sliding window 16 tokens, mlp 96" in shape, shape
+
+
+def test_inspect_shows_disabled_passes(tmp_path, capsys):
+    """A build with --disable-pass is not the default build of the same line: the build line names them, as flags."""
+    art = mxc.build("llama.yaml", out=tmp_path / "a", disable_passes=["merge_qkv", "fuse_add_rms_norm"],
+                    progress=False, log=lambda m: None)
+    build = next(ln for ln in _inspect_lines(art, capsys) if ln.startswith("build"))
+    assert build.endswith(", --disable-pass fuse_add_rms_norm, --disable-pass merge_qkv"), build
+
+
+def test_inspect_shows_a_cuda_artifacts_all_reduce_and_mlp_pair(artifact, tmp_path, capsys):
+    """--tp-allreduce (cuda, tp > 1) and --mlp-pair change what runs: the cuda line names them."""
+    def edit(m):
+        m["target"] = {**m["target"], "name": "cuda", "arch": "sm_90"}
+        m["options"].update(target="cuda", max_batch=4, max_seq_len=256, prefill_graph_tokens=0, pdl=True,
+                            tp_allreduce="push", mlp_pair=True)
+
+    line = next(ln for ln in _inspect_lines(_inspect_copy(artifact, tmp_path, edit), capsys) if ln.startswith("cuda"))
+    assert line.endswith("PDL on, --mlp-pair"), line  # tp 1: no all-reduce
+    shutil.rmtree(tmp_path / "copy")
+
+    def tp2(m):
+        edit(m)
+        m.update(tp=2, files={**m["files"], "weights/rank1.safetensors": m["files"]["weights/rank0.safetensors"]})
+    art = _inspect_copy(artifact, tmp_path, tp2)
+    shutil.copyfile(art / "weights" / "rank0.safetensors", art / "weights" / "rank1.safetensors")
+    line = next(ln for ln in _inspect_lines(art, capsys) if ln.startswith("cuda"))
+    assert line.endswith("PDL on, all-reduce push, --mlp-pair"), line
+
+
+def test_inspect_counts_kernels_per_layer_and_outside_them(artifact, capsys):
+    """Each kernel with its IR nodes, those of a layer apart from those outside the layers: "torch_ref.linear x5" read
+    as five linears in a model that runs 4 a layer and the LM head; one a line, a bucketed choice whole."""
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    layers = manifest["runtime"]["layers"]["count"]
+    lines = _inspect_lines(artifact, capsys)
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("kernels"))
+    end = next(i for i, ln in enumerate(lines) if ln.startswith("files"))
+    assert lines[at] == f"kernels      in each of the {layers} layers"
+    outside = lines.index("             outside the layers")
+    per_layer, top = lines[at + 1:outside], lines[outside + 1:end]
+    assert "  4 x torch_ref.linear" in per_layer and "  1 x torch_ref.linear" in top
+    count = {where: sum(int(ln.split(" x ")[0]) for ln in group) for where, group in (("layers", per_layer),
+                                                                                         ("top", top))}
+    assert count == {w: sum(r["in"] == w for r in manifest["kernels"]) for w in ("layers", "top")}
+
+
+def test_inspect_keeps_the_sizes_in_one_column(artifact, tmp_path, capsys):
+    """A file name longer than the 32 columns (a cuda artifact's code/kernels/src/<template>_<hash>.py) pushed its
+    size out of the column: every size starts at one column."""
+    def edit(m):
+        m["files"]["code/kernels/src/prefill_attention_5890bc68f6ae0218.py"] = "0" * 64
+
+    art = _inspect_copy(artifact, tmp_path, edit)
+    (art / "code" / "kernels" / "src").mkdir(parents=True)
+    (art / "code" / "kernels" / "src" / "prefill_attention_5890bc68f6ae0218.py").write_text("x = 1\n")
+    (art / "code" / "a_file_the_manifest_does_not_list_at_all.txt").write_text("mine")
+    lines = _inspect_lines(art, capsys)
+    files = lines[lines.index("files") + 1:]
+    assert len(files) == 5
+    columns = {len(ln) - len(ln[2:].split(" ", 1)[1].lstrip()) for ln in files}
+    assert len(columns) == 1, files
+
+
+def test_inspect_says_an_fp8_checkpoint_was_imported(artifact, tmp_path, capsys):
+    """An fp8 checkpoint's scales are imported, not made by --quant fp8 (no flag to repeat), and the linear weights it
+    left unquantized stay in the model dtype: the build line says both."""
+    def edit(m):
+        m["config"].update(moe=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+        m["options"].update(quant="fp8", quant_granularity="block128", quant_scale_suffix="weight_scale_inv",
+                            quant_unquantized=[f"model.layers.{{i}}.mlp.shared_expert.{n}.weight"
+                                               for n in ("down_proj", "gate_proj", "up_proj")])
+
+    build = next(ln for ln in _inspect_lines(_inspect_copy(artifact, tmp_path, edit), capsys)
+                 if ln.startswith("build"))
+    assert ("quant fp8 (block128 scales, from the checkpoint; 3 of the layers' linear weights left in float32 by it)"
+            in build), build  # the checkpoint's experts keep its scales: no channel note
