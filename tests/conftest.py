@@ -67,6 +67,7 @@ CONFIG_CLASSES = {
     "Qwen2ForCausalLM": "Qwen2Config", "Qwen3ForCausalLM": "Qwen3Config",
     "MixtralForCausalLM": "MixtralConfig", "Qwen2MoeForCausalLM": "Qwen2MoeConfig",
     "Qwen3MoeForCausalLM": "Qwen3MoeConfig", "OlmoeForCausalLM": "OlmoeConfig",
+    "Phi3ForCausalLM": "Phi3Config",  # no bundled definition: tests/models/test_fused_checkpoint_weights.py writes one
 }
 
 

@@ -274,18 +274,26 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
     OpDef("silu", ("x",), _unary),
     OpDef("sigmoid", ("x",), _unary),
     OpDef("scale_rows", ("x", "s"), _scale_rows, doc="x * s, s [T, 1] (a gate per token)"),
-    OpDef("silu_mul", ("x",), _silu_mul, doc="silu(x[:, :I]) * x[:, I:] (fused by merge_gate_up)"),
+    OpDef("silu_mul", ("x",), _silu_mul, doc="silu(x[:, :I]) * x[:, I:] (made by merge_gate_up; a model file may "
+                                              "use it on a checkpoint's fused [gate; up] projection, whose weight "
+                                              "then shards with parts: [I, I])"),
     # normalisation
-    OpDef("rms_norm", ("x", "weight"), _rms_norm, attrs=("eps",), doc="over the last dim"),
+    OpDef("rms_norm", ("x", "weight"), _rms_norm, attrs=("eps",),
+          doc="x / sqrt(mean(x^2) + eps) over the last dim in float32, cast back to x's dtype, then times weight "
+              "(Llama's order; not Gemma's (1 + weight); no mean subtracted)"),
     # matmul
     OpDef("linear", ("x", "weight", "bias?", "residual?"), _linear, optional_attrs=("prologue",),
           doc="residual + prologue(x) @ weight.T + bias (prologue and residual made by fuse_linear_io)"),
     # layout
     OpDef("heads", ("x",), _heads, attrs=("size",), doc="[T, n*d] -> [T, n, d]"),
     OpDef("flatten_heads", ("x",), _flatten_heads, doc="[T, n, d] -> [T, n*d]"),
-    OpDef("split", ("x",), _split, attrs=("sizes",), doc="along the last dim (made by merge_qkv)"),
+    OpDef("split", ("x",), _split, attrs=("sizes",),
+          doc="along the last dim (made by merge_qkv; a model file may split a checkpoint's fused projection, "
+              "q, k, v in that order, whose weight then shards with parts: the same sizes)"),
     # attention
-    OpDef("rope", ("q", "k", "positions"), _rope, attrs=("spec",), doc="rotary embedding of q and k",
+    OpDef("rope", ("q", "k", "positions"), _rope, attrs=("spec",),
+          doc="rotary embedding of q and k, rotate-half (GPT-NeoX/Llama) convention, on the first rotary_dim dims "
+              "of each head (spec from a resolver); not the interleaved pairs of GPT-J/GLM",
           uses_context=True),
     OpDef("attention", ("q", "k", "v"), _attention, attrs=("scale", "layer"),
           optional_attrs=("causal", "sliding_window"),

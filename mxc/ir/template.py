@@ -270,7 +270,7 @@ class _Binder:
                 continue
             shape = self.eval_shape(w["shape"], env, line, f"{field}.shape")
             shard = self.shard_spec(w.get("shard"), w["shape"][1:] if "stack" in w else w["shape"], env, line,
-                                    f"{field}.shard")
+                                    f"{field}.shard", shape[1:] if "stack" in w else shape)
             init = str(w.get("init", "normal"))
             if init not in ("normal", "ones"):
                 raise self.err(line, f"{field}.init", f"expected 'normal' or 'ones', got {init!r}")
@@ -306,12 +306,14 @@ class _Binder:
 
         return re.sub(r"\{(\w+)\}", sub, template)
 
-    def shard_spec(self, spec, shape_exprs, env, line, field) -> ShardSpec | None:
-        """``column`` or ``{kind: column, unit: head_dim}`` -> ShardSpec (None when absent)."""
+    def shard_spec(self, spec, shape_exprs, env, line, field, shape=()) -> ShardSpec | None:
+        """``column``, ``{kind: column, unit: head_dim}`` or, for a checkpoint tensor that holds several
+        projections one after another (Phi-3's qkv_proj, gate_up_proj), ``{kind: column, parts: [exprs]}``, each
+        part split on its own as the merge passes' segments -> ShardSpec (None when absent)."""
         if spec is None:
             return None
-        if not isinstance(spec, (str, dict)) or isinstance(spec, dict) and set(spec) - {"kind", "unit"}:
-            raise self.err(line, field, f"expected a kind, or {{kind: ..., unit: expr}}; got {spec!r}")
+        if not isinstance(spec, (str, dict)) or isinstance(spec, dict) and set(spec) - {"kind", "unit", "parts"}:
+            raise self.err(line, field, f"expected a kind, or {{kind: ..., unit: expr, parts: [exprs]}}; got {spec!r}")
         kind, unit = (spec, 1) if isinstance(spec, str) else (spec.get("kind"), spec.get("unit", 1))
         if kind not in ShardSpec.KINDS:
             raise self.err(line, field, f"expected one of {', '.join(ShardSpec.KINDS)}, got {kind!r}")
@@ -319,9 +321,28 @@ class _Binder:
         if not isinstance(unit, int) or unit < 1:
             raise self.err(line, f"{field}.unit", f"expected a positive integer, got {unit!r}")
         dim = 1 if kind == "row" else 0
+        parts = spec.get("parts") if isinstance(spec, dict) else None
+        if parts is not None:
+            return self.shard_parts(str(kind), unit, parts, dim, shape, env, line, f"{field}.parts")
         expr = str(shape_exprs[dim]) if kind != "replicated" and dim < len(shape_exprs) else ""
         expr = self.read_as.get(expr, expr)  # errors about the split name the field the config sets
         return ShardSpec(str(kind), unit=unit, exprs=(expr,) if expr else ())
+
+    def shard_parts(self, kind, unit, parts, dim, shape, env, line, field) -> ShardSpec:
+        if kind != "column":
+            raise self.err(line, field, f"parts are for a column-parallel weight (rows of several projections), "
+                                        f"not {kind}")
+        if not isinstance(parts, list) or len(parts) < 2:
+            raise self.err(line, field, f"expected a list of two or more part sizes, got {parts!r}")
+        sizes = tuple(self.eval(p, env, line, field) for p in parts)
+        for p, s in zip(parts, sizes):
+            if not isinstance(s, int) or isinstance(s, bool) or s <= 0:
+                raise self.err(line, field, f"{p!r} evaluates to {s!r}; expected a positive integer")
+        if dim < len(shape) and sum(sizes) != shape[dim]:
+            raise self.err(line, field, f"parts {list(sizes)} add up to {sum(sizes)}, not the {shape[dim]} rows "
+                                        f"of the weight")
+        exprs = tuple(self.read_as.get(str(p), str(p)) for p in parts)
+        return ShardSpec(kind, segments=sizes, unit=unit, exprs=exprs)
 
     def eval_shape(self, spec, env, line, field) -> tuple[int, ...]:
         if not isinstance(spec, list):

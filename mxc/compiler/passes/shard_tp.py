@@ -28,7 +28,9 @@ after the merge passes (segments exist) and before fuse_rope_cache (which
 reads head counts from split sizes). Preserves: every value name, so the
 outputs are the same; the math up to the order of the all-reduce sums.
 A split that cannot work fails naming the weight, the model-file size
-expression and the numbers.
+expression and the numbers; so does a ``split`` or ``silu_mul`` of a
+column-parallel weight sharded as one part (a checkpoint's fused qkv or
+gate/up declared without ``parts``: each rank would hold the wrong rows).
 """
 
 from __future__ import annotations
@@ -102,14 +104,32 @@ def _rules(tp: int, target: str):
         return {ctx.index(node): [Node("vocab_embedding", (part,), node.ins, {}, node.loc),
                                   Node("all_reduce", node.outs, (part,), {"world": tp}, node.loc)]}
 
+    def one_part(node: Node, ctx, parts: str):
+        """A split or silu_mul of a column-parallel linear whose weight is one part: each rank would hold a
+        contiguous slice of the rows (all of the gate, none of the up), so the parts it takes apart would mix."""
+        src = ctx.producing(node.ins[0])
+        if src is None or src.op != "linear" or kind(ctx, src.ins[1]) != "column":
+            return None
+        w = ctx.weights[src.ins[1]]
+        if len(w.shard.segments) > 1:
+            return None
+        raise MxcError(f"--tp {tp}: the {node.op} at {node.loc} takes apart {w.name}'s rows ({parts}), but its "
+                       f"shard spec splits them as one part, so each rank's rows would mix the parts; declare them: "
+                       f"shard: {{kind: column, parts: [...]}} (or leave the weight and its consumers unsharded)")
+
     def split(node: Node, ctx):
         src = ctx.producing(node.ins[0])
         if src is None or src.op != "linear" or kind(ctx, src.ins[1]) != "column":
             return None
         w = ctx.weights[src.ins[1]]
         if list(node.attrs["sizes"]) != list(w.shard.segments):
+            if sum(node.attrs["sizes"]) == sum(w.shard.segments):
+                one_part(node, ctx, f"sizes {list(node.attrs['sizes'])}")
             return None  # already local (segments are global sizes)
         return {ctx.index(node): [node.replace(attrs={**node.attrs, "sizes": _local_parts(w, tp)})]}
+
+    def silu_mul(node: Node, ctx):
+        return one_part(node, ctx, "gate, then up")
 
     def rms_norm(node: Node, ctx):  # a norm over a whole column-parallel projection needs every rank's columns
         w = ctx.weights.get(node.ins[1])
@@ -133,8 +153,8 @@ def _rules(tp: int, target: str):
                                   node.replace(ins=(full, *node.ins[1:]), outs=(normed,)),
                                   Node("rank_slice", node.outs, (normed,), {"world": tp}, node.loc)]}
 
-    return [("linear", linear), ("embedding", embedding), ("split", split), ("experts", moe), ("fused_moe", moe),
-            ("rms_norm", rms_norm)]
+    return [("linear", linear), ("embedding", embedding), ("split", split), ("silu_mul", silu_mul),
+            ("experts", moe), ("fused_moe", moe), ("rms_norm", rms_norm)]
 
 
 def run(graph: Graph, options) -> Graph:
