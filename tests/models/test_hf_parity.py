@@ -117,3 +117,38 @@ def test_a_tied_config_over_an_untied_checkpoint(hf_checkpoint, tmp_path):
     with torch.no_grad():
         ref = hf(ids).logits.float()
     assert _rel_err(model.logits(ids), ref) <= 1e-4
+
+
+def test_dynamic_ntk_past_max_positions_matches_hf_generate_with_its_cache(hf_checkpoint, tmp_path):
+    """Dynamic-NTK RoPE well past max_position_embeddings (16): transformers' rotary embedding recomputes its
+    frequencies for every forward whose longest position passes the longest seen so far (the prefill at the
+    prompt's length, then each decode step at its own), and the keys in its KV cache keep the rotation they were
+    written with, so its generate with a cache differs from the same model without one. mxc computes each forward's
+    frequencies from that forward's positions and caches rotated keys: its logits match a fresh model's forward, and
+    its tokens match generate with the cache. q/k are scaled up so that attention, and so the tokens, depend on
+    the rotations (with the tiny model's weights as made, the two references give the same tokens)."""
+    ckpt, hf = hf_checkpoint("LlamaForCausalLM", max_position_embeddings=16,
+                             rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4)
+            layer.self_attn.k_proj.weight.mul_(4)
+    hf.save_pretrained(ckpt, safe_serialization=True)
+    model = mxc.load(mxc.build(str(ckpt), out=tmp_path / "art", max_seq_len=64, progress=False, log=lambda m: None))
+    fresh = lambda: hf.model.rotary_emb.__init__(hf.config)  # noqa: E731 -- transformers' frequencies as at load
+
+    ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
+    fresh()
+    with torch.no_grad():
+        ref = hf(ids).logits.float()
+    assert _rel_err(model.logits(ids), ref) <= 1e-4
+
+    prompt, new = ids[:, :6], 40
+    references = {}
+    for use_cache in (True, False):
+        fresh()
+        with torch.no_grad():
+            references[use_cache] = hf.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                                use_cache=use_cache)[:, prompt.shape[1]:]
+    assert not torch.equal(references[True], references[False])  # the test tells the two apart
+    assert torch.equal(model.generate(prompt, max_new_tokens=new), references[True])
