@@ -97,14 +97,17 @@ def _resolve_rope(config: dict, params: dict) -> dict:
 
 
 def _resolve_llama_rope(config: dict, params: dict) -> dict:
-    """RoPE as transformers' Llama-family models compute it: their default type rotates the whole head whatever
-    ``partial_rotary_factor`` says (the scaled types honour it), so a factor below 1 with the default type is
-    refused rather than built one way or the other."""
+    """RoPE as transformers' Llama-family models compute it. They rotate the whole head: with the default type
+    ``partial_rotary_factor`` is ignored, and with a scaled type their rope functions make tables of the rotary
+    dims only, which the models then fail to apply (a size mismatch, transformers 5.25). A factor below 1 has no
+    reference to match, so it is refused rather than built one way or the other."""
     spec = normalize_rope(config, params["head_dim"])
-    if spec["type"] == "default" and spec["rotary_dim"] != params["head_dim"]:
-        raise ConfigError(f"partial_rotary_factor < 1 with the default RoPE type: transformers' Llama-family "
-                       f"models ignore it there and rotate all {params['head_dim']} dims; mxc refuses to guess "
-                       "(remove the field, or set it to 1.0)")
+    if spec["rotary_dim"] != params["head_dim"]:
+        what = ("ignore it there and rotate all {} dims" if spec["type"] == "default" else
+                "cannot run it (their {} dims are rotated by tables of the rotary dims only)")
+        raise ConfigError(f"partial_rotary_factor < 1 with the {spec['type']} RoPE type: transformers' Llama-family "
+                          f"models {what.format(params['head_dim'])}; mxc refuses to guess (remove the field, or set "
+                          "it to 1.0)")
     return spec
 
 

@@ -93,10 +93,22 @@ def test_a_bias_the_architecture_ignores_is_dropped(arch, field):
     assert {"bq", "bo", "b_gate"} <= {w for rep in llama.repeats() for w in rep.weights}
 
 
-def test_partial_rotary_with_the_default_rope_is_refused():
-    with pytest.raises(MxcError, match="partial_rotary_factor < 1 with the default RoPE type"):
-        bound("LlamaForCausalLM", partial_rotary_factor=0.5)
-    spec = bound("LlamaForCausalLM", partial_rotary_factor=0.5,
-                 rope_scaling={"rope_type": "linear", "factor": 2.0}).config["rope"]
-    assert spec["rotary_dim"] == 16  # half of head_dim 32: the scaled types honour it, as transformers' rope
-    # functions do
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 2.0},
+                                     {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}])
+def test_partial_rotary_in_the_llama_family_is_refused(scaling):
+    """transformers' Llama-family models ignore partial_rotary_factor with the default RoPE type, and with a scaled
+    type fail to run (tables of the rotary dims applied to whole heads): no reference, so refused (a scaled type was
+    built GPT-NeoX style, which no transformers model computes for these architectures)."""
+    import torch
+
+    rope = {} if scaling is None else {"rope_scaling": scaling}
+    name = "default" if scaling is None else scaling["rope_type"]
+    with pytest.raises(MxcError, match=f"partial_rotary_factor < 1 with the {name} RoPE type: transformers' "
+                                       f"Llama-family models .*; mxc refuses to guess"):
+        bound("LlamaForCausalLM", partial_rotary_factor=0.5, **rope)
+    if scaling is not None:  # the reason: transformers cannot run it
+        config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                          num_attention_heads=2, num_key_value_heads=1, partial_rotary_factor=0.5,
+                                          rope_scaling=scaling)
+        with pytest.raises(RuntimeError, match="must match the size"):
+            transformers.LlamaForCausalLM(config)(torch.tensor([[1, 2, 3]]))
