@@ -235,7 +235,8 @@ def test_param_type_must_be_known(bind_bad):
 
 def test_shard_that_is_neither_a_kind_nor_a_mapping(bind_bad):
     msg, line = bind_bad("hf: model.embed_tokens.weight, shard: vocab}", "hf: model.embed_tokens.weight, shard: 0}")
-    assert where(line, "weights.embed.shard") + "expected a kind, or {kind: ..., unit: expr, parts: [exprs]}; got 0" in msg
+    want = "expected a kind, or {kind: ..., unit: expr, parts: [exprs]}; got 0"
+    assert where(line, "weights.embed.shard") + want in msg
 
 
 def test_expression_given_as_a_yaml_mapping_or_list(bind_bad):

@@ -145,8 +145,8 @@ def test_a_program_that_does_not_compile_or_has_no_forward_is_named(art):
     from mxc.artifact_format import sha256_file
 
     program = art / "code" / "forward.py"
-    for text, pattern in ((b"def (:\n", r"not a Python program \(SyntaxError: "), (b"\xff\xfe", r"not a Python program"),
-                          (b"x = 1\n", r"defines no forward function")):
+    for text, pattern in ((b"def (:\n", r"not a Python program \(SyntaxError: "),
+                          (b"\xff\xfe", r"not a Python program"), (b"x = 1\n", r"defines no forward function")):
         program.write_bytes(text)
         _manifest_edit(lambda m: m["files"].update({"code/forward.py": sha256_file(program)}))(art)
         msg = _refused(art, pattern)
