@@ -26,6 +26,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from mxc.errors import MxcError
+from mxc.loaders.buffers import empty
 from mxc.loaders.files import check_readable, not_a_file, read_json
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -77,7 +78,7 @@ def _read_tensor(path: Path, name: str, span: tuple[int, int], dtype: torch.dtyp
         raise MxcError(f"{path}: tensor {name!r} takes {end - start} bytes in its header, not the {list(shape)} "
                        f"{str(dtype).removeprefix('torch.')} it had when the build opened it; was the file replaced "
                        f"during the build? build again")
-    out = torch.empty(end - start, dtype=torch.uint8)
+    out = empty((end - start,), torch.uint8)  # huge pages: faulting 4 KiB pages in cost as much as the read
     view = memoryview(out.numpy())
     try:
         with open(path, "rb", buffering=0) as f:

@@ -30,6 +30,8 @@ from mxc.artifact_format import WEIGHT_DTYPES
 from mxc.errors import MxcError
 from mxc.ir import Graph, Weight
 from mxc.ir.sharding import local_size, rank_slices
+from mxc.loaders.buffers import empty
+from mxc.loaders.dummy import DummyCheckpoint
 from mxc.loaders.quantize import quantize_fp8
 from mxc.loaders.safetensors_writer import SafetensorsWriter, tensor_bytes
 
@@ -58,32 +60,45 @@ def parts_of(w: Weight) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def read_full(w: Weight, ckpt, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The whole (merged, stacked) weight from the checkpoint, before sharding.
+    """The whole (merged, stacked) weight from the checkpoint, before sharding, in ``dtype`` where given (else as the
+    checkpoint stores it; a merged weight's parts in their promoted dtype).
 
-    An expert stack is filled in place, part by part, in ``dtype`` when given (the cast happens
-    in the copy): a 30B MoE has ~18K expert tensors, and stacking them in the checkpoint's
-    dtype, then casting, wrote every byte three times (most of a 61 GB build's time)."""
+    A merged weight and an expert stack are filled in place, part by part, the cast happening in the copy: a 30B MoE
+    has ~18K expert tensors, and stacking them in the checkpoint's dtype, then casting, wrote every byte three times
+    (most of a 61 GB build's time); a float32 checkpoint's (or the dummy weights') q/k/v and gate/up parts were merged
+    in float32, then cast. A single tensor comes as the checkpoint stores it (the caller casts it), but for dummy
+    weights, which are generated in ``dtype``."""
     if w.stack:
         shape = full_shape(w)
-        out = torch.empty(shape, dtype=dtype or ckpt.dtype(w.expert_hf(0)[0]))
+        out = empty(shape, dtype or ckpt.dtype(w.expert_hf(0)[0]))
         for e in range(shape[0]):
             row = 0
             for h in w.expert_hf(e):
-                part = ckpt.get(h)
+                part = _get(ckpt, h, dtype)
                 out[e, row:row + part.shape[0]].copy_(part)
                 row += part.shape[0]
         return out
     if len(w.hf) == 1:
-        return ckpt.get(w.hf[0])
+        return _get(ckpt, w.hf[0], dtype)
     # a merged weight is filled part by part too: one part at a time besides it, not all of them (torch.cat)
-    out = torch.empty(full_shape(w), dtype=functools.reduce(torch.promote_types, map(ckpt.dtype, w.hf)))
+    out = empty(full_shape(w), dtype or functools.reduce(torch.promote_types, map(ckpt.dtype, w.hf)))
     row = 0
     for hf in w.hf:
-        part = ckpt.get(hf)
+        part = _get(ckpt, hf, dtype)
         out[row:row + part.shape[0]].copy_(part)
         row += part.shape[0]
         del part
     return out
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor.to(dtype)``, into a huge-page buffer (``buffers.empty``) where it is a copy."""
+    return tensor if tensor.dtype == dtype else empty(tensor.shape, dtype).copy_(tensor)
+
+
+def _get(ckpt, name: str, dtype: torch.dtype | None) -> torch.Tensor:
+    """A checkpoint tensor as stored; dummy weights' in ``dtype`` (generated in it: the same values as a cast)."""
+    return ckpt.get(name, dtype) if dtype is not None and isinstance(ckpt, DummyCheckpoint) else ckpt.get(name)
 
 
 def _ignored(patterns: tuple[str, ...]) -> re.Pattern:
@@ -383,7 +398,7 @@ def write_weights(graph: Graph, ckpt, paths: list[Path], metadata: dict[str, str
         for w in tqdm(weights, desc="converting weights", unit="tensor", disable=not progress, leave=False):
             if w.scale_of:
                 continue  # written with its weight
-            tensor = read_full(w, ckpt, DTYPES[w.dtype] if w.quant is None and w.stack else None)
+            tensor = read_full(w, ckpt, DTYPES[w.dtype] if w.quant is None else None)
             if w.quant is not None and w.quant.prequantized:
                 scale_w = scales[f"{w.name}_scale"]
                 outputs = [(w, tensor), (scale_w, _checkpoint_scales(w, scale_w, ckpt))]
@@ -394,7 +409,7 @@ def write_weights(graph: Graph, ckpt, paths: list[Path], metadata: dict[str, str
                 _check_finite(w, ckpt, (scale * FP8_MAX).to(held), held)
                 outputs = [(w, q), (scales[f"{w.name}_scale"], scale)]
             else:
-                outputs = [(w, tensor.to(DTYPES[w.dtype]))]
+                outputs = [(w, _cast(tensor, DTYPES[w.dtype]))]
                 _check_finite(w, ckpt, outputs[0][1])
             for target, full in outputs:
                 for rank, out in enumerate(writers):

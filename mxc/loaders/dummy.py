@@ -18,6 +18,7 @@ import hashlib
 import torch
 
 from mxc.ir import Graph
+from mxc.loaders.buffers import empty
 
 
 _BLOCK = 1 << 18
@@ -44,15 +45,26 @@ class DummyCheckpoint:
     def dtype(self, name: str) -> torch.dtype:
         return torch.float32
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor's float32 values (``dtype``: cast to it, as ``.to(dtype)`` would: the block is cast once, then
+        repeated, so a bf16 build neither fills nor casts float32 copies of billions of elements)."""
         shape, init = self._specs[name]
         seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") & (2**63 - 1)
         n = 1
         for d in shape:
             n *= d
         block = torch.randn(min(n, _BLOCK), generator=torch.Generator().manual_seed(seed)) * 0.02
-        t = (block if n <= _BLOCK else block.repeat(-(-n // _BLOCK))[:n]).view(shape)
-        return t + 1.0 if init == "ones" else t
+        if init == "ones":
+            block += 1.0  # elementwise, so the same values as adding it to the repeated tensor
+        if dtype is not None:
+            block = block.to(dtype)
+        if n <= _BLOCK:
+            return block.view(shape)
+        out = empty((n,), block.dtype)
+        whole = n // _BLOCK * _BLOCK
+        out[:whole].view(-1, _BLOCK).copy_(block)  # one broadcast copy: no repeat of n elements, then a slice
+        out[whole:].copy_(block[:n - whole])
+        return out.view(shape)
 
     def close(self) -> None:
         pass

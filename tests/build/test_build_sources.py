@@ -387,6 +387,24 @@ def test_large_dummy_tensors_repeat_one_block_to_any_size():
     assert not torch.equal(whole[:1024], whole[1024:2048])
 
 
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dummy_tensors_asked_in_a_dtype_are_the_float32_values_cast(dtype):
+    """A build without --quant asks for each dummy tensor in the weight's dtype (``read_full``): the block is cast,
+    then repeated, which must give the bytes of the float32 tensor cast as a whole (the artifacts of earlier builds),
+    for a ragged size past the block, a whole block, a small tensor and a norm's 1 + N(0, 0.02)."""
+    from mxc.ir import Weight
+
+    ckpt = _dummy(Weight("big", (513, 512), "float32", ("big.weight",)),
+                  Weight("whole", (512, 512), "float32", ("whole.weight",)),
+                  Weight("small", (3, 5), "float32", ("small.weight",)),
+                  Weight("n", (300000,), "float32", ("n.weight",), init="ones"))
+    for name in ("big.weight", "whole.weight", "small.weight", "n.weight"):
+        want = ckpt.get(name).to(dtype)
+        got = ckpt.get(name, dtype)
+        assert got.dtype == dtype and got.shape == want.shape and got.is_contiguous()
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+
 ONE_LAYER = """\
 family: one-layer
 params:

@@ -471,3 +471,29 @@ def test_a_shard_replaced_after_it_was_opened_is_one_line(tmp_path):
             with pytest.raises(MxcError, match=rf"model\.safetensors: {says}.*\? build again$"):
                 ckpt.get("a")
         save_file({"a": torch.ones(10), "b": torch.ones(10)}, path)
+
+
+def test_large_tensors_read_into_huge_page_buffers_hold_the_file_bytes(tmp_path):
+    """A tensor of HUGE_BYTES or more is read into a buffer mapped for transparent huge pages
+    (``mxc.loaders.buffers``): the same bytes as safetensors reads, for every dtype, and a view of it keeps its memory
+    once the tensor it came from is gone."""
+    import gc
+
+    from safetensors.torch import load_file
+
+    from mxc.loaders.buffers import HUGE_BYTES
+
+    g = torch.Generator().manual_seed(0)
+    rows = HUGE_BYTES // (4 * 256) + 3  # past HUGE_BYTES in float32 and bfloat16, a ragged number of rows
+    tensors = {"f32": torch.randn(rows, 256, generator=g), "bf16": torch.randn(2 * rows, 256, generator=g).bfloat16(),
+               "e4m3": torch.randn(4 * rows, 256, generator=g).to(torch.float8_e4m3fn), "small": torch.randn(7)}
+    save_file(tensors, tmp_path / "model.safetensors")
+    want = load_file(tmp_path / "model.safetensors")
+    with open_checkpoint(tmp_path) as ckpt:
+        for name in tensors:
+            got = ckpt.get(name)
+            assert got.dtype == want[name].dtype and got.shape == want[name].shape and got.is_contiguous()
+            assert torch.equal(got.view(torch.uint8), want[name].view(torch.uint8)), name
+        tail = ckpt.get("f32")[-2:]
+    gc.collect()
+    assert torch.equal(tail, want["f32"][-2:])

@@ -367,3 +367,39 @@ def test_a_merged_weight_is_filled_one_part_at_a_time():
     full = read_full(w, Counting(parts))
     assert Counting.most == 1 and Counting.live == 0
     assert full.dtype == torch.float32 and torch.equal(full, torch.cat(list(parts.values())))
+
+
+def test_a_merged_weight_asked_in_a_dtype_casts_each_part_in_its_copy():
+    """A weight the build stores unquantized is read in its dtype: each part is cast as it is copied in, never merged
+    in float32 first, and the bytes are those of the merged (promoted) weight cast as a whole, parts of mixed dtypes
+    included; dummy weights are generated in that dtype, with the same bytes."""
+    from mxc.loaders.dummy import DummyCheckpoint
+
+    g = torch.Generator().manual_seed(0)
+    parts = {"q": torch.randn(4, 3, generator=g).to(torch.bfloat16), "k": torch.randn(2, 3, generator=g) * 1e3,
+             "v": torch.randn(2, 3, generator=g).half()}
+    w = Weight("wqkv", (8, 3), "float16", ("q", "k", "v"), segments=(4, 2, 2))
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        got = read_full(w, _Tensors(parts), dtype)
+        want = read_full(w, _Tensors(parts)).to(dtype)
+        assert got.dtype == dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    big = Weight("wgu", (2 * 700, 512), "bfloat16", ("g.weight", "u.weight"), segments=(700, 700))
+    dummy = DummyCheckpoint(_graph([big]))
+    got = read_full(big, dummy, torch.bfloat16)
+    assert torch.equal(got.view(torch.uint8), read_full(big, dummy).to(torch.bfloat16).view(torch.uint8))
+
+
+def test_weights_cast_to_the_build_dtype_are_the_tensors_cast(tmp_path):
+    """A weight stored in another dtype than the build's is cast into a buffer of its own (huge pages, past a few
+    MiB): the file holds the bytes of ``tensor.to(dtype)``, for a single tensor and a merged one."""
+    g = torch.Generator().manual_seed(0)
+    src = {"a.weight": torch.randn(1100, 1024, generator=g).to(torch.bfloat16),  # 4.3 MiB as float32
+           "q.weight": torch.randn(600, 1024, generator=g), "k.weight": torch.randn(500, 1024, generator=g).half()}
+    graph = _graph([Weight("a", (1100, 1024), "float32", ("a.weight",)),
+                    Weight("qk", (1100, 1024), "bfloat16", ("q.weight", "k.weight"), segments=(600, 500))])
+    path = tmp_path / "rank0.safetensors"
+    _write(graph, _Tensors(src), [path])
+    got = load_file(path)
+    assert torch.equal(got["a"], src["a.weight"].float())
+    want = torch.cat([src["q.weight"], src["k.weight"].float()]).to(torch.bfloat16)
+    assert torch.equal(got["qk"].view(torch.uint8), want.view(torch.uint8))

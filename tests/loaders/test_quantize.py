@@ -145,3 +145,18 @@ def test_quantizing_holds_float32_a_chunk_of_rows_at_a_time(granularity, monkeyp
         q, s = quantize_fp8(w, granularity, segments=(600, 400))
     assert LargestFloat32.largest <= 128 * 384 * 4  # a chunk (block128: padded to whole blocks), not 1000 rows
     assert torch.equal(q.view(torch.uint8), whole[0].view(torch.uint8)) and torch.equal(s, whole[1])
+
+
+@pytest.mark.parametrize("granularity", ["channel", "tensor", "block128"])
+def test_the_default_chunks_give_the_values_of_one_chunk(granularity, monkeypatch):
+    """The default chunk (a few MiB of float32 rows, for the cache) splits a real weight into many chunks, ragged last
+    one and a merged part's boundary inside a chunk included: the bytes are those of quantizing it in one piece."""
+    import mxc.loaders.quantize as quantize
+
+    w = _w(3000, 640).to(torch.bfloat16)  # 7.3 MiB as float32: 3 chunks of 4 MiB
+    segments = (1800, 600, 600)
+    got = quantize_fp8(w, granularity, segments=segments)
+    assert quantize.CHUNK_BYTES < 3000 * 640 * 4
+    monkeypatch.setattr(quantize, "CHUNK_BYTES", 1 << 40)
+    whole = quantize_fp8(w, granularity, segments=segments)
+    assert torch.equal(got[0].view(torch.uint8), whole[0].view(torch.uint8)) and torch.equal(got[1], whole[1])
