@@ -133,8 +133,9 @@ def test_prompt_on_a_sentencepiece_only_checkpoint_says_so(hf_checkpoint, tmp_pa
     art = mxc.build(str(ckpt), out=tmp_path / "art", progress=False, log=lambda m: None)
     assert (art / "tokenizer" / "tokenizer.model").is_file()
     capsys.readouterr()  # drop transformers' save progress bar
-    user_error(capsys, ["generate", art, "--prompt", "hello"], f"{art}: --prompt needs tokenizer.json; the checkpoint had "
-                                                          f"only tokenizer.model, which mxc cannot read; use --ids")
+    user_error(capsys, ["generate", art, "--prompt", "hello"],
+               f"{art}: --prompt needs tokenizer.json; the checkpoint had only tokenizer.model, which mxc cannot read; "
+               f"use --ids")
 
 
 def test_prompt_without_tokenizer_json_names_the_tokenizer_files_the_checkpoint_had(tmp_path):
