@@ -361,6 +361,14 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
           uses_context=True),
 ]}
 
+# the ops passes make (fusions, sharding, quantization): a model file may call them, but writes the others; an
+# unknown op's error lists those
+COMPILER_OPS = frozenset({
+    "qlinear", "fused_moe", "vocab_embedding", "all_reduce", "all_gather", "rank_slice", "all_reduce_add",
+    "all_reduce_add_rms_norm", "linear_all_reduce_add", "linear_all_reduce_add_rms_norm", "add_rms_norm",
+    "add_rms_norm_route", "rms_norm_linear", "rms_norm_qlinear", "rms_norm_mlp", "qkv_rope_cache",
+    "cached_attention"})
+
 
 def n_outputs(op: str, attrs: dict) -> int:
     if op == "split":

@@ -21,7 +21,7 @@ from typing import Any, Callable
 from mxc.errors import ConfigError, MxcError
 from mxc.ir.expr import ExprError, evaluate, names_read
 from mxc.ir.graph import Graph, Node, Repeat, ShardSpec, Sym, TensorType, Weight, fresh_name
-from mxc.ir.ops import OPS, n_outputs
+from mxc.ir.ops import COMPILER_OPS, OPS, n_outputs
 from mxc.ir.statements import Call, StatementError, parse_statement
 from mxc.ir.yaml_source import LDict, SourceError, load_yaml
 
@@ -403,7 +403,9 @@ class _Binder:
     def emit(self, call: Call, targets, scope, env, weights, nodes, line) -> list[str]:
         loc = f"{self.path.name}:{line}"
         if call.op not in OPS:
-            raise self.err(line, "graph", f"unknown op {call.op!r}; known ops: {', '.join(sorted(OPS))}")
+            written = sorted(set(OPS) - COMPILER_OPS)
+            raise self.err(line, "graph", f"unknown op {call.op!r}; ops a model file writes: {', '.join(written)} "
+                                          f"(the passes make {len(COMPILER_OPS)} more; mxc/ir/ops.py lists them all)")
         ins = []
         for a in call.args:
             if isinstance(a, Call):
