@@ -36,6 +36,20 @@ WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 SCHEMA_VERSION = 11
 
 
+def safetensors_header(path: Path) -> tuple[int, dict]:
+    """A safetensors file's header: (its length in bytes, the parsed JSON object; tensor data starts at 8 + length).
+    Raises OSError or ValueError where it cannot be read (a length past 100 MiB, not JSON, not an object)."""
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        length = int.from_bytes(prefix, "little")
+        if len(prefix) < 8 or not 0 < length <= 100 * 2**20:
+            raise ValueError(f"a header length of {length} bytes")
+        header = json.loads(f.read(length))
+    if not isinstance(header, dict):
+        raise ValueError("a header that is not a JSON object")
+    return length, header
+
+
 def manifest_digest(manifest: dict) -> str:
     """sha256 of the manifest's fields but ``manifest_sha256`` itself, as canonical JSON (sorted keys): what the
     builder records and every reader recomputes (JSON numbers and strings read back as written)."""

@@ -6,7 +6,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from mxc.artifact_format import listed_files
+from mxc.artifact_format import listed_files, safetensors_header
 from mxc.runtime.artifact import read_manifest
 from mxc.runtime_buckets import prefill_graph_buckets
 
@@ -165,13 +165,7 @@ def _file_state(f: Path) -> str:
 def _safetensors_size(f: Path) -> int | None:
     """The size a safetensors file's header implies (8 + header + the data's end), or None if unreadable."""
     try:
-        with open(f, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            if not 0 < n <= 100 * 2**20:
-                return None
-            header = json.loads(fh.read(n))
-        if not isinstance(header, dict):
-            return None
+        n, header = safetensors_header(f)
         ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
         return 8 + n + max(ends, default=0)
     except (OSError, ValueError, KeyError, TypeError, IndexError):

@@ -15,16 +15,15 @@ tensor name) becomes a one-line ``MxcError`` naming the file or tensor.
 
 from __future__ import annotations
 
-import json
 import math
 import pickle
 import re
-import struct
 from pathlib import Path, PurePosixPath
 
 import torch
 from safetensors import SafetensorError, safe_open
 
+from mxc.artifact_format import safetensors_header
 from mxc.errors import MxcError
 from mxc.loaders.buffers import empty
 from mxc.loaders.files import check_readable, not_a_file, read_json
@@ -61,12 +60,10 @@ def _tensor_offsets(path: Path) -> dict[str, tuple[int, int]]:
     """Where each tensor's bytes lie in the safetensors file ``path`` (one ``safe_open`` has checked): name -> (start,
     end), from the start of the file."""
     try:
-        with open(path, "rb") as f:
-            length = struct.unpack("<Q", f.read(8))[0]
-            header = json.loads(f.read(length))
+        length, header = safetensors_header(path)
         return {name: (8 + length + meta["data_offsets"][0], 8 + length + meta["data_offsets"][1])
                 for name, meta in header.items() if name != "__metadata__"}
-    except (OSError, ValueError, struct.error, LookupError, TypeError, AttributeError) as e:  # changed since opened
+    except (OSError, ValueError, LookupError, TypeError, AttributeError) as e:  # changed since opened
         raise MxcError(f"{path}: cannot read its safetensors header ({_short(e)}); was it replaced during the build? "
                        f"build again") from None
 
