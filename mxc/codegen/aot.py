@@ -230,12 +230,31 @@ def record(program, graph, max_batch: int, max_seq_len: int, pdl: bool = False,
     pad a batch up to its bucket, and a short prompt up to its prefill graph's length (a second
     sequence: ``runtime.prefill_graphs``).
     """
+    from mxc.kernels import launch
+    from mxc.runtime_buckets import padded_prefill, prefill_graph_buckets
+
+    forward = meta_forward(program, graph, max_batch, max_seq_len)
+    recorder = launch.Recorder(pdl=pdl)
+    # a build renders the current templates, whatever artifact this process has loaded
+    with launch.using(recorder), kernel_templates.unpinned():
+        for b, t in scenarios(max_batch, max_seq_len):
+            # a prefill asks for the logits of every row (``Model.logits``) or of each sequence's
+            # last row (generate: M = sequences, the decode scenarios' LM-head shapes)
+            forward([t] * b, list(range(b)), b * t if t > 1 else b)
+        for t in prefill_graph_buckets(prefill_graph_tokens, max_seq_len):  # the prompt's last row only
+            seq_lens, _, slots = padded_prefill(t, t, max_batch)
+            forward(seq_lens, slots, 1)
+    return recorder.specs
+
+
+def meta_forward(program, graph, max_batch: int, max_seq_len: int):
+    """``forward(seq_lens, slots, rows)``: the program's forward on meta tensors (no memory, no work: the kernels'
+    launches alone, for whatever launcher is current) for sequences of ``seq_lens`` new tokens in cache ``slots``,
+    asking for ``rows`` logit rows, over a KV cache of ``max_batch + 1`` slots of ``max_seq_len`` rows."""
     import torch
 
     from mxc.artifact_format import WEIGHT_DTYPES as DTYPES
-    from mxc.kernels import launch
     from mxc.kernels.context import ForwardContext
-    from mxc.runtime_buckets import padded_prefill, prefill_graph_buckets
 
     meta = lambda shape, dtype: torch.empty(shape, dtype=dtype, device="meta")  # noqa: E731
     w = {k: meta(v.shape, DTYPES[v.dtype]) for k, v in graph.weights.items()}
@@ -247,23 +266,13 @@ def record(program, graph, max_batch: int, max_seq_len: int, pdl: bool = False,
             kv = (rep.count if rep else 1, node.attrs["kv_heads"], node.attrs["head_dim"])
     dtype = DTYPES[graph.dtype]
 
-    def forward(seq_lens: list[int], slots: list[int], max_q_len: int, rows: int) -> None:
+    def forward(seq_lens: list[int], slots: list[int], rows: int) -> None:
         b, t = len(seq_lens), sum(seq_lens)
         caches = [[meta((max_batch + 1, max_seq_len, kv[1], kv[2]), dtype) for _ in range(kv[0])]
                   for _ in range(2)] if kv else [None, None]
         ctx = ForwardContext(seq_lens, [0] * b, slots, caches[0], caches[1], cache_loc=meta((t,), torch.int64),
                              kv_lens=meta((b,), torch.int32), slots_t=meta((b,), torch.int32),
-                             q_start=meta((b + 1,), torch.int32), max_q_len=max_q_len, decode=max_q_len == 1)
+                             q_start=meta((b + 1,), torch.int32), max_q_len=max(seq_lens), decode=max(seq_lens) == 1)
         program.forward(w, layers, ctx, meta((t,), torch.int64), meta((t,), torch.int64), meta((rows,), torch.int64))
 
-    recorder = launch.Recorder(pdl=pdl)
-    # a build renders the current templates, whatever artifact this process has loaded
-    with launch.using(recorder), kernel_templates.unpinned():
-        for b, t in scenarios(max_batch, max_seq_len):
-            # a prefill asks for the logits of every row (``Model.logits``) or of each sequence's
-            # last row (generate: M = sequences, the decode scenarios' LM-head shapes)
-            forward([t] * b, list(range(b)), t, b * t if t > 1 else b)
-        for t in prefill_graph_buckets(prefill_graph_tokens, max_seq_len):  # the prompt's last row only
-            seq_lens, _, slots = padded_prefill(t, t, max_batch)
-            forward(seq_lens, slots, t, 1)
-    return recorder.specs
+    return forward

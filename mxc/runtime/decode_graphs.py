@@ -17,11 +17,12 @@ synchronisation) and ends once every row has produced one.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from mxc.errors import MxcError, size_text
 from mxc.kernels import launch
-from mxc.kernels.context import ForwardContext
+from mxc.kernels.context import ForwardContext, to_device
 from mxc.runtime_buckets import batch_bucket, batch_buckets, prefill_graph_bucket, prefill_graph_buckets
 from mxc.runtime.graph_capture import capture
 from mxc.runtime.prefill_graphs import PrefillGraph
@@ -47,6 +48,15 @@ STOP_CHECK_EVERY = 32
 def all_stopped(out: torch.Tensor, stop: torch.Tensor | None) -> bool:
     """Whether every row of ``out`` [b, n] (tokens so far) holds one of ``stop`` (None: no stop tokens)."""
     return stop is not None and bool(torch.isin(out, stop).any(1).all())
+
+
+def _lengths(ids: torch.Tensor, lens: list[int] | None) -> list[int]:
+    """Each prompt's length: ``lens``, whose prompts lie one after another in ``ids`` [sum(lens)], else every row
+    of ``ids`` [B, S]."""
+    if lens is None:
+        return [ids.shape[1]] * ids.shape[0]
+    assert ids.dim() == 1 and ids.numel() == sum(lens) and min(lens) >= 1, (ids.shape, lens)
+    return list(lens)
 
 
 class _Bucket:
@@ -108,8 +118,9 @@ class _Bucket:
             return logits
         return run
 
-    def _set_rows(self, b: int, dec: "CudaDecoder", s: int) -> None:
-        """Rows < b decode slots 0..b-1 from position s; the rest are padding on the scratch slot."""
+    def _set_rows(self, b: int, dec: "CudaDecoder", s) -> None:
+        """Rows < b decode slots 0..b-1 from positions s (a number, or one a row: [b] on the device); the rest
+        are padding on the scratch slot."""
         scratch = dec.scratch_slot
         self.slots[:b].copy_(torch.arange(b, dtype=torch.int32, device=dec.device))
         self.slots[b:].fill_(scratch)  # padding rows write only to the scratch slot
@@ -117,12 +128,13 @@ class _Bucket:
         self.live[:b].fill_(1)
         self.slot_base.copy_(self.slots.to(torch.int64) * dec.max_len)
         self.positions.fill_(0)
-        self.positions[:b].fill_(s)
+        self.positions[:b] = s
         torch.add(self.slot_base, self.positions, out=self.cache_loc)
         torch.add(self.positions, 1, out=self.kv_lens)
 
-    def begin_greedy(self, dec: "CudaDecoder", first: torch.Tensor, s: int) -> None:
-        """The state before the first greedy replay: ``first`` [b] (the prefill's tokens) at position s."""
+    def begin_greedy(self, dec: "CudaDecoder", first: torch.Tensor, s) -> None:
+        """The state before the first greedy replay: ``first`` [b] (the prefill's tokens) at positions s (a number,
+        or [b] on the device)."""
         b = first.shape[0]
         self._set_rows(b, dec, s)
         self.tokens.zero_()
@@ -174,41 +186,44 @@ class CudaDecoder:
     def forward(self, ctx, tokens, positions, rows):
         return self.forward_fn(ctx, tokens, positions, rows)
 
-    def prefill(self, ids: torch.Tensor, graphs: bool = True) -> torch.Tensor:
-        """Run the prompts [B, S] into slots 0..B-1; returns the last position's logits [B, V]. One prompt of
-        at most ``prefill_graph_tokens`` replays its bucket's CUDA graph (``graphs=False``: eager)."""
-        b, s = ids.shape
+    def prefill(self, ids: torch.Tensor, graphs: bool = True, lens: list[int] | None = None) -> torch.Tensor:
+        """Run the prompts [B, S] (or, given ``lens``, B prompts of those lengths one after another [sum(lens)])
+        into slots 0..B-1; returns each prompt's last position's logits [B, V]. One prompt of at most
+        ``prefill_graph_tokens`` replays its bucket's CUDA graph (``graphs=False``: eager)."""
+        lens = _lengths(ids, lens)
+        b, s = len(lens), max(lens)
         if b > self.max_batch or s > self.max_len:  # the cache has no rows for more: the kernels would write past it
             raise ValueError(f"prefill of {b} x {s} tokens: the cache holds {self.max_batch} x {self.max_len}")
         size = prefill_graph_bucket(s, self.prefill_graph_tokens, self.max_len) if graphs and b == 1 else None
         if size is not None:
             return self.prefill_graphs[size].run(self, ids.reshape(-1))
-        ctx = ForwardContext.build([s] * b, [0] * b, list(range(b)), self.k_cache, self.v_cache, self.device,
+        ctx = ForwardContext.build(lens, [0] * b, list(range(b)), self.k_cache, self.v_cache, self.device,
                                    **self.dist)
         ctx.rope_tables = self.rope_tables
         with launch.using(self.launcher):
             return self.forward(ctx, ids.reshape(-1), ctx.positions, ctx.last_rows)
 
     def generate(self, ids: torch.Tensor, max_new_tokens: int, sampling: dict, generator,
-                 agree=lambda tokens, temperature: tokens, stop_ids=()) -> torch.Tensor:
-        """The new tokens [b, n]: n = ``max_new_tokens``, or fewer once every row has produced one of
-        ``stop_ids`` (looked at every ``STOP_CHECK_EVERY`` steps; what follows a row's stop token is left to
-        the caller). ``agree`` makes tensor-parallel ranks continue with the same sampled tokens (so they
-        stop together)."""
-        b, s = ids.shape
+                 agree=lambda tokens, temperature: tokens, stop_ids=(), lens: list[int] | None = None) -> torch.Tensor:
+        """The new tokens [b, n] of the prompts ``ids`` (as ``prefill`` takes them): n = ``max_new_tokens``, or
+        fewer once every row has produced one of ``stop_ids`` (looked at every ``STOP_CHECK_EVERY`` steps; what
+        follows a row's stop token is left to the caller). ``agree`` makes tensor-parallel ranks continue with
+        the same sampled tokens (so they stop together)."""
+        lens, ids = _lengths(ids, lens), ids.reshape(-1)
+        b = len(lens)
         bucket = self.buckets[batch_bucket(b, self.max_batch)]
         stop = torch.tensor(list(stop_ids), dtype=torch.int64, device=self.device) if len(stop_ids) else None
         if GREEDY_IN_GRAPH and not sampling["temperature"]:
-            return self._generate_greedy(ids, max_new_tokens, bucket, stop)
+            return self._generate_greedy(ids, lens, max_new_tokens, bucket, stop)
         out = torch.empty((b, max_new_tokens), dtype=torch.int64, device=self.device)
-        nxt = agree(sample(self.prefill(ids), generator=generator, **sampling), sampling["temperature"])
+        nxt = agree(sample(self.prefill(ids, lens=lens), generator=generator, **sampling), sampling["temperature"])
         out[:, 0] = nxt
         slots = torch.arange(b, dtype=torch.int32, device=self.device)
         bucket.slots[:b].copy_(slots)
         bucket.slots[b:].fill_(self.scratch_slot)  # padding rows write only to the scratch slot
         bucket.cache_loc[b:].fill_(self.scratch_slot * self.max_len)
         bucket.kv_lens[b:].fill_(1)
-        pos = torch.full((b,), s, dtype=torch.int64, device=self.device)
+        pos = self._on_device(lens)  # each row's next position
         slot_base = slots.to(torch.int64) * self.max_len  # row of each sequence's slot in the flat cache
         for step in range(1, max_new_tokens):
             if step % STOP_CHECK_EVERY == 0 and all_stopped(out[:, :step], stop):
@@ -223,16 +238,19 @@ class CudaDecoder:
             pos += 1
         return out
 
-    def _generate_greedy(self, ids: torch.Tensor, max_new_tokens: int, bucket: _Bucket,
+    def _on_device(self, values: list[int]) -> torch.Tensor:
+        return to_device(self.device, np.asarray(values, dtype=np.int64))[0]
+
+    def _generate_greedy(self, ids: torch.Tensor, lens: list[int], max_new_tokens: int, bucket: _Bucket,
                          stop: torch.Tensor | None = None) -> torch.Tensor:
         """``generate`` at temperature 0: the prefill's argmax, then up to ``max_new_tokens - 1`` replays of the
         bucket's greedy graph, each of which writes its token into the output on the device."""
-        b, s = ids.shape
+        b = len(lens)
         if max_new_tokens == 1:
-            return sample(self.prefill(ids))[:, None]
+            return sample(self.prefill(ids, lens=lens))[:, None]
         bucket.ensure_greedy(self)  # before the prefill: its warm-ups must not write the prompts' cache rows
-        first = sample(self.prefill(ids))
-        bucket.begin_greedy(self, first, s)
+        first = sample(self.prefill(ids, lens=lens))
+        bucket.begin_greedy(self, first, self._on_device(lens))
         for step in range(1, max_new_tokens):  # tokens so far: step
             if step % STOP_CHECK_EVERY == 0 and all_stopped(bucket.out[:b, :step], stop):
                 return bucket.out[:b, :step].clone()

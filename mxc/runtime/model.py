@@ -1,9 +1,10 @@
 """A loaded model: full-sequence logits and KV-cached generation.
 
 ``Model`` wraps the artifact's generated ``forward`` with the runtime's side
-of the contract: flattening a ``[batch, seq]`` batch into the IR's token
-list, building the ``ForwardContext`` (sequence lengths, KV cache) and
-choosing which rows need logits. ``generate`` prefills the prompt, then
+of the contract: flattening a ``[batch, seq]`` batch (or, for ``generate``,
+prompts of different lengths) into the IR's token list, building the
+``ForwardContext`` (sequence lengths, KV cache) and choosing which rows need
+logits. ``generate`` prefills the prompt, then
 decodes one token per step over a preallocated KV cache; ``check_capacity``
 holds both to the ``--max-seq-len`` (and on a GPU ``--max-batch``) the artifact
 was built for.
@@ -11,8 +12,10 @@ was built for.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
+import itertools
 import sys
 import threading
 from pathlib import Path
@@ -82,32 +85,60 @@ class Model:
 
     # --- input checks -------------------------------------------------------------
     def _ids(self, input_ids) -> torch.Tensor:
+        """A [batch, seq] batch of ids, checked (integers in the vocabulary), as int64 on the model's device."""
         try:
             ids = torch.as_tensor(input_ids)
         except (ValueError, TypeError, RuntimeError) as e:  # ragged lists, non-numbers, None
             raise MxcError(f"input_ids must be a [batch, seq] integer tensor (prompts of one batch of one length: "
-                           f"run prompts of other lengths in separate calls); {e}") from None
-        if ids.is_nested or ids.layout != torch.strided:  # what the checks below cannot index
-            layout = "nested" if ids.is_nested else str(ids.layout).removeprefix("torch.")
-            raise MxcError(f"input_ids must be a [batch, seq] integer tensor of the default (strided) layout, got a "
-                           f"{layout} tensor; give a plain tensor or a list of lists (run prompts of other lengths "
-                           f"in separate calls)")
-        if ids.device.type == "meta":
-            raise MxcError("input_ids are on the meta device, which holds no values; give ids on the cpu or the "
-                           "model's device")
+                           f"run prompts of other lengths in separate calls, or give them to generate as a list "
+                           f"of lists); {e}") from None
+        _check_layout(ids, "give a plain tensor or a list of lists (generate also takes a list of prompts of "
+                           "different lengths)")
         if ids.dim() != 2 or ids.dtype not in INT_DTYPES or 0 in ids.shape:
             raise MxcError(f"input_ids must be a [batch, seq] integer tensor with batch, seq >= 1, got "
                            f"{list(ids.shape)} {ids.dtype}")
+        return self._in_vocab(ids, lambda i: list(divmod(i, ids.shape[1]))).reshape(ids.shape)
+
+    def _prompts(self, input_ids) -> tuple[torch.Tensor, list[int]]:
+        """``generate``'s prompts: a [batch, seq] batch (as ``_ids`` takes), or a list of prompts of different
+        lengths, each a list or 1-D tensor of ids (or a nested tensor of them). Returns every prompt's ids one
+        after another [T] (int64, on the model's device) and each prompt's length."""
+        rows = _ragged_rows(input_ids)
+        if rows is None:
+            ids = self._ids(input_ids)
+            return ids.reshape(-1), [ids.shape[1]] * ids.shape[0]
+        tensors = []
+        for n, row in enumerate(rows):
+            try:
+                t = torch.as_tensor(row)
+            except (ValueError, TypeError, RuntimeError) as e:
+                raise MxcError(f"input_ids[{n}] must be a list or 1-D tensor of integer token ids; {e}") from None
+            _check_layout(t, "give a plain tensor or a list", f"input_ids[{n}]")
+            if t.dim() != 1 or t.dtype not in INT_DTYPES or t.numel() == 0:
+                raise MxcError(f"input_ids[{n}] must be a 1-D integer tensor or list of at least one token id, got "
+                               f"{list(t.shape)} {t.dtype}")
+            tensors.append(t.to(torch.int64) if t.device.type == "cpu" else t.to("cpu", torch.int64))
+        lens = [t.numel() for t in tensors]
+        starts = list(itertools.accumulate(lens, initial=0))
+
+        def where(i: int) -> list[int]:  # token i of the prompts one after another: [prompt, index in it]
+            n = bisect.bisect_right(starts, i) - 1
+            return [n, i - starts[n]]
+
+        return self._in_vocab(torch.cat(tensors), where), lens
+
+    def _in_vocab(self, ids: torch.Tensor, where) -> torch.Tensor:
+        """``ids`` as int64 on the model's device, or a one-line error naming the first id outside the vocabulary
+        (``where``: a flat index's place in the input, as a list)."""
         # compared as int64: as uint8, the vocabulary size would wrap, and torch compares no uint16 to uint64 (a
         # uint64 id past int64's range reads negative, and is named by its own value)
         wide = ids.to(torch.int64)
         bad = (wide < 0) | (wide >= self.vocab_size)
         if bad.any():
-            where = bad.nonzero()[0].tolist()
-            raise MxcError(f"token id {ids[tuple(where)].item()} at {where} is outside the vocabulary "
+            flat = int(bad.reshape(-1).nonzero()[0])
+            raise MxcError(f"token id {ids.reshape(-1)[flat].item()} at {where(flat)} is outside the vocabulary "
                            f"(0..{self.vocab_size - 1})")
-        ids = wide
-        return to_device(self.device, ids.numpy())[0] if ids.device.type == "cpu" else ids.to(self.device)
+        return to_device(self.device, wide.numpy())[0] if wide.device.type == "cpu" else wide.to(self.device)
 
     def _run(self, ctx: ForwardContext, tokens, positions, logit_rows) -> torch.Tensor:
         from mxc.kernels import launch
@@ -180,30 +211,32 @@ class Model:
                  top_p: float | None = None, seed: int | None = None, stop_at_eos: bool = False) -> torch.Tensor:
         """Prefill, then decode one token per step over a KV cache. Returns the new ids [batch, <=max_new_tokens].
 
+        ``input_ids``: a [batch, seq] batch, or a list of prompts of different lengths (each a list or 1-D tensor of
+        ids, or a nested tensor of them): each prompt continues as if it ran alone, with no padding.
         With ``stop_at_eos``, a sequence that produced an end-of-sequence token is padded with ``pad_token_id`` (the
         checkpoint's, else the first end-of-sequence id, as transformers' generate pads), and generation ends when
         every sequence has stopped.
         """
         max_new_tokens, temperature, top_k, top_p, seed = check_generate_args(max_new_tokens, temperature, top_k,
                                                                               top_p, seed)  # as int and float
-        ids = self._ids(input_ids)
+        tokens, lens = self._prompts(input_ids)
         gen = torch.Generator(self.device).manual_seed(seed) if seed is not None else None
-        b, s = ids.shape
-        self._check_capacity(b, s, max_new_tokens)
+        b = len(lens)
+        self._check_capacity(b, max(lens), max_new_tokens)
         if self._decoder is not None:
             sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
             with torch.inference_mode():
-                out = self._decoder.generate(ids, max_new_tokens, sampling, gen, self._agree,
-                                             stop_ids=self.eos_token_ids if stop_at_eos else ()).cpu()
+                out = self._decoder.generate(tokens, max_new_tokens, sampling, gen, self._agree,
+                                             stop_ids=self.eos_token_ids if stop_at_eos else (), lens=lens).cpu()
             self._check_peers()
             return _stop_at_eos(out, self.eos_token_ids, self.pad_token_id) if stop_at_eos else out
-        k_cache, v_cache = self.new_cache(b, s + max_new_tokens)
+        k_cache, v_cache = self.new_cache(b, max(lens) + max_new_tokens)
         slots = list(range(b))
         eos = torch.tensor(self.eos_token_ids or [-1], device=self.device)
         done = torch.zeros(b, dtype=torch.bool, device=self.device)  # rows that produced an eos id
 
-        ctx = ForwardContext.build([s] * b, [0] * b, slots, k_cache, v_cache, self.device, **self._dist)
-        logits = self._run(ctx, ids.reshape(-1), ctx.positions, ctx.last_rows)
+        ctx = ForwardContext.build(lens, [0] * b, slots, k_cache, v_cache, self.device, **self._dist)
+        logits = self._run(ctx, tokens, ctx.positions, ctx.last_rows)
         out = []
         for step in range(max_new_tokens):
             nxt = self._agree(sample(logits, temperature, top_k, top_p, gen), temperature)
@@ -211,12 +244,37 @@ class Model:
             done |= torch.isin(nxt, eos)
             if step == max_new_tokens - 1 or (stop_at_eos and bool(done.all())):
                 break
-            pos = s + step
-            ctx = ForwardContext.build([1] * b, [pos] * b, slots, k_cache, v_cache, self.device, **self._dist)
+            ctx = ForwardContext.build([1] * b, [n + step for n in lens], slots, k_cache, v_cache, self.device,
+                                       **self._dist)
             logits = self._run(ctx, nxt, ctx.positions, ctx.last_rows)
         out = torch.stack(out, dim=1).cpu()
         # as the GPU decoder's tokens
         return _stop_at_eos(out, self.eos_token_ids, self.pad_token_id) if stop_at_eos else out
+
+
+def _check_layout(ids: torch.Tensor, fix: str, name: str = "input_ids") -> None:
+    """``ids`` is a plain (strided) tensor with values (not on the meta device), or a one-line error."""
+    if ids.is_nested or ids.layout != torch.strided:  # what the checks after cannot index
+        layout = "nested" if ids.is_nested else str(ids.layout).removeprefix("torch.")
+        kind = "[batch, seq] integer tensor" if name == "input_ids" else "1-D integer tensor"
+        raise MxcError(f"{name} must be a {kind} of the default (strided) layout, got a {layout} tensor; {fix}")
+    if ids.device.type == "meta":
+        raise MxcError(f"{name} are on the meta device, which holds no values; give ids on the cpu or the model's "
+                       f"device")
+
+
+def _ragged_rows(input_ids) -> list | None:
+    """The prompts of a batch whose prompts differ in length (a list or tuple of sequences, or a nested tensor),
+    else None (one [batch, seq] batch, or something ``Model._ids`` names)."""
+    if isinstance(input_ids, torch.Tensor):
+        return list(input_ids.unbind()) if input_ids.is_nested and input_ids.dim() == 2 else None
+    if not isinstance(input_ids, (list, tuple)) or not input_ids:
+        return None
+    try:
+        lens = {len(row) for row in input_ids}
+    except TypeError:  # an item without a length (a number): not a list of prompts
+        return None
+    return list(input_ids) if len(lens) > 1 else None
 
 
 def host_memory_available() -> int | None:

@@ -57,6 +57,31 @@ def test_every_runtime_launch_is_compiled(arch, quant, fields, monkeypatch):
         assert not missing, f"{run}: {missing} not compiled"
 
 
+# generate's prompts of different lengths: (tokens of each, logit rows: each prompt's last)
+RAGGED = [[50, 3, 1], [64, 1], [7, 33, 2, 64], [1, 2], [63, 64, 64, 64], [2, 1, 1, 1], [17, 16]]
+
+
+@pytest.mark.parametrize("arch,quant,fields", [
+    ("Qwen3MoeForCausalLM", None, MOE),
+    ("LlamaForCausalLM", "fp8", {}),
+    ("MistralForCausalLM", None, {"sliding_window": 8}),
+], ids=["moe", "llama-fp8", "mistral-window"])
+def test_prefills_of_prompts_of_different_lengths_are_compiled(arch, quant, fields):
+    """A prefill of prompts of different lengths picks its kernels by its token count and its longest prompt, each
+    within a bucket the rectangular scenarios record."""
+    from mxc.kernels import launch
+
+    program, graph = _program(arch, quant, **fields)
+    built = aot.record(program, graph, MAX_BATCH, MAX_SEQ)
+    forward = aot.meta_forward(program, graph, MAX_BATCH, MAX_SEQ)
+    for lens in RAGGED:
+        recorder = launch.Recorder()
+        with launch.using(recorder):
+            forward(lens, list(range(len(lens))), len(lens))
+        missing = {s["kernel"] for k, s in recorder.specs.items() if k not in built}
+        assert recorder.specs and not missing, f"{lens}: {missing} not compiled"
+
+
 def test_scenarios_cover_every_bucket():
     runs = aot.scenarios(64, 512)
     assert [b for b, t in runs if t == 1] == [1, 2, 4, 8, 16, 32, 64]

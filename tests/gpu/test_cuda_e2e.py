@@ -121,6 +121,25 @@ def test_decoder_ends_once_every_row_stopped(temperature, hf_checkpoint, tmp_pat
                        _stop_at_eos(full, eos, model.pad_token_id))
 
 
+@pytest.mark.parametrize("arch,overrides", [("LlamaForCausalLM", {}), ("MistralForCausalLM", {"sliding_window": 8})],
+                         ids=["llama", "mistral-window8"])
+def test_prompts_of_different_lengths(arch, overrides, hf_checkpoint, greedy_check, tmp_path):
+    """Prompts of 13, 3, 8 and 1 tokens in one call: one prefill of them all, each row decoding from its own position
+    (the greedy graph's and the sampling loop's), each row HF bf16's greedy choice on its own sequence (ties aside)."""
+    ckpt, hf = hf_checkpoint(arch, hidden_size=128, intermediate_size=256, **overrides)
+    art = mxc.build(str(ckpt), out=tmp_path / "art", target="cuda", dtype="bfloat16", max_batch=4,
+                    max_seq_len=64, progress=False, log=lambda m: None)
+    model = mxc.load(art)
+    hf = hf.to(device="cuda", dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 256, (n,), generator=gen) for n in (13, 3, 8, 1)]
+    got = model.generate(prompts, max_new_tokens=20)
+    assert got.shape == (4, 20)
+    for prompt, row in zip(prompts, got):
+        greedy_check(prompt[None], row[None], lambda seq: hf(seq.cuda()).logits)
+    assert torch.equal(model.generate(prompts, max_new_tokens=20, temperature=1.0, top_k=1, seed=0), got)
+
+
 def test_buckets_past_pdl_max_run_plain(hf_checkpoint, tmp_path):
     """Buckets above ``PDL_MAX_BUCKET`` rows are captured without the PDL attribute: the same tokens
     as one row at a time (bucket 1, with PDL) for 12 rows in bucket 16."""

@@ -6,8 +6,8 @@ chosen candidate (GEMV and cuBLAS linears, the RoPE/KV write then prefill attent
 attention that does the RoPE/KV write itself,
 the one-kernel MoE router, the sorted fused MoE for prefills and the per-pair MoE kernels for
 decode), token-count dispatch between them, and the KV cache they share: a prefill of 2 x 5
-tokens (or 1 x 5), then two decode steps of 2 tokens (or 1: the one-row kernels, such as the
-batch-1 GEMV).
+tokens (or 1 x 5, or sequences of 5 and 2), then two decode steps of 2 tokens (or 1: the one-row kernels,
+such as the batch-1 GEMV).
 """
 
 from __future__ import annotations
@@ -71,22 +71,22 @@ def _weights(graph, ckpt):
     return top, [load(rep.weights, lambda w: w.resolve(rep.index, i)) for i in range(rep.count)]
 
 
-def _run(graph, forward, B):
-    """Logits of a prefill of B sequences (all rows) and of two decode steps, on fresh caches."""
-    c = graph.config
+def _run(graph, forward, lens):
+    """Logits of a prefill of sequences of ``lens`` tokens (all rows) and of two decode steps, on fresh caches."""
+    c, B, T = graph.config, len(lens), sum(lens)
     shape = (B + 1, L, c["num_key_value_heads"], c["head_dim"])
     caches = [[torch.zeros(shape, dtype=torch.float16) for _ in range(c["num_hidden_layers"])] for _ in range(2)]
     top, layers = _weights(graph, DummyCheckpoint(graph))
     g = torch.Generator().manual_seed(0)
     out = []
     with torch.inference_mode():
-        ctx = ForwardContext.build([S] * B, [0] * B, list(range(B)), *caches, torch.device("cpu"))
-        tokens = torch.randint(0, c["vocab_size"], (B * S,), generator=g)
-        out.append(forward(top, layers, ctx, tokens, torch.arange(S).repeat(B), torch.arange(B * S)))
+        ctx = ForwardContext.build(lens, [0] * B, list(range(B)), *caches, torch.device("cpu"))
+        tokens = torch.randint(0, c["vocab_size"], (T,), generator=g)
+        out.append(forward(top, layers, ctx, tokens, ctx.positions, torch.arange(T)))
         for step in range(2):
-            ctx = ForwardContext.build([1] * B, [S + step] * B, list(range(B)), *caches, torch.device("cpu"))
+            ctx = ForwardContext.build([1] * B, [n + step for n in lens], list(range(B)), *caches, torch.device("cpu"))
             tokens = torch.randint(0, c["vocab_size"], (B,), generator=g)
-            out.append(forward(top, layers, ctx, tokens, torch.full((B,), S + step), torch.arange(B)))
+            out.append(forward(top, layers, ctx, tokens, ctx.positions, torch.arange(B)))
     return out
 
 
@@ -94,7 +94,9 @@ def _run(graph, forward, B):
 BLOCK_FP8 = dict(quant="fp8", quant_granularity="block128", quant_scale_suffix="weight_scale_inv")
 
 
-@pytest.mark.parametrize("B", [1, 2])  # one sequence: the one-row kernels (the batch-1 GEMV)
+# one sequence: the one-row kernels (the batch-1 GEMV); two of one length; two of different lengths (generate's
+# prompts of different lengths: the attention's rows of each, the decode from each one's position)
+@pytest.mark.parametrize("lens", [[S], [S, S], [S, 2]], ids=["one", "two", "ragged"])
 @pytest.mark.parametrize("arch,fields,quant", [
     ("LlamaForCausalLM", {}, None), ("Qwen3MoeForCausalLM", MOE, None), ("LlamaForCausalLM", {"head_dim": 80}, None),
     ("Qwen3MoeForCausalLM", {**MOE, "moe_intermediate_size": 128}, BLOCK_FP8),
@@ -103,14 +105,14 @@ BLOCK_FP8 = dict(quant="fp8", quant_granularity="block128", quant_scale_suffix="
     ("MistralForCausalLM", {"sliding_window": 3}, None),
 ], ids=["llama", "qwen3-moe", "llama-head80", "qwen3-moe-fp8-blocks", "qwen2-moe-shared",
         "mistral-window3"])  # head80: RoPE, KV cache, masked lanes
-def test_cuda_program_matches_cpu_program(arch, fields, quant, B):
+def test_cuda_program_matches_cpu_program(arch, fields, quant, lens):
     cuda_graph, cuda_forward = _program(arch, "cuda", quant, **fields)
     cpu_graph, cpu_forward = _program(arch, "cpu", quant, **fields)
     kernels = {n.attrs["kernel"] if isinstance(n.attrs["kernel"], str) else n.attrs["kernel"][0][1]
                for n, _ in cuda_graph.nodes()}
     if "num_experts" in fields:  # the MoE paths under test were chosen
         assert {"triton_route.add_rms_norm_route", "cuda_ops.fused_moe_pairs"} <= kernels
-    for got, ref in zip(_run(cuda_graph, cuda_forward, B), _run(cpu_graph, cpu_forward, B)):
+    for got, ref in zip(_run(cuda_graph, cuda_forward, lens), _run(cpu_graph, cpu_forward, lens)):
         assert got.shape == ref.shape and not got.isnan().any()
         # fp16 accumulation-order noise is ~8e-4 of the logits' scale here; the MoE output scaled by 0.9
         # (a wiring slip) moves them by ~6e-3

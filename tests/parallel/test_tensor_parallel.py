@@ -35,6 +35,7 @@ CASES = {
     "olmoe": ("OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2, "num_key_value_heads": 4}),
 }
 IDS = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(5))
+RAGGED = [IDS[0].tolist(), IDS[1, :3].tolist(), IDS[1, 3:4].tolist()]  # prompts of different lengths
 
 
 def _worker(rank, world_size, device, arts: dict, out_path: str):
@@ -42,7 +43,8 @@ def _worker(rank, world_size, device, arts: dict, out_path: str):
     for name, path in arts.items():
         model = mxc.load(path, rank=rank, world_size=world_size)
         results[name] = (model.logits(IDS), model.generate(IDS, max_new_tokens=12),
-                         model.generate(IDS, max_new_tokens=6, temperature=0.9, top_k=50, seed=7))
+                         model.generate(IDS, max_new_tokens=6, temperature=0.9, top_k=50, seed=7),
+                         model.generate(RAGGED, max_new_tokens=6))
     if rank == 0:
         torch.save(results, out_path)
 
@@ -58,15 +60,17 @@ def test_tp_matches_hf_and_tp1(tp, hf_checkpoint, tmp_path):
         arts[name] = str(mxc.build(str(ckpt), out=tmp_path / f"{name}-tp{tp}", tp=tp, progress=False,
                                    log=lambda m: None))
         single = mxc.load(mxc.build(str(ckpt), out=tmp_path / f"{name}-tp1", progress=False, log=lambda m: None))
-        singles[name] = single.generate(IDS, max_new_tokens=6, temperature=0.9, top_k=50, seed=7)
+        singles[name] = (single.generate(IDS, max_new_tokens=6, temperature=0.9, top_k=50, seed=7),
+                         single.generate(RAGGED, max_new_tokens=6))
     out = tmp_path / "results.pt"
     run_ranks(_worker, tp, "cpu", arts, str(out))
     results = torch.load(out, weights_only=True)
-    for name, (logits, greedy, sampled) in results.items():
+    for name, (logits, greedy, sampled, ragged) in results.items():
         ref_logits, ref_greedy = refs[name]
         assert float((logits - ref_logits).abs().max() / ref_logits.abs().max()) <= 1e-4, name
         assert torch.equal(greedy, ref_greedy), name
-        assert torch.equal(sampled, singles[name]), name  # same seed, same tokens as one rank
+        assert torch.equal(sampled, singles[name][0]), name  # same seed, same tokens as one rank
+        assert torch.equal(ragged, singles[name][1]), name
 
 
 def _reassemble(shards: list[torch.Tensor], spec: ShardSpec, full_size: int, dim: int) -> torch.Tensor:

@@ -82,9 +82,10 @@ def decoder(monkeypatch):
     return make
 
 
-def _reference(prompts: torch.Tensor, n: int) -> list[list[int]]:
+def _reference(prompts, n: int) -> list[list[int]]:
+    """Each prompt's n tokens after its own history alone (``prompts``: [B, S], or a list of prompts)."""
     out = []
-    for row in prompts.tolist():
+    for row in (prompts.tolist() if isinstance(prompts, torch.Tensor) else prompts):
         history = list(row)
         for _ in range(n):
             history.append(_next(history))
@@ -115,6 +116,20 @@ def test_every_batch_and_prompt_bucket_gives_the_reference_tokens(decoder, sampl
     greedy = not sampling["temperature"]
     assert all((bucket.greedy_graph is not None) == greedy and (bucket.graph is not None) != greedy
                for size, bucket in dec.buckets.items() if size in captured)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_prompts_of_different_lengths_each_continue_their_own_history(decoder, sampling):
+    """Prompts of different lengths one after another (``lens``): one prefill of them all, then each row decodes
+    from its own position (the greedy graph's positions advance from each row's own start), in padded buckets,
+    with stale cache rows of longer earlier prompts around; one prompt given this way replays its prefill graph."""
+    dec = decoder(max_batch=6)
+    gen = torch.Generator().manual_seed(3)
+    for lens, n in [([3, 17, 1], 6), ([40 - 5, 2], 5), ([1, 2, 3, 4, 5], 4), ([9, 1], 1), ([12], 7), ([33], 3)]:
+        prompts = [torch.randint(0, V, (k,), generator=gen).tolist() for k in lens]
+        got = dec.generate(torch.tensor(sum(prompts, [])), n, sampling, None, lens=lens)
+        assert got.tolist() == _reference(prompts, n), (lens, n)
+    assert dec.prefill_graphs[16].graph is not None and dec.prefill_graphs[32].graph is None  # [12]: bucket 16
 
 
 def test_prefill_pads_to_the_smallest_bucket_holding_the_prompt(decoder):

@@ -169,3 +169,31 @@ def test_stop_at_eos_stops_where_transformers_generate_does(hf_checkpoint, tmp_p
     model = mxc.load(_build(ckpt, tmp_path / "art"))
     assert model.eos_token_ids == [unused, stop]
     assert torch.equal(model.generate(prompts, max_new_tokens=10, stop_at_eos=True), ref)
+
+
+@pytest.mark.parametrize("arch,overrides", [
+    ("LlamaForCausalLM", {}),
+    ("Qwen3MoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=40)),
+    ("MistralForCausalLM", dict(sliding_window=4)),  # the window counted from each row's own positions
+], ids=["llama", "qwen3-moe", "mistral-window4"])
+def test_prompts_of_different_lengths_match_transformers_generate_of_each(arch, overrides, hf_checkpoint, tmp_path):
+    """A list of prompts of different lengths: one prefill of them all, then each row decodes from its own position,
+    with no padding. Each row's tokens are transformers' generate of that prompt alone, on the sampling path (top_k
+    1) too, and stop_at_eos pads each row after its own first eos."""
+    ckpt, hf = hf_checkpoint(arch, **overrides)
+    model = mxc.load(_build(ckpt, tmp_path / "art"))
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (9, 2, 5, 1)]
+    got = model.generate(prompts, max_new_tokens=12)
+    assert got.shape == (4, 12)
+    for row, prompt in zip(got, prompts):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        assert torch.equal(row, ref[0, len(prompt):]), prompt
+    assert torch.equal(model.generate(prompts, max_new_tokens=12, temperature=1.0, top_k=1, seed=0), got)
+    assert torch.equal(model.generate(tuple(torch.tensor(p) for p in prompts), max_new_tokens=12), got)
+
+    eos = int(got[1, 3])
+    model.eos_token_ids = [eos]
+    out = model.generate(prompts, max_new_tokens=12, stop_at_eos=True).tolist()
+    assert out == _expected_with_eos(got.tolist(), [eos], 12)

@@ -28,7 +28,7 @@ def test_token_outside_vocab(model, bad):
 
 
 @pytest.mark.parametrize("ids", [[1, 2, 3], torch.tensor([1, 2, 3]), [[]], torch.ones(1, 2, 3, dtype=torch.long),
-                                 torch.ones(1, 3), torch.ones(0, 2, dtype=torch.long), [[1, 2, 3], [4]], [["a"]]])
+                                 torch.ones(1, 3), torch.ones(0, 2, dtype=torch.long), [["a"]]])
 def test_shape_and_dtype_refused(model, ids):
     with pytest.raises(MxcError, match=r"input_ids must be a \[batch, seq\] (integer|int64 or int32) tensor"):
         model.logits(ids)
@@ -64,13 +64,13 @@ def test_cuda_decoder_capacity_counts_the_new_tokens(model, monkeypatch):
 
     made = []
 
-    def generate(ids, n, *args, **kwargs):
-        made.append((tuple(ids.shape), n))
-        return torch.zeros(ids.shape[0], n, dtype=torch.int64)
+    def generate(ids, n, *args, lens, **kwargs):
+        made.append((tuple(ids.shape), lens, n))
+        return torch.zeros(len(lens), n, dtype=torch.int64)
 
     monkeypatch.setattr(model, "_decoder", types.SimpleNamespace(max_batch=2, max_len=16, generate=generate))
     assert model.generate([[1] * 10] * 2, max_new_tokens=6).shape == (2, 6)  # 16 rows: a full slot
-    for ids, n in [([[1] * 10], 7), ([[1] * 16], 1), ([[1] * 4] * 3, 2)]:
+    for ids, n in [([[1] * 10], 7), ([[1] * 16], 1), ([[1] * 4] * 3, 2), ([[1] * 3, [1] * 10], 7)]:
         with pytest.raises(MxcError, match=r"exceeds what the artifact was built for \(--max-batch 2, --max-seq-len "
                                            r"16\)"):
             model.generate(ids, max_new_tokens=n)
@@ -81,7 +81,8 @@ def test_cuda_decoder_capacity_counts_the_new_tokens(model, monkeypatch):
     assert str(e.value) == ("batch 3 x 6 tokens (4 prompt + 2 new) exceeds what the artifact was built for "
                             "(--max-batch 2, --max-seq-len 16); run at most 2 sequences a call, or rebuild with "
                             "--max-batch 3")
-    assert made == [((2, 10), 6)]
+    assert model.generate([[1] * 3, [1] * 10], max_new_tokens=6).shape == (2, 6)  # the longest fills its slot
+    assert made == [((20,), [10, 10], 6), ((13,), [3, 10], 6)]
 
 
 def test_cpu_generation_is_held_to_the_max_seq_len_built_for(model, monkeypatch):
@@ -156,7 +157,7 @@ def test_cuda_decoder_stops_at_eos_only_when_asked(model, monkeypatch):
 
     asked = []
 
-    def generate(ids, n, sampling, gen, agree, stop_ids=()):
+    def generate(ids, n, sampling, gen, agree, stop_ids=(), lens=None):
         asked.append(tuple(stop_ids))
         return torch.tensor([[4, 6, 9], [8, 9, 7]])  # row 0 stops at its 2nd token, row 1 at its 2nd
 
@@ -279,7 +280,30 @@ def test_ids_of_other_layouts_are_refused(model, layout):
                r"tensor; give a plain tensor or a list of lists")
     with pytest.raises(MxcError, match=pattern):
         model.logits(ids)
-    with pytest.raises(MxcError, match=pattern):
+    if layout == "nested":  # generate takes a nested tensor as prompts of different lengths
+        assert torch.equal(model.generate(ids, max_new_tokens=2), model.generate([[1, 2], [3]], max_new_tokens=2))
+    else:
+        with pytest.raises(MxcError, match=pattern):
+            model.generate(ids, max_new_tokens=2)
+
+
+def test_logits_refuses_prompts_of_different_lengths_and_names_generate(model):
+    with pytest.raises(MxcError, match=r"^input_ids must be a \[batch, seq\] integer tensor \(prompts of one batch of "
+                                       r"one length: .* or give them to generate as a list of lists\); "):
+        model.logits([[1, 2, 3], [4]])
+
+
+@pytest.mark.parametrize("ids, pattern", [
+    ([[1, 2], []], r"input_ids\[1\] must be a 1-D integer tensor or list of at least one token id, got \[0\]"),
+    ([[1, 2], [3.5]], r"input_ids\[1\] must be .* got \[1\] torch.float32"),
+    ([[1, 2], [[3]]], r"input_ids\[1\] must be .* got \[1, 1\] torch.int64"),
+    ([[1], ["a", "b"]], r"input_ids\[1\] must be a list or 1-D tensor of integer token ids; "),
+    ([[1, 2], torch.ones(3, dtype=torch.long, device="meta")], r"input_ids\[1\] are on the meta device"),
+    ([[1, 2, 3], [4, 300]], r"token id 300 at \[1, 1\] is outside the vocabulary \(0\.\.255\)"),
+    ((torch.tensor([7]), [1, 2, 3], [4, 5, -2]), r"token id -2 at \[2, 2\] is outside the vocabulary"),
+])
+def test_prompts_of_different_lengths_are_checked_one_by_one(model, ids, pattern):
+    with pytest.raises(MxcError, match=f"^{pattern}"):
         model.generate(ids, max_new_tokens=2)
 
 
