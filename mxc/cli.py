@@ -79,25 +79,29 @@ def cmd_build(args) -> None:
           progress=sys.stderr.isatty())  # bars on a terminal; a log or a pipe gets the phases' lines only
 
 
-def _generate_and_print(rank: int, world_size: int, device: str, args, ids: list[int]) -> None:
+def _generate_and_print(rank: int, world_size: int, device: str, args, prompts: list[list[int]]) -> None:
     import mxc
     from mxc.tokenizer import load_tokenizer
 
     model = mxc.load(args.artifact, device=device, rank=rank, world_size=world_size)
     tokenizer = load_tokenizer(model.path) if args.prompt is not None else None
-    new = model.generate([ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                         top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                         stop_at_eos=tokenizer is not None)[0].tolist()
-    if rank == 0:
-        result = {"ids": new}
+    new = model.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                         top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_at_eos=tokenizer is not None).tolist()
+    if rank != 0:
+        return
+    for row in new:  # one line a prompt, in order
+        if tokenizer is not None:  # up to the row's own end-of-sequence token: the padding after it is the batch's
+            row = row[:next((i + 1 for i, t in enumerate(row) if t in model.eos_token_ids), len(row))]
+        result = {"ids": row}
         if tokenizer is not None:
-            result["text"] = tokenizer.decode(new)
+            result["text"] = tokenizer.decode(row)
         try:
             emit(json.dumps(result))
         except StdoutClosed:
             if world_size == 1:
                 raise
             # a rank has no exit status of its own to give (``run_ranks``): the command ends as if it printed
+            return
 
 
 def cmd_generate(args) -> None:
@@ -109,30 +113,38 @@ def cmd_generate(args) -> None:
     from mxc.tokenizer import load_tokenizer, missing_reason
 
     if (args.ids is None) == (args.prompt is None):
-        raise MxcError("give exactly one of --ids or --prompt")
+        raise MxcError("give exactly one of --ids or --prompt (either repeatable: one prompt each)")
     path = Path(args.artifact)
     manifest = read_manifest(path)
     tokenizer = load_tokenizer(path) if args.prompt is not None else None
     if args.prompt is not None and tokenizer is None:
         raise MxcError(f"{args.artifact}: {missing_reason(path, manifest.get('files', {}))}; use --ids")
-    ids = _ids(args.ids) if args.ids is not None else tokenizer.encode(_prompt(args.prompt))
-    if not ids:
-        raise MxcError(f"--prompt {args.prompt!r}: encodes to no tokens; give some text")
+    prompts = [_ids(t) for t in args.ids] if args.ids is not None else [_encode(tokenizer, t) for t in args.prompt]
     vocab = manifest["runtime"]["vocab_size"]
-    bad = [i for i in ids if not 0 <= i < vocab]
+    bad = [i for ids in prompts for i in ids if not 0 <= i < vocab]
     if bad:
         raise MxcError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
     check_generate_args(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, flags=True)
-    check_capacity(1, len(ids), args.max_new_tokens, manifest["options"].get("max_seq_len"))
     device = default_device(manifest) if args.device is None else args.device
     check_generate_device(device, manifest, path)
+    options = manifest["options"]
+    on_gpu = options.get("target") == "cuda" and not str(device).startswith("cpu")  # the decoder's --max-batch slots
+    check_capacity(len(prompts), max(map(len, prompts)), args.max_new_tokens, options.get("max_seq_len"),
+                   options.get("max_batch") if on_gpu else None)
     tp = manifest.get("tp", 1)
     if tp == 1:
-        _generate_and_print(0, 1, device, args, ids)
+        _generate_and_print(0, 1, device, args, prompts)
     else:  # one command starts every rank; rank 0 prints
         from mxc.runtime.ranks import run_ranks
 
-        run_ranks(_generate_and_print, tp, device, args, ids)
+        run_ranks(_generate_and_print, tp, device, args, prompts)
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    ids = tokenizer.encode(_prompt(text))
+    if not ids:
+        raise MxcError(f"--prompt {text!r}: encodes to no tokens; give some text")
+    return ids
 
 
 def cmd_inspect(args) -> None:
@@ -216,10 +228,12 @@ def parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate tokens with a built artifact")
     g.add_argument("artifact")
-    g.add_argument("--ids", help="prompt token ids, comma-separated")
-    g.add_argument("--prompt", help="prompt text (needs a tokenizer.json in the artifact), encoded as that file says "
-                                    "(a BOS where it adds one), as transformers' tok(TEXT); prints \"text\" too, the "
-                                    "new tokens decoded without special tokens, and stops at the end-of-sequence token")
+    g.add_argument("--ids", action="append", help="prompt token ids, comma-separated (repeatable: prompts of any "
+                                                  "lengths generated together, one JSON line each, in order)")
+    g.add_argument("--prompt", action="append",
+                   help="prompt text (needs a tokenizer.json in the artifact), encoded as that file says (a BOS where "
+                        "it adds one), as transformers' tok(TEXT); prints \"text\" too, the new tokens decoded "
+                        "without special tokens, and stops at the end-of-sequence token (repeatable, as --ids)")
     g.add_argument("--max-new-tokens", type=int, default=16)
     g.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (default 0: greedy)")
     g.add_argument("--top-k", type=int, help="with --temperature: sample from the K most likely tokens")

@@ -284,9 +284,12 @@ def test_generate_arguments_are_checked_before_the_ranks_start(tmp_path, capsys,
     user_error(capsys, ["generate", art, "--ids", "1,2", "--max-new-tokens", "511"],
            "batch 1 x 513 tokens (2 prompt + 511 new) exceeds what the artifact was built for (--max-seq-len 512); "
            "ask for at most 510 new tokens, or rebuild with --max-seq-len 513")
+    user_error(capsys, ["generate", art, "--ids", "1", "--ids", "2,3,4", "--max-new-tokens", "510"],
+               "batch 2 x 513 tokens (3 prompt + 510 new) exceeds")  # the longest prompt counts
     assert started == []
     assert main(["generate", str(art), "--ids", f"0,{vocab - 1}"]) == 0
-    assert started == [[0, vocab - 1]]
+    assert main(["generate", str(art), "--ids", "5", "--ids", "6,7"]) == 0
+    assert started == [[[0, vocab - 1]], [[5], [6, 7]]]
 
 
 def test_generate_length_is_held_to_the_max_seq_len_built_for(artifact, capsys):

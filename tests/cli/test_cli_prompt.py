@@ -69,7 +69,7 @@ def test_prompt_is_encoded_whole_whatever_truncation_or_padding_tokenizer_json_k
     monkeypatch.setattr(mxc.cli, "_generate_and_print", lambda rank, world, device, args, ids: started.append(ids))
     for prompt in ("hello world w1 w2", "hello"):
         assert main(["generate", str(art), "--prompt", prompt]) == 0
-    assert started == [[1, 2, 4, 5], [1]]
+    assert started == [[[1, 2, 4, 5]], [[1]]]
 
 
 def test_text_leaves_out_special_tokens(hf_checkpoint, tmp_path, capsys):
@@ -124,6 +124,30 @@ def test_ids_print_no_text_and_do_not_stop_at_eos(hf_checkpoint, tmp_path, capsy
     assert json.loads(capsys.readouterr().out) == {"ids": greedy}
     assert main(["generate", str(art), "--prompt", "hello world", "--max-new-tokens", "6"]) == 0
     assert json.loads(capsys.readouterr().out)["ids"] != greedy  # the contrast: --prompt stops at the eos
+
+
+def test_several_prompts_print_a_line_each_ending_at_their_own_eos(hf_checkpoint, tmp_path, capsys):
+    """--prompt (or --ids) given more than once: the prompts, of different lengths, generated together, one JSON line
+    each in order; with --prompt each line ends at its own end-of-sequence token (the padding after it, while
+    another row runs on, is not printed)."""
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM")
+    _save_tokenizer(ckpt)
+    art = mxc.build(str(ckpt), out=tmp_path / "art", progress=False, log=lambda m: None)
+    prompts = [[1, 2, 4], [8]]  # "hello world w1", "w5"
+    greedy = mxc.load(art).generate(prompts, max_new_tokens=8).tolist()
+    assert main(["generate", str(art), "--ids", "1,2,4", "--ids", "8", "--max-new-tokens", "8"]) == 0
+    assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == [{"ids": row} for row in greedy]
+
+    eos = greedy[1][1]
+    ends = [row.index(eos) + 1 if eos in row else len(row) for row in greedy]
+    assert ends[1] <= 2 < ends[0]  # row 1 stops first, row 0 runs on
+    manifest = json.loads((art / "manifest.json").read_text())
+    manifest["runtime"]["eos_token_id"] = [eos]
+    (art / "manifest.json").write_text(json.dumps(signed(manifest)))
+    assert main(["generate", str(art), "--prompt", "hello world w1", "--prompt", "w5", "--max-new-tokens", "8"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["ids"] for line in lines] == [row[:end] for row, end in zip(greedy, ends)]
+    assert lines[1]["text"].split() == [WORDS[i] for i in greedy[1][:ends[1]] if i < len(WORDS)]
 
 
 def test_prompt_on_a_sentencepiece_only_checkpoint_says_so(hf_checkpoint, tmp_path, capsys):
