@@ -61,7 +61,7 @@ def parts_of(w: Weight) -> list[tuple[str, tuple[int, ...]]]:
 
 def read_full(w: Weight, ckpt, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The whole (merged, stacked) weight from the checkpoint, before sharding, in ``dtype`` where given (else as the
-    checkpoint stores it; a merged weight's parts in their promoted dtype).
+    checkpoint stores it; a merged weight's parts, and an expert stack's, in their promoted dtype).
 
     A merged weight and an expert stack are filled in place, part by part, the cast happening in the copy: a 30B MoE
     has ~18K expert tensors, and stacking them in the checkpoint's dtype, then casting, wrote every byte three times
@@ -70,7 +70,9 @@ def read_full(w: Weight, ckpt, dtype: torch.dtype | None = None) -> torch.Tensor
     weights, which are generated in ``dtype``."""
     if w.stack:
         shape = full_shape(w)
-        out = empty(shape, dtype or ckpt.dtype(w.expert_hf(0)[0]))
+        # every expert's dtype, not the first's: a float32 expert beside a float16 one was rounded to float16 (or
+        # cast to inf) before --quant fp8 quantized it
+        out = empty(shape, dtype or functools.reduce(torch.promote_types, (ckpt.dtype(h) for h, _ in parts_of(w))))
         for e in range(shape[0]):
             row = 0
             for h in w.expert_hf(e):
