@@ -196,6 +196,17 @@ def resolve_tp_allreduce(choice: str, target: str, tp, dtype: str = "bfloat16") 
     return choice
 
 
+def default_dtype(target: str, config: dict) -> str:
+    """The dtype of a build given no ``--dtype``: float32 on the CPU (it holds every checkpoint's values exactly); on
+    cuda config.json's own 16-bit dtype (``dtype``, or transformers 4's ``torch_dtype``), as transformers loads
+    it by default, else bfloat16: a float16 checkpoint was built in bfloat16, every weight rounded to 8 bits of
+    mantissa from its 11."""
+    if target == "cpu":
+        return "float32"
+    said = config.get("dtype", config.get("torch_dtype"))
+    return said if said in ("bfloat16", "float16") else "bfloat16"
+
+
 def build(source: str, *, out: str | Path | None = None, checkpoint: str | None = None, config: str | None = None,
           dtype: str | None = None, target: str = "cpu", dump_ir: str | Path | None = None,
           max_batch: int = 32, max_seq_len: int | None = None, arch: int = 90, tp: int = 1,
@@ -224,6 +235,7 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     if dtype not in (None, "float32", "bfloat16", "float16"):
         raise MxcError(f"--dtype {dtype}: expected float32, bfloat16 or float16")
     src = resolve_source(source, checkpoint, config)
+    dtype = dtype or default_dtype(target, src.config)
     if max_seq_len is None:
         mpe = src.config.get("max_position_embeddings")
         mpe = 4096 if mpe is None else mpe
@@ -239,7 +251,7 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     if pdl and (target != "cuda" or arch < 90):
         raise MxcError(f"--pdl: programmatic dependent launch needs --target cuda on sm_90 or later "
                        f"(got --target {target}, sm_{arch})")
-    tp_allreduce = resolve_tp_allreduce(tp_allreduce, target, tp, dtype or ("float32" if target == "cpu" else "bfloat16"))
+    tp_allreduce = resolve_tp_allreduce(tp_allreduce, target, tp, dtype)
     if tp_allreduce in ("one_shot", "push") and target != "cuda":
         raise MxcError(f"--tp-allreduce {tp_allreduce}: the peer-memory all-reduce needs --target cuda (got {target})")
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
@@ -284,7 +296,7 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
                        f"cuda, or drop --mlp-pair")
     if mlp_pair and tp != 1:
         raise MxcError(f"--mlp-pair: the fused MLP kernel runs at --tp 1 only (got --tp {tp}); drop --mlp-pair")
-    options = BuildOptions(target=target, dtype=dtype or ("float32" if target == "cpu" else "bfloat16"),
+    options = BuildOptions(target=target, dtype=dtype,
                            max_batch=max_batch, max_seq_len=max_seq_len, tp=tp, quant=quant,
                            quant_granularity=quant_granularity, quant_lm_head=quant_lm_head,
                            quant_scale_suffix=scale_suffix, disable_passes=check_disabled(disable_passes), pdl=pdl,

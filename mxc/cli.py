@@ -193,7 +193,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--config", help="a config.json to build with deterministic random weights (no checkpoint)")
     b.add_argument("--out", help="artifact directory (default: build/<definition>)")
     b.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                   help="weight/activation dtype (default: float32 on cpu, bfloat16 on cuda)")
+                   help="weight/activation dtype (default: float32 on cpu; on cuda config.json's dtype where it is "
+                        "bfloat16 or float16, else bfloat16)")
     b.add_argument("--target", choices=["cpu", "cuda"], default="cpu")
     b.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: writes weights/rank{r}.safetensors")
     b.add_argument("--quant", choices=["fp8"], help="fp8 e4m3 linear weights, activations quantized per token")

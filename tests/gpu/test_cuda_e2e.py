@@ -49,6 +49,26 @@ def test_cuda_artifact_matches_hf(arch, overrides, hf_checkpoint, greedy_check, 
     assert torch.equal(jit.generate(ids, max_new_tokens=16), ours)
 
 
+@pytest.mark.parametrize("arch,overrides", [("LlamaForCausalLM", {}),
+                                            ("Qwen3MoeForCausalLM", {"num_experts": 8, "num_experts_per_tok": 2,
+                                                                     "moe_intermediate_size": 64})],
+                         ids=["llama", "qwen3-moe"])
+def test_float16_checkpoint_builds_in_float16_by_default(arch, overrides, hf_checkpoint, greedy_check, tmp_path):
+    """A cuda build without --dtype of a checkpoint whose config.json says float16 runs in float16 (as transformers
+    loads it): every kernel's float16 variant, against HF in float16."""
+    ckpt, hf = hf_checkpoint(arch, dtype=torch.float16, hidden_size=128, intermediate_size=256, **overrides)
+    art = mxc.build(str(ckpt), out=tmp_path / "art", target="cuda", max_batch=4, max_seq_len=64, progress=False,
+                    log=lambda m: None)
+    model = mxc.load(art)
+    assert model.manifest["options"]["dtype"] == "float16"
+    hf = hf.to(device="cuda")
+    ids = torch.randint(0, 256, (3, 13), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = hf(ids.cuda()).logits.float().cpu()
+    assert _rel(model.logits(ids).cpu(), ref) < 1e-2
+    greedy_check(ids, model.generate(ids, max_new_tokens=16), lambda seq: hf(seq.cuda()).logits)
+
+
 def test_decode_batch_buckets_and_sampling(hf_checkpoint, tmp_path):
     ckpt, _ = hf_checkpoint("LlamaForCausalLM", hidden_size=128, intermediate_size=256)
     art = mxc.build(str(ckpt), out=tmp_path / "art", target="cuda", dtype="bfloat16", max_batch=8,
