@@ -23,6 +23,8 @@ MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 WINDOW = {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 0}  # every layer windowed, 3 tokens
 CASES = [
     ("OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2}, {"clip_qkv": 0.05}, "clip_qkv"),
+    # 0.0 is set too (transformers clamps whenever it is not None: q, k and v all zero), though falsy
+    ("OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2}, {"clip_qkv": 0.0}, "clip_qkv"),
     ("Qwen3ForCausalLM", {"head_dim": 32}, WINDOW, "use_sliding_window"),
     ("Qwen3MoeForCausalLM", MOE, WINDOW, "use_sliding_window"),
     ("Qwen2MoeForCausalLM", {**MOE, "shared_expert_intermediate_size": 48}, {"mlp_only_layers": [0]},
@@ -34,7 +36,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("arch, base, fields, name", CASES, ids=[f"{a}-{n}" for a, _, _, n in CASES])
+@pytest.mark.parametrize("arch, base, fields, name", CASES,
+                         ids=[f"{a}-{n}-{f[n]}" for a, _, f, n in CASES])
 def test_fields_that_change_the_hf_model_are_refused(arch, base, fields, name, hf_checkpoint, tmp_path):
     ckpt, hf = hf_checkpoint(arch, name="with", **base, **fields)
     _, plain = hf_checkpoint(arch, name="without", **base)
