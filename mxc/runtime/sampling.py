@@ -78,4 +78,10 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = N
         remove[:, -1] = False  # always keep the most likely token
         logits = logits.masked_fill(remove.scatter(1, order, remove), float("-inf"))
     probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    try:
+        return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    except RuntimeError as e:  # on the CPU; a GPU's multinomial checks nothing (a check would wait for it each step)
+        if not bool(logits.isnan().any()):
+            raise
+        raise MxcError("the model's logits hold NaN or infinite values (its activations overflowed the build's "
+                       "dtype): nothing to sample from; rebuild with a wider --dtype (bfloat16 or float32)") from None

@@ -7,6 +7,7 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import mxc
+from mxc.errors import MxcError
 from mxc.runtime.sampling import sample
 
 PROMPT = [[3, 14, 15, 92, 65]]
@@ -97,6 +98,20 @@ def test_half_precision_logits_are_sampled_in_float32_as_hf_does(monkeypatch, dt
     ref = _hf_warp(logits.float(), 0.7, 50, 0.9)
     assert torch.equal(probs > 0, torch.isfinite(ref))
     torch.testing.assert_close(probs, ref.softmax(-1))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_logits_that_are_not_finite_are_one_line(bad):
+    """An fp16 model whose activations overflow gives NaN or infinite logits: sampling said torch's "probability
+    tensor contains either inf, nan or element < 0" in a traceback. A row of -inf alone is no sampling error."""
+    logits = torch.randn(2, 16, generator=torch.Generator().manual_seed(0))
+    logits[1, 3] = bad
+    if bad == float("-inf"):
+        assert sample(logits, 0.7).shape == (2,)
+        return
+    with pytest.raises(MxcError, match=r"^the model's logits hold NaN or infinite values .* rebuild with a wider "
+                                       r"--dtype \(bfloat16 or float32\)$"):
+        sample(logits, 0.7, top_k=5, top_p=0.9)
 
 
 def test_top_p_1_is_no_filter(model):
