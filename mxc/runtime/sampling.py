@@ -80,7 +80,7 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = N
     probs = logits.softmax(dim=-1)
     try:
         return torch.multinomial(probs, 1, generator=generator).squeeze(1)
-    except RuntimeError as e:  # on the CPU; a GPU's multinomial checks nothing (a check would wait for it each step)
+    except RuntimeError:  # on the CPU; a GPU's multinomial checks nothing (a check would wait for it each step)
         if not bool(logits.isnan().any()):
             raise
         raise MxcError("the model's logits hold NaN or infinite values (its activations overflowed the build's "
