@@ -26,7 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import mxc
-from mxc.artifact_format import SCHEMA_VERSION, file_digests, manifest_digest
+from mxc.artifact_format import SCHEMA_VERSION, file_chunks, file_digests, manifest_digest
 from mxc.build_output import check_dump_dir, check_out, check_space, recover, replace_with
 from mxc.codegen.render import render_forward
 from mxc.compiler.options import BuildOptions
@@ -411,7 +411,8 @@ def _write(tmp: Path, graph: Graph, src: Source, options: BuildOptions, arch: in
         "source": {"checkpoint": src.checkpoint.resolve().name if src.checkpoint else None,
                    "weights": "checkpoint" if src.checkpoint else "dummy"},
         "tp": options.tp,
-        "files": file_digests(tmp, {p.relative_to(tmp).as_posix(): d for p, d in digests.items()}),
+        "files": file_digests(tmp, {p.relative_to(tmp).as_posix(): d for p, (d, _) in digests.items()}),
+        **file_chunks({p.relative_to(tmp).as_posix(): pieces for p, (_, pieces) in digests.items()}),
     }
     manifest["manifest_sha256"] = manifest_digest(manifest)
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")

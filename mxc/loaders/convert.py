@@ -374,13 +374,14 @@ def weight_bytes(graph: Graph) -> int:
 
 
 def write_weights(graph: Graph, ckpt, paths: list[Path], metadata: dict[str, str] | None = None,
-                  progress: bool = True, checked: bool = False) -> dict[Path, str]:
+                  progress: bool = True, checked: bool = False) -> dict[Path, tuple[str, list[str]]]:
     """Write every weight of ``graph`` into one safetensors file per rank (``paths[r]``), one tensor at a time.
 
     Each checkpoint tensor is read once, merged and cast, then each rank's
     slice is written to that rank's file: peak memory is about one full weight.
     Tensors are laid out in the order they are written (each fp8 scale after its
-    weight), so each file's sha256 comes out of the writing: returned by path. ``checked``: the caller ran
+    weight), so each file's sha256, and its pieces' (``artifact_format.file_chunks``), comes out of the writing:
+    returned by path, (whole, [piece, ...]). ``checked``: the caller ran
     ``check_checkpoint`` already (the build, before its kernels compile).
     """
     if not checked:
@@ -423,4 +424,4 @@ def write_weights(graph: Graph, ckpt, paths: list[Path], metadata: dict[str, str
         raise
     for out in writers:
         out.close()
-    return {out.path: out.digest for out in writers if out.digest is not None}
+    return {out.path: (out.digest, out.chunk_digests) for out in writers if out.digest is not None}

@@ -6,12 +6,13 @@ first (offsets laid out in the order the specs are given, data starting 8-byte
 aligned) and then each tensor's bytes at its precomputed offset, one tensor at
 a time and in any order. It checks every tensor against its spec and refuses to
 close a file with tensors missing, raising one-line ``MxcError``s that name the
-file and tensor. Written in header order, the file's sha256 is computed as it is
-written (``digest``), which spares the build a second pass over tens of GB.
+file and tensor. Written in header order, the file's sha256 (and each 64 MiB piece's: ``chunk_digests``) is
+computed as it is written (``digest``), which spares the build a second pass over tens of GB.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import hashlib
 import json
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from mxc.artifact_format import ChunkHasher
 from mxc.errors import MxcError, size_text
 
 DTYPE_CODES: dict[torch.dtype, str] = {
@@ -69,6 +71,11 @@ class SafetensorsWriter:
         self._file.write(struct.pack("<Q", len(encoded)))
         self._file.write(encoded)
         self._hash = hashlib.sha256(struct.pack("<Q", len(encoded)) + encoded)  # None once out of order
+        # each piece's sha256 (``chunk_digests``) on a thread of its own beside the whole file's: hashlib lets go of
+        # the GIL, so the two cost the build the time of one
+        self._pieces = ChunkHasher()
+        self._pieces.update(struct.pack("<Q", len(encoded)) + encoded)
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mxc-hash")
         self._hashed = 0  # data bytes hashed so far
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
@@ -93,7 +100,9 @@ class SafetensorsWriter:
             raise
         if self._hash is not None and self._offsets[name] == self._hashed:
             if data.numel():
+                pieces = self._pool.submit(self._pieces.update, data.numpy())
                 self._hash.update(memoryview(data.numpy()))
+                pieces.result()  # before the caller may reuse the tensor's memory
             self._hashed += data.numel()
         else:
             self._hash = None
@@ -111,9 +120,15 @@ class SafetensorsWriter:
     @property
     def digest(self) -> str | None:
         """sha256 of the whole file once every tensor was written in header order, else None."""
-        if self._hash is None or self._hashed != self._size or not self._file.closed:
-            return None
-        return self._hash.hexdigest()
+        return self._hash.hexdigest() if self._hashed_whole() else None
+
+    @property
+    def chunk_digests(self) -> list[str] | None:
+        """sha256 of each ``artifact_format.CHUNK_BYTES`` piece of the file, as ``digest`` (else None)."""
+        return self._pieces.pieces() if self._hashed_whole() else None
+
+    def _hashed_whole(self) -> bool:
+        return self._hash is not None and self._hashed == self._size and self._file.closed
 
     def missing(self) -> list[str]:
         """Names from the specs not yet written, in header order."""
@@ -123,6 +138,7 @@ class SafetensorsWriter:
         """Close the file; raise if any tensor was never written."""
         if self._file.closed:
             return
+        self._pool.shutdown()
         try:
             self._file.close()
         except OSError as e:
@@ -140,6 +156,7 @@ class SafetensorsWriter:
         cannot flush (the disk that failed the write is still full) are of a file that goes, and an OSError here
         took the place of the error being handled (an ``MxcError`` became a traceback) and left the other ranks'
         files open."""
+        self._pool.shutdown()
         try:
             self._file.close()
         except OSError:

@@ -20,6 +20,7 @@ tensor-parallel artifact check that they all loaded the same build
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import hashlib
 import json
@@ -33,7 +34,8 @@ import yaml
 from safetensors import SafetensorError, safe_open
 
 import mxc
-from mxc.artifact_format import SCHEMA_VERSION, WEIGHT_DTYPES, listed_files, manifest_digest, sha256_file
+from mxc.artifact_format import (SCHEMA_VERSION, WEIGHT_DTYPES, chunk_count, listed_files, manifest_digest,
+                                 sha256_file)
 from mxc.errors import MxcError, size_text
 from mxc.runtime.model import Model, on_device
 
@@ -95,6 +97,13 @@ def _check_manifest_fields(mpath: Path, manifest: dict) -> None:
     outside = next((k for k in files if not _inside(k)), None)
     if outside is not None:  # the verifier would hash (and report on) a file that is not the artifact's
         bad("files", f"paths inside the artifact, not {outside!r}")
+    chunks = manifest.get("file_chunks", {"chunk_bytes": 1, "sha256": {}})  # optional (artifacts before it lack it)
+    if not (isinstance(chunks, dict) and is_int(chunks.get("chunk_bytes")) and chunks["chunk_bytes"] > 0
+            and isinstance(chunks.get("sha256"), dict)
+            and all(rel in files and isinstance(pieces, list) and pieces and all(isinstance(d, str) for d in pieces)
+                    for rel, pieces in chunks["sha256"].items())):
+        bad("file_chunks", "an object of chunk_bytes (a positive integer) and sha256 (listed path -> its pieces' "
+                           "sha256)")
     tp = manifest.get("tp", 1)
     if not is_int(tp) or tp < 1:
         bad("tp", "a positive integer")
@@ -232,20 +241,38 @@ def check_generate_device(name: str, manifest: dict, path) -> None:
 
 
 def verify_files(path: Path, manifest: dict, hashes: bool = True) -> None:
-    """The artifact's files are the manifest's: none extra, none missing, and (``hashes``) each as built."""
+    """The artifact's files are the manifest's: none extra, none missing, and (``hashes``) each as built: every file
+    by its sha256, or by its pieces' (``file_chunks``), hashed on every core at once."""
     expected = manifest.get("files", {})
     present = set(listed_files(path))
     extra = sorted(present - set(expected))
     if extra:
         raise MxcError(f"{path}: file {_shown(extra[0])} is not part of the artifact (not in manifest.json); "
                        f"remove it or rebuild")
-    for rel, digest in expected.items():
-        f = path / rel
-        if not f.is_file():
+    for rel in expected:
+        if not (path / rel).is_file():
             raise MxcError(f"{path}: {_shown(rel)} is missing; the artifact is incomplete, rebuild it")
-        if hashes and sha256_file(f) != digest:
-            raise MxcError(f"{path}: {_shown(rel)} was modified since the build (sha256 mismatch); rebuild the "
-                           f"artifact")
+    if not hashes:
+        return
+    chunks = manifest.get("file_chunks", {"chunk_bytes": 1, "sha256": {}})
+    size = chunks["chunk_bytes"]
+    work = []  # (file, start, length or None: to its end, sha256)
+    for rel, digest in expected.items():
+        pieces = chunks["sha256"].get(rel)
+        if pieces is None:
+            work.append((rel, 0, None, digest))
+        elif chunk_count((path / rel).stat().st_size, size) != len(pieces):
+            _modified(path, rel)
+        else:
+            work += [(rel, i * size, size, piece) for i, piece in enumerate(pieces)]
+    with concurrent.futures.ThreadPoolExecutor(min(32, os.cpu_count() or 1, max(1, len(work)))) as pool:
+        same = list(pool.map(lambda w: sha256_file(path / w[0], start=w[1], length=w[2]) == w[3], work))
+    if not all(same):
+        _modified(path, work[same.index(False)][0])
+
+
+def _modified(path: Path, rel: str):
+    raise MxcError(f"{path}: {_shown(rel)} was modified since the build (sha256 mismatch); rebuild the artifact")
 
 
 def _shown(rel: str) -> str:

@@ -1,0 +1,125 @@
+"""The weights' sha256 a piece (the manifest's ``file_chunks``): written by the build as it writes, checked by
+``mxc.load`` on every core at once, each piece's bytes against its digest; artifacts without it (built before it)
+check each file's whole sha256. Pieces here are 4 KiB (``CHUNK_BYTES`` patched) so that a tiny model's weights
+span several, a tensor straddling each boundary."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+import mxc
+from mxc import artifact_format
+from tests.cli.helpers import signed
+from tests.runtime.helpers import refused
+
+PIECE = 4096
+
+
+@pytest.fixture
+def art(tmp_path, monkeypatch):
+    monkeypatch.setattr(artifact_format, "CHUNK_BYTES", PIECE)
+    return mxc.build("llama.yaml", out=tmp_path / "art", progress=False, log=lambda m: None)
+
+
+def _pieces(data: bytes) -> list[str]:
+    return [hashlib.sha256(data[i:i + PIECE]).hexdigest() for i in range(0, max(len(data), 1), PIECE)]
+
+
+def _manifest(art):
+    return json.loads((art / "manifest.json").read_text())
+
+
+def test_the_build_records_each_weight_piece_s_sha256(art):
+    m = _manifest(art)
+    data = (art / "weights" / "rank0.safetensors").read_bytes()
+    assert len(data) > 10 * PIECE and len(data) % PIECE  # several pieces, the last one partial
+    assert m["file_chunks"] == {"chunk_bytes": PIECE, "sha256": {"weights/rank0.safetensors": _pieces(data)}}
+    assert m["files"]["weights/rank0.safetensors"] == hashlib.sha256(data).hexdigest()  # the whole one stays
+
+
+def test_load_hashes_the_pieces_in_parallel_and_each_once(art, monkeypatch):
+    from mxc.runtime import artifact
+
+    asked = []
+    real = artifact.sha256_file
+    monkeypatch.setattr(artifact, "sha256_file", lambda path, **kw: asked.append((path.name, kw)) or real(path, **kw))
+    mxc.load(art)
+    size = (art / "weights" / "rank0.safetensors").stat().st_size
+    starts = sorted(kw["start"] for name, kw in asked if name == "rank0.safetensors")
+    assert starts == list(range(0, size, PIECE))
+    assert all(kw["length"] == PIECE for name, kw in asked if name == "rank0.safetensors")
+    assert sum(name == "forward.py" for name, _ in asked) == 1  # small files: their whole sha256, once
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "append", "truncate_at_a_boundary"])
+def test_a_weight_file_changed_anywhere_is_refused(art, damage):
+    path = art / "weights" / "rank0.safetensors"
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[7 * PIECE + 123] ^= 1  # a byte in the middle of the file, in one piece only
+    elif damage == "truncate":
+        del data[-5:]
+    elif damage == "append":
+        data += b"\0"
+    else:
+        del data[(len(data) // PIECE) * PIECE:]  # one piece fewer, the rest intact
+    path.write_bytes(bytes(data))
+    refused(art, r"weights/rank0\.safetensors was modified since the build \(sha256 mismatch\); rebuild the artifact$")
+    if damage == "flip":  # not hashed, a changed byte loads (its names, shapes and dtypes are still checked)
+        mxc.load(art, verify=False)
+
+
+def test_an_artifact_without_pieces_checks_whole_files(art):
+    """As built before ``file_chunks``: the whole file's sha256, which still catches a changed byte."""
+    m = _manifest(art)
+    del m["file_chunks"]
+    (art / "manifest.json").write_text(json.dumps(signed(m)))
+    assert mxc.load(art).logits([[1, 2]]).shape == (1, 2, 256)
+    path = art / "weights" / "rank0.safetensors"
+    data = bytearray(path.read_bytes())
+    data[7 * PIECE + 123] ^= 1
+    path.write_bytes(bytes(data))
+    refused(art, r"weights/rank0\.safetensors was modified since the build")
+
+
+@pytest.mark.parametrize("value", [None, [], {"chunk_bytes": 0, "sha256": {}}, {"chunk_bytes": PIECE},
+                                   {"chunk_bytes": PIECE, "sha256": {"weights/rank9.safetensors": ["0" * 64]}},
+                                   {"chunk_bytes": PIECE, "sha256": {"weights/rank0.safetensors": []}},
+                                   {"chunk_bytes": True, "sha256": {}}])
+def test_a_damaged_file_chunks_field_is_one_line(art, value):
+    m = _manifest(art)
+    m["file_chunks"] = value
+    (art / "manifest.json").write_text(json.dumps(signed(m)))
+    refused(art, r"field file_chunks: expected an object of chunk_bytes \(a positive integer\) and sha256")
+
+
+def test_sha256_file_of_a_range():
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "f"
+        data = bytes(range(256)) * 100
+        path.write_bytes(data)
+        for start, length in [(0, None), (0, 10), (300, 7000), (25000, 600), (25600, 10), (3, 0)]:
+            want = data[start:] if length is None else data[start:start + length]
+            assert artifact_format.sha256_file(path, chunk=512, start=start, length=length) == \
+                hashlib.sha256(want).hexdigest(), (start, length)
+
+
+def test_chunk_hasher_matches_slicing_whatever_the_updates():
+    import random
+
+    rng = random.Random(0)
+    for size in [0, 1, PIECE - 1, PIECE, PIECE + 1, 3 * PIECE, 5 * PIECE + 17]:
+        data = rng.randbytes(size)
+        h, at = artifact_format.ChunkHasher(PIECE), 0
+        while at < size:
+            step = rng.choice([1, 100, PIECE, 3 * PIECE])
+            h.update(data[at:at + step])
+            at += step
+        assert h.pieces() == _pieces(data), size
+        assert len(h.pieces()) == artifact_format.chunk_count(size, PIECE)
