@@ -121,9 +121,11 @@ def cmd_generate(args) -> None:
         raise MxcError(f"{args.artifact}: {missing_reason(path, manifest.get('files', {}))}; use --ids")
     prompts = [_ids(t) for t in args.ids] if args.ids is not None else [_encode(tokenizer, t) for t in args.prompt]
     vocab = manifest["runtime"]["vocab_size"]
-    bad = [i for ids in prompts for i in ids if not 0 <= i < vocab]
-    if bad:
-        raise MxcError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+    flag, texts = ("--ids", args.ids) if args.ids is not None else ("--prompt", args.prompt)
+    for text, ids in zip(texts, prompts):
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:  # named by its prompt (of several, which one)
+            raise MxcError(f"{flag} {text!r}: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
     check_generate_args(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, flags=True)
     device = default_device(manifest) if args.device is None else args.device
     check_generate_device(device, manifest, path)

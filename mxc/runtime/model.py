@@ -12,10 +12,8 @@ was built for.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import functools
-import itertools
 import sys
 import threading
 from pathlib import Path
@@ -117,19 +115,19 @@ class Model:
             if t.dim() != 1 or t.dtype not in INT_DTYPES or t.numel() == 0:
                 raise MxcError(f"input_ids[{n}] must be a 1-D integer tensor or list of at least one token id, got "
                                f"{list(t.shape)} {t.dtype}")
-            tensors.append(t.to(torch.int64) if t.device.type == "cpu" else t.to("cpu", torch.int64))
-        lens = [t.numel() for t in tensors]
-        starts = list(itertools.accumulate(lens, initial=0))
-
-        def where(i: int) -> list[int]:  # token i of the prompts one after another: [prompt, index in it]
-            n = bisect.bisect_right(starts, i) - 1
-            return [n, i - starts[n]]
-
-        return self._in_vocab(torch.cat(tensors), where), lens
+            # checked in the row's own dtype (a uint64 id past int64's range is named by its own value)
+            tensors.append(self._check_vocab(t.cpu(), lambda i, n=n: [n, i]))
+        wide = torch.cat(tensors)
+        return to_device(self.device, wide.numpy())[0], [t.numel() for t in tensors]
 
     def _in_vocab(self, ids: torch.Tensor, where) -> torch.Tensor:
         """``ids`` as int64 on the model's device, or a one-line error naming the first id outside the vocabulary
         (``where``: a flat index's place in the input, as a list)."""
+        wide = self._check_vocab(ids, where)
+        return to_device(self.device, wide.numpy())[0] if wide.device.type == "cpu" else wide.to(self.device)
+
+    def _check_vocab(self, ids: torch.Tensor, where) -> torch.Tensor:
+        """``ids`` as int64 (on their device), or a one-line error naming the first id outside the vocabulary."""
         # compared as int64: as uint8, the vocabulary size would wrap, and torch compares no uint16 to uint64 (a
         # uint64 id past int64's range reads negative, and is named by its own value)
         wide = ids.to(torch.int64)
@@ -138,7 +136,7 @@ class Model:
             flat = int(bad.reshape(-1).nonzero()[0])
             raise MxcError(f"token id {ids.reshape(-1)[flat].item()} at {where(flat)} is outside the vocabulary "
                            f"(0..{self.vocab_size - 1})")
-        return to_device(self.device, wide.numpy())[0] if wide.device.type == "cpu" else wide.to(self.device)
+        return wide
 
     def _run(self, ctx: ForwardContext, tokens, positions, logit_rows) -> torch.Tensor:
         from mxc.kernels import launch
@@ -264,8 +262,8 @@ def _check_layout(ids: torch.Tensor, fix: str, name: str = "input_ids") -> None:
 
 
 def _ragged_rows(input_ids) -> list | None:
-    """The prompts of a batch whose prompts differ in length (a list or tuple of sequences, or a nested tensor),
-    else None (one [batch, seq] batch, or something ``Model._ids`` names)."""
+    """The prompts of a list or tuple of sequences that differ in length or are not all lists (1-D tensors, arrays),
+    or of a nested tensor, else None (one [batch, seq] batch, or something ``Model._ids`` names)."""
     if isinstance(input_ids, torch.Tensor):
         return list(input_ids.unbind()) if input_ids.is_nested and input_ids.dim() == 2 else None
     if not isinstance(input_ids, (list, tuple)) or not input_ids:
@@ -274,7 +272,9 @@ def _ragged_rows(input_ids) -> list | None:
         lens = {len(row) for row in input_ids}
     except TypeError:  # an item without a length (a number): not a list of prompts
         return None
-    return list(input_ids) if len(lens) > 1 else None
+    # prompts of one length as lists make one [batch, seq] tensor; a tensor or array among them does not (torch
+    # makes no tensor of a list of tensors): the prompts one by one
+    return list(input_ids) if len(lens) > 1 or not all(isinstance(row, (list, tuple)) for row in input_ids) else None
 
 
 def host_memory_available() -> int | None:

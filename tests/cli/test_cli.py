@@ -280,6 +280,8 @@ def test_generate_arguments_are_checked_before_the_ranks_start(tmp_path, capsys,
     user_error(capsys, ["generate", art, "--ids", f"1,{vocab},-1"], f"token id {vocab} is outside the vocabulary "
                                                                  f"(0..{vocab - 1})")
     user_error(capsys, ["generate", art, "--ids", "-1"], "token id -1 is outside")
+    user_error(capsys, ["generate", art, "--ids", "1", "--ids", f"2,{vocab}"],
+               f"--ids '2,{vocab}': token id {vocab} is outside")  # of several prompts, the one named
     user_error(capsys, ["generate", art, "--ids", "1", "--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1")
     user_error(capsys, ["generate", art, "--ids", "1,2", "--max-new-tokens", "511"],
            "batch 1 x 513 tokens (2 prompt + 511 new) exceeds what the artifact was built for (--max-seq-len 512); "

@@ -301,10 +301,25 @@ def test_logits_refuses_prompts_of_different_lengths_and_names_generate(model):
     ([[1, 2], torch.ones(3, dtype=torch.long, device="meta")], r"input_ids\[1\] are on the meta device"),
     ([[1, 2, 3], [4, 300]], r"token id 300 at \[1, 1\] is outside the vocabulary \(0\.\.255\)"),
     ((torch.tensor([7]), [1, 2, 3], [4, 5, -2]), r"token id -2 at \[2, 2\] is outside the vocabulary"),
+    # named by its own value, as a [batch, seq] batch's (it was cast to int64 first: the negative it reads as)
+    ([[1], torch.tensor([3, 2**64 - 1], dtype=torch.uint64)], rf"token id {2**64 - 1} at \[1, 1\] is outside"),
 ])
 def test_prompts_of_different_lengths_are_checked_one_by_one(model, ids, pattern):
     with pytest.raises(MxcError, match=f"^{pattern}"):
         model.generate(ids, max_new_tokens=2)
+
+
+def test_prompts_as_tensors_of_one_length_are_the_same_prompts_as_lists(model):
+    """A list of 1-D tensors (or arrays) of one length, or a list of one tensor, are prompts as the same ids in lists
+    are: they went to torch.as_tensor as one [batch, seq] batch, which makes no tensor of a list of tensors."""
+    import numpy as np
+
+    rows = [[1, 2, 3], [4, 5, 6]]
+    want = model.generate(rows, max_new_tokens=3)
+    assert torch.equal(model.generate([torch.tensor(r, dtype=torch.int32) for r in rows], max_new_tokens=3), want)
+    assert torch.equal(model.generate((torch.tensor(rows[0]), rows[1]), max_new_tokens=3), want)
+    assert torch.equal(model.generate([np.array(r, dtype=np.uint8) for r in rows], max_new_tokens=3), want)
+    assert torch.equal(model.generate([torch.tensor(rows[1])], max_new_tokens=3), want[1:])
 
 
 def test_numpy_numbers_and_fractions_sample_as_python_numbers(model):
