@@ -39,7 +39,7 @@ from mxc.loaders.dummy import DummyCheckpoint
 from mxc.loaders.prequantized import checkpoint_quantization, unquantized_linears
 from mxc.models import bind_model
 from mxc.runtime_buckets import PREFILL_GRAPH_MIN, PREFILL_GRAPH_TOKENS
-from mxc.source import Source, check_eos, eos_ids, pad_id, resolve_source
+from mxc.source import Source, check_eos, checkpoint_name, eos_ids, pad_id, resolve_source
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "generation_config.json")
@@ -408,7 +408,7 @@ def _write(tmp: Path, graph: Graph, src: Source, options: BuildOptions, arch: in
         **({"mlp_pair": mlp_pair} if mlp_pair else {}),
         # the checkpoint folder's name, not its path: an artifact that is shipped tells neither where nor by whom
         # (/home/<user>) it was built, and builds from two copies of a checkpoint are the same bytes
-        "source": {"checkpoint": src.checkpoint.resolve().name if src.checkpoint else None,
+        "source": {"checkpoint": checkpoint_name(src.checkpoint) if src.checkpoint else None,
                    "weights": "checkpoint" if src.checkpoint else "dummy"},
         "tp": options.tp,
         "files": file_digests(tmp, {p.relative_to(tmp).as_posix(): d for p, (d, _) in digests.items()}),

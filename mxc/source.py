@@ -9,6 +9,7 @@ weights. Bad paths and unreadable configs are one-line errors naming the file.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +46,45 @@ def _is_bundled(src: Path) -> bool:
     return src.name == str(src) and (MODELS_DIR / src.with_suffix(".yaml").name).exists()
 
 
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]")  # a Hub model id: owner/name
+
+
+def hub_snapshot(name: str) -> Path | None:
+    """The local Hugging Face cache's snapshot of model ``name`` (an ``owner/name`` id; the revision ``main``
+    points at), where it was downloaded (``hf download``, transformers' ``from_pretrained``), else None. mxc does
+    not download: the cache is read as it is (``HF_HUB_CACHE`` or ``HF_HOME`` say where, as for transformers)."""
+    if not _REPO_ID.fullmatch(name):
+        return None
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    cache = os.environ.get("HF_HUB_CACHE") or (os.path.join(os.environ["HF_HOME"], "hub")
+                                               if os.environ.get("HF_HOME") else None)
+    try:
+        path = Path(snapshot_download(name, local_files_only=True, cache_dir=cache))
+    except (LocalEntryNotFoundError, HFValidationError, OSError, ValueError):
+        return None
+    return path if (path / "config.json").is_file() else None
+
+
+def checkpoint_name(path: Path) -> str:
+    """How the manifest names a checkpoint: its folder's name (not its path: an artifact that is shipped tells
+    neither where nor by whom it was built), or for a snapshot in the Hugging Face cache, its model id and commit."""
+    path = path.resolve()
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        return f"{path.parent.parent.name.removeprefix('models--').replace('--', '/')}@{path.name}"
+    return path.name
+
+
+def _download_hint(name: str) -> str:
+    """For a name that looks like a Hub model id: how to get the checkpoint mxc builds from (it does not download)."""
+    if not _REPO_ID.fullmatch(name):
+        return ""
+    local = name.rsplit("/", 1)[1]
+    return (f"; to build the Hugging Face Hub model {name}, download it first (hf download {name}, which mxc then "
+            f"finds in the cache, or hf download {name} --local-dir {local} and mxc build {local})")
+
+
 def resolve_source(source: str, checkpoint: str | None, config: str | None = None) -> Source:
     """Work out the model file, config and checkpoint from the command line.
 
@@ -54,18 +94,23 @@ def resolve_source(source: str, checkpoint: str | None, config: str | None = Non
     if config is not None and checkpoint is not None:
         raise MxcError("--config is for random weights; a --checkpoint brings its own config.json")
     src = Path(source)
+    if not src.exists() and not _is_bundled(src) and (cached := hub_snapshot(source)) is not None:
+        src = cached  # a Hugging Face Hub model id, downloaded into the local cache
+    if checkpoint is not None and not Path(checkpoint).exists() and (cached := hub_snapshot(checkpoint)) is not None:
+        checkpoint = str(cached)
     if src.is_dir():
         if checkpoint is not None:
             raise MxcError(f"{source} is a checkpoint directory; do not also pass --checkpoint")
-        checkpoint, src = source, None
+        checkpoint, src = str(src), None
     ckpt = Path(checkpoint) if checkpoint else None
     if ckpt is not None and not ckpt.is_dir():
-        raise MxcError(f"--checkpoint {checkpoint}: not a directory")
+        raise MxcError(f"--checkpoint {checkpoint}: not a directory{_download_hint(checkpoint)}")
 
     bundled = src is not None and _is_bundled(src)
     if src is not None and not src.exists() and not bundled:
         from mxc.models import model_files
-        raise MxcError(f"{source}: no such file, and not a bundled definition ({', '.join(model_files())})")
+        raise MxcError(f"{source}: no such file, and not a bundled definition ({', '.join(model_files())})"
+                       f"{_download_hint(source)}")
     if src is not None and src.is_file() and src.suffix.lower() == ".json":  # model definitions are YAML
         what = "a config.json" if src.name == "config.json" else "a JSON file"
         raise MxcError(f"{source}: {what}, not a model definition; pass its folder (mxc build {src.parent}) or use "

@@ -1,0 +1,80 @@
+"""A Hugging Face Hub model id as the build's source or --checkpoint: its snapshot in the local cache (where
+``hf download`` or transformers put it: blobs behind symlinks, ``refs/main`` naming the commit), else a one-line error
+saying how to download it. mxc itself does not download."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import mxc
+from mxc.errors import MxcError
+from tests.cli.helpers import user_error
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def _cache_from(ckpt: Path, hub: Path, repo: str) -> Path:
+    """``ckpt``'s files as the Hub cache lays out ``repo``: each file a symlink to its blob; returns the snapshot."""
+    root = hub / f"models--{repo.replace('/', '--')}"
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text(COMMIT)
+    snapshot = root / "snapshots" / COMMIT
+    snapshot.mkdir(parents=True)
+    (root / "blobs").mkdir()
+    for f in ckpt.iterdir():
+        blob = root / "blobs" / f"blob-{f.name}"
+        blob.write_bytes(f.read_bytes())
+        os.symlink(os.path.relpath(blob, snapshot), snapshot / f.name)
+    return snapshot
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)  # no folder named like the model id here
+    return tmp_path / "hub"
+
+
+def test_a_model_id_in_the_cache_builds_its_snapshot(hf_checkpoint, hub, tmp_path):
+    ckpt, _ = hf_checkpoint("Qwen2ForCausalLM")
+    snapshot = _cache_from(ckpt, hub, "someorg/tiny-qwen2")
+    by_id = mxc.build("someorg/tiny-qwen2", out=tmp_path / "by-id", progress=False, log=lambda m: None)
+    with_def = mxc.build("llama.yaml", checkpoint="someorg/tiny-qwen2", out=tmp_path / "with-def", progress=False,
+                         log=lambda m: None)
+    by_path = mxc.build(str(snapshot), out=tmp_path / "by-path", progress=False, log=lambda m: None)
+    ids = [[1, 2, 3]]
+    want = mxc.load(by_path).logits(ids)
+    for art in (by_id, with_def):
+        assert torch.equal(mxc.load(art).logits(ids), want)
+        source = json.loads((art / "manifest.json").read_text())["source"]
+        assert source == {"checkpoint": f"someorg/tiny-qwen2@{COMMIT}", "weights": "checkpoint"}
+
+
+def test_a_model_id_not_in_the_cache_says_how_to_download_it(hub, capsys):
+    hint = ("to build the Hugging Face Hub model someorg/absent, download it first (hf download someorg/absent, which "
+            "mxc then finds in the cache, or hf download someorg/absent --local-dir absent and mxc build absent)")
+    with pytest.raises(MxcError, match=r"^someorg/absent: no such file, and not a bundled definition \(llama\.yaml\); "
+                                       + hint.replace("(", r"\(").replace(")", r"\)") + "$"):
+        mxc.build("someorg/absent", progress=False, log=lambda m: None)
+    user_error(capsys, ["build", "llama.yaml", "--checkpoint", "someorg/absent"],
+               "--checkpoint someorg/absent: not a directory; to build the Hugging Face Hub model someorg/absent")
+    # not a model id: no hint
+    with pytest.raises(MxcError, match=r"^missing\.yaml: no such file, and not a bundled definition \(llama\.yaml\)$"):
+        mxc.build("missing.yaml", progress=False, log=lambda m: None)
+
+
+def test_a_local_folder_named_like_a_model_id_comes_first(hf_checkpoint, hub, tmp_path):
+    """``someorg/tiny`` relative to the working directory is that folder, whatever the cache holds."""
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM")
+    other, _ = hf_checkpoint("Qwen2ForCausalLM", name="other")
+    _cache_from(other, hub, "someorg/tiny")
+    (tmp_path / "someorg").mkdir()
+    ckpt.rename(tmp_path / "someorg" / "tiny")
+    art = mxc.build("someorg/tiny", out=tmp_path / "art", progress=False, log=lambda m: None)
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert manifest["architecture"] == "LlamaForCausalLM" and manifest["source"]["checkpoint"] == "tiny"
