@@ -186,9 +186,9 @@ def main() -> None:
         # the full step as graph replays alone: what generate's per-step work between replays (the token,
         # position and cache-slot copies, sampling: eager kernels) adds to it
         with routing():
-            gen(torch.randint(0, 1000, (1, 128)), 2)  # captures the batch-1 graph
+            gen(torch.randint(0, 1000, (1, 128)), 2)  # a prompt in the cache (greedy: the greedy graph captured)
             dec = model._decoder
-            bucket = dec.buckets[1]
+            bucket = dec.buckets[1]  # its sampling-path step graph: captured by its first step (the warm-up)
             replay = statistics.median(cuda_time(lambda: [bucket.step(dec) for _ in range(100)]) / 100
                                        for _ in range(5))
         print(f"\nthe full step as graph replays alone: {replay * 1e3:.3f} ms (in generate: {full * 1e3:.3f} ms)")
