@@ -87,11 +87,9 @@ class Model:
         try:
             ids = torch.as_tensor(input_ids)
         except (ValueError, TypeError, RuntimeError) as e:  # ragged lists, non-numbers, None
-            raise MxcError(f"input_ids must be a [batch, seq] integer tensor (prompts of one batch of one length: "
-                           f"run prompts of other lengths in separate calls, or give them to generate as a list "
-                           f"of lists); {e}") from None
-        _check_layout(ids, "give a plain tensor or a list of lists (generate also takes a list of prompts of "
-                           "different lengths)")
+            raise MxcError(f"input_ids must be a [batch, seq] integer tensor, or prompts of different lengths as a "
+                           f"list of lists or of 1-D tensors; {e}") from None
+        _check_layout(ids, "give a plain tensor or a list of lists")
         if ids.dim() != 2 or ids.dtype not in INT_DTYPES or 0 in ids.shape:
             raise MxcError(f"input_ids must be a [batch, seq] integer tensor with batch, seq >= 1, got "
                            f"{list(ids.shape)} {ids.dtype}")
@@ -160,21 +158,24 @@ class Model:
 
     # --- API ----------------------------------------------------------------------
     @_on_own_device
-    def logits(self, input_ids) -> torch.Tensor:
-        """[batch, seq] token ids -> [batch, seq, vocab] float32 logits (causal, no cache)."""
-        ids = self._ids(input_ids)
-        b, s = ids.shape
+    def logits(self, input_ids) -> torch.Tensor | list[torch.Tensor]:
+        """[batch, seq] token ids -> [batch, seq, vocab] float32 logits (causal, no cache). Prompts of different
+        lengths (as ``generate`` takes them) -> a list of [seq, vocab] float32 logits, one a prompt, in one forward
+        with no padding."""
+        ragged = _ragged_rows(input_ids) is not None
+        tokens, lens = self._prompts(input_ids)
+        b, s, t = len(lens), max(lens), len(tokens)
         self._check_capacity(b, s)
         if self._decoder is None:  # every row's logits, in the model's dtype and as float32, beside the KV cache
-            self._check_host_memory(self._cache_bytes(b, s) + b * s * self.vocab_size * (self.dtype.itemsize + 4),
+            self._check_host_memory(self._cache_bytes(b, s) + t * self.vocab_size * (self.dtype.itemsize + 4),
                                     f"a logits call of {b} x {s} tokens needs at least",
                                     "give fewer or shorter prompts a call")
-        rows = torch.arange(b * s, device=self.device)
+        rows = torch.arange(t, device=self.device)
         k_cache, v_cache = (self._decoder.k_cache, self._decoder.v_cache) if self._decoder else self.new_cache(b, s)
-        ctx = ForwardContext.build([s] * b, [0] * b, list(range(b)), k_cache, v_cache, self.device, **self._dist)
-        out = self._run(ctx, ids.reshape(-1), ctx.positions, rows)
+        ctx = ForwardContext.build(lens, [0] * b, list(range(b)), k_cache, v_cache, self.device, **self._dist)
+        out = self._run(ctx, tokens, ctx.positions, rows)
         self._check_peers()
-        return out.float().reshape(b, s, -1)
+        return list(out.float().split(lens)) if ragged else out.float().reshape(b, s, -1)
 
     def _check_peers(self) -> None:
         """A push all-reduce that gave up waiting for a rank (``peer_allreduce``) makes the result wrong: say so."""

@@ -155,8 +155,10 @@ def test_prompts_of_different_lengths(arch, overrides, hf_checkpoint, greedy_che
     prompts = [torch.randint(0, 256, (n,), generator=gen) for n in (13, 3, 8, 1)]
     got = model.generate(prompts, max_new_tokens=20)
     assert got.shape == (4, 20)
-    for prompt, row in zip(prompts, got):
+    for prompt, row, logits in zip(prompts, got, model.logits(prompts)):
         greedy_check(prompt[None], row[None], lambda seq: hf(seq.cuda()).logits)
+        with torch.no_grad():
+            assert _rel(logits.cpu(), hf(prompt[None].cuda()).logits[0].float().cpu()) < 3e-2
     assert torch.equal(model.generate(prompts, max_new_tokens=20, temperature=1.0, top_k=1, seed=0), got)
 
 

@@ -179,17 +179,19 @@ def test_stop_at_eos_stops_where_transformers_generate_does(hf_checkpoint, tmp_p
 def test_prompts_of_different_lengths_match_transformers_generate_of_each(arch, overrides, hf_checkpoint, tmp_path):
     """A list of prompts of different lengths: one prefill of them all, then each row decodes from its own position,
     with no padding. Each row's tokens are transformers' generate of that prompt alone, on the sampling path (top_k
-    1) too, and stop_at_eos pads each row after its own first eos."""
+    1) too, and stop_at_eos pads each row after its own first eos; ``logits`` gives each prompt's, as HF's of it."""
     ckpt, hf = hf_checkpoint(arch, **overrides)
     model = mxc.load(_build(ckpt, tmp_path / "art"))
     gen = torch.Generator().manual_seed(6)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (9, 2, 5, 1)]
     got = model.generate(prompts, max_new_tokens=12)
     assert got.shape == (4, 12)
-    for row, prompt in zip(got, prompts):
+    for row, logits, prompt in zip(got, model.logits(prompts), prompts):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+            ref_logits = hf(torch.tensor([prompt])).logits[0]
         assert torch.equal(row, ref[0, len(prompt):]), prompt
+        assert float((logits - ref_logits).abs().max() / ref_logits.abs().max()) <= 1e-4, prompt
     assert torch.equal(model.generate(prompts, max_new_tokens=12, temperature=1.0, top_k=1, seed=0), got)
     assert torch.equal(model.generate(tuple(torch.tensor(p) for p in prompts), max_new_tokens=12), got)
 

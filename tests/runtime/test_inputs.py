@@ -278,19 +278,24 @@ def test_ids_of_other_layouts_are_refused(model, layout):
             layout = "nested"
     pattern = (rf"^input_ids must be a \[batch, seq\] integer tensor of the default \(strided\) layout, got a {layout} "
                r"tensor; give a plain tensor or a list of lists")
+    if layout == "nested":  # a nested tensor: prompts of different lengths
+        assert torch.equal(model.generate(ids, max_new_tokens=2), model.generate([[1, 2], [3]], max_new_tokens=2))
+        assert all(torch.equal(a, b) for a, b in zip(model.logits(ids), model.logits([[1, 2], [3]])))
+        return
     with pytest.raises(MxcError, match=pattern):
         model.logits(ids)
-    if layout == "nested":  # generate takes a nested tensor as prompts of different lengths
-        assert torch.equal(model.generate(ids, max_new_tokens=2), model.generate([[1, 2], [3]], max_new_tokens=2))
-    else:
-        with pytest.raises(MxcError, match=pattern):
-            model.generate(ids, max_new_tokens=2)
+    with pytest.raises(MxcError, match=pattern):
+        model.generate(ids, max_new_tokens=2)
 
 
-def test_logits_refuses_prompts_of_different_lengths_and_names_generate(model):
-    with pytest.raises(MxcError, match=r"^input_ids must be a \[batch, seq\] integer tensor \(prompts of one batch of "
-                                       r"one length: .* or give them to generate as a list of lists\); "):
-        model.logits([[1, 2, 3], [4]])
+def test_logits_of_prompts_of_different_lengths_are_a_list_of_each_prompt_s(model):
+    """One forward of every prompt, no padding: each prompt's [seq, vocab] logits, as the prompt alone gives them."""
+    prompts = [[5, 6, 7, 8], [9], [10, 11]]
+    got = model.logits(prompts)
+    assert isinstance(got, list) and [g.shape for g in got] == [(4, 256), (1, 256), (2, 256)]
+    for g, prompt in zip(got, prompts):
+        want = model.logits([prompt])[0]
+        assert g.dtype == torch.float32 and float((g - want).abs().max() / want.abs().max()) < 1e-5
 
 
 @pytest.mark.parametrize("ids, pattern", [
@@ -307,6 +312,8 @@ def test_logits_refuses_prompts_of_different_lengths_and_names_generate(model):
 def test_prompts_of_different_lengths_are_checked_one_by_one(model, ids, pattern):
     with pytest.raises(MxcError, match=f"^{pattern}"):
         model.generate(ids, max_new_tokens=2)
+    with pytest.raises(MxcError, match=f"^{pattern}"):
+        model.logits(ids)
 
 
 def test_prompts_as_tensors_of_one_length_are_the_same_prompts_as_lists(model):
