@@ -46,25 +46,43 @@ def _is_bundled(src: Path) -> bool:
     return src.name == str(src) and (MODELS_DIR / src.with_suffix(".yaml").name).exists()
 
 
+_WEIGHT_NAMES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json",
+                 "pytorch_model.bin")  # or any *.safetensors: what loaders.checkpoint.open_checkpoint looks for
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]")  # a Hub model id: owner/name
 
 
 def hub_snapshot(name: str) -> Path | None:
     """The local Hugging Face cache's snapshot of model ``name`` (an ``owner/name`` id; the revision ``main``
     points at), where it was downloaded (``hf download``, transformers' ``from_pretrained``), else None. mxc does
-    not download: the cache is read as it is (``HF_HUB_CACHE`` or ``HF_HOME`` say where, as for transformers)."""
+    not download: the cache is read as it is (``HF_HUB_CACHE`` or ``HF_HOME`` say where, as for transformers). A
+    snapshot of config.json without weights is a one-line error saying to download the rest."""
     if not _REPO_ID.fullmatch(name):
         return None
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
-    cache = os.environ.get("HF_HUB_CACHE") or (os.path.join(os.environ["HF_HOME"], "hub")
-                                               if os.environ.get("HF_HOME") else None)
     try:
-        path = Path(snapshot_download(name, local_files_only=True, cache_dir=cache))
+        path = Path(snapshot_download(name, local_files_only=True, cache_dir=_hub_cache()))
     except (LocalEntryNotFoundError, HFValidationError, OSError, ValueError):
         return None
-    return path if (path / "config.json").is_file() else None
+    if not (path / "config.json").is_file():
+        return None
+    if not any(os.path.lexists(path / f) for f in _WEIGHT_NAMES) and not any(path.glob("*.safetensors")):
+        # transformers' AutoConfig or AutoTokenizer caches config.json and the tokenizer alone
+        raise MxcError(f"{name}: the Hugging Face cache's snapshot of it ({path}) holds no weights, only config.json "
+                       f"and the like; download the rest: hf download {name}")
+    return path
+
+
+def _hub_cache() -> str:
+    """The Hub cache's folder as huggingface_hub (and so transformers) finds it: ``HF_HUB_CACHE``, the legacy
+    ``HUGGINGFACE_HUB_CACHE``, ``HF_HOME``/hub, ``XDG_CACHE_HOME``/huggingface/hub or ~/.cache/huggingface/hub, with
+    ``~`` and ``$VAR`` expanded; read from the environment now, not as it was when huggingface_hub was imported."""
+    env = os.environ.get
+    expand = lambda p: os.path.expandvars(os.path.expanduser(p))  # noqa: E731
+    home = expand(env("HF_HOME", os.path.join(env("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache")),
+                                              "huggingface")))
+    return expand(env("HF_HUB_CACHE", env("HUGGINGFACE_HUB_CACHE", os.path.join(home, "hub"))))
 
 
 def checkpoint_name(path: Path) -> str:
@@ -78,8 +96,8 @@ def checkpoint_name(path: Path) -> str:
 
 def _download_hint(name: str) -> str:
     """For a name that looks like a Hub model id: how to get the checkpoint mxc builds from (it does not download)."""
-    if not _REPO_ID.fullmatch(name):
-        return ""
+    if not _REPO_ID.fullmatch(name) or Path(name).suffix.lower() in (".yaml", ".yml", ".json"):
+        return ""  # a definition's or a config's path, mistyped
     local = name.rsplit("/", 1)[1]
     return (f"; to build the Hugging Face Hub model {name}, download it first (hf download {name}, which mxc then "
             f"finds in the cache, or hf download {name} --local-dir {local} and mxc build {local})")

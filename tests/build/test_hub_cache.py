@@ -78,3 +78,73 @@ def test_a_local_folder_named_like_a_model_id_comes_first(hf_checkpoint, hub, tm
     art = mxc.build("someorg/tiny", out=tmp_path / "art", progress=False, log=lambda m: None)
     manifest = json.loads((art / "manifest.json").read_text())
     assert manifest["architecture"] == "LlamaForCausalLM" and manifest["source"]["checkpoint"] == "tiny"
+
+
+def test_the_cache_is_where_huggingface_hub_finds_it(hf_checkpoint, tmp_path, monkeypatch):
+    """HF_HOME (and HF_HUB_CACHE) with a ``$VAR`` in it, or the legacy HUGGINGFACE_HUB_CACHE, name the cache
+    huggingface_hub and transformers read: the build finds the model there too."""
+    ckpt, _ = hf_checkpoint("Qwen2ForCausalLM")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    monkeypatch.setenv("MXC_TEST_ROOT", str(tmp_path))
+    monkeypatch.setenv("HF_HOME", "$MXC_TEST_ROOT/hf-home")
+    _cache_from(ckpt, tmp_path / "hf-home" / "hub", "someorg/tiny")
+    assert mxc.build("someorg/tiny", out=tmp_path / "a", progress=False, log=lambda m: None).is_dir()
+    monkeypatch.setenv("HUGGINGFACE_HUB_CACHE", str(tmp_path / "legacy"))  # before HF_HOME, as huggingface_hub has it
+    _cache_from(ckpt, tmp_path / "legacy", "someorg/other")
+    assert mxc.build("someorg/other", out=tmp_path / "b", progress=False, log=lambda m: None).is_dir()
+
+
+def test_a_snapshot_of_config_json_alone_says_to_download_the_rest(hf_checkpoint, hub):
+    """What transformers' AutoConfig or AutoTokenizer leaves in the cache: config.json, no weights."""
+    ckpt, _ = hf_checkpoint("Qwen2ForCausalLM")
+    snapshot = _cache_from(ckpt, hub, "someorg/tiny")
+    for f in snapshot.iterdir():
+        if f.name != "config.json":
+            f.unlink()
+    for args in (("someorg/tiny",), ("llama.yaml", "someorg/tiny")):
+        with pytest.raises(MxcError, match=r"^someorg/tiny: the Hugging Face cache's snapshot of it \(.*\) holds no "
+                                           r"weights, only config\.json and the like; download the rest: "
+                                           r"hf download someorg/tiny$"):
+            mxc.build(args[0], checkpoint=args[1] if len(args) > 1 else None, progress=False, log=lambda m: None)
+
+
+def test_a_broken_tokenizer_symlink_in_the_snapshot_is_named(hf_checkpoint, hub, tmp_path):
+    """A tokenizer file whose blob is gone was left out of the artifact without a word (it had a tokenizer_config.json
+    and no tokenizer.json); the tokenizer files that are there are copied as files, not symlinks."""
+    ckpt, _ = hf_checkpoint("Qwen2ForCausalLM")
+    (ckpt / "tokenizer_config.json").write_text("{}")
+    (ckpt / "special_tokens_map.json").write_text("{}")
+    snapshot = _cache_from(ckpt, hub, "someorg/tiny")
+    art = mxc.build("someorg/tiny", out=tmp_path / "ok", progress=False, log=lambda m: None)
+    copied = art / "tokenizer" / "tokenizer_config.json"
+    assert not copied.is_symlink() and copied.read_text() == "{}"
+    os.unlink(os.path.realpath(snapshot / "special_tokens_map.json"))
+    with pytest.raises(MxcError, match=r"/special_tokens_map\.json: is a broken symlink; expected the checkpoint's "
+                                       r"special_tokens_map\.json there \(download it again, or remove it"):
+        mxc.build("someorg/tiny", out=tmp_path / "broken", progress=False, log=lambda m: None)
+
+
+def test_a_mistyped_definition_path_gets_no_download_hint(hub):
+    """``models/mine.yaml`` is shaped like a Hub id, but a missing definition is not a model to download."""
+    for name in ("models/mine.yaml", "models/mine.yml", "configs/config.json"):
+        with pytest.raises(MxcError, match=rf"^{name}: no such file, and not a bundled definition \(llama\.yaml\)$"):
+            mxc.build(name, progress=False, log=lambda m: None)
+
+
+def test_nothing_reaches_the_network_even_online(hf_checkpoint, hub, tmp_path, monkeypatch):
+    """HF_HUB_OFFLINE=0: a cached id builds, and an absent one fails, without a connection being opened."""
+    import socket
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"network use: {args}")
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    ckpt, _ = hf_checkpoint("Qwen2ForCausalLM")
+    _cache_from(ckpt, hub, "someorg/tiny")
+    assert mxc.build("someorg/tiny", out=tmp_path / "a", progress=False, log=lambda m: None).is_dir()
+    with pytest.raises(MxcError, match=r"download it first"):
+        mxc.build("someorg/absent", progress=False, log=lambda m: None)
