@@ -105,6 +105,11 @@ def _check_tokenizer(checkpoint: Path | None) -> None:
     where rebuilding would not help."""
     from mxc.tokenizer import read_tokenizer
 
+    for name in TOKENIZER_FILES if checkpoint is not None else ():  # copied where they are files, else left out (a
+        # folder of the name), but a broken symlink (a Hub cache snapshot's blob gone) is named, not left out
+        if os.path.islink(checkpoint / name) and not os.path.exists(checkpoint / name):
+            raise MxcError(f"{checkpoint / name}: is a broken symlink; expected the checkpoint's {name} there "
+                           f"(download it again, or remove it to build without it)")
     if checkpoint is not None and (checkpoint / "tokenizer.json").is_file():
         read_tokenizer(checkpoint / "tokenizer.json", "replace it with a good copy, or remove it to build without a "
                                                       "tokenizer (then generate with --ids)")
@@ -203,7 +208,9 @@ def default_dtype(target: str, config: dict) -> str:
     mantissa from its 11."""
     if target == "cpu":
         return "float32"
-    said = config.get("dtype", config.get("torch_dtype"))
+    said = config.get("dtype")
+    if said is None:  # as transformers 5 reads it: torch_dtype where dtype is absent or null
+        said = config.get("torch_dtype")
     return said if said in ("bfloat16", "float16") else "bfloat16"
 
 

@@ -97,6 +97,7 @@ def test_an_expert_stack_of_mixed_dtypes_is_quantized_as_stored(hf_checkpoint, t
     ({"dtype": "float16"}, "float16"),
     ({"dtype": "bfloat16"}, "bfloat16"),
     ({"torch_dtype": "float16"}, "float16"),  # transformers 4's name for the field
+    ({"dtype": None, "torch_dtype": "float16"}, "float16"),  # transformers: torch_dtype where dtype is null
     ({"dtype": "float32"}, "bfloat16"),  # the GPU path's default 16-bit dtype, as before
     ({}, "bfloat16"),
 ])
