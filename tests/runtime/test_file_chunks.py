@@ -123,3 +123,27 @@ def test_chunk_hasher_matches_slicing_whatever_the_updates():
             at += step
         assert h.pieces() == _pieces(data), size
         assert len(h.pieces()) == artifact_format.chunk_count(size, PIECE)
+
+
+def test_each_hashing_thread_holds_a_small_read_not_a_piece(tmp_path):
+    """Pieces are hashed a small read at a time: at the 16 MiB reads of ``sha256_file``'s default, the threads of one
+    load held up to 512 MiB at once (and each rank of a tensor-parallel load as much again)."""
+    import tracemalloc
+
+    from mxc.runtime.artifact import verify_files
+
+    piece = 8 << 20
+    data = bytes(range(256)) * (2 * piece // 256)
+    (tmp_path / "weights").mkdir()
+    (tmp_path / "weights" / "rank0.safetensors").write_bytes(data)
+    manifest = {"files": {"weights/rank0.safetensors": hashlib.sha256(data).hexdigest()},
+                "file_chunks": {"chunk_bytes": piece, "sha256": {"weights/rank0.safetensors": [
+                    hashlib.sha256(data[:piece]).hexdigest(), hashlib.sha256(data[piece:]).hexdigest()]}}}
+    del data
+    tracemalloc.start()
+    try:
+        verify_files(tmp_path, manifest)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < piece, peak  # 16 MiB reads: a whole 8 MiB piece a thread, two at once
