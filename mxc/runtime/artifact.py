@@ -243,9 +243,11 @@ def check_generate_device(name: str, manifest: dict, path) -> None:
 HASH_READ_BYTES = 1 << 20
 
 
-def verify_files(path: Path, manifest: dict, hashes: bool = True) -> None:
+def verify_files(path: Path, manifest: dict, hashes: bool = True, rank: int | None = None) -> None:
     """The artifact's files are the manifest's: none extra, none missing, and (``hashes``) each as built: every file
-    by its sha256, or by its pieces' (``file_chunks``), hashed on every core at once."""
+    by its sha256, or by its pieces' (``file_chunks``), hashed on every core at once. Given ``rank``, of the
+    weight files only that rank's is hashed: the process of each rank hashes its own (and they check they loaded
+    one build), not all tp of them tp times over."""
     expected = manifest.get("files", {})
     present = set(listed_files(path))
     extra = sorted(present - set(expected))
@@ -259,8 +261,12 @@ def verify_files(path: Path, manifest: dict, hashes: bool = True) -> None:
         return
     chunks = manifest.get("file_chunks", {"chunk_bytes": 1, "sha256": {}})
     size = chunks["chunk_bytes"]
+    others = {f"weights/rank{r}.safetensors" for r in range(manifest.get("tp", 1)) if r != rank} if rank is not None \
+        else set()
     work = []  # (file, start, length or None: to its end, sha256)
     for rel, digest in expected.items():
+        if rel in others:
+            continue
         pieces = chunks["sha256"].get(rel)
         if pieces is None:
             work.append((rel, 0, None, digest))
@@ -395,7 +401,7 @@ def _artifact_path(path) -> Path:
 def _read_files(path: Path, manifest: dict, device: torch.device, rank: int, verify: bool, rebuild_kernels: bool):
     """Everything ``load`` reads from the artifact after its manifest, by path: its files checked, the program,
     the kernels' launcher, rank ``rank``'s weights and the kernel libraries; (program, launcher, weights)."""
-    verify_files(path, manifest, hashes=verify)  # verify=False: the files' presence only, no hashing
+    verify_files(path, manifest, hashes=verify, rank=rank)  # verify=False: the files' presence only, no hashing
     program = _exec_program(path / "code" / "forward.py", manifest["files"]["code/forward.py"])
     launcher = _kernel_launcher(path, manifest, device, rebuild_kernels)  # a wrong device or GPU fails first
     weights = _load_weights(path, rank, device, _expected_weights(path, manifest))

@@ -261,8 +261,8 @@ def _generate_watching(art, until, args=("--ids", "1", "--max-new-tokens", "9900
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds the rank processes through /proc")
 def test_cli_generate_with_a_rank_failing_or_killed_is_one_line_and_leaves_no_process(tmp_path):
-    """``mxc generate`` on a tp=2 artifact whose ranks fail with a user error (rank 1's weights file changed since the
-    build: each rank checks every file), or one of whose ranks a signal from another process ends mid-decode: one
+    """``mxc generate`` on a tp=2 artifact one of whose ranks fails with a user error (rank 1's weights file changed
+    since the build: rank 1 hashes its own weights), or one of whose ranks a signal from another process ends mid-decode: one
     line on stderr, nothing on stdout, exit status 2, and every process the command started (the ranks,
     multiprocessing's resource tracker) gone."""
     import shutil
@@ -278,8 +278,8 @@ def test_cli_generate_with_a_rank_failing_or_killed_is_one_line_and_leaves_no_pr
         f.write(b"\xff\x7f\xff\x7f")
     code, out, err, started = _generate_watching(damaged, lambda ranks: False, ("--ids", "1", "--max-new-tokens", "4"))
     assert (code, out) == (2, ""), err
-    assert re.fullmatch(rf"mxc: error: rank [01]: {re.escape(str(damaged))}: weights/rank1\.safetensors was modified "
-                        rf"since the build \(sha256 mismatch\); rebuild the artifact\n", err), err  # the first to end
+    assert re.fullmatch(rf"mxc: error: rank 1: {re.escape(str(damaged))}: weights/rank1\.safetensors was modified "
+                        rf"since the build \(sha256 mismatch\); rebuild the artifact\n", err), err
     assert len([pid for pid, cmd in started.items() if "spawn_main" in cmd]) == 2
     _assert_ended(list(started))
 

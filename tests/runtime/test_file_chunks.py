@@ -147,3 +147,26 @@ def test_each_hashing_thread_holds_a_small_read_not_a_piece(tmp_path):
     finally:
         tracemalloc.stop()
     assert peak < piece, peak  # 16 MiB reads: a whole 8 MiB piece a thread, two at once
+
+
+def test_each_rank_hashes_its_own_weights_and_the_shared_files(tmp_path):
+    """A tensor-parallel load: rank r's process hashes weights/rank{r} and the files every rank reads, not the other
+    ranks' weights (each rank hashes its own; they check they loaded one build): tp times less hashing a process."""
+    from mxc.runtime.artifact import verify_files
+
+    art = mxc.build("llama.yaml", out=tmp_path / "tp2", tp=2, progress=False, log=lambda m: None)
+    manifest = _manifest(art)
+    path = art / "weights" / "rank0.safetensors"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+    verify_files(art, manifest, rank=1)  # rank 0's file is rank 0's to hash
+    for rank in (0, None):  # rank 0, and a check of the whole artifact
+        with pytest.raises(mxc.MxcError, match=r"weights/rank0\.safetensors was modified since the build"):
+            verify_files(art, manifest, rank=rank)
+    (art / "code" / "forward.py").write_text("# edited\n")
+    with pytest.raises(mxc.MxcError, match=r"code/forward\.py was modified since the build"):
+        verify_files(art, manifest, rank=1)  # a file every rank reads: every rank hashes it
+    path.unlink()
+    with pytest.raises(mxc.MxcError, match=r"weights/rank0\.safetensors is missing"):
+        verify_files(art, manifest, rank=1, hashes=False)  # every file's presence, whatever the rank
