@@ -38,6 +38,11 @@ def tensor_bytes(dtype: torch.dtype, shape) -> int:
     return dtype.itemsize * math.prod(int(d) for d in shape)
 
 
+# A tensor up to this size may still be hashed after ``write`` returns (beside the next tensor's conversion): the writer
+# then holds it, so a build's peak memory grows by at most this much
+_OVERLAP_BYTES = 256 << 20
+
+
 class SafetensorsWriter:
     """Write a safetensors file tensor by tensor against a header fixed up front."""
 
@@ -71,15 +76,17 @@ class SafetensorsWriter:
         self._file.write(struct.pack("<Q", len(encoded)))
         self._file.write(encoded)
         self._hash = hashlib.sha256(struct.pack("<Q", len(encoded)) + encoded)  # None once out of order
-        # each piece's sha256 (``chunk_digests``) on a thread of its own beside the whole file's: hashlib lets go of
-        # the GIL, so the two cost the build the time of one
+        # the whole file's sha256 and each piece's (``chunk_digests``) on two threads of their own: hashlib lets go of
+        # the GIL, so a tensor's hashing overlaps the next one's conversion (``_OVERLAP_BYTES``)
         self._pieces = ChunkHasher()
         self._pieces.update(struct.pack("<Q", len(encoded)) + encoded)
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mxc-hash")
+        self._pools = [concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mxc-hash") for _ in range(2)]
+        self._pending: list[concurrent.futures.Future] = []
         self._hashed = 0  # data bytes hashed so far
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Write one tensor's bytes at its offset; it must match its spec exactly."""
+        """Write one tensor's bytes at its offset; it must match its spec exactly. A tensor of at most
+        ``_OVERLAP_BYTES`` may still be hashed once this returns: leave it unmodified until the next write or close."""
         if name not in self._specs:
             raise MxcError(f"{self.path}: tensor {name!r} is not in the header specs")
         if name in self._written:
@@ -100,9 +107,12 @@ class SafetensorsWriter:
             raise
         if self._hash is not None and self._offsets[name] == self._hashed:
             if data.numel():
-                pieces = self._pool.submit(self._pieces.update, data.numpy())
-                self._hash.update(memoryview(data.numpy()))
-                pieces.result()  # before the caller may reuse the tensor's memory
+                self._drain()  # the tensor before: its hashing ran beside this one's conversion
+                view = data.numpy()  # holds the tensor alive until hashed
+                self._pending = [self._pools[0].submit(self._hash.update, view),
+                                 self._pools[1].submit(self._pieces.update, view)]
+                if data.numel() > _OVERLAP_BYTES:  # a large tensor is not held past write: peak memory stays one
+                    self._drain()
             self._hashed += data.numel()
         else:
             self._hash = None
@@ -127,6 +137,16 @@ class SafetensorsWriter:
         """sha256 of each ``artifact_format.CHUNK_BYTES`` piece of the file, as ``digest`` (else None)."""
         return self._pieces.pieces() if self._hashed_whole() else None
 
+    def _drain(self) -> None:
+        """Wait for the hashing of the tensor written last."""
+        for f in self._pending:
+            f.result()
+        self._pending = []
+
+    def _shutdown(self) -> None:
+        for pool in self._pools:
+            pool.shutdown(cancel_futures=True)
+
     def _hashed_whole(self) -> bool:
         return self._hash is not None and self._hashed == self._size and self._file.closed
 
@@ -138,7 +158,10 @@ class SafetensorsWriter:
         """Close the file; raise if any tensor was never written."""
         if self._file.closed:
             return
-        self._pool.shutdown()
+        try:
+            self._drain()
+        finally:
+            self._shutdown()
         try:
             self._file.close()
         except OSError as e:
@@ -156,7 +179,7 @@ class SafetensorsWriter:
         cannot flush (the disk that failed the write is still full) are of a file that goes, and an OSError here
         took the place of the error being handled (an ``MxcError`` became a traceback) and left the other ranks'
         files open."""
-        self._pool.shutdown()
+        self._shutdown()
         try:
             self._file.close()
         except OSError:
