@@ -243,11 +243,12 @@ def check_generate_device(name: str, manifest: dict, path) -> None:
 HASH_READ_BYTES = 1 << 20
 
 
-def verify_files(path: Path, manifest: dict, hashes: bool = True, rank: int | None = None) -> None:
+def verify_files(path: Path, manifest: dict, hashes: bool = True, rank: int | None = None,
+                 world_size: int = 1) -> None:
     """The artifact's files are the manifest's: none extra, none missing, and (``hashes``) each as built: every file
     by its sha256, or by its pieces' (``file_chunks``), hashed on every core at once. Given ``rank``, of the
     weight files only that rank's is hashed: the process of each rank hashes its own (and they check they loaded
-    one build), not all tp of them tp times over."""
+    one build), not all tp of them tp times over, each on its share of the cores (``world_size`` processes)."""
     expected = manifest.get("files", {})
     present = set(listed_files(path))
     extra = sorted(present - set(expected))
@@ -276,7 +277,8 @@ def verify_files(path: Path, manifest: dict, hashes: bool = True, rank: int | No
             work += [(rel, i * size, size, piece) for i, piece in enumerate(pieces)]
     # each thread reads HASH_READ_BYTES at a time: 32 threads reading sha256_file's 16 MiB held 512 MiB, in every
     # rank's process of a tensor-parallel load
-    with concurrent.futures.ThreadPoolExecutor(min(32, os.cpu_count() or 1, max(1, len(work)))) as pool:
+    threads = min(32, max(1, (os.cpu_count() or 1) // world_size), max(1, len(work)))
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         same = list(pool.map(
             lambda w: sha256_file(path / w[0], chunk=HASH_READ_BYTES, start=w[1], length=w[2]) == w[3], work))
     if not all(same):
@@ -401,7 +403,8 @@ def _artifact_path(path) -> Path:
 def _read_files(path: Path, manifest: dict, device: torch.device, rank: int, verify: bool, rebuild_kernels: bool):
     """Everything ``load`` reads from the artifact after its manifest, by path: its files checked, the program,
     the kernels' launcher, rank ``rank``'s weights and the kernel libraries; (program, launcher, weights)."""
-    verify_files(path, manifest, hashes=verify, rank=rank)  # verify=False: the files' presence only, no hashing
+    # verify=False: the files' presence only, no hashing
+    verify_files(path, manifest, hashes=verify, rank=rank, world_size=manifest.get("tp", 1))
     program = _exec_program(path / "code" / "forward.py", manifest["files"]["code/forward.py"])
     launcher = _kernel_launcher(path, manifest, device, rebuild_kernels)  # a wrong device or GPU fails first
     weights = _load_weights(path, rank, device, _expected_weights(path, manifest))

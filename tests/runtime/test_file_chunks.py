@@ -170,3 +170,19 @@ def test_each_rank_hashes_its_own_weights_and_the_shared_files(tmp_path):
     path.unlink()
     with pytest.raises(mxc.MxcError, match=r"weights/rank0\.safetensors is missing"):
         verify_files(art, manifest, rank=1, hashes=False)  # every file's presence, whatever the rank
+
+
+def test_each_rank_hashes_on_its_share_of_the_cores(art, monkeypatch):
+    """tp processes on one machine each take cpu_count / tp hashing threads (at most 32, at least 1)."""
+    import concurrent.futures
+
+    from mxc.runtime import artifact
+
+    made = []
+    real = concurrent.futures.ThreadPoolExecutor
+    monkeypatch.setattr(artifact.concurrent.futures, "ThreadPoolExecutor", lambda n: made.append(n) or real(n))
+    manifest = _manifest(art)
+    for cpus, world, want in [(16, 4, 4), (128, 1, 32), (2, 8, 1), (None, 1, 1)]:
+        monkeypatch.setattr(artifact.os, "cpu_count", lambda c=cpus: c)
+        artifact.verify_files(art, manifest, world_size=world)
+        assert made.pop() == want, (cpus, world)
