@@ -5,9 +5,10 @@ An artifact is a directory: ``manifest.json``, ``graph.yaml`` (the final IR),
 for ``--target cuda`` ``code/kernels/`` (cubins) and, where the build chose the CUTLASS fp8 GEMM,
 ``code/cutlass/fp8_gemm.so`` (the manifest's ``cutlass`` entry), with ``--mlp-pair``
 ``code/mlp_pair/mlp_pair_fp8.so`` (the manifest's ``mlp_pair`` entry; optional, so no new schema), and optionally
-``tokenizer/``. The manifest lists the sha256 of every other
-file (and, ``file_chunks``, of each 64 MiB piece of the larger ones, which a load hashes in parallel), and its own
-sha256 over the rest of it (``manifest_digest``): a hand-edited manifest is refused as a whole, as an edited file is. ``SCHEMA_VERSION`` changes when this layout changes incompatibly.
+``tokenizer/``. The manifest lists the sha256 of every other file (and, ``file_chunks``, of each 64 MiB piece of
+the larger ones, which a load hashes in parallel), and its own sha256 over the rest of it (``manifest_digest``): a
+hand-edited manifest is refused as a whole, as an edited file is. ``SCHEMA_VERSION`` changes when this layout
+changes incompatibly.
 """
 
 from __future__ import annotations
