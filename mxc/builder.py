@@ -1,7 +1,7 @@
 """``mxc build``: model definition + checkpoint -> artifact directory.
 
-Takes the source ``mxc.source`` resolves (a bundled definition name, a YAML path,
-or an HF checkpoint directory whose config.json picks the definition), checks
+Takes the source ``mxc.source`` resolves (a bundled definition name, a YAML path, or an HF checkpoint
+directory, a Hub model id's snapshot in the local HF cache included, whose config.json picks the definition), checks
 the build's inputs and its output directory (``build_output``), binds the graph, runs the compiler
 pipeline, renders the forward program, converts the weights
 and writes the manifest. Everything is written into a temporary sibling

@@ -190,8 +190,10 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     b = sub.add_parser("build", help="build an artifact from a model definition and a checkpoint")
-    b.add_argument("source", help="bundled definition (llama.yaml), a YAML path, or an HF checkpoint directory")
-    b.add_argument("--checkpoint", help="HF checkpoint directory (default: bundled tiny config, random weights)")
+    b.add_argument("source", help="bundled definition (llama.yaml), a YAML path, an HF checkpoint directory, or a Hub "
+                                  "model id (owner/name) downloaded into the local HF cache")
+    b.add_argument("--checkpoint", help="HF checkpoint directory, or a Hub model id in the local HF cache (default: "
+                                        "bundled tiny config, random weights)")
     b.add_argument("--config", help="a config.json to build with deterministic random weights (no checkpoint)")
     b.add_argument("--out", help="artifact directory (default: build/<definition>)")
     b.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
@@ -225,7 +227,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--prefill-graphs", type=int, metavar="TOKENS",
                    help="cuda: one-prompt prefills up to TOKENS tokens replay a CUDA graph per length bucket "
                         "(powers of two from 16 to 512, then every 256, none past TOKENS or --max-seq-len), padded "
-                        "up to it (short prompts wait on the host's ~10-20 ms of launches otherwise; default 2048, "
+                        "up to it (short prompts wait on the host's ~8-20 ms of launches otherwise; default 2048, "
                         "0: off)")
     b.set_defaults(fn=cmd_build)
 

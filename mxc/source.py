@@ -1,8 +1,9 @@
 """What a build's command line names: the model file, its config.json and the checkpoint.
 
 ``resolve_source`` turns ``mxc build SOURCE [--checkpoint DIR | --config FILE]`` into a ``Source``: a bundled
-definition (by name or by its path), a user's own YAML, or a checkpoint directory whose config.json picks the
-definition through the registry; with no checkpoint, the definition's tiny config or ``--config`` with random
+definition (by name or by its path), a user's own YAML, or a checkpoint directory (or a Hub model id's snapshot in
+the local Hugging Face cache, ``hub_snapshot``) whose config.json picks the definition through the registry; with no
+checkpoint, the definition's tiny config or ``--config`` with random
 weights. Bad paths and unreadable configs are one-line errors naming the file.
 """
 

@@ -1,4 +1,5 @@
-"""A streaming safetensors writer whose peak memory is one tensor.
+"""A streaming safetensors writer whose peak memory is one tensor (and the one written before it, where that is at most
+``_OVERLAP_BYTES``, while its hashing finishes).
 
 The model builder knows the final dtype and shape of every output tensor before
 it reads any weight data, so this module owns writing the safetensors header

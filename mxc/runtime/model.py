@@ -1,8 +1,8 @@
 """A loaded model: full-sequence logits and KV-cached generation.
 
 ``Model`` wraps the artifact's generated ``forward`` with the runtime's side
-of the contract: flattening a ``[batch, seq]`` batch (or, for ``generate``,
-prompts of different lengths) into the IR's token list, building the
+of the contract: flattening a ``[batch, seq]`` batch (or prompts of different
+lengths) into the IR's token list, building the
 ``ForwardContext`` (sequence lengths, KV cache) and choosing which rows need
 logits. ``generate`` prefills the prompt, then
 decodes one token per step over a preallocated KV cache; ``check_capacity``
