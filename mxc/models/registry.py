@@ -32,13 +32,14 @@ class Entry:
     refuse_if: list = field(default_factory=list)
     defaults: dict = field(default_factory=dict)
     tested: bool = True
+    field_aliases: dict = field(default_factory=dict)
 
     @property
     def path(self) -> Path:
         return MODELS_DIR / self.model
 
 
-ENTRY_KEYS = ("model", "set", "refuse_if", "defaults", "tested")
+ENTRY_KEYS = ("model", "set", "refuse_if", "defaults", "tested", "field_aliases")
 
 
 def registry() -> dict[str, Entry]:
@@ -54,7 +55,8 @@ def _entry(path: Path, arch: str, spec) -> Entry:
     where = f"{path.name}: {arch}"
     if not isinstance(spec, dict) or "model" not in spec or set(spec) - set(ENTRY_KEYS):
         raise MxcError(f"{where}: expected a mapping with model and keys among {', '.join(ENTRY_KEYS)}, got {spec!r}")
-    for key, kind in (("set", dict), ("refuse_if", list), ("defaults", dict), ("tested", bool)):
+    kinds = (("set", dict), ("refuse_if", list), ("defaults", dict), ("tested", bool), ("field_aliases", dict))
+    for key, kind in kinds:
         if key in spec and not isinstance(spec[key], kind):
             raise MxcError(f"{where}: {key}: expected a {'mapping' if kind is dict else kind.__name__}, "
                            f"got {spec[key]!r}")
@@ -128,11 +130,27 @@ def _copied_field(expr, config: dict, value) -> str | None:
     return None
 
 
+def _unaliased(config: dict, entry: Entry, config_path: str) -> dict:
+    """config.json with each alias a transformers config class reads as another field (its ``attribute_map``:
+    Mixtral's ``num_experts`` is its ``num_local_experts``) under that field's name; both given, and different, is
+    refused, naming the two."""
+    config = dict(config)
+    for alias, name in entry.field_aliases.items():
+        if alias not in config:
+            continue
+        if name in config and config[name] != config[alias]:
+            raise MxcError(f"{config_path}: {alias} ({config[alias]!r}) and {name} ({config[name]!r}) are one field "
+                           f"for {entry.architecture} (transformers reads {alias} as {name}); keep one of them")
+        config[name] = config[alias]
+    return config
+
+
 def bind_model(model_file: Path, config: dict, dtype: str, entry: Entry | None,
                config_path: str = "config.json") -> Graph:
     """Bind ``model_file`` to ``config`` with the registry entry's settings."""
     overrides, read_as = {}, {}
     if entry is not None:
+        config = _unaliased(config, entry, config_path)
         config = {**entry.defaults, **config}  # a field present in config.json, null included, wins
         env = _ConfigEnv(config)
         for cond in entry.refuse_if:

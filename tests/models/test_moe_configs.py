@@ -109,3 +109,29 @@ def test_tp2_expert_widths(hf_checkpoint, tmp_path):
         ref_tokens = hf.generate(IDS, max_new_tokens=8, min_new_tokens=8, do_sample=False)[:, IDS.shape[1]:]
     assert _rel_err(logits, ref) <= 1e-4
     assert torch.equal(tokens, ref_tokens)
+
+
+@pytest.mark.parametrize("arch,count,alias,experts", [(MIXTRAL, "num_local_experts", "num_experts", 4),
+                                                      (QWEN3, "num_local_experts", "num_experts", 4),
+                                                      (OLMOE, "num_experts", "num_local_experts", 4)])
+def test_expert_count_under_transformers_other_name(arch, count, alias, experts, hf_checkpoint, tmp_path):
+    """transformers' config classes read one expert-count field under two names (``attribute_map``: Mixtral's
+    num_experts is its num_local_experts, OLMoE's num_local_experts its num_experts). A config.json giving only the
+    other name took the registry's default count (8, 64, 128) and failed on the weights' shapes; both names with
+    different counts are refused, naming the two."""
+    import json
+
+    ckpt, hf = hf_checkpoint(arch, **{count: experts}, num_experts_per_tok=2)
+    config = json.loads((ckpt / "config.json").read_text())
+    for key in ("num_experts", "num_local_experts"):
+        config.pop(key, None)
+    (ckpt / "config.json").write_text(json.dumps({**config, alias: experts}))
+    ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    art = mxc.build(str(ckpt), out=tmp_path / "art", progress=False, log=lambda m: None)
+    assert _rel_err(mxc.load(art).logits(ids), ref) <= 1e-4
+    (ckpt / "config.json").write_text(json.dumps({**config, alias: experts, count: experts + 1}))
+    with pytest.raises(mxc.MxcError, match=rf"config\.json: {alias} \({experts}\) and {count} \({experts + 1}\) are "
+                                           rf"one field for {arch} \(transformers reads {alias} as {count}\)"):
+        mxc.build(str(ckpt), out=tmp_path / "both", progress=False, log=lambda m: None)

@@ -112,3 +112,9 @@ def test_partial_rotary_in_the_llama_family_is_refused(scaling):
                                           rope_scaling=scaling)
         with pytest.raises(RuntimeError, match="must match the size"):
             transformers.LlamaForCausalLM(config)(torch.tensor([[1, 2, 3]]))
+
+
+@pytest.mark.parametrize("arch", list(CONFIG_CLASSES))
+def test_field_aliases_are_transformers_attribute_maps(arch):
+    """Each architecture renames the config.json fields its transformers config class reads under another name."""
+    assert lookup(arch).field_aliases == CONFIG_CLASSES[arch].attribute_map
