@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mxc  # noqa: E402
+from mxc.runtime.artifact import verify_files  # noqa: E402
 
 HERE = Path(__file__).parent
 
@@ -283,6 +285,10 @@ def main() -> None:
     model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=1)
     torch.cuda.synchronize()
     rows.append(("load -> first token (no sha256 check)", f"{time.perf_counter() - t0:.1f} s"))
+    t0 = time.perf_counter()
+    verify_files(out, manifest)  # what verify=True adds to a load: every file's sha256, the weights' by pieces
+    rows.append(("sha256 check of the artifact (load's verify=True)",
+                 f"{time.perf_counter() - t0:.1f} s on {os.cpu_count()} cores"))
 
     nbytes, nlinear = weight_bytes(manifest, out)
     floor = nbytes / bw
