@@ -120,6 +120,9 @@ def resolve_source(source: str, checkpoint: str | None, config: str | None = Non
     if src.is_dir():
         if checkpoint is not None:
             raise MxcError(f"{source} is a checkpoint directory; do not also pass --checkpoint")
+        if config is not None:  # it was left unread: the checkpoint's own config.json was built
+            raise MxcError(f"--config is for random weights; {source} is a checkpoint directory, which brings its own "
+                           f"config.json (build a config with random weights: mxc build llama.yaml --config FILE)")
         checkpoint, src = str(src), None
     ckpt = Path(checkpoint) if checkpoint else None
     if ckpt is not None and not ckpt.is_dir():

@@ -157,6 +157,10 @@ def test_config_and_checkpoint_together_are_refused(hf_checkpoint, tmp_path):
     ckpt, _ = hf_checkpoint("LlamaForCausalLM")
     with pytest.raises(mxc.MxcError, match="--config is for random weights; a --checkpoint brings its own config.json"):
         _build("llama.yaml", tmp_path / "art", checkpoint=str(ckpt), config=str(_tiny_config(tmp_path)))
+    # the checkpoint as the source: --config was left unread, the checkpoint's own config.json built
+    with pytest.raises(mxc.MxcError, match=r"--config is for random weights; .*ckpt is a checkpoint directory, which "
+                                           r"brings its own config\.json"):
+        _build(ckpt, tmp_path / "art", config=str(_tiny_config(tmp_path)))
     assert not (tmp_path / "art").exists()
 
 
