@@ -95,13 +95,15 @@ def checkpoint_name(path: Path) -> str:
     return path.name
 
 
-def _download_hint(name: str) -> str:
-    """For a name that looks like a Hub model id: how to get the checkpoint mxc builds from (it does not download)."""
+def _download_hint(name: str, flag: str = "") -> str:
+    """For a name that looks like a Hub model id: how to get the checkpoint mxc builds from (it does not download);
+    ``flag``: the option that named it (``--checkpoint ``), which the local copy then takes."""
     if not _REPO_ID.fullmatch(name) or Path(name).suffix.lower() in (".yaml", ".yml", ".json"):
         return ""  # a definition's or a config's path, mistyped
     local = name.rsplit("/", 1)[1]
+    use = f"pass {flag}{local}" if flag else f"mxc build {local}"
     return (f"; to build the Hugging Face Hub model {name}, download it first (hf download {name}, which mxc then "
-            f"finds in the cache, or hf download {name} --local-dir {local} and mxc build {local})")
+            f"finds in the cache, or hf download {name} --local-dir {local} and {use})")
 
 
 def resolve_source(source: str, checkpoint: str | None, config: str | None = None) -> Source:
@@ -126,7 +128,7 @@ def resolve_source(source: str, checkpoint: str | None, config: str | None = Non
         checkpoint, src = str(src), None
     ckpt = Path(checkpoint) if checkpoint else None
     if ckpt is not None and not ckpt.is_dir():
-        raise MxcError(f"--checkpoint {checkpoint}: not a directory{_download_hint(checkpoint)}")
+        raise MxcError(f"--checkpoint {checkpoint}: not a directory{_download_hint(checkpoint, '--checkpoint ')}")
 
     bundled = src is not None and _is_bundled(src)
     if src is not None and not src.exists() and not bundled:

@@ -62,7 +62,9 @@ def test_a_model_id_not_in_the_cache_says_how_to_download_it(hub, capsys):
                                        + hint.replace("(", r"\(").replace(")", r"\)") + "$"):
         mxc.build("someorg/absent", progress=False, log=lambda m: None)
     user_error(capsys, ["build", "llama.yaml", "--checkpoint", "someorg/absent"],
-               "--checkpoint someorg/absent: not a directory; to build the Hugging Face Hub model someorg/absent")
+               "--checkpoint someorg/absent: not a directory; to build the Hugging Face Hub model someorg/absent, "
+               "download it first (hf download someorg/absent, which mxc then finds in the cache, or hf download "
+               "someorg/absent --local-dir absent and pass --checkpoint absent)")
     # not a model id: no hint
     with pytest.raises(MxcError, match=r"^missing\.yaml: no such file, and not a bundled definition \(llama\.yaml\)$"):
         mxc.build("missing.yaml", progress=False, log=lambda m: None)
