@@ -33,6 +33,7 @@ from mxc.compiler.options import BuildOptions
 from mxc.compiler.pipeline import check_disabled, compile_graph
 from mxc.errors import MxcError, size_text
 from mxc.ir import Graph, dump_graph, verify
+from mxc.kernels.candidates import ONE_SHOT_DTYPES
 from mxc.loaders.checkpoint import open_checkpoint
 from mxc.loaders.convert import DTYPES, check_checkpoint, weight_bytes, weight_elements, write_weights
 from mxc.loaders.dummy import DummyCheckpoint
@@ -261,6 +262,9 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     tp_allreduce = resolve_tp_allreduce(tp_allreduce, target, tp, dtype)
     if tp_allreduce in ("one_shot", "push") and target != "cuda":
         raise MxcError(f"--tp-allreduce {tp_allreduce}: the peer-memory all-reduce needs --target cuda (got {target})")
+    if tp_allreduce == "one_shot" and dtype not in ONE_SHOT_DTYPES:
+        raise MxcError(f"--tp-allreduce one_shot: torch's one-shot all-reduce sums {' or '.join(ONE_SHOT_DTYPES)}, "
+                       f"not {dtype}; use push (the default for {dtype}) or nccl")
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise MxcError(f"--tp {tp}: expected a positive integer{_got(tp)}")
     if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in (max_batch, max_seq_len)):

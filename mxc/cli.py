@@ -211,9 +211,9 @@ def parser() -> argparse.ArgumentParser:
                         "(default: on for sm_90 and later)")
     b.add_argument("--tp-allreduce", choices=["auto", "nccl", "one_shot", "push"], default="auto",
                    help="cuda, --tp > 1: decode all-reduces (up to 32 tokens) pushed into the peers' memory and "
-                        "fused with the residual add and RMSNorm (push), one-shot over peer memory, or by NCCL "
-                        "(default auto: push for bf16/fp16, one_shot for float32, on cuda with --tp > 1, else nccl; the "
-                        "runtime falls back to NCCL where peer memory is not usable)")
+                        "fused with the residual add and RMSNorm (push), one-shot over peer memory (bf16/fp32), or "
+                        "by NCCL (default auto: push for bf16/fp16, one_shot for float32, on cuda with --tp > 1, else "
+                        "nccl; the runtime falls back to NCCL where peer memory is not usable)")
     b.add_argument("--mlp-pair", action="store_true",
                    help="fp8, tp 1 (experimental; slower than the default kernels on an H200, docs/perf.md): run "
                         "each layer's fused MLP op on cuda at <= 8 tokens as one persistent launch "

@@ -96,13 +96,15 @@ def _gemv_wide_ok(node, in_types, options):
 
 MOE_PAIR_MAX_TOKENS = 4  # decode token counts the per-pair MoE kernels serve (experts then get one row)
 ONE_SHOT_MAX_TOKENS = 32  # rows the peer-memory all-reduces serve (decode): <= 32 x hidden, their buffers
+# what torch's one-shot all-reduce sums (symm_mem's kernel dispatches float and bfloat16 only: no float16)
+ONE_SHOT_DTYPES = ("bfloat16", "float32")
 
 
 def _one_shot_ok(node, in_types, options):
     if getattr(options, "tp_allreduce", "nccl") != "one_shot":
         return "not asked for (--tp-allreduce one_shot)"
     dtype = in_types[0].dtype
-    return None if dtype in ("bfloat16", "float32") else f"peer-memory all-reduce takes bf16 or fp32, not {dtype}"
+    return None if dtype in ONE_SHOT_DTYPES else f"peer-memory all-reduce takes bf16 or fp32, not {dtype}"
 
 
 def _push_ok(node, in_types, options):

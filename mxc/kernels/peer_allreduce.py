@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from mxc.errors import MxcError
 from mxc.kernels import kernel_templates, triton_gemv
+from mxc.kernels.candidates import ONE_SHOT_DTYPES
 from mxc.kernels.launch import launch, next_pow2
 from mxc.kernels.triton_norm import row_warps
 
@@ -72,6 +73,8 @@ class OneShotAllReduce:
     """Sum of ``x`` over the ranks of ``group`` (None: the default group), one-shot over peer memory."""
 
     def __init__(self, group, numel: int, dtype: torch.dtype, device: torch.device):
+        if str(dtype).removeprefix("torch.") not in ONE_SHOT_DTYPES:  # before the collective: every rank refuses
+            raise RuntimeError(f"torch's one-shot all-reduce sums bf16 or fp32, not {dtype}")
         self.group = group if group is not None else dist.group.WORLD
         self.group_name = self.group.group_name
         self.buffer, _ = _symmetric_buffer(self.group, numel, dtype, device)

@@ -37,10 +37,16 @@ OLMOE = {"architectures": ["OlmoeForCausalLM"], "hidden_size": 64, "intermediate
 
 # top 1 of 6 experts: the router's top-k at k = 1 (Triton 3.6's tl.topk fails to compile there)
 QWEN3_MOE_TOP1 = {**QWEN3_MOE, "num_experts": 6, "num_experts_per_tok": 1}
+# float16 checkpoints build in float16 on cuda (builder.default_dtype): fp8 experts and dense layers reading fp16
+# activations; a sliding window with the push all-reduce summing fp16
+QWEN3_MOE_FP16 = {**QWEN3_MOE, "dtype": "float16"}
+MISTRAL_FP16 = {**QWEN3, "architectures": ["MistralForCausalLM"], "sliding_window": 16, "tie_word_embeddings": False,
+                "dtype": "float16"}
 BUILDS = [(None, 1, None), (QWEN3, 1, None), (None, 2, None), (None, 1, "fp8"), (QWEN3_MOE, 2, None),
-          (QWEN3_MOE, 1, "fp8"), (OLMOE, 1, None), (QWEN3_MOE_TOP1, 1, None)]
+          (QWEN3_MOE, 1, "fp8"), (OLMOE, 1, None), (QWEN3_MOE_TOP1, 1, None), (QWEN3_MOE_FP16, 1, "fp8"),
+          (MISTRAL_FP16, 2, None)]
 BUILD_IDS = ["llama-default", "qwen3-yarn", "llama-tp2", "llama-fp8", "qwen3-moe-tp2", "qwen3-moe-fp8", "olmoe",
-             "qwen3-moe-top1"]
+             "qwen3-moe-top1", "qwen3-moe-fp8-fp16", "mistral-window-tp2-fp16"]
 GPU_TRITON = os.environ.get("MXC_GPU_TRITON")  # a folder holding the GPU machines' Triton (.ci/run fetches 3.6.0)
 
 
@@ -84,6 +90,7 @@ def test_cuda_build_compiles_every_kernel_for_sm90(config, tp, quant, tmp_path):
     manifest = json.loads((art / "manifest.json").read_text())
     assert manifest["target"]["name"] == "cuda" and manifest["target"]["arch"] == "sm_90"
     assert manifest["target"]["triton"]
+    assert manifest["options"]["dtype"] == (config or {}).get("dtype", "bfloat16")
     index = json.loads((art / "code" / "kernels" / "index.json").read_text())
     kernels = {e["kernel"].split(":")[0].rsplit(".", 1)[1] for e in index.values()}
     # the fused operations' kernels are rendered from templates; their sources ship beside the cubins
@@ -97,8 +104,14 @@ def test_cuda_build_compiles_every_kernel_for_sm90(config, tp, quant, tmp_path):
         assert f"def {entry['kernel'].split(':')[1]}(" in source
         assert f"code/kernels/{entry['source']}" in manifest["files"]
     assert ("triton_fp8_gemv" if quant else "triton_gemv") in kernels
-    if config in (QWEN3_MOE, QWEN3_MOE_TOP1):
+    if config in (QWEN3_MOE, QWEN3_MOE_TOP1, QWEN3_MOE_FP16):
         assert "triton_moe" in kernels
+    if config in (QWEN3_MOE_FP16, MISTRAL_FP16):  # every kernel compiled for fp16 tensors, none for bf16
+        args = [a for e in index.values() for a in e["args"]]
+        assert any("fp16" in a for a in args) and not any("bf16" in a for a in args)
+    if config is MISTRAL_FP16:
+        assert "push_all_reduce" in rendered
+        assert {e.get("template_params", {}).get("WINDOW") for e in index.values()} >= {16}
     for key, entry in index.items():
         cubin = (art / "code" / "kernels" / entry["file"]).read_bytes()
         assert cubin[:4] == b"\x7fELF", key

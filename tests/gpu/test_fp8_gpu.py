@@ -14,10 +14,13 @@ def _rel(a, b):
     return float((a.float() - b.float()).abs().max() / b.float().abs().max())
 
 
+# float16: a float16 checkpoint builds in float16 on cuda (builder.default_dtype); at 256 rows torch._scaled_mm
+# (row-wise scales) writes float16, which torch's CUTLASS fallback (cuBLAS < 12.9) refuses
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("granularity", ["channel", "block128"])
 @pytest.mark.parametrize("m", [1, 8, 256])
-def test_qlinear_kernels_llama8b_shapes(granularity, m):
-    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+def test_qlinear_kernels_llama8b_shapes(granularity, m, dtype):
+    x = torch.randn(m, 4096, device="cuda", dtype=dtype)
     q, s = quantize_fp8(torch.randn(14336, 4096) * 0.02, granularity)
     q, s = q.cuda(), s.cuda()
     weight_only = m == 1 and triton_fp8.config_for(1, 14336, 4096, x.dtype, granularity).WEIGHT_ONLY
@@ -25,12 +28,13 @@ def test_qlinear_kernels_llama8b_shapes(granularity, m):
     assert _rel(triton_fp8.qlinear(x, q, s, granularity=granularity), ref) < 2e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("m", [1, 8, 256])
-def test_rms_norm_qlinear_llama8b_shapes(m):
+def test_rms_norm_qlinear_llama8b_shapes(m, dtype):
     """The RMSNorm inside the fp8 activation-quantize kernel, K = 4096 (one pass) and 14336."""
     for n, k in ((6144, 4096), (4096, 14336)):
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 3
-        g = (1 + 0.1 * torch.randn(k, device="cuda")).to(torch.bfloat16)
+        x = torch.randn(m, k, device="cuda", dtype=dtype) * 3
+        g = (1 + 0.1 * torch.randn(k, device="cuda")).to(dtype)
         q, s = quantize_fp8(torch.randn(n, k) * 0.02, "channel")
         q, s = q.cuda(), s.cuda()
         if m == 1 and triton_fp8.config_for(1, n, k, x.dtype, "channel").WEIGHT_ONLY:  # the norm, x unquantized
@@ -41,11 +45,12 @@ def test_rms_norm_qlinear_llama8b_shapes(m):
         assert _rel(fn(x, g, q, s, None, eps=1e-5, granularity="channel"), ref) < 2e-2
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("granularity", ["channel", "block128"])
-def test_fp8_cuda_artifact_matches_cpu_fp8(granularity, hf_checkpoint, tmp_path):
+def test_fp8_cuda_artifact_matches_cpu_fp8(granularity, dtype, hf_checkpoint, tmp_path):
     ckpt, _ = hf_checkpoint("LlamaForCausalLM", hidden_size=128, intermediate_size=256, num_attention_heads=4,
                             num_key_value_heads=4)
-    kw = dict(quant="fp8", quant_granularity=granularity, dtype="bfloat16", progress=False, log=lambda m: None)
+    kw = dict(quant="fp8", quant_granularity=granularity, dtype=dtype, progress=False, log=lambda m: None)
     gpu = mxc.load(mxc.build(str(ckpt), out=tmp_path / "gpu", target="cuda", max_batch=4, max_seq_len=64, **kw),
                    device="cuda")
     cpu = mxc.load(mxc.build(str(ckpt), out=tmp_path / "cpu", **kw))
@@ -61,11 +66,12 @@ def test_fp8_cuda_artifact_matches_cpu_fp8(granularity, hf_checkpoint, tmp_path)
     ("Qwen3MoeForCausalLM", dict(moe_intermediate_size=64, norm_topk_prob=True)),
     ("Qwen2MoeForCausalLM", dict(moe_intermediate_size=64, shared_expert_intermediate_size=96)),
 ], ids=["qwen3-moe", "qwen2-moe-shared"])
-def test_fp8_moe_cuda_artifact_matches_cpu_fp8(arch, overrides, hf_checkpoint, tmp_path):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_fp8_moe_cuda_artifact_matches_cpu_fp8(arch, overrides, dtype, hf_checkpoint, tmp_path):
     """fp8 experts (the fused MoE kernel dequantizing them) with the routers kept in bf16 and the fused
     norm + router kernel at decode: the GPU artifact against the CPU one, prefill logits and greedy tokens."""
     ckpt, _ = hf_checkpoint(arch, hidden_size=128, num_experts=8, num_experts_per_tok=2, **overrides)
-    kw = dict(quant="fp8", dtype="bfloat16", progress=False, log=lambda m: None)
+    kw = dict(quant="fp8", dtype=dtype, progress=False, log=lambda m: None)
     art = mxc.build(str(ckpt), out=tmp_path / "gpu", target="cuda", max_batch=4, max_seq_len=64, **kw)
     assert "w_router_scale" not in (art / "graph.yaml").read_text()
     gpu = mxc.load(art, device="cuda")

@@ -21,12 +21,15 @@ def _worker(rank, world_size, device, art, out):
         torch.save(result, out)
 
 
-@pytest.mark.parametrize("allreduce,vocab", [("nccl", 256), ("one_shot", 256), ("push", 256), ("push", 257)])
-def test_tp2_cuda_matches_tp1(allreduce, vocab, hf_checkpoint, greedy_check, tmp_path):
+@pytest.mark.parametrize("allreduce,vocab,dtype", [("nccl", 256, "bfloat16"), ("one_shot", 256, "bfloat16"),
+                                                  ("push", 256, "bfloat16"), ("push", 257, "bfloat16"),
+                                                  ("push", 256, "float16"), ("nccl", 256, "float16")])
+def test_tp2_cuda_matches_tp1(allreduce, vocab, dtype, hf_checkpoint, greedy_check, tmp_path):
     """tp=2 with the decode all-reduces by NCCL, one-shot over peer memory, or pushed into the peers'
-    memory and fused with the residual add and RMSNorm, against tp=1; a 257-token vocabulary padded to 258."""
+    memory and fused with the residual add and RMSNorm, against tp=1; a 257-token vocabulary padded to 258;
+    float16 (a float16 checkpoint's default on cuda) pushed and by NCCL (one_shot refuses it at build)."""
     ckpt, _ = hf_checkpoint("LlamaForCausalLM", hidden_size=128, intermediate_size=256, vocab_size=vocab)
-    kw = dict(target="cuda", dtype="bfloat16", max_batch=4, max_seq_len=64, progress=False, log=lambda m: None)
+    kw = dict(target="cuda", dtype=dtype, max_batch=4, max_seq_len=64, progress=False, log=lambda m: None)
     one = mxc.load(mxc.build(str(ckpt), out=tmp_path / "tp1", **kw), device="cuda")
     two = mxc.build(str(ckpt), out=tmp_path / "tp2", tp=2, tp_allreduce=allreduce, **kw)
     run_ranks(_worker, 2, "cuda", str(two), str(tmp_path / "out.pt"))

@@ -111,6 +111,21 @@ def test_build_refuses_one_shot_off_cuda(tmp_path):
     assert not (tmp_path / "a").exists()
 
 
+def test_one_shot_refuses_float16(tmp_path):
+    """torch's one-shot all-reduce (symm_mem) sums bf16 and fp32 only: a float16 build asking for it is refused
+    (its composite all-reduces would otherwise hand float16 rows to it on the GPU), and the runtime's collective
+    refuses float16 before any rendezvous (so ``model._peer_allreduce`` falls back to NCCL on every rank)."""
+    with pytest.raises(mxc.MxcError, match="--tp-allreduce one_shot: torch's one-shot all-reduce sums bfloat16 or "
+                                           "float32, not float16; use push"):
+        mxc.build("llama.yaml", out=tmp_path / "a", target="cuda", dtype="float16", tp=2, tp_allreduce="one_shot",
+                  progress=False, log=lambda m: None)
+    assert not (tmp_path / "a").exists()
+    from mxc.kernels.peer_allreduce import OneShotAllReduce
+
+    with pytest.raises(RuntimeError, match="sums bf16 or fp32, not torch.float16"):
+        OneShotAllReduce(None, 64, torch.float16, torch.device("cpu"))
+
+
 class _FakeOneShot:
     """Stands in for ``OneShotAllReduce``: twice this rank's partial, for up to ``max_rows`` rows."""
 
