@@ -262,9 +262,9 @@ def _generate_watching(art, until, args=("--ids", "1", "--max-new-tokens", "9900
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds the rank processes through /proc")
 def test_cli_generate_with_a_rank_failing_or_killed_is_one_line_and_leaves_no_process(tmp_path):
     """``mxc generate`` on a tp=2 artifact one of whose ranks fails with a user error (rank 1's weights file changed
-    since the build: rank 1 hashes its own weights), or one of whose ranks a signal from another process ends mid-decode: one
-    line on stderr, nothing on stdout, exit status 2, and every process the command started (the ranks,
-    multiprocessing's resource tracker) gone."""
+    since the build: rank 1 hashes its own weights), or one of whose ranks a signal from another process ends
+    mid-decode: one line on stderr, nothing on stdout, exit status 2, and every process the command started (the
+    ranks, multiprocessing's resource tracker) gone."""
     import shutil
     import signal
     import time
