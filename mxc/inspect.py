@@ -7,6 +7,7 @@ from collections import Counter
 from pathlib import Path
 
 from mxc.artifact_format import listed_files, safetensors_header
+from mxc.errors import size_text
 from mxc.runtime.artifact import read_manifest
 from mxc.runtime_buckets import prefill_graph_buckets
 
@@ -56,6 +57,21 @@ def _cuda_options(options: dict, tp: int) -> list[str]:
     return [f"cuda         KV cache {options['max_batch']} x {options['max_seq_len']} tokens (decode graphs per "
             f"batch bucket), prefill graphs {f'up to {buckets[-1]} tokens' if buckets else 'off'}, "
             f"PDL {'on' if options.get('pdl') else 'off'}{more}"]
+
+
+def _gpu_memory(path: Path, m: dict) -> list[str]:
+    """What a cuda artifact's load takes of each GPU's memory: its rank's weights and the KV cache the decoder
+    allocates (keys and values of every layer, ``--max-batch`` slots and the scratch slot of ``--max-seq-len`` rows:
+    ``runtime.decode_graphs``), activations and CUDA graphs' buffers aside."""
+    options, kv = m["options"], m["runtime"].get("kv_cache")
+    if options["target"] != "cuda" or not kv:
+        return []
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[m["runtime"]["dtype"]]
+    cache = 2 * kv["layers"] * (options["max_batch"] + 1) * options["max_seq_len"] * kv["kv_heads"] * kv["head_dim"]
+    weights = path / "weights" / "rank0.safetensors"
+    held = f"{size_text(weights.stat().st_size)} of weights + " if weights.is_file() else ""
+    return [f"gpu memory   {held}{size_text(cache * itemsize)} of KV cache a GPU (--max-batch {options['max_batch']} "
+            f"+ 1 scratch slot x --max-seq-len {options['max_seq_len']} tokens), before activations"]
 
 
 def _rope(c: dict) -> str:
@@ -130,6 +146,7 @@ def summary(path) -> str:
         f"quant {_quant(m['options'], bool(c.get('moe')))}, max-seq-len {m['options'].get('max_seq_len')}"
         + "".join(f", --disable-pass {name}" for name in _list(m["options"].get("disable_passes"))),
         *_cuda_options(m["options"], m.get("tp", 1)),
+        *_gpu_memory(path, m),
         f"built by     mxc {m['mxc_version']} (torch {m['target'].get('torch')}), IR sha256 {m['ir_sha256'][:16]}",
         f"weights      {m['source']['weights']}" + (f" from {m['source']['checkpoint']}" if m['source']['checkpoint'] else ""),
         *_kernels(m),

@@ -169,8 +169,20 @@ def test_inspect_shows_a_cuda_artifacts_runtime_options(artifact, tmp_path, caps
             in _inspect_lines(art, capsys))
     shutil.rmtree(art)
     art = _inspect_copy(artifact, tmp_path, cuda(prefill_graph_tokens=64, pdl=True))
+    lines = _inspect_lines(art, capsys)
     assert ("cuda         KV cache 4 x 256 tokens (decode graphs per batch bucket), prefill graphs up to 64 tokens, "
-            "PDL on" in _inspect_lines(art, capsys))
+            "PDL on" in lines)
+    # what the GPU decoder allocates (keys and values, every layer, 4 slots + the scratch slot of 256 rows) beside
+    # the rank's weights
+    from mxc.errors import size_text
+
+    kv = json.loads((art / "manifest.json").read_text())["runtime"]["kv_cache"]
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[json.loads((art / "manifest.json").read_text())["runtime"]
+                                                            ["dtype"]]
+    cache = 2 * kv["layers"] * (4 + 1) * 256 * kv["kv_heads"] * kv["head_dim"] * itemsize
+    weights = (art / "weights" / "rank0.safetensors").stat().st_size
+    assert (f"gpu memory   {size_text(weights)} of weights + {size_text(cache)} of KV cache a GPU (--max-batch 4 + 1 "
+            f"scratch slot x --max-seq-len 256 tokens), before activations") in lines
 
 
 
