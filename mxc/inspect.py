@@ -9,6 +9,7 @@ from pathlib import Path
 from mxc.artifact_format import listed_files, safetensors_header
 from mxc.errors import size_text
 from mxc.runtime.artifact import read_manifest
+from mxc.runtime.model import DTYPES, kv_cache_bytes
 from mxc.runtime_buckets import prefill_graph_buckets
 
 
@@ -66,11 +67,10 @@ def _gpu_memory(path: Path, m: dict) -> list[str]:
     options, kv = m["options"], m["runtime"].get("kv_cache")
     if options["target"] != "cuda" or not kv:
         return []
-    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[m["runtime"]["dtype"]]
-    cache = 2 * kv["layers"] * (options["max_batch"] + 1) * options["max_seq_len"] * kv["kv_heads"] * kv["head_dim"]
+    cache = kv_cache_bytes(kv, options["max_batch"] + 1, options["max_seq_len"], DTYPES[m["runtime"]["dtype"]])
     weights = path / "weights" / "rank0.safetensors"
     held = f"{size_text(weights.stat().st_size)} of weights + " if weights.is_file() else ""
-    return [f"gpu memory   {held}{size_text(cache * itemsize)} of KV cache a GPU (--max-batch {options['max_batch']} "
+    return [f"gpu memory   {held}{size_text(cache)} of KV cache a GPU (--max-batch {options['max_batch']} "
             f"+ 1 scratch slot x --max-seq-len {options['max_seq_len']} tokens), before activations"]
 
 

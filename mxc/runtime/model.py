@@ -95,14 +95,15 @@ class Model:
                            f"{list(ids.shape)} {ids.dtype}")
         return self._in_vocab(ids, lambda i: list(divmod(i, ids.shape[1]))).reshape(ids.shape)
 
-    def _prompts(self, input_ids) -> tuple[torch.Tensor, list[int]]:
+    def _prompts(self, input_ids) -> tuple[torch.Tensor, list[int], bool]:
         """``generate``'s prompts: a [batch, seq] batch (as ``_ids`` takes), or a list of prompts of different
         lengths, each a list or 1-D tensor of ids (or a nested tensor of them). Returns every prompt's ids one
-        after another [T] (int64, on the model's device) and each prompt's length."""
+        after another [T] (int64, on the model's device), each prompt's length, and whether they were given as
+        prompts of their own (not one [batch, seq] batch)."""
         rows = _ragged_rows(input_ids)
         if rows is None:
             ids = self._ids(input_ids)
-            return ids.reshape(-1), [ids.shape[1]] * ids.shape[0]
+            return ids.reshape(-1), [ids.shape[1]] * ids.shape[0], False
         tensors = []
         for n, row in enumerate(rows):
             try:
@@ -116,7 +117,7 @@ class Model:
             # checked in the row's own dtype (a uint64 id past int64's range is named by its own value)
             tensors.append(self._check_vocab(t.cpu(), lambda i, n=n: [n, i]))
         wide = torch.cat(tensors)
-        return to_device(self.device, wide.numpy())[0], [t.numel() for t in tensors]
+        return to_device(self.device, wide.numpy())[0], [t.numel() for t in tensors], True
 
     def _in_vocab(self, ids: torch.Tensor, where) -> torch.Tensor:
         """``ids`` as int64 on the model's device, or a one-line error naming the first id outside the vocabulary
@@ -162,8 +163,7 @@ class Model:
         """[batch, seq] token ids -> [batch, seq, vocab] float32 logits (causal, no cache). Prompts of different
         lengths (as ``generate`` takes them) -> a list of [seq, vocab] float32 logits, one a prompt, in one forward
         with no padding."""
-        ragged = _ragged_rows(input_ids) is not None
-        tokens, lens = self._prompts(input_ids)
+        tokens, lens, ragged = self._prompts(input_ids)
         b, s, t = len(lens), max(lens), len(tokens)
         self._check_capacity(b, s)
         if self._decoder is None:  # every row's logits, in the model's dtype and as float32, beside the KV cache
@@ -194,8 +194,7 @@ class Model:
         return make(), make()
 
     def _cache_bytes(self, batch: int, max_len: int) -> int:
-        kv = self._kv
-        return 2 * kv["layers"] * batch * max_len * kv["kv_heads"] * kv["head_dim"] * self.dtype.itemsize
+        return kv_cache_bytes(self._kv, batch, max_len, self.dtype)
 
     def _check_host_memory(self, need: int, what: str, fix: str) -> None:
         """On the CPU, ``need`` bytes fit the host's available memory, or a one-line error (``what`` takes how much,
@@ -218,7 +217,7 @@ class Model:
         """
         max_new_tokens, temperature, top_k, top_p, seed = check_generate_args(max_new_tokens, temperature, top_k,
                                                                               top_p, seed)  # as int and float
-        tokens, lens = self._prompts(input_ids)
+        tokens, lens, _ = self._prompts(input_ids)
         gen = torch.Generator(self.device).manual_seed(seed) if seed is not None else None
         b = len(lens)
         self._check_capacity(b, max(lens), max_new_tokens)
@@ -276,6 +275,12 @@ def _ragged_rows(input_ids) -> list | None:
     # prompts of one length as lists make one [batch, seq] tensor; a tensor or array among them does not (torch
     # makes no tensor of a list of tensors): the prompts one by one
     return list(input_ids) if len(lens) > 1 or not all(isinstance(row, (list, tuple)) for row in input_ids) else None
+
+
+def kv_cache_bytes(kv: dict, slots: int, max_len: int, dtype: torch.dtype) -> int:
+    """Bytes of a KV cache (the manifest's ``runtime.kv_cache``: keys and values of every layer) of ``slots``
+    sequences of ``max_len`` rows in ``dtype``."""
+    return 2 * kv["layers"] * slots * max_len * kv["kv_heads"] * kv["head_dim"] * dtype.itemsize
 
 
 def host_memory_available() -> int | None:
