@@ -42,8 +42,10 @@ from mxc.models import bind_model
 from mxc.runtime_buckets import PREFILL_GRAPH_MIN, PREFILL_GRAPH_TOKENS
 from mxc.source import Source, check_eos, checkpoint_name, eos_ids, pad_id, resolve_source
 
+# a Hugging Face tokenizer directory (the chat template, for --chat and any runtime that imports the artifact,
+# included) and the generation config
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "generation_config.json")
+                   "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json")
 
 
 def _tensor_names(directory) -> list[str]:

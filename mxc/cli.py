@@ -34,17 +34,17 @@ def _ids(text: str) -> list[int]:
     return [int(t) for t in items]
 
 
-def _prompt(text: str) -> str:
-    """``--prompt`` as text the tokenizer takes: bytes of the command line that are not text in the locale's
-    encoding (a Latin-1 file's é in a UTF-8 shell) reach Python as lone surrogates, which the tokenizer refused with
-    a traceback."""
+def _prompt(text: str, flag: str = "--prompt") -> str:
+    """``--prompt`` (or ``--system``) as text the tokenizer takes: bytes of the command line that are not text in
+    the locale's encoding (a Latin-1 file's é in a UTF-8 shell) reach Python as lone surrogates, which the tokenizer
+    refused with a traceback."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         code = ord(text[e.start])
         what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
         enc = sys.getfilesystemencoding()
-        raise MxcError(f"--prompt: {what} at character {e.start + 1} is not {enc} text; give the prompt in {enc} "
+        raise MxcError(f"{flag}: {what} at character {e.start + 1} is not {enc} text; give the prompt in {enc} "
                        f"(e.g. iconv -t {enc})") from None
     return text
 
@@ -114,12 +114,23 @@ def cmd_generate(args) -> None:
 
     if (args.ids is None) == (args.prompt is None):
         raise MxcError("give exactly one of --ids or --prompt (either repeatable: one prompt each)")
+    if args.prompt is None and (args.chat or args.system is not None):
+        raise MxcError(f"{'--chat' if args.chat else '--system'}: renders --prompt text with the chat template; "
+                       f"give --prompt, not --ids")
+    if args.system is not None and not args.chat:
+        raise MxcError("--system: the system message of a --chat prompt; add --chat")
     path = Path(args.artifact)
     manifest = read_manifest(path)
     tokenizer = load_tokenizer(path) if args.prompt is not None else None
     if args.prompt is not None and tokenizer is None:
         raise MxcError(f"{args.artifact}: {missing_reason(path, manifest.get('files', {}))}; use --ids")
-    prompts = [_ids(t) for t in args.ids] if args.ids is not None else [_encode(tokenizer, t) for t in args.prompt]
+    template = None
+    if args.chat:
+        from mxc.chat_template import load_chat_template
+
+        template = load_chat_template(path, manifest.get("files", {}))
+    prompts = [_ids(t) for t in args.ids] if args.ids is not None else \
+        [_encode(tokenizer, t, template, args.system) for t in args.prompt]
     vocab = manifest["runtime"]["vocab_size"]
     flag, texts = ("--ids", args.ids) if args.ids is not None else ("--prompt", args.prompt)
     for text, ids in zip(texts, prompts):
@@ -142,8 +153,14 @@ def cmd_generate(args) -> None:
         run_ranks(_generate_and_print, tp, device, args, prompts)
 
 
-def _encode(tokenizer, text: str) -> list[int]:
-    ids = tokenizer.encode(_prompt(text))
+def _encode(tokenizer, text: str, template=None, system: str | None = None) -> list[int]:
+    """A ``--prompt``'s ids: the text encoded, or with ``--chat`` the chat ``template`` rendered around it."""
+    if template is None:
+        ids = tokenizer.encode(_prompt(text))
+    else:
+        from mxc.chat_template import chat_ids
+
+        ids = chat_ids(tokenizer, template, _prompt(text), None if system is None else _prompt(system, "--system"))
     if not ids:
         raise MxcError(f"--prompt {text!r}: encodes to no tokens; give some text")
     return ids
@@ -239,6 +256,12 @@ def parser() -> argparse.ArgumentParser:
                    help="prompt text (needs a tokenizer.json in the artifact), encoded as that file says (a BOS where "
                         "it adds one), as transformers' tok(TEXT); prints \"text\" too, the new tokens decoded "
                         "without special tokens, and stops at the end-of-sequence token (repeatable, as --ids)")
+    g.add_argument("--chat", action="store_true",
+                   help="with --prompt: each prompt is a user message rendered with the artifact's chat template "
+                        "(the checkpoint's chat_template.jinja, or tokenizer_config.json's chat_template) and the "
+                        "assistant's header, as transformers' apply_chat_template(messages, "
+                        "add_generation_prompt=True)")
+    g.add_argument("--system", metavar="TEXT", help="with --chat: a system message before each prompt")
     g.add_argument("--max-new-tokens", type=int, default=16)
     g.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (default 0: greedy)")
     g.add_argument("--top-k", type=int, help="with --temperature: sample from the K most likely tokens")

@@ -27,10 +27,10 @@ class Tokenizer:
         self._tok.no_truncation()
         self._tok.no_padding()
 
-    def encode(self, text: str) -> list[int]:
-        """``text``'s ids, special tokens (a BOS) added as tokenizer.json's post-processor says: transformers'
-        ``tok(text).input_ids``."""
-        return self._tok.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``text``'s ids, special tokens (a BOS) added as tokenizer.json's post-processor says unless
+        ``add_special_tokens`` is false (a chat template writes its own): transformers' ``tok(text).input_ids``."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         """The text of ``ids`` without special tokens (the end-of-sequence token a --prompt stops at included):

@@ -304,9 +304,10 @@ def test_progress_off_writes_nothing_to_stderr(tmp_path, capfd):
     assert logged and logged[-1] == f"wrote {tmp_path / 'art'}"
 
 
-# a Hugging Face tokenizer's files and the generation config, as a checkpoint carries them
+# a Hugging Face tokenizer's files (its chat template included) and the generation config, as a checkpoint carries
+# them
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                      "vocab.json", "merges.txt", "generation_config.json")
+                      "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json")
 
 
 def _tokenizer_json() -> str:

@@ -1,0 +1,194 @@
+"""The artifact's chat template, for ``mxc generate --prompt TEXT --chat``: which one it is, and the ids it renders.
+
+A checkpoint keeps its chat template in ``chat_template.jinja`` (the build copies it into ``tokenizer/``), or, an
+older one, as ``chat_template`` in tokenizer_config.json: a string, or a list of ``{"name", "template"}`` of which
+"default" is used. ``load_chat_template`` picks it as transformers does (the .jinja file first). ``chat_ids`` gives
+what transformers' ``tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`` gives, with
+jinja2 and no transformers (``mxc.tokenizer``): the template rendered in transformers' environment (a sandbox with
+trim_blocks, lstrip_blocks and loop controls; its ``tojson``, ``raise_exception`` and ``strftime_now``;
+``{% generation %}`` blocks as what they hold), given ``messages``, ``tools=None``, ``documents=None``,
+``add_generation_prompt`` and the tokenizer's special tokens (``bos_token``, ``eos_token``, ...), then encoded
+without adding special tokens: the template writes them.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from mxc.errors import MxcError
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+# transformers' named special tokens (SPECIAL_TOKENS_ATTRIBUTES); a tokenizer_config.json's other *_token keys too
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+NO_TEMPLATE = ("--chat needs a chat template and the checkpoint it was built from had none (no chat_template.jinja or "
+               "chat_template in tokenizer_config.json); use --prompt without --chat")
+
+
+class _Raised(Exception):
+    """A template's own ``raise_exception(message)``."""
+
+
+def _raise_exception(message):
+    raise _Raised(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format):
+    return datetime.now().strftime(format)
+
+
+class _Generation(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` (where transformers finds the assistant's tokens): its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+        return caller()
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def _template_line(e: Exception) -> str:
+    """``line N: `` of the template where rendering failed (jinja puts the template's frames in the traceback)."""
+    tb, line = e.__traceback__, None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<template>":
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return "" if line is None else f"line {line}: "
+
+
+class ChatTemplate:
+    def __init__(self, text: str, where: str, special_tokens: dict[str, str]):
+        self.where = where  # the file (and field) it came from, which the errors name
+        self.special_tokens = special_tokens
+        try:
+            self._template = _environment().from_string(text)
+        except jinja2.TemplateSyntaxError as e:
+            raise MxcError(f"{where}: the chat template does not parse (line {e.lineno}: {_first_line(e)}); "
+                           f"use --prompt without --chat") from None
+
+    def render(self, messages: list[dict]) -> str:
+        """``messages`` followed by the assistant's header (``add_generation_prompt``), as text."""
+        try:
+            return self._template.render(messages=messages, tools=None, documents=None, add_generation_prompt=True,
+                                         **self.special_tokens)
+        except _Raised:
+            raise
+        except Exception as e:  # noqa: BLE001  (a template can fail in any way a Python expression can)
+            raise MxcError(f"{self.where}: the chat template does not render ({_template_line(e)}"
+                           f"{type(e).__name__}: {_first_line(e)}); use --prompt without --chat") from None
+
+
+def chat_ids(tokenizer, template: ChatTemplate, prompt: str, system: str | None = None) -> list[int]:
+    """The ids of ``prompt`` as a user message (after ``system`` as a system message), rendered by ``template``
+    with the assistant's header and encoded without adding special tokens: transformers'
+    ``tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)``. A template's own
+    ``raise_exception`` is its message, naming --system where the template takes the prompt without it."""
+    messages = [{"role": "user", "content": prompt}]
+    if system is not None:
+        messages.insert(0, {"role": "system", "content": system})
+    try:
+        text = template.render(messages)
+    except _Raised as e:
+        if system is not None:
+            try:
+                template.render(messages[1:])
+            except (_Raised, MxcError):
+                pass
+            else:
+                raise MxcError(f"--system: the chat template refuses a system message: {_first_line(e)} "
+                               f"({template.where}); drop --system") from None
+        raise MxcError(f"{template.where}: the chat template refuses the prompt: {_first_line(e)}") from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise MxcError(f"{path}: not valid JSON ({_first_line(e)}); rebuild from a checkpoint with a good copy, or "
+                       f"use --prompt without --chat") from None
+    if not isinstance(data, dict):
+        raise MxcError(f"{path}: expected a JSON object; rebuild from a checkpoint with a good copy, or use --prompt "
+                       f"without --chat")
+    return data
+
+
+def _token(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: its text, or an AddedToken's ``{"content": ...}``."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def special_tokens(tokenizer_dir: Path, config: dict) -> dict[str, str]:
+    """The template's special-token variables, as transformers' ``tok.special_tokens_map``: tokenizer_config.json's
+    ``*_token`` entries, special_tokens_map.json's over them where the config has no ``added_tokens_decoder`` (its
+    legacy read), and a dict of ``extra_special_tokens``."""
+    found = dict(config)
+    if "added_tokens_decoder" not in config:
+        found.update(_read_json(tokenizer_dir / "special_tokens_map.json"))
+    extra = found.get("extra_special_tokens")
+    named = {**{k: v for k, v in found.items() if k.endswith("_token")}, **(extra if isinstance(extra, dict) else {})}
+    tokens = {name: _token(value) for name, value in named.items()}
+    return {name: text for name, text in tokens.items() if text is not None}
+
+
+def load_chat_template(artifact: Path, files=()) -> ChatTemplate:
+    """The artifact's chat template, or a one-line error saying it has none (``files``: the manifest's, which tell
+    a template the artifact lost from one the checkpoint never had)."""
+    directory = Path(artifact) / "tokenizer"
+    config_path = directory / "tokenizer_config.json"
+    config = _read_json(config_path)
+    path = directory / CHAT_TEMPLATE_FILE
+    if path.is_file():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise MxcError(f"{path}: not UTF-8 text ({_first_line(e)}); use --prompt without --chat") from None
+        return ChatTemplate(text, str(path), special_tokens(directory, config))
+    if f"tokenizer/{CHAT_TEMPLATE_FILE}" in files:
+        raise MxcError(f"{artifact}: tokenizer/{CHAT_TEMPLATE_FILE} is missing; the artifact is incomplete, rebuild it")
+    template, where = config.get("chat_template"), f"{config_path}: chat_template"
+    if template is None:
+        raise MxcError(f"{artifact}: {NO_TEMPLATE}")
+    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]: transformers uses "default"
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if "default" not in named:
+            names = ", ".join(repr(n) for n in named) or "none"
+            raise MxcError(f"{where}: names templates {names} and no \"default\", the one --chat uses; use --prompt "
+                           f"without --chat")
+        template, where = named["default"], f'{where} "default"'
+    if not isinstance(template, str):
+        raise MxcError(f"{where}: expected a template (a string), got {type(template).__name__}; use --prompt "
+                       f"without --chat")
+    return ChatTemplate(template, where, special_tokens(directory, config))

@@ -1,0 +1,213 @@
+"""``mxc generate --prompt TEXT --chat [--system TEXT]``: the prompt rendered with the artifact's chat template is
+the ids transformers' ``tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`` gives, for a
+template in chat_template.jinja (which the build copies), in tokenizer_config.json, or in its legacy list form; what
+the artifact or its template lacks is said in one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import mxc
+from mxc.cli import main
+from tests.cli.helpers import ENV, user_error
+
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
+           "<|end_header_id|>", "<|eot_id|>"]
+
+# Qwen2.5's template (its tool-call branches cut): ChatML, a default system message where none is given
+QWEN = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\\n\\n# Tools\\n\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first)
+            or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+
+# Llama 3's template, which starts with bos_token, and a raise_exception of its own
+LLAMA3 = ("{{ bos_token }}{% for message in messages %}{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+          "{{ raise_exception('Unknown role: ' + message['role']) }}{% endif %}{% set content = '<|start_header_id|>' "
+          "+ message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' %}{{ content }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+          "{% endif %}")
+
+# Gemma's refusal of a system message
+NO_SYSTEM = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+             "{% endif %}{% for m in messages %}<|start_header_id|>{{ m['role'] }}\n{{ m['content'] | trim }}<|eot_id|>"
+             "{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant\n{% endif %}")
+
+BOS = {"__type": "AddedToken", "content": "<|begin_of_text|>", "lstrip": False, "normalized": False, "rstrip": False,
+       "single_word": False, "special": True}  # as transformers saves a special token
+
+
+def _checkpoint(hf_checkpoint, config: dict, jinja: str | None = None) -> Path:
+    """A tiny checkpoint with a byte-level BPE tokenizer (trained here; the chat tokens special, as in Qwen's and
+    Llama 3's), its tokenizer_config.json ``config`` and, given ``jinja``, a chat_template.jinja."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    ckpt, _ = hf_checkpoint("LlamaForCausalLM", vocab_size=320)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIAL, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["You are a helpful assistant. The user says hello world to the system."] * 8, trainer)
+    tok.save(str(ckpt / "tokenizer.json"))
+    (ckpt / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", **config}))
+    if jinja is not None:
+        (ckpt / "chat_template.jinja").write_text(jinja)
+    return ckpt
+
+
+def _build(ckpt: Path, out: Path) -> Path:
+    return mxc.build(str(ckpt), out=out, progress=False, log=lambda m: None)
+
+
+def _check_ids_match_transformers(ckpt: Path, art: Path, systems=(None, "You are terse.")) -> list[int]:
+    """mxc's ids for a --chat prompt, with and without a system message, are transformers' on the checkpoint."""
+    from transformers import AutoTokenizer
+
+    from mxc.chat_template import chat_ids, load_chat_template
+    from mxc.tokenizer import load_tokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(ckpt))
+    tokenizer, template = load_tokenizer(art), load_chat_template(art)
+    for system in systems:
+        messages = [{"role": "system", "content": system}] * (system is not None) + \
+            [{"role": "user", "content": "hello world"}]
+        want = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert chat_ids(tokenizer, template, "hello world", system) == want, hf.decode(want)
+        assert want != hf("hello world").input_ids
+    return want
+
+
+def test_a_qwen_style_chat_template_jinja_is_copied_and_rendered_as_transformers_does(hf_checkpoint, tmp_path):
+    """chat_template.jinja goes to the artifact's tokenizer/, listed in the manifest (transformers loads it from
+    there: a runtime importing the artifact has the template), and --chat renders it as apply_chat_template."""
+    from transformers import AutoTokenizer
+
+    ckpt = _checkpoint(hf_checkpoint, {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, jinja=QWEN)
+    art = _build(ckpt, tmp_path / "art")
+    copied = art / "tokenizer" / "chat_template.jinja"
+    assert copied.read_text() == QWEN and not copied.is_symlink()
+    assert "tokenizer/chat_template.jinja" in json.loads((art / "manifest.json").read_text())["files"]
+    assert AutoTokenizer.from_pretrained(str(art / "tokenizer")).chat_template == QWEN
+    ids = _check_ids_match_transformers(ckpt, art)
+    assert ids[0] == SPECIAL.index("<|im_start|>")  # the template's special tokens are one id each
+
+
+def test_a_llama3_style_template_in_tokenizer_config_uses_its_bos_token(hf_checkpoint, tmp_path):
+    """A chat_template string in tokenizer_config.json, with bos_token saved as an AddedToken's dict."""
+    ckpt = _checkpoint(hf_checkpoint, {"bos_token": BOS, "eos_token": "<|eot_id|>", "chat_template": LLAMA3})
+    ids = _check_ids_match_transformers(ckpt, _build(ckpt, tmp_path / "art"))
+    assert ids[0] == SPECIAL.index("<|begin_of_text|>")
+
+
+def test_the_legacy_list_of_templates_uses_the_default_one(hf_checkpoint, tmp_path):
+    templates = [{"name": "tool_use", "template": "{{ bos_token }}tools{{ messages[0]['content'] }}"},
+                 {"name": "default", "template": LLAMA3}]
+    ckpt = _checkpoint(hf_checkpoint, {"bos_token": "<|begin_of_text|>", "chat_template": templates})
+    ids = _check_ids_match_transformers(ckpt, _build(ckpt, tmp_path / "art"))
+    assert ids[:2] == [SPECIAL.index("<|begin_of_text|>"), SPECIAL.index("<|start_header_id|>")]
+
+
+def test_generate_with_chat_prints_json_for_the_rendered_prompt(hf_checkpoint, tmp_path, monkeypatch):
+    """End to end: --prompt X --chat --system S generates from apply_chat_template's ids and prints a JSON line,
+    without importing transformers (the runtime does not)."""
+    import mxc.cli
+    from transformers import AutoTokenizer
+
+    ckpt = _checkpoint(hf_checkpoint, {"eos_token": "<|im_end|>"}, jinja=QWEN)
+    art = _build(ckpt, tmp_path / "art")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello world"}]
+    want = AutoTokenizer.from_pretrained(str(ckpt)).apply_chat_template(messages, add_generation_prompt=True,
+                                                                        tokenize=True, return_dict=False)
+    argv = ["generate", str(art), "--prompt", "hello world", "--chat", "--system", "Be brief.", "--max-new-tokens", "3"]
+    code = ("import json, sys; from mxc.cli import main; status = main(sys.argv[1:]); "
+            "print(json.dumps([status, sorted(m for m in sys.modules if m.split('.')[0] == 'transformers')]))")
+    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, env=ENV, timeout=120)
+    assert len(done.stdout.splitlines()) == 2, done.stdout + done.stderr
+    line, status = done.stdout.splitlines()
+    assert json.loads(status) == [0, []]
+    result = json.loads(line)
+    assert set(result) == {"ids", "text"}
+    assert result["ids"] == mxc.load(art).generate([want], max_new_tokens=3)[0].tolist()
+    started = []
+    monkeypatch.setattr(mxc.cli, "_generate_and_print", lambda rank, world, device, args, ids: started.append(ids))
+    assert main(argv) == 0
+    assert started == [[want]]
+
+
+def test_chat_on_an_artifact_without_a_template_says_so(hf_checkpoint, tmp_path, capsys):
+    ckpt = _checkpoint(hf_checkpoint, {"eos_token": "<|im_end|>"})
+    art = _build(ckpt, tmp_path / "art")
+    capsys.readouterr()
+    user_error(capsys, ["generate", art, "--prompt", "hello", "--chat"],
+               f"mxc: error: {art}: --chat needs a chat template and the checkpoint it was built from had none (no "
+               f"chat_template.jinja or chat_template in tokenizer_config.json); use --prompt without --chat")
+
+
+def test_a_templates_raise_exception_is_its_message(hf_checkpoint, tmp_path, capsys):
+    """A template that refuses a system message (Gemma's): --system is named; without it the prompt renders."""
+    ckpt = _checkpoint(hf_checkpoint, {"bos_token": "<|begin_of_text|>"}, jinja=NO_SYSTEM)
+    art = _build(ckpt, tmp_path / "art")
+    _check_ids_match_transformers(ckpt, art, systems=[None])
+    capsys.readouterr()
+    user_error(capsys, ["generate", art, "--prompt", "hello", "--chat", "--system", "Be brief."],
+               "mxc: error: --system: the chat template refuses a system message: System role not supported "
+               f"({art / 'tokenizer' / 'chat_template.jinja'}); drop --system")
+    (art / "tokenizer" / "chat_template.jinja").write_text("{{ raise_exception('This model does not chat') }}")
+    user_error(capsys, ["generate", art, "--prompt", "hello", "--chat"],
+               f"mxc: error: {art / 'tokenizer' / 'chat_template.jinja'}: the chat template refuses the prompt: This "
+               f"model does not chat")
+
+
+@pytest.mark.parametrize("text, error", [
+    ("{% for m in messages %}\n{{ m.content }\n{% endfor %}", "does not parse (line 2: unexpected '}')"),
+    ("{{ bos_token }}\n{{ messages[0].content + 1 }}",
+     "does not render (line 2: TypeError: can only concatenate str (not \"int\") to str)"),
+])
+def test_a_template_that_fails_names_its_file_and_the_jinja_error(text, error, hf_checkpoint, tmp_path, capsys):
+    ckpt = _checkpoint(hf_checkpoint, {"bos_token": "<|begin_of_text|>"}, jinja=text)
+    art = _build(ckpt, tmp_path / "art")
+    capsys.readouterr()
+    user_error(capsys, ["generate", art, "--prompt", "hello", "--chat"],
+               f"mxc: error: {art / 'tokenizer' / 'chat_template.jinja'}: the chat template {error}; use --prompt "
+               f"without --chat")
+
+
+@pytest.mark.parametrize("flags, error", [
+    (["--prompt", "hello", "--system", "Be brief."], "--system: the system message of a --chat prompt; add --chat"),
+    (["--ids", "1,2", "--chat"], "--chat: renders --prompt text with the chat template; give --prompt, not --ids"),
+    (["--ids", "1,2", "--chat", "--system", "x"], "--chat: renders --prompt text"),
+    (["--ids", "1,2", "--system", "x"], "--system: renders --prompt text with the chat template; give --prompt"),
+])
+def test_chat_and_system_need_prompt_and_system_needs_chat(flags, error, artifact, capsys):
+    user_error(capsys, ["generate", artifact, *flags], f"mxc: error: {error}")
