@@ -5,8 +5,8 @@ older one, as ``chat_template`` in tokenizer_config.json: a string, or a list of
 "default" is used. ``load_chat_template`` picks it as transformers does (the .jinja file first). ``chat_ids`` gives
 what transformers' ``tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`` gives, with
 jinja2 and no transformers (``mxc.tokenizer``): the template rendered in transformers' environment (a sandbox with
-trim_blocks, lstrip_blocks and loop controls; its ``tojson``, ``raise_exception`` and ``strftime_now``;
-``{% generation %}`` blocks as what they hold), given ``messages``, ``tools=None``, ``documents=None``,
+trim_blocks, lstrip_blocks and loop controls; its ``tojson``, ``raise_exception``, ``strftime_now``, ``dict`` and
+``namespace``; ``{% generation %}`` blocks as what they hold), given ``messages``, ``tools=None``, ``documents=None``,
 ``add_generation_prompt`` and the tokenizer's special tokens (``bos_token``, ``eos_token``, ...), then encoded
 without adding special tokens: the template writes them.
 """
@@ -18,8 +18,10 @@ from datetime import datetime
 from pathlib import Path
 
 import jinja2
+import jinja2.exceptions
 import jinja2.ext
 import jinja2.nodes
+import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from mxc.errors import MxcError
@@ -47,6 +49,38 @@ def _strftime_now(format):
     return datetime.now().strftime(format)
 
 
+class _Dict:
+    """The template's ``dict``: ``dict(...)`` and ``dict.fromkeys(...)``, not the type (transformers' TemplateDict)."""
+
+    def __call__(self, *args, **kwargs):
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """The template's ``namespace``, refusing ``_``-prefixed attributes as transformers' TemplateNamespace does."""
+
+    def __init__(*args, **kwargs):  # jinja's signature trick, so that namespace(self=...) works
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _Namespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _Namespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(
+                f"Chat templates cannot store underscore-prefixed attributes on a namespace, but got {name!r}. "
+                "Please rename the attribute.")
+
+
 class _Generation(jinja2.ext.Extension):
     """``{% generation %}...{% endgeneration %}`` (where transformers finds the assistant's tokens): its body."""
 
@@ -67,6 +101,8 @@ def _environment() -> ImmutableSandboxedEnvironment:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _Dict()
+    env.globals["namespace"] = _Namespace
     return env
 
 
