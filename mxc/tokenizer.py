@@ -6,6 +6,13 @@ transformers at run time). Returns ``None`` when the artifact has none, and
 says why ``--prompt`` cannot run then (``missing_reason``). The build reads the
 checkpoint's ``tokenizer.json`` the same way (``read_tokenizer``) before it
 copies it, so an unreadable one is refused there, not at ``--prompt``.
+
+tokenizer.json is taken as written, as the tokenizers library and transformers 4
+read it. transformers 5 rebuilds the pipeline of some tokenizer classes over the
+file's vocabulary (``LlamaTokenizer`` with ``legacy`` false or unset: no "▁"
+after a special token in the text, so "<s>[INST]" encodes differently), a change
+reported upstream as mangling some checkpoints (huggingface/transformers#48206);
+mxc keeps the file's pipeline, the one the checkpoint shipped.
 """
 
 from __future__ import annotations
