@@ -159,7 +159,13 @@ def test_prompts_of_different_lengths(arch, overrides, hf_checkpoint, greedy_che
         greedy_check(prompt[None], row[None], lambda seq: hf(seq.cuda()).logits)
         with torch.no_grad():
             assert _rel(logits.cpu(), hf(prompt[None].cuda()).logits[0].float().cpu()) < 3e-2
-    assert torch.equal(model.generate(prompts, max_new_tokens=20, temperature=1.0, top_k=1, seed=0), got)
+    # the sampling loop at top_k 1 picks among exactly tied logits (transformers' top-k keeps ties) where the greedy
+    # graph takes the first: on an H100 this Mistral's first row tied (tokens 154 and 255), so it too is checked
+    # against HF, ties aside, not against the greedy run
+    sampled = model.generate(prompts, max_new_tokens=20, temperature=1.0, top_k=1, seed=0)
+    assert sampled.shape == (4, 20)
+    for prompt, row in zip(prompts, sampled):
+        greedy_check(prompt[None], row[None], lambda seq: hf(seq.cuda()).logits)
 
 
 def test_buckets_past_pdl_max_run_plain(hf_checkpoint, tmp_path):
