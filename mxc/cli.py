@@ -71,8 +71,8 @@ def emit(text: str) -> None:
 def cmd_build(args) -> None:
     from mxc.builder import build
 
-    build(args.source, out=args.out, checkpoint=args.checkpoint, config=args.config, dtype=args.dtype, target=args.target,
-          dump_ir=args.dump_ir, max_batch=args.max_batch, max_seq_len=args.max_seq_len, tp=args.tp,
+    build(args.source, out=args.out, checkpoint=args.checkpoint, config=args.config, dtype=args.dtype,
+          target=args.target, dump_ir=args.dump_ir, max_batch=args.max_batch, max_seq_len=args.max_seq_len, tp=args.tp,
           quant=args.quant, quant_granularity=args.quant_granularity, quant_lm_head=args.quant_lm_head,
           disable_passes=args.disable_pass, pdl=args.pdl, tp_allreduce=args.tp_allreduce, mlp_pair=args.mlp_pair,
           prefill_graphs=args.prefill_graphs,

@@ -18,7 +18,8 @@ CASES = [
     ("Qwen2ForCausalLM", {"hidden_size": 128, "intermediate_size": 256, "tie_word_embeddings": True}),
     ("MistralForCausalLM", {"hidden_size": 128, "intermediate_size": 256, "sliding_window": 8}),
     ("LlamaForCausalLM", {"hidden_size": 128, "intermediate_size": 256, "num_key_value_heads": 1,
-                          "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}),
+                          "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                           "original_max_position_embeddings": 32}}),
     ("LlamaForCausalLM", {"hidden_size": 128, "intermediate_size": 256, "head_dim": 80}),  # masked head lanes
     ("Qwen3ForCausalLM", {"hidden_size": 128, "intermediate_size": 256, "head_dim": 96}),
 ]
