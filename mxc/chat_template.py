@@ -24,7 +24,8 @@ import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from mxc.errors import MxcError
+from mxc.errors import MxcError, first_line
+from mxc.loaders.files import read_json
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 # transformers' named special tokens (SPECIAL_TOKENS_ATTRIBUTES); a tokenizer_config.json's other *_token keys too
@@ -106,10 +107,6 @@ def _environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
-def _first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
-
-
 def _template_line(e: Exception) -> str:
     """``line N: `` of the template where rendering failed (jinja puts the template's frames in the traceback)."""
     tb, line = e.__traceback__, None
@@ -127,7 +124,7 @@ class ChatTemplate:
         try:
             self._template = _environment().from_string(text)
         except jinja2.TemplateSyntaxError as e:
-            raise MxcError(f"{where}: the chat template does not parse (line {e.lineno}: {_first_line(e)}); "
+            raise MxcError(f"{where}: the chat template does not parse (line {e.lineno}: {first_line(e)}); "
                            f"use --prompt without --chat") from None
 
     def render(self, messages: list[dict]) -> str:
@@ -139,7 +136,7 @@ class ChatTemplate:
             raise
         except Exception as e:  # noqa: BLE001  (a template can fail in any way a Python expression can)
             raise MxcError(f"{self.where}: the chat template does not render ({_template_line(e)}"
-                           f"{type(e).__name__}: {_first_line(e)}); use --prompt without --chat") from None
+                           f"{type(e).__name__}: {first_line(e)}); use --prompt without --chat") from None
 
 
 def chat_ids(tokenizer, template: ChatTemplate, prompt: str, system: str | None = None) -> list[int]:
@@ -159,23 +156,19 @@ def chat_ids(tokenizer, template: ChatTemplate, prompt: str, system: str | None 
             except (_Raised, MxcError):
                 pass
             else:
-                raise MxcError(f"--system: the chat template refuses a system message: {_first_line(e)} "
+                raise MxcError(f"--system: the chat template refuses a system message: {first_line(e)} "
                                f"({template.where}); drop --system") from None
-        raise MxcError(f"{template.where}: the chat template refuses the prompt: {_first_line(e)}") from None
+        raise MxcError(f"{template.where}: the chat template refuses the prompt: {first_line(e)}") from None
     return tokenizer.encode(text, add_special_tokens=False)
 
 
 def _read_json(path: Path) -> dict:
+    """One of the artifact's tokenizer JSON files as a mapping ({} where the checkpoint had none)."""
     if not path.is_file():
         return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise MxcError(f"{path}: not valid JSON ({_first_line(e)}); rebuild from a checkpoint with a good copy, or "
-                       f"use --prompt without --chat") from None
+    data = read_json(path, path.name, "rebuild the artifact")
     if not isinstance(data, dict):
-        raise MxcError(f"{path}: expected a JSON object; rebuild from a checkpoint with a good copy, or use --prompt "
-                       f"without --chat")
+        raise MxcError(f"{path}: expected a JSON object; rebuild the artifact, or use --prompt without --chat")
     return data
 
 
@@ -210,7 +203,7 @@ def load_chat_template(artifact: Path, files=()) -> ChatTemplate:
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
-            raise MxcError(f"{path}: not UTF-8 text ({_first_line(e)}); use --prompt without --chat") from None
+            raise MxcError(f"{path}: not UTF-8 text ({first_line(e)}); use --prompt without --chat") from None
         return ChatTemplate(text, str(path), special_tokens(directory, config))
     if f"tokenizer/{CHAT_TEMPLATE_FILE}" in files:
         raise MxcError(f"{artifact}: tokenizer/{CHAT_TEMPLATE_FILE} is missing; the artifact is incomplete, rebuild it")

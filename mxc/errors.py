@@ -1,5 +1,5 @@
 """The exception type for user-facing errors (``MxcError``, and its ``ConfigError``), and how their messages
-write sizes (``size_text``).
+write sizes (``size_text``) and quote a caught exception (``first_line``).
 
 Anything a user can cause (a bad YAML file, a missing tensor, a tampered
 artifact, an id outside the vocabulary) raises ``MxcError`` with a one-line,
@@ -31,3 +31,9 @@ def size_text(nbytes: int) -> str:
         if nbytes >= scale:
             return f"{nbytes / scale:.1f} {unit}"
     return f"{nbytes / 1024:.1f} KiB"
+
+
+def first_line(e: BaseException) -> str:
+    """A caught exception as a one-line message quotes it: its message's first line, or its type's name."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

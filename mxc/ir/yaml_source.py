@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from mxc.errors import MxcError
+from mxc.errors import MxcError, first_line
 
 
 class LStr(str):
@@ -64,11 +64,6 @@ def _convert(node: yaml.Node, loader: yaml.SafeLoader):
     return resolved
 
 
-def _short(e: Exception) -> str:
-    """An error's first line (PyYAML adds where in the string on the next)."""
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-
-
 def load_yaml(path: Path | str, text: str | None = None):
     """Parse ``path`` (or ``text``, reported as ``path``) into line-aware containers."""
     path = Path(path)
@@ -89,7 +84,7 @@ def load_yaml(path: Path | str, text: str | None = None):
         line = text.count("\n", 0, e.position) + 1
         raise MxcError(f"{path}:{line}: malformed YAML: unacceptable character #x{e.character:04x}") from None
     except yaml.YAMLError as e:
-        raise MxcError(f"{path}: malformed YAML: {_short(e)}") from None
+        raise MxcError(f"{path}: malformed YAML: {first_line(e)}") from None
     if node is None:
         raise MxcError(f"{path}: the file is empty")
     try:

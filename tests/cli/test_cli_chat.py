@@ -174,6 +174,18 @@ def test_chat_on_an_artifact_without_a_template_says_so(hf_checkpoint, tmp_path,
                f"chat_template.jinja or chat_template in tokenizer_config.json); use --prompt without --chat")
 
 
+@pytest.mark.parametrize("text, error", [("{\"chat_template\": ", "not valid JSON (line 1: Expecting value)"),
+                                         ("[]", "expected a JSON object; rebuild the artifact, or use --prompt "
+                                                "without --chat")])
+def test_an_unreadable_tokenizer_config_is_one_line(text, error, hf_checkpoint, tmp_path, capsys):
+    ckpt = _checkpoint(hf_checkpoint, {"eos_token": "<|im_end|>"})
+    art = _build(ckpt, tmp_path / "art")
+    (art / "tokenizer" / "tokenizer_config.json").write_text(text)
+    capsys.readouterr()
+    user_error(capsys, ["generate", art, "--prompt", "hello", "--chat"],
+               f"mxc: error: {art / 'tokenizer' / 'tokenizer_config.json'}: {error}")
+
+
 def test_a_templates_raise_exception_is_its_message(hf_checkpoint, tmp_path, capsys):
     """A template that refuses a system message (Gemma's): --system is named; without it the prompt renders."""
     ckpt = _checkpoint(hf_checkpoint, {"bos_token": "<|begin_of_text|>"}, jinja=NO_SYSTEM)
