@@ -43,7 +43,8 @@ from mxc.runtime_buckets import PREFILL_GRAPH_MIN, PREFILL_GRAPH_TOKENS
 from mxc.source import Source, check_eos, checkpoint_name, eos_ids, pad_id, resolve_source
 
 # a Hugging Face tokenizer directory (the chat template, for --chat and any runtime that imports the artifact,
-# included) and the generation config
+# included) and the generation config; the named chat templates (additional_chat_templates/*.jinja) too:
+# ``_tokenizer_files``
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json")
 
@@ -102,14 +103,29 @@ def _got(value) -> str:
     return "" if isinstance(value, int) and not isinstance(value, bool) else f" (got {type(value).__name__})"
 
 
+def _tokenizer_names(checkpoint: Path) -> list[str]:
+    """The checkpoint's files, relative to it, that may go to the artifact's ``tokenizer/``: ``TOKENIZER_FILES`` and
+    the named chat templates transformers reads (``additional_chat_templates/*.jinja``), whatever each is."""
+    from mxc.chat_template import folder_templates
+
+    return [*TOKENIZER_FILES, *folder_templates(checkpoint)]
+
+
+def _tokenizer_files(checkpoint: Path) -> list[str]:
+    """Of ``_tokenizer_names``, those the build copies: regular files (symlinks followed; not a folder, a FIFO or a
+    device of the name, which are left out)."""
+    return [name for name in _tokenizer_names(checkpoint) if (checkpoint / name).is_file()]
+
+
 def _check_tokenizer(checkpoint: Path | None) -> None:
     """The checkpoint's tokenizer.json, which the artifact carries for ``--prompt``, reads as the runtime reads it
     (``mxc.tokenizer``): an unreadable one is refused before the build's long work, not met at ``--prompt``,
     where rebuilding would not help."""
     from mxc.tokenizer import read_tokenizer
 
-    for name in TOKENIZER_FILES if checkpoint is not None else ():  # copied where they are files, else left out (a
-        # folder of the name), but a broken symlink (a Hub cache snapshot's blob gone) is named, not left out
+    for name in _tokenizer_names(checkpoint) if checkpoint is not None else ():  # copied where they are files,
+        # else left out (a folder of the name), but a broken symlink (a Hub cache snapshot's blob gone) is named, not
+        # left out
         if os.path.islink(checkpoint / name) and not os.path.exists(checkpoint / name):
             raise MxcError(f"{checkpoint / name}: is a broken symlink; expected the checkpoint's {name} there "
                            f"(download it again, or remove it to build without it)")
@@ -398,11 +414,9 @@ def _write(tmp: Path, graph: Graph, src: Source, options: BuildOptions, arch: in
         digests = write_weights(graph, ckpt, [tmp / "weights" / f"rank{r}.safetensors" for r in range(options.tp)],
                                 progress=progress, checked=True)
     if src.checkpoint:
-        present = [f for f in TOKENIZER_FILES if (src.checkpoint / f).is_file()]
-        if present:
-            (tmp / "tokenizer").mkdir()
-            for f in present:
-                shutil.copyfile(src.checkpoint / f, tmp / "tokenizer" / f)
+        for f in _tokenizer_files(src.checkpoint):
+            (tmp / "tokenizer" / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src.checkpoint / f, tmp / "tokenizer" / f)
     manifest = {
         "schema_version": SCHEMA_VERSION,
         "mxc_version": mxc.__version__,

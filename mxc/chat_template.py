@@ -1,9 +1,14 @@
 """The artifact's chat template, for ``mxc generate --prompt TEXT --chat``: which one it is, and the ids it renders.
 
-A checkpoint keeps its chat template in ``chat_template.jinja`` (the build copies it into ``tokenizer/``), or, an
-older one, as ``chat_template`` in tokenizer_config.json: a string, or a list of ``{"name", "template"}`` of which
-"default" is used. ``load_chat_template`` picks it as transformers does (the .jinja file first). ``chat_ids`` gives
-what transformers' ``tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`` gives, with
+A checkpoint keeps its chat template in ``chat_template.jinja`` (the build copies it into ``tokenizer/``), named
+ones beside it in ``additional_chat_templates/NAME.jinja`` (a "tool_use" template, say; copied too), or, an older
+one, as ``chat_template`` in tokenizer_config.json: a string, or a list of ``{"name", "template"}``.
+``chat_templates`` gathers them by name as transformers' ``from_pretrained`` does: the .jinja file is "default" and
+the folder's files add their names (a folder's ``default.jinja`` replaces it); where there is any such file,
+tokenizer_config.json's field is not read; else its string is the one template, "default", and its list names
+them. ``load_chat_template`` picks one as transformers' ``get_chat_template`` does: the one named (``--chat-template
+NAME``), else "default", an error where there is none. ``chat_ids`` gives what transformers'
+``tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`` gives, with
 jinja2 and no transformers (``mxc.tokenizer``): the template rendered in transformers' environment (a sandbox with
 trim_blocks, lstrip_blocks and loop controls; its ``tojson``, ``raise_exception``, ``strftime_now``, ``dict`` and
 ``namespace``; ``{% generation %}`` blocks as what they hold), given ``messages``, ``tools=None``, ``documents=None``,
@@ -28,10 +33,11 @@ from mxc.errors import MxcError, first_line
 from mxc.loaders.files import read_json
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+CHAT_TEMPLATE_DIR = "additional_chat_templates"  # transformers' CHAT_TEMPLATE_DIR: NAME.jinja, a template each
 # transformers' named special tokens (SPECIAL_TOKENS_ATTRIBUTES); a tokenizer_config.json's other *_token keys too
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-NO_TEMPLATE = ("--chat needs a chat template and the checkpoint it was built from had none (no chat_template.jinja or "
-               "chat_template in tokenizer_config.json); use --prompt without --chat")
+NO_TEMPLATE = ("--chat needs a chat template and the checkpoint it was built from had none (no chat_template.jinja, "
+               f"{CHAT_TEMPLATE_DIR}/*.jinja or chat_template in tokenizer_config.json); use --prompt without --chat")
 
 
 class _Raised(Exception):
@@ -192,32 +198,68 @@ def special_tokens(tokenizer_dir: Path, config: dict) -> dict[str, str]:
     return {name: text for name, text in tokens.items() if text is not None}
 
 
-def load_chat_template(artifact: Path, files=()) -> ChatTemplate:
-    """The artifact's chat template, or a one-line error saying it has none (``files``: the manifest's, which tell
-    a template the artifact lost from one the checkpoint never had)."""
+def folder_templates(directory: Path) -> list[str]:
+    """The files transformers reads as named chat templates in the tokenizer (or checkpoint) ``directory``, relative
+    to it: ``additional_chat_templates/*.jinja`` (its glob, sorted), whatever each is (a folder, a broken symlink)."""
+    folder = Path(directory) / CHAT_TEMPLATE_DIR
+    try:
+        names = sorted(p.name for p in folder.iterdir() if p.name.endswith(".jinja")) if folder.is_dir() else []
+    except OSError as e:
+        raise MxcError(f"{folder}: cannot list it ({e.strerror})") from None
+    return [f"{CHAT_TEMPLATE_DIR}/{name}" for name in names]
+
+
+def _names(templates) -> str:
+    return ", ".join(sorted(repr(name) for name in templates)) or "none"
+
+
+def chat_templates(artifact: Path, files=()) -> dict[str, tuple[str, Path | str]]:
+    """The artifact's chat templates by name, each ``(where, source)``: ``where`` names it in errors, ``source`` is
+    its file (a Path) or its text (from tokenizer_config.json). Empty where it has none; a file the manifest
+    (``files``) lists and the artifact lost is a one-line error."""
     directory = Path(artifact) / "tokenizer"
+    rels = [CHAT_TEMPLATE_FILE, *folder_templates(directory)]  # in this order: a folder's default.jinja wins
+    rels += [f[len("tokenizer/"):] for f in files if f.startswith(f"tokenizer/{CHAT_TEMPLATE_DIR}/")
+             and f[len("tokenizer/"):] not in rels]
+    found = {}
+    for rel in rels:
+        path = directory / rel
+        if path.is_file():
+            name = "default" if rel == CHAT_TEMPLATE_FILE else rel[len(CHAT_TEMPLATE_DIR) + 1:].removesuffix(".jinja")
+            found[name] = (str(path), path)
+        elif f"tokenizer/{rel}" in files:
+            raise MxcError(f"{artifact}: tokenizer/{rel} is missing; the artifact is incomplete, rebuild it")
+    if found:  # transformers reads tokenizer_config.json's chat_template only where there is no template file
+        return found
     config_path = directory / "tokenizer_config.json"
-    config = _read_json(config_path)
-    path = directory / CHAT_TEMPLATE_FILE
-    if path.is_file():
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise MxcError(f"{path}: not UTF-8 text ({first_line(e)}); use --prompt without --chat") from None
-        return ChatTemplate(text, str(path), special_tokens(directory, config))
-    if f"tokenizer/{CHAT_TEMPLATE_FILE}" in files:
-        raise MxcError(f"{artifact}: tokenizer/{CHAT_TEMPLATE_FILE} is missing; the artifact is incomplete, rebuild it")
-    template, where = config.get("chat_template"), f"{config_path}: chat_template"
-    if template is None:
+    template, where = _read_json(config_path).get("chat_template"), f"{config_path}: chat_template"
+    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+        return {t.get("name"): (f'{where} "{t.get("name")}"', t.get("template")) for t in template
+                if isinstance(t, dict)}
+    return {} if template is None else {"default": (where, template)}
+
+
+def load_chat_template(artifact: Path, files=(), name: str | None = None) -> ChatTemplate:
+    """The artifact's chat template named ``name`` (``--chat-template``), else its "default", or a one-line error
+    saying it has none, or none of that name (``files``: the manifest's, which tell a template the artifact lost
+    from one the checkpoint never had)."""
+    directory = Path(artifact) / "tokenizer"
+    templates = chat_templates(artifact, files)
+    if not templates:
         raise MxcError(f"{artifact}: {NO_TEMPLATE}")
-    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]: transformers uses "default"
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        if "default" not in named:
-            names = ", ".join(repr(n) for n in named) or "none"
-            raise MxcError(f"{where}: names templates {names} and no \"default\", the one --chat uses; use --prompt "
-                           f"without --chat")
-        template, where = named["default"], f'{where} "default"'
-    if not isinstance(template, str):
+    if name is not None and name not in templates:
+        raise MxcError(f"--chat-template {name!r}: {artifact} has no chat template of that name; give one of "
+                       f"{_names(templates)}")
+    if name is None and "default" not in templates:
+        raise MxcError(f"{artifact}: its chat templates are {_names(templates)} and none is \"default\", the one "
+                       f"--chat uses; pick one with --chat-template NAME")
+    where, template = templates["default" if name is None else name]
+    if isinstance(template, Path):
+        try:
+            template = template.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise MxcError(f"{where}: not UTF-8 text ({first_line(e)}); use --prompt without --chat") from None
+    elif not isinstance(template, str):
         raise MxcError(f"{where}: expected a template (a string), got {type(template).__name__}; use --prompt "
                        f"without --chat")
-    return ChatTemplate(template, where, special_tokens(directory, config))
+    return ChatTemplate(template, where, special_tokens(directory, _read_json(directory / "tokenizer_config.json")))

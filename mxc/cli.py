@@ -114,11 +114,14 @@ def cmd_generate(args) -> None:
 
     if (args.ids is None) == (args.prompt is None):
         raise MxcError("give exactly one of --ids or --prompt (either repeatable: one prompt each)")
-    if args.prompt is None and (args.chat or args.system is not None):
-        raise MxcError(f"{'--chat' if args.chat else '--system'}: renders --prompt text with the chat template; "
-                       f"give --prompt, not --ids")
+    chat_flag = "--chat" if args.chat else "--system" if args.system is not None else \
+        "--chat-template" if args.chat_template is not None else None
+    if args.prompt is None and chat_flag is not None:
+        raise MxcError(f"{chat_flag}: renders --prompt text with the chat template; give --prompt, not --ids")
     if args.system is not None and not args.chat:
         raise MxcError("--system: the system message of a --chat prompt; add --chat")
+    if args.chat_template is not None and not args.chat:
+        raise MxcError("--chat-template: picks the chat template a --chat prompt is rendered with; add --chat")
     path = Path(args.artifact)
     manifest = read_manifest(path)
     tokenizer = load_tokenizer(path) if args.prompt is not None else None
@@ -128,7 +131,7 @@ def cmd_generate(args) -> None:
     if args.chat:
         from mxc.chat_template import load_chat_template
 
-        template = load_chat_template(path, manifest.get("files", {}))
+        template = load_chat_template(path, manifest.get("files", {}), args.chat_template)
     prompts = [_ids(t) for t in args.ids] if args.ids is not None else \
         [_encode(tokenizer, t, template, args.system) for t in args.prompt]
     vocab = manifest["runtime"]["vocab_size"]
@@ -261,6 +264,12 @@ def parser() -> argparse.ArgumentParser:
                         "(the checkpoint's chat_template.jinja, or tokenizer_config.json's chat_template) and the "
                         "assistant's header, as transformers' apply_chat_template(messages, "
                         "add_generation_prompt=True)")
+    g.add_argument("--chat-template", metavar="NAME",
+                   help="with --chat: render with the checkpoint's chat template of this name (one of "
+                        "additional_chat_templates/NAME.jinja, e.g. tool_use, or of a named list in "
+                        "tokenizer_config.json), as apply_chat_template(..., chat_template=NAME) (default: "
+                        "\"default\", chat_template.jinja or the only template; needed where there are several and "
+                        "none is \"default\")")
     g.add_argument("--system", metavar="TEXT", help="with --chat: a system message before each prompt")
     g.add_argument("--max-new-tokens", type=int, default=16)
     g.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (default 0: greedy)")
