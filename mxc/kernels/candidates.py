@@ -98,20 +98,29 @@ MOE_PAIR_MAX_TOKENS = 4  # decode token counts the per-pair MoE kernels serve (e
 ONE_SHOT_MAX_TOKENS = 32  # rows the peer-memory all-reduces serve (decode): <= 32 x hidden, their buffers
 # what torch's one-shot all-reduce sums (symm_mem's kernel dispatches float and bfloat16 only: no float16)
 ONE_SHOT_DTYPES = ("bfloat16", "float32")
+PUSH_DTYPES = ("bfloat16", "float16")  # what the push all-reduce sums (16-bit values: -0.0 is one int16 pattern)
+SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def dtypes_named(dtypes) -> str:
+    """``dtypes`` as messages name them: ONE_SHOT_DTYPES reads "bf16 or fp32", from the constant itself."""
+    return " or ".join(SHORT_DTYPES.get(d, d) for d in dtypes)
 
 
 def _one_shot_ok(node, in_types, options):
     if getattr(options, "tp_allreduce", "nccl") != "one_shot":
         return "not asked for (--tp-allreduce one_shot)"
     dtype = in_types[0].dtype
-    return None if dtype in ONE_SHOT_DTYPES else f"peer-memory all-reduce takes bf16 or fp32, not {dtype}"
+    if dtype in ONE_SHOT_DTYPES:
+        return None
+    return f"peer-memory all-reduce takes {dtypes_named(ONE_SHOT_DTYPES)}, not {dtype}"
 
 
 def _push_ok(node, in_types, options):
     if getattr(options, "tp_allreduce", "nccl") != "push":
         return "not asked for (--tp-allreduce push)"
     dtype = in_types[0].dtype
-    return None if dtype in ("bfloat16", "float16") else f"the push all-reduce sums bf16 or fp16, not {dtype}"
+    return None if dtype in PUSH_DTYPES else f"the push all-reduce sums {dtypes_named(PUSH_DTYPES)}, not {dtype}"
 
 
 def _route_ok(node, in_types, options):

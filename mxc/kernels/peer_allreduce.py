@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from mxc.errors import MxcError
 from mxc.kernels import kernel_templates, triton_gemv
-from mxc.kernels.candidates import ONE_SHOT_DTYPES
+from mxc.kernels.candidates import ONE_SHOT_DTYPES, PUSH_DTYPES as PUSH_DTYPE_NAMES, dtypes_named
 from mxc.kernels.launch import launch, next_pow2
 from mxc.kernels.triton_norm import row_warps
 
@@ -74,7 +74,7 @@ class OneShotAllReduce:
 
     def __init__(self, group, numel: int, dtype: torch.dtype, device: torch.device):
         if str(dtype).removeprefix("torch.") not in ONE_SHOT_DTYPES:  # before the collective: every rank refuses
-            raise RuntimeError(f"torch's one-shot all-reduce sums bf16 or fp32, not {dtype}")
+            raise RuntimeError(f"torch's one-shot all-reduce sums {dtypes_named(ONE_SHOT_DTYPES)}, not {dtype}")
         self.group = group if group is not None else dist.group.WORLD
         self.group_name = self.group.group_name
         self.buffer, _ = _symmetric_buffer(self.group, numel, dtype, device)
@@ -96,7 +96,7 @@ class OneShotAllReduce:
         return torch.ops.symm_mem.one_shot_all_reduce_out(inp, "sum", self.group_name, out)
 
 
-PUSH_DTYPES = (torch.bfloat16, torch.float16)  # 16-bit values: -0.0 is one int16 pattern
+PUSH_DTYPES = tuple(getattr(torch, d) for d in PUSH_DTYPE_NAMES)  # 16-bit values: -0.0 is one int16 pattern
 MAX_SPINS = 1 << 22  # reads of a slot before a kernel gives up on a peer (seconds, not a hang)
 
 
@@ -141,7 +141,7 @@ class PushAllReduce:
 
     def __init__(self, group, max_tokens: int, hidden: int, dtype: torch.dtype, device: torch.device):
         if dtype not in PUSH_DTYPES:
-            raise RuntimeError(f"the push all-reduce sums bf16 or fp16, not {dtype}")
+            raise RuntimeError(f"the push all-reduce sums {dtypes_named(PUSH_DTYPE_NAMES)}, not {dtype}")
         self.group = group if group is not None else dist.group.WORLD
         self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.max_tokens, self.hidden, self.dtype = max_tokens, hidden, dtype

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from mxc.compiler.options import BuildOptions
+from mxc.compiler.options import DTYPES, BuildOptions
 from mxc.ir import Node, TensorType
-from mxc.kernels.candidates import CANDIDATES, WIDE_N
+from mxc.kernels import candidates
+from mxc.kernels.candidates import CANDIDATES, ONE_SHOT_DTYPES, WIDE_N
 
 CUDA = BuildOptions(target="cuda", dtype="bfloat16")
 
@@ -112,6 +113,20 @@ def test_custom_all_reduces_take_their_dtypes_when_asked(way, dtypes, other, dty
     asked_not = _why(kernel, "all_reduce", [_t("T", 4096, dtype=dtype)],
                      options=BuildOptions(target="cuda", dtype="bfloat16", tp=2, tp_allreduce=other))
     assert f"not asked for (--tp-allreduce {way})" in asked_not
+
+
+@pytest.mark.parametrize("dtypes", [ONE_SHOT_DTYPES, ("float16", "float32"), ("bfloat16",)])
+def test_one_shot_reason_names_the_dtypes_it_takes(dtypes, monkeypatch):
+    """The one-shot candidate's reason names the dtypes of ONE_SHOT_DTYPES, read from the constant (another set of
+    dtypes there is the one named), and no dtype outside it."""
+    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+    monkeypatch.setattr(candidates, "ONE_SHOT_DTYPES", dtypes)
+    options = BuildOptions(target="cuda", dtype="bfloat16", tp=2, tp_allreduce="one_shot")
+    for declined in sorted(set(DTYPES) - set(dtypes)):
+        why = _why("cuda_ops.all_reduce_one_shot", "all_reduce", [_t("T", 4096, dtype=declined)], options=options)
+        assert why.endswith(f"peer-memory all-reduce takes {' or '.join(short[d] for d in dtypes)}, "
+                            f"not {declined}"), why
+        assert {name for name in short.values() if name in why} == {short[d] for d in dtypes}, why
 
 
 def test_mlp_pair_declines_interleaved_gate_up(monkeypatch):

@@ -126,6 +126,13 @@ def test_one_shot_refuses_float16(tmp_path):
         OneShotAllReduce(None, 64, torch.float16, torch.device("cpu"))
 
 
+def test_one_shot_runtime_refusal_names_its_dtypes(monkeypatch):
+    """The runtime collective's refusal names the dtypes its check reads (ONE_SHOT_DTYPES), not a fixed pair."""
+    monkeypatch.setattr(peer_allreduce, "ONE_SHOT_DTYPES", ("float32",))
+    with pytest.raises(RuntimeError, match=r"^torch's one-shot all-reduce sums fp32, not torch\.bfloat16$"):
+        peer_allreduce.OneShotAllReduce(None, 64, torch.bfloat16, torch.device("cpu"))
+
+
 class _FakeOneShot:
     """Stands in for ``OneShotAllReduce``: twice this rank's partial, for up to ``max_rows`` rows."""
 
