@@ -4,7 +4,7 @@
 params it sets (``set``, values are literals or expressions over config.json
 fields), the config conditions it cannot serve (``refuse_if``, expressions) and the values of fields a
 config.json leaves out where the transformers config class's default differs from the model file's
-(``defaults``). ``bind_model``
+(``defaults``), and the config fields listing layers by index (``layer_lists``). ``bind_model``
 binds a definition to a config, with the resolvers model files may name
 (``RESOLVERS``: ``rope``, ``llama_rope``). An unknown architecture fails naming it and listing the known ones.
 """
@@ -33,13 +33,14 @@ class Entry:
     defaults: dict = field(default_factory=dict)
     tested: bool = True
     field_aliases: dict = field(default_factory=dict)
+    layer_lists: list = field(default_factory=list)
 
     @property
     def path(self) -> Path:
         return MODELS_DIR / self.model
 
 
-ENTRY_KEYS = ("model", "set", "refuse_if", "defaults", "tested", "field_aliases")
+ENTRY_KEYS = ("model", "set", "refuse_if", "defaults", "tested", "field_aliases", "layer_lists")
 
 
 def registry() -> dict[str, Entry]:
@@ -55,7 +56,8 @@ def _entry(path: Path, arch: str, spec) -> Entry:
     where = f"{path.name}: {arch}"
     if not isinstance(spec, dict) or "model" not in spec or set(spec) - set(ENTRY_KEYS):
         raise MxcError(f"{where}: expected a mapping with model and keys among {', '.join(ENTRY_KEYS)}, got {spec!r}")
-    kinds = (("set", dict), ("refuse_if", list), ("defaults", dict), ("tested", bool), ("field_aliases", dict))
+    kinds = (("set", dict), ("refuse_if", list), ("defaults", dict), ("tested", bool), ("field_aliases", dict),
+             ("layer_lists", list))
     for key, kind in kinds:
         if key in spec and not isinstance(spec[key], kind):
             raise MxcError(f"{where}: {key}: expected a {'mapping' if kind is dict else kind.__name__}, "
@@ -145,13 +147,37 @@ def _unaliased(config: dict, entry: Entry, config_path: str) -> dict:
     return config
 
 
+def _layer_index(value, num_layers: int) -> int | None:
+    """The layer 0..num_layers-1 that ``value`` equals (``1``, ``1.0`` and ``true`` are layer 1, as ``==`` has
+    it), else None: an index past the last layer, a negative one or a string equals none."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return int(value) if isinstance(value, int) and 0 <= value < num_layers else None
+
+
+def _layers_named(config: dict, entry: Entry) -> dict:
+    """config.json with each of the entry's ``layer_lists`` fields as the layers it picks. transformers picks
+    layer ``i`` where ``i in <field>`` (Qwen2-MoE's and Qwen3-MoE's mlp_only_layers), so an index outside
+    0..num_hidden_layers-1 picks none: such a list is the empty one, not refused for naming a layer that is not
+    there. A value that is no list, or a config without an integer num_hidden_layers, is left as it is."""
+    layers = config.get("num_hidden_layers")
+    if not entry.layer_lists or not isinstance(layers, int) or isinstance(layers, bool):
+        return config
+    config = dict(config)
+    for name in entry.layer_lists:
+        if isinstance(config.get(name), list):
+            picked = (_layer_index(v, layers) for v in config[name])
+            config[name] = sorted({i for i in picked if i is not None})
+    return config
+
+
 def bind_model(model_file: Path, config: dict, dtype: str, entry: Entry | None,
                config_path: str = "config.json") -> Graph:
     """Bind ``model_file`` to ``config`` with the registry entry's settings."""
     overrides, read_as = {}, {}
     if entry is not None:
         config = _unaliased(config, entry, config_path)
-        config = {**entry.defaults, **config}  # a field present in config.json, null included, wins
+        config = _layers_named({**entry.defaults, **config}, entry)  # a field in config.json, null included, wins
         env = _ConfigEnv(config)
         for cond in entry.refuse_if:
             try:

@@ -11,6 +11,8 @@ gloo ranks against HF).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -75,6 +77,36 @@ def test_a_qwen2_moe_shared_expert_of_width_zero_is_refused_naming_the_field(hf_
                                            r"not supported for Qwen2MoeForCausalLM") as e:
         mxc.build(str(ckpt), out=tmp_path / "art", progress=False, log=lambda m: None)
     assert "\n" not in str(e.value) and not (tmp_path / "art").exists()
+
+
+@pytest.mark.parametrize("arch", [QWEN2, QWEN3])
+def test_mlp_only_layers_naming_no_layer_builds_and_one_naming_a_layer_is_refused(arch, hf_checkpoint, tmp_path):
+    """transformers makes layer i dense where ``i in mlp_only_layers``: indices past the last layer, or negative,
+    make none, so such a list is the model of the empty one and builds, matching HF (registry.yaml layer_lists).
+    A list naming a real layer (0) is still refused in one line naming the field."""
+    layers = 3
+    sizes = dict(num_hidden_layers=layers, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    if arch == QWEN2:
+        sizes["shared_expert_intermediate_size"] = 48
+    ckpt, hf = hf_checkpoint(arch, name="past", mlp_only_layers=[layers + 3, -1], **sizes)
+    assert hf.config.mlp_only_layers == [layers + 3, -1]  # kept as given, in config.json too
+    assert json.loads((ckpt / "config.json").read_text())["mlp_only_layers"] == [layers + 3, -1]
+    assert all("Sparse" in type(layer.mlp).__name__ for layer in hf.model.layers)  # every layer has experts
+    _eager_experts_where_needed(hf)
+    model = mxc.load(mxc.build(str(ckpt), out=tmp_path / "art", progress=False, log=lambda m: None))
+    ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = hf(ids).logits.float()
+        ref_tokens = hf.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)[:, ids.shape[1]:]
+    assert _rel_err(model.logits(ids), ref) <= 1e-4
+    assert torch.equal(model.generate(ids, max_new_tokens=8), ref_tokens)
+
+    ckpt, hf = hf_checkpoint(arch, name="first", mlp_only_layers=[layers + 3, 0], **sizes)
+    assert "Sparse" not in type(hf.model.layers[0].mlp).__name__  # layer 0 dense: a model mxc does not build
+    with pytest.raises(mxc.MxcError, match=rf"/config\.json: `mlp_only_layers` is true, which is not supported for "
+                                           rf"{arch} \(registry\.yaml refuse_if\)$") as e:
+        mxc.build(str(ckpt), out=tmp_path / "refused", progress=False, log=lambda m: None)
+    assert "\n" not in str(e.value) and not (tmp_path / "refused").exists()
 
 
 IDS = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(5))

@@ -36,6 +36,8 @@ def models_dir(tmp_path, monkeypatch):
     ("MyForCausalLM: {model: configs}", "MyForCausalLM: model: no model file 'configs'"),  # a folder
     ("MyForCausalLM: {model: llama.yaml, tested: 1}", "MyForCausalLM: tested: expected a bool, got 1"),
     ("MyForCausalLM: {model: llama.yaml, defaults: [rms_norm_eps]}", "MyForCausalLM: defaults: expected a mapping"),
+    ("MyForCausalLM: {model: llama.yaml, layer_lists: mlp_only_layers}",
+     "MyForCausalLM: layer_lists: expected a list, got 'mlp_only_layers'"),
 ])
 def test_a_malformed_registry_line_is_named(models_dir, line, needle):
     (models_dir / "configs").mkdir()
@@ -133,6 +135,35 @@ def test_refuse_if_refuses_on_any_true_value(value, refused):
             bind_model(reg.MODELS_DIR / "llama.yaml", config, "float32", entry)
     else:
         bind_model(reg.MODELS_DIR / "llama.yaml", config, "float32", entry)
+
+
+@pytest.mark.parametrize("value", [[], [2], [-1], [5, -2], ["1"], [None], [0.5], [float("inf")], [1], [1.0], [True],
+                                   [7, 0], [0, 1, 1], [-2, 1.0, 9]])
+def test_a_layer_list_reads_as_the_layers_transformers_picks(value):
+    """A ``layer_lists`` field reads, for refuse_if, as the layers 0..num_hidden_layers-1 that transformers' test
+    ``layer_idx in <field>`` picks (TINY has 2): an index past the last layer or negative picks none, and a list of
+    such builds as the empty list does; 1.0 and true equal 1 and pick layer 1."""
+    entry = Entry("MyForCausalLM", "llama.yaml", refuse_if=["dense_layers"], layer_lists=["dense_layers"])
+    picked = [i for i in range(TINY["num_hidden_layers"]) if i in value]  # transformers' Qwen2-MoE decoder layer
+    assert reg._layers_named(dict(TINY, dense_layers=value), entry)["dense_layers"] == picked
+    if picked:
+        with pytest.raises(MxcError, match=r"^config.json: `dense_layers` is true, which is not supported for "
+                                           r"MyForCausalLM \(registry.yaml refuse_if\)$"):
+            bind_model(reg.MODELS_DIR / "llama.yaml", dict(TINY, dense_layers=value), "float32", entry)
+    else:
+        bind_model(reg.MODELS_DIR / "llama.yaml", dict(TINY, dense_layers=value), "float32", entry)
+    unlisted = Entry("MyForCausalLM", "llama.yaml", refuse_if=["dense_layers"])  # not a layer list: as written
+    if value:
+        with pytest.raises(MxcError, match=r"`dense_layers` is true"):
+            bind_model(reg.MODELS_DIR / "llama.yaml", dict(TINY, dense_layers=value), "float32", unlisted)
+
+
+@pytest.mark.parametrize("config", [dict(TINY, dense_layers=3), dict(TINY, dense_layers=[5], num_hidden_layers="2")])
+def test_a_layer_list_that_cannot_be_read_as_layers_is_left_as_written(config):
+    """A value that is no list, or a config whose num_hidden_layers is no integer, is not read as layers: the
+    field is checked as written (the model file's own checks then name a bad num_hidden_layers)."""
+    entry = Entry("MyForCausalLM", "llama.yaml", layer_lists=["dense_layers"])
+    assert reg._layers_named(config, entry) == config
 
 
 def test_a_field_config_json_sets_wins_over_the_registry_default():
