@@ -33,8 +33,10 @@ WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 # routers' bitonic top-k at two warps a program (``triton_route.TOPK``: older cuda MoE artifacts lack those cubins); 9:
 # the MoE gate/up pair kernel's K loop unrolled (``triton_moe_decode.PairConfig.UNROLL``: a new constexpr, so older
 # cuda MoE artifacts lack that cubin); 10: fp8 experts' pair kernels unrolled too (``UNROLL_SCALED``: older fp8 cuda
-# MoE artifacts lack those cubins); 11: the manifest's own sha256 (``manifest_sha256``), checked at every read
-SCHEMA_VERSION = 11
+# MoE artifacts lack those cubins); 11: the manifest's own sha256 (``manifest_sha256``), checked at every read; 12: the
+# MoE routers' ``fp32_weights`` (Mixtral's routing weights kept float32, as transformers 5 keeps them: an older
+# runtime cannot run the new forward.py, and an older Mixtral artifact rounds them to bf16)
+SCHEMA_VERSION = 12
 
 
 def safetensors_header(path: Path) -> tuple[int, dict]:

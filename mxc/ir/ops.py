@@ -149,24 +149,29 @@ def _rms_norm_mlp(x, norm, w_gate_up, s_gate_up, w_down, s_down, eps=None, granu
                     residual=x if residual else None, granularity=granularity)
 
 
-def _route(logits, k, scoring="softmax", renormalize=False, **_):
+def _route(logits, k, scoring="softmax", renormalize=False, fp32_weights=False, **_):
     _need(len(logits.shape) == 2, lambda: f"router logits must be [T, experts], got {logits}")
     _need(_positive_int(k) and k <= logits.shape[1], lambda: f"k={k!r} must be in 1..{logits.shape[1]}")
     _need(scoring in ("softmax", "sigmoid"), lambda: f"scoring must be softmax or sigmoid, got {scoring!r}")
+    _need(isinstance(fp32_weights, bool), lambda: f"fp32_weights={fp32_weights!r} must be true or false")
     t = logits.shape[0]
-    return (TensorType((t, k), logits.dtype), TensorType((t, k), "int64"))
+    return (TensorType((t, k), "float32" if fp32_weights else logits.dtype), TensorType((t, k), "int64"))
 
 
-def _add_rms_norm_route(a, b, norm_w, router_w, eps=None, k=None, scoring="softmax", renormalize=False, **_):
+def _add_rms_norm_route(a, b, norm_w, router_w, eps=None, k=None, scoring="softmax", renormalize=False,
+                        fp32_weights=False, **_):
     s, h = _add_rms_norm(a, b, norm_w, eps)
     _need(len(router_w.shape) == 2 and router_w.shape[1] == a.shape[-1],
           lambda: f"router weight {router_w} must be [experts, {a.shape[-1]}]")
-    return (s, h) + _route(TensorType((a.shape[0], router_w.shape[0]), a.dtype), k, scoring, renormalize)
+    return (s, h) + _route(TensorType((a.shape[0], router_w.shape[0]), a.dtype), k, scoring, renormalize,
+                           fp32_weights)
 
 
 def _moe_common(x, weights, ids, w_in, w_down, in_rows):
     _need(len(x.shape) == 2 and weights.shape == ids.shape and ids.dtype == "int64" and weights.shape[0] == x.shape[0],
           lambda: f"expects x [T, H], weights and ids [T, k], got {x}, {weights}, {ids}")
+    _need(weights.dtype in (x.dtype, "float32"), lambda: f"routing weights {weights} must be in x's dtype "
+                                                          f"({x.dtype}) or float32")
     e, rows, h = w_in.shape
     _need(h == x.shape[1] and w_down.shape[0] == e and w_down.shape[1] == h and w_down.shape[2] * in_rows == rows,
           lambda: f"expert stacks {w_in} / {w_down} do not fit x {x}")
@@ -304,10 +309,12 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
           optional_attrs=("prologue",),
           doc="linear over an fp8 weight with its scales; activations quantized per token on the fly"),
     # mixture of experts
-    OpDef("route", ("logits",), _route, attrs=("k",), optional_attrs=("scoring", "renormalize"),
-          doc="scores (softmax/sigmoid) -> top-k weights and expert ids per token"),
+    OpDef("route", ("logits",), _route, attrs=("k",), optional_attrs=("scoring", "renormalize", "fp32_weights"),
+          doc="scores (softmax/sigmoid, in float32) -> top-k weights and expert ids per token; the weights "
+              "rounded to the logits' dtype, or kept in float32 with fp32_weights (transformers' Mixtral)"),
     OpDef("experts", ("x", "weights", "ids", "w_gate", "w_up", "w_down"), _experts,
-          doc="sum over each token's experts of weight * down(silu(gate(x)) * up(x)); stacks [E, ...]"),
+          doc="sum over each token's experts of weight * down(silu(gate(x)) * up(x)); stacks [E, ...]; weights "
+              "in x's dtype, or float32 (Mixtral's: the float32 products summed, then rounded to x's dtype)"),
     OpDef("fused_moe", ("x", "weights", "ids", "w_gate_up", "w_down", "s_gate_up?", "s_down?", "residual?"),
           _fused_moe, doc="experts over a merged gate/up stack [E, 2I, H] -- fuse_moe; fp8 stacks with row scales "
                           "(or an fp8 checkpoint's 128x128 block scales) -- quantize; + residual -- fuse_linear_io"),
@@ -336,7 +343,7 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
     OpDef("add_rms_norm", ("a", "b", "weight"), _add_rms_norm, attrs=("eps",),
           doc="s = a + b; (s, rms_norm(s)) -- fuse_add_rms_norm"),
     OpDef("add_rms_norm_route", ("a", "b", "norm_weight", "router_weight"), _add_rms_norm_route,
-          attrs=("eps", "k"), optional_attrs=("scoring", "renormalize"), uses_context=True,
+          attrs=("eps", "k"), optional_attrs=("scoring", "renormalize", "fp32_weights"), uses_context=True,
           doc="s = a + b; h = rms_norm(s); (s, h, route(linear(h, router_weight), k)) -- fuse_norm_route"),
     OpDef("rms_norm_linear", ("x", "norm_weight", "weight", "bias?"), _rms_norm_linear, attrs=("eps",),
           doc="linear(rms_norm(x, norm_weight), weight, bias) -- fuse_norm_linear"),

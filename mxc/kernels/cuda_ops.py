@@ -273,11 +273,11 @@ def linear_all_reduce_add_rms_norm(x, weight, residual, norm_weight, bias=None, 
 
 
 def add_rms_norm_route(a, b, norm_weight, router_weight, ctx: ForwardContext = None, *, eps, k, scoring="softmax",
-                       renormalize=False):
+                       renormalize=False, fp32_weights=False):
     """More tokens than the fused kernel serves (``triton_route.add_rms_norm_route``): the Triton add +
     RMSNorm, the router GEMM by cuBLAS, the Triton router."""
     s, h = triton_norm.add_rms_norm(a, b, norm_weight, eps)
-    return (s, h) + triton_route.route(cublas.linear(h, router_weight), k, scoring, renormalize)
+    return (s, h) + triton_route.route(cublas.linear(h, router_weight), k, scoring, renormalize, fp32_weights)
 
 
 def fused_moe(x, weights, ids, w_gate_up, w_down, s_gate_up=None, s_down=None, residual=None):

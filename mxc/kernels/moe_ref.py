@@ -2,9 +2,16 @@
 
 ``route`` scores the router logits (softmax or sigmoid, in float32), keeps the
 top k experts per token and optionally renormalises their weights to sum to
-one; the weights come back in the logits' dtype. ``experts`` runs, for every
-expert, its gated MLP on the tokens routed to it and adds the result, scaled
-by the routing weight, into the output (the loop HF's eager path runs).
+one; the weights come back in the logits' dtype (Qwen2-MoE, Qwen3-MoE, OLMoE),
+or with ``fp32_weights`` in float32 (transformers' Mixtral router does not cast
+them back). ``experts`` runs, for every expert, its gated MLP on the tokens
+routed to it and adds the result, scaled by the routing weight, into the
+output (the loop HF's eager path runs). Float32 weights with 16-bit x (Mixtral's)
+make each product float32 (torch's promotion); those are summed over the token's
+k in float32 and rounded once, as transformers' default experts path
+(``grouped_mm``; ``batched_mm`` alike) sums them. (Its eager loop rounds each
+product to x's dtype before ``index_add_``: one ulp apart on about a third of a
+bf16 Mixtral's outputs. With weights in x's dtype the two paths agree for k <= 2.)
 ``fused_moe`` is the same computation over a merged gate/up stack
 ([E, 2I, H]): the semantics every fused kernel must reproduce.
 """
@@ -15,15 +22,21 @@ import torch
 import torch.nn.functional as F
 
 
-def route(logits, k, scoring="softmax", renormalize=False):
+def route(logits, k, scoring="softmax", renormalize=False, fp32_weights=False):
     scores = logits.float().softmax(dim=-1) if scoring == "softmax" else logits.float().sigmoid()
     weights, ids = torch.topk(scores, k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(logits.dtype), ids
+    return (weights if fp32_weights else weights.to(logits.dtype)), ids
 
 
 def _experts(x, weights, ids, expert_mlp) -> torch.Tensor:
+    if weights.dtype != x.dtype:  # float32 weights: the float32 products, summed in order of j, rounded once
+        terms = x.new_zeros((*ids.shape, x.shape[1]), dtype=torch.promote_types(x.dtype, weights.dtype))
+        for e in torch.unique(ids).tolist():
+            tok, pos = torch.where(ids == e)
+            terms[tok, pos] = expert_mlp(e, x[tok]) * weights[tok, pos, None]
+        return terms.sum(dim=1).to(x.dtype)
     out = torch.zeros_like(x)
     for e in torch.unique(ids).tolist():
         tok, pos = torch.where(ids == e)

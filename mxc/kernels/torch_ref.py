@@ -119,9 +119,10 @@ def add_rms_norm(a, b, weight, eps):
     return s, rms_norm(s, weight, eps)
 
 
-def add_rms_norm_route(a, b, norm_weight, router_weight, ctx=None, *, eps, k, scoring="softmax", renormalize=False):
+def add_rms_norm_route(a, b, norm_weight, router_weight, ctx=None, *, eps, k, scoring="softmax", renormalize=False,
+                       fp32_weights=False):
     s, h = add_rms_norm(a, b, norm_weight, eps)
-    return (s, h) + route(linear(h, router_weight), k, scoring, renormalize)
+    return (s, h) + route(linear(h, router_weight), k, scoring, renormalize, fp32_weights)
 
 
 def rms_norm_linear(x, norm_weight, weight, bias=None, eps=1e-6):
@@ -258,10 +259,10 @@ def scale_rows(x, s):
     return x * s
 
 
-def route(logits, k, scoring="softmax", renormalize=False):
+def route(logits, k, scoring="softmax", renormalize=False, fp32_weights=False):
     from mxc.kernels import moe_ref
 
-    return moe_ref.route(logits, k, scoring, renormalize)
+    return moe_ref.route(logits, k, scoring, renormalize, fp32_weights)
 
 
 def experts(x, weights, ids, w_gate, w_up, w_down):

@@ -33,12 +33,14 @@ recorded on ``meta`` tensors, compiled ahead of time and replayed in a CUDA grap
    rounded, the product rounded), stored to ``h [T*k, I]`` at the assignments' rows.
 3. ``_moe_gemm2_kernel`` (grid (P / BLOCK_M, cdiv(H, BLOCK_N))): ``h[rows] @ w_down[e]^T``,
    rounded, times the routing weight (rounded, as the reference's ``y * weight``), stored to
-   ``y [T*k, H]`` at the assignments' rows. With k == 1, y is the output itself.
+   ``y [T*k, H]`` at the assignments' rows. With k == 1, y is the output itself. Float32 routing
+   weights (Mixtral's) with 16-bit x make y float32: the products unrounded, as torch promotes them
+   (``moe_ref``; transformers' default experts path), until the sum rounds once.
 4. ``_moe_sum_kernel`` (k > 1; grid (T, cdiv(H, BLOCK_H))): ``out[t] = sum_j y[t*k + j]`` in
    fp32, in j order, rounded once (deterministic; no atomics). The reference adds in its own
    dtype in ascending expert order (``index_add_``): identical for k <= 2, within a rounding of
-   the dtype for k > 2. With a residual (``fuse_linear_io``), it also adds that (then it runs
-   at k == 1 too).
+   the dtype for k > 2 (with fp32 weights it too sums in fp32 over j, rounded once). With a
+   residual (``fuse_linear_io``), it also adds that (then it runs at k == 1 too).
 
 Why this shape: grouping turns k*T tiny GEMVs into full-width tensor-core tiles whose rows
 share one expert's weights, so each expert's weights are read once per BLOCK_M rows (once in
@@ -289,7 +291,8 @@ def _moe_gemm2_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, sorted_ptr, expert_ptr, 
     """Program (block, n-tile): y[rows, n] = (h[rows] @ down_e^T)[:, n] * weights[rows] for
     columns n of H. w_ptr: w_down [E, H, I]; s_ptr: its fp8 row scales [E, H] (or with BLOCK_SCALE its
     block scales [E, cdiv(H, 128), cdiv(I, 128)]), or None;
-    weights_ptr: the routing weights [numel] (x's dtype); y_ptr: y [numel, H]."""
+    weights_ptr: the routing weights [numel] (x's dtype, or fp32); y_ptr: y [numel, H] (x's dtype, or fp32
+    with fp32 weights and a k-sum after: the products unrounded)."""
     pdl_enter(USE_PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -485,8 +488,9 @@ def check_inputs(x, weights, ids, w_gate_up, w_down, s_gate_up, s_down, residual
     if ids.dim() != 2 or ids.shape[0] != T or ids.dtype != torch.int64 or not ids.is_contiguous():
         raise ValueError(f"ids must be contiguous [{T}, k] int64, got {tuple(ids.shape)} {ids.dtype}")
     top_k = ids.shape[1]
-    if weights.shape != ids.shape or weights.dtype != x.dtype or not weights.is_contiguous():
-        raise ValueError(f"weights must be contiguous {list(ids.shape)} {x.dtype}")
+    if weights.shape != ids.shape or weights.dtype not in (x.dtype, torch.float32) or not weights.is_contiguous():
+        raise ValueError(f"weights must be contiguous {list(ids.shape)} {x.dtype} or float32, got "
+                         f"{tuple(weights.shape)} {weights.dtype}")
     if w_gate_up.dim() != 3 or w_down.dim() != 3 or w_gate_up.shape[1] % 2:
         raise ValueError(f"expected w_gate_up [E, 2I, H] and w_down [E, H, I], got "
                          f"{tuple(w_gate_up.shape)} and {tuple(w_down.shape)}")
@@ -511,7 +515,8 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_
     """``moe_ref.fused_moe(x, weights, ids, w_gate_up, w_down)`` -> [T, H] in x's dtype
     (``+ residual`` [T, H] as ``torch_ref.add`` when given: the sum kernel adds it).
 
-    x [T, H] (fp32/fp16/bf16); weights [T, k] (x's dtype); ids [T, k] int64 in [0, E);
+    x [T, H] (fp32/fp16/bf16); weights [T, k] (x's dtype, or fp32: Mixtral's, whose products then stay fp32
+    until the k-sum rounds them once, as ``moe_ref``); ids [T, k] int64 in [0, E);
     w_gate_up [E, 2I, H] (gate rows then up rows) and w_down [E, H, I], in x's dtype or
     float8_e4m3fn with float32 row scales ``s_gate_up [E, 2I]`` / ``s_down [E, H]``
     (``w = q * s[..., None]``) or 128x128 block scales ``[E, 2I / 128, cdiv(H, 128)]`` /
@@ -529,7 +534,8 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_
     h = torch.empty((numel, I), dtype=x.dtype, device=x.device)
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     sums = top_k > 1 or residual is not None  # the sum kernel also adds the residual
-    y = torch.empty((numel, H), dtype=x.dtype, device=x.device) if sums else out
+    # fp32 weights (Mixtral's) with 16-bit x: fp32 products (torch's promotion), rounded once by the sum
+    y = torch.empty((numel, H), dtype=torch.promote_types(x.dtype, weights.dtype), device=x.device) if sums else out
     tiles = dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
                  BLOCK_SCALE=s_gate_up is not None and s_gate_up.dim() == 3)
     launch(_moe_gemm1_kernel, (n_blocks, cdiv(I, cfg.BLOCK_N)),

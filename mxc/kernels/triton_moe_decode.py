@@ -18,11 +18,11 @@ floor, bound by ~21 launches a layer rather than bytes. Here, two kernels:
    for a power-of-two k: measured faster, see ``config_for``).
 
 The rounding is ``triton_moe``'s (itself the reference's): gate and up rounded to the dtype,
-silu in fp32 rounded, the product rounded; each expert's output rounded, times its weight,
-rounded; the k terms summed in fp32 and rounded once. Weights are read once per pair: tokens
-sharing an expert read it again, so this path is for a few tokens only
-(``candidates.MOE_PAIR_MAX_TOKENS``). Expert ids outside [0, E) contribute nothing (their
-pair reads expert 0), as ``triton_moe`` drops them.
+silu in fp32 rounded, the product rounded; each expert's output rounded, times its weight, rounded
+to the weights' dtype (x's, or fp32 for Mixtral's fp32 weights: torch's promotion, ``moe_ref``); the
+k terms summed in fp32 and rounded once. Weights are read once per pair: tokens sharing an expert read
+it again, so this path is for a few tokens only (``candidates.MOE_PAIR_MAX_TOKENS``). Expert ids
+outside [0, E) contribute nothing (their pair reads expert 0), as ``triton_moe`` drops them.
 """
 
 from __future__ import annotations
@@ -88,6 +88,7 @@ def _pair_down_sum_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, r_ptr, out_
     pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     ty = h_ptr.dtype.element_ty
+    wty = weights_ptr.dtype.element_ty  # each product rounded to it: x's dtype, or fp32 weights' (unrounded)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rn = offs_n % H
     offs_k = tl.arange(0, BLOCK_K)
@@ -107,7 +108,7 @@ def _pair_down_sum_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, r_ptr, out_
         if s_ptr is not None and not BLOCK_SCALE:  # fp8 row scales [E, H]
             y = y * tl.load(s_ptr + e * H + rn).to(tl.float32)
         wt = tl.load(weights_ptr + pair).to(tl.float32)
-        total += tl.where(valid, (y.to(ty).to(tl.float32) * wt).to(ty).to(tl.float32), 0.0)
+        total += tl.where(valid, (y.to(ty).to(tl.float32) * wt).to(wty).to(tl.float32), 0.0)
     _store_out(out_ptr, r_ptr, t * H + offs_n, offs_n < H, total)
 
 
@@ -123,6 +124,7 @@ def _pair_down_tile_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, r_ptr, out
     pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     ty = h_ptr.dtype.element_ty
+    wty = weights_ptr.dtype.element_ty  # each product rounded to it: x's dtype, or fp32 weights' (unrounded)
     ROWS: tl.constexpr = TOP_K * BLOCK_N
     r = tl.arange(0, ROWS)
     j = r // BLOCK_N
@@ -144,7 +146,7 @@ def _pair_down_tile_kernel(h_ptr, w_ptr, s_ptr, weights_ptr, ids_ptr, r_ptr, out
     if s_ptr is not None and not BLOCK_SCALE:  # fp8 row scales [E, H]
         y = y * tl.load(s_ptr + e * H + rn).to(tl.float32)
     wt = tl.load(weights_ptr + pair).to(tl.float32)
-    z = tl.where(valid, (y.to(ty).to(tl.float32) * wt).to(ty).to(tl.float32), 0.0)
+    z = tl.where(valid, (y.to(ty).to(tl.float32) * wt).to(wty).to(tl.float32), 0.0)
     z2 = tl.reshape(z, (TOP_K, BLOCK_N))
     jj = tl.arange(0, TOP_K)[:, None]
     total = tl.zeros((BLOCK_N,), dtype=tl.float32)

@@ -1,7 +1,8 @@
 """The MoE router in one Triton kernel: ``route(logits [T, E], k)`` -> ``(weights [T, k], ids [T, k])``.
 
 The same as ``moe_ref.route``: scores = softmax (or sigmoid) of the logits in fp32, the k largest
-with their expert ids, optionally renormalised to sum to 1, weights rounded to the logits' dtype.
+with their expert ids, optionally renormalised to sum to 1, weights rounded to the logits' dtype (with
+``fp32_weights``, kept in fp32: transformers' Mixtral; the kernels store in the weights buffer's dtype).
 The torch composition is about eight launches a layer (softmax, top-k's gather and sort,
 the sum, the division, dtype casts): at batch-1 decode of a 48-layer MoE (Qwen3-30B-A3B on an
 H200) they took ~0.9 ms of a 4.04 ms step. One program per token: the row of E <= 1024 scores
@@ -177,9 +178,11 @@ def _topk_constexprs(topk: str | None) -> dict:
 
 def add_rms_norm_route(a: torch.Tensor, b: torch.Tensor, norm_weight: torch.Tensor, router_weight: torch.Tensor,
                        ctx=None, *, eps: float, k: int, scoring: str = "softmax", renormalize: bool = False,
-                       rows: int | None = None, num_warps: int | None = None, topk: str | None = None):
+                       fp32_weights: bool = False, rows: int | None = None, num_warps: int | None = None,
+                       topk: str | None = None):
     """``s = a + b``, ``h = rms_norm(s, norm_weight)``, then ``route(linear(h, router_weight), k, ...)`` in one
-    kernel, for 1..32 tokens: returns ``(s, h, weights, ids)`` as ``torch_ref.add_rms_norm_route``.
+    kernel, for 1..32 tokens: returns ``(s, h, weights, ids)`` as ``torch_ref.add_rms_norm_route`` (the weights
+    in a's dtype, or in fp32 with ``fp32_weights``).
 
     ``ctx`` (a ``ForwardContext``) keeps the kernel's counter (``counters``), shared by every layer of
     a call; without one it is allocated per call. ``rows`` (router rows a program, a power of two),
@@ -200,7 +203,7 @@ def add_rms_norm_route(a: torch.Tensor, b: torch.Tensor, norm_weight: torch.Tens
                                                                                   device=a.device)
     s, h = torch.empty_like(a), torch.empty_like(a)
     logits = torch.empty((T, E), dtype=a.dtype, device=a.device)
-    weights = torch.empty((T, k), dtype=a.dtype, device=a.device)
+    weights = torch.empty((T, k), dtype=torch.float32 if fp32_weights else a.dtype, device=a.device)
     ids = torch.empty((T, k), dtype=torch.int64, device=a.device)
     default_rows, default_warps = _config(H)
     rows = rows or default_rows
@@ -214,10 +217,10 @@ def add_rms_norm_route(a: torch.Tensor, b: torch.Tensor, norm_weight: torch.Tens
 
 
 def route(logits: torch.Tensor, k: int, scoring: str = "softmax", renormalize: bool = False,
-          topk: str | None = None):
+          fp32_weights: bool = False, topk: str | None = None):
     """``moe_ref.route`` in one kernel: logits [T, E] (contiguous; fp32, fp16 or bf16) ->
-    (weights [T, k] in the logits' dtype, ids [T, k] int64). ``topk`` as in ``add_rms_norm_route``; this
-    kernel has no packed way (it runs as rounds). Runs on ``meta`` tensors too."""
+    (weights [T, k] in the logits' dtype, or fp32 with ``fp32_weights``, ids [T, k] int64). ``topk`` as in
+    ``add_rms_norm_route``; this kernel has no packed way (it runs as rounds). Runs on ``meta`` tensors too."""
     if logits.dim() != 2 or not logits.is_contiguous():
         raise ValueError(f"logits must be contiguous [T, E], got {tuple(logits.shape)}")
     T, E = logits.shape
@@ -225,7 +228,7 @@ def route(logits: torch.Tensor, k: int, scoring: str = "softmax", renormalize: b
         raise ValueError(f"need 1 <= k <= E <= {MAX_EXPERTS}, got k={k}, E={E}")
     if scoring not in ("softmax", "sigmoid"):
         raise ValueError(f"scoring must be softmax or sigmoid, got {scoring!r}")
-    weights = torch.empty((T, k), dtype=logits.dtype, device=logits.device)
+    weights = torch.empty((T, k), dtype=torch.float32 if fp32_weights else logits.dtype, device=logits.device)
     ids = torch.empty((T, k), dtype=torch.int64, device=logits.device)
     if T:
         launch(route_kernel, (T,), [logits, weights, ids],

@@ -35,6 +35,12 @@ OLMOE = {"architectures": ["OlmoeForCausalLM"], "hidden_size": 64, "intermediate
          "rms_norm_eps": 1e-5, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": False}
 
 
+# Mixtral keeps its routing weights in float32 (``route(fp32_weights=True)``): the routers store them in fp32, the
+# fused MoE kernels read them (and the sorted path's products before the k-sum are fp32) with bf16 activations
+MIXTRAL = {**{k: v for k, v in OLMOE.items() if k not in ("num_experts", "norm_topk_prob")},
+           "architectures": ["MixtralForCausalLM"], "num_local_experts": 8}
+
+
 # top 1 of 6 experts: the router's top-k at k = 1 (Triton 3.6's tl.topk fails to compile there)
 QWEN3_MOE_TOP1 = {**QWEN3_MOE, "num_experts": 6, "num_experts_per_tok": 1}
 # float16 checkpoints build in float16 on cuda (builder.default_dtype): fp8 experts and dense layers reading fp16
@@ -44,9 +50,9 @@ MISTRAL_FP16 = {**QWEN3, "architectures": ["MistralForCausalLM"], "sliding_windo
                 "dtype": "float16"}
 BUILDS = [(None, 1, None), (QWEN3, 1, None), (None, 2, None), (None, 1, "fp8"), (QWEN3_MOE, 2, None),
           (QWEN3_MOE, 1, "fp8"), (OLMOE, 1, None), (QWEN3_MOE_TOP1, 1, None), (QWEN3_MOE_FP16, 1, "fp8"),
-          (MISTRAL_FP16, 2, None)]
+          (MISTRAL_FP16, 2, None), (MIXTRAL, 1, None)]
 BUILD_IDS = ["llama-default", "qwen3-yarn", "llama-tp2", "llama-fp8", "qwen3-moe-tp2", "qwen3-moe-fp8", "olmoe",
-             "qwen3-moe-top1", "qwen3-moe-fp8-fp16", "mistral-window-tp2-fp16"]
+             "qwen3-moe-top1", "qwen3-moe-fp8-fp16", "mistral-window-tp2-fp16", "mixtral"]
 GPU_TRITON = os.environ.get("MXC_GPU_TRITON")  # a folder holding the GPU machines' Triton (.ci/run fetches 3.6.0)
 
 
@@ -109,6 +115,14 @@ def test_cuda_build_compiles_every_kernel_for_sm90(config, tp, quant, tmp_path):
     if config in (QWEN3_MOE_FP16, MISTRAL_FP16):  # every kernel compiled for fp16 tensors, none for bf16
         args = [a for e in index.values() for a in e["args"]]
         assert any("fp16" in a for a in args) and not any("bf16" in a for a in args)
+    if config in (MIXTRAL, OLMOE):  # the routing weights' kernels: fp32 pointers only for Mixtral's weights
+        routing = {"route_kernel", "norm_route_kernel", "_moe_gemm2_kernel", "_moe_sum_kernel",
+                   "_pair_down_tile_kernel", "_pair_down_sum_kernel"}
+        fp32 = {e["kernel"].split(":")[1]: "*fp32" in e["args"] for e in index.values()
+                if e["kernel"].split(":")[1] in routing}
+        assert set(fp32) >= routing - {"_pair_down_sum_kernel"}  # k = 2: the tiled down kernel
+        assert set(fp32.values()) == {config is MIXTRAL}, fp32
+        assert ("fp32_weights=True" in (art / "code" / "forward.py").read_text()) is (config is MIXTRAL)
     if config is MISTRAL_FP16:
         assert "push_all_reduce" in rendered
         assert {e.get("template_params", {}).get("WINDOW") for e in index.values()} >= {16}

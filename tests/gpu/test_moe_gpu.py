@@ -1,4 +1,5 @@
-"""Mixture of experts on the GPU: the fused MoE kernel at real shapes and a tiny Qwen3-MoE end to end vs HF."""
+"""Mixture of experts on the GPU: the fused MoE kernel at real shapes and a tiny Qwen3-MoE end to end vs HF; a tiny
+Mixtral's float32 routing weights end to end."""
 
 from __future__ import annotations
 
@@ -77,6 +78,46 @@ def test_moe_cuda_matches_hf(arch, overrides, hf_checkpoint, greedy_check, tmp_p
     # within what the prefill's own measured error explains (two sides of it), at least the default 2%
     greedy_check(ids, model.generate(ids, max_new_tokens=12), lambda seq: hf(seq.cuda()).logits,
                  tol=max(2e-2, 2.5 * err))
+
+
+def test_mixtral_fp32_routing_weights_cuda_matches_hf(hf_checkpoint, greedy_check, tmp_path):
+    """A bf16 Mixtral keeps its routing weights in float32, as transformers' MixtralTopKRouter does (the others cast
+    them to the logits' dtype): the compiled routers store fp32 weights and the fused MoE kernels read them (the
+    sorted path's products stay fp32 until the k-sum); logits and greedy tokens against transformers in bf16, and
+    the kernels' MoE block against transformers' on the GPU."""
+    import json
+
+    ckpt, hf = hf_checkpoint("MixtralForCausalLM", hidden_size=128, intermediate_size=64, num_local_experts=8,
+                             num_experts_per_tok=2)
+    art = mxc.build(str(ckpt), out=tmp_path / "a", target="cuda", dtype="bfloat16", max_batch=4, max_seq_len=64,
+                    progress=False, log=lambda m: None)
+    index = json.loads((art / "code" / "kernels" / "index.json").read_text())
+    routing = {e["kernel"].split(":")[1]: e["args"] for e in index.values()
+               if e["kernel"].split(":")[1] in ("route_kernel", "norm_route_kernel", "_moe_gemm2_kernel")}
+    assert set(routing) == {"route_kernel", "norm_route_kernel", "_moe_gemm2_kernel"}
+    assert routing["route_kernel"] == ["*bf16", "*fp32", "*i64"] and routing["norm_route_kernel"][7] == "*fp32"
+    assert "*fp32" in routing["_moe_gemm2_kernel"]
+    model = mxc.load(art, device="cuda")
+    hf = hf.to(device="cuda", dtype=torch.bfloat16)
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids.cuda()).logits.float().cpu()
+    err = _rel(model.logits(ids).cpu(), ref)
+    assert err < 3e-2
+    greedy_check(ids, model.generate(ids, max_new_tokens=12), lambda seq: hf(seq.cuda()).logits,
+                 tol=max(2e-2, 2.5 * err))
+    # one MoE block, the kernels against transformers' (its default experts path) on the same bf16 input
+    block = hf.model.layers[0].mlp
+    for t in (3, 64):  # the per-pair decode kernels, the sorted path
+        x = torch.randn(t, 128, device="cuda", dtype=torch.bfloat16)
+        moe = triton_moe_decode if t <= 4 else triton_moe
+        with torch.no_grad():
+            w, e = triton_route.route(x @ block.gate.weight.t(), 2, renormalize=True, fp32_weights=True)
+            want = block(x[None])[0]
+            got = moe.fused_moe(x, w, e, block.experts.gate_up_proj.contiguous(),
+                                block.experts.down_proj.contiguous())
+        assert w.dtype == torch.float32 and got.dtype == torch.bfloat16
+        assert _rel(got, want) < 2e-2, (t, _rel(got, want))
 
 
 @pytest.mark.parametrize("t", [1, 4, 64, 1024])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from mxc.ir import Repeat, ShardSpec, TensorType, Weight, verify
 
 
@@ -116,7 +118,8 @@ def test_when_block_moe(bind_arch, loc_of):
         (("y_1",), "add", ("y", "t_scale_rows"), gated),
         (("x_2",), "add", ("x_1", "y_1"), loc_of("- x = add(x, y)")),
     ]
-    assert next(n for n in rep.body if n.op == "route").attrs == {"k": 2, "scoring": "softmax", "renormalize": False}
+    assert next(n for n in rep.body if n.op == "route").attrs == {"k": 2, "scoring": "softmax", "renormalize": False,
+                                                                  "fp32_weights": False}
     assert rep.carry == {"x": "x_2"}
     types = verify(g)
     assert (types["r_w"], types["r_ids"]) == (TensorType(("T", 2), "float32"), TensorType(("T", 2), "int64"))
@@ -134,6 +137,19 @@ def test_when_block_moe_without_shared_expert(bind_arch):
     assert next(n for n in rep.body if n.op == "route").attrs["renormalize"] is True  # norm_topk_prob
     assert rep.body[-1].ins == ("x_1", "y") and rep.carry == {"x": "x_2"}
     assert verify(g)["y"] == verify(g)["x_1"]
+
+
+@pytest.mark.parametrize("arch, fp32", [("MixtralForCausalLM", True), ("Qwen3MoeForCausalLM", False),
+                                        ("Qwen2MoeForCausalLM", False), ("OlmoeForCausalLM", False)])
+def test_routing_weights_dtype(bind_arch, arch, fp32):
+    """Mixtral's routing weights stay float32 (transformers' MixtralTopKRouter does not cast them back to the
+    logits' dtype; the other MoE routers do): in a bf16 graph its route's weights are float32, the others' bf16."""
+    g = bind_arch(arch, dtype="bfloat16", num_experts=4, num_local_experts=4, num_experts_per_tok=2)
+    route = next(n for n in layer(g).body if n.op == "route")
+    assert route.attrs["fp32_weights"] is fp32
+    types = verify(g)
+    assert types[route.outs[0]] == TensorType(("T", 2), "float32" if fp32 else "bfloat16")
+    assert types[route.outs[1]].dtype == "int64" and types["y"].dtype == "bfloat16"
 
 
 def test_all_biases(bind_arch):

@@ -115,6 +115,8 @@ EXAMPLES = {
         ([tt("T", 64), tt("T", 64), tt(64), tt(8, 32)], {"eps": 1e-5, "k": 2}, "router weight"),
         ([tt("T", 64), tt("T", 64), tt(64), tt(8, 64)], {"eps": 1e-5, "k": 9}, "k=9 must be in 1..8"),
         ([tt("T", 64), tt("T", 64), tt(64), tt(8, 64)], {"eps": 1e-5}, "missing attribute(s) k"),
+        ([tt("T", 64), tt("T", 64), tt(64), tt(8, 64)], {"eps": 1e-5, "k": 2, "fp32_weights": "yes"},
+         "fp32_weights='yes' must be true or false"),
     ]),
     "rms_norm_linear": (([tt("T", 64), tt(64), tt(128, 64), tt(128)], {"eps": 1e-5}), [tt("T", 128)], [
         ([tt("T", 64), tt(32), tt(128, 64)], {"eps": 1e-5}, "disagree on K"),
@@ -177,6 +179,7 @@ EXAMPLES = {
         ([tt("T", 8)], {"k": 2, "scoring": "tanh"}, "scoring must be softmax or sigmoid, got 'tanh'"),
         ([tt("T", 8)], {}, "missing attribute(s) k"),
         ([tt("T", 8)], {"k": 2, "topk": 2}, "unknown attribute(s) topk"),
+        ([tt("T", 8)], {"k": 2, "fp32_weights": 1}, "fp32_weights=1 must be true or false"),
     ]),
     "experts": (([tt("T", 64), tt("T", 2), tt("T", 2, dtype="int64"), tt(8, 96, 64), tt(8, 96, 64), tt(8, 64, 96)], {}),
                 [tt("T", 64)], [
@@ -196,6 +199,8 @@ EXAMPLES = {
          "do not fit"),
         ([tt("T", 64), tt("T", 2), tt("T", 2, dtype="int64"), tt(8, 96, 64), tt(8, 96, 64)], {},
          "input 'w_down' is required"),
+        ([tt("T", 64), tt("T", 2, dtype="bfloat16"), tt("T", 2, dtype="int64"), tt(8, 96, 64), tt(8, 96, 64),
+          tt(8, 64, 96)], {}, "routing weights [T, 2] bfloat16 must be in x's dtype (float32) or float32"),
     ]),
     "fused_moe": (([tt("T", 64), tt("T", 2), tt("T", 2, dtype="int64"), tt(8, 192, 64), tt(8, 64, 96)], {}),
                   [tt("T", 64)], [
@@ -303,12 +308,28 @@ def test_optional_input_may_be_absent():
 
 
 def test_route_weights_take_the_logits_dtype():
-    """Routing weights come back in the logits' dtype (the reference scores in float32), ids are int64."""
+    """Routing weights come back in the logits' dtype (the reference scores in float32), ids are int64; with
+    fp32_weights (Mixtral's) in float32, unrounded, for route and the fused add_rms_norm_route alike."""
     assert infer("route", [tt("T", 8, dtype="bfloat16")], {"k": 2}) == (tt("T", 2, dtype="bfloat16"),
                                                                       tt("T", 2, dtype="int64"))
+    assert infer("route", [tt("T", 8, dtype="bfloat16")], {"k": 2, "fp32_weights": True}) == (
+        tt("T", 2, dtype="float32"), tt("T", 2, dtype="int64"))
+    bf16 = [tt("T", 64, dtype="bfloat16")] * 2 + [tt(64, dtype="bfloat16"), tt(8, 64, dtype="bfloat16")]
+    for fp32, want in ((False, "bfloat16"), (True, "float32")):
+        out = infer("add_rms_norm_route", bf16, {"eps": 1e-5, "k": 2, "fp32_weights": fp32})
+        assert [t.dtype for t in out] == ["bfloat16", "bfloat16", want, "int64"]
+    logits = torch.randn(5, 8, dtype=torch.bfloat16)
     for scoring in ("softmax", "sigmoid"):
-        w, ids = torch_ref.route(torch.randn(5, 8, dtype=torch.bfloat16), k=2, scoring=scoring)
+        w, ids = torch_ref.route(logits, k=2, scoring=scoring)
         assert (w.dtype, w.shape, ids.dtype, ids.shape) == (torch.bfloat16, (5, 2), torch.int64, (5, 2))
+        w32, ids32 = torch_ref.route(logits, k=2, scoring=scoring, renormalize=True, fp32_weights=True)
+        assert w32.dtype == torch.float32 and torch.equal(ids32, ids)
+        assert torch.equal(w32.to(torch.bfloat16), torch_ref.route(logits, k=2, scoring=scoring, renormalize=True)[0])
+        assert not torch.equal(w32, w32.to(torch.bfloat16).float())  # not bf16 values: the rounding is skipped
+    a, b, nw, rw = (torch.randn(3, 64).to(torch.bfloat16), torch.randn(3, 64).to(torch.bfloat16),
+                    torch.ones(64, dtype=torch.bfloat16), torch.randn(8, 64).to(torch.bfloat16))
+    *_, w32, _ = torch_ref.add_rms_norm_route(a, b, nw, rw, eps=1e-5, k=2, fp32_weights=True)
+    assert w32.dtype == torch.float32
 
 
 @pytest.mark.parametrize("op, ins, attrs", [
@@ -336,11 +357,19 @@ def test_rule_rejects_non_positive_int_sizes(op, ins, attrs):
     # without the residual add the output need not be x's shape
     ("rms_norm_mlp", MLP_INS[:4] + [tt(32, 96, dtype=FP8), tt(32)], {**MLP_ATTRS, "residual": False}, [tt("T", 32)]),
     ("route", [tt("T", 8)], {"k": 8}, [tt("T", 8), tt("T", 8, dtype="int64")]),  # every expert
+    # Mixtral's float32 routing weights with bf16 activations and stacks
+    ("experts", [tt("T", 64, dtype="bfloat16"), tt("T", 2), tt("T", 2, dtype="int64")]
+     + [tt(*s, dtype="bfloat16") for s in ((8, 96, 64), (8, 96, 64), (8, 64, 96))], {},
+     [tt("T", 64, dtype="bfloat16")]),
+    ("fused_moe", [tt("T", 64, dtype="bfloat16"), tt("T", 2), tt("T", 2, dtype="int64"),
+                   tt(8, 192, 64, dtype=FP8), tt(8, 64, 96, dtype=FP8), tt(8, 192), tt(8, 64)], {},
+     [tt("T", 64, dtype="bfloat16")]),
     # world 2 of 32 columns gather 64; a padded vocabulary keeps its first `size` columns, in (32, 64]
     ("all_gather", [tt("T", 32)], {"world": 2, "size": 64}, [tt("T", 64)]),
     ("all_gather", [tt("T", 32)], {"world": 2, "size": 50}, [tt("T", 50)]),
 ], ids=["qkv-whole-norms", "qlinear-partial-blocks", "fused_moe-block-scales", "fused_moe-row-scales",
-        "mlp-interleave", "mlp-no-residual", "route-all-experts", "all_gather-full", "all_gather-padded"])
+        "mlp-interleave", "mlp-no-residual", "route-all-experts", "experts-fp32-weights", "fused_moe-fp8-fp32-weights",
+        "all_gather-full", "all_gather-padded"])
 def test_rule_accepts_edge_cases(op, ins, attrs, want):
     assert list(infer(op, ins, attrs)) == want
 

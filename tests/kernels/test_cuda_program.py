@@ -123,6 +123,24 @@ def test_cuda_program_matches_cpu_program(arch, fields, quant, lens):
         assert err < 3e-3, err
 
 
+def test_mixtral_fp32_routing_weights_cuda_program_matches_cpu_program():
+    """Mixtral keeps its routing weights in float32 (``route(fp32_weights=True)``): the fused norm + router kernel
+    writes them in fp32 and both fused MoE paths (sorted at the prefill of 10 tokens, per pair at decode) read
+    them with fp16 activations, as the CPU program's reference does."""
+    fields = dict(num_local_experts=8, num_experts_per_tok=2)
+    cuda_graph, cuda_forward = _program("MixtralForCausalLM", "cuda", **fields)
+    cpu_graph, cpu_forward = _program("MixtralForCausalLM", "cpu", **fields)
+    for graph in (cuda_graph, cpu_graph):
+        (rep,) = [it for it in graph.body if isinstance(it, Repeat)]
+        route = next(n for n in rep.body if n.op == "add_rms_norm_route")
+        assert route.attrs["fp32_weights"] is True
+    assert "fp32_weights=True" in render_forward(cuda_graph, "0" * 64)
+    for got, ref in zip(_run(cuda_graph, cuda_forward, [S, S]), _run(cpu_graph, cpu_forward, [S, S])):
+        assert got.shape == ref.shape and not got.isnan().any()
+        err = float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
+        assert err < 3e-3, err
+
+
 @pytest.mark.parametrize("arch,fields,quant,lens", [
     ("LlamaForCausalLM", {}, dict(quant="fp8", quant_granularity="channel"), [S]),
     ("MistralForCausalLM", {"sliding_window": 3}, dict(quant="fp8", quant_granularity="block128"), [S, 2]),

@@ -393,8 +393,14 @@ def test_rounds_as_the_reference(dtype, configs):
     """Inputs whose every dot product is exact in fp32 (small multiples of 1/8; each down row picks one value of
     h, times a power of two): then only the roundings differ, and they are the reference's (gate and up rounded,
     silu in fp32 rounded, the product rounded, each expert's output times its weight rounded): equal bits."""
-    g = torch.Generator().manual_seed(17)
-    T, k, E = 3, 2, 4
+    x, weights, ids, wgu, wd = _exact_inputs(dtype, T=3, k=2)
+    y = tmd.fused_moe(*[_dev(t) for t in (x, weights, ids, wgu, wd)], configs=configs).cpu()
+    assert torch.equal(y, moe_ref.fused_moe(x, weights, ids, wgu, wd))
+
+
+def _exact_inputs(dtype, T, k, E=4, seed=17):
+    """``test_rounds_as_the_reference``'s inputs: every dot product exact in fp32; weights powers of two."""
+    g = torch.Generator().manual_seed(seed)
     x = torch.randint(-3, 4, (T, H), generator=g).to(dtype)
     wgu = (torch.randint(-2, 3, (E, 2 * I, H), generator=g) / 8).to(dtype)
     wd = torch.zeros(E, H, I)
@@ -402,5 +408,31 @@ def test_rounds_as_the_reference(dtype, configs):
     wd = wd.to(dtype)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
     weights = (2.0 ** -torch.randint(0, 3, (T, k), generator=g).float()).to(dtype)
-    y = tmd.fused_moe(*[_dev(t) for t in (x, weights, ids, wgu, wd)], configs=configs).cpu()
-    assert torch.equal(y, moe_ref.fused_moe(x, weights, ids, wgu, wd))
+    return x, weights, ids, wgu, wd
+
+
+@pytest.mark.interpreter  # as test_rounds_as_the_reference: exact dot products, only the roundings differ
+@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if _BF16_OK else []), ids=str)
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_fp32_weights_round_as_the_reference(dtype, k):
+    """Mixtral's float32 routing weights with 16-bit x (``route(fp32_weights=True)``): each expert's output times
+    its weight stays float32 (torch's promotion), the k products are summed in fp32 and rounded once, as
+    ``moe_ref`` (and transformers' default experts path) does: equal bits for the pair kernels (the expert loop
+    and the tiled one) and the sorted path, with and without a residual. The weights carry bits past x's dtype,
+    so rounding them or the products to it shows (the bf16 weights' result is another)."""
+    from mxc.kernels import torch_ref
+
+    x, _, ids, wgu, wd = _exact_inputs(dtype, T=4, k=k, seed=19 + k)
+    g = torch.Generator().manual_seed(k)
+    weights = 2.0 ** -torch.randint(0, 3, (4, k), generator=g).float() * (1 + torch.randint(1, 64, (4, k),
+                                                                                             generator=g) / 2**13)
+    assert weights.dtype == torch.float32 and not torch.equal(weights, weights.to(dtype).float())
+    ref = moe_ref.fused_moe(x, weights, ids, wgu, wd)
+    assert not torch.equal(ref, moe_ref.fused_moe(x, weights.to(dtype), ids, wgu, wd))
+    r = torch.randint(-4, 5, (4, H), generator=g).to(dtype)
+    args = [_dev(t) for t in (x, weights, ids, wgu, wd)]
+    for configs in (RAGGED, TILED):
+        assert torch.equal(tmd.fused_moe(*args, configs=configs).cpu(), ref), configs
+        assert torch.equal(tmd.fused_moe(*args, residual=_dev(r), configs=configs).cpu(), torch_ref.add(r, ref))
+    assert torch.equal(tm.fused_moe(*args, config=SORTED).cpu(), ref)
+    assert torch.equal(tm.fused_moe(*args, residual=_dev(r), config=SORTED).cpu(), torch_ref.add(r, ref))

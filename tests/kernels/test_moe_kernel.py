@@ -209,6 +209,33 @@ def test_writes_only_inside_tensors(k, residual):
     _check(y, ref if r is None else torch_ref.add(r, ref), TOL[torch.float32])
 
 
+@pytest.mark.parametrize("T,k,residual", [(13, 2, False), (5, 3, True), (6, 1, False)])
+def test_fp32_weights(T, k, residual):
+    """Mixtral's float32 routing weights with 16-bit x (bf16 where the interpreter's conversions are fixed): taken
+    (not refused as another dtype than x's) and checked as the bf16 weights are; the products stay float32 until
+    the k-sum (``y`` float32; at k = 1 without a residual y is the output itself). Bit for bit: test_moe_decode's
+    ``test_fp32_weights_round_as_the_reference``."""
+    from mxc.kernels import torch_ref
+
+    dtype = torch.bfloat16 if _BF16_OK else torch.float16
+    x, _, ids, wgu, wd = _inputs(T, k, 4, dtype, seed=T + k)
+    weights = torch.rand(T, k, generator=torch.Generator().manual_seed(k))  # float32, not rounded to x's dtype
+    r = torch.randn(T, H, generator=torch.Generator().manual_seed(3)).to(dtype) if residual else None
+    seen = []
+
+    def spy(kernel, grid, args, constexprs, num_warps, num_stages):
+        seen.append((kernel, args))
+        launch_mod.jit_launch(kernel, grid, args, constexprs, num_warps, num_stages)
+
+    with launch_mod.using(spy):
+        y = tm.fused_moe(_dev(x), _dev(weights), _dev(ids), _dev(wgu), _dev(wd), residual=_dev(r), config=SMALL)
+    ref = moe_ref.fused_moe(x, weights, ids, wgu, wd)
+    _check(y, ref if r is None else torch_ref.add(r, ref), TOL[dtype])
+    (gemm2_args,) = [args for kernel, args in seen if kernel is tm._moe_gemm2_kernel]
+    assert gemm2_args[3].dtype == torch.float32  # the weights as given
+    assert gemm2_args[7].dtype == (torch.float32 if k > 1 or residual else dtype)  # y
+
+
 def test_deterministic():
     a = _run(13, 2, 4, torch.bfloat16, seed=1)
     b = _run(13, 2, 4, torch.bfloat16, seed=1)
@@ -263,8 +290,10 @@ def test_rejects_bad_inputs():
     ok = dict(config=SMALL)
     with pytest.raises(ValueError):
         tm.fused_moe(x, weights, ids.int(), wgu, wd, **ok)
-    with pytest.raises(ValueError):
-        tm.fused_moe(x, weights.float(), ids, wgu, wd, **ok)
+    with pytest.raises(ValueError, match="weights must be contiguous"):  # x's dtype or float32 (Mixtral's)
+        tm.fused_moe(x, weights.to(torch.bfloat16), ids, wgu, wd, **ok)
+    with pytest.raises(ValueError, match="weights must be contiguous"):
+        tm.fused_moe(x, weights.double(), ids, wgu, wd, **ok)
     with pytest.raises(ValueError):
         tm.fused_moe(x, weights, ids, wgu.float(), wd, **ok)
     with pytest.raises(ValueError):

@@ -51,6 +51,29 @@ def test_matches_reference(T, H, E, k, scoring, renormalize, dtype):
     torch.testing.assert_close(w.float(), ref_w.float(), atol=2 * TOL[dtype], rtol=2 * TOL[dtype])
 
 
+@pytest.mark.parametrize("topk", ["rounds", "bitonic"])
+def test_fp32_weights(topk):
+    """``fp32_weights`` (Mixtral's router): the fused kernel stores the routing weights in fp32, unrounded, as
+    ``torch_ref.add_rms_norm_route(fp32_weights=True)``; the sum, the normalised rows and the experts as without."""
+    dtype = DTYPES[-1]
+    args = _inputs(3, 96, 8, dtype, seed=41)
+    kw = dict(eps=1e-6, k=2, scoring="softmax", renormalize=True)
+    s, h, w, ids = _run(args, None, **kw, fp32_weights=True, topk=topk)
+    ref_s, ref_h, ref_w, ref_ids = torch_ref.add_rms_norm_route(*args, **kw, fp32_weights=True)
+    assert w.dtype == ref_w.dtype == torch.float32 and torch.equal(ids, ref_ids)
+    torch.testing.assert_close(w, ref_w, atol=2 * TOL[torch.float32], rtol=2 * TOL[torch.float32])
+    assert not torch.equal(w, w.to(dtype).float())  # not rounded to the activations' dtype
+    s16, h16, w16, ids16 = _run(args, None, **kw, topk=topk)
+    assert torch.equal(s16, s) and torch.equal(h16, h) and torch.equal(ids16, ids) and w16.dtype == dtype
+    if topk == "bitonic":  # past 32 tokens: the Triton add + RMSNorm, the router GEMM, the Triton router
+        from mxc.kernels import cuda_ops
+
+        *_, w3, ids3 = (t.cpu() for t in cuda_ops.add_rms_norm_route(*(t.to(DEVICE) for t in args), **kw,
+                                                                     fp32_weights=True))
+        assert w3.dtype == torch.float32 and torch.equal(ids3, ref_ids)
+        torch.testing.assert_close(w3, ref_w, atol=2 * TOL[torch.float32], rtol=2 * TOL[torch.float32])
+
+
 @pytest.mark.parametrize("topk", triton_route.TOPK_WAYS)
 def test_ties_go_to_the_lower_expert(topk):
     """Experts 3 and 5 with the same router row (the same logit, the top score): 3 comes first."""
@@ -125,6 +148,13 @@ def test_meta_recording():
     # the measured default: one router row and two warps a program (triton_route._config), the bitonic top-k
     assert seen == [((128,), dict(H=2048, BLOCK_H=2048, E=128, ROWS=1, K=8, BLOCK_E=128, BLOCK_K=8, SIGMOID=False,
                                   RENORMALIZE=True, BITONIC=True), 2)]
+    args = []
+    with launch_mod.using(lambda kernel, grid, a, consts, nw, ns: args.append(a)):
+        for fp32 in (False, True):  # the weights buffer (argument 7), which the kernel stores in its dtype
+            shapes = ((1, 64), (1, 64), (64,), (8, 64))
+            out = triton_route.add_rms_norm_route(*(torch.empty(*s, **meta) for s in shapes), eps=1e-6, k=2,
+                                                  fp32_weights=fp32)
+            assert out[2].dtype == args[-1][7].dtype == (torch.float32 if fp32 else torch.bfloat16)
 
 
 _COMPILE = """

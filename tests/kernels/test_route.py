@@ -36,6 +36,21 @@ def test_route_matches_reference(T, E, k, scoring, renormalize, dtype, topk):
     torch.testing.assert_close(w.cpu().float(), ref_w.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES[1:], ids=str)
+@pytest.mark.parametrize("topk", ["rounds", "bitonic"])
+def test_fp32_weights(dtype, topk):
+    """``fp32_weights`` (Mixtral's router, which keeps them in float32): 16-bit logits, the weights stored in fp32
+    as ``moe_ref.route(fp32_weights=True)`` gives them, unrounded; the same experts as without it."""
+    logits = (torch.randn(6, 8, generator=torch.Generator().manual_seed(8)) * 2).to(dtype)
+    w, ids = triton_route.route(logits.to(DEVICE), 2, renormalize=True, fp32_weights=True, topk=topk)
+    ref_w, ref_ids = moe_ref.route(logits, 2, renormalize=True, fp32_weights=True)
+    assert w.dtype == ref_w.dtype == torch.float32 and torch.equal(ids.cpu(), ref_ids)
+    torch.testing.assert_close(w.cpu(), ref_w, atol=TOL[torch.float32], rtol=TOL[torch.float32])
+    assert not torch.equal(w.cpu(), w.cpu().to(dtype).float())  # not rounded to the logits' dtype
+    w16, ids16 = triton_route.route(logits.to(DEVICE), 2, renormalize=True, topk=topk)
+    assert w16.dtype == dtype and torch.equal(ids16, ids)
+
+
 @pytest.mark.parametrize("topk", ["rounds", "bitonic"])
 def test_ties_go_to_the_lower_expert(topk):
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0]])
@@ -64,6 +79,11 @@ def test_meta_recording():
                                     renormalize=True)
     assert w.shape == (9, 8) and ids.dtype == torch.int64
     assert seen == [((9,), dict(E=128, K=8, BLOCK_E=128, BLOCK_K=8, SIGMOID=False, RENORMALIZE=True, BITONIC=True))]
+    args = []
+    with launch_mod.using(lambda kernel, grid, a, consts, nw, ns: args.append(a)):
+        for fp32 in (False, True):  # the weights buffer, which the kernel stores in its dtype
+            w, _ = triton_route.route(torch.empty(9, 8, dtype=torch.bfloat16, device="meta"), 2, fp32_weights=fp32)
+            assert w.dtype == args[-1][1].dtype == (torch.float32 if fp32 else torch.bfloat16)
 
 
 def test_topk_knob_is_read_at_launch(monkeypatch):
@@ -86,6 +106,9 @@ with L.using(rec):
     triton_route.route(torch.empty(1, 128, dtype=torch.bfloat16, device="meta"), 8, renormalize=True)
     triton_route.route(torch.empty(1, 60, dtype=torch.float32, device="meta"), 4, scoring="sigmoid")
     triton_route.route(torch.empty(1, 128, dtype=torch.bfloat16, device="meta"), 8, renormalize=True, topk="bitonic")
+    triton_route.route(torch.empty(1, 8, dtype=torch.bfloat16, device="meta"), 2, renormalize=True, fp32_weights=True)
+assert any(s["signature"]["weights_ptr"] == "*fp32" and s["signature"]["logits_ptr"] == "*bf16"
+           for s in rec.specs.values())
 for spec in rec.specs.values():
     fn = triton_route.route_kernel
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in spec["signature"].items()

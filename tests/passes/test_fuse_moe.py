@@ -184,7 +184,8 @@ def test_declines_stacks_it_cannot_merge(bind_arch, case):
                          ids=["renormalize", "sigmoid", "mixtral"])
 def test_norm_route_keeps_the_routers_scoring(bind_arch, assert_same_logits, arch, fields):
     """The fused op scores and renormalises as the router it replaces did (the default softmax without
-    renormalisation would pick the same experts, but weight them differently)."""
+    renormalisation would pick the same experts, but weight them differently), and keeps Mixtral's weights in
+    float32 (``fp32_weights``) as its router does."""
     from types import SimpleNamespace
 
     from mxc.compiler.passes import fuse_norm_route
@@ -194,8 +195,9 @@ def test_norm_route_keeps_the_routers_scoring(bind_arch, assert_same_logits, arc
     assert (route.attrs["scoring"], route.attrs["renormalize"]) != ("softmax", False)
     after = eliminate_dead_code.run(fuse_norm_route.run(before, SimpleNamespace(quant=None)), None)
     node = next(n for n in layer(after).body if n.op == "add_rms_norm_route")
-    routing = ("scoring", "renormalize")
+    routing = ("scoring", "renormalize", "fp32_weights")
     assert {a: node.attrs[a] for a in routing} == {a: route.attrs[a] for a in routing}
+    assert node.attrs["fp32_weights"] is (arch == "MixtralForCausalLM")
     assert_same_logits(before, after)
 
 

@@ -4,11 +4,11 @@ Matches (``fuse_add_rms_norm`` made the first node)::
 
     s, h = add_rms_norm(a, b, g, eps=e)             # h may have other readers (the experts)
     l = linear(h, w_r)                               # w_r a weight; no bias, residual or prologue;
-    wt, ids = route(l, k=K, scoring=S, renormalize=R)  # l read only by the router
+    wt, ids = route(l, k=K, scoring=S, renormalize=R, fp32_weights=F)  # l read only by the router
 
 Rewrites to::
 
-    s, h, wt, ids = add_rms_norm_route(a, b, g, w_r, eps=e, k=K, scoring=S, renormalize=R)
+    s, h, wt, ids = add_rms_norm_route(a, b, g, w_r, eps=e, k=K, scoring=S, renormalize=R, fp32_weights=F)
 
 At decode one kernel does all of it (``triton_route.add_rms_norm_route``: 3 launches fewer a MoE
 layer); larger token counts run the three kernels as before. Under ``--quant fp8`` too: the router
@@ -31,7 +31,7 @@ def _match(route: Node, ctx):
     if norm is None or norm.op != "add_rms_norm" or norm.outs[1] != lin.ins[0]:
         return None
     attrs = {"eps": norm.attrs["eps"], "k": route.attrs["k"]}
-    attrs.update({a: route.attrs[a] for a in ("scoring", "renormalize") if a in route.attrs})
+    attrs.update({a: route.attrs[a] for a in ("scoring", "renormalize", "fp32_weights") if a in route.attrs})
     fused = Node("add_rms_norm_route", norm.outs + route.outs, (*norm.ins[:3], lin.ins[1]), attrs, route.loc)
     return {ctx.index(norm): [fused], ctx.index(lin): [], ctx.index(route): []}
 
