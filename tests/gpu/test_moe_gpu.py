@@ -64,6 +64,15 @@ def test_router_qwen3_30b_shapes(t, scoring, renormalize):
 ])
 def test_moe_cuda_matches_hf(arch, overrides, hf_checkpoint, greedy_check, tmp_path):
     ckpt, hf = hf_checkpoint(arch, hidden_size=128, num_experts=8, num_experts_per_tok=2, **overrides)
+    _cuda_build_matches_hf(ckpt, hf, greedy_check, tmp_path)
+
+
+def _cuda_build_matches_hf(ckpt, hf, greedy_check, tmp_path):
+    """A bf16 cuda build of ``ckpt`` against transformers (``hf``, moved to the GPU in bf16): the prefill's logits
+    within 3%, then the decode path (the per-pair expert kernels, the fused norm + router) at every greedy step.
+    A router near-tie can move a token's logits by more than the dense models' bf16 noise, so a flip counts as a tie
+    within what the prefill's own measured error explains (two sides of it), at least the default 2%. Returns the
+    artifact's path and transformers' model."""
     art = mxc.build(str(ckpt), out=tmp_path / "a", target="cuda", dtype="bfloat16", max_batch=4, max_seq_len=64,
                     progress=False, log=lambda m: None)
     model = mxc.load(art, device="cuda")
@@ -73,11 +82,9 @@ def test_moe_cuda_matches_hf(arch, overrides, hf_checkpoint, greedy_check, tmp_p
         ref = hf(ids.cuda()).logits.float().cpu()
     err = _rel(model.logits(ids).cpu(), ref)
     assert err < 3e-2
-    # the decode path (the per-pair expert kernels, the fused norm + router) against transformers at every step; a
-    # router near-tie can move a token's logits by more than the dense models' bf16 noise, so a flip counts as a tie
-    # within what the prefill's own measured error explains (two sides of it), at least the default 2%
     greedy_check(ids, model.generate(ids, max_new_tokens=12), lambda seq: hf(seq.cuda()).logits,
                  tol=max(2e-2, 2.5 * err))
+    return art, hf
 
 
 def test_mixtral_fp32_routing_weights_cuda_matches_hf(hf_checkpoint, greedy_check, tmp_path):
@@ -89,23 +96,13 @@ def test_mixtral_fp32_routing_weights_cuda_matches_hf(hf_checkpoint, greedy_chec
 
     ckpt, hf = hf_checkpoint("MixtralForCausalLM", hidden_size=128, intermediate_size=64, num_local_experts=8,
                              num_experts_per_tok=2)
-    art = mxc.build(str(ckpt), out=tmp_path / "a", target="cuda", dtype="bfloat16", max_batch=4, max_seq_len=64,
-                    progress=False, log=lambda m: None)
+    art, hf = _cuda_build_matches_hf(ckpt, hf, greedy_check, tmp_path)
     index = json.loads((art / "code" / "kernels" / "index.json").read_text())
     routing = {e["kernel"].split(":")[1]: e["args"] for e in index.values()
                if e["kernel"].split(":")[1] in ("route_kernel", "norm_route_kernel", "_moe_gemm2_kernel")}
     assert set(routing) == {"route_kernel", "norm_route_kernel", "_moe_gemm2_kernel"}
     assert routing["route_kernel"] == ["*bf16", "*fp32", "*i64"] and routing["norm_route_kernel"][7] == "*fp32"
     assert "*fp32" in routing["_moe_gemm2_kernel"]
-    model = mxc.load(art, device="cuda")
-    hf = hf.to(device="cuda", dtype=torch.bfloat16)
-    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref = hf(ids.cuda()).logits.float().cpu()
-    err = _rel(model.logits(ids).cpu(), ref)
-    assert err < 3e-2
-    greedy_check(ids, model.generate(ids, max_new_tokens=12), lambda seq: hf(seq.cuda()).logits,
-                 tol=max(2e-2, 2.5 * err))
     # one MoE block, the kernels against transformers' (its default experts path) on the same bf16 input
     block = hf.model.layers[0].mlp
     for t in (3, 64):  # the per-pair decode kernels, the sorted path

@@ -57,13 +57,18 @@ def test_logits_and_greedy_match_hf(case, hf_checkpoint, tmp_path):
     arch, overrides = CASES[case]
     ckpt, hf = hf_checkpoint(arch, **overrides)
     _eager_experts_where_needed(hf)
+    _matches_hf(ckpt, hf, tmp_path, seed=1, new=16)
+
+
+def _matches_hf(ckpt, hf, tmp_path, seed, new):
+    """``ckpt`` built for the CPU against transformers: logits within 1e-4 of their scale, the same greedy tokens."""
     model = mxc.load(mxc.build(str(ckpt), out=tmp_path / "art", progress=False, log=lambda m: None))
-    ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         ref = hf(ids).logits.float()
-        ref_tokens = hf.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)[:, ids.shape[1]:]
+        ref_tokens = hf.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)[:, ids.shape[1]:]
     assert _rel_err(model.logits(ids), ref) <= 1e-4
-    assert torch.equal(model.generate(ids, max_new_tokens=16), ref_tokens)
+    assert torch.equal(model.generate(ids, max_new_tokens=new), ref_tokens)
 
 
 def test_a_qwen2_moe_shared_expert_of_width_zero_is_refused_naming_the_field(hf_checkpoint, tmp_path):
@@ -93,13 +98,7 @@ def test_mlp_only_layers_naming_no_layer_builds_and_one_naming_a_layer_is_refuse
     assert json.loads((ckpt / "config.json").read_text())["mlp_only_layers"] == [layers + 3, -1]
     assert all("Sparse" in type(layer.mlp).__name__ for layer in hf.model.layers)  # every layer has experts
     _eager_experts_where_needed(hf)
-    model = mxc.load(mxc.build(str(ckpt), out=tmp_path / "art", progress=False, log=lambda m: None))
-    ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        ref = hf(ids).logits.float()
-        ref_tokens = hf.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)[:, ids.shape[1]:]
-    assert _rel_err(model.logits(ids), ref) <= 1e-4
-    assert torch.equal(model.generate(ids, max_new_tokens=8), ref_tokens)
+    _matches_hf(ckpt, hf, tmp_path, seed=3, new=8)
 
     ckpt, hf = hf_checkpoint(arch, name="first", mlp_only_layers=[layers + 3, 0], **sizes)
     assert "Sparse" not in type(hf.model.layers[0].mlp).__name__  # layer 0 dense: a model mxc does not build
