@@ -149,6 +149,7 @@ def summary(path) -> str:
         *_gpu_memory(path, m),
         f"built by     mxc {m['mxc_version']} (torch {m['target'].get('torch')}), IR sha256 {m['ir_sha256'][:16]}",
         f"weights      {m['source']['weights']}" + (f" from {m['source']['checkpoint']}" if m['source']['checkpoint'] else ""),
+        f"tokenizer    {_tokenizer(path, m.get('files', {}))}",
         *_kernels(m),
     ]
     lines += _compiled(path)
@@ -161,6 +162,28 @@ def summary(path) -> str:
     for rel in extra:
         lines.append(f"  {rel:{width}s} EXTRA (not in manifest.json: loading refuses the artifact; remove it)")
     return "\n".join(lines)
+
+
+def _tokenizer(path: Path, files) -> str:
+    """What ``mxc generate`` can take text with: tokenizer.json (``--prompt``) and the chat templates by name
+    (``--chat``, ``--chat-template NAME``), or why not; a damaged file is named, as the files listing does."""
+    from mxc.chat_template import chat_templates
+    from mxc.errors import MxcError
+    from mxc.tokenizer import missing_reason
+
+    if not (path / "tokenizer" / "tokenizer.json").is_file():
+        return f"none: generate takes --ids only ({missing_reason(path, files)})"
+    try:
+        names = sorted(chat_templates(path, files))
+    except MxcError as e:
+        return f"tokenizer.json (--prompt); chat templates UNREADABLE ({e})"
+    if not names:
+        return "tokenizer.json (--prompt); no chat template (--chat cannot run)"
+    if "default" not in names:
+        how = '--chat needs --chat-template NAME: none is "default"'
+    else:
+        how = "--chat; --chat-template NAME picks another" if len(names) > 1 else "--chat"
+    return f"tokenizer.json (--prompt); chat templates {', '.join(map(repr, names))} ({how})"
 
 
 def _file_state(f: Path) -> str:

@@ -416,3 +416,29 @@ def test_inspect_says_an_fp8_checkpoint_was_imported(artifact, tmp_path, capsys)
                  if ln.startswith("build"))
     assert ("quant fp8 (block128 scales, from the checkpoint; 3 of the layers' linear weights left in float32 by it)"
             in build), build  # the checkpoint's experts keep its scales: no channel note
+
+
+def test_inspect_says_what_text_generate_takes(hf_checkpoint, tmp_path, capsys):
+    """The tokenizer line: no tokenizer (--ids only, and why), tokenizer.json without a chat template, the chat
+    templates by name (the one --chat uses, or that it needs --chat-template), and a template the artifact lost,
+    named as damaged rather than a traceback."""
+    from tests.cli.test_cli_chat import LLAMA3, TOOL_USE, _checkpoint
+
+    def line(art):
+        assert main(["inspect", str(art)]) == 0
+        return next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("tokenizer "))
+
+    art = mxc.build("llama.yaml", out=tmp_path / "random", progress=False, log=lambda m: None)
+    assert "none: generate takes --ids only (--prompt needs a tokenizer" in line(art)
+    ckpt = _checkpoint(hf_checkpoint, {})
+    assert line(mxc.build(str(ckpt), out=tmp_path / "plain", progress=False, log=lambda m: None)).endswith(
+        "tokenizer.json (--prompt); no chat template (--chat cannot run)")
+    ckpt = _checkpoint(hf_checkpoint, {}, jinja=LLAMA3, named={"tool_use": TOOL_USE})
+    art = mxc.build(str(ckpt), out=tmp_path / "named", progress=False, log=lambda m: None)
+    assert line(art).endswith("chat templates 'default', 'tool_use' (--chat; --chat-template NAME picks another)")
+    (ckpt / "chat_template.jinja").unlink()
+    art = mxc.build(str(ckpt), out=tmp_path / "no-default", progress=False, log=lambda m: None)
+    assert line(art).endswith("""chat templates 'tool_use' (--chat needs --chat-template NAME: none is "default")""")
+    (art / "tokenizer" / "additional_chat_templates" / "tool_use.jinja").unlink()
+    damaged = line(art)
+    assert "chat templates UNREADABLE (" in damaged and "is missing; the artifact is incomplete" in damaged
