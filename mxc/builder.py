@@ -31,7 +31,7 @@ from mxc.build_output import check_dump_dir, check_out, check_space, recover, re
 from mxc.codegen.render import render_forward
 from mxc.compiler.options import BuildOptions
 from mxc.compiler.pipeline import check_disabled, compile_graph
-from mxc.errors import MxcError, size_text
+from mxc.errors import MxcError, first_line, size_text
 from mxc.ir import Graph, dump_graph, verify
 from mxc.kernels.candidates import ONE_SHOT_DTYPES
 from mxc.loaders.checkpoint import open_checkpoint
@@ -476,7 +476,7 @@ def _cutlass_library(graph, tmp: Path, log) -> dict | None:
     try:
         gemm = cutlass_fp8.load(cutlass_fp8.build_library(tmp / cutlass_fp8.LIBRARY, log))
     except (RuntimeError, OSError) as e:
-        raise MxcError(f"building the CUTLASS fp8 GEMM failed ({str(e).splitlines()[0]}); "
+        raise MxcError(f"building the CUTLASS fp8 GEMM failed ({first_line(e)}); "
                        f"set MXC_CUTLASS_LIBRARY=none to build with torch._scaled_mm instead") from e
     return {"library": cutlass_fp8.LIBRARY, "kernel": gemm.name, "config": cutlass_fp8.library_config()}
 
@@ -495,6 +495,6 @@ def _mlp_pair_library(graph, options: BuildOptions, tmp: Path, log) -> dict | No
     try:
         mlp_pair_fp8.library(tmp / mlp_pair_fp8.LIBRARY, log)
     except (RuntimeError, OSError) as e:
-        raise MxcError(f"building the fp8 MLP pair kernel failed ({str(e).splitlines()[0]}); "
+        raise MxcError(f"building the fp8 MLP pair kernel failed ({first_line(e)}); "
                        f"build without --mlp-pair") from e
     return {"library": mlp_pair_fp8.LIBRARY, "source": mlp_pair_fp8.library_source()}

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mxc.errors import MxcError
+from mxc.errors import MxcError, first_line
 
 UNREADABLE = ("tokenizer.model", "vocab.json", "merges.txt")  # tokenizer files the build copies, mxc cannot read
 
@@ -50,7 +50,7 @@ def read_tokenizer(path: Path, fix: str) -> Tokenizer:
     try:
         return Tokenizer(path)
     except Exception as e:  # noqa: BLE001  (the tokenizers library raises a bare Exception on a bad file)
-        raise MxcError(f"{path}: not a readable tokenizer ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+        raise MxcError(f"{path}: not a readable tokenizer ({first_line(e)}); "
                        f"{fix}") from None
 
 

@@ -246,3 +246,33 @@ def test_a_nan_copied_into_a_tied_lm_head_is_named_as_damage(hf_checkpoint, tmp_
         build(ckpt, tmp_path / "art")
     one_line(e)
     assert not (tmp_path / "art").exists()
+
+
+@pytest.mark.parametrize("library", ["cutlass", "mlp_pair"])
+@pytest.mark.parametrize("error", [OSError(), RuntimeError("nvcc failed\nsecond line")], ids=["empty", "lines"])
+def test_a_kernel_library_that_fails_to_build_is_one_line(library, error, tmp_path, monkeypatch):
+    """The CUTLASS fp8 GEMM and the fp8 MLP pair libraries are compiled at build where chosen; a failure is one line
+    quoting the error's first line, or its type where it has no message (an OSError() had the build fail with an
+    IndexError traceback), and the way around it."""
+    from types import SimpleNamespace
+
+    from mxc import builder
+    from mxc.kernels import cutlass_fp8, mlp_pair_fp8
+    from mxc.kernels.candidates import CUTLASS_KERNELS, MLP_PAIR_KERNEL
+
+    def fail(*a, **k):
+        raise error
+
+    kernel = CUTLASS_KERNELS[0] if library == "cutlass" else MLP_PAIR_KERNEL
+    graph = SimpleNamespace(nodes=lambda: [(SimpleNamespace(attrs={"kernel": kernel}), None)])
+    if library == "cutlass":
+        monkeypatch.setattr(cutlass_fp8, "build_library", fail)
+        call, advice = lambda: builder._cutlass_library(graph, tmp_path, print), "MXC_CUTLASS_LIBRARY=none"
+    else:
+        monkeypatch.setattr(mlp_pair_fp8, "library", fail)
+        options = SimpleNamespace(mlp_pair=True)
+        call, advice = lambda: builder._mlp_pair_library(graph, options, tmp_path, print), "without --mlp-pair"
+    with pytest.raises(MxcError) as e:
+        call()
+    msg = one_line(e)
+    assert f"failed ({'OSError' if isinstance(error, OSError) else 'nvcc failed'}); " in msg and advice in msg
