@@ -15,7 +15,7 @@ import os
 import stat
 from pathlib import Path
 
-from mxc.errors import MxcError, size_text
+from mxc.errors import MxcError, first_line, size_text
 
 MAX_JSON_BYTES = 64 << 20  # a checkpoint's JSON metadata: config.json is KiBs, a 1000-shard index a few MiB
 
@@ -86,4 +86,4 @@ def read_json(path: Path, what: str, missing: str) -> object:
     except RecursionError:
         raise MxcError(f"{path}: not valid JSON (nested too deeply)") from None
     except ValueError as e:  # an integer of more digits than Python converts
-        raise MxcError(f"{path}: not valid JSON ({str(e).splitlines()[0]})") from None
+        raise MxcError(f"{path}: not valid JSON ({first_line(e)})") from None

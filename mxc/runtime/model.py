@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from mxc.errors import MxcError, size_text
+from mxc.errors import MxcError, first_line, size_text
 from mxc.kernels.context import ForwardContext, to_device
 from mxc.runtime.sampling import check_generate_args, sample
 
@@ -335,7 +335,7 @@ def _peer_allreduce(manifest: dict, kind: str, dtype: torch.dtype, device: torch
                 return peer_allreduce.PushAllReduce(None, ONE_SHOT_MAX_TOKENS, hidden, dtype, device)
             return peer_allreduce.OneShotAllReduce(None, ONE_SHOT_MAX_TOKENS * hidden, dtype, device)
         except RuntimeError as e:  # e.g. no peer access between these GPUs
-            why = str(e).splitlines()[0]
+            why = first_line(e)
     print(f"mxc: {kind} all-reduce unavailable ({why}); using NCCL", file=sys.stderr)
     return None
 

@@ -410,3 +410,20 @@ def test_wide_outputs_do_not_join_their_all_reduce(hidden, joined):
     ops = [n.op for n in _layer(graph).body]
     assert ("linear_all_reduce_add" in ops) is joined and ("linear_all_reduce_add_rms_norm" in ops) is joined
     assert ("all_reduce_add" in ops) is not joined and ("all_reduce_add_rms_norm" in ops) is not joined
+
+
+def test_peer_memory_that_fails_to_set_up_falls_back_to_nccl_in_one_line(monkeypatch, capsys):
+    """Peer memory available but its setup raising (no peer access between the GPUs, say): NCCL, with the error's
+    first line, or its type where it has none (an empty RuntimeError made the load fail with an IndexError)."""
+    from mxc.runtime.model import _peer_allreduce
+
+    monkeypatch.setattr(peer_allreduce, "available", lambda device: None)
+    for error, shown in ((RuntimeError(), "(RuntimeError)"), (RuntimeError("no peer access\nmore"), "(no peer access)")):
+        def fail(*a, error=error, **k):
+            raise error
+
+        monkeypatch.setattr(peer_allreduce, "OneShotAllReduce", fail)
+        monkeypatch.setattr(peer_allreduce, "PushAllReduce", fail)
+        for kind in ("one_shot", "push"):
+            assert _peer_allreduce({"config": {"hidden_size": 64}}, kind, torch.bfloat16, torch.device("cpu")) is None
+            assert capsys.readouterr().err == f"mxc: {kind} all-reduce unavailable {shown}; using NCCL\n"
