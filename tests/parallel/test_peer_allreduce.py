@@ -418,7 +418,8 @@ def test_peer_memory_that_fails_to_set_up_falls_back_to_nccl_in_one_line(monkeyp
     from mxc.runtime.model import _peer_allreduce
 
     monkeypatch.setattr(peer_allreduce, "available", lambda device: None)
-    for error, shown in ((RuntimeError(), "(RuntimeError)"), (RuntimeError("no peer access\nmore"), "(no peer access)")):
+    cases = ((RuntimeError(), "(RuntimeError)"), (RuntimeError("no peer access\nmore"), "(no peer access)"))
+    for error, shown in cases:
         def fail(*a, error=error, **k):
             raise error
 
