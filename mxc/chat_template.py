@@ -259,6 +259,9 @@ def load_chat_template(artifact: Path, files=(), name: str | None = None) -> Cha
             template = template.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
             raise MxcError(f"{where}: not UTF-8 text ({first_line(e)}); use --prompt without --chat") from None
+        except OSError as e:  # unreadable (its permissions, an I/O error): as the tokenizer's JSON files say it
+            raise MxcError(f"{where}: cannot read it ({e.strerror or first_line(e)}); rebuild the artifact, or use "
+                           f"--prompt without --chat") from None
     elif not isinstance(template, str):
         raise MxcError(f"{where}: expected a template (a string), got {type(template).__name__}; use --prompt "
                        f"without --chat")

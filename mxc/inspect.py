@@ -7,7 +7,7 @@ from collections import Counter
 from pathlib import Path
 
 from mxc.artifact_format import listed_files, safetensors_header
-from mxc.errors import size_text
+from mxc.errors import MxcError, size_text
 from mxc.runtime.artifact import read_manifest
 from mxc.runtime.model import DTYPES, kv_cache_bytes
 from mxc.runtime_buckets import prefill_graph_buckets
@@ -168,7 +168,6 @@ def _tokenizer(path: Path, files) -> str:
     """What ``mxc generate`` can take text with: tokenizer.json (``--prompt``) and the chat templates by name
     (``--chat``, ``--chat-template NAME``), or why not; a damaged file is named, as the files listing does."""
     from mxc.chat_template import chat_templates
-    from mxc.errors import MxcError
     from mxc.tokenizer import missing_reason
 
     if not (path / "tokenizer" / "tokenizer.json").is_file():

@@ -327,6 +327,24 @@ def test_an_unreadable_tokenizer_config_is_one_line(text, error, hf_checkpoint, 
                f"mxc: error: {art / 'tokenizer' / 'tokenizer_config.json'}: {error}")
 
 
+def test_a_template_file_that_cannot_be_read_is_one_line(hf_checkpoint, tmp_path, capsys, monkeypatch):
+    """chat_template.jinja unreadable (its permissions, an I/O error): one line naming it, not a traceback."""
+    ckpt = _checkpoint(hf_checkpoint, {"bos_token": "<|begin_of_text|>"}, jinja=LLAMA3)
+    art = _build(ckpt, tmp_path / "art")
+    read_text = Path.read_text
+
+    def denied(self, *a, **k):
+        if self.name == "chat_template.jinja":
+            raise PermissionError(13, "Permission denied", str(self))
+        return read_text(self, *a, **k)
+
+    monkeypatch.setattr(Path, "read_text", denied)
+    capsys.readouterr()
+    user_error(capsys, ["generate", art, "--prompt", "hello", "--chat"],
+               f"mxc: error: {art / 'tokenizer' / 'chat_template.jinja'}: cannot read it (Permission denied); "
+               f"rebuild the artifact, or use --prompt without --chat")
+
+
 def test_a_templates_raise_exception_is_its_message(hf_checkpoint, tmp_path, capsys):
     """A template that refuses a system message (Gemma's): --system is named; without it the prompt renders."""
     ckpt = _checkpoint(hf_checkpoint, {"bos_token": "<|begin_of_text|>"}, jinja=NO_SYSTEM)
