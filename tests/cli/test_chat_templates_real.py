@@ -186,8 +186,10 @@ def test_namespace_and_dict_are_transformers(text, rendered, made):
     messages = [{"role": "user", "content": "hello"}]
     template = ChatTemplate(text, "chat_template.jinja", {})
     if rendered is None:
-        with pytest.raises(SecurityError, match="underscore-prefixed"):
+        try:  # transformers before its TemplateNamespace (5.17 has none) renders these; mxc refuses as 5.25 does
             hf.apply_chat_template(messages, chat_template=text, tokenize=False)
+        except SecurityError as refused:
+            assert "underscore-prefixed" in str(refused)
         with pytest.raises(MxcError, match=r"^chat_template\.jinja: the chat template does not render \(line 1: "
                                            r"SecurityError: Chat templates cannot store underscore-prefixed"):
             template.render(messages)
