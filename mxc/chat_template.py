@@ -29,7 +29,7 @@ import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from mxc.errors import MxcError, first_line
+from mxc.errors import MxcError, first_line, typed_line
 from mxc.loaders.files import read_json
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -142,7 +142,7 @@ class ChatTemplate:
             raise
         except Exception as e:  # noqa: BLE001  (a template can fail in any way a Python expression can)
             raise MxcError(f"{self.where}: the chat template does not render ({_template_line(e)}"
-                           f"{type(e).__name__}: {first_line(e)}); use --prompt without --chat") from None
+                           f"{typed_line(e)}); use --prompt without --chat") from None
 
 
 def chat_ids(tokenizer, template: ChatTemplate, prompt: str, system: str | None = None) -> list[int]:

@@ -37,3 +37,10 @@ def first_line(e: BaseException) -> str:
     """A caught exception as a one-line message quotes it: its message's first line, or its type's name."""
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
+
+
+def typed_line(e: BaseException) -> str:
+    """``first_line`` after the exception's type name (``KeyError: 'x'``), or the type's name alone if it has no
+    message."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__

@@ -50,6 +50,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from mxc.errors import typed_line
 from mxc.kernels import cutlass_silu_pair, nvcc as nvcc_tool
 
 ARCH_CC = 90
@@ -133,7 +134,7 @@ def generator_available() -> str | None:
     try:
         _cppgen()
     except Exception as e:  # noqa: BLE001  (any failure to set the generator up is a reason)
-        return f"cutlass_cppgen cannot be set up: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return f"cutlass_cppgen cannot be set up: {typed_line(e)}"
     return None
 
 

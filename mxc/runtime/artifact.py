@@ -36,7 +36,7 @@ from safetensors import SafetensorError, safe_open
 import mxc
 from mxc.artifact_format import (SCHEMA_VERSION, WEIGHT_DTYPES, chunk_count, listed_files, manifest_digest,
                                  sha256_file)
-from mxc.errors import MxcError, first_line, size_text
+from mxc.errors import MxcError, size_text, typed_line
 from mxc.runtime.model import Model, on_device
 
 
@@ -303,7 +303,7 @@ def _exec_program(path: Path, digest: str) -> types.ModuleType:
     try:
         code = compile(source, str(path), "exec")
     except (SyntaxError, ValueError) as e:  # a manifest re-signed over another program (ValueError: null bytes)
-        raise MxcError(f"{path}: not a Python program ({type(e).__name__}: {first_line(e)}); the artifact was "
+        raise MxcError(f"{path}: not a Python program ({typed_line(e)}); the artifact was "
                        f"written by another tool or damaged, rebuild it") from None
     module = types.ModuleType(f"mxc_artifact_{digest[:12]}")
     module.__file__ = str(path)
@@ -470,7 +470,7 @@ def _expected_weights(path: Path, manifest: dict) -> dict[str, tuple[torch.dtype
         return {w.name: (WEIGHT_DTYPES[w.dtype], tuple(w.shape)) for w in load_graph(text.decode()).all_weights()}
     except (yaml.YAMLError, LookupError, TypeError, ValueError, AttributeError, SyntaxError, StopIteration,
             RecursionError) as e:
-        raise MxcError(f"{file}: not a graph this mxc can read ({type(e).__name__}: {first_line(e)}); the artifact "
+        raise MxcError(f"{file}: not a graph this mxc can read ({typed_line(e)}); the artifact "
                        f"was written by another tool or damaged, rebuild it") from None
 
 

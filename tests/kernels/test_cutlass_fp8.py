@@ -222,3 +222,21 @@ def test_silu_pair_supported_rule():
     assert not cutlass_silu_pair.supported([pp, dict(pp, scheduler="persistent")])
     assert not cutlass_silu_pair.supported([pp, dict(pp, tile=(64, 64, 128))])  # one tile width, one interleave
     assert "SiluPairEpilogue<256>" in cutlass_silu_pair.kernel("ns", dict(tile=(64, 256, 128)), "Kernel")
+
+
+@pytest.mark.parametrize("error, said", [
+    (RuntimeError(), "RuntimeError"),
+    (ImportError("no module named cuda.bindings\nmore"), "ImportError: no module named cuda.bindings"),
+])
+def test_a_generator_that_cannot_be_set_up_is_one_line_whatever_its_message(monkeypatch, error, said):
+    """An exception with no message, or with several lines, still gives a one-line reason (no IndexError)."""
+    import sys
+    import types
+
+    def fail():
+        raise error
+
+    monkeypatch.setattr(cutlass_fp8.nvcc_tool, "find", lambda: "/usr/local/cuda/bin/nvcc")
+    monkeypatch.setitem(sys.modules, "cutlass_library", types.ModuleType("cutlass_library"))
+    monkeypatch.setattr(cutlass_fp8, "_cppgen", fail)
+    assert cutlass_fp8.generator_available() == f"cutlass_cppgen cannot be set up: {said}"
