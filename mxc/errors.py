@@ -42,5 +42,4 @@ def first_line(e: BaseException) -> str:
 def typed_line(e: BaseException) -> str:
     """``first_line`` after the exception's type name (``KeyError: 'x'``), or the type's name alone if it has no
     message."""
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+    return f"{type(e).__name__}: {first_line(e)}" if str(e).strip() else type(e).__name__

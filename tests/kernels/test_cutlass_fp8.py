@@ -229,7 +229,7 @@ def test_silu_pair_supported_rule():
     (ImportError("no module named cuda.bindings\nmore"), "ImportError: no module named cuda.bindings"),
 ])
 def test_a_generator_that_cannot_be_set_up_is_one_line_whatever_its_message(monkeypatch, error, said):
-    """An exception with no message, or with several lines, still gives a one-line reason (no IndexError)."""
+    """An exception with no message gives its type alone (not "RuntimeError: "), one with several lines its first."""
     import sys
     import types
 
