@@ -1,5 +1,5 @@
 """The exception type for user-facing errors (``MxcError``, and its ``ConfigError``), and how their messages
-write sizes (``size_text``) and quote a caught exception (``first_line``).
+write sizes (``size_text``) and quote a caught exception (``first_line``; ``typed_line`` with its type).
 
 Anything a user can cause (a bad YAML file, a missing tensor, a tampered
 artifact, an id outside the vocabulary) raises ``MxcError`` with a one-line,
