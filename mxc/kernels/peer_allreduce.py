@@ -36,9 +36,14 @@ import torch.distributed as dist
 
 from mxc.errors import MxcError
 from mxc.kernels import kernel_templates, triton_gemv
-from mxc.kernels.candidates import ONE_SHOT_DTYPES, PUSH_DTYPES as PUSH_DTYPE_NAMES, dtypes_named
+from mxc.kernels.candidates import ONE_SHOT_DTYPES, PUSH_DTYPES, dtypes_named
 from mxc.kernels.launch import launch, next_pow2
 from mxc.kernels.triton_norm import row_warps
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> "bfloat16", as ``mxc.kernels.candidates`` names dtypes."""
+    return str(dtype).removeprefix("torch.")
 
 
 def available(device: torch.device) -> str | None:
@@ -73,7 +78,7 @@ class OneShotAllReduce:
     """Sum of ``x`` over the ranks of ``group`` (None: the default group), one-shot over peer memory."""
 
     def __init__(self, group, numel: int, dtype: torch.dtype, device: torch.device):
-        if str(dtype).removeprefix("torch.") not in ONE_SHOT_DTYPES:  # before the collective: every rank refuses
+        if _dtype_name(dtype) not in ONE_SHOT_DTYPES:  # before the collective: every rank refuses
             raise RuntimeError(f"torch's one-shot all-reduce sums {dtypes_named(ONE_SHOT_DTYPES)}, not {dtype}")
         self.group = group if group is not None else dist.group.WORLD
         self.group_name = self.group.group_name
@@ -96,7 +101,6 @@ class OneShotAllReduce:
         return torch.ops.symm_mem.one_shot_all_reduce_out(inp, "sum", self.group_name, out)
 
 
-PUSH_DTYPES = tuple(getattr(torch, d) for d in PUSH_DTYPE_NAMES)  # 16-bit values: -0.0 is one int16 pattern
 MAX_SPINS = 1 << 22  # reads of a slot before a kernel gives up on a peer (seconds, not a hang)
 
 
@@ -120,7 +124,7 @@ def push_all_reduce(x: torch.Tensor, bufs: torch.Tensor, state: torch.Tensor, ra
     ``x`` only gives the shape and dtype (a ``meta`` tensor will do). The outputs are on ``bufs``'s device;
     any device works for recording the launch (``meta`` at build time)."""
     T, H = x.shape
-    assert x.dtype in PUSH_DTYPES and (pushed or x.is_contiguous()), (
+    assert _dtype_name(x.dtype) in PUSH_DTYPES and (pushed or x.is_contiguous()), (
         f"push all-reduce: x must be contiguous bf16/fp16, got {x.dtype}")
     assert T * H * world <= slot_elems, f"push all-reduce: {T} rows of {H} from {world} ranks exceed a slot"
     assert bufs.shape == (world,) and bufs.dtype == torch.int64, "push all-reduce: bufs must be [world] int64"
@@ -140,8 +144,8 @@ class PushAllReduce:
     of ``hidden`` features (``fits``; the adapters in ``cuda_ops`` send anything else to NCCL)."""
 
     def __init__(self, group, max_tokens: int, hidden: int, dtype: torch.dtype, device: torch.device):
-        if dtype not in PUSH_DTYPES:
-            raise RuntimeError(f"the push all-reduce sums {dtypes_named(PUSH_DTYPE_NAMES)}, not {dtype}")
+        if _dtype_name(dtype) not in PUSH_DTYPES:  # 16-bit values: -0.0 is one int16 pattern
+            raise RuntimeError(f"the push all-reduce sums {dtypes_named(PUSH_DTYPES)}, not {dtype}")
         self.group = group if group is not None else dist.group.WORLD
         self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.max_tokens, self.hidden, self.dtype = max_tokens, hidden, dtype

@@ -133,6 +133,19 @@ def test_one_shot_runtime_refusal_names_its_dtypes(monkeypatch):
         peer_allreduce.OneShotAllReduce(None, 64, torch.bfloat16, torch.device("cpu"))
 
 
+def test_push_refusals_name_their_dtypes(monkeypatch):
+    """The push collective and its launcher refuse what PUSH_DTYPES does not name (a float32 row, then bf16 once the
+    list leaves it out), before any rendezvous or launch."""
+    with pytest.raises(RuntimeError, match=r"^the push all-reduce sums bf16 or fp16, not torch\.float32$"):
+        peer_allreduce.PushAllReduce(None, 4, 64, torch.float32, torch.device("cpu"))
+    bufs, state = torch.zeros(2, dtype=torch.int64), torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(AssertionError, match="contiguous bf16/fp16, got torch.float32"):
+        peer_allreduce.push_all_reduce(torch.zeros(1, 64), bufs, state, 0, 128, 2)
+    monkeypatch.setattr(peer_allreduce, "PUSH_DTYPES", ("float16",))
+    with pytest.raises(RuntimeError, match=r"^the push all-reduce sums fp16, not torch\.bfloat16$"):
+        peer_allreduce.PushAllReduce(None, 4, 64, torch.bfloat16, torch.device("cpu"))
+
+
 class _FakeOneShot:
     """Stands in for ``OneShotAllReduce``: twice this rank's partial, for up to ``max_rows`` rows."""
 
