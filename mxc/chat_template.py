@@ -213,10 +213,11 @@ def _names(templates) -> str:
     return ", ".join(sorted(repr(name) for name in templates)) or "none"
 
 
-def chat_templates(artifact: Path, files=()) -> dict[str, tuple[str, Path | str]]:
+def chat_templates(artifact: Path, files=(), config: dict | None = None) -> dict[str, tuple[str, Path | str]]:
     """The artifact's chat templates by name, each ``(where, source)``: ``where`` names it in errors, ``source`` is
-    its file (a Path) or its text (from tokenizer_config.json). Empty where it has none; a file the manifest
-    (``files``) lists and the artifact lost is a one-line error."""
+    its file (a Path) or its text (from tokenizer_config.json; ``config``: that file as read already, else read
+    here where needed). Empty where it has none; a file the manifest (``files``) lists and the artifact lost is a
+    one-line error."""
     directory = Path(artifact) / "tokenizer"
     rels = [CHAT_TEMPLATE_FILE, *folder_templates(directory)]  # in this order: a folder's default.jinja wins
     rels += [f[len("tokenizer/"):] for f in files if f.startswith(f"tokenizer/{CHAT_TEMPLATE_DIR}/")
@@ -232,7 +233,8 @@ def chat_templates(artifact: Path, files=()) -> dict[str, tuple[str, Path | str]
     if found:  # transformers reads tokenizer_config.json's chat_template only where there is no template file
         return found
     config_path = directory / "tokenizer_config.json"
-    template, where = _read_json(config_path).get("chat_template"), f"{config_path}: chat_template"
+    config = _read_json(config_path) if config is None else config
+    template, where = config.get("chat_template"), f"{config_path}: chat_template"
     if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
         return {t.get("name"): (f'{where} "{t.get("name")}"', t.get("template")) for t in template
                 if isinstance(t, dict)}
@@ -244,7 +246,8 @@ def load_chat_template(artifact: Path, files=(), name: str | None = None) -> Cha
     saying it has none, or none of that name (``files``: the manifest's, which tell a template the artifact lost
     from one the checkpoint never had)."""
     directory = Path(artifact) / "tokenizer"
-    templates = chat_templates(artifact, files)
+    config = _read_json(directory / "tokenizer_config.json")
+    templates = chat_templates(artifact, files, config)
     if not templates:
         raise MxcError(f"{artifact}: {NO_TEMPLATE}")
     if name is not None and name not in templates:
@@ -265,4 +268,4 @@ def load_chat_template(artifact: Path, files=(), name: str | None = None) -> Cha
     elif not isinstance(template, str):
         raise MxcError(f"{where}: expected a template (a string), got {type(template).__name__}; use --prompt "
                        f"without --chat")
-    return ChatTemplate(template, where, special_tokens(directory, _read_json(directory / "tokenizer_config.json")))
+    return ChatTemplate(template, where, special_tokens(directory, config))

@@ -114,10 +114,10 @@ def cmd_generate(args) -> None:
 
     if (args.ids is None) == (args.prompt is None):
         raise MxcError("give exactly one of --ids or --prompt (either repeatable: one prompt each)")
-    chat_flag = "--chat" if args.chat else "--system" if args.system is not None else \
-        "--chat-template" if args.chat_template is not None else None
-    if args.prompt is None and chat_flag is not None:
-        raise MxcError(f"{chat_flag}: renders --prompt text with the chat template; give --prompt, not --ids")
+    chat_flags = [flag for flag, given in (("--chat", args.chat), ("--system", args.system is not None),
+                                           ("--chat-template", args.chat_template is not None)) if given]
+    if args.prompt is None and chat_flags:
+        raise MxcError(f"{chat_flags[0]}: renders --prompt text with the chat template; give --prompt, not --ids")
     if args.system is not None and not args.chat:
         raise MxcError("--system: the system message of a --chat prompt; add --chat")
     if args.chat_template is not None and not args.chat:
