@@ -6,9 +6,12 @@ Times, as decode runs them (a CUDA graph of back-to-back calls, weights from HBM
     picks another random set of experts, so the chosen experts' weights come from HBM;
   the MoE block's norm + router: three kernels against the fused one over its tile and warps;
   the attention-side GEMVs (qkv, o, router) and the Llama-3-8B qkv and o with ``gemv_tuning.tune``;
-  the experts' weight formats (bf16, fp8 row scales, fp8 128x128 block scales) at each ``--tokens``.
+  the experts' weight formats (bf16, fp8 row scales, fp8 128x128 block scales) at each ``--tokens``;
+  the Mixtral-8x7B experts (``--mixtral``, off by default) with bf16 routing weights and with float32 ones, as
+    transformers' Mixtral keeps them (its products then summed in a float32 buffer), and the per-expert loop of
+    cuBLAS GEMMs (``moe_ref``), at each ``--tokens``.
 Prints microseconds and TB/s of the weights read.
-Usage: python bench/moe_lab.py [--skip moe,router,gemv,scales] [--tokens 1,2048]
+Usage: python bench/moe_lab.py [--skip moe,router,gemv,scales] [--tokens 1,2048] [--mixtral]
 """
 
 from __future__ import annotations
@@ -138,6 +141,37 @@ def scale_formats(tokens: int) -> None:
         print(f"T={tokens} experts {name:26s} {t:8.1f} us  (error {err:.1e} of the bf16 output's scale)", flush=True)
 
 
+def mixtral_routing_dtype(tokens: int) -> None:
+    """Mixtral-8x7B's experts (8 of 4096 x 14336, top-2) at ``tokens`` tokens, routing weights in bf16 against
+    float32 (``moe_fp32_weights``: the products stay float32 until the k-sum rounds them, so the sorted kernels'
+    per-assignment buffer ``y`` [T*k, H] is float32, twice the bytes). Each variant is checked against
+    ``moe_ref`` with the same weights first; the float32 one must be no further off than the bf16 one's bound."""
+    from mxc.kernels import candidates, triton_moe
+
+    e, h, i, k = 8, 4096, 14336, 2
+    w1 = torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16) * h ** -0.5
+    w2 = torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16) * i ** -0.5
+    x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
+    weights, ids = moe_ref.route(torch.randn(tokens, e, device="cuda"), k, renormalize=True, fp32_weights=True)
+    fn = tmd.fused_moe if tokens <= candidates.MOE_PAIR_MAX_TOKENS else triton_moe.fused_moe
+    flops = 2 * tokens * k * 3 * h * i
+    times = {}
+    for name, w in (("bf16", weights.to(torch.bfloat16)), ("float32", weights)):
+        ref = moe_ref.fused_moe(x, w, ids, w1, w2).float()
+        err = (fn(x, w, ids, w1, w2).float() - ref).abs().max().item() / ref.abs().max().item()
+        assert err <= 2e-2, (name, err)
+        times[name] = time_us(lambda _: fn(x, w, ids, w1, w2), calls=4)
+        print(f"T={tokens} Mixtral experts, {name:7s} routing weights: {times[name]:9.1f} us  "
+              f"{flops / times[name] / 1e6:6.1f} TFLOP/s  (error {err:.1e} of the output's scale)", flush=True)
+    print(f"T={tokens} Mixtral experts: float32 / bf16 routing weights = {times['float32'] / times['bf16']:.3f}",
+          flush=True)
+    from triton.testing import do_bench  # the loop syncs with the host (its experts' rows): no graph
+    w = weights.to(torch.bfloat16)
+    loop = do_bench(lambda: moe_ref.fused_moe(x, w, ids, w1, w2), warmup=5, rep=40) * 1e3
+    print(f"T={tokens} Mixtral experts, per-expert loop (cuBLAS, bf16 weights): {loop:9.1f} us  "
+          f"{flops / loop / 1e6:6.1f} TFLOP/s; fused / loop = {times['bf16'] / loop:.3f}", flush=True)
+
+
 def router() -> None:
     """The MoE block's norm and router at one token: the three kernels (add + RMSNorm, router GEMV,
     router) against the fused kernel (``triton_route.add_rms_norm_route``) over its rows a program,
@@ -196,6 +230,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--skip", default="", help="comma-separated: moe, router, gemv, scales")
     p.add_argument("--tokens", default="1")
+    p.add_argument("--mixtral", action="store_true", help="also the Mixtral experts' routing-weight dtypes")
     args = p.parse_args()
     skip = set(args.skip.split(","))
     if "moe" not in skip:
@@ -208,6 +243,9 @@ def main() -> None:
     if "scales" not in skip:
         for t in (int(x) for x in args.tokens.split(",")):
             scale_formats(t)
+    if args.mixtral:
+        for t in (int(x) for x in args.tokens.split(",")):
+            mixtral_routing_dtype(t)
 
 
 if __name__ == "__main__":
