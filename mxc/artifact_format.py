@@ -35,8 +35,10 @@ WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 # cuda MoE artifacts lack that cubin); 10: fp8 experts' pair kernels unrolled too (``UNROLL_SCALED``: older fp8 cuda
 # MoE artifacts lack those cubins); 11: the manifest's own sha256 (``manifest_sha256``), checked at every read; 12: the
 # MoE routers' ``fp32_weights`` (Mixtral's routing weights kept float32, as transformers 5 keeps them: an older
-# runtime cannot run the new forward.py, and an older Mixtral artifact rounds them to bf16)
-SCHEMA_VERSION = 12
+# runtime cannot run the new forward.py, and an older Mixtral artifact rounds them to bf16); 13: the sorted fused MoE's
+# prefill tiles from a sweep (``triton_moe.config_for`` past 16 rows an expert: older cuda MoE artifacts lack those
+# cubins)
+SCHEMA_VERSION = 13
 
 
 def safetensors_header(path: Path) -> tuple[int, dict]:

@@ -50,8 +50,9 @@ GEMM's loads (no permuted copy of x), and the intermediate ``h`` is indexed by a
 ``(block, n-tile)`` with the block index fastest: concurrently running programs are mostly
 consecutive blocks of one expert on one n-tile, which share the weight tile in L2.
 
-Versions: v1 (this file). The defaults in ``config_for`` are vLLM-style heuristics (BLOCK_M 16 while
-experts get few rows; 64 for prefill), not swept. Measured in the step (one H200, Triton 3.6, Qwen3-30B-A3B
+Versions: v1 (this file). The defaults in ``config_for`` are vLLM-style heuristics while experts get few rows
+(BLOCK_M 16) and, past 16 rows an expert, the tiles a sweep on an H100 found fastest (``bench/moe_prefill_lab.py``;
+docs/perf.md, sixty-fifth run). Measured in the step (one H200, Triton 3.6, Qwen3-30B-A3B
 shape, bf16, 2026-11-30, ``bench/moe.py``; docs/perf.md, fifth run): batch-64 decode 14.6 ms a step
 (about the bytes of the ~126 experts 64 tokens touch, at the copy rate), 11.6x Hugging Face eager; one MoE
 layer 547 / 1152 us at 64 / 2048 tokens against 30218 / 41477 for a per-expert loop. One or a few tokens
@@ -381,29 +382,44 @@ def _pow2(n: int) -> int:
 
 
 def config_for(t_bucket: int, num_experts: int, top_k: int, hidden: int, inter: int,
-               dtype: torch.dtype) -> MoeConfig:
-    """Default config for a (token bucket, E, k, H, I, activation dtype); a pure function.
+               dtype: torch.dtype, fp8_weights: bool = False) -> MoeConfig:
+    """Default config for a (token bucket, E, k, H, I, activation dtype, fp8 experts or not); a pure function.
 
-    Heuristics after vLLM's defaults, not swept (the module docstring has the step's figures). BLOCK_M
-    follows the average rows per expert ``t_bucket * k / E`` (16, the smallest tensor-core
-    tile, while that is <= 16: decode; 32 up to 64; 64 beyond). Tiles are sized in bytes so
-    that fp32 gets half the K elements; GEMM 1 holds two weight tiles (gate, up) a stage:
-    bf16 [16 x 128] x + 2 x [128 x 64] w = 36 KB a stage, 4 stages; [64 x 64] + 2 x [64 x 128]
-    = 40 KB, 3 stages (sm_90 allows 227 KB). Tiles shrink to the (power-of-two) H and I.
-    The sort's CHUNK covers the bucket's T*k assignments (64..1024).
+    Rows an expert gets on average, ``t_bucket * k / E``, pick the tiles. Up to 16 (decode): BLOCK_M 16, the
+    smallest tensor-core tile, after vLLM's defaults. Past 16, 16-bit activations take the tiles that
+    ``bench/moe_prefill_lab.py`` found fastest (one H100, 2026-12-06; ``docs/perf.md``, sixty-fifth run) over
+    the Qwen3-30B-A3B and Mixtral-8x7B experts at 128-8192 tokens: bf16 experts [64 x 256] tiles, 8 warps, 3
+    stages (1.07-1.34x the heuristic before it) where H and I are multiples of 256 (a narrower I would compute
+    wasted columns); fp8 experts (row or 128x128 block scales) [32 x 128] with 256-byte K steps, 4 warps, up to
+    64 rows an expert, [64 x 128] with 4 warps up to 128, then [128 x 128] with 8 warps and 4 stages
+    (1.02-1.38x). fp32 activations, and bf16 experts of other widths, keep the heuristic: BLOCK_M 32 up to 64
+    rows, 64 beyond, tiles sized in bytes so that fp32 gets half the K elements. GEMM 1 holds two weight tiles
+    (gate, up) a stage: bf16 [64 x 64] x + 2 x [64 x 256] w = 72 KB a stage, 3 stages (sm_90 allows 227 KB).
+    Tiles shrink to the (power-of-two) H and I. The sort's CHUNK covers the bucket's T*k assignments (64..1024).
     """
     if dtype not in _DTYPES:
         raise ValueError(f"unsupported dtype {dtype}")
     if t_bucket != token_bucket(t_bucket):
         raise ValueError(f"t_bucket must be a power of two, got {t_bucket}")
     per_expert = t_bucket * top_k / num_experts
-    if per_expert <= 16:
-        bm, bn, k_bytes, warps, stages = 16, 64, 256, 4, 4
-    elif per_expert <= 64:
-        bm, bn, k_bytes, warps, stages = 32, 64, 128, 4, 4
+    swept = dtype != torch.float32 and per_expert > 16
+    if swept and fp8_weights:
+        if per_expert <= 64:
+            bm, bn, bk, warps, stages = 32, 128, 128, 4, 3
+        elif per_expert <= 128:
+            bm, bn, bk, warps, stages = 64, 128, 64, 4, 3
+        else:
+            bm, bn, bk, warps, stages = 128, 128, 64, 8, 4
+    elif swept and hidden % 256 == 0 and inter % 256 == 0:
+        bm, bn, bk, warps, stages = 64, 256, 64, 8, 3
     else:
-        bm, bn, k_bytes, warps, stages = 64, 128, 128, 8, 3
-    bk = k_bytes // torch.empty((), dtype=dtype).element_size()  # 16-bit: 128 / 64; fp32: half
+        if per_expert <= 16:
+            bm, bn, k_bytes, warps, stages = 16, 64, 256, 4, 4
+        elif per_expert <= 64:
+            bm, bn, k_bytes, warps, stages = 32, 64, 128, 4, 4
+        else:
+            bm, bn, k_bytes, warps, stages = 64, 128, 128, 8, 3
+        bk = k_bytes // torch.empty((), dtype=dtype).element_size()  # 16-bit: 128 / 64; fp32: half
     bn = max(16, min(bn, _pow2(max(inter, hidden))))
     bk = max(16, min(bk, _pow2(min(inter, hidden))))
     chunk = min(1024, max(64, _pow2(t_bucket * top_k)))  # the sort's assignments per program
@@ -522,11 +538,12 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_
     (``w = q * s[..., None]``) or 128x128 block scales ``[E, 2I / 128, cdiv(H, 128)]`` /
     ``[E, cdiv(H, 128), cdiv(I, 128)]`` (each tile dequantized and rounded to x's dtype, as the reference
     dequantizes). All contiguous on one device. ``config`` overrides
-    ``config_for(token_bucket(T), E, k, H, I, x.dtype)``. Never reads device values on the
+    ``config_for(token_bucket(T), E, k, H, I, x.dtype, fp8 experts)``. Never reads device values on the
     host: runs on ``meta`` tensors under a recording launcher; grids depend on shapes only.
     """
     T, H, E, I, top_k = check_inputs(x, weights, ids, w_gate_up, w_down, s_gate_up, s_down, residual)
-    cfg = config if config is not None else config_for(token_bucket(T), E, top_k, H, I, x.dtype)
+    cfg = config if config is not None else config_for(token_bucket(T), E, top_k, H, I, x.dtype,
+                                                       fp8_weights=w_gate_up.dtype == FP8)
 
     sorted_ids, expert_of_block, ntpp = moe_align(ids, E, cfg.BLOCK_M, chunk=cfg.CHUNK)
     numel = T * top_k

@@ -285,6 +285,29 @@ def test_fp8_experts_block_scales(T, k, E, h, i, cfg, dtype):
            TOL[dtype])
 
 
+@pytest.mark.parametrize("weights", ["bf16", "channel", "block128"])
+@pytest.mark.parametrize("T", [64, 256, 512])
+def test_default_prefill_tiles(T, weights):
+    """The tiles config_for gives past 16 rows an expert (bf16 experts 64 x 256; fp8 experts 32 x 128 with 128-wide
+    K steps, 64 x 128, 128 x 128 as rows an expert grow: 32, 128 and 256 here), run as fused_moe picks them,
+    against the reference."""
+    E, k, h, i, dtype = 4, 2, 256, 256, torch.bfloat16
+    cfg = tm.config_for(tm.token_bucket(T), E, k, h, i, dtype, fp8_weights=weights != "bf16")
+    assert (cfg.BLOCK_M, cfg.BLOCK_N) == ((64, 256) if weights == "bf16" else
+                                          {64: (32, 128), 256: (64, 128), 512: (128, 128)}[T])
+    x, rw, ids, w_gate_up, w_down = _inputs(T, k, E, torch.float32, seed=T, h=h, i=i)
+    x, rw = x.to(dtype), rw.to(dtype)
+    if weights == "bf16":
+        ws, scales, ref_ws = (w_gate_up.to(dtype), w_down.to(dtype)), {}, (w_gate_up.to(dtype), w_down.to(dtype))
+    else:
+        (q1, s1), (q2, s2) = quantize_fp8(w_gate_up, weights), quantize_fp8(w_down, weights)
+        deq = (lambda q, s: (q.float() * s[..., None]).to(dtype)) if weights == "channel" else (
+            lambda q, s: dequant_blocks(q, s, dtype))
+        ws, scales, ref_ws = (q1, q2), dict(s_gate_up=_dev(s1), s_down=_dev(s2)), (deq(q1, s1), deq(q2, s2))
+    y = tm.fused_moe(_dev(x), _dev(rw), _dev(ids), *map(_dev, ws), **scales)
+    _check(y, moe_ref.fused_moe(x, rw, ids, *ref_ws), TOL[dtype])
+
+
 def test_rejects_bad_inputs():
     x, weights, ids, wgu, wd = _inputs(3, 2, 4, torch.float16, seed=0)
     ok = dict(config=SMALL)
@@ -315,14 +338,32 @@ def test_rejects_bad_inputs():
 
 
 def test_config_table():
+    """config_for's table: vLLM-style heuristics up to 16 rows an expert and for fp32 activations; past 16 rows,
+    for 16-bit activations, the tiles bench/moe_prefill_lab.py found fastest (bf16 experts where H and I are
+    multiples of 256; fp8 experts by rows an expert). Every config's gate/up stages fit sm_90's shared memory."""
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        size = torch.empty((), dtype=dtype).element_size()
         for E, k in ((8, 2), (64, 8), (128, 8), (256, 8)):
             for t in (1, 2, 8, 32, 128, 1024, 8192):
-                cfg = tm.config_for(t, E, k, 4096, 1024, dtype)
-                assert cfg == tm.config_for(t, E, k, 4096, 1024, dtype)
-                per_expert = t * k / E
-                assert cfg.BLOCK_M == (16 if per_expert <= 16 else 32 if per_expert <= 64 else 64)
-                assert cfg.BLOCK_K * torch.empty((), dtype=dtype).element_size() in (128, 256)
+                for fp8 in (False, True):
+                    cfg = tm.config_for(t, E, k, 4096, 1024, dtype, fp8_weights=fp8)
+                    assert cfg == tm.config_for(t, E, k, 4096, 1024, dtype, fp8_weights=fp8)
+                    per_expert = t * k / E
+                    tile = (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K * size, cfg.num_warps, cfg.num_stages)
+                    if per_expert <= 16 or dtype == torch.float32:
+                        assert cfg.BLOCK_M == (16 if per_expert <= 16 else 32 if per_expert <= 64 else 64)
+                        assert cfg.BLOCK_K * size in (128, 256)
+                    elif fp8:
+                        assert tile == ((32, 128, 256, 4, 3) if per_expert <= 64 else (64, 128, 128, 4, 3)
+                                        if per_expert <= 128 else (128, 128, 128, 8, 4))
+                    else:
+                        assert tile == (64, 256, 128, 8, 3)
+                    w_size = 1 if fp8 else size
+                    smem = cfg.num_stages * (cfg.BLOCK_M * size + 2 * cfg.BLOCK_N * w_size) * cfg.BLOCK_K
+                    assert smem <= 227 * 1024, (cfg, smem)
+    # bf16 experts whose I is no multiple of 256 (Qwen1.5-MoE's 1408) keep the heuristic: no wasted columns
+    assert tm.config_for(2048, 60, 4, 2048, 1408, torch.bfloat16).BLOCK_N == 128
+    assert tm.config_for(2048, 60, 4, 2048, 1408, torch.bfloat16, fp8_weights=True).BLOCK_N == 128
     assert tm.config_for(1, 8, 2, 48, 40, torch.float16).BLOCK_N == 64  # tiles shrink to the shape
     assert [tm.token_bucket(t) for t in (1, 2, 3, 5, 17, 4096, 4097)] == [1, 2, 4, 8, 32, 4096, 8192]
     assert tm.padded_size(2, 128, 16) == 32 and tm.padded_size(26, 8, 16) == 160
@@ -384,7 +425,10 @@ _COMPILE_SCRIPT = textwrap.dedent("""
              (4096, 128, 8, 2048, 768, bf16, bf16), (16, 8, 2, 4096, 14336, torch.float16, torch.float16),
              (1, 8, 2, 1024, 512, f32, f32), (4096, 8, 1, 1024, 512, f32, f32),
              (1, 256, 8, 7168, 2048, bf16, fp8), (4096, 256, 8, 7168, 2048, bf16, fp8),
-             (1, 128, 8, 2048, 768, bf16, "block"), (4096, 128, 8, 2048, 768, bf16, "block")]
+             (1, 128, 8, 2048, 768, bf16, "block"), (4096, 128, 8, 2048, 768, bf16, "block"),
+             # fp8 experts' prefill tiles at 32 and 1024 rows an expert (32 x 128, 128 x 128)
+             (1024, 256, 8, 7168, 2048, bf16, fp8), (4096, 8, 2, 4096, 14336, bf16, fp8),
+             (512, 128, 8, 2048, 768, bf16, "block")]
     with L.using(record):
         for T, E, k, H, I, dt, wdt in cases:
             scales = dict(s_gate_up=meta(E, 2 * I, dt=f32), s_down=meta(E, H, dt=f32)) if wdt == fp8 else {}

@@ -1,0 +1,183 @@
+"""The sorted fused MoE (``triton_moe.fused_moe``: sort, gate/up GEMM, down GEMM, k-sum) at prefill token counts,
+over its tiles: ``config_for``'s defaults are vLLM-style heuristics, never swept on the GPU until this lab.
+
+For each shape (the Qwen3-30B-A3B and Mixtral-8x7B experts), expert weight format (``--weights``: bf16, fp8 with
+row scales as ``--quant fp8`` makes, fp8 with an already-fp8 checkpoint's 128x128 block scales; activations bf16) and
+token count, every candidate ``MoeConfig`` (``candidates``: tiles whose gate/up stages fit sm_90's shared memory)
+is checked (bf16: against ``moe_ref``; fp8: against the default config's output) and timed as a CUDA graph of
+back-to-back calls (one set of weights: a prefill's GEMMs are compute-bound). The kernels are
+compiled first in ``--jobs`` processes (Triton's on-disk cache; the binaries do not depend on the token count).
+Prints each shape's default and its best ten in TFLOP/s of the expert GEMMs, and the per-expert loop of cuBLAS
+GEMMs (``moe_ref``, bf16) for scale.
+With ``--against-previous``, only ``config_for``'s choice and the heuristic it replaced (``previous``) are timed.
+Usage: python bench/moe_prefill_lab.py [--shapes qwen3-30b-a3b,mixtral-8x7b] [--tokens 512,2048,8192]
+                                       [--weights bf16,channel,block128] [--jobs 8] [--against-previous]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mxc.kernels import moe_ref, triton_moe  # noqa: E402
+from mxc.kernels.triton_moe import MoeConfig  # noqa: E402
+
+SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}  # E, k, H, I
+SMEM = 227 * 1024  # sm_90's shared memory a program
+
+
+def gate_up_smem(cfg: MoeConfig, itemsize: int = 2) -> int:
+    """Bytes of the gate/up GEMM's pipeline: a stage holds an x tile and two weight tiles (gate, up)."""
+    return cfg.num_stages * (cfg.BLOCK_M + 2 * cfg.BLOCK_N) * cfg.BLOCK_K * itemsize
+
+
+def candidates(chunk: int = 1024) -> list[MoeConfig]:
+    """The tiles swept: BLOCK_M 32-128, BLOCK_N 64-256 (at most 128 x 128 outputs a program: two fp32
+    accumulators), BLOCK_K 64/128, 4 or 8 warps, 3-5 stages, where the stages fit."""
+    out = []
+    for bm, bn, bk, warps, stages in itertools.product((32, 64, 128), (64, 128, 256), (64, 128), (4, 8), (3, 4, 5)):
+        cfg = MoeConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, CHUNK=chunk)
+        if bm * bn <= 128 * 128 and gate_up_smem(cfg) <= SMEM:
+            out.append(cfg)
+    return out
+
+
+def previous(t_bucket: int, e: int, k: int, h: int, i: int) -> MoeConfig:
+    """``config_for``'s choice for 16-bit activations before this lab's sweep (vLLM-style heuristics): BLOCK_M
+    by rows an expert, 128-byte K steps past 16 rows."""
+    per_expert = t_bucket * k / e
+    if per_expert <= 16:
+        bm, bn, bk, warps, stages = 16, 64, 128, 4, 4
+    elif per_expert <= 64:
+        bm, bn, bk, warps, stages = 32, 64, 64, 4, 4
+    else:
+        bm, bn, bk, warps, stages = 64, 128, 64, 8, 3
+    bn, bk = max(16, min(bn, triton_moe._pow2(max(i, h)))), max(16, min(bk, triton_moe._pow2(min(i, h))))
+    return MoeConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+                     CHUNK=min(1024, max(64, triton_moe._pow2(t_bucket * k))))
+
+
+def default_config(shape: str, tokens: int, weights: str) -> MoeConfig:
+    e, k, h, i = SHAPES[shape]
+    return triton_moe.config_for(triton_moe.token_bucket(tokens), e, k, h, i, torch.bfloat16,
+                                 fp8_weights=weights != "bf16")
+
+
+def inputs(shape: str, tokens: int, weights: str = "bf16", device: str = "cuda"):
+    """(x, routing weights, ids, w_gate_up, w_down) and the scales' keywords, deterministic."""
+    from mxc.loaders.quantize import quantize_fp8
+
+    e, k, h, i = SHAPES[shape]
+    g = torch.Generator(device=device).manual_seed(0)
+    w1 = torch.randn(e, 2 * i, h, device=device, generator=g).mul_(h ** -0.5).to(torch.bfloat16)
+    w2 = torch.randn(e, h, i, device=device, generator=g).mul_(i ** -0.5).to(torch.bfloat16)
+    x = torch.randn(tokens, h, device=device, generator=g).to(torch.bfloat16)
+    route, ids = moe_ref.route(torch.randn(tokens, e, device=device, generator=g), k, renormalize=True)
+    if weights == "bf16":
+        return (x, route.to(torch.bfloat16), ids, w1, w2), {}
+    (q1, s1), (q2, s2) = (quantize_fp8(w, weights) for w in (w1, w2))
+    return (x, route.to(torch.bfloat16), ids, q1, q2), dict(s_gate_up=s1, s_down=s2)
+
+
+def _compile(job) -> list[str]:
+    """In a worker: run each config once (Triton compiles it into its cache); the configs that fail, and why."""
+    shape, tokens, weights, configs = job
+    args, kw = inputs(shape, tokens, weights)
+    failed = []
+    for cfg in configs:
+        try:
+            triton_moe.fused_moe(*args, **kw, config=cfg)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001  (out of resources)
+            failed.append(f"{cfg}: {type(e).__name__} {str(e)[:80]}")
+    return failed
+
+
+def time_us(fn, calls: int) -> float:
+    from triton.testing import do_bench
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    return do_bench(g.replay, warmup=5, rep=60) * 1e3 / calls
+
+
+def sweep(shape: str, tokens_list: list[int], weights: str, jobs: int, against_previous: bool = False) -> None:
+    e, k, h, i = SHAPES[shape]
+    buckets = [triton_moe.token_bucket(t) for t in tokens_list]
+    olds = [previous(b, e, k, h, i) for b in buckets]
+    configs = olds if against_previous else candidates()
+    defaults = [default_config(shape, t, weights) for t in tokens_list]
+    configs += [c for c in defaults + olds if c not in configs]
+    chunks = [(shape, tokens_list[0], weights, configs[j::jobs]) for j in range(jobs)]
+    import multiprocessing as mp
+    with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as ex:
+        failed = [f for part in ex.map(_compile, chunks) for f in part]
+    for f in failed:
+        print(f"{shape} {weights}: skip {f}", flush=True)
+    for t in tokens_list:
+        args, kw = inputs(shape, t, weights)
+        default = default_config(shape, t, weights)
+        old = previous(triton_moe.token_bucket(t), e, k, h, i)
+        ref = (moe_ref.fused_moe(*args) if weights == "bf16" else triton_moe.fused_moe(*args, **kw)).float()
+        flops = 2 * t * k * 3 * h * i
+        tag = f"{shape} {weights} T={t}"
+        calls = max(2, min(32, int(2e12 // flops)))
+        results = []
+        # the sort's chunk follows the token count (the defaults of other token counts then repeat: once each)
+        for cfg in dict.fromkeys(MoeConfig(**dict(vars(c), CHUNK=default.CHUNK)) for c in configs):
+            try:
+                err = (triton_moe.fused_moe(*args, **kw, config=cfg).float() - ref).abs().max().item()
+                assert err <= 2e-2 * ref.abs().max().item(), f"off by {err}"
+                us = time_us(lambda cfg=cfg: triton_moe.fused_moe(*args, **kw, config=cfg), calls)
+            except Exception as ex_:  # noqa: BLE001
+                print(f"{tag}: skip {cfg}: {type(ex_).__name__} {str(ex_)[:80]}", flush=True)
+                continue
+            results.append((us, cfg))
+        results.sort(key=lambda r: r[0])
+        base = next(us for us, c in results if c == default)
+        print(f"{tag}: default {base:9.1f} us {flops / base / 1e6:6.1f} TFLOP/s  {default}", flush=True)
+        before = next(us for us, c in results if c == old)
+        print(f"{tag}: previous default {before:9.1f} us {flops / before / 1e6:6.1f} TFLOP/s  {old}: "
+              f"default / previous = {before / base:.2f}x", flush=True)
+        if against_previous:
+            continue
+        for us, cfg in results[:10]:
+            print(f"{tag}:         {us:9.1f} us {flops / us / 1e6:6.1f} TFLOP/s  x{base / us:5.2f}  {cfg}",
+                  flush=True)
+        if weights != "bf16":
+            continue
+        from triton.testing import do_bench  # the loop syncs with the host (its experts' rows): no graph
+        loop = do_bench(lambda: moe_ref.fused_moe(*args), warmup=3, rep=30) * 1e3
+        print(f"{tag}: per-expert loop (cuBLAS) {loop:9.1f} us {flops / loop / 1e6:6.1f} TFLOP/s", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--tokens", default="512,2048,8192")
+    p.add_argument("--weights", default="bf16", help="comma-separated: bf16, channel, block128")
+    p.add_argument("--jobs", type=int, default=8)
+    p.add_argument("--against-previous", action="store_true",
+                   help="time only config_for's choice and the heuristic it replaced")
+    a = p.parse_args()
+    for weights in a.weights.split(","):
+        for shape in a.shapes.split(","):
+            sweep(shape, [int(t) for t in a.tokens.split(",")], weights, a.jobs, a.against_previous)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""The MoE prefill tile lab (bench/moe_prefill_lab.py) on the CPU: its candidates fit sm_90's shared memory and
+include the tiles config_for chose from it, ``previous`` is the heuristic config_for keeps where the sweep did not
+reach (up to 16 rows an expert, fp32), and its inputs run through fused_moe at the default tiles under the
+interpreter, every weight format. Its timings run on the GPU (``python bench/moe_prefill_lab.py``)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import moe_prefill_lab as lab  # noqa: E402
+
+from mxc.kernels import triton_moe  # noqa: E402
+
+
+def test_candidates_fit_and_hold_the_defaults():
+    cands = lab.candidates()
+    assert cands and all(lab.gate_up_smem(c) <= lab.SMEM for c in cands)
+    for shape in lab.SHAPES:
+        for tokens in (512, 2048, 8192):
+            for weights in ("bf16", "channel"):
+                d = lab.default_config(shape, tokens, weights)
+                assert triton_moe.MoeConfig(**dict(vars(d), CHUNK=1024)) in cands, (shape, tokens, weights)
+
+
+def test_previous_is_the_heuristic_config_for_keeps():
+    e, k, h, i = lab.SHAPES["qwen3-30b-a3b"]
+    for bucket in (1, 2, 4, 8, 16, 256):  # up to 16 rows an expert: unchanged
+        assert lab.previous(bucket, e, k, h, i) == triton_moe.config_for(bucket, e, k, h, i, torch.bfloat16)
+    assert lab.previous(2048, e, k, h, i) != triton_moe.config_for(2048, e, k, h, i, torch.bfloat16)
+
+
+@pytest.mark.parametrize("weights", ["bf16", "channel", "block128"])
+def test_inputs_run_at_the_default_tiles(monkeypatch, weights):
+    monkeypatch.setitem(lab.SHAPES, "tiny", (4, 2, 256, 256))
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter, or the GPU where there is one
+    args, kw = lab.inputs("tiny", 64, weights, device=device)
+    assert args[3].dtype == (torch.bfloat16 if weights == "bf16" else torch.float8_e4m3fn)
+    cfg = lab.default_config("tiny", 64, weights)
+    assert cfg.BLOCK_M > 16  # 32 rows an expert: the swept tiles
+    y = triton_moe.fused_moe(*args, **kw, config=cfg)
+    assert y.shape == (64, 256) and torch.isfinite(y.float()).all()
