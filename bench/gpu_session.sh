@@ -16,6 +16,9 @@
 #   moe     Qwen3-30B-A3B shape: batch 1 vs floor, batch 64 vs HF eager, fused vs per-expert loop
 #   moelab  the Qwen3-30B-A3B batch-1 kernels one by one (pair-MoE configs, the fused norm + router,
 #           attention-side GEMVs; MOELAB_ARGS="--skip moe,gemv" for the router alone)
+#   moeprefill the sorted fused MoE's prefill tiles (bench/moe_prefill_lab.py): config_for's choice against the
+#           heuristic before the sixty-fifth run's sweep, Qwen3-30B-A3B and Mixtral-8x7B experts, bf16 and fp8
+#           (MOEPREFILL_ARGS="--tokens 2048" for the whole sweep at one size; ~1 minute a shape and format)
 #   tp      the push all-reduce and TP GPU tests, then tp=2 (push, with and without the GEMV pushing its rows;
 #           TP_MODES) vs tp=1 decode and the all-reduce times
 #   ab      after decode, same call: fp8 without fuse_norm_linear
@@ -103,6 +106,8 @@ case "${1:-}" in
   moe)    # the 61 GB artifact is deleted after: left in /dev/shm it slowed the next part's runs
           run "${MOE_LIMIT:-560}" moe.log python3 bench/moe.py ${MOE_ARGS:---hf} --out "$scratch/moe"; rm -rf "$scratch"/moe* ;;
   moelab) run 200 moe_lab.log python3 bench/moe_lab.py ${MOELAB_ARGS:-} ;;
+  moeprefill) run 400 moe_prefill_lab.log python3 bench/moe_prefill_lab.py \
+            ${MOEPREFILL_ARGS:---against-previous --tokens 512,2048,8192 --weights bf16,channel,block128} ;;
   tp)     run 60 push_test.log python3 -m pytest -q -p no:cacheprovider tests/gpu/test_push_allreduce_gpu.py
           run 120 tp_test.log python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py -k "${TP_TESTS:-one_shot or push}"
           run 400 tp.log python3 bench/decode_tp.py --tp 2 --modes "${TP_MODES:-push,push-unfused}" --out "$scratch/btp"; rm -rf "$scratch"/btp* ;;
@@ -190,6 +195,6 @@ case "${1:-}" in
             -p no:xdist ${SANITIZE_TESTS:-tests/kernels}
           echo "memcheck reports in the tests: $(errors kernels)"
           cat "$logs"/kernels.*.log | grep -v "Host Frame" | head -200 ;;
-  *) echo "usage: bash bench/gpu_session.sh tests|suite|kattn|decode|ab|moe|moelab|tp|small|lab|ablate|pair|pairab|gaps|prefill|fp8moe|preload|fold|moefused|gemvs|resident|moestep|tiles|sanitize" >&2
+  *) echo "usage: bash bench/gpu_session.sh tests|suite|kattn|decode|ab|moe|moelab|moeprefill|tp|small|lab|ablate|pair|pairab|gaps|prefill|fp8moe|preload|fold|moefused|gemvs|resident|moestep|tiles|sanitize" >&2
      exit 2 ;;
 esac
