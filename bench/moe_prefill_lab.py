@@ -50,18 +50,8 @@ def candidates(chunk: int = 1024) -> list[MoeConfig]:
 
 
 def previous(t_bucket: int, e: int, k: int, h: int, i: int) -> MoeConfig:
-    """``config_for``'s choice for 16-bit activations before this lab's sweep (vLLM-style heuristics): BLOCK_M
-    by rows an expert, 128-byte K steps past 16 rows."""
-    per_expert = t_bucket * k / e
-    if per_expert <= 16:
-        bm, bn, bk, warps, stages = 16, 64, 128, 4, 4
-    elif per_expert <= 64:
-        bm, bn, bk, warps, stages = 32, 64, 64, 4, 4
-    else:
-        bm, bn, bk, warps, stages = 64, 128, 64, 8, 3
-    bn, bk = max(16, min(bn, triton_moe._pow2(max(i, h)))), max(16, min(bk, triton_moe._pow2(min(i, h))))
-    return MoeConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
-                     CHUNK=min(1024, max(64, triton_moe._pow2(t_bucket * k))))
+    """``config_for``'s choice for 16-bit activations before this lab's sweep: the heuristic it keeps elsewhere."""
+    return triton_moe.heuristic_config(t_bucket, e, k, h, i, torch.bfloat16)
 
 
 def default_config(shape: str, tokens: int, weights: str) -> MoeConfig:

@@ -94,7 +94,7 @@ FP8 = torch.float8_e4m3fn
 _OFFSETS_TILE_ELEMS = 8192
 _SCATTER_C_TILE = 64
 
-__all__ = ["MoeConfig", "config_for", "token_bucket", "padded_size", "moe_align", "fused_moe"]
+__all__ = ["MoeConfig", "config_for", "heuristic_config", "token_bucket", "padded_size", "moe_align", "fused_moe"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -381,48 +381,65 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+# Past 16 rows an expert, 16-bit activations: the tiles bench/moe_prefill_lab.py found fastest (one H100, 2026-12-06;
+# docs/perf.md, sixty-fifth run) as (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). fp8 experts by rows an expert.
+_BF16_PREFILL_TILE = (64, 256, 64, 8, 3)
+_FP8_PREFILL_TILES = ((64, (32, 128, 128, 4, 3)), (128, (64, 128, 64, 4, 3)), (float("inf"), (128, 128, 64, 8, 4)))
+
+
 def config_for(t_bucket: int, num_experts: int, top_k: int, hidden: int, inter: int,
                dtype: torch.dtype, fp8_weights: bool = False) -> MoeConfig:
     """Default config for a (token bucket, E, k, H, I, activation dtype, fp8 experts or not); a pure function.
 
-    Rows an expert gets on average, ``t_bucket * k / E``, pick the tiles. Up to 16 (decode): BLOCK_M 16, the
-    smallest tensor-core tile, after vLLM's defaults. Past 16, 16-bit activations take the tiles that
-    ``bench/moe_prefill_lab.py`` found fastest (one H100, 2026-12-06; ``docs/perf.md``, sixty-fifth run) over
-    the Qwen3-30B-A3B and Mixtral-8x7B experts at 128-8192 tokens: bf16 experts [64 x 256] tiles, 8 warps, 3
-    stages (1.07-1.34x the heuristic before it) where H and I are multiples of 256 (a narrower I would compute
-    wasted columns); fp8 experts (row or 128x128 block scales) [32 x 128] with 256-byte K steps, 4 warps, up to
-    64 rows an expert, [64 x 128] with 4 warps up to 128, then [128 x 128] with 8 warps and 4 stages
-    (1.02-1.38x). fp32 activations, and bf16 experts of other widths, keep the heuristic: BLOCK_M 32 up to 64
-    rows, 64 beyond, tiles sized in bytes so that fp32 gets half the K elements. GEMM 1 holds two weight tiles
-    (gate, up) a stage: bf16 [64 x 64] x + 2 x [64 x 256] w = 72 KB a stage, 3 stages (sm_90 allows 227 KB).
-    Tiles shrink to the (power-of-two) H and I. The sort's CHUNK covers the bucket's T*k assignments (64..1024).
+    Rows an expert gets on average, ``t_bucket * k / E``, pick the tiles. Up to 16 (decode), for fp32
+    activations, and for bf16 experts whose H or I is no multiple of 256 (a 256-wide tile would compute wasted
+    columns): ``heuristic_config``. Past 16, 16-bit activations take the tiles that ``bench/moe_prefill_lab.py``
+    found fastest over the Qwen3-30B-A3B and Mixtral-8x7B experts at 128-8192 tokens (docs/perf.md, sixty-fifth
+    run: 1.07-1.33x the heuristic for bf16 experts, 1.01-1.36x for fp8): bf16 experts [64 x 256] tiles, 8 warps,
+    3 stages (GEMM 1 holds two weight tiles a stage, gate and up: [64 x 64] x + 2 x [64 x 256] w = 72 KB, three in
+    sm_90's 227 KB); fp8 experts (row or 128x128 block scales) [32 x 128] with 128-element K steps and 4 warps up
+    to 64 rows an expert, [64 x 128] with 4 warps up to 128, then [128 x 128] with 8 warps and 4 stages.
     """
+    base = heuristic_config(t_bucket, num_experts, top_k, hidden, inter, dtype)
+    per_expert = t_bucket * top_k / num_experts
+    if dtype == torch.float32 or per_expert <= 16:
+        return base
+    if fp8_weights:
+        tile = next(t for rows, t in _FP8_PREFILL_TILES if per_expert <= rows)
+    elif hidden % 256 == 0 and inter % 256 == 0:
+        tile = _BF16_PREFILL_TILE
+    else:
+        return base
+    return _config(*tile, hidden, inter, base.CHUNK)
+
+
+def heuristic_config(t_bucket: int, num_experts: int, top_k: int, hidden: int, inter: int,
+                     dtype: torch.dtype) -> MoeConfig:
+    """vLLM-style heuristics: BLOCK_M 16, the smallest tensor-core tile, while experts get at most 16 rows on average
+    (decode), 32 up to 64 rows, 64 beyond; tiles sized in bytes, so fp32 gets half the K elements (bf16 [16 x 128]
+    x + 2 x [128 x 64] w = 36 KB a stage, 4 stages). ``config_for``'s choice where the sweep did not reach, and
+    everywhere before it (``bench/moe_prefill_lab.py`` times it as the baseline). Tiles shrink to the
+    (power-of-two) H and I; the sort's CHUNK covers the bucket's T*k assignments (64..1024)."""
     if dtype not in _DTYPES:
         raise ValueError(f"unsupported dtype {dtype}")
     if t_bucket != token_bucket(t_bucket):
         raise ValueError(f"t_bucket must be a power of two, got {t_bucket}")
     per_expert = t_bucket * top_k / num_experts
-    swept = dtype != torch.float32 and per_expert > 16
-    if swept and fp8_weights:
-        if per_expert <= 64:
-            bm, bn, bk, warps, stages = 32, 128, 128, 4, 3
-        elif per_expert <= 128:
-            bm, bn, bk, warps, stages = 64, 128, 64, 4, 3
-        else:
-            bm, bn, bk, warps, stages = 128, 128, 64, 8, 4
-    elif swept and hidden % 256 == 0 and inter % 256 == 0:
-        bm, bn, bk, warps, stages = 64, 256, 64, 8, 3
+    if per_expert <= 16:
+        bm, bn, k_bytes, warps, stages = 16, 64, 256, 4, 4
+    elif per_expert <= 64:
+        bm, bn, k_bytes, warps, stages = 32, 64, 128, 4, 4
     else:
-        if per_expert <= 16:
-            bm, bn, k_bytes, warps, stages = 16, 64, 256, 4, 4
-        elif per_expert <= 64:
-            bm, bn, k_bytes, warps, stages = 32, 64, 128, 4, 4
-        else:
-            bm, bn, k_bytes, warps, stages = 64, 128, 128, 8, 3
-        bk = k_bytes // torch.empty((), dtype=dtype).element_size()  # 16-bit: 128 / 64; fp32: half
+        bm, bn, k_bytes, warps, stages = 64, 128, 128, 8, 3
+    bk = k_bytes // torch.empty((), dtype=dtype).element_size()  # 16-bit: 128 / 64; fp32: half
+    chunk = min(1024, max(64, _pow2(t_bucket * top_k)))  # the sort's assignments per program
+    return _config(bm, bn, bk, warps, stages, hidden, inter, chunk)
+
+
+def _config(bm: int, bn: int, bk: int, warps: int, stages: int, hidden: int, inter: int, chunk: int) -> MoeConfig:
+    """A tile, shrunk to the (power-of-two) H and I."""
     bn = max(16, min(bn, _pow2(max(inter, hidden))))
     bk = max(16, min(bk, _pow2(min(inter, hidden))))
-    chunk = min(1024, max(64, _pow2(t_bucket * top_k)))  # the sort's assignments per program
     return MoeConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, CHUNK=chunk)
 
 
