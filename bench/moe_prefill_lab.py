@@ -5,13 +5,17 @@ For each shape (the Qwen3-30B-A3B and Mixtral-8x7B experts), expert weight forma
 row scales as ``--quant fp8`` makes, fp8 with an already-fp8 checkpoint's 128x128 block scales; activations bf16) and
 token count, every candidate ``MoeConfig`` (``candidates``: tiles whose gate/up stages fit sm_90's shared memory)
 is checked (bf16: against ``moe_ref``; fp8: against the default config's output) and timed as a CUDA graph of
-back-to-back calls (one set of weights: a prefill's GEMMs are compute-bound). The kernels are
+back-to-back calls (one set of weights: a prefill's GEMMs are compute-bound, and a decode-sized call's chosen
+experts, hundreds of MB, do not fit L2). The kernels are
 compiled first in ``--jobs`` processes (Triton's on-disk cache; the binaries do not depend on the token count).
 Prints each shape's default and its best ten in TFLOP/s of the expert GEMMs, and the per-expert loop of cuBLAS
 GEMMs (``moe_ref``, bf16) for scale.
 With ``--against-previous``, only ``config_for``'s choice and the heuristic it replaced (``previous``) are timed.
+With ``--decode``, the decode-sized tiles (up to 16 rows an expert: batched decode and short prompts, where
+``config_for`` keeps the heuristic) are swept, and each rate is also given in GB/s of the chosen experts' weights
+against a device copy.
 Usage: python bench/moe_prefill_lab.py [--shapes qwen3-30b-a3b,mixtral-8x7b] [--tokens 512,2048,8192]
-                                       [--weights bf16,channel,block128] [--jobs 8] [--against-previous]
+                                       [--weights bf16,channel,block128] [--jobs 8] [--against-previous] [--decode]
 """
 
 from __future__ import annotations
@@ -38,11 +42,15 @@ def gate_up_smem(cfg: MoeConfig, itemsize: int = 2) -> int:
     return cfg.num_stages * (cfg.BLOCK_M + 2 * cfg.BLOCK_N) * cfg.BLOCK_K * itemsize
 
 
-def candidates(chunk: int = 1024) -> list[MoeConfig]:
+def candidates(chunk: int = 1024, decode: bool = False) -> list[MoeConfig]:
     """The tiles swept: BLOCK_M 32-128, BLOCK_N 64-256 (at most 128 x 128 outputs a program: two fp32
-    accumulators), BLOCK_K 64/128, 4 or 8 warps, 3-5 stages, where the stages fit."""
+    accumulators), BLOCK_K 64/128, 4 or 8 warps, 3-5 stages, where the stages fit. With ``decode`` (up to 16 rows
+    an expert, where the GEMMs stream the chosen experts' weights): BLOCK_M 16/32, BLOCK_N 32-128, BLOCK_K
+    128/256, 4 or 8 warps, 3-6 stages."""
     out = []
-    for bm, bn, bk, warps, stages in itertools.product((32, 64, 128), (64, 128, 256), (64, 128), (4, 8), (3, 4, 5)):
+    space = (((16, 32), (32, 64, 128), (128, 256), (4, 8), (3, 4, 5, 6)) if decode
+             else ((32, 64, 128), (64, 128, 256), (64, 128), (4, 8), (3, 4, 5)))
+    for bm, bn, bk, warps, stages in itertools.product(*space):
         cfg = MoeConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, CHUNK=chunk)
         if bm * bn <= 128 * 128 and gate_up_smem(cfg) <= SMEM:
             out.append(cfg)
@@ -105,11 +113,24 @@ def time_us(fn, calls: int) -> float:
     return do_bench(g.replay, warmup=5, rep=60) * 1e3 / calls
 
 
-def sweep(shape: str, tokens_list: list[int], weights: str, jobs: int, against_previous: bool = False) -> None:
+def weight_bytes(ids: torch.Tensor, h: int, i: int, weights: str) -> int:
+    """The chosen experts' weight bytes (gate, up, down) that one call streams."""
+    return ids.unique().numel() * 3 * h * i * (2 if weights == "bf16" else 1)
+
+
+def copy_rate() -> float:
+    """GB/s of a 2 GiB device-to-device copy (read + write), the streaming ceiling the decode tiles are held to."""
+    x = torch.empty(1024**3, dtype=torch.bfloat16, device="cuda").uniform_()
+    y = torch.empty_like(x)
+    return 2 * x.numel() * 2 / time_us(lambda: y.copy_(x), 4) / 1e3
+
+
+def sweep(shape: str, tokens_list: list[int], weights: str, jobs: int, against_previous: bool = False,
+          decode: bool = False, copy_gbs: float = 0.0) -> None:
     e, k, h, i = SHAPES[shape]
     buckets = [triton_moe.token_bucket(t) for t in tokens_list]
     olds = [previous(b, e, k, h, i) for b in buckets]
-    configs = olds if against_previous else candidates()
+    configs = olds if against_previous else candidates(decode=decode)
     defaults = [default_config(shape, t, weights) for t in tokens_list]
     configs += [c for c in defaults + olds if c not in configs]
     chunks = [(shape, tokens_list[0], weights, configs[j::jobs]) for j in range(jobs)]
@@ -124,7 +145,13 @@ def sweep(shape: str, tokens_list: list[int], weights: str, jobs: int, against_p
         old = previous(triton_moe.token_bucket(t), e, k, h, i)
         ref = (moe_ref.fused_moe(*args) if weights == "bf16" else triton_moe.fused_moe(*args, **kw)).float()
         flops = 2 * t * k * 3 * h * i
+        nbytes = weight_bytes(args[2], h, i, weights)
         tag = f"{shape} {weights} T={t}"
+
+        def rate(us: float) -> str:
+            gbs = nbytes / us / 1e3
+            return f"{flops / us / 1e6:6.1f} TFLOP/s {gbs:6.0f} GB/s" + (f" ({gbs / copy_gbs:4.0%} of copy)"
+                                                                          if copy_gbs else "")
         calls = max(2, min(32, int(2e12 // flops)))
         results = []
         # the sort's chunk follows the token count (the defaults of other token counts then repeat: once each)
@@ -139,20 +166,20 @@ def sweep(shape: str, tokens_list: list[int], weights: str, jobs: int, against_p
             results.append((us, cfg))
         results.sort(key=lambda r: r[0])
         base = next(us for us, c in results if c == default)
-        print(f"{tag}: default {base:9.1f} us {flops / base / 1e6:6.1f} TFLOP/s  {default}", flush=True)
+        print(f"{tag}: default {base:9.1f} us {rate(base)}  {default}", flush=True)
         before = next(us for us, c in results if c == old)
-        print(f"{tag}: previous default {before:9.1f} us {flops / before / 1e6:6.1f} TFLOP/s  {old}: "
+        print(f"{tag}: previous default {before:9.1f} us {rate(before)}  {old}: "
               f"default / previous = {before / base:.2f}x", flush=True)
         if against_previous:
             continue
         for us, cfg in results[:10]:
-            print(f"{tag}:         {us:9.1f} us {flops / us / 1e6:6.1f} TFLOP/s  x{base / us:5.2f}  {cfg}",
+            print(f"{tag}:         {us:9.1f} us {rate(us)}  x{base / us:5.2f}  {cfg}",
                   flush=True)
         if weights != "bf16":
             continue
         from triton.testing import do_bench  # the loop syncs with the host (its experts' rows): no graph
         loop = do_bench(lambda: moe_ref.fused_moe(*args), warmup=3, rep=30) * 1e3
-        print(f"{tag}: per-expert loop (cuBLAS) {loop:9.1f} us {flops / loop / 1e6:6.1f} TFLOP/s", flush=True)
+        print(f"{tag}: per-expert loop (cuBLAS) {loop:9.1f} us {rate(loop)}", flush=True)
 
 
 def main() -> None:
@@ -163,10 +190,17 @@ def main() -> None:
     p.add_argument("--jobs", type=int, default=8)
     p.add_argument("--against-previous", action="store_true",
                    help="time only config_for's choice and the heuristic it replaced")
+    p.add_argument("--decode", action="store_true",
+                   help="sweep the decode-sized tiles (for token counts that give an expert at most 16 rows) and "
+                        "print each rate against a device copy measured first")
     a = p.parse_args()
+    copy_gbs = copy_rate() if a.decode else 0.0
+    if copy_gbs:
+        print(f"copy: {copy_gbs:.0f} GB/s", flush=True)
     for weights in a.weights.split(","):
         for shape in a.shapes.split(","):
-            sweep(shape, [int(t) for t in a.tokens.split(",")], weights, a.jobs, a.against_previous)
+            sweep(shape, [int(t) for t in a.tokens.split(",")], weights, a.jobs, a.against_previous, a.decode,
+                  copy_gbs)
 
 
 if __name__ == "__main__":

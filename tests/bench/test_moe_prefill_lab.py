@@ -28,6 +28,23 @@ def test_candidates_fit_and_hold_the_defaults():
                 assert triton_moe.MoeConfig(**dict(vars(d), CHUNK=1024)) in cands, (shape, tokens, weights)
 
 
+def test_decode_candidates_fit_and_hold_the_defaults():
+    cands = lab.candidates(decode=True)
+    assert cands and all(lab.gate_up_smem(c) <= lab.SMEM for c in cands)
+    assert {c.BLOCK_M for c in cands} == {16, 32}
+    for shape in lab.SHAPES:
+        for tokens in (8, 16, 64):  # Qwen3-30B-A3B: 0.5-4 rows an expert; Mixtral-8x7B: 2-16
+            for weights in ("bf16", "channel"):
+                d = lab.default_config(shape, tokens, weights)
+                assert triton_moe.MoeConfig(**dict(vars(d), CHUNK=1024)) in cands, (shape, tokens, weights)
+
+
+def test_weight_bytes_count_each_chosen_expert_once():
+    ids = torch.tensor([[0, 3], [3, 5], [0, 5]])
+    assert lab.weight_bytes(ids, 8, 4, "bf16") == 3 * 3 * 8 * 4 * 2
+    assert lab.weight_bytes(ids, 8, 4, "channel") == 3 * 3 * 8 * 4
+
+
 def test_previous_is_the_heuristic_config_for_keeps():
     e, k, h, i = lab.SHAPES["qwen3-30b-a3b"]
     for bucket in (1, 2, 4, 8, 16, 256):  # up to 16 rows an expert: unchanged
