@@ -29,6 +29,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from decode import copy_bandwidth  # noqa: E402
 
 from mxc.kernels import moe_ref, triton_moe  # noqa: E402
 from mxc.kernels.triton_moe import MoeConfig  # noqa: E402
@@ -65,7 +68,7 @@ def previous(t_bucket: int, e: int, k: int, h: int, i: int) -> MoeConfig:
 def default_config(shape: str, tokens: int, weights: str) -> MoeConfig:
     e, k, h, i = SHAPES[shape]
     return triton_moe.config_for(triton_moe.token_bucket(tokens), e, k, h, i, torch.bfloat16,
-                                 fp8_weights=weights != "bf16")
+                                 fp8_weights=weights != "bf16", block_scales=weights == "block128")
 
 
 def inputs(shape: str, tokens: int, weights: str = "bf16", device: str = "cuda"):
@@ -116,13 +119,6 @@ def time_us(fn, calls: int) -> float:
 def weight_bytes(ids: torch.Tensor, h: int, i: int, weights: str) -> int:
     """The chosen experts' weight bytes (gate, up, down) that one call streams."""
     return ids.unique().numel() * 3 * h * i * (2 if weights == "bf16" else 1)
-
-
-def copy_rate() -> float:
-    """GB/s of a 2 GiB device-to-device copy (read + write), the streaming ceiling the decode tiles are held to."""
-    x = torch.empty(1024**3, dtype=torch.bfloat16, device="cuda").uniform_()
-    y = torch.empty_like(x)
-    return 2 * x.numel() * 2 / time_us(lambda: y.copy_(x), 4) / 1e3
 
 
 def sweep(shape: str, tokens_list: list[int], weights: str, jobs: int, against_previous: bool = False,
@@ -194,7 +190,7 @@ def main() -> None:
                    help="sweep the decode-sized tiles (for token counts that give an expert at most 16 rows) and "
                         "print each rate against a device copy measured first")
     a = p.parse_args()
-    copy_gbs = copy_rate() if a.decode else 0.0
+    copy_gbs = copy_bandwidth() / 1e9 if a.decode else 0.0  # bench/decode.py's, as docs/perf.md quotes it
     if copy_gbs:
         print(f"copy: {copy_gbs:.0f} GB/s", flush=True)
     for weights in a.weights.split(","):

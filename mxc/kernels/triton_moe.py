@@ -384,16 +384,27 @@ def _pow2(n: int) -> int:
 # Past 16 rows an expert, 16-bit activations: the tiles bench/moe_prefill_lab.py found fastest (one H100, 2026-12-06;
 # docs/perf.md, sixty-fifth run) as (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). fp8 experts by rows an expert.
 _BF16_PREFILL_TILE = (64, 256, 64, 8, 3)
+# Up to 16 rows an expert the GEMMs stream the chosen experts' weights. bf16 experts keep the heuristic (the sweep
+# found it within 1-3% of the best); fp8 experts with row scales take 256-element K steps, the bf16 tile's 256
+# weight bytes a step
+# (sixty-sixth run, H100: 1.04-1.11x the heuristic's 128 on the Mixtral-8x7B experts at 8-64 tokens, 0.99-1.07x on
+# Qwen3-30B-A3B's at 8-256).
+_FP8_DECODE_TILE = (16, 64, 256, 4, 3)
 _FP8_PREFILL_TILES = ((64, (32, 128, 128, 4, 3)), (128, (64, 128, 64, 4, 3)), (float("inf"), (128, 128, 64, 8, 4)))
 
 
 def config_for(t_bucket: int, num_experts: int, top_k: int, hidden: int, inter: int,
-               dtype: torch.dtype, fp8_weights: bool = False) -> MoeConfig:
-    """Default config for a (token bucket, E, k, H, I, activation dtype, fp8 experts or not); a pure function.
+               dtype: torch.dtype, fp8_weights: bool = False, block_scales: bool = False) -> MoeConfig:
+    """Default config for a (token bucket, E, k, H, I, activation dtype, fp8 experts or not, their scales 128x128
+    blocks or not); a pure function.
 
-    Rows an expert gets on average, ``t_bucket * k / E``, pick the tiles. Up to 16 (decode), for fp32
-    activations, and for bf16 experts whose H or I is no multiple of 256 (a 256-wide tile would compute wasted
-    columns): ``heuristic_config``. Past 16, 16-bit activations take the tiles that ``bench/moe_prefill_lab.py``
+    Rows an expert gets on average, ``t_bucket * k / E``, pick the tiles. For fp32 activations, bf16 experts up to
+    16 rows an expert (decode), and bf16 experts whose H or I is no multiple of 256 (a 256-wide tile would compute
+    wasted columns): ``heuristic_config``. fp8 experts with row scales up to 16 rows take its [16 x 64] tile with
+    256-element K steps (the same weight bytes a step as bf16's 128; ``bench/moe_prefill_lab.py --decode``); with
+    block scales a step spans at most one block (a wider one dequantizes by a [K, N] tile of scales: 336 KB of
+    shared memory at [16 x 64]), so they keep the heuristic there. Past 16, 16-bit
+    activations take the tiles that ``bench/moe_prefill_lab.py``
     found fastest over the Qwen3-30B-A3B and Mixtral-8x7B experts at 128-8192 tokens (docs/perf.md, sixty-fifth
     run: 1.07-1.33x the heuristic for bf16 experts, 1.01-1.36x for fp8): bf16 experts [64 x 256] tiles, 8 warps,
     3 stages (GEMM 1 holds two weight tiles a stage, gate and up: [64 x 64] x + 2 x [64 x 256] w = 72 KB, three in
@@ -402,8 +413,10 @@ def config_for(t_bucket: int, num_experts: int, top_k: int, hidden: int, inter: 
     """
     base = heuristic_config(t_bucket, num_experts, top_k, hidden, inter, dtype)
     per_expert = t_bucket * top_k / num_experts
-    if dtype == torch.float32 or per_expert <= 16:
+    if dtype == torch.float32:
         return base
+    if per_expert <= 16:
+        return _config(*_FP8_DECODE_TILE, hidden, inter, base.CHUNK) if fp8_weights and not block_scales else base
     if fp8_weights:
         tile = next(t for rows, t in _FP8_PREFILL_TILES if per_expert <= rows)
     elif hidden % 256 == 0 and inter % 256 == 0:
@@ -555,12 +568,13 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_
     (``w = q * s[..., None]``) or 128x128 block scales ``[E, 2I / 128, cdiv(H, 128)]`` /
     ``[E, cdiv(H, 128), cdiv(I, 128)]`` (each tile dequantized and rounded to x's dtype, as the reference
     dequantizes). All contiguous on one device. ``config`` overrides
-    ``config_for(token_bucket(T), E, k, H, I, x.dtype, fp8 experts)``. Never reads device values on the
+    ``config_for(token_bucket(T), E, k, H, I, x.dtype, fp8 experts, block scales)``. Never reads device values on the
     host: runs on ``meta`` tensors under a recording launcher; grids depend on shapes only.
     """
     T, H, E, I, top_k = check_inputs(x, weights, ids, w_gate_up, w_down, s_gate_up, s_down, residual)
+    block_scales = s_gate_up is not None and s_gate_up.dim() == 3
     cfg = config if config is not None else config_for(token_bucket(T), E, top_k, H, I, x.dtype,
-                                                       fp8_weights=w_gate_up.dtype == FP8)
+                                                       fp8_weights=w_gate_up.dtype == FP8, block_scales=block_scales)
 
     sorted_ids, expert_of_block, ntpp = moe_align(ids, E, cfg.BLOCK_M, chunk=cfg.CHUNK)
     numel = T * top_k
@@ -571,7 +585,7 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_
     # fp32 weights (Mixtral's) with 16-bit x: fp32 products (torch's promotion), rounded once by the sum
     y = torch.empty((numel, H), dtype=torch.promote_types(x.dtype, weights.dtype), device=x.device) if sums else out
     tiles = dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-                 BLOCK_SCALE=s_gate_up is not None and s_gate_up.dim() == 3)
+                 BLOCK_SCALE=block_scales)
     launch(_moe_gemm1_kernel, (n_blocks, cdiv(I, cfg.BLOCK_N)),
            [x, w_gate_up, s_gate_up, sorted_ids, expert_of_block, ntpp, h, numel],
            dict(H=H, I=I, TOP_K=top_k, **tiles), num_warps=cfg.num_warps, num_stages=cfg.num_stages)

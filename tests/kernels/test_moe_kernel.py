@@ -308,6 +308,23 @@ def test_default_prefill_tiles(T, weights):
     _check(y, moe_ref.fused_moe(x, rw, ids, *ref_ws), TOL[dtype])
 
 
+@pytest.mark.parametrize("weights", ["channel", "block128"])
+@pytest.mark.parametrize("T", [3, 8, 32])
+def test_default_decode_tiles_fp8(T, weights):
+    """fp8 experts up to 16 rows an expert: config_for's 256-element K steps (row scales; block scales keep 128),
+    run as fused_moe picks them, against the reference; H = 384 ends in a half step (masked)."""
+    E, k, h, i, dtype = 8, 2, 384, 256, torch.bfloat16
+    cfg = tm.config_for(tm.token_bucket(T), E, k, h, i, dtype, fp8_weights=True, block_scales=weights == "block128")
+    assert (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K) == (16, 64, 256 if weights == "channel" else 128)
+    x, rw, ids, w_gate_up, w_down = _inputs(T, k, E, torch.float32, seed=T, h=h, i=i)
+    x, rw = x.to(dtype), rw.to(dtype)
+    (q1, s1), (q2, s2) = quantize_fp8(w_gate_up, weights), quantize_fp8(w_down, weights)
+    deq = (lambda q, s: (q.float() * s[..., None]).to(dtype)) if weights == "channel" else (
+        lambda q, s: dequant_blocks(q, s, dtype))
+    y = tm.fused_moe(_dev(x), _dev(rw), _dev(ids), _dev(q1), _dev(q2), s_gate_up=_dev(s1), s_down=_dev(s2))
+    _check(y, moe_ref.fused_moe(x, rw, ids, deq(q1, s1), deq(q2, s2)), TOL[dtype])
+
+
 def test_rejects_bad_inputs():
     x, weights, ids, wgu, wd = _inputs(3, 2, 4, torch.float16, seed=0)
     ok = dict(config=SMALL)
@@ -338,9 +355,10 @@ def test_rejects_bad_inputs():
 
 
 def test_config_table():
-    """config_for's table: vLLM-style heuristics up to 16 rows an expert and for fp32 activations; past 16 rows,
-    for 16-bit activations, the tiles bench/moe_prefill_lab.py found fastest (bf16 experts where H and I are
-    multiples of 256; fp8 experts by rows an expert). Every config's gate/up stages fit sm_90's shared memory."""
+    """config_for's table: vLLM-style heuristics for fp32 activations and bf16 experts up to 16 rows an expert (fp8
+    experts there: the same tile with 256-element K steps); past 16 rows, for 16-bit activations, the tiles
+    bench/moe_prefill_lab.py found fastest (bf16 experts where H and I are multiples of 256; fp8 experts by rows an
+    expert). Every config's gate/up stages fit sm_90's shared memory."""
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         size = torch.empty((), dtype=dtype).element_size()
         for E, k in ((8, 2), (64, 8), (128, 8), (256, 8)):
@@ -350,9 +368,12 @@ def test_config_table():
                     assert cfg == tm.config_for(t, E, k, 4096, 1024, dtype, fp8_weights=fp8)
                     per_expert = t * k / E
                     tile = (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K * size, cfg.num_warps, cfg.num_stages)
-                    if per_expert <= 16 or dtype == torch.float32:
+                    if dtype == torch.float32 or (per_expert <= 16 and not fp8):
                         assert cfg.BLOCK_M == (16 if per_expert <= 16 else 32 if per_expert <= 64 else 64)
                         assert cfg.BLOCK_K * size in (128, 256)
+                    elif per_expert <= 16:  # fp8 experts at decode: 256 weight bytes a K step, as bf16's 128
+                        assert (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K, cfg.num_warps, cfg.num_stages) == \
+                            (16, 64, 256, 4, 3)
                     elif fp8:
                         assert tile == ((32, 128, 256, 4, 3) if per_expert <= 64 else (64, 128, 128, 4, 3)
                                         if per_expert <= 128 else (128, 128, 128, 8, 4))
@@ -361,6 +382,10 @@ def test_config_table():
                     w_size = 1 if fp8 else size
                     smem = cfg.num_stages * (cfg.BLOCK_M * size + 2 * cfg.BLOCK_N * w_size) * cfg.BLOCK_K
                     assert smem <= 227 * 1024, (cfg, smem)
+    # fp8 experts with block scales keep the heuristic's 128-element steps at decode (a step spans one block)
+    for t in (1, 8, 32):
+        assert tm.config_for(t, 128, 8, 2048, 768, torch.bfloat16, fp8_weights=True, block_scales=True) == \
+            tm.heuristic_config(t, 128, 8, 2048, 768, torch.bfloat16)
     # bf16 experts whose I is no multiple of 256 (Qwen1.5-MoE's 1408) keep the heuristic: no wasted columns
     assert tm.config_for(2048, 60, 4, 2048, 1408, torch.bfloat16).BLOCK_N == 128
     assert tm.config_for(2048, 60, 4, 2048, 1408, torch.bfloat16, fp8_weights=True).BLOCK_N == 128
@@ -428,7 +453,9 @@ _COMPILE_SCRIPT = textwrap.dedent("""
              (1, 128, 8, 2048, 768, bf16, "block"), (4096, 128, 8, 2048, 768, bf16, "block"),
              # fp8 experts' prefill tiles at 32 and 1024 rows an expert (32 x 128, 128 x 128)
              (1024, 256, 8, 7168, 2048, bf16, fp8), (4096, 8, 2, 4096, 14336, bf16, fp8),
-             (512, 128, 8, 2048, 768, bf16, "block")]
+             (512, 128, 8, 2048, 768, bf16, "block"),
+             # fp8 experts' decode tile (256-element K steps) at 16 rows an expert
+             (64, 8, 2, 4096, 14336, bf16, fp8)]
     with L.using(record):
         for T, E, k, H, I, dt, wdt in cases:
             scales = dict(s_gate_up=meta(E, 2 * I, dt=f32), s_down=meta(E, H, dt=f32)) if wdt == fp8 else {}
