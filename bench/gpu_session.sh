@@ -19,6 +19,9 @@
 #   moeprefill the sorted fused MoE's prefill tiles (bench/moe_prefill_lab.py): config_for's choice against the
 #           heuristic before the sixty-fifth run's sweep, Qwen3-30B-A3B and Mixtral-8x7B experts, bf16 and fp8
 #           (MOEPREFILL_ARGS="--tokens 2048" for the whole sweep at one size; ~1 minute a shape and format)
+#   moedecode the sorted fused MoE's decode-sized tiles (bench/moe_prefill_lab.py --decode: up to 16 rows an expert):
+#           config_for's choice against the heuristic, both shapes, fp8 experts (MOEDECODE_ARGS="--weights bf16,channel
+#           --tokens 8,32,128,256 --shapes qwen3-30b-a3b" for the whole sweep; GB/s against bench/decode.py's copy rate)
 #   tp      the push all-reduce and TP GPU tests, then tp=2 (push, with and without the GEMV pushing its rows;
 #           TP_MODES) vs tp=1 decode and the all-reduce times
 #   ab      after decode, same call: fp8 without fuse_norm_linear
@@ -108,6 +111,8 @@ case "${1:-}" in
   moelab) run 200 moe_lab.log python3 bench/moe_lab.py ${MOELAB_ARGS:-} ;;
   moeprefill) run 400 moe_prefill_lab.log python3 bench/moe_prefill_lab.py \
             ${MOEPREFILL_ARGS:---against-previous --tokens 512,2048,8192 --weights bf16,channel,block128} ;;
+  moedecode) run 300 moe_decode_lab.log python3 bench/moe_prefill_lab.py --decode \
+            ${MOEDECODE_ARGS:---against-previous --tokens 8,32,64 --weights channel,block128} ;;
   tp)     run 60 push_test.log python3 -m pytest -q -p no:cacheprovider tests/gpu/test_push_allreduce_gpu.py
           run 120 tp_test.log python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py -k "${TP_TESTS:-one_shot or push}"
           run 400 tp.log python3 bench/decode_tp.py --tp 2 --modes "${TP_MODES:-push,push-unfused}" --out "$scratch/btp"; rm -rf "$scratch"/btp* ;;
@@ -195,6 +200,6 @@ case "${1:-}" in
             -p no:xdist ${SANITIZE_TESTS:-tests/kernels}
           echo "memcheck reports in the tests: $(errors kernels)"
           cat "$logs"/kernels.*.log | grep -v "Host Frame" | head -200 ;;
-  *) echo "usage: bash bench/gpu_session.sh tests|suite|kattn|decode|ab|moe|moelab|moeprefill|tp|small|lab|ablate|pair|pairab|gaps|prefill|fp8moe|preload|fold|moefused|gemvs|resident|moestep|tiles|sanitize" >&2
+  *) echo "usage: bash bench/gpu_session.sh tests|suite|kattn|decode|ab|moe|moelab|moeprefill|moedecode|tp|small|lab|ablate|pair|pairab|gaps|prefill|fp8moe|preload|fold|moefused|gemvs|resident|moestep|tiles|sanitize" >&2
      exit 2 ;;
 esac
