@@ -308,12 +308,14 @@ def test_default_prefill_tiles(T, weights):
     _check(y, moe_ref.fused_moe(x, rw, ids, *ref_ws), TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("weights", ["channel", "block128"])
 @pytest.mark.parametrize("T", [3, 8, 32])
-def test_default_decode_tiles_fp8(T, weights):
+def test_default_decode_tiles_fp8(T, weights, dtype):
     """fp8 experts up to 16 rows an expert: config_for's 256-element K steps (row scales; block scales keep 128),
-    run as fused_moe picks them, against the reference; H = 384 ends in a half step (masked)."""
-    E, k, h, i, dtype = 8, 2, 384, 256, torch.bfloat16
+    run as fused_moe picks them, against the reference, for either 16-bit activation; H = 384 ends in a half step
+    (masked)."""
+    E, k, h, i = 8, 2, 384, 256
     cfg = tm.config_for(tm.token_bucket(T), E, k, h, i, dtype, fp8_weights=True, block_scales=weights == "block128")
     assert (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K) == (16, 64, 256 if weights == "channel" else 128)
     x, rw, ids, w_gate_up, w_down = _inputs(T, k, E, torch.float32, seed=T, h=h, i=i)
