@@ -13,14 +13,17 @@ GEMMs (``moe_ref``, bf16) for scale.
 With ``--against-previous``, only ``config_for``'s choice and the heuristic it replaced (``previous``) are timed.
 With ``--decode``, the decode-sized tiles (up to 16 rows an expert: batched decode and short prompts, where
 ``config_for`` keeps the heuristic) are swept, and each rate is also given in GB/s of the chosen experts' weights
-against a device copy.
+against a device copy. With ``--down``, each token count's default gate/up tile is kept and the down GEMM's own
+tiles (``MoeConfig.DOWN``) are swept.
 Usage: python bench/moe_prefill_lab.py [--shapes qwen3-30b-a3b,mixtral-8x7b] [--tokens 512,2048,8192]
                                        [--weights bf16,channel,block128] [--jobs 8] [--against-previous] [--decode]
+                                       [--down]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -57,6 +60,19 @@ def candidates(chunk: int = 1024, decode: bool = False) -> list[MoeConfig]:
         cfg = MoeConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, CHUNK=chunk)
         if bm * bn <= 128 * 128 and gate_up_smem(cfg) <= SMEM:
             out.append(cfg)
+    return out
+
+
+def down_candidates(base: MoeConfig, weights: str = "bf16") -> list[MoeConfig]:
+    """``base`` with GEMM 2's own tiles (``MoeConfig.DOWN``): BLOCK_N 32-256, BLOCK_K 64-256 (at most 128 with block
+    scales: a wider step needs a [K, N] tile of scales), 4 or 8 warps, 3-6 stages, where the stages fit; its one
+    accumulator at most 128 x 128 at 4 warps, 128 x 256 at 8."""
+    out = []
+    for bn, bk, warps, stages in itertools.product((32, 64, 128, 256), (64, 128, 256), (4, 8), (3, 4, 5, 6)):
+        if (weights == "block128" and bk > 128) or base.BLOCK_M * bn > 128 * 128 * warps // 4:
+            continue
+        if stages * (base.BLOCK_M + bn) * bk * 2 <= SMEM:
+            out.append(dataclasses.replace(base, DOWN=(bn, bk, warps, stages)))
     return out
 
 
@@ -122,12 +138,15 @@ def weight_bytes(ids: torch.Tensor, h: int, i: int, weights: str) -> int:
 
 
 def sweep(shape: str, tokens_list: list[int], weights: str, jobs: int, against_previous: bool = False,
-          decode: bool = False, copy_gbs: float = 0.0) -> None:
+          decode: bool = False, copy_gbs: float = 0.0, down: bool = False) -> None:
     e, k, h, i = SHAPES[shape]
     buckets = [triton_moe.token_bucket(t) for t in tokens_list]
     olds = [previous(b, e, k, h, i) for b in buckets]
-    configs = olds if against_previous else candidates(decode=decode)
     defaults = [default_config(shape, t, weights) for t in tokens_list]
+    # each token count's configs: with ``down``, its default's gate/up tile under every GEMM 2 tile
+    pools = {t: (down_candidates(d, weights) if down else olds if against_previous else candidates(decode=decode))
+             for t, d in zip(tokens_list, defaults)}
+    configs = list(dict.fromkeys(c for t in tokens_list for c in pools[t]))
     configs += [c for c in defaults + olds if c not in configs]
     chunks = [(shape, tokens_list[0], weights, configs[j::jobs]) for j in range(jobs)]
     import multiprocessing as mp
@@ -151,7 +170,8 @@ def sweep(shape: str, tokens_list: list[int], weights: str, jobs: int, against_p
         calls = max(2, min(32, int(2e12 // flops)))
         results = []
         # the sort's chunk follows the token count (the defaults of other token counts then repeat: once each)
-        for cfg in dict.fromkeys(MoeConfig(**dict(vars(c), CHUNK=default.CHUNK)) for c in configs):
+        pool = pools[t] + [default, old] if down else configs
+        for cfg in dict.fromkeys(MoeConfig(**dict(vars(c), CHUNK=default.CHUNK)) for c in pool):
             try:
                 err = (triton_moe.fused_moe(*args, **kw, config=cfg).float() - ref).abs().max().item()
                 assert err <= 2e-2 * ref.abs().max().item(), f"off by {err}"
@@ -189,6 +209,8 @@ def main() -> None:
     p.add_argument("--decode", action="store_true",
                    help="sweep the decode-sized tiles (for token counts that give an expert at most 16 rows) and "
                         "print each rate against a device copy measured first")
+    p.add_argument("--down", action="store_true",
+                   help="keep config_for's gate/up tile and sweep the down GEMM's own (MoeConfig.DOWN)")
     a = p.parse_args()
     copy_gbs = copy_bandwidth() / 1e9 if a.decode else 0.0  # bench/decode.py's, as docs/perf.md quotes it
     if copy_gbs:
@@ -196,7 +218,7 @@ def main() -> None:
     for weights in a.weights.split(","):
         for shape in a.shapes.split(","):
             sweep(shape, [int(t) for t in a.tokens.split(",")], weights, a.jobs, a.against_previous, a.decode,
-                  copy_gbs)
+                  copy_gbs, a.down)
 
 
 if __name__ == "__main__":

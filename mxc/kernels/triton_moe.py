@@ -31,8 +31,8 @@ recorded on ``meta`` tensors, compiled ahead of time and replayed in a CUDA grap
    block's expert (two fp32 accumulators, one pass over H), then ``silu(gate) * up`` with the
    reference's rounding (gate and up rounded to x's dtype as F.linear's outputs, silu in fp32
    rounded, the product rounded), stored to ``h [T*k, I]`` at the assignments' rows.
-3. ``_moe_gemm2_kernel`` (grid (P / BLOCK_M, cdiv(H, BLOCK_N))): ``h[rows] @ w_down[e]^T``,
-   rounded, times the routing weight (rounded, as the reference's ``y * weight``), stored to
+3. ``_moe_gemm2_kernel`` (grid (P / BLOCK_M, cdiv(H, BLOCK_N)); its tile ``MoeConfig.down()``):
+   ``h[rows] @ w_down[e]^T``, rounded, times the routing weight (rounded, as the reference's ``y * weight``), stored to
    ``y [T*k, H]`` at the assignments' rows. With k == 1, y is the output itself. Float32 routing
    weights (Mixtral's) with 16-bit x make y float32: the products unrounded, as torch promotes them
    (``moe_ref``; transformers' default experts path), until the sum rounds once.
@@ -362,13 +362,19 @@ def _moe_sum_kernel(y_ptr, r_ptr, out_ptr, H: tl.constexpr, TOP_K: tl.constexpr,
 @dataclass(frozen=True)
 class MoeConfig:
     """Tiles of both grouped GEMMs (BLOCK_M is also the alignment of the expert groups) and the
-    assignments per program of the sorting kernels (CHUNK)."""
+    assignments per program of the sorting kernels (CHUNK). ``DOWN``, where set, is GEMM 2's own
+    (BLOCK_N, BLOCK_K, num_warps, num_stages): its one accumulator and its K (I, not H) differ from GEMM 1's."""
     BLOCK_M: int = 16
     BLOCK_N: int = 64
     BLOCK_K: int = 64
     num_warps: int = 4
     num_stages: int = 3
     CHUNK: int = 1024
+    DOWN: tuple[int, int, int, int] | None = None
+
+    def down(self) -> tuple[int, int, int, int]:
+        """GEMM 2's (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+        return self.DOWN or (self.BLOCK_N, self.BLOCK_K, self.num_warps, self.num_stages)
 
 
 def token_bucket(t: int) -> int:
@@ -585,14 +591,15 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_
     sums = top_k > 1 or residual is not None  # the sum kernel also adds the residual
     # fp32 weights (Mixtral's) with 16-bit x: fp32 products (torch's promotion), rounded once by the sum
     y = torch.empty((numel, H), dtype=torch.promote_types(x.dtype, weights.dtype), device=x.device) if sums else out
-    tiles = dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-                 BLOCK_SCALE=block_scales)
     launch(_moe_gemm1_kernel, (n_blocks, cdiv(I, cfg.BLOCK_N)),
            [x, w_gate_up, s_gate_up, sorted_ids, expert_of_block, ntpp, h, numel],
-           dict(H=H, I=I, TOP_K=top_k, **tiles), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    launch(_moe_gemm2_kernel, (n_blocks, cdiv(H, cfg.BLOCK_N)),
+           dict(H=H, I=I, TOP_K=top_k, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+                BLOCK_SCALE=block_scales), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    down_n, down_k, down_warps, down_stages = cfg.down()
+    launch(_moe_gemm2_kernel, (n_blocks, cdiv(H, down_n)),
            [h, w_down, s_down, weights, sorted_ids, expert_of_block, ntpp, y, numel],
-           dict(H=H, I=I, **tiles), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+           dict(H=H, I=I, BLOCK_M=cfg.BLOCK_M, BLOCK_N=down_n, BLOCK_K=down_k, BLOCK_SCALE=block_scales),
+           num_warps=down_warps, num_stages=down_stages)
     if sums:
         block_h = min(1024, _pow2(H))
         launch(_moe_sum_kernel, (T, cdiv(H, block_h)), [y, residual, out],

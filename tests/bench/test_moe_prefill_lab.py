@@ -39,6 +39,16 @@ def test_decode_candidates_fit_and_hold_the_defaults():
                 assert triton_moe.MoeConfig(**dict(vars(d), CHUNK=1024)) in cands, (shape, tokens, weights)
 
 
+def test_down_candidates_keep_the_gate_up_tile_and_fit():
+    base = lab.default_config("mixtral-8x7b", 16, "channel")
+    for weights in ("bf16", "block128"):
+        cands = lab.down_candidates(base, weights)
+        assert cands and all(c.DOWN and vars(c) | {"DOWN": None} == vars(base) for c in cands)
+        assert all(c.DOWN[2] * 128 * 128 >= 4 * c.BLOCK_M * c.DOWN[0] for c in cands)  # the accumulator's registers
+        assert all(c.DOWN[3] * (c.BLOCK_M + c.DOWN[0]) * c.DOWN[1] * 2 <= lab.SMEM for c in cands)
+        assert max(c.DOWN[1] for c in cands) == (128 if weights == "block128" else 256)
+
+
 def test_weight_bytes_count_each_chosen_expert_once():
     ids = torch.tensor([[0, 3], [3, 5], [0, 5]])
     assert lab.weight_bytes(ids, 8, 4, "bf16") == 3 * 3 * 8 * 4 * 2

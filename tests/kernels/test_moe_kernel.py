@@ -327,6 +327,29 @@ def test_default_decode_tiles_fp8(T, weights, dtype):
     _check(y, moe_ref.fused_moe(x, rw, ids, deq(q1, s1), deq(q2, s2)), TOL[dtype])
 
 
+@pytest.mark.parametrize("weights", ["bf16", "channel", "block128"])
+def test_down_tile_of_its_own(weights):
+    """MoeConfig.DOWN gives GEMM 2 its own tile (here wider N, narrower K, other warps and stages than GEMM 1's; I =
+    192 ends in a masked step), with the same result as the shared tile, against the reference."""
+    E, k, T, h, i, dtype = 4, 2, 24, 256, 192 if weights != "block128" else 256, torch.bfloat16
+    x, rw, ids, w_gate_up, w_down = _inputs(T, k, E, torch.float32, seed=3, h=h, i=i)
+    x, rw = x.to(dtype), rw.to(dtype)
+    if weights == "bf16":
+        ws, scales, ref_ws = (w_gate_up.to(dtype), w_down.to(dtype)), {}, (w_gate_up.to(dtype), w_down.to(dtype))
+    else:
+        (q1, s1), (q2, s2) = quantize_fp8(w_gate_up, weights), quantize_fp8(w_down, weights)
+        deq = (lambda q, s: (q.float() * s[..., None]).to(dtype)) if weights == "channel" else (
+            lambda q, s: dequant_blocks(q, s, dtype))
+        ws, scales, ref_ws = (q1, q2), dict(s_gate_up=_dev(s1), s_down=_dev(s2)), (deq(q1, s1), deq(q2, s2))
+    shared = tm.MoeConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3, CHUNK=64)
+    own = tm.MoeConfig(**{**vars(shared), "DOWN": (128, 32, 8, 2)})
+    assert own.down() == (128, 32, 8, 2) and shared.down() == (32, 64, 4, 3)
+    args = (_dev(x), _dev(rw), _dev(ids), *map(_dev, ws))
+    y = tm.fused_moe(*args, **scales, config=own)
+    _check(y, moe_ref.fused_moe(x, rw, ids, *ref_ws), TOL[dtype])
+    torch.testing.assert_close(y, tm.fused_moe(*args, **scales, config=shared), rtol=0, atol=2e-2)
+
+
 def test_rejects_bad_inputs():
     x, weights, ids, wgu, wd = _inputs(3, 2, 4, torch.float16, seed=0)
     ok = dict(config=SMALL)
