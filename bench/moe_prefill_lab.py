@@ -14,7 +14,8 @@ With ``--against-previous``, only ``config_for``'s choice and the heuristic it r
 With ``--decode``, the decode-sized tiles (up to 16 rows an expert: batched decode and short prompts, where
 ``config_for`` keeps the heuristic) are swept, and each rate is also given in GB/s of the chosen experts' weights
 against a device copy. With ``--down``, each token count's default gate/up tile is kept and the down GEMM's own
-tiles (``MoeConfig.DOWN``) are swept.
+tiles (``MoeConfig.DOWN``) are swept, with the default against its gate/up tile shared by both GEMMs (with
+``--against-previous`` too: only those and the previous heuristic).
 Usage: python bench/moe_prefill_lab.py [--shapes qwen3-30b-a3b,mixtral-8x7b] [--tokens 512,2048,8192]
                                        [--weights bf16,channel,block128] [--jobs 8] [--against-previous] [--decode]
                                        [--down]
@@ -143,8 +144,10 @@ def sweep(shape: str, tokens_list: list[int], weights: str, jobs: int, against_p
     buckets = [triton_moe.token_bucket(t) for t in tokens_list]
     olds = [previous(b, e, k, h, i) for b in buckets]
     defaults = [default_config(shape, t, weights) for t in tokens_list]
-    # each token count's configs: with ``down``, its default's gate/up tile under every GEMM 2 tile
-    pools = {t: (down_candidates(d, weights) if down else olds if against_previous else candidates(decode=decode))
+    # each token count's configs: with ``down``, its default's gate/up tile under every GEMM 2 tile and under its
+    # own (``DOWN`` unset); with ``--against-previous`` as well, only the latter
+    pools = {t: ([dataclasses.replace(d, DOWN=None)] + ([] if against_previous else down_candidates(d, weights))
+                 if down else olds if against_previous else candidates(decode=decode))
              for t, d in zip(tokens_list, defaults)}
     configs = list(dict.fromkeys(c for t in tokens_list for c in pools[t]))
     configs += [c for c in defaults + olds if c not in configs]
@@ -186,6 +189,10 @@ def sweep(shape: str, tokens_list: list[int], weights: str, jobs: int, against_p
         before = next(us for us, c in results if c == old)
         print(f"{tag}: previous default {before:9.1f} us {rate(before)}  {old}: "
               f"default / previous = {before / base:.2f}x", flush=True)
+        if down:
+            shared = next(us for us, c in results if c == dataclasses.replace(default, DOWN=None))
+            print(f"{tag}: default, the down GEMM on the gate/up tile {shared:9.1f} us {rate(shared)}: "
+                  f"default / that = {shared / base:.2f}x", flush=True)
         if against_previous:
             continue
         for us, cfg in results[:10]:

@@ -5,6 +5,7 @@ interpreter, every weight format. Its timings run on the GPU (``python bench/moe
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -24,8 +25,9 @@ def test_candidates_fit_and_hold_the_defaults():
     for shape in lab.SHAPES:
         for tokens in (512, 2048, 8192):
             for weights in ("bf16", "channel"):
-                d = lab.default_config(shape, tokens, weights)
-                assert triton_moe.MoeConfig(**dict(vars(d), CHUNK=1024)) in cands, (shape, tokens, weights)
+                d = lab.default_config(shape, tokens, weights)  # its gate/up tile (the down GEMM's: --down)
+                assert triton_moe.MoeConfig(**dict(vars(d), CHUNK=1024, DOWN=None)) in cands, (shape, tokens, weights)
+                assert d.DOWN is None or d in lab.down_candidates(dataclasses.replace(d, DOWN=None), weights)
 
 
 def test_decode_candidates_fit_and_hold_the_defaults():

@@ -383,7 +383,7 @@ def test_config_table():
     """config_for's table: vLLM-style heuristics for fp32 activations and bf16 experts up to 16 rows an expert (fp8
     experts there: the same tile with 256-element K steps); past 16 rows, for 16-bit activations, the tiles
     bench/moe_prefill_lab.py found fastest (bf16 experts where H and I are multiples of 256; fp8 experts by rows an
-    expert). Every config's gate/up stages fit sm_90's shared memory."""
+    expert), the down GEMM's own tile past 64 rows (bf16: 16). Every config's stages fit sm_90's shared memory."""
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         size = torch.empty((), dtype=dtype).element_size()
         for E, k in ((8, 2), (64, 8), (128, 8), (256, 8)):
@@ -402,11 +402,17 @@ def test_config_table():
                     elif fp8:
                         assert tile == ((32, 128, 256, 4, 3) if per_expert <= 64 else (64, 128, 128, 4, 3)
                                         if per_expert <= 128 else (128, 128, 128, 8, 4))
+                        assert cfg.DOWN == (None if per_expert <= 64 else (256, 64, 4, 4) if per_expert <= 128
+                                            else (128, 64, 4, 4))
                     else:
-                        assert tile == (64, 256, 128, 8, 3)
+                        assert tile == (64, 256, 128, 8, 3) and cfg.DOWN == (256, 64, 4, 4)
+                    if cfg.DOWN is None:  # the heuristic and the decode tiles: one tile for both GEMMs
+                        assert cfg.down() == (cfg.BLOCK_N, cfg.BLOCK_K, cfg.num_warps, cfg.num_stages)
                     w_size = 1 if fp8 else size
                     smem = cfg.num_stages * (cfg.BLOCK_M * size + 2 * cfg.BLOCK_N * w_size) * cfg.BLOCK_K
-                    assert smem <= 227 * 1024, (cfg, smem)
+                    down_n, down_k, _, down_stages = cfg.down()
+                    down_smem = down_stages * (cfg.BLOCK_M * size + down_n * w_size) * down_k
+                    assert max(smem, down_smem) <= 227 * 1024, (cfg, smem, down_smem)
     # fp8 experts with block scales keep the heuristic's 128-element steps at decode (a step spans one block)
     for t in (1, 8, 32):
         assert tm.config_for(t, 128, 8, 2048, 768, torch.bfloat16, fp8_weights=True, block_scales=True) == \
