@@ -37,8 +37,8 @@ WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 # MoE routers' ``fp32_weights`` (Mixtral's routing weights kept float32, as transformers 5 keeps them: an older
 # runtime cannot run the new forward.py, and an older Mixtral artifact rounds them to bf16); 13: the sorted fused MoE's
 # prefill tiles from a sweep (``triton_moe.config_for`` past 16 rows an expert: older cuda MoE artifacts lack those
-# cubins); 14: the fp8 experts' decode tile (row scales, up to 16 rows an expert: 256-element K steps; older fp8 cuda
-# MoE artifacts lack those cubins)
+# cubins); 14: the fp8 experts' decode tile (row scales, up to 16 rows an expert: 256-element K steps) and the bf16
+# experts' prefill down GEMM on a tile of its own (``MoeConfig.DOWN``): older cuda MoE artifacts lack those cubins
 SCHEMA_VERSION = 14
 
 

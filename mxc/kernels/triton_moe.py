@@ -389,12 +389,13 @@ def _pow2(n: int) -> int:
 
 
 # Past 16 rows an expert, 16-bit activations: the tiles bench/moe_prefill_lab.py found fastest (one H100, 2026-12-06;
-# docs/perf.md, sixty-fifth run) as (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), then the down GEMM's own
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) or None (``MoeConfig.DOWN``; sixty-sixth run, ``--down``: 1.02-1.06x at
-# 2048 and 8192 tokens; the fp8 [32 x 128] tile's was not swept). fp8 experts by rows an expert.
-_BF16_PREFILL_TILE = ((64, 256, 64, 8, 3), (256, 64, 4, 4))
-_FP8_PREFILL_TILES = ((64, ((32, 128, 128, 4, 3), None)), (128, ((64, 128, 64, 4, 3), (256, 64, 4, 4))),
-                      (float("inf"), ((128, 128, 64, 8, 4), (128, 64, 4, 4))))
+# docs/perf.md, sixty-fifth run) as (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). bf16 experts' down GEMM takes
+# its own (BLOCK_N, BLOCK_K, num_warps, num_stages) (``MoeConfig.DOWN``; sixty-sixth run, ``--down``: 1.00-1.12x the
+# shared tile at 512-8192 tokens). fp8 experts by rows an expert, one tile for both GEMMs: a down tile of their own
+# was 0.87-1.08x, slower at some sizes and scales.
+_BF16_PREFILL_TILE = (64, 256, 64, 8, 3)
+_BF16_PREFILL_DOWN = (256, 64, 4, 4)
+_FP8_PREFILL_TILES = ((64, (32, 128, 128, 4, 3)), (128, (64, 128, 64, 4, 3)), (float("inf"), (128, 128, 64, 8, 4)))
 # Up to 16 rows an expert the GEMMs stream the chosen experts' weights. bf16 experts keep the heuristic (the sweep
 # found it within 1-3% of the best); fp8 experts with row scales take 256-element K steps, the bf16 tile's 256
 # weight bytes a step (sixty-sixth run, H100: 1.04-1.11x the heuristic's 128 on the Mixtral-8x7B experts at 8-64
@@ -418,9 +419,9 @@ def config_for(t_bucket: int, num_experts: int, top_k: int, hidden: int, inter: 
     run: 1.07-1.33x the heuristic for bf16 experts, 1.01-1.36x for fp8): bf16 experts [64 x 256] tiles, 8 warps,
     3 stages (GEMM 1 holds two weight tiles a stage, gate and up: [64 x 64] x + 2 x [64 x 256] w = 72 KB, three in
     sm_90's 227 KB); fp8 experts (row or 128x128 block scales) [32 x 128] with 128-element K steps and 4 warps up
-    to 64 rows an expert, [64 x 128] with 4 warps up to 128, then [128 x 128] with 8 warps and 4 stages. Past 64
-    rows (bf16: past 16) the down GEMM, with one accumulator and K = I, takes a tile of its own (``DOWN``):
-    256 (128 at BLOCK_M 128) columns, 64-element K steps, 4 warps, 4 stages (``bench/moe_prefill_lab.py --down``).
+    to 64 rows an expert, [64 x 128] with 4 warps up to 128, then [128 x 128] with 8 warps and 4 stages. With
+    the bf16 tile the down GEMM (one accumulator, K = I) takes a tile of its own (``DOWN``): [64 x 256],
+    64-element K steps, 4 warps, 4 stages (``bench/moe_prefill_lab.py --down``).
     """
     base = heuristic_config(t_bucket, num_experts, top_k, hidden, inter, dtype)
     per_expert = t_bucket * top_k / num_experts
@@ -429,12 +430,11 @@ def config_for(t_bucket: int, num_experts: int, top_k: int, hidden: int, inter: 
     if per_expert <= 16:
         return _config(*_FP8_DECODE_TILE, hidden, inter, base.CHUNK) if fp8_weights and not block_scales else base
     if fp8_weights:
-        tile, down = next(t for rows, t in _FP8_PREFILL_TILES if per_expert <= rows)
-    elif hidden % 256 == 0 and inter % 256 == 0:
-        tile, down = _BF16_PREFILL_TILE
-    else:
-        return base
-    return _config(*tile, hidden, inter, base.CHUNK, down)
+        tile = next(t for rows, t in _FP8_PREFILL_TILES if per_expert <= rows)
+        return _config(*tile, hidden, inter, base.CHUNK)
+    if hidden % 256 == 0 and inter % 256 == 0:
+        return _config(*_BF16_PREFILL_TILE, hidden, inter, base.CHUNK, _BF16_PREFILL_DOWN)
+    return base
 
 
 def heuristic_config(t_bucket: int, num_experts: int, top_k: int, hidden: int, inter: int,

@@ -288,9 +288,9 @@ def test_fp8_experts_block_scales(T, k, E, h, i, cfg, dtype):
 @pytest.mark.parametrize("weights", ["bf16", "channel", "block128"])
 @pytest.mark.parametrize("T", [64, 256, 512])
 def test_default_prefill_tiles(T, weights):
-    """The tiles config_for gives past 16 rows an expert (bf16 experts 64 x 256; fp8 experts 32 x 128 with 128-wide
-    K steps, 64 x 128, 128 x 128 as rows an expert grow: 32, 128 and 256 here), run as fused_moe picks them,
-    against the reference."""
+    """The tiles config_for gives past 16 rows an expert (bf16 experts 64 x 256, the down GEMM on its own tile; fp8
+    experts 32 x 128 with 128-wide K steps, 64 x 128, 128 x 128 as rows an expert grow: 32, 128 and 256 here), run
+    as fused_moe picks them, against the reference."""
     E, k, h, i, dtype = 4, 2, 256, 256, torch.bfloat16
     cfg = tm.config_for(tm.token_bucket(T), E, k, h, i, dtype, fp8_weights=weights != "bf16")
     assert (cfg.BLOCK_M, cfg.BLOCK_N) == ((64, 256) if weights == "bf16" else
@@ -383,7 +383,7 @@ def test_config_table():
     """config_for's table: vLLM-style heuristics for fp32 activations and bf16 experts up to 16 rows an expert (fp8
     experts there: the same tile with 256-element K steps); past 16 rows, for 16-bit activations, the tiles
     bench/moe_prefill_lab.py found fastest (bf16 experts where H and I are multiples of 256; fp8 experts by rows an
-    expert), the down GEMM's own tile past 64 rows (bf16: 16). Every config's stages fit sm_90's shared memory."""
+    expert), the bf16 tile's down GEMM a tile of its own. Every config's stages fit sm_90's shared memory."""
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         size = torch.empty((), dtype=dtype).element_size()
         for E, k in ((8, 2), (64, 8), (128, 8), (256, 8)):
@@ -402,8 +402,7 @@ def test_config_table():
                     elif fp8:
                         assert tile == ((32, 128, 256, 4, 3) if per_expert <= 64 else (64, 128, 128, 4, 3)
                                         if per_expert <= 128 else (128, 128, 128, 8, 4))
-                        assert cfg.DOWN == (None if per_expert <= 64 else (256, 64, 4, 4) if per_expert <= 128
-                                            else (128, 64, 4, 4))
+                        assert cfg.DOWN is None
                     else:
                         assert tile == (64, 256, 128, 8, 3) and cfg.DOWN == (256, 64, 4, 4)
                     if cfg.DOWN is None:  # the heuristic and the decode tiles: one tile for both GEMMs
