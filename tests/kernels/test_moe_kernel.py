@@ -285,6 +285,21 @@ def test_fp8_experts_block_scales(T, k, E, h, i, cfg, dtype):
            TOL[dtype])
 
 
+def _formatted_inputs(T, k, E, h, i, dtype, weights, seed):
+    """x and routing weights in ``dtype``, ids, the experts in a weight format ("bf16": ``dtype``; "channel",
+    "block128": e4m3 with row or 128x128 block scales), fused_moe's scale keywords, and the weights the reference
+    multiplies (the fp8 ones dequantized as the kernels do)."""
+    x, rw, ids, w_gate_up, w_down = _inputs(T, k, E, torch.float32, seed=seed, h=h, i=i)
+    x, rw = x.to(dtype), rw.to(dtype)
+    if weights == "bf16":
+        ws = (w_gate_up.to(dtype), w_down.to(dtype))
+        return x, rw, ids, ws, {}, ws
+    (q1, s1), (q2, s2) = quantize_fp8(w_gate_up, weights), quantize_fp8(w_down, weights)
+    deq = (lambda q, s: (q.float() * s[..., None]).to(dtype)) if weights == "channel" else (
+        lambda q, s: dequant_blocks(q, s, dtype))
+    return x, rw, ids, (q1, q2), dict(s_gate_up=_dev(s1), s_down=_dev(s2)), (deq(q1, s1), deq(q2, s2))
+
+
 @pytest.mark.parametrize("weights", ["bf16", "channel", "block128"])
 @pytest.mark.parametrize("T", [64, 256, 512])
 def test_default_prefill_tiles(T, weights):
@@ -295,15 +310,7 @@ def test_default_prefill_tiles(T, weights):
     cfg = tm.config_for(tm.token_bucket(T), E, k, h, i, dtype, fp8_weights=weights != "bf16")
     assert (cfg.BLOCK_M, cfg.BLOCK_N) == ((64, 256) if weights == "bf16" else
                                           {64: (32, 128), 256: (64, 128), 512: (128, 128)}[T])
-    x, rw, ids, w_gate_up, w_down = _inputs(T, k, E, torch.float32, seed=T, h=h, i=i)
-    x, rw = x.to(dtype), rw.to(dtype)
-    if weights == "bf16":
-        ws, scales, ref_ws = (w_gate_up.to(dtype), w_down.to(dtype)), {}, (w_gate_up.to(dtype), w_down.to(dtype))
-    else:
-        (q1, s1), (q2, s2) = quantize_fp8(w_gate_up, weights), quantize_fp8(w_down, weights)
-        deq = (lambda q, s: (q.float() * s[..., None]).to(dtype)) if weights == "channel" else (
-            lambda q, s: dequant_blocks(q, s, dtype))
-        ws, scales, ref_ws = (q1, q2), dict(s_gate_up=_dev(s1), s_down=_dev(s2)), (deq(q1, s1), deq(q2, s2))
+    x, rw, ids, ws, scales, ref_ws = _formatted_inputs(T, k, E, h, i, dtype, weights, seed=T)
     y = tm.fused_moe(_dev(x), _dev(rw), _dev(ids), *map(_dev, ws), **scales)
     _check(y, moe_ref.fused_moe(x, rw, ids, *ref_ws), TOL[dtype])
 
@@ -318,13 +325,9 @@ def test_default_decode_tiles_fp8(T, weights, dtype):
     E, k, h, i = 8, 2, 384, 256
     cfg = tm.config_for(tm.token_bucket(T), E, k, h, i, dtype, fp8_weights=True, block_scales=weights == "block128")
     assert (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K) == (16, 64, 256 if weights == "channel" else 128)
-    x, rw, ids, w_gate_up, w_down = _inputs(T, k, E, torch.float32, seed=T, h=h, i=i)
-    x, rw = x.to(dtype), rw.to(dtype)
-    (q1, s1), (q2, s2) = quantize_fp8(w_gate_up, weights), quantize_fp8(w_down, weights)
-    deq = (lambda q, s: (q.float() * s[..., None]).to(dtype)) if weights == "channel" else (
-        lambda q, s: dequant_blocks(q, s, dtype))
-    y = tm.fused_moe(_dev(x), _dev(rw), _dev(ids), _dev(q1), _dev(q2), s_gate_up=_dev(s1), s_down=_dev(s2))
-    _check(y, moe_ref.fused_moe(x, rw, ids, deq(q1, s1), deq(q2, s2)), TOL[dtype])
+    x, rw, ids, ws, scales, ref_ws = _formatted_inputs(T, k, E, h, i, dtype, weights, seed=T)
+    y = tm.fused_moe(_dev(x), _dev(rw), _dev(ids), *map(_dev, ws), **scales)
+    _check(y, moe_ref.fused_moe(x, rw, ids, *ref_ws), TOL[dtype])
 
 
 @pytest.mark.parametrize("weights", ["bf16", "channel", "block128"])
@@ -332,15 +335,7 @@ def test_down_tile_of_its_own(weights):
     """MoeConfig.DOWN gives GEMM 2 its own tile (here wider N, narrower K, other warps and stages than GEMM 1's; I =
     192 ends in a masked step), with the same result as the shared tile, against the reference."""
     E, k, T, h, i, dtype = 4, 2, 24, 256, 192 if weights != "block128" else 256, torch.bfloat16
-    x, rw, ids, w_gate_up, w_down = _inputs(T, k, E, torch.float32, seed=3, h=h, i=i)
-    x, rw = x.to(dtype), rw.to(dtype)
-    if weights == "bf16":
-        ws, scales, ref_ws = (w_gate_up.to(dtype), w_down.to(dtype)), {}, (w_gate_up.to(dtype), w_down.to(dtype))
-    else:
-        (q1, s1), (q2, s2) = quantize_fp8(w_gate_up, weights), quantize_fp8(w_down, weights)
-        deq = (lambda q, s: (q.float() * s[..., None]).to(dtype)) if weights == "channel" else (
-            lambda q, s: dequant_blocks(q, s, dtype))
-        ws, scales, ref_ws = (q1, q2), dict(s_gate_up=_dev(s1), s_down=_dev(s2)), (deq(q1, s1), deq(q2, s2))
+    x, rw, ids, ws, scales, ref_ws = _formatted_inputs(T, k, E, h, i, dtype, weights, seed=3)
     shared = tm.MoeConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3, CHUNK=64)
     own = tm.MoeConfig(**{**vars(shared), "DOWN": (128, 32, 8, 2)})
     assert own.down() == (128, 32, 8, 2) and shared.down() == (32, 64, 4, 3)
