@@ -74,3 +74,5 @@ def test_inputs_run_at_the_default_tiles(monkeypatch, weights):
     assert cfg.BLOCK_M > 16  # 32 rows an expert: the swept tiles
     y = triton_moe.fused_moe(*args, **kw, config=cfg)
     assert y.shape == (64, 256) and torch.isfinite(y.float()).all()
+    few, _ = lab.inputs("tiny", 64, weights, device=device, experts=1)  # the compile workers': E down to k
+    assert few[3].shape[0] == 2 and int(few[2].max()) == 1
