@@ -390,7 +390,7 @@ def _pow2(n: int) -> int:
 
 # Past 16 rows an expert, 16-bit activations: the tiles bench/moe_prefill_lab.py found fastest (one H100, 2026-12-06;
 # docs/perf.md, sixty-fifth run) as (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). bf16 experts' down GEMM takes
-# its own (BLOCK_N, BLOCK_K, num_warps, num_stages) (``MoeConfig.DOWN``; sixty-sixth run, ``--down``: 1.00-1.12x the
+# its own (BLOCK_N, BLOCK_K, num_warps, num_stages) (``MoeConfig.DOWN``; sixty-sixth run, ``--down``: 0.98-1.12x the
 # shared tile at 512-8192 tokens). fp8 experts by rows an expert, one tile for both GEMMs: a down tile of their own
 # was 0.87-1.08x, slower at some sizes and scales.
 _BF16_PREFILL_TILE = (64, 256, 64, 8, 3)
