@@ -415,12 +415,12 @@ def config_for(t_bucket: int, num_experts: int, top_k: int, hidden: int, inter: 
     block scales a step spans at most one block (a wider one dequantizes by a [K, N] tile of scales: 336 KB of
     shared memory at [16 x 64]), so they keep the heuristic there. Past 16, 16-bit activations take the tiles that
     ``bench/moe_prefill_lab.py`` found fastest over the Qwen3-30B-A3B and Mixtral-8x7B experts at 128-8192 tokens
-    (docs/perf.md, sixty-fifth run: 1.07-1.33x the heuristic for bf16 experts, 1.01-1.36x for fp8): bf16 experts [64
-    x 256] tiles, 8 warps, 3 stages (GEMM 1 holds two weight tiles a stage, gate and up: [64 x 64] x + 2 x [64 x
-    256] w = 72 KB, three in sm_90's 227 KB); fp8 experts (row or 128x128 block scales) [32 x 128] with 128-element
-    K steps and 4 warps up to 64 rows an expert, [64 x 128] with 4 warps up to 128, then [128 x 128] with 8 warps
-    and 4 stages. With the bf16 tile the down GEMM (one accumulator, K = I) takes a tile of its own (``DOWN``): [64
-    x 256], 64-element K steps, 4 warps, 4 stages (``bench/moe_prefill_lab.py --down``).
+    (docs/perf.md, sixty-fifth run: 1.07-1.33x the heuristic for bf16 experts, 1.01-1.36x for fp8): bf16 experts
+    [64 x 256] tiles, 8 warps, 3 stages (GEMM 1 holds two weight tiles a stage, gate and up: [64 x 64] x + 2 x
+    [64 x 256] w = 72 KB, three in sm_90's 227 KB); fp8 experts (row or 128x128 block scales) [32 x 128] with
+    128-element K steps and 4 warps up to 64 rows an expert, [64 x 128] with 4 warps up to 128, then [128 x 128]
+    with 8 warps and 4 stages. With the bf16 tile the down GEMM (one accumulator, K = I) takes a tile of its own
+    (``DOWN``): [64 x 256], 64-element K steps, 4 warps, 4 stages (``bench/moe_prefill_lab.py --down``).
     """
     base = heuristic_config(t_bucket, num_experts, top_k, hidden, inter, dtype)
     per_expert = t_bucket * top_k / num_experts
