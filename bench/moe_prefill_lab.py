@@ -145,16 +145,20 @@ def weight_bytes(ids: torch.Tensor, h: int, i: int, weights: str) -> int:
 def sweep(shape: str, tokens_list: list[int], weights: str, jobs: int, against_previous: bool = False,
           decode: bool = False, copy_gbs: float = 0.0, down: bool = False) -> None:
     e, k, h, i = SHAPES[shape]
-    buckets = [triton_moe.token_bucket(t) for t in tokens_list]
-    olds = [previous(b, e, k, h, i) for b in buckets]
-    defaults = [default_config(shape, t, weights) for t in tokens_list]
-    # each token count's configs: with ``down``, its default's gate/up tile under every GEMM 2 tile and under its
-    # own (``DOWN`` unset); with ``--against-previous`` as well, only the latter
-    pools = {t: ([dataclasses.replace(d, DOWN=None)] + ([] if against_previous else down_candidates(d, weights))
-                 if down else olds if against_previous else candidates(decode=decode))
-             for t, d in zip(tokens_list, defaults)}
+    sweep_space = [] if against_previous or down else candidates(decode=decode)
+
+    def pool(t: int) -> list[MoeConfig]:
+        """Token count ``t``'s configs: its default and the heuristic; with ``down``, the default's gate/up tile
+        shared by both GEMMs too (and without ``--against-previous`` under every down tile); else the sweep."""
+        default = default_config(shape, t, weights)
+        own = [dataclasses.replace(default, DOWN=None)] if down else []
+        tiles = down_candidates(default, weights) if down and not against_previous else sweep_space
+        # the sort's chunk follows the token count
+        return list(dict.fromkeys(dataclasses.replace(c, CHUNK=default.CHUNK) for c in
+                                  [default, previous(triton_moe.token_bucket(t), e, k, h, i), *own, *tiles]))
+
+    pools = {t: pool(t) for t in tokens_list}
     configs = list(dict.fromkeys(c for t in tokens_list for c in pools[t]))
-    configs += [c for c in defaults + olds if c not in configs]
     chunks = [(shape, tokens_list[0], weights, configs[j::jobs]) for j in range(jobs)]
     import multiprocessing as mp
     with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as ex:
@@ -176,9 +180,7 @@ def sweep(shape: str, tokens_list: list[int], weights: str, jobs: int, against_p
                                                                           if copy_gbs else "")
         calls = max(2, min(32, int(2e12 // flops)))
         results = []
-        # the sort's chunk follows the token count (the defaults of other token counts then repeat: once each)
-        pool = pools[t] + [default, old] if down else configs
-        for cfg in dict.fromkeys(MoeConfig(**dict(vars(c), CHUNK=default.CHUNK)) for c in pool):
+        for cfg in pools[t]:
             try:
                 err = (triton_moe.fused_moe(*args, **kw, config=cfg).float() - ref).abs().max().item()
                 assert err <= 2e-2 * ref.abs().max().item(), f"off by {err}"
