@@ -20,6 +20,10 @@ def _has_cuda() -> bool:
 
 if not _has_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":  # bf16/fp8 conversions and dots as the GPU does them
+    from tests.triton_interpreter import patch_interpreter
+
+    patch_interpreter()
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -1,7 +1,7 @@
 """The MoE prefill tile lab (bench/moe_prefill_lab.py) on the CPU: its candidates fit sm_90's shared memory and
 include the tiles config_for chose from it, ``previous`` is the heuristic config_for keeps where the sweep did not
 reach (up to 16 rows an expert, fp32), and its inputs run through fused_moe at the default tiles under the
-interpreter, every weight format. Its timings run on the GPU (``python bench/moe_prefill_lab.py``)."""
+interpreter, every weight format, matching the reference. Its timings run on the GPU (``python bench/moe_prefill_lab.py``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import moe_prefill_lab as lab  # noqa: E402
 
-from mxc.kernels import triton_moe  # noqa: E402
+from mxc.kernels import fp8_ref, moe_ref, triton_moe  # noqa: E402
 
 
 def test_candidates_fit_and_hold_the_defaults():
@@ -74,5 +74,10 @@ def test_inputs_run_at_the_default_tiles(monkeypatch, weights):
     assert cfg.BLOCK_M > 16  # 32 rows an expert: the swept tiles
     y = triton_moe.fused_moe(*args, **kw, config=cfg)
     assert y.shape == (64, 256) and torch.isfinite(y.float()).all()
+    x, route, ids, w1, w2 = args  # against the reference, the fp8 experts dequantized as the kernels do
+    if kw:
+        w1, w2 = (fp8_ref.dequantize_experts(q, kw[s], x.dtype) for q, s in ((w1, "s_gate_up"), (w2, "s_down")))
+    ref = moe_ref.fused_moe(x, route, ids, w1, w2).float()
+    assert (y.float() - ref).abs().max() <= 2e-2 * ref.abs().max()  # the lab's own check
     few, _ = lab.inputs("tiny", 64, weights, device=device, experts=1)  # the compile workers': E down to k
     assert few[3].shape[0] == 2 and int(few[2].max()) == 1

@@ -1,6 +1,6 @@
 """Triton fp8-weight linears (``triton_fp8.qlinear_small_m`` / ``qlinear_gemm``) against ``fp8_ref.qlinear``.
 
-Runs under TRITON_INTERPRET=1 on the CPU (tests/kernels/conftest.py makes the interpreter's
+Runs under TRITON_INTERPRET=1 on the CPU (tests/triton_interpreter.py makes the interpreter's
 fp8/bf16 conversions round and saturate as the GPU does), with small explicit configs on ragged
 shapes: N = 150 (two 128-row scale blocks, the last tile partial), K = 200 (two 128-wide scale
 blocks, the last K step partial). Every small-M version (v1 M = 1, v2 M = 2..8, v3 tl.dot),

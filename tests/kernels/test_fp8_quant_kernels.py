@@ -1,6 +1,6 @@
 """The fp8 activation-quantize kernels (``triton_fp8_quant._prequantize``) against ``fp8_ref.quantize_rows``.
 
-Under TRITON_INTERPRET=1 on the CPU (tests/kernels/conftest.py makes the interpreter's fp8/bf16 conversions
+Under TRITON_INTERPRET=1 on the CPU (tests/triton_interpreter.py makes the interpreter's fp8/bf16 conversions
 round and saturate as the GPU does): the one-program-a-row and tiled kernels bit for bit against the
 reference and each other (ragged K, zero, tiny, signed-zero, inf and NaN rows), the RMSNorm and
 SiLU-and-mul prologues (gate and up in halves, or interleaved in blocks), the rule choosing the kernel, and

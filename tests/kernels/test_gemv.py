@@ -28,7 +28,7 @@ from mxc.kernels import torch_ref
 from mxc.kernels import triton_gemv as tg
 from mxc.kernels.triton_gemv import GemvConfig
 
-# bf16 needs the interpreter's float conversions fixed (tests/kernels/conftest.py) off the GPU
+# bf16 needs the interpreter's float conversions fixed (tests/triton_interpreter.py) off the GPU
 _BF16_OK = torch.cuda.is_available() or Path(__file__).with_name("conftest.py").exists()
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if _BF16_OK else [])
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}

@@ -1,4 +1,5 @@
-"""The interpreter patch of ``tests/kernels/conftest.py``, seen through the kernels.
+"""The interpreter patch of ``tests/triton_interpreter.py`` (``tests/conftest.py`` applies it), seen through the
+kernels.
 
 Under Triton's interpreter (on the CPU) bf16 downcasts round to nearest even like torch and the GPU instead of
 truncating, fp8 conversions round and saturate, and ``tl.dot`` upcasts bf16 operands to fp32.
@@ -34,7 +35,7 @@ def test_interpreter_rounds_bf16_like_torch():
     assert not torch.equal(out, truncated), "test inputs do not tell rounding from truncation"
     if os.environ.get("TRITON_INTERPRET") == "1":
         from triton.runtime import interpreter
-        assert "_patch_interpreter" in interpreter._convert_float.__qualname__, "conftest.py did not patch"
+        assert "patch_interpreter" in interpreter._convert_float.__qualname__, "conftest.py did not patch"
 
 
 def test_interpreter_fp8_rounds_and_saturates():

@@ -1,6 +1,6 @@
 """Triton fused MoE (``triton_moe.moe_align`` / ``fused_moe``) against ``moe_ref.fused_moe``.
 
-Runs under TRITON_INTERPRET=1 on the CPU (tests/kernels/conftest.py makes the interpreter's
+Runs under TRITON_INTERPRET=1 on the CPU (tests/triton_interpreter.py makes the interpreter's
 bf16/fp8 conversions round as the GPU does), with small explicit configs on ragged shapes:
 H = 48 and I = 40 are not multiples of the 32-wide tiles (partial K steps and n-tiles in both
 GEMMs), CHUNK = 16 makes the sort span several chunks. ``moe_align`` is checked for its
@@ -29,7 +29,7 @@ from mxc.kernels import triton_moe as tm
 from mxc.kernels.triton_moe import MoeConfig
 from mxc.loaders.quantize import quantize_fp8
 
-# bf16 needs the interpreter's float conversions fixed (tests/kernels/conftest.py) off the GPU
+# bf16 needs the interpreter's float conversions fixed (tests/triton_interpreter.py) off the GPU
 _BF16_OK = torch.cuda.is_available() or Path(__file__).with_name("conftest.py").exists()
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if _BF16_OK else [])
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}

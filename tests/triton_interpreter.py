@@ -1,7 +1,7 @@
-"""Make Triton's interpreter convert floats the way the GPU does (applied at import).
+"""Make Triton's interpreter convert floats the way the GPU does (``patch_interpreter``, which the root
+``tests/conftest.py`` applies for every test where it sets ``TRITON_INTERPRET=1``, i.e. without CUDA).
 
-Under ``TRITON_INTERPRET=1`` (set by the root ``tests/conftest.py`` when there is
-no CUDA) Triton 3.9's interpreter converts floats bit by bit in
+Under ``TRITON_INTERPRET=1`` Triton 3.9's interpreter converts floats bit by bit in
 ``interpreter._convert_float``: downcasts truncate instead of rounding to
 nearest even, and fp8 does not saturate. bf16/fp8 values are held as raw
 integer bits, so ``create_dot`` multiplies bf16 bit patterns as integers. Here
@@ -9,12 +9,11 @@ integer bits, so ``create_dot`` multiplies bf16 bit patterns as integers. Here
 saturates to its largest finite value, like the GPU's ``satfinite``
 conversions), and ``create_dot`` upcasts bf16 operands to fp32 first. With both
 in place, kernels that cast after loading match the GPU bit for bit on
-bf16/fp16/fp8 conversions. Nothing is changed when kernels run on a GPU.
+bf16/fp16/fp8 conversions. Nothing is changed when kernels run on a GPU. (Until the sixty-sixth session this
+was ``tests/kernels/conftest.py``, so kernels run from other folders' tests alone got the broken conversions.)
 """
 
 from __future__ import annotations
-
-import os
 
 import numpy as np
 import torch
@@ -30,7 +29,7 @@ _BITS = {8: (np.int8, torch.int8), 16: (np.int16, torch.int16), 32: (np.int32, t
          64: (np.int64, torch.int64)}
 
 
-def _patch_interpreter() -> None:
+def patch_interpreter() -> None:
     import triton.language as tl
     from triton._C.libtriton import ir
     from triton.runtime import interpreter
@@ -66,7 +65,3 @@ def _patch_interpreter() -> None:
 
     interpreter._convert_float = _convert_float
     interpreter.InterpreterBuilder.create_dot = create_dot
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _patch_interpreter()
