@@ -29,6 +29,16 @@ _BITS = {8: (np.int8, torch.int8), 16: (np.int16, torch.int16), 32: (np.int32, t
          64: (np.int64, torch.int64)}
 
 
+_patched = False
+
+
+def bf16_ok() -> bool:
+    """Whether bf16 kernels give the GPU's results here: on a GPU, or in the interpreter once patched."""
+    import torch
+
+    return torch.cuda.is_available() or _patched
+
+
 def patch_interpreter() -> None:
     import triton.language as tl
     from triton._C.libtriton import ir
@@ -63,5 +73,7 @@ def patch_interpreter() -> None:
         data = _convert_float(handle.data, tl.bfloat16, tl.float32, None).view(np.float32)
         return interpreter.TensorHandle(data, tl.float32)
 
+    global _patched
     interpreter._convert_float = _convert_float
     interpreter.InterpreterBuilder.create_dot = create_dot
+    _patched = True

@@ -4,7 +4,6 @@ shapes, the input generator, the tolerance check, the kernel-launch recorder and
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
 
@@ -12,8 +11,9 @@ from mxc.kernels import fp8_ref
 from mxc.kernels import launch as launch_mod
 from mxc.kernels.triton_fp8 import QGemvConfig
 from mxc.loaders.quantize import quantize_fp8
+from tests.triton_interpreter import bf16_ok
 
-_BF16_OK = torch.cuda.is_available() or Path(__file__).with_name("conftest.py").exists()
+_BF16_OK = bf16_ok()
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if _BF16_OK else [])
 TOL = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 GRANS = ["channel", "tensor", "block128"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,9 +21,10 @@ from mxc.kernels import launch as launch_mod
 from mxc.kernels import torch_ref
 from mxc.kernels import triton_attention as ta
 from mxc.kernels.context import ForwardContext
+from tests.triton_interpreter import bf16_ok
 
 # bf16 needs the interpreter's float conversions fixed (tests/triton_interpreter.py) off the GPU
-_BF16_OK = torch.cuda.is_available() or Path(__file__).with_name("conftest.py").exists()
+_BF16_OK = bf16_ok()
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if _BF16_OK else [])
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -10,7 +10,6 @@ test_fp8_kernels.py.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,8 +18,9 @@ import torch.nn.functional as F
 from mxc.kernels import fp8_ref, torch_ref
 from mxc.kernels import launch as launch_mod
 from mxc.kernels import triton_fp8_quant as tfq
+from tests.triton_interpreter import bf16_ok
 
-_BF16_OK = torch.cuda.is_available() or Path(__file__).with_name("conftest.py").exists()
+_BF16_OK = bf16_ok()
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if _BF16_OK else [])
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -17,13 +17,14 @@ import pytest
 import torch
 
 from mxc.kernels import launch as launch_mod
-from mxc.kernels import moe_ref
+from mxc.kernels import fp8_ref, moe_ref
 from mxc.kernels import triton_moe as tm
 from mxc.kernels import triton_moe_decode as tmd
 from mxc.kernels.triton_moe import MoeConfig
 from mxc.loaders.quantize import quantize_fp8
+from tests.triton_interpreter import bf16_ok
 
-_BF16_OK = torch.cuda.is_available() or Path(__file__).with_name("conftest.py").exists()
+_BF16_OK = bf16_ok()
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if _BF16_OK else [])
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -149,14 +150,14 @@ def _block_scaled_experts(E, h, i, seed):
 def test_fp8_experts_block_scales(dtype, configs):
     """Block scales at ragged H = 200 (a short last K block of gate/up) and I = 256 (two K blocks of down; the
     256-wide steps span both)."""
-    from tests.kernels.test_moe_kernel import dequant_blocks
 
     h, i = 200, 256
     x, weights, ids, _, _ = _inputs(3, 2, 4, dtype, seed=4, h=h, i=i)
     (q1, s1), (q2, s2) = _block_scaled_experts(4, h, i, seed=9)
     y = tmd.fused_moe(_dev(x), _dev(weights), _dev(ids), _dev(q1), _dev(q2), s_gate_up=_dev(s1), s_down=_dev(s2),
                       configs=configs)
-    _check(y, moe_ref.fused_moe(x, weights, ids, dequant_blocks(q1, s1, dtype), dequant_blocks(q2, s2, dtype)),
+    _check(y, moe_ref.fused_moe(x, weights, ids, fp8_ref.dequantize_experts(q1, s1, dtype),
+                                fp8_ref.dequantize_experts(q2, s2, dtype)),
            TOL[dtype])
 
 
@@ -223,7 +224,6 @@ def test_no_access_outside_tensors(case):
     weight or scale past the experts' last (their surroundings are NaN). Expert E - 1 is used, so its last rows
     and scales are read."""
     from tests.kernels.guarded import guarded
-    from tests.kernels.test_moe_kernel import dequant_blocks
 
     h, i, configs, blocks = GUARD_CASES[case]
     ids = torch.tensor([[3, 0], [1, 3]])
@@ -235,7 +235,7 @@ def test_no_access_outside_tensors(case):
     with guarded():
         y = tmd.fused_moe(*[_dev(t) for t in (x, weights, ids, wgu, wd)], configs=configs, **kw)
     if blocks:
-        wgu, wd = dequant_blocks(wgu, s1, torch.float32), dequant_blocks(wd, s2, torch.float32)
+        wgu, wd = (fp8_ref.dequantize_experts(w, s, torch.float32) for w, s in ((wgu, s1), (wd, s2)))
     _check(y, moe_ref.fused_moe(x, weights, ids, wgu, wd), TOL[torch.float32])
 
 

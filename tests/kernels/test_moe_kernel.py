@@ -24,13 +24,14 @@ import pytest
 import torch
 
 from mxc.kernels import launch as launch_mod
-from mxc.kernels import moe_ref
+from mxc.kernels import fp8_ref, moe_ref
 from mxc.kernels import triton_moe as tm
 from mxc.kernels.triton_moe import MoeConfig
 from mxc.loaders.quantize import quantize_fp8
+from tests.triton_interpreter import bf16_ok
 
 # bf16 needs the interpreter's float conversions fixed (tests/triton_interpreter.py) off the GPU
-_BF16_OK = torch.cuda.is_available() or Path(__file__).with_name("conftest.py").exists()
+_BF16_OK = bf16_ok()
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if _BF16_OK else [])
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -249,16 +250,10 @@ def test_fp8_experts(T, k, E, dtype):
     w_gate_up[:, :I] *= 3  # gate and up rows at different scales
     (q1, s1), (q2, s2) = quantize_fp8(w_gate_up, "channel"), quantize_fp8(w_down, "channel")  # as the loader
     x, weights = x.to(dtype), weights.to(dtype)
-    deq = lambda q, s: (q.float() * s[..., None]).to(dtype)  # noqa: E731
     y = tm.fused_moe(_dev(x), _dev(weights), _dev(ids), _dev(q1), _dev(q2), s_gate_up=_dev(s1), s_down=_dev(s2),
                      config=SMALL)
-    _check(y, moe_ref.fused_moe(x, weights, ids, deq(q1, s1), deq(q2, s2)), TOL[dtype])
-
-
-def dequant_blocks(q, s, dtype):
-    """An expert stack [E, R, K] dequantized by its 128x128 block scales [E, cdiv(R, 128), cdiv(K, 128)]."""
-    full = s.repeat_interleave(128, 1)[:, :q.shape[1]].repeat_interleave(128, 2)[:, :, :q.shape[2]]
-    return (q.float() * full).to(dtype)
+    _check(y, moe_ref.fused_moe(x, weights, ids, fp8_ref.dequantize_experts(q1, s1, dtype),
+                                fp8_ref.dequantize_experts(q2, s2, dtype)), TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -281,8 +276,8 @@ def test_fp8_experts_block_scales(T, k, E, h, i, cfg, dtype):
     x, weights = x.to(dtype), weights.to(dtype)
     y = tm.fused_moe(_dev(x), _dev(weights), _dev(ids), _dev(q1), _dev(q2), s_gate_up=_dev(s1), s_down=_dev(s2),
                      config=cfg)
-    _check(y, moe_ref.fused_moe(x, weights, ids, dequant_blocks(q1, s1, dtype), dequant_blocks(q2, s2, dtype)),
-           TOL[dtype])
+    _check(y, moe_ref.fused_moe(x, weights, ids, fp8_ref.dequantize_experts(q1, s1, dtype),
+                                fp8_ref.dequantize_experts(q2, s2, dtype)), TOL[dtype])
 
 
 def _formatted_inputs(T, k, E, h, i, dtype, weights, seed):
@@ -295,9 +290,8 @@ def _formatted_inputs(T, k, E, h, i, dtype, weights, seed):
         ws = (w_gate_up.to(dtype), w_down.to(dtype))
         return x, rw, ids, ws, {}, ws
     (q1, s1), (q2, s2) = quantize_fp8(w_gate_up, weights), quantize_fp8(w_down, weights)
-    deq = (lambda q, s: (q.float() * s[..., None]).to(dtype)) if weights == "channel" else (
-        lambda q, s: dequant_blocks(q, s, dtype))
-    return x, rw, ids, (q1, q2), dict(s_gate_up=_dev(s1), s_down=_dev(s2)), (deq(q1, s1), deq(q2, s2))
+    ref_ws = (fp8_ref.dequantize_experts(q1, s1, dtype), fp8_ref.dequantize_experts(q2, s2, dtype))
+    return x, rw, ids, (q1, q2), dict(s_gate_up=_dev(s1), s_down=_dev(s2)), ref_ws
 
 
 @pytest.mark.parametrize("weights", ["bf16", "channel", "block128"])

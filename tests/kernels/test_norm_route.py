@@ -14,8 +14,9 @@ import torch
 from mxc.kernels import launch as launch_mod
 from mxc.kernels import torch_ref, triton_route
 from mxc.kernels.context import ForwardContext
+from tests.triton_interpreter import bf16_ok
 
-_BF16_OK = torch.cuda.is_available() or Path(__file__).with_name("conftest.py").exists()
+_BF16_OK = bf16_ok()
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if _BF16_OK else [])
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
