@@ -38,8 +38,10 @@ WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 # runtime cannot run the new forward.py, and an older Mixtral artifact rounds them to bf16); 13: the sorted fused MoE's
 # prefill tiles from a sweep (``triton_moe.config_for`` past 16 rows an expert: older cuda MoE artifacts lack those
 # cubins); 14: the fp8 experts' decode tile (row scales, up to 16 rows an expert: 256-element K steps) and the bf16
-# experts' prefill down GEMM on a tile of its own (``MoeConfig.DOWN``): older cuda MoE artifacts lack those cubins
-SCHEMA_VERSION = 14
+# experts' prefill down GEMM on a tile of its own (``MoeConfig.DOWN``): older cuda MoE artifacts lack those cubins;
+# 15: the fused norm + router kernel on a (router rows, token) grid, each token routed by the last of its programs
+# (``triton_route.norm_route_kernel``: one argument fewer, so an older cuda MoE artifact's cubin would misread them)
+SCHEMA_VERSION = 15
 
 
 def safetensors_header(path: Path) -> tuple[int, dict]:

@@ -11,11 +11,13 @@ its reversed expert id (``TOPK``; or k rounds of (max, lowest index holding it, 
 lower expert id (``torch.topk`` leaves their order unspecified).
 
 ``add_rms_norm_route`` (decode, <= 32 tokens; the ``fuse_norm_route`` pass) also takes the three
-kernels before it: the residual add, the RMSNorm and the router GEMV. Each program reads ROWS router
-rows (before its PDL wait: weights), normalises every token's row itself (H values: cheap next to
-the router's E x H), writes its ROWS logits, and the last program to finish (an atomic count, left
-at 0 for the next call) routes every token from the logits the others wrote. Program 0 also
-writes the residual sum and the normalised rows, which the experts read. On the Qwen3-30B-A3B
+kernels before it: the residual add, the RMSNorm and the router GEMV. Its grid is a column of programs
+a token. Each program reads ROWS router rows (before its PDL wait: weights), normalises its token's
+row itself (H values: cheap next to the router's E x H), writes its ROWS logits, and the last of
+the token's programs to finish (an atomic count a token, left at 0 for the next call) routes the
+token from the logits the others wrote. Each column's program 0 also writes the token's residual
+sum and normalised row, which the experts read. (``TOKEN_GRID`` False: one column takes the tokens
+in turn, the kernel before 2026-12-06, which is slow past one token.) On the Qwen3-30B-A3B
 shape at batch 1 (H200, 2026-11-30) it took 5.8 us a layer at 2 rows and 8 warps a program against
 ~6.8 us for the three kernels, and the step went from 2.73 to 2.65 ms; one row a program took 5.35 us
 in ``bench/moe_lab.py`` with the rounds at one warp, and 4.67 us with the bitonic top-k at two (the
@@ -41,6 +43,12 @@ TOPK_WAYS = ("rounds", "packed", "bitonic")
 # five interleaved rounds 0.02 ms apart (one H200, 2026-12-03, ``bench/decode_ab.py``); the fused router added
 # 3.58 us a layer instead of 4.10. At one warp bitonic took 2.539.
 TOPK = "bitonic"
+# The fused norm + router's grid (``norm_route_kernel``): a column of programs a token, each token routed by the last
+# of its own programs (True), or one column taking the tokens in turn and its last program routing them all (False,
+# the kernel before 2026-12-06). A/B knob, read at launch. At batch 8 the one column took 18.2 us a layer of a 7.45 ms
+# Qwen3-30B-A3B fp8 step (one H100, 2026-12-06, plain launches: docs/perf.md, sixty-seventh run), against about 4.7
+# at batch 1: the tokens ran one after another twice. Each token's work on its own programs is unmeasured yet.
+TOKEN_GRID = True
 
 
 @triton.jit
@@ -119,9 +127,18 @@ def norm_route_kernel(a_ptr, b_ptr, norm_w_ptr, router_w_ptr, s_ptr, h_ptr, logi
                       count_ptr, T, eps, H: tl.constexpr, BLOCK_H: tl.constexpr, E: tl.constexpr,
                       ROWS: tl.constexpr, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                       SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, PACKED: tl.constexpr = False,
-                      USE_PDL: tl.constexpr = False, BITONIC: tl.constexpr = False):
-    """Program p: router rows [p * ROWS, +ROWS) for every token; the last program routes."""
+                      USE_PDL: tl.constexpr = False, BITONIC: tl.constexpr = False,
+                      TOKEN_GRID: tl.constexpr = True):
+    """Program (p, t): router rows [p * ROWS, +ROWS) for token t; the last of token t's programs routes it. Without
+    ``TOKEN_GRID`` (a grid of one token column), program p takes every token in turn and the last program routes
+    them all."""
     pid = tl.program_id(0)
+    if TOKEN_GRID:
+        t0 = tl.program_id(1)
+        t1 = t0 + 1
+    else:
+        t0 = 0
+        t1 = T
     offs_h = tl.arange(0, BLOCK_H)
     h_ok = offs_h < H
     rows = pid * ROWS + tl.arange(0, ROWS)
@@ -132,7 +149,7 @@ def norm_route_kernel(a_ptr, b_ptr, norm_w_ptr, router_w_ptr, s_ptr, h_ptr, logi
     nw = tl.load(norm_w_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32)
     pdl_enter(USE_PDL)
     ty = s_ptr.dtype.element_ty
-    for t in range(T):
+    for t in range(t0, t1):
         row = t * H  # T <= 32 rows of H <= 8192: int32 offsets
         a = tl.load(a_ptr + row + offs_h, mask=h_ok, other=0.0).to(tl.float32)
         b = tl.load(b_ptr + row + offs_h, mask=h_ok, other=0.0).to(tl.float32)
@@ -145,16 +162,16 @@ def norm_route_kernel(a_ptr, b_ptr, norm_w_ptr, router_w_ptr, s_ptr, h_ptr, logi
             tl.store(h_ptr + row + offs_h, h, mask=h_ok)
         logit = tl.sum(wr * h.to(tl.float32)[None, :], axis=1)  # the router linear, rounded to the dtype
         tl.store(logits_ptr + t * E + rows, logit.to(ty), mask=rows_ok)
-    # release: this program's logits are visible to whichever program counts last (Triton puts a
+    # release: this program's logits are visible to whichever program counts last for its tokens (Triton puts a
     # barrier before a scalar atomic: every warp's stores are in; checked in the sm_90 PTX, 3.6 and 3.9)
-    done = tl.atomic_add(count_ptr, 1, sem="acq_rel")
+    done = tl.atomic_add(count_ptr + t0, 1, sem="acq_rel")
     if done == tl.num_programs(0) - 1:
         offs_e = tl.arange(0, BLOCK_E)
-        for t in range(T):
-            x = tl.load(logits_ptr + t * E + offs_e, mask=offs_e < E, other=float("-inf"), volatile=True)
-            _route_row(x.to(tl.float32), weights_ptr, ids_ptr, t, E, K, BLOCK_E, BLOCK_K, SIGMOID,
+        for t in range(t0, t1):
+            lt = tl.load(logits_ptr + t * E + offs_e, mask=offs_e < E, other=float("-inf"), volatile=True)
+            _route_row(lt.to(tl.float32), weights_ptr, ids_ptr, t, E, K, BLOCK_E, BLOCK_K, SIGMOID,
                        RENORMALIZE, PACKED, BITONIC)
-        tl.store(count_ptr, 0)  # for the next call (the next kernel's count starts after this one ends)
+        tl.store(count_ptr + t0, 0)  # for the next call (the next kernel's count starts after this one ends)
 
 
 def _config(H: int) -> tuple[int, int]:
@@ -199,19 +216,21 @@ def add_rms_norm_route(a: torch.Tensor, b: torch.Tensor, norm_weight: torch.Tens
         raise ValueError(f"need 1 <= k <= E <= {MAX_EXPERTS}, got k={k}, E={E}")
     if scoring not in ("softmax", "sigmoid"):
         raise ValueError(f"scoring must be softmax or sigmoid, got {scoring!r}")
-    count = ctx.counters("route", 1, a.device) if ctx is not None else torch.zeros(1, dtype=torch.int32,
-                                                                                  device=a.device)
+    # one count a token; always the most tokens' worth, so that no batch's call replaces the tensor that a CUDA graph
+    # captured at another batch holds
+    count = ctx.counters("route", NORM_ROUTE_MAX_TOKENS, a.device) if ctx is not None else \
+        torch.zeros(T, dtype=torch.int32, device=a.device)
     s, h = torch.empty_like(a), torch.empty_like(a)
     logits = torch.empty((T, E), dtype=a.dtype, device=a.device)
     weights = torch.empty((T, k), dtype=torch.float32 if fp32_weights else a.dtype, device=a.device)
     ids = torch.empty((T, k), dtype=torch.int64, device=a.device)
     default_rows, default_warps = _config(H)
     rows = rows or default_rows
-    launch(norm_route_kernel, (cdiv(E, rows),),
+    launch(norm_route_kernel, (cdiv(E, rows), T if TOKEN_GRID else 1),
            [a, b, norm_weight, router_weight, s, h, logits, weights, ids, count, T, float(eps)],
            dict(H=H, BLOCK_H=next_pow2(H), E=E, ROWS=rows, K=k, BLOCK_E=next_pow2(E),
                 BLOCK_K=next_pow2(k), SIGMOID=scoring == "sigmoid", RENORMALIZE=bool(renormalize),
-                **_topk_constexprs(topk)),
+                **_topk_constexprs(topk), **({} if TOKEN_GRID else {"TOKEN_GRID": False})),
            num_warps=num_warps or default_warps, num_stages=1)
     return s, h, weights, ids
 
