@@ -4,7 +4,8 @@ Times, as decode runs them (a CUDA graph of back-to-back calls, weights from HBM
   the per-pair MoE kernels (``triton_moe_decode``) over their configs: the gate/up pair kernel,
     the expert-by-expert down kernel and the tiled one (the k experts in one tile); every call
     picks another random set of experts, so the chosen experts' weights come from HBM;
-  the MoE block's norm + router: three kernels against the fused one over its tile and warps;
+  the MoE block's norm + router at each ``--tokens`` up to 32: three kernels against the fused one with a column
+    of programs a token and with one column (``triton_route.TOKEN_GRID``), and at one token over its tile and warps;
   the attention-side GEMVs (qkv, o, router) and the Llama-3-8B qkv and o with ``gemv_tuning.tune``;
   the experts' weight formats (bf16, fp8 row scales, fp8 128x128 block scales) at each ``--tokens``;
   the Mixtral-8x7B experts (``--mixtral``, off by default) with bf16 routing weights and with float32 ones, as
@@ -172,16 +173,18 @@ def mixtral_routing_dtype(tokens: int) -> None:
           f"{flops / loop / 1e6:6.1f} TFLOP/s; fused / loop = {times['bf16'] / loop:.3f}", flush=True)
 
 
-def router() -> None:
-    """The MoE block's norm and router at one token: the three kernels (add + RMSNorm, router GEMV,
-    router) against the fused kernel (``triton_route.add_rms_norm_route``) over its rows a program,
-    warps and top-k way (``triton_route.TOPK_WAYS``). Each call reads another layer's router (copies covering the L2), as decode does."""
+def router(tokens: int) -> None:
+    """The MoE block's norm and router at ``tokens`` tokens: the three kernels (add + RMSNorm, router GEMV,
+    router) against the fused kernel (``triton_route.add_rms_norm_route``) with a column of programs a token and
+    with one column taking the tokens in turn (``triton_route.TOKEN_GRID``), then, at one token, over its rows a
+    program, warps and top-k way (``triton_route.TOPK_WAYS``). Each call reads another layer's router (copies
+    covering the L2), as decode does."""
     from mxc.kernels import torch_ref, triton_norm, triton_route
     from mxc.kernels.context import ForwardContext
 
     sets = 16
-    a = [torch.randn(1, H, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
-    b = [torch.randn(1, H, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+    a = [torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+    b = [torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
     nw = torch.ones(H, device="cuda", dtype=torch.bfloat16)
     rws = [torch.randn(E, H, device="cuda", dtype=torch.bfloat16) * H ** -0.5 for _ in range(128)]  # 64 MB
     kw = dict(eps=1e-6, k=K, renormalize=True)
@@ -191,20 +194,30 @@ def router() -> None:
         s_, h = triton_norm.add_rms_norm(a[i % sets], b[i % sets], nw, 1e-6)
         return triton_route.route(triton_gemv.linear_small_m(h, rws[i % len(rws)]), K, renormalize=True)
 
-    print(f"router: add + RMSNorm, GEMV, router (3 kernels): {time_us(three):6.2f} us", flush=True)
-    ctx = ForwardContext([1], [0], [0])
+    print(f"router, {tokens} tokens: add + RMSNorm, GEMV, router (3 kernels): {time_us(three):6.2f} us", flush=True)
+    ctx = ForwardContext([1] * tokens, [0] * tokens, list(range(tokens)))
+
+    def fused(i, **tile):
+        return triton_route.add_rms_norm_route(a[i % sets], b[i % sets], nw, rws[i % len(rws)], ctx, **kw, **tile)
+
+    default = triton_route.TOKEN_GRID
+    for grid in (True, False):  # the A/B of the grid, in this call
+        triton_route.TOKEN_GRID = grid
+        try:
+            assert torch.equal(fused(0)[3], ref[3]), "other experts than the reference"
+            print(f"router, {tokens} tokens: fused, {'a column of programs a token' if grid else 'one column'}: "
+                  f"{time_us(fused):6.2f} us (PDL {time_us(fused, pdl=True):6.2f})", flush=True)
+        finally:
+            triton_route.TOKEN_GRID = default
+    if tokens > 1:
+        return
     for topk in triton_route.TOPK_WAYS:
         for rows in (1, 2, 4, 8):
             for warps in (1, 2, 4, 8):
                 tile = dict(rows=rows, num_warps=warps, topk=topk)
-
-                def fused(i, tile=tile):
-                    return triton_route.add_rms_norm_route(a[i % sets], b[i % sets], nw, rws[i % len(rws)], ctx,
-                                                           **kw, **tile)
                 try:
-                    got = triton_route.add_rms_norm_route(a[0], b[0], nw, rws[0], ctx, **kw, **tile)
-                    assert torch.equal(got[3], ref[3]), "other experts than the reference"
-                    t = time_us(fused)
+                    assert torch.equal(fused(0, **tile)[3], ref[3]), "other experts than the reference"
+                    t = time_us(lambda i, tile=tile: fused(i, **tile))
                 except Exception as e:  # out of resources
                     print(f"  skip {tile}: {type(e).__name__} {str(e)[:60]}")
                     continue
@@ -237,7 +250,11 @@ def main() -> None:
         for t in (int(x) for x in args.tokens.split(",")):
             moe_kernels(t)
     if "router" not in skip:
-        router()
+        from mxc.kernels.candidates import NORM_ROUTE_MAX_TOKENS
+
+        for t in (int(x) for x in args.tokens.split(",")):
+            if t <= NORM_ROUTE_MAX_TOKENS:  # the fused kernel's most tokens
+                router(t)
     if "gemv" not in skip:
         gemvs()
     if "scales" not in skip:
