@@ -40,7 +40,8 @@ WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 # cubins); 14: the fp8 experts' decode tile (row scales, up to 16 rows an expert: 256-element K steps) and the bf16
 # experts' prefill down GEMM on a tile of its own (``MoeConfig.DOWN``): older cuda MoE artifacts lack those cubins;
 # 15: the fused norm + router kernel on a (router rows, token) grid, each token routed by the last of its programs
-# (``triton_route.norm_route_kernel``: one argument fewer, so an older cuda MoE artifact's cubin would misread them)
+# (``triton_route.norm_route_kernel``: the same arguments and constexprs, so an older cuda MoE artifact's cubin, which
+# takes every token in each program, would be launched on the new grid)
 SCHEMA_VERSION = 15
 
 
