@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode import copy_bandwidth  # noqa: E402
+from moe_lab import time_us  # noqa: E402  (a CUDA graph of back-to-back calls, timed by do_bench)
 
 from mxc.kernels import moe_ref, triton_moe  # noqa: E402
 from mxc.kernels.triton_moe import MoeConfig  # noqa: E402
@@ -122,21 +123,6 @@ def _compile(job) -> list[str]:
     return failed
 
 
-def time_us(fn, calls: int) -> float:
-    from triton.testing import do_bench
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    return do_bench(g.replay, warmup=5, rep=60) * 1e3 / calls
-
-
 def weight_bytes(ids: torch.Tensor, h: int, i: int, weights: str) -> int:
     """The chosen experts' weight bytes (gate, up, down) that one call streams."""
     return ids.unique().numel() * 3 * h * i * (2 if weights == "bf16" else 1)
@@ -184,7 +170,7 @@ def sweep(shape: str, tokens_list: list[int], weights: str, jobs: int, against_p
             try:
                 err = (triton_moe.fused_moe(*args, **kw, config=cfg).float() - ref).abs().max().item()
                 assert err <= 2e-2 * ref.abs().max().item(), f"off by {err}"
-                us = time_us(lambda cfg=cfg: triton_moe.fused_moe(*args, **kw, config=cfg), calls)
+                us = time_us(lambda _, cfg=cfg: triton_moe.fused_moe(*args, **kw, config=cfg), calls)
             except Exception as ex_:  # noqa: BLE001
                 print(f"{tag}: skip {cfg}: {type(ex_).__name__} {str(ex_)[:80]}", flush=True)
                 continue

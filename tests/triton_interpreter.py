@@ -34,12 +34,11 @@ _patched = False
 
 def bf16_ok() -> bool:
     """Whether bf16 kernels give the GPU's results here: on a GPU, or in the interpreter once patched."""
-    import torch
-
     return torch.cuda.is_available() or _patched
 
 
 def patch_interpreter() -> None:
+    """Replace the interpreter's float conversion and dot with the GPU-faithful ones (module docstring)."""
     import triton.language as tl
     from triton._C.libtriton import ir
     from triton.runtime import interpreter

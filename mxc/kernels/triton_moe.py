@@ -51,14 +51,14 @@ GEMM's loads (no permuted copy of x), and the intermediate ``h`` is indexed by a
 consecutive blocks of one expert on one n-tile, which share the weight tile in L2.
 
 Versions: v1 (this file). The tiles live in ``mxc.kernels.moe_tiles``. The defaults in ``config_for`` are
-vLLM-style heuristics while experts get few rows (BLOCK_M 16; fp8 experts with row scales there step K by 256 elements: ``bench/moe_prefill_lab.py --decode``,
-docs/perf.md, sixty-sixth run) and, past 16 rows an expert, the tiles a sweep on an H100 found fastest
-(``bench/moe_prefill_lab.py``; docs/perf.md, sixty-fifth run). Measured in the step (one H200, Triton 3.6, Qwen3-30B-A3B
-shape, bf16, 2026-11-30, ``bench/moe.py``; docs/perf.md, fifth run): batch-64 decode 14.6 ms a step
-(about the bytes of the ~126 experts 64 tokens touch, at the copy rate), 11.6x Hugging Face eager; one MoE
-layer 547 / 1152 us at 64 / 2048 tokens against 30218 / 41477 for a per-expert loop. One or a few tokens
-take ``triton_moe_decode`` instead. Possible next steps, each to be measured: a sort that avoids the E x C
-scatter grid for large prefills; fusing the k-sum into GEMM 2.
+vLLM-style heuristics while experts get few rows (BLOCK_M 16; fp8 experts with row scales there step K by 256
+elements: ``bench/moe_prefill_lab.py --decode``, docs/perf.md, sixty-sixth run) and, past 16 rows an expert, the
+tiles a sweep on an H100 found fastest (``bench/moe_prefill_lab.py``; docs/perf.md, sixty-fifth run). Measured in
+the step (one H200, Triton 3.6, Qwen3-30B-A3B shape, bf16, 2026-11-30, ``bench/moe.py``; docs/perf.md, fifth
+run): batch-64 decode 14.6 ms a step (about the bytes of the ~126 experts 64 tokens touch, at the copy rate),
+11.6x Hugging Face eager; one MoE layer 547 / 1152 us at 64 / 2048 tokens against 30218 / 41477 for a per-expert
+loop. One or a few tokens take ``triton_moe_decode`` instead. Possible next steps, each to be measured: a sort
+that avoids the E x C scatter grid for large prefills; fusing the k-sum into GEMM 2.
 
 fp8 experts: w_gate_up / w_down in float8_e4m3fn with per-output-row fp32 scales
 ``s_gate_up [E, 2I]`` / ``s_down [E, H]``: weight tiles are widened to x's dtype after the load

@@ -1,7 +1,8 @@
 """The MoE prefill tile lab (bench/moe_prefill_lab.py) on the CPU: its candidates fit sm_90's shared memory and
 include the tiles config_for chose from it, ``previous`` is the heuristic config_for keeps where the sweep did not
 reach (up to 16 rows an expert, fp32), and its inputs run through fused_moe at the default tiles under the
-interpreter, every weight format, matching the reference. Its timings run on the GPU (``python bench/moe_prefill_lab.py``)."""
+interpreter, every weight format, matching the reference. Its timings run on the GPU
+(``python bench/moe_prefill_lab.py``)."""
 
 from __future__ import annotations
 

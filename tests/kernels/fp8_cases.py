@@ -4,7 +4,6 @@ shapes, the input generator, the tolerance check, the kernel-launch recorder and
 
 from __future__ import annotations
 
-
 import torch
 
 from mxc.kernels import fp8_ref

@@ -10,7 +10,6 @@ test_fp8_kernels.py.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
