@@ -17,7 +17,8 @@ move between machines by more than most changes, so a prefill choice is judged w
 per-kernel breakdown of it. ``--timeline a,b`` prints, for those variants, one layer's kernels as the PDL graph
 runs them (``profile_step.timeline_decode``: each kernel's start against the previous one's end, its span, and
 the time it adds to the step), and writes the raw kernel list to ``$OUT/timeline_<variant>.json`` on the device
-machine. Prints ms/step per round and the median per variant.
+machine. ``--batch 1,8`` times each batch size every round in the one artifact. Prints ms/step per round and the
+median per variant (and batch).
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def main() -> None:
                    help="build with --mlp-pair (variants may set mxc.kernels.cuda_ops.MLP_PAIR=False for the chain)")
     p.add_argument("--variant", action="append", default=[], help="name=module.attr=value,... (repeatable)")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batch", default="1", help="decode batch sizes, comma-separated (each timed every round in one artifact; --profile and --timeline take the first)")
     p.add_argument("--bf16", action="store_true", help="also time the bf16 artifact (for the fp8 / bf16 ratio)")
     p.add_argument("--profile", default="", help="variant to print a per-kernel breakdown of (plain launches)")
     p.add_argument("--timeline", default="", help="variants (comma-separated) to print one layer's kernel timeline "
@@ -112,6 +113,12 @@ def main() -> None:
     p.add_argument("--profile-prefill", action="store_true",
                    help="with --prefill: a per-kernel breakdown of the prefill under each variant (plain launches)")
     args = p.parse_args()
+    try:
+        batches = [int(b) for b in args.batch.split(",")]
+        if not batches or min(batches) < 1:
+            raise ValueError(args.batch)
+    except ValueError:
+        p.error(f"--batch {args.batch}: expected positive integers, comma-separated (1 or 1,8)")
     try:
         variants = [parse_variant(v) for v in args.variant] or [("default", [])]
         for _, patches in variants:
@@ -128,7 +135,7 @@ def main() -> None:
         p.error(f"--timeline {unknown[0]}: not one of the variants {sorted(dict(variants))}")
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    common = dict(config=args.config, target="cuda", dtype="bfloat16", max_batch=max(8, args.batch),
+    common = dict(config=args.config, target="cuda", dtype="bfloat16", max_batch=max(8, *batches),
                   max_seq_len=max(2049, args.prefill + 1), progress=False)
     out = Path(args.out)
     t0 = time.perf_counter()
@@ -139,34 +146,36 @@ def main() -> None:
     model = mxc.load(out, device="cuda", verify=False)
     nbytes, _ = weight_bytes(json.loads((out / "manifest.json").read_text()), out)
     gen = lambda ids, new: model.generate(ids, max_new_tokens=new)  # noqa: E731
-    times = {name: [] for name, _ in variants}
+    times = {(name, b): [] for name, _ in variants for b in batches}
     prefills = {name: [] for name, _ in variants}
     prompt = torch.randint(0, 1000, (1, args.prefill))
     for r in range(args.rounds):
-        for name, patches in variants:
-            model._decoder.drop_graphs()
-            with patched(patches):
-                step = float("nan") if args.prefill_only else bench_generate(gen, args.batch, 128, 128)
-                pre = (cuda_time(lambda: model.generate(prompt, max_new_tokens=1), reps=args.prefill_reps)
-                       if args.prefill else None)
-            times[name].append(step)
-            if pre is not None:
-                prefills[name].append(pre)
-            print(f"round {r} {name:12s} {step * 1e3:.3f} ms/step  {nbytes / step / bw * 100:.0f}% of copy BW"
-                  + (f"  prefill {args.prefill}: {pre * 1e3:.2f} ms" if pre is not None else ""), flush=True)
+        for b in batches:
+            for name, patches in variants:
+                model._decoder.drop_graphs()
+                with patched(patches):
+                    step = float("nan") if args.prefill_only else bench_generate(gen, b, 128, 128)
+                    pre = (cuda_time(lambda: model.generate(prompt, max_new_tokens=1), reps=args.prefill_reps)
+                           if args.prefill and b == batches[0] else None)
+                times[name, b].append(step)
+                if pre is not None:
+                    prefills[name].append(pre)
+                print(f"round {r} {label(name, b, batches):16s} {step * 1e3:.3f} ms/step  "
+                      f"{nbytes / step / bw * 100:.0f}% of copy BW"
+                      + (f"  prefill {args.prefill}: {pre * 1e3:.2f} ms" if pre is not None else ""), flush=True)
     if args.profile:
         from profile_step import profile_decode
 
         model._decoder.drop_graphs()
         with patched(dict(variants)[args.profile]):
-            print(f"\nper-kernel breakdown, {args.profile}:\n" + profile_decode(model, batch=args.batch), flush=True)
+            print(f"\nper-kernel breakdown, {args.profile}:\n" + profile_decode(model, batch=batches[0]), flush=True)
     for name in [t for t in args.timeline.split(",") if t]:
         from profile_step import timeline_decode
 
         model._decoder.drop_graphs()
         with patched(dict(variants)[name]):
             print(f"\none layer's kernels as run (PDL graph), {name}:\n" + timeline_decode(
-                model, batch=args.batch, dump=f"{os.environ['OUT']}/timeline_{name}.json" if "OUT" in os.environ else None),
+                model, batch=batches[0], dump=f"{os.environ['OUT']}/timeline_{name}.json" if "OUT" in os.environ else None),
                   flush=True)
     if args.profile_prefill:
         from profile_step import profile_prefill
@@ -175,8 +184,8 @@ def main() -> None:
             with patched(patches):
                 print(f"\nper-kernel breakdown of a {args.prefill}-token prefill (plain launches), {name}:\n"
                       + profile_prefill(model, args.prefill), flush=True)
-    med = {name: statistics.median(ts) for name, ts in times.items()}
-    bf16 = None
+    med = {key: statistics.median(ts) for key, ts in times.items()}
+    bf16_by = {}
     if args.bf16:
         del model
         torch.cuda.empty_cache()
@@ -184,25 +193,31 @@ def main() -> None:
             mxc.build("llama.yaml", out=f"{out}-bf16", **common)
         model = mxc.load(f"{out}-bf16", device="cuda", verify=False)
         gen = lambda ids, new: model.generate(ids, max_new_tokens=new)  # noqa: E731
-        bf16_times = {name: [] for name, _ in variants}
+        bf16_times = {key: [] for key in times}
         for _ in range(args.rounds):
-            for name, patches in variants:  # each variant's bf16 step too: a runtime choice changes both
-                model._decoder.drop_graphs()
-                with patched(patches):
-                    bf16_times[name].append(bench_generate(gen, args.batch, 128, 128))
-        bf16_by = {name: statistics.median(ts) for name, ts in bf16_times.items()}
-        bf16 = bf16_by[variants[0][0]]
+            for b in batches:
+                for name, patches in variants:  # each variant's bf16 step too: a runtime choice changes both
+                    model._decoder.drop_graphs()
+                    with patched(patches):
+                        bf16_times[name, b].append(bench_generate(gen, b, 128, 128))
+        bf16_by = {key: statistics.median(ts) for key, ts in bf16_times.items()}
     print()
-    for name, m in med.items():
-        ratio = f"  bf16 {bf16_by[name] * 1e3:.3f} ms, bf16 / this {bf16_by[name] / m:.2f}x" if bf16 else ""
-        print(f"{name:12s} median {m * 1e3:.3f} ms/step (rounds: {', '.join(f'{t * 1e3:.3f}' for t in times[name])})"
-              f"{ratio}")
-        if prefills[name]:
-            print(f"{'':12s} prefill {args.prefill}: median {statistics.median(prefills[name]) * 1e3:.2f} ms "
+    for (name, b), m in med.items():
+        ratio = (f"  bf16 {bf16_by[name, b] * 1e3:.3f} ms, bf16 / this {bf16_by[name, b] / m:.2f}x"
+                 if bf16_by else "")
+        print(f"{label(name, b, batches):16s} median {m * 1e3:.3f} ms/step "
+              f"(rounds: {', '.join(f'{t * 1e3:.3f}' for t in times[name, b])}){ratio}")
+        if prefills[name] and b == batches[0]:
+            print(f"{'':16s} prefill {args.prefill}: median {statistics.median(prefills[name]) * 1e3:.2f} ms "
                   f"(rounds: {', '.join(f'{t * 1e3:.2f}' for t in prefills[name])})")
-    if bf16:
-        print(f"{'bf16':12s} median {bf16 * 1e3:.3f} ms/step ({variants[0][0]})")
+    for b in batches if bf16_by else []:
+        print(f"{label('bf16', b, batches):16s} median {bf16_by[variants[0][0], b] * 1e3:.3f} ms/step "
+              f"({variants[0][0]})")
 
+
+def label(name: str, batch: int, batches: list[int]) -> str:
+    """A variant's name in the printout, with its batch where several are timed."""
+    return name if len(batches) == 1 else f"{name} b{batch}"
 
 if __name__ == "__main__":
     main()
