@@ -16,7 +16,8 @@
 #   moe     Qwen3-30B-A3B shape: batch 1 vs floor, batch 64 vs HF eager, fused vs per-expert loop
 #   moelab  the Qwen3-30B-A3B batch-1 kernels one by one (pair-MoE configs, the fused norm + router,
 #           attention-side GEMVs; MOELAB_ARGS="--skip moe,gemv" for the router alone; MOELAB_ARGS="--skip
-#           moe,gemv,scales --tokens 1,8,32" for the router's grid A/B at batched decode)
+#           moe,gemv,scales --tokens 1,8,16,24,32" for the fused router against the three kernels at batched
+#           decode: where candidates.NORM_ROUTE_MAX_TOKENS belongs)
 #   moeprefill the sorted fused MoE's prefill tiles (bench/moe_prefill_lab.py): config_for's choice against the
 #           heuristic before the sixty-fifth run's sweep, Qwen3-30B-A3B and Mixtral-8x7B experts, bf16 and fp8
 #           (MOEPREFILL_ARGS="--tokens 2048" for the whole sweep at one size; ~1 minute a shape and format)

@@ -4,8 +4,8 @@ Times, as decode runs them (a CUDA graph of back-to-back calls, weights from HBM
   the per-pair MoE kernels (``triton_moe_decode``) over their configs: the gate/up pair kernel,
     the expert-by-expert down kernel and the tiled one (the k experts in one tile); every call
     picks another random set of experts, so the chosen experts' weights come from HBM;
-  the MoE block's norm + router at each ``--tokens`` up to 32: three kernels against the fused one with a column
-    of programs a token and with one column (``triton_route.TOKEN_GRID``), and at one token over its tile and warps;
+  the MoE block's norm + router at each ``--tokens`` up to 32: three kernels against the fused one (the build takes
+    it to ``candidates.NORM_ROUTE_MAX_TOKENS``), and at one token over its tile and warps;
   the attention-side GEMVs (qkv, o, router) and the Llama-3-8B qkv and o with ``gemv_tuning.tune``;
   the experts' weight formats (bf16, fp8 row scales, fp8 128x128 block scales) at each ``--tokens``;
   the Mixtral-8x7B experts (``--mixtral``, off by default) with bf16 routing weights and with float32 ones, as
@@ -175,10 +175,9 @@ def mixtral_routing_dtype(tokens: int) -> None:
 
 def router(tokens: int) -> None:
     """The MoE block's norm and router at ``tokens`` tokens: the three kernels (add + RMSNorm, router GEMV,
-    router) against the fused kernel (``triton_route.add_rms_norm_route``) with a column of programs a token and
-    with one column taking the tokens in turn (``triton_route.TOKEN_GRID``), then, at one token, over its rows a
-    program, warps and top-k way (``triton_route.TOPK_WAYS``). Each call reads another layer's router (copies
-    covering the L2), as decode does."""
+    router) against the fused kernel (``triton_route.add_rms_norm_route``), plain and with PDL, then, at one token,
+    over its rows a program, warps and top-k way (``triton_route.TOPK_WAYS``). Each call reads another layer's
+    router (copies covering the L2), as decode does."""
     from mxc.kernels import torch_ref, triton_norm, triton_route
     from mxc.kernels.context import ForwardContext
 
@@ -200,17 +199,8 @@ def router(tokens: int) -> None:
     def fused(i, **tile):
         return triton_route.add_rms_norm_route(a[i % sets], b[i % sets], nw, rws[i % len(rws)], ctx, **kw, **tile)
 
-    default, outs = triton_route.TOKEN_GRID, []
-    for grid in (True, False):  # the A/B of the grid, in this call
-        triton_route.TOKEN_GRID = grid
-        try:
-            outs.append(fused(0))
-            check_route(outs[-1], ref)
-            assert all(map(torch.equal, outs[-1], outs[0])), "the two grids' outputs differ"
-            print(f"router, {tokens} tokens: fused, {'a column of programs a token' if grid else 'one column'}: "
-                  f"{time_us(fused):6.2f} us (PDL {time_us(fused, pdl=True):6.2f})", flush=True)
-        finally:
-            triton_route.TOKEN_GRID = default
+    check_route(fused(0), ref)
+    print(f"router, {tokens} tokens: fused: {time_us(fused):6.2f} us (PDL {time_us(fused, pdl=True):6.2f})", flush=True)
     if tokens > 1:
         return
     for topk in triton_route.TOPK_WAYS:
@@ -262,10 +252,10 @@ def main() -> None:
         for t in (int(x) for x in args.tokens.split(",")):
             moe_kernels(t)
     if "router" not in skip:
-        from mxc.kernels.candidates import NORM_ROUTE_MAX_TOKENS
+        from mxc.kernels.triton_route import NORM_ROUTE_TOKENS
 
         for t in (int(x) for x in args.tokens.split(",")):
-            if t <= NORM_ROUTE_MAX_TOKENS:  # the fused kernel's most tokens
+            if t <= NORM_ROUTE_TOKENS:  # the fused kernel's most tokens
                 router(t)
     if "gemv" not in skip:
         gemvs()

@@ -41,8 +41,10 @@ WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 # experts' prefill down GEMM on a tile of its own (``MoeConfig.DOWN``): older cuda MoE artifacts lack those cubins;
 # 15: the fused norm + router kernel on a (router rows, token) grid, each token routed by the last of its programs
 # (``triton_route.norm_route_kernel``: the same arguments and constexprs, so an older cuda MoE artifact's cubin, which
-# takes every token in each program, would be launched on the new grid)
-SCHEMA_VERSION = 15
+# takes every token in each program, would be launched on the new grid); 16: the fused norm + router kernel without
+# its one-column grid (``triton_route.norm_route_kernel``: arguments T and TOKEN_GRID gone, so an older cuda MoE
+# artifact's cubin takes other arguments), and sent at most 16 tokens (``candidates.NORM_ROUTE_MAX_TOKENS``, was 32)
+SCHEMA_VERSION = 16
 
 
 def safetensors_header(path: Path) -> tuple[int, dict]:

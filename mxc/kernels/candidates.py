@@ -130,7 +130,10 @@ def _route_ok(node, in_types, options):
     return _dtype_ok(node, in_types, options)
 
 
-NORM_ROUTE_MAX_TOKENS = 32  # the fused norm + router kernel's token counts (every program normalises every row)
+# the fused norm + router kernel's token counts: each token's programs read the whole router, so past ~20 tokens the
+# three kernels (one cuBLAS GEMM reading it once) win. Qwen3-30B-A3B's router on an H100 (bench/moe_lab.py, 2026-12-06):
+# fused 7.7 / 8.3 / 8.8 / 10.5 / 11.9 us at 12 / 16 / 20 / 24 / 32 tokens against 9.0 / 9.2 / 9.9 / 9.8 / 9.9
+NORM_ROUTE_MAX_TOKENS = 16
 
 
 def _norm_route_ok(node, in_types, options):

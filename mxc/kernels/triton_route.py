@@ -10,14 +10,16 @@ stays in registers, and the top k come out of one bitonic top-k over keys that p
 its reversed expert id (``TOPK``; or k rounds of (max, lowest index holding it, mask)). Ties go to the
 lower expert id (``torch.topk`` leaves their order unspecified).
 
-``add_rms_norm_route`` (decode, <= 32 tokens; the ``fuse_norm_route`` pass) also takes the three
-kernels before it: the residual add, the RMSNorm and the router GEMV. Its grid is a column of programs
-a token. Each program reads ROWS router rows (before its PDL wait: weights), normalises its token's
+``add_rms_norm_route`` (decode at up to ``candidates.NORM_ROUTE_MAX_TOKENS`` = 16 tokens; the ``fuse_norm_route``
+pass) also takes the three kernels before it: the residual add, the RMSNorm and the router GEMV. Its grid is a
+column of programs a token. Each program reads ROWS router rows (before its PDL wait: weights), normalises its token's
 row itself (H values: cheap next to the router's E x H), writes its ROWS logits, and the last of
 the token's programs to finish (an atomic count a token, left at 0 for the next call) routes the
 token from the logits the others wrote. Each column's program 0 also writes the token's residual
-sum and normalised row, which the experts read. (``TOKEN_GRID`` False: one column takes the tokens
-in turn, the kernel before 2026-12-06, which is slow past one token.) On the Qwen3-30B-A3B
+sum and normalised row, which the experts read. Until 2026-12-06 one column of programs took the
+tokens in turn and its last program routed them all: at 8 tokens 18.9 us a call against 6.1 now, and the
+Qwen3-30B-A3B fp8 step at batch 8 6.94 ms against 6.30 (batch 1 2.21 against 2.20; one H100,
+``bench/moe_lab.py`` and ``bench/decode_ab.py``, docs/perf.md "sixty-eighth run"). On the Qwen3-30B-A3B
 shape at batch 1 (H200, 2026-11-30) it took 5.8 us a layer at 2 rows and 8 warps a program against
 ~6.8 us for the three kernels, and the step went from 2.73 to 2.65 ms; one row a program took 5.35 us
 in ``bench/moe_lab.py`` with the rounds at one warp, and 4.67 us with the bitonic top-k at two (the
@@ -31,11 +33,13 @@ import torch
 import triton
 import triton.language as tl
 
-from mxc.kernels.candidates import NORM_ROUTE_MAX_TOKENS
 from mxc.kernels.launch import cdiv, launch, next_pow2
 from mxc.kernels.pdl import pdl_enter, reads_before_wait
 
 MAX_EXPERTS = 1024
+# the most tokens the fused norm + router takes (its counts' length); builds send it at most
+# ``candidates.NORM_ROUTE_MAX_TOKENS``, past which the three kernels are faster, and bench/moe_lab.py times it to here
+NORM_ROUTE_TOKENS = 32
 TOPK_WAYS = ("rounds", "packed", "bitonic")
 # How the routers take the top k (``_route_row``): "rounds" (two reductions a round), "packed" (one) or
 # "bitonic" (``tl.topk`` over the packed keys). A/B knob, read at launch. Bitonic, with two warps a program
@@ -43,12 +47,6 @@ TOPK_WAYS = ("rounds", "packed", "bitonic")
 # five interleaved rounds 0.02 ms apart (one H200, 2026-12-03, ``bench/decode_ab.py``); the fused router added
 # 3.58 us a layer instead of 4.10. At one warp bitonic took 2.539.
 TOPK = "bitonic"
-# The fused norm + router's grid (``norm_route_kernel``): a column of programs a token, each token routed by the last
-# of its own programs (True), or one column taking the tokens in turn and its last program routing them all (False,
-# the kernel before 2026-12-06). A/B knob, read at launch. At batch 8 the one column took 18.2 us a layer of a 7.45 ms
-# Qwen3-30B-A3B fp8 step (one H100, 2026-12-06, plain launches: docs/perf.md, sixty-seventh run), against about 4.7
-# at batch 1: the tokens ran one after another twice. Each token's work on its own programs is unmeasured yet.
-TOKEN_GRID = True
 
 
 @triton.jit
@@ -124,21 +122,13 @@ def route_kernel(logits_ptr, weights_ptr, ids_ptr, E: tl.constexpr, K: tl.conste
 @reads_before_wait("router_w_ptr", "norm_w_ptr")
 @triton.jit
 def norm_route_kernel(a_ptr, b_ptr, norm_w_ptr, router_w_ptr, s_ptr, h_ptr, logits_ptr, weights_ptr, ids_ptr,
-                      count_ptr, T, eps, H: tl.constexpr, BLOCK_H: tl.constexpr, E: tl.constexpr,
+                      count_ptr, eps, H: tl.constexpr, BLOCK_H: tl.constexpr, E: tl.constexpr,
                       ROWS: tl.constexpr, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                       SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, PACKED: tl.constexpr = False,
-                      USE_PDL: tl.constexpr = False, BITONIC: tl.constexpr = False,
-                      TOKEN_GRID: tl.constexpr = True):
-    """Program (p, t): router rows [p * ROWS, +ROWS) for token t; the last of token t's programs routes it. Without
-    ``TOKEN_GRID`` (a grid of one token column), program p takes every token in turn and the last program routes
-    them all."""
+                      USE_PDL: tl.constexpr = False, BITONIC: tl.constexpr = False):
+    """Program (p, t): router rows [p * ROWS, +ROWS) for token t; the last of token t's programs routes it."""
     pid = tl.program_id(0)
-    if TOKEN_GRID:
-        t0 = tl.program_id(1)
-        t1 = t0 + 1
-    else:
-        t0 = 0
-        t1 = T
+    t = tl.program_id(1)
     offs_h = tl.arange(0, BLOCK_H)
     h_ok = offs_h < H
     rows = pid * ROWS + tl.arange(0, ROWS)
@@ -149,29 +139,27 @@ def norm_route_kernel(a_ptr, b_ptr, norm_w_ptr, router_w_ptr, s_ptr, h_ptr, logi
     nw = tl.load(norm_w_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32)
     pdl_enter(USE_PDL)
     ty = s_ptr.dtype.element_ty
-    for t in range(t0, t1):
-        row = t * H  # T <= 32 rows of H <= 8192: int32 offsets
-        a = tl.load(a_ptr + row + offs_h, mask=h_ok, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + row + offs_h, mask=h_ok, other=0.0).to(tl.float32)
-        s = (a + b).to(ty)  # torch_ref.add_rms_norm: the sum rounded, then normalised
-        x = s.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
-        h = ((x * rstd).to(ty).to(tl.float32) * nw).to(ty)  # rounded before the weight, as HF
-        if pid == 0:
-            tl.store(s_ptr + row + offs_h, s, mask=h_ok)
-            tl.store(h_ptr + row + offs_h, h, mask=h_ok)
-        logit = tl.sum(wr * h.to(tl.float32)[None, :], axis=1)  # the router linear, rounded to the dtype
-        tl.store(logits_ptr + t * E + rows, logit.to(ty), mask=rows_ok)
-    # release: this program's logits are visible to whichever program counts last for its tokens (Triton puts a
+    row = t * H  # T <= 32 rows of H <= 8192: int32 offsets
+    a = tl.load(a_ptr + row + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + row + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+    s = (a + b).to(ty)  # torch_ref.add_rms_norm: the sum rounded, then normalised
+    x = s.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
+    h = ((x * rstd).to(ty).to(tl.float32) * nw).to(ty)  # rounded before the weight, as HF
+    if pid == 0:
+        tl.store(s_ptr + row + offs_h, s, mask=h_ok)
+        tl.store(h_ptr + row + offs_h, h, mask=h_ok)
+    logit = tl.sum(wr * h.to(tl.float32)[None, :], axis=1)  # the router linear, rounded to the dtype
+    tl.store(logits_ptr + t * E + rows, logit.to(ty), mask=rows_ok)
+    # release: this program's logits are visible to whichever of the token's programs counts last (Triton puts a
     # barrier before a scalar atomic: every warp's stores are in; checked in the sm_90 PTX, 3.6 and 3.9)
-    done = tl.atomic_add(count_ptr + t0, 1, sem="acq_rel")
+    done = tl.atomic_add(count_ptr + t, 1, sem="acq_rel")
     if done == tl.num_programs(0) - 1:
         offs_e = tl.arange(0, BLOCK_E)
-        for t in range(t0, t1):
-            lt = tl.load(logits_ptr + t * E + offs_e, mask=offs_e < E, other=float("-inf"), volatile=True)
-            _route_row(lt.to(tl.float32), weights_ptr, ids_ptr, t, E, K, BLOCK_E, BLOCK_K, SIGMOID,
-                       RENORMALIZE, PACKED, BITONIC)
-        tl.store(count_ptr + t0, 0)  # for the next call (the next kernel's count starts after this one ends)
+        lt = tl.load(logits_ptr + t * E + offs_e, mask=offs_e < E, other=float("-inf"), volatile=True)
+        _route_row(lt.to(tl.float32), weights_ptr, ids_ptr, t, E, K, BLOCK_E, BLOCK_K, SIGMOID,
+                   RENORMALIZE, PACKED, BITONIC)
+        tl.store(count_ptr + t, 0)  # for the next call (the next kernel's count starts after this one ends)
 
 
 def _config(H: int) -> tuple[int, int]:
@@ -198,8 +186,8 @@ def add_rms_norm_route(a: torch.Tensor, b: torch.Tensor, norm_weight: torch.Tens
                        fp32_weights: bool = False, rows: int | None = None, num_warps: int | None = None,
                        topk: str | None = None):
     """``s = a + b``, ``h = rms_norm(s, norm_weight)``, then ``route(linear(h, router_weight), k, ...)`` in one
-    kernel, for 1..32 tokens: returns ``(s, h, weights, ids)`` as ``torch_ref.add_rms_norm_route`` (the weights
-    in a's dtype, or in fp32 with ``fp32_weights``).
+    kernel, for 1..NORM_ROUTE_TOKENS (32) tokens: returns ``(s, h, weights, ids)`` as
+    ``torch_ref.add_rms_norm_route`` (the weights in a's dtype, or in fp32 with ``fp32_weights``).
 
     ``ctx`` (a ``ForwardContext``) keeps the kernel's counter (``counters``), shared by every layer of
     a call; without one it is allocated per call. ``rows`` (router rows a program, a power of two),
@@ -207,7 +195,7 @@ def add_rms_norm_route(a: torch.Tensor, b: torch.Tensor, norm_weight: torch.Tens
     (``bench/moe_lab.py`` times them). Runs on ``meta`` tensors too."""
     T, H = a.shape
     E = router_weight.shape[0]
-    assert 1 <= T <= NORM_ROUTE_MAX_TOKENS, f"add_rms_norm_route: 1..{NORM_ROUTE_MAX_TOKENS} tokens, got {T}"
+    assert 1 <= T <= NORM_ROUTE_TOKENS, f"add_rms_norm_route: 1..{NORM_ROUTE_TOKENS} tokens, got {T}"
     assert b.shape == a.shape and b.dtype == a.dtype and a.is_contiguous() and b.is_contiguous(), \
         "add_rms_norm_route: a and b must be contiguous, of one shape and dtype"
     assert norm_weight.shape == (H,) and router_weight.shape == (E, H) and router_weight.is_contiguous(), \
@@ -218,7 +206,7 @@ def add_rms_norm_route(a: torch.Tensor, b: torch.Tensor, norm_weight: torch.Tens
         raise ValueError(f"scoring must be softmax or sigmoid, got {scoring!r}")
     # one count a token; always the most tokens' worth, so that no batch's call replaces the tensor that a CUDA graph
     # captured at another batch holds
-    count = ctx.counters("route", NORM_ROUTE_MAX_TOKENS, a.device) if ctx is not None else \
+    count = ctx.counters("route", NORM_ROUTE_TOKENS, a.device) if ctx is not None else \
         torch.zeros(T, dtype=torch.int32, device=a.device)
     s, h = torch.empty_like(a), torch.empty_like(a)
     logits = torch.empty((T, E), dtype=a.dtype, device=a.device)
@@ -226,11 +214,11 @@ def add_rms_norm_route(a: torch.Tensor, b: torch.Tensor, norm_weight: torch.Tens
     ids = torch.empty((T, k), dtype=torch.int64, device=a.device)
     default_rows, default_warps = _config(H)
     rows = rows or default_rows
-    launch(norm_route_kernel, (cdiv(E, rows), T if TOKEN_GRID else 1),
-           [a, b, norm_weight, router_weight, s, h, logits, weights, ids, count, T, float(eps)],
+    launch(norm_route_kernel, (cdiv(E, rows), T),
+           [a, b, norm_weight, router_weight, s, h, logits, weights, ids, count, float(eps)],
            dict(H=H, BLOCK_H=next_pow2(H), E=E, ROWS=rows, K=k, BLOCK_E=next_pow2(E),
                 BLOCK_K=next_pow2(k), SIGMOID=scoring == "sigmoid", RENORMALIZE=bool(renormalize),
-                **_topk_constexprs(topk), **({} if TOKEN_GRID else {"TOKEN_GRID": False})),
+                **_topk_constexprs(topk)),
            num_warps=num_warps or default_warps, num_stages=1)
     return s, h, weights, ids
 
