@@ -26,6 +26,7 @@ recorded on ``meta`` tensors, compiled ahead of time and replayed in a CUDA grap
       the program of (c, e) places chunk c's assignments of expert e at ``starts[e]`` + the
       counts of e in chunks before c + their rank in the chunk (``tl.cumsum`` of the match
       mask). Groups are in ascending assignment order: the result is deterministic.
+   With ``ONE_CHUNK_SORT`` and T*k <= CHUNK, ``_moe_align_one_chunk_kernel`` (one program) does all three.
 2. ``_moe_gemm1_kernel`` (grid (P / BLOCK_M, cdiv(I, BLOCK_N))): per block, gather the x rows
    of its assignments (row ``a // k``), ``tl.dot`` them against the gate and the up rows of the
    block's expert (two fp32 accumulators, one pass over H), then ``silu(gate) * up`` with the
@@ -92,6 +93,11 @@ FP8 = torch.float8_e4m3fn
 # and chunk counts summed per step by the scatter kernel (module names so tests can shrink them)
 _OFFSETS_TILE_ELEMS = 8192
 _SCATTER_C_TILE = 64
+# Assignments that fit one chunk (T * k <= CHUNK: decode batches up to 128 tokens at k = 8) sorted by one program,
+# ``_moe_align_one_chunk_kernel``, instead of the count, offsets and scatter kernels: at batch 8 those took 1.3,
+# 3.5 and 1.5 us a layer (Qwen3-30B-A3B fp8, one H100, plain launches, 2026-12-06). A/B knob, read at launch;
+# off until the step is measured.
+ONE_CHUNK_SORT = False
 
 __all__ = ["MoeConfig", "config_for", "heuristic_config", "token_bucket", "padded_size", "moe_align", "fused_moe"]
 
@@ -169,6 +175,42 @@ def _moe_scatter_kernel(ids_ptr, counts_ptr, starts_ptr, sorted_ptr, numel,
     hit = ids == e
     slot = base + tl.cumsum(hit.to(tl.int32), 0) - 1
     tl.store(sorted_ptr + slot, offs, mask=hit)
+
+
+@triton.jit
+def _moe_align_one_chunk_kernel(ids_ptr, sorted_ptr, expert_ptr, ntpp_ptr, delta_ptr, numel, P,
+                                E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                                CHUNK: tl.constexpr, B_TILE: tl.constexpr, USE_PDL: tl.constexpr = False):
+    """One program, numel <= CHUNK: the three sort kernels' results at once. The histogram, the padded starts,
+    ``ntpp`` and ``expert_of_block`` as the offsets kernel makes them; then the assignments sorted by (expert,
+    index) (``tl.sort`` of CHUNK keys), the one at sorted position i of expert e going to slot i + ``delta[e]``
+    (its padded start less the unpadded one, through ``delta_ptr``: a gather needs memory)."""
+    pdl_enter(USE_PDL)
+    offs = tl.arange(0, CHUNK)
+    for p0 in range(0, P, CHUNK):  # the sentinel everywhere first; the barrier below orders the scatter after
+        tl.store(sorted_ptr + p0 + offs, tl.zeros((CHUNK,), dtype=tl.int32) + numel, mask=p0 + offs < P)
+    ids = tl.load(ids_ptr + offs, mask=offs < numel, other=E)
+    bins = tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32)  # E: the discard bin (E_PAD > E)
+    offs_e = tl.arange(0, E_PAD)
+    e_ok = offs_e < E
+    totals = tl.where(e_ok, tl.histogram(bins, E_PAD), 0)
+    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    ntpp = tl.sum(padded, axis=0)
+    tl.store(delta_ptr + offs_e, ends - padded - (tl.cumsum(totals, 0) - totals), mask=e_ok)
+    tl.store(ntpp_ptr, ntpp)
+    n_blocks = P // BLOCK_M
+    for b0 in range(0, n_blocks, B_TILE):
+        offs_b = b0 + tl.arange(0, B_TILE)
+        first = offs_b * BLOCK_M
+        expert = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), axis=1)
+        tl.store(expert_ptr + offs_b, tl.where(first < ntpp, expert, -1), mask=offs_b < n_blocks)
+    tl.debug_barrier()  # every thread's sentinels and deltas are in
+    keys = tl.sort(bins * CHUNK + offs)  # < (E + 1) * CHUNK <= 1025 * 1024: int32
+    e = keys // CHUNK
+    hit = e < E
+    delta = tl.load(delta_ptr + e, mask=hit, other=0)
+    tl.store(sorted_ptr + offs + delta, keys % CHUNK, mask=hit)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -396,6 +438,11 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int, *, chunk: int =
     counts = torch.empty((n_chunks, num_experts), dtype=torch.int32, device=dev)
     starts = torch.empty(num_experts, dtype=torch.int32, device=dev)
     e_pad = next_pow2(num_experts + 1)  # room for the discard bin
+    if n_chunks == 1 and ONE_CHUNK_SORT:
+        launch(_moe_align_one_chunk_kernel, (1,), [ids, sorted_ids, expert_of_block, ntpp, starts, numel, P],
+               dict(E=num_experts, E_PAD=e_pad, BLOCK_M=block_m, CHUNK=chunk,
+                    B_TILE=max(1, _OFFSETS_TILE_ELEMS // e_pad)), num_warps=4)
+        return sorted_ids, expert_of_block, ntpp
     launch(_moe_count_kernel, (cdiv(P, chunk),), [ids, counts, sorted_ids, numel, P],
            dict(E=num_experts, E_PAD=e_pad, CHUNK=chunk), num_warps=4)
     launch(_moe_offsets_kernel, (1,), [counts, starts, expert_of_block, ntpp, numel, P],

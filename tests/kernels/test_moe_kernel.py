@@ -129,6 +129,42 @@ def test_moe_align_tile_loops(monkeypatch):
     _check_align(_random_ids(40, 2, 3, g), 3, 4, 16)  # 5 chunks, 23 blocks
 
 
+@pytest.mark.parametrize("T,k,E,block_m,chunk", [
+    (1, 1, 4, 16, 1024), (1, 2, 8, 16, 16), (8, 2, 4, 16, 16), (7, 2, 8, 4, 16), (33, 3, 5, 8, 128),
+    (7, 8, 64, 16, 64), (40, 4, 16, 4, 256), (8, 8, 128, 16, 64),
+])
+def test_moe_align_one_chunk(T, k, E, block_m, chunk, monkeypatch):
+    """``ONE_CHUNK_SORT``: assignments that fit one chunk are sorted by one program with the same results (the
+    invariants, every group in ascending order). P (up to 360) spans several chunks of sentinels."""
+    monkeypatch.setattr(tm, "ONE_CHUNK_SORT", True)
+    names = []
+    real = tm.launch
+    monkeypatch.setattr(tm, "launch", lambda kernel, *a, **kw: (names.append(kernel.fn.__name__),
+                                                                 real(kernel, *a, **kw)))
+    g = torch.Generator().manual_seed(T * 10 + k)
+    _check_align(_random_ids(T, k, E, g), E, block_m, chunk)
+    assert names == ["_moe_align_one_chunk_kernel"]
+    names.clear()
+    ids = torch.full((T, k), E - 1, dtype=torch.int64)  # every assignment on the last expert
+    ids[0, 0] = -1  # and one dropped
+    _check_align(ids, E, block_m, chunk)
+    from tests.kernels.guarded import guarded
+
+    with guarded():  # writes only inside its tensors
+        _check_align(_random_ids(T, k, E, g), E, block_m, chunk)
+
+
+def test_moe_align_one_chunk_only_where_it_fits(monkeypatch):
+    """Past one chunk of assignments the three kernels run, knob or not."""
+    monkeypatch.setattr(tm, "ONE_CHUNK_SORT", True)
+    names = []
+    with launch_mod.using(lambda kernel, grid, *a: names.append(kernel.fn.__name__)):
+        for T in (2, 3):  # 16 and 24 assignments, chunks of 16
+            tm.moe_align(torch.zeros((T, 8), dtype=torch.int64, device="meta"), 8, 16, chunk=16)
+    assert names == ["_moe_align_one_chunk_kernel", "_moe_count_kernel", "_moe_offsets_kernel",
+                     "_moe_scatter_kernel"]
+
+
 def test_moe_align_degenerate():
     # all tokens on one expert (two blocks of it), the other experts empty
     _check_align(torch.full((20, 1), 2, dtype=torch.int64), 4, 16, 16)
@@ -476,6 +512,10 @@ _COMPILE_SCRIPT = textwrap.dedent("""
              # fp8 experts' decode tile (256-element K steps) at 16 rows an expert
              (64, 8, 2, 4096, 14336, bf16, fp8)]
     with L.using(record):
+        tm.ONE_CHUNK_SORT = True  # the one-program sort too, at decode buckets' chunks (64, 1024)
+        for T, E in ((8, 128), (1, 8), (128, 256)):
+            tm.moe_align(meta(T, 8, dt=torch.int64), E, 16, chunk=max(64, T * 8))
+        tm.ONE_CHUNK_SORT = False
         for T, E, k, H, I, dt, wdt in cases:
             scales = dict(s_gate_up=meta(E, 2 * I, dt=f32), s_down=meta(E, H, dt=f32)) if wdt == fp8 else {}
             if wdt == "block":  # 128x128 block scales (already-fp8 checkpoints)
