@@ -24,9 +24,10 @@
 #   moedecode the sorted fused MoE's decode-sized tiles (bench/moe_prefill_lab.py --decode: up to 16 rows an expert):
 #           config_for's choice against the heuristic, both shapes, fp8 experts (MOEDECODE_ARGS="--weights bf16,channel
 #           --tokens 8,32,128,256 --shapes qwen3-30b-a3b" for the whole sweep; GB/s against bench/decode.py's copy rate)
-#   moedecodestep the fp8 Qwen3-30B-A3B step at MOESTEP_BATCH (default 8) tokens, the sorted fused MoE's decode tile
-#           against the heuristic's (128-element K steps, 4 stages) in one artifact (bench/decode_ab.py; ~4 minutes,
-#           the 31 GB build included)
+#   moedecodestep the fp8 Qwen3-30B-A3B step at MOESTEP_BATCH (default 8,32,1) tokens in one artifact
+#           (bench/decode_ab.py, 5 rounds; ~7 minutes, the 31 GB build included): as shipped, with the sort in one
+#           program (triton_moe.ONE_CHUNK_SORT), and with the attention-side fp8 GEMVs' 8-row configs that
+#           gemv_tuning.tune_fp8 found (no K split; docs/perf.md, sixty-eighth run)
 #   tp      the push all-reduce and TP GPU tests, then tp=2 (push, with and without the GEMV pushing its rows;
 #           TP_MODES) vs tp=1 decode and the all-reduce times
 #   ab      after decode, same call: fp8 without fuse_norm_linear
@@ -118,9 +119,11 @@ case "${1:-}" in
             ${MOEPREFILL_ARGS:---against-previous --tokens 512,2048,8192 --weights bf16,channel,block128} ;;
   moedecode) run 300 moe_decode_lab.log python3 bench/moe_prefill_lab.py --decode \
             ${MOEDECODE_ARGS:---against-previous --tokens 8,32,64 --weights channel,block128} ;;
-  moedecodestep) run 400 moe_decode_step.log python3 bench/decode_ab.py --config bench/qwen3_30b_a3b.json --quant fp8 \
-            --batch "${MOESTEP_BATCH:-8}" --rounds 5 --out "$scratch/abmd" --variant new= \
-            --variant 'heur=mxc.kernels.moe_tiles._FP8_DECODE_TILE=(16,64,128,4,4)'; rm -rf "$scratch"/abmd* ;;
+  moedecodestep) run 560 moe_decode_step.log python3 bench/decode_ab.py --config bench/qwen3_30b_a3b.json --quant fp8 \
+            --batch "${MOESTEP_BATCH:-8,32,1}" --rounds 5 --out "$scratch/abmd" --variant shipped= \
+            --variant sort=mxc.kernels.triton_moe.ONE_CHUNK_SORT=True \
+            --variant 'gemv8=mxc.kernels.triton_fp8_gemv.OVERRIDES={(8, 2048, 4096): {"BLOCK_K": 512, "SPLIT_K": 1}, (8, 5120, 2048): {"SPLIT_K": 1, "num_stages": 5}}' \
+            ; rm -rf "$scratch"/abmd* ;;
   tp)     run 60 push_test.log python3 -m pytest -q -p no:cacheprovider tests/gpu/test_push_allreduce_gpu.py
           run 120 tp_test.log python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py -k "${TP_TESTS:-one_shot or push}"
           run 400 tp.log python3 bench/decode_tp.py --tp 2 --modes "${TP_MODES:-push,push-unfused}" --out "$scratch/btp"; rm -rf "$scratch"/btp* ;;

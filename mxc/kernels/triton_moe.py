@@ -26,7 +26,8 @@ recorded on ``meta`` tensors, compiled ahead of time and replayed in a CUDA grap
       the program of (c, e) places chunk c's assignments of expert e at ``starts[e]`` + the
       counts of e in chunks before c + their rank in the chunk (``tl.cumsum`` of the match
       mask). Groups are in ascending assignment order: the result is deterministic.
-   With ``ONE_CHUNK_SORT`` and T*k <= CHUNK, ``_moe_align_one_chunk_kernel`` (one program) does all three.
+   With ``ONE_CHUNK_SORT`` and T*k <= CHUNK <= ``ONE_CHUNK_MAX``, ``_moe_align_one_chunk_kernel`` (one program)
+   does all three.
 2. ``_moe_gemm1_kernel`` (grid (P / BLOCK_M, cdiv(I, BLOCK_N))): per block, gather the x rows
    of its assignments (row ``a // k``), ``tl.dot`` them against the gate and the up rows of the
    block's expert (two fp32 accumulators, one pass over H), then ``silu(gate) * up`` with the
@@ -93,11 +94,13 @@ FP8 = torch.float8_e4m3fn
 # and chunk counts summed per step by the scatter kernel (module names so tests can shrink them)
 _OFFSETS_TILE_ELEMS = 8192
 _SCATTER_C_TILE = 64
-# Assignments that fit one chunk (T * k <= CHUNK: decode batches up to 128 tokens at k = 8) sorted by one program,
-# ``_moe_align_one_chunk_kernel``, instead of the count, offsets and scatter kernels: at batch 8 those took 1.3,
-# 3.5 and 1.5 us a layer (Qwen3-30B-A3B fp8, one H100, plain launches, 2026-12-06). A/B knob, read at launch;
-# off until the step is measured.
+# Assignments that fit one chunk of at most ONE_CHUNK_MAX (T * k <= CHUNK <= 256: decode batches up to 32 tokens at
+# k = 8) sorted by one program, ``_moe_align_one_chunk_kernel``, instead of the count, offsets and scatter kernels.
+# moe_align alone (E = 128, k = 8, one H100, CUDA graph, 2026-12-06): 4.36 us against 6.55 at 8 tokens, 7.38
+# against 9.19 at 32, and 12.94 against 10.95 at 128 (a 1024-key sort). A/B knob, read at launch; off until the
+# step is measured (docs/perf.md, sixty-eighth run).
 ONE_CHUNK_SORT = False
+ONE_CHUNK_MAX = 256
 
 __all__ = ["MoeConfig", "config_for", "heuristic_config", "token_bucket", "padded_size", "moe_align", "fused_moe"]
 
@@ -438,7 +441,7 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int, *, chunk: int =
     counts = torch.empty((n_chunks, num_experts), dtype=torch.int32, device=dev)
     starts = torch.empty(num_experts, dtype=torch.int32, device=dev)
     e_pad = next_pow2(num_experts + 1)  # room for the discard bin
-    if n_chunks == 1 and ONE_CHUNK_SORT:
+    if n_chunks == 1 and ONE_CHUNK_SORT and chunk <= ONE_CHUNK_MAX:
         launch(_moe_align_one_chunk_kernel, (1,), [ids, sorted_ids, expert_of_block, ntpp, starts, numel, P],
                dict(E=num_experts, E_PAD=e_pad, BLOCK_M=block_m, CHUNK=chunk,
                     B_TILE=max(1, _OFFSETS_TILE_ELEMS // e_pad)), num_warps=4)

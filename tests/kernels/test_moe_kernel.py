@@ -131,12 +131,13 @@ def test_moe_align_tile_loops(monkeypatch):
 
 @pytest.mark.parametrize("T,k,E,block_m,chunk", [
     (1, 1, 4, 16, 1024), (1, 2, 8, 16, 16), (8, 2, 4, 16, 16), (7, 2, 8, 4, 16), (33, 3, 5, 8, 128),
-    (7, 8, 64, 16, 64), (40, 4, 16, 4, 256), (8, 8, 128, 16, 64),
+    (7, 8, 64, 16, 64), (40, 4, 16, 4, 256), (8, 8, 128, 16, 64), (100, 8, 128, 16, 1024),
 ])
 def test_moe_align_one_chunk(T, k, E, block_m, chunk, monkeypatch):
     """``ONE_CHUNK_SORT``: assignments that fit one chunk are sorted by one program with the same results (the
-    invariants, every group in ascending order). P (up to 360) spans several chunks of sentinels."""
+    invariants, every group in ascending order). P (up to 2400) spans several chunks of sentinels."""
     monkeypatch.setattr(tm, "ONE_CHUNK_SORT", True)
+    monkeypatch.setattr(tm, "ONE_CHUNK_MAX", 1024)  # and its largest chunk
     names = []
     real = tm.launch
     monkeypatch.setattr(tm, "launch", lambda kernel, *a, **kw: (names.append(kernel.fn.__name__),
@@ -155,14 +156,14 @@ def test_moe_align_one_chunk(T, k, E, block_m, chunk, monkeypatch):
 
 
 def test_moe_align_one_chunk_only_where_it_fits(monkeypatch):
-    """Past one chunk of assignments the three kernels run, knob or not."""
+    """Past one chunk of assignments, or with chunks past ``ONE_CHUNK_MAX``, the three kernels run, knob or not."""
     monkeypatch.setattr(tm, "ONE_CHUNK_SORT", True)
+    three = ["_moe_count_kernel", "_moe_offsets_kernel", "_moe_scatter_kernel"]
     names = []
     with launch_mod.using(lambda kernel, grid, *a: names.append(kernel.fn.__name__)):
-        for T in (2, 3):  # 16 and 24 assignments, chunks of 16
-            tm.moe_align(torch.zeros((T, 8), dtype=torch.int64, device="meta"), 8, 16, chunk=16)
-    assert names == ["_moe_align_one_chunk_kernel", "_moe_count_kernel", "_moe_offsets_kernel",
-                     "_moe_scatter_kernel"]
+        for T, chunk in ((2, 16), (3, 16), (2, tm.ONE_CHUNK_MAX), (2, 2 * tm.ONE_CHUNK_MAX)):
+            tm.moe_align(torch.zeros((T, 8), dtype=torch.int64, device="meta"), 8, 16, chunk=chunk)
+    assert names == ["_moe_align_one_chunk_kernel", *three, "_moe_align_one_chunk_kernel", *three]
 
 
 def test_moe_align_degenerate():
@@ -512,7 +513,7 @@ _COMPILE_SCRIPT = textwrap.dedent("""
              # fp8 experts' decode tile (256-element K steps) at 16 rows an expert
              (64, 8, 2, 4096, 14336, bf16, fp8)]
     with L.using(record):
-        tm.ONE_CHUNK_SORT = True  # the one-program sort too, at decode buckets' chunks (64, 1024)
+        tm.ONE_CHUNK_SORT, tm.ONE_CHUNK_MAX = True, 1024  # the one-program sort too, at chunks of 64 and 1024
         for T, E in ((8, 128), (1, 8), (128, 256)):
             tm.moe_align(meta(T, 8, dt=torch.int64), E, 16, chunk=max(64, T * 8))
         tm.ONE_CHUNK_SORT = False
