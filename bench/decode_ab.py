@@ -102,7 +102,8 @@ def main() -> None:
                    help="build with --mlp-pair (variants may set mxc.kernels.cuda_ops.MLP_PAIR=False for the chain)")
     p.add_argument("--variant", action="append", default=[], help="name=module.attr=value,... (repeatable)")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--batch", default="1", help="decode batch sizes, comma-separated (each timed every round in one artifact; --profile and --timeline take the first)")
+    p.add_argument("--batch", default="1", help="decode batch sizes, comma-separated (each timed every round in "
+                                                "one artifact; --profile and --timeline take the first)")
     p.add_argument("--bf16", action="store_true", help="also time the bf16 artifact (for the fp8 / bf16 ratio)")
     p.add_argument("--profile", default="", help="variant to print a per-kernel breakdown of (plain launches)")
     p.add_argument("--timeline", default="", help="variants (comma-separated) to print one layer's kernel timeline "
@@ -175,7 +176,8 @@ def main() -> None:
         model._decoder.drop_graphs()
         with patched(dict(variants)[name]):
             print(f"\none layer's kernels as run (PDL graph), {name}:\n" + timeline_decode(
-                model, batch=batches[0], dump=f"{os.environ['OUT']}/timeline_{name}.json" if "OUT" in os.environ else None),
+                model, batch=batches[0],
+                dump=f"{os.environ['OUT']}/timeline_{name}.json" if "OUT" in os.environ else None),
                   flush=True)
     if args.profile_prefill:
         from profile_step import profile_prefill

@@ -477,7 +477,8 @@ def _check_weight(name, w, shape, scale, dtype, device):
         raise ValueError(f"a scale for {name} is only taken with fp8 weights")
 
 
-def check_inputs(x, weights, ids, w_gate_up, w_down, s_gate_up, s_down, residual=None) -> tuple[int, int, int, int, int]:
+def check_inputs(x, weights, ids, w_gate_up, w_down, s_gate_up, s_down,
+                 residual=None) -> tuple[int, int, int, int, int]:
     """``fused_moe``'s argument checks (see there); returns (T, H, E, I, k)."""
     if x.dim() != 2 or x.dtype not in _DTYPES or not x.is_contiguous():
         raise ValueError(f"x must be contiguous [T, H] in one of {_DTYPES}, got {tuple(x.shape)} {x.dtype}")
