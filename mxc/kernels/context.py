@@ -57,7 +57,11 @@ class ForwardContext:
         """int32 zeros [>= n] on ``device`` for kernels that count their finished programs and leave the
         counts at 0 again (the last program does the rest of the work): one tensor per name, made on the
         context's first use (for a CUDA graph, its warm-up call, outside the capture) and shared by every
-        layer and later call, which rely on the kernels leaving it at 0."""
+        layer and later call, which rely on the kernels leaving it at 0. ``cuda`` and ``cuda:<current>`` are one
+        device (one tensor)."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         key = ("counters", name, str(device))
         t = self.memo.get(key)
         if t is None or t.numel() < n:

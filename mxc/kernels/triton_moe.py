@@ -129,6 +129,18 @@ def _moe_count_kernel(ids_ptr, counts_ptr, sorted_ptr, numel, P,
 
 
 @triton.jit
+def _store_block_experts(expert_ptr, ends, ntpp, P, BLOCK_M: tl.constexpr, B_TILE: tl.constexpr):
+    """``expert_of_block`` for all P / BLOCK_M blocks from the groups' padded ends [E_PAD]: the number of
+    experts ending at or before the block's first slot, -1 for blocks past ``ntpp``."""
+    n_blocks = P // BLOCK_M
+    for b0 in range(0, n_blocks, B_TILE):
+        offs_b = b0 + tl.arange(0, B_TILE)
+        first = offs_b * BLOCK_M  # first slot of each block
+        expert = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), axis=1)
+        tl.store(expert_ptr + offs_b, tl.where(first < ntpp, expert, -1), mask=offs_b < n_blocks)
+
+
+@triton.jit
 def _moe_offsets_kernel(counts_ptr, starts_ptr, expert_ptr, ntpp_ptr, numel, P,
                         E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                         CHUNK: tl.constexpr, C_TILE: tl.constexpr, B_TILE: tl.constexpr,
@@ -150,13 +162,7 @@ def _moe_offsets_kernel(counts_ptr, starts_ptr, expert_ptr, ntpp_ptr, numel, P,
     ntpp = tl.sum(padded, axis=0)
     tl.store(starts_ptr + offs_e, ends - padded, mask=e_ok)
     tl.store(ntpp_ptr, ntpp)
-    n_blocks = P // BLOCK_M
-    for b0 in range(0, n_blocks, B_TILE):
-        offs_b = b0 + tl.arange(0, B_TILE)
-        first = offs_b * BLOCK_M  # first slot of each block
-        expert = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), axis=1)
-        expert = tl.where(first < ntpp, expert, -1)
-        tl.store(expert_ptr + offs_b, expert, mask=offs_b < n_blocks)
+    _store_block_experts(expert_ptr, ends, ntpp, P, BLOCK_M, B_TILE)
 
 
 @triton.jit
@@ -202,12 +208,7 @@ def _moe_align_one_chunk_kernel(ids_ptr, sorted_ptr, expert_ptr, ntpp_ptr, delta
     ntpp = tl.sum(padded, axis=0)
     tl.store(delta_ptr + offs_e, ends - padded - (tl.cumsum(totals, 0) - totals), mask=e_ok)
     tl.store(ntpp_ptr, ntpp)
-    n_blocks = P // BLOCK_M
-    for b0 in range(0, n_blocks, B_TILE):
-        offs_b = b0 + tl.arange(0, B_TILE)
-        first = offs_b * BLOCK_M
-        expert = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), axis=1)
-        tl.store(expert_ptr + offs_b, tl.where(first < ntpp, expert, -1), mask=offs_b < n_blocks)
+    _store_block_experts(expert_ptr, ends, ntpp, P, BLOCK_M, B_TILE)
     tl.debug_barrier()  # every thread's sentinels and deltas are in
     keys = tl.sort(bins * CHUNK + offs)  # < (E + 1) * CHUNK <= 1025 * 1024: int32
     e = keys // CHUNK
@@ -438,14 +439,14 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int, *, chunk: int =
     expert_of_block = torch.empty(P // block_m, dtype=torch.int32, device=dev)
     ntpp = torch.empty(1, dtype=torch.int32, device=dev)
     n_chunks = cdiv(numel, chunk)
-    counts = torch.empty((n_chunks, num_experts), dtype=torch.int32, device=dev)
-    starts = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    starts = torch.empty(num_experts, dtype=torch.int32, device=dev)  # the one-program sort's deltas instead
     e_pad = next_pow2(num_experts + 1)  # room for the discard bin
     if n_chunks == 1 and ONE_CHUNK_SORT and chunk <= ONE_CHUNK_MAX:
         launch(_moe_align_one_chunk_kernel, (1,), [ids, sorted_ids, expert_of_block, ntpp, starts, numel, P],
                dict(E=num_experts, E_PAD=e_pad, BLOCK_M=block_m, CHUNK=chunk,
                     B_TILE=max(1, _OFFSETS_TILE_ELEMS // e_pad)), num_warps=4)
         return sorted_ids, expert_of_block, ntpp
+    counts = torch.empty((n_chunks, num_experts), dtype=torch.int32, device=dev)
     launch(_moe_count_kernel, (cdiv(P, chunk),), [ids, counts, sorted_ids, numel, P],
            dict(E=num_experts, E_PAD=e_pad, CHUNK=chunk), num_warps=4)
     launch(_moe_offsets_kernel, (1,), [counts, starts, expert_of_block, ntpp, numel, P],

@@ -93,6 +93,15 @@ def test_counters_are_one_tensor_per_name_kept_for_later_calls():
     assert big.numel() >= 9 and not big.any() and ctx.counters("route", 9, "cpu") is big
 
 
+def test_counters_on_cuda_are_the_current_devices(monkeypatch):
+    """Kernels ask with their tensors' device (``cuda:0``); ``cuda`` names the same device, so the same tensor (the
+    memo seeded here: this machine may have no GPU to allocate on)."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    ctx = ForwardContext([1], [0], [0])
+    seeded = ctx.memo[("counters", "route", "cuda:1")] = torch.zeros(4, dtype=torch.int32)
+    assert ctx.counters("route", 4, "cuda") is seeded and ctx.counters("route", 2, torch.device("cuda:1")) is seeded
+
+
 def test_build_without_a_kv_cache():
     """A model without attention layers has an empty cache list (or none): ``build`` still gives every sequence
     tensor, with no cache rows to offset by (max_len 0)."""
