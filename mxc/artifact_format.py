@@ -43,8 +43,10 @@ WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 # (``triton_route.norm_route_kernel``: the same arguments and constexprs, so an older cuda MoE artifact's cubin, which
 # takes every token in each program, would be launched on the new grid); 16: the fused norm + router kernel without
 # its one-column grid (``triton_route.norm_route_kernel``: arguments T and TOKEN_GRID gone, so an older cuda MoE
-# artifact's cubin takes other arguments), and sent at most 16 tokens (``candidates.NORM_ROUTE_MAX_TOKENS``, was 32)
-SCHEMA_VERSION = 16
+# artifact's cubin takes other arguments), and sent at most 16 tokens (``candidates.NORM_ROUTE_MAX_TOKENS``, was 32);
+# 17: decode batches' MoE sort in one program (``triton_moe.ONE_CHUNK_SORT``) and Qwen3-30B-A3B's 8-row fp8 attention
+# GEMV tiles (``triton_fp8_gemv.MEASURED``): older cuda MoE artifacts lack those cubins
+SCHEMA_VERSION = 17
 
 
 def safetensors_header(path: Path) -> tuple[int, dict]:

@@ -337,8 +337,8 @@ class QGemvConfig:
     PRELOAD: bool = False  # one row, weight-only, K a power of two: the whole tile loaded before the PDL wait
 
 
-# Shapes where ``gemv_tuning.tune_fp8`` found a config >= 3% faster than the rules below (H200, Triton 3.6, bf16
-# activations, channel scales, ``bench/linear_lab.py --tune-fp8``, 2026-11-30; o and gate_up
+# Shapes where ``gemv_tuning.tune_fp8`` found a config >= 3% faster than the rules below (bf16 activations, channel
+# scales, Triton 3.6; Llama-3-8B on one H200, ``bench/linear_lab.py --tune-fp8``, 2026-11-30; o and gate_up
 # gained under 3%): the place a tuning cache's entries will plug in. The Llama-3-8B down entry (prequantized v1,
 # [8, 1024]: 22.7 -> 21.9 us) gave way to ``REDUCE_STEPS_MIN_K``'s rule, measured in the whole step.
 MEASURED = {
@@ -346,6 +346,11 @@ MEASURED = {
     # K split 2 (192 programs instead of 96, and the reduce kernel) took 2.558 against 2.508 ms: the GEMV itself
     # added 7.04 us a layer instead of ~7.2, the reduce kernel and the RoPE kernel after it 2.6 instead of 1.1.
     (1, 6144, 4096, torch.bfloat16, "channel"): QGemvConfig(64, 256, 1, True, True, 4, 5, 4096, SWAP_AB=True),
+    # Qwen3-30B-A3B's attention GEMVs at 8 rows, no K split (``tune_fp8`` on one H100, 2026-12-06): o 8.43 against
+    # 8.97 us (512-byte steps), qkv 7.94 against 9.73 (5 stages). The fp8 batch-8 step with the one-program MoE sort
+    # (``triton_moe.ONE_CHUNK_SORT``): 6.071 against 6.329 ms (docs/perf.md, sixty-ninth run).
+    (8, 2048, 4096, torch.bfloat16, "channel"): QGemvConfig(64, 512, 1, True, True, 4, 4, 4096, SWAP_AB=True),
+    (8, 5120, 2048, torch.bfloat16, "channel"): QGemvConfig(64, 256, 1, True, True, 4, 5, 2048, SWAP_AB=True),
 }
 
 

@@ -97,9 +97,11 @@ _SCATTER_C_TILE = 64
 # Assignments that fit one chunk of at most ONE_CHUNK_MAX (T * k <= CHUNK <= 256: decode batches up to 32 tokens at
 # k = 8) sorted by one program, ``_moe_align_one_chunk_kernel``, instead of the count, offsets and scatter kernels.
 # moe_align alone (E = 128, k = 8, one H100, CUDA graph, 2026-12-06): 4.36 us against 6.55 at 8 tokens, 7.38
-# against 9.19 at 32, and 12.94 against 10.95 at 128 (a 1024-key sort). A/B knob, read at launch; off until the
-# step is measured (docs/perf.md, sixty-eighth run).
-ONE_CHUNK_SORT = False
+# against 9.19 at 32, and 12.94 against 10.95 at 128 (a 1024-key sort). The fp8 Qwen3-30B-A3B step (one H100,
+# ``bench/decode_ab.py``, one artifact, 2026-12-06; docs/perf.md, sixty-ninth run): batch 8 6.101 against 6.345 ms
+# (medians of five rounds; with the 8-row GEMV configs of ``triton_fp8_gemv.MEASURED`` too, 6.071 against 6.329 over
+# ten), batch 32 10.530 against 10.534, batch 1 2.205 against 2.206. Read at launch (False: the three kernels).
+ONE_CHUNK_SORT = True
 ONE_CHUNK_MAX = 256
 
 __all__ = ["MoeConfig", "config_for", "heuristic_config", "token_bucket", "padded_size", "moe_align", "fused_moe"]

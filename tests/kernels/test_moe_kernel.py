@@ -77,6 +77,12 @@ def _run(T, k, E, dtype, seed, cfg=SMALL, ids=None, h=H, i=I):
 # moe_align
 
 
+@pytest.fixture
+def three_kernel_sort(monkeypatch):
+    """The count, offsets and scatter kernels even where one chunk would take the one-program sort (the default)."""
+    monkeypatch.setattr(tm, "ONE_CHUNK_SORT", False)
+
+
 def _check_align(ids, E, block_m, chunk):
     sorted_ids, expert_of_block, ntpp = (t.cpu() for t in tm.moe_align(_dev(ids), E, block_m, chunk=chunk))
     numel = ids.numel()
@@ -102,6 +108,7 @@ def _check_align(ids, E, block_m, chunk):
     assert torch.equal(torch.sort(real).values, torch.nonzero(valid).flatten())
 
 
+@pytest.mark.usefixtures("three_kernel_sort")
 @pytest.mark.parametrize("T,k,E,block_m,chunk", [
     (1, 1, 4, 16, 1024), (1, 2, 8, 16, 16), (5, 2, 4, 16, 16), (13, 2, 8, 16, 16),
     (40, 2, 8, 16, 16), (40, 4, 16, 4, 32), (33, 3, 5, 8, 64), (7, 8, 64, 16, 16),
@@ -111,6 +118,7 @@ def test_moe_align_random(T, k, E, block_m, chunk):
     _check_align(_random_ids(T, k, E, g), E, block_m, chunk)
 
 
+@pytest.mark.usefixtures("three_kernel_sort")
 @pytest.mark.parametrize("T,k,E,block_m,chunk", [(1, 1, 4, 16, 64), (33, 3, 5, 8, 64)])
 def test_moe_align_writes_only_inside_tensors(T, k, E, block_m, chunk):
     """Under ``guarded`` (tests/kernels/guarded.py): P (16; 136) is not a multiple of CHUNK, so the count kernel's
@@ -121,6 +129,7 @@ def test_moe_align_writes_only_inside_tensors(T, k, E, block_m, chunk):
         _check_align(_random_ids(T, k, E, torch.Generator().manual_seed(T + E)), E, block_m, chunk)
 
 
+@pytest.mark.usefixtures("three_kernel_sort")
 def test_moe_align_tile_loops(monkeypatch):
     """The sort's loops over tiles of chunks and blocks, several steps each (tiles shrunk)."""
     monkeypatch.setattr(tm, "_OFFSETS_TILE_ELEMS", 8)  # E = 3 -> E_PAD 4 -> 2 chunks / blocks a step
@@ -166,6 +175,7 @@ def test_moe_align_one_chunk_only_where_it_fits(monkeypatch):
     assert names == ["_moe_align_one_chunk_kernel", *three, "_moe_align_one_chunk_kernel", *three]
 
 
+@pytest.mark.usefixtures("three_kernel_sort")
 def test_moe_align_degenerate():
     # all tokens on one expert (two blocks of it), the other experts empty
     _check_align(torch.full((20, 1), 2, dtype=torch.int64), 4, 16, 16)
@@ -475,18 +485,21 @@ def test_meta_recording():
             y = tm.fused_moe(meta(T, h), meta(T, k), meta(T, k, dt=torch.int64), w_gate_up, w_down)
             assert y.shape == (T, h) and y.device.type == "meta"
             names = [kern.fn.__name__ if hasattr(kern, "fn") else kern.__name__ for kern, _, _ in launches]
-            assert names == ["_moe_count_kernel", "_moe_offsets_kernel", "_moe_scatter_kernel",
-                             "_moe_gemm1_kernel", "_moe_gemm2_kernel", "_moe_sum_kernel"]
-            bm = launches[3][2]["constexprs"]["BLOCK_M"]
+            # decode batches' assignments fit one chunk: one sort program (ONE_CHUNK_SORT); prefill's take three
+            sort = (["_moe_align_one_chunk_kernel"] if T < 4096 else
+                    ["_moe_count_kernel", "_moe_offsets_kernel", "_moe_scatter_kernel"])
+            assert names == [*sort, "_moe_gemm1_kernel", "_moe_gemm2_kernel", "_moe_sum_kernel"]
+            gemm1 = launches[len(sort)]
+            bm = gemm1[2]["constexprs"]["BLOCK_M"]
             P = tm.padded_size(T * k, E, bm)
-            assert launches[3][1] == (P // bm, -(-i // launches[3][2]["constexprs"]["BLOCK_N"]))
+            assert gemm1[1] == (P // bm, -(-i // gemm1[2]["constexprs"]["BLOCK_N"]))
             specs[T] = [spec for _, _, spec in launches]
         launches.clear()
         tm.fused_moe(meta(5, h), meta(5, 1), meta(5, 1, dt=torch.int64), w_gate_up, w_down)
-        assert len(launches) == 5
+        assert len(launches) == 3  # the sort, the two GEMMs
     # T = 1..4 (<= 16 rows per expert) share binaries; the prefill bucket has its own tiles
     assert specs[1] == specs[3] == specs[4] and specs[4] != specs[4096]
-    assert specs[1][3]["constexprs"]["BLOCK_M"] == 16 and specs[4096][3]["constexprs"]["BLOCK_M"] == 64
+    assert specs[1][1]["constexprs"]["BLOCK_M"] == 16 and specs[4096][3]["constexprs"]["BLOCK_M"] == 64
 
 
 _COMPILE_SCRIPT = textwrap.dedent("""
