@@ -25,9 +25,12 @@
 #           config_for's choice against the heuristic, both shapes, fp8 experts (MOEDECODE_ARGS="--weights bf16,channel
 #           --tokens 8,32,128,256 --shapes qwen3-30b-a3b" for the whole sweep; GB/s against bench/decode.py's copy rate)
 #   moedecodestep the fp8 Qwen3-30B-A3B step at MOESTEP_BATCH (default 8,32,1) tokens in one artifact
-#           (bench/decode_ab.py, 5 rounds; ~7 minutes, the 31 GB build included): as shipped, with the sort in one
-#           program (triton_moe.ONE_CHUNK_SORT), and with the attention-side fp8 GEMVs' 8-row configs that
-#           gemv_tuning.tune_fp8 found (no K split; docs/perf.md, sixty-eighth run)
+#           (bench/decode_ab.py, 5 rounds; ~6 minutes, the 31 GB build included): as shipped against MOESTEP_VARIANTS
+#           (bench/decode_ab.py's --variant syntax; default: the wgmma GEMVs in one K slice,
+#           triton_fp8_gemv.SWAP_AB_ONE_SLICE)
+#   oneslice the wgmma fp8 GEMVs in one K slice at 5 stages (triton_fp8_gemv.SWAP_AB_ONE_SLICE) against the K split,
+#           in the step: Qwen3-30B-A3B at batch 1 and 8 (its one-token qkv splits today), then Llama-3-8B at 8
+#           and 1 (qkv, o and down split at 8 rows; batch 1 the control: no split there), 5 rounds each (~8 minutes)
 #   tp      the push all-reduce and TP GPU tests, then tp=2 (push, with and without the GEMV pushing its rows;
 #           TP_MODES) vs tp=1 decode and the all-reduce times
 #   ab      after decode, same call: fp8 without fuse_norm_linear
@@ -121,9 +124,13 @@ case "${1:-}" in
             ${MOEDECODE_ARGS:---against-previous --tokens 8,32,64 --weights channel,block128} ;;
   moedecodestep) run 560 moe_decode_step.log python3 bench/decode_ab.py --config bench/qwen3_30b_a3b.json --quant fp8 \
             --batch "${MOESTEP_BATCH:-8,32,1}" --rounds 5 --out "$scratch/abmd" --variant shipped= \
-            --variant sort=mxc.kernels.triton_moe.ONE_CHUNK_SORT=True \
-            --variant 'gemv8=mxc.kernels.triton_fp8_gemv.OVERRIDES={(8, 2048, 4096): {"BLOCK_K": 512, "SPLIT_K": 1}, (8, 5120, 2048): {"SPLIT_K": 1, "num_stages": 5}}' \
+            ${MOESTEP_VARIANTS:---variant oneslice=mxc.kernels.triton_fp8_gemv.SWAP_AB_ONE_SLICE=True} \
             ; rm -rf "$scratch"/abmd* ;;
+  oneslice) run 290 oneslice_qwen3.log python3 bench/decode_ab.py --config bench/qwen3_30b_a3b.json --quant fp8 \
+            --batch 1,8 --rounds 5 --out "$scratch/abos" --variant shipped= \
+            --variant oneslice=mxc.kernels.triton_fp8_gemv.SWAP_AB_ONE_SLICE=True; rm -rf "$scratch"/abos*
+          run 260 oneslice_llama.log python3 bench/decode_ab.py --quant fp8 --batch 8,1 --rounds 5 --out "$scratch/abol" \
+            --variant shipped= --variant oneslice=mxc.kernels.triton_fp8_gemv.SWAP_AB_ONE_SLICE=True; rm -rf "$scratch"/abol* ;;
   tp)     run 60 push_test.log python3 -m pytest -q -p no:cacheprovider tests/gpu/test_push_allreduce_gpu.py
           run 120 tp_test.log python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py -k "${TP_TESTS:-one_shot or push}"
           run 400 tp.log python3 bench/decode_tp.py --tp 2 --modes "${TP_MODES:-push,push-unfused}" --out "$scratch/btp"; rm -rf "$scratch"/btp* ;;
@@ -211,6 +218,6 @@ case "${1:-}" in
             -p no:xdist ${SANITIZE_TESTS:-tests/kernels}
           echo "memcheck reports in the tests: $(errors kernels)"
           cat "$logs"/kernels.*.log | grep -v "Host Frame" | head -200 ;;
-  *) echo "usage: bash bench/gpu_session.sh tests|suite|kattn|decode|ab|moe|moelab|moeprefill|moedecode|moedecodestep|tp|small|lab|ablate|pair|pairab|gaps|prefill|fp8moe|preload|fold|moefused|gemvs|resident|moestep|tiles|sanitize" >&2
+  *) echo "usage: bash bench/gpu_session.sh tests|suite|kattn|decode|ab|moe|moelab|moeprefill|moedecode|moedecodestep|oneslice|tp|small|lab|ablate|pair|pairab|gaps|prefill|fp8moe|preload|fold|moefused|gemvs|resident|moestep|tiles|sanitize" >&2
      exit 2 ;;
 esac
