@@ -45,6 +45,9 @@ _COMPILE_SCRIPT = textwrap.dedent("""
             tf.qlinear_gemm(meta(300, 2 * k), w, s, meta(n), meta(300, n), granularity=gran, prologue="silu_mul")
             tf.qlinear_gemm(meta(300, k, dtype=torch.float16), w, s, granularity=gran)
             tf.qlinear_gemm(meta(300, k), w, s, granularity=gran, prologue="rms_norm", norm_weight=meta(k))
+        # the wgmma GEMV in one K slice at 5 stages (MEASURED entries, SWAP_AB_ONE_SLICE), at its largest x tile
+        tf.qlinear_small_m(meta(32, k), meta(n, k, dtype=tf.FP8), meta(n, dtype=torch.float32),
+                           config=tf.QGemvConfig(64, 256, 1, True, True, 4, 5, 4096, SWAP_AB=True))
         # the Llama-3-8B down GEMV at one row: weight-only in v2's loop (REDUCE_STEPS)
         tf.qlinear_small_m(meta(1, 14336), meta(n, 14336, dtype=tf.FP8), meta(n, dtype=torch.float32), None, meta(1, n))
         # the Llama-3-8B down projection's input: K = 14336 in three pieces under SiLU-and-mul
