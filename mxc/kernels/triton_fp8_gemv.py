@@ -414,12 +414,14 @@ def _preload_config(cfg: QGemvConfig, n: int, k: int) -> QGemvConfig:
     return replace(cfg, BLOCK_N=block_n, BLOCK_K=k, SPLIT_K=1, num_warps=8, PRELOAD=True)
 
 
-# True: the wgmma (SWAP_AB) GEMVs in one K slice at 5 stages instead of a K split to ~1 program an SM (A/B knob, read
-# by ``config_for``, so a build records it). Each time ``tune_fp8`` met a SWAP_AB shape the rule splits, this won
-# alone: Llama-3-8B qkv at one row 11.0 against 12.4 us (H200; ``MEASURED``, and in the step 2.508 against 2.558 ms),
-# at 8 rows qkv 12.5 against 14.4 and o 10.2 against 11.3 (H100, 2026-12-06); Qwen3-30B-A3B at 8 rows in
-# ``MEASURED``. Not yet timed in a step: Qwen3-30B-A3B's one-token fp8 qkv (K split 2 today), Llama-3-8B's 8-row
-# GEMVs (docs/perf.md, sixty-ninth run; ``bash bench/gpu_session.sh onesliceab``).
+# True: the wgmma (SWAP_AB) GEMVs the rule splits over K (to ~1 program an SM) in one K slice at 5 stages instead
+# (A/B knob, read by ``config_for``, so a build records it; unsplit ones keep 4 stages: Llama-3-8B's one-token gate/up
+# at 5 was slower in the step, thirty-seventh run). Each SWAP_AB shape the rule splits that ``tune_fp8`` has met ran
+# faster alone in one slice: Llama-3-8B's one-token qkv at 5 stages 11.0 against 12.4 us (H200; ``MEASURED``; in the
+# step the split took 2.558 against 2.508 ms), its 8-row qkv and o at 5 stages 12.5 against 14.4 and 10.2 against
+# 11.3 (H100, 2026-12-06), Qwen3-30B-A3B's 8-row qkv (5 stages) and o (512-byte steps) in ``MEASURED``. Not yet timed
+# in a step: Qwen3-30B-A3B's one-token fp8 qkv (K split 2 today) and every model's other buckets (docs/perf.md,
+# sixty-ninth run; ``bash bench/gpu_session.sh oneslice``).
 SWAP_AB_ONE_SLICE = False
 
 # Field overrides of the default configs by (bucket, N, K), applied after the rules: what
@@ -482,11 +484,13 @@ def _base_config(m_bucket: int, n: int, k: int, dtype: torch.dtype, granularity:
         # GEMVs; 2026-12-03, commit 5ef6ed5): 2.611 / 2.665 against 2.498 ms. The layout conversion for the wgmma
         # takes 20 KB more shared memory (qkv one program an SM), and the qkv, gate/up and down GEMVs after each
         # all added time (``--timeline``: down 17.5 against 15.4 us a layer).
-        if SWAP_AB_ONE_SLICE:
-            return QGemvConfig(BLOCK_N=64, BLOCK_K=256, SPLIT_K=1, USE_DOT=True, PREQUANT=True, num_warps=4,
-                               num_stages=5, QUANT_BLOCK_K=qbk, SWAP_AB=True)
-        return QGemvConfig(BLOCK_N=64, BLOCK_K=256, SPLIT_K=split_k_for(cdiv(n, 64), k, 256), USE_DOT=True,
-                           PREQUANT=True, num_warps=4, num_stages=4, QUANT_BLOCK_K=qbk, SWAP_AB=True)
+        split_k = split_k_for(cdiv(n, 64), k, 256)
+        if SWAP_AB_ONE_SLICE and split_k > 1:
+            split_k, stages = 1, 5
+        else:
+            stages = 4
+        return QGemvConfig(BLOCK_N=64, BLOCK_K=256, SPLIT_K=split_k, USE_DOT=True, PREQUANT=True, num_warps=4,
+                           num_stages=stages, QUANT_BLOCK_K=qbk, SWAP_AB=True)
     if m_bucket == 1:
         cfg = QGemvConfig(BLOCK_N=16, BLOCK_K=1024, PREQUANT=True, num_warps=8, num_stages=1, QUANT_BLOCK_K=qbk)
     elif granularity == "block128":

@@ -185,16 +185,17 @@ def test_weight_only_config_rule(monkeypatch):
 
 def test_swap_ab_one_slice(monkeypatch):
     """``SWAP_AB_ONE_SLICE``: the wgmma configs the rule would split over K run in one slice at 5 stages; other
-    configs and ``MEASURED`` entries keep theirs, and the configs stay valid."""
+    configs (unsplit wgmma ones too) and ``MEASURED`` entries keep theirs, and the configs stay valid."""
     shapes = [(6144, 4096), (4096, 4096), (5120, 2048), (2048, 4096), (28672, 4096), (4096, 14336)]
     keys = [(mb, n, k, gran) for mb in tf.M_BUCKETS for n, k in shapes for gran in GRANS]
     before = {key: tf.config_for(*key[:3], torch.bfloat16, key[3]) for key in keys}
     monkeypatch.setattr(tfv, "SWAP_AB_ONE_SLICE", True)
     assert any(cfg.SWAP_AB and cfg.SPLIT_K > 1 for cfg in before.values())
+    assert any(cfg.SWAP_AB and cfg.SPLIT_K == 1 for cfg in before.values())  # gate/up (28672 rows): unchanged
     for key, old in before.items():
         cfg = tf.config_for(*key[:3], torch.bfloat16, key[3])
         tfv._check_gemv_config(cfg, key[3] == "block128")
-        if (*key[:3], torch.bfloat16, key[3]) in tfv.MEASURED or not old.SWAP_AB:
+        if (*key[:3], torch.bfloat16, key[3]) in tfv.MEASURED or not old.SWAP_AB or old.SPLIT_K == 1:
             assert cfg == old, key
         else:
             assert cfg == replace(old, SPLIT_K=1, num_stages=5), key
