@@ -338,13 +338,12 @@ class QGemvConfig:
 
 
 # Shapes where ``gemv_tuning.tune_fp8`` found a config >= 3% faster than the rules below (bf16 activations, channel
-# scales, Triton 3.6; Llama-3-8B on one H200, ``bench/linear_lab.py --tune-fp8``, 2026-11-30; o and gate_up
-# gained under 3%): the place a tuning cache's entries will plug in. The Llama-3-8B down entry (prequantized v1,
-# [8, 1024]: 22.7 -> 21.9 us) gave way to ``REDUCE_STEPS_MIN_K``'s rule, measured in the whole step.
+# scales, Triton 3.6, ``bench/linear_lab.py --tune-fp8``): the place a tuning cache's entries will plug in. Llama-3-8B's
+# one-token down entry gave way to ``REDUCE_STEPS_MIN_K``'s rule, measured in the whole step.
 MEASURED = {
-    # Llama-3-8B qkv: 12.4 -> 11.0 us (no K split, 5 stages). In the whole step (2026-12-02, ``bench/decode_ab.py``)
-    # K split 2 (192 programs instead of 96, and the reduce kernel) took 2.558 against 2.508 ms: the GEMV itself
-    # added 7.04 us a layer instead of ~7.2, the reduce kernel and the RoPE kernel after it 2.6 instead of 1.1.
+    # Llama-3-8B qkv (one H200, 2026-11-30): 12.4 -> 11.0 us (no K split, 5 stages). In the step (2026-12-02,
+    # ``bench/decode_ab.py``) K split 2 (192 programs, and the reduce kernel) took 2.558 against 2.508 ms: the GEMV
+    # itself added 7.04 us a layer instead of ~7.2, the reduce kernel and the RoPE kernel after it 2.6 instead of 1.1.
     (1, 6144, 4096, torch.bfloat16, "channel"): QGemvConfig(64, 256, 1, True, True, 4, 5, 4096, SWAP_AB=True),
     # Qwen3-30B-A3B's attention GEMVs at 8 rows, no K split (``tune_fp8`` on one H100, 2026-12-06): o 8.43 against
     # 8.97 us (512-byte steps), qkv 7.94 against 9.73 (5 stages). The fp8 batch-8 step with the one-program MoE sort
@@ -366,14 +365,10 @@ WEIGHT_ONLY_M1 = True
 # an SM and Llama-3-8B's down GEMV (512 programs) runs in one wave, with twice the bytes in flight a
 # step. Llama-3-8B fp8 batch-1 decode on one H200 (Triton 3.6, 2026-12-01, ``bench/decode_ab.py``,
 # medians of three interleaved rounds, three calls): 2.553, 2.560 and 2.634 against 2.600, 2.606 and
-# 2.680 ms. Slower there: [8, 4096] 2.668 (two programs an SM), [16, 2048] 2.592, [4, 2048] 2.690, [8, 1024] 2.782,
-# [8, 2048] at 4 warps 2.656. The o GEMV (K = 4096) gained nothing: [16, 4096] 2.610, [16, 2048] 2.599,
-# [16, 1024] 2.582 and [8, 2048] 2.552 against 2.560 with the down rule alone (within the rounds' spread).
-# Measured with channel scales; block128 takes the same tiles (8 rows divide a 128-row block). Measured and removed
-# (2026-12-04, same bench, one artifact, three rounds): the down GEMV's 7 steps unrolled (``tl.range``'s
-# loop_unroll_factor 7: 64 registers, no loop branch left) 2.519 against 2.512 ms; unrolled by 2 (80
-# registers, three programs an SM) 2.685. (The MoE gate/up pair kernel gained from its unrolled loop:
-# ``triton_moe_decode.PairConfig.UNROLL``.)
+# 2.680 ms; [8, 4096], [16, 2048], [4, 2048], [8, 1024] and 4 warps were slower, and no tile moved the o GEMV
+# (K = 4096) past the rounds' spread (docs/perf.md, 2026-12-01).
+# Measured with channel scales; block128 takes the same tiles (8 rows divide a 128-row block). The down GEMV's loop
+# unrolled (by 7, by 2): slower, removed (``docs/persistent_decode.md``'s index of batch-1 ideas).
 REDUCE_STEPS_MIN_K = 8192
 
 # One-row weight-only GEMVs whose weights take at most PRELOAD_MAX_BYTES, with rows of a power of two elements,
@@ -386,19 +381,11 @@ REDUCE_STEPS_MIN_K = 8192
 # (o: 4096 x 4096, [8, 4096] tiles; Triton 3.6, 2026-12-01, ``bench/decode_ab.py``, medians of three
 # interleaved rounds): 2.519-2.523 ms against 2.566-2.569 in three calls; the preload alone 2.534, the early
 # launch alone 2.579; a [32, 4096] tile at 16 warps (105 registers: one program an SM beside the attention's)
-# 2.545. Measured and removed: the same mode in ``triton_gemv`` for Qwen3-30B-A3B's bf16 o GEMV (2048 x 4096,
-# [4, 4096] tiles) was slower, 2.654 against 2.555 ms (the o GEMV 2.1 us a layer faster, the attention's
-# split kernel 2.4 us slower under the loads, ``bench/decode_ab.py --timeline``). Not measured: a preloading
-# GEMV right after another GEMV (a small model's down projection), whose loads then compete with that
-# GEMV's. Measured and removed (2026-12-02, same bench): the preload delayed by a %globaltimer spin of 1, 2 or
-# 3 us after the GEMV's programs start, so that the attention's split kernel loads first: 2.521, 2.538 and
-# 2.568 against 2.518 ms. At 2 us the split kernel ran as fast as with no GEMV beside it (3.55 against 5.39 us
-# a layer, ``--timeline``) but the GEMV then added 6.88 us instead of 3.81. Measured and removed (2026-12-03, same
-# bench, five rounds; commit cc89714): the o GEMV, once past its wait (its weights in registers, HBM idle), asking
-# L2 for the MLP gate/up weight's first-wave rows (bytes 512 to 1535 of 16384 rows, 16 MB; the gate/up GEMV's own
-# prefetch covers bytes 0 to 511): 2.524 against 2.498 ms a step. The o GEMV added 4.93 us a layer instead of 3.78
-# and the gate/up GEMV 29.39 instead of 29.76 (``--timeline``). Asked after the store instead: 2.520; 8 MB (512 B
-# a row) 2.522; 24 MB (2 KB a row) 2.716; every row (29 MB) 2.585. 0 turns it off.
+# 2.545. Not measured: a preloading GEMV right after another GEMV (a small model's down projection), whose loads
+# then compete with that GEMV's. Measured and removed (``docs/persistent_decode.md``'s index of batch-1 ideas): the
+# same mode for the bf16 GEMV (Qwen3-30B-A3B's o: the attention's split kernel slower under the loads), the preload
+# delayed so that the attention loads first, and the o GEMV past its wait asking L2 for the gate/up weight's rows.
+# 0 turns it off.
 PRELOAD_MAX_BYTES = 16 << 20
 PRELOAD_TILE_BYTES = 32 << 10
 
@@ -414,14 +401,10 @@ def _preload_config(cfg: QGemvConfig, n: int, k: int) -> QGemvConfig:
     return replace(cfg, BLOCK_N=block_n, BLOCK_K=k, SPLIT_K=1, num_warps=8, PRELOAD=True)
 
 
-# True: the wgmma (SWAP_AB) GEMVs the rule splits over K (to ~1 program an SM) in one K slice at 5 stages instead
-# (A/B knob, read by ``config_for``, so a build records it; unsplit ones keep 4 stages: Llama-3-8B's one-token gate/up
-# at 5 was slower in the step, thirty-seventh run). Each SWAP_AB shape the rule splits that ``tune_fp8`` has met ran
-# faster alone in one slice: Llama-3-8B's one-token qkv at 5 stages 11.0 against 12.4 us (H200; ``MEASURED``; in the
-# step the split took 2.558 against 2.508 ms), its 8-row qkv and o at 5 stages 12.5 against 14.4 and 10.2 against
-# 11.3 (H100, 2026-12-06), Qwen3-30B-A3B's 8-row qkv (5 stages) and o (512-byte steps) in ``MEASURED``. Not yet timed
-# in a step: Qwen3-30B-A3B's one-token fp8 qkv (K split 2 today) and every model's other buckets (docs/perf.md,
-# sixty-ninth run; ``bash bench/gpu_session.sh oneslice``).
+# True: the wgmma (SWAP_AB) GEMVs the rule splits over K in one K slice at 5 stages instead (A/B knob, read by
+# ``config_for``; unsplit ones keep 4 stages, as 5 was slower for Llama-3-8B's gate/up in the step). Every such shape
+# ``tune_fp8`` has met ran faster alone in one slice (Llama-3-8B's qkv at 1 and 8 rows and o at 8, Qwen3-30B-A3B's
+# qkv and o at 8: ``MEASURED``; docs/perf.md, sixty-ninth run); not yet timed in a step (``gpu_session.sh oneslice``).
 SWAP_AB_ONE_SLICE = False
 
 # Field overrides of the default configs by (bucket, N, K), applied after the rules: what
@@ -480,10 +463,7 @@ def _base_config(m_bucket: int, n: int, k: int, dtype: torch.dtype, granularity:
         # one-token gate/up GEMV (80 KB of shared memory: two programs an SM, 448 programs in two waves) in the
         # whole step (2026-12-02, ``bench/decode_ab.py``): 2.522 ms against [128, 128 B] x 4 stages 2.597 (one
         # wave of 224), [64, 128 B] x 5 stages 2.598 (four an SM: one wave), [64, 128 B] x 8 stages 2.536. The
-        # first one or two [64, 256 B] weight tiles loaded into registers before the PDL wait (the qkv and gate/up
-        # GEMVs; 2026-12-03, commit 5ef6ed5): 2.611 / 2.665 against 2.498 ms. The layout conversion for the wgmma
-        # takes 20 KB more shared memory (qkv one program an SM), and the qkv, gate/up and down GEMVs after each
-        # all added time (``--timeline``: down 17.5 against 15.4 us a layer).
+        # first weight tiles loaded into registers before the PDL wait: slower (``docs/persistent_decode.md``'s index).
         split_k = split_k_for(cdiv(n, 64), k, 256)
         if SWAP_AB_ONE_SLICE and split_k > 1:
             split_k, stages = 1, 5
