@@ -141,14 +141,17 @@ def gemm_rate(n=8192) -> float:
     return 2 * n**3 / t
 
 
-def weight_bytes(manifest: dict, art: Path) -> tuple[int, int]:
-    """(bytes one token's decode step reads = all weights but the embedding table, with only the top-k of a MoE
-    model's stacked experts (``.we_`` tensors, k / E of them); linear params for FLOPs)."""
+def weight_bytes(manifest: dict, art: Path, batch: int = 1) -> tuple[int, int]:
+    """(bytes a ``batch``-token decode step reads = all weights but the embedding table, with only the experts a MoE
+    model's tokens pick of its stacked experts (``.we_`` tensors): k / E of them at one token, and at ``batch``
+    tokens the expected share that uniform routing touches, 1 - (1 - k / E) ** batch; linear params for FLOPs)."""
     from safetensors import safe_open
 
     size = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1}
     cfg = manifest.get("config", {})
-    active = cfg.get("num_experts_per_tok", 1) / cfg.get("num_experts", 1) if cfg.get("num_experts") else 1.0
+    active = 1.0
+    if cfg.get("num_experts"):
+        active = 1 - (1 - cfg.get("num_experts_per_tok", 1) / cfg["num_experts"]) ** batch
     total, linear = 0, 0
     with safe_open(art / "weights" / "rank0.safetensors", "pt") as f:
         for name in f.keys():

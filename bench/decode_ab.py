@@ -145,7 +145,8 @@ def main() -> None:
                   mlp_pair=args.mlp_pair, **common)
     print(f"build {time.perf_counter() - t0:.0f} s", flush=True)
     model = mxc.load(out, device="cuda", verify=False)
-    nbytes, _ = weight_bytes(json.loads((out / "manifest.json").read_text()), out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    nbytes = {b: weight_bytes(manifest, out, batch=b)[0] for b in batches}  # a MoE step reads more experts a batch
     gen = lambda ids, new: model.generate(ids, max_new_tokens=new)  # noqa: E731
     times = {(name, b): [] for name, _ in variants for b in batches}
     prefills = {name: [] for name, _ in variants}
@@ -162,7 +163,7 @@ def main() -> None:
                 if pre is not None:
                     prefills[name].append(pre)
                 print(f"round {r} {label(name, b, batches):16s} {step * 1e3:.3f} ms/step  "
-                      f"{nbytes / step / bw * 100:.0f}% of copy BW"
+                      f"{nbytes[b] / step / bw * 100:.0f}% of copy BW"
                       + (f"  prefill {args.prefill}: {pre * 1e3:.2f} ms" if pre is not None else ""), flush=True)
     if args.profile:
         from profile_step import profile_decode

@@ -36,3 +36,6 @@ def test_reads_every_weight_but_the_embedding_and_only_the_top_k_experts(tmp_pat
     assert experts > 0
     nbytes, _ = weight_bytes(json.loads((art / "manifest.json").read_text()), art)
     assert nbytes == sum(sizes.values()) - sizes["embed"] - experts + experts * 2 // 8
+    # a batch of B tokens touches 1 - (1 - k / E) ** B of the experts under uniform routing: 1 - (6/8)^4 at 4
+    batch4, _ = weight_bytes(json.loads((art / "manifest.json").read_text()), art, batch=4)
+    assert batch4 == sum(sizes.values()) - sizes["embed"] - experts + int(experts * (1 - (6 / 8) ** 4))
