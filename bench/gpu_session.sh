@@ -30,8 +30,8 @@
 #           triton_fp8_gemv.SWAP_AB_ONE_SLICE)
 #   oneslice the wgmma fp8 GEMVs the rule splits over K in one slice at 5 stages (triton_fp8_gemv.SWAP_AB_ONE_SLICE)
 #           against the split, in the step: Qwen3-30B-A3B at batch 1, 8 and 32 (its one-token qkv splits today; at 8
-#           rows MEASURED has its tiles), then Llama-3-8B at 8 and 32 (at one row nothing changes), 5 rounds each
-#           (~9 minutes)
+#           rows MEASURED has its tiles), then Llama-3-8B at 8 and 32 (at one row nothing changes), ONESLICE_ROUNDS
+#           (default 5) rounds each (~9 minutes)
 #   tp      the push all-reduce and TP GPU tests, then tp=2 (push, with and without the GEMV pushing its rows;
 #           TP_MODES) vs tp=1 decode and the all-reduce times
 #   ab      after decode, same call: fp8 without fuse_norm_linear
@@ -128,10 +128,10 @@ case "${1:-}" in
             ${MOESTEP_VARIANTS:---variant oneslice=mxc.kernels.triton_fp8_gemv.SWAP_AB_ONE_SLICE=True} \
             ; rm -rf "$scratch"/abmd* ;;
   oneslice) run 300 oneslice_qwen3.log python3 bench/decode_ab.py --config bench/qwen3_30b_a3b.json --quant fp8 \
-            --batch 1,8,32 --rounds 5 --out "$scratch/abos" --variant shipped= \
+            --batch 1,8,32 --rounds "${ONESLICE_ROUNDS:-5}" --out "$scratch/abos" --variant shipped= \
             --variant oneslice=mxc.kernels.triton_fp8_gemv.SWAP_AB_ONE_SLICE=True; rm -rf "$scratch"/abos*
-          run 250 oneslice_llama.log python3 bench/decode_ab.py --quant fp8 --batch 8,32 --rounds 5 \
-            --out "$scratch/abol" --variant shipped= \
+          run 250 oneslice_llama.log python3 bench/decode_ab.py --quant fp8 --batch 8,32 \
+            --rounds "${ONESLICE_ROUNDS:-5}" --out "$scratch/abol" --variant shipped= \
             --variant oneslice=mxc.kernels.triton_fp8_gemv.SWAP_AB_ONE_SLICE=True; rm -rf "$scratch"/abol* ;;
   tp)     run 60 push_test.log python3 -m pytest -q -p no:cacheprovider tests/gpu/test_push_allreduce_gpu.py
           run 120 tp_test.log python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py -k "${TP_TESTS:-one_shot or push}"
