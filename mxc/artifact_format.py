@@ -45,8 +45,9 @@ WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 # its one-column grid (``triton_route.norm_route_kernel``: arguments T and TOKEN_GRID gone, so an older cuda MoE
 # artifact's cubin takes other arguments), and sent at most 16 tokens (``candidates.NORM_ROUTE_MAX_TOKENS``, was 32);
 # 17: decode batches' MoE sort in one program (``triton_moe.ONE_CHUNK_SORT``) and Qwen3-30B-A3B's 8-row fp8 attention
-# GEMV tiles (``triton_fp8_gemv.MEASURED``): older cuda MoE artifacts lack those cubins
-SCHEMA_VERSION = 17
+# GEMV tiles (``triton_fp8_gemv.MEASURED``): older cuda MoE artifacts lack those cubins; 18: the fp8 wgmma GEMVs that
+# split K in one slice at 5 stages (``triton_fp8_gemv.SWAP_AB_ONE_SLICE``): older cuda fp8 artifacts lack those cubins
+SCHEMA_VERSION = 18
 
 
 def safetensors_header(path: Path) -> tuple[int, dict]:

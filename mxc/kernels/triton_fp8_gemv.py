@@ -341,15 +341,11 @@ class QGemvConfig:
 # scales, Triton 3.6, ``bench/linear_lab.py --tune-fp8``): the place a tuning cache's entries will plug in. Llama-3-8B's
 # one-token down entry gave way to ``REDUCE_STEPS_MIN_K``'s rule, measured in the whole step.
 MEASURED = {
-    # Llama-3-8B qkv (one H200, 2026-11-30): 12.4 -> 11.0 us (no K split, 5 stages). In the step (2026-12-02,
-    # ``bench/decode_ab.py``) K split 2 (192 programs, and the reduce kernel) took 2.558 against 2.508 ms: the GEMV
-    # itself added 7.04 us a layer instead of ~7.2, the reduce kernel and the RoPE kernel after it 2.6 instead of 1.1.
-    (1, 6144, 4096, torch.bfloat16, "channel"): QGemvConfig(64, 256, 1, True, True, 4, 5, 4096, SWAP_AB=True),
-    # Qwen3-30B-A3B's attention GEMVs at 8 rows, no K split (``tune_fp8`` on one H100, 2026-12-06): o 8.43 against
-    # 8.97 us (512-byte steps), qkv 7.94 against 9.73 (5 stages). The fp8 batch-8 step with the one-program MoE sort
-    # (``triton_moe.ONE_CHUNK_SORT``): 6.071 against 6.329 ms (docs/perf.md, sixty-ninth run).
+    # Qwen3-30B-A3B's o GEMV at 8 rows (``tune_fp8`` on one H100, 2026-12-06): 8.43 against 8.97 us in one slice of
+    # 512-byte steps. Its qkv at 8 (7.94 against 9.73) and Llama-3-8B's one-token qkv (12.4 -> 11.0 us; split in two in
+    # the step, 2.558 against 2.508 ms) ran best in one slice at 5 stages: ``SWAP_AB_ONE_SLICE``'s rule, their entries
+    # gone with it (docs/perf.md, sixty-ninth and seventieth runs).
     (8, 2048, 4096, torch.bfloat16, "channel"): QGemvConfig(64, 512, 1, True, True, 4, 4, 4096, SWAP_AB=True),
-    (8, 5120, 2048, torch.bfloat16, "channel"): QGemvConfig(64, 256, 1, True, True, 4, 5, 2048, SWAP_AB=True),
 }
 
 
@@ -401,11 +397,12 @@ def _preload_config(cfg: QGemvConfig, n: int, k: int) -> QGemvConfig:
     return replace(cfg, BLOCK_N=block_n, BLOCK_K=k, SPLIT_K=1, num_warps=8, PRELOAD=True)
 
 
-# True: the wgmma (SWAP_AB) GEMVs the rule splits over K in one K slice at 5 stages instead (A/B knob, read by
-# ``config_for``; unsplit ones keep 4 stages, as 5 was slower for Llama-3-8B's gate/up in the step). Every such shape
-# ``tune_fp8`` has met ran faster alone in one slice (Llama-3-8B's qkv at 1 and 8 rows and o at 8, Qwen3-30B-A3B's
-# qkv and o at 8: ``MEASURED``; docs/perf.md, sixty-ninth run); not yet timed in a step (``gpu_session.sh oneslice``).
-SWAP_AB_ONE_SLICE = False
+# True: the wgmma (SWAP_AB) GEMVs the rule splits over K run in one K slice at 5 stages instead (read by
+# ``config_for``; unsplit ones keep 4 stages, as 5 was slower for Llama-3-8B's gate/up in the step). fp8 steps on one
+# H100 (2026-12-06, ``bench/decode_ab.py``, one artifact, medians of three interleaved rounds; docs/perf.md, seventieth
+# run): Qwen3-30B-A3B batch 1 2.163 against 2.221 ms, 8 6.175 against 6.208, 32 10.420 against 10.722; Llama-3-8B
+# batch 8 3.576 against 3.672, 32 4.221 against 4.465 (its batch 1 unchanged: the qkv was already one slice).
+SWAP_AB_ONE_SLICE = True
 
 # Field overrides of the default configs by (bucket, N, K), applied after the rules: what
 # ``bench/decode_ab.py`` variants set to time other tiles in the whole step.

@@ -64,10 +64,12 @@ def test_weight_only_config_rule(monkeypatch):
 
 
 def test_swap_ab_one_slice(monkeypatch):
-    """``SWAP_AB_ONE_SLICE``: the wgmma configs the rule would split over K run in one slice at 5 stages; other
-    configs (unsplit wgmma ones too) and ``MEASURED`` entries keep theirs, and the configs stay valid."""
+    """``SWAP_AB_ONE_SLICE`` (the default): the wgmma configs the rule would split over K run in one slice at 5
+    stages; other configs (unsplit wgmma ones too) and ``MEASURED`` entries keep theirs, and the configs stay valid."""
+    assert tfv.SWAP_AB_ONE_SLICE
     shapes = [(6144, 4096), (4096, 4096), (5120, 2048), (2048, 4096), (28672, 4096), (4096, 14336)]
     keys = [(mb, n, k, gran) for mb in tf.M_BUCKETS for n, k in shapes for gran in GRANS]
+    monkeypatch.setattr(tfv, "SWAP_AB_ONE_SLICE", False)
     before = {key: tf.config_for(*key[:3], torch.bfloat16, key[3]) for key in keys}
     monkeypatch.setattr(tfv, "SWAP_AB_ONE_SLICE", True)
     assert any(cfg.SWAP_AB and cfg.SPLIT_K > 1 for cfg in before.values())
@@ -102,8 +104,10 @@ def test_config_table():
                 # small one-row weight-only matrices load whole tiles before the PDL wait
                 assert cfg.PRELOAD == (cfg.WEIGHT_ONLY and not cfg.REDUCE_STEPS and gran != "block128"
                                        and n * k <= tfv.PRELOAD_MAX_BYTES)
-                # split K where the row tiles cannot fill the GPU (small N; 64-row SWAP_AB tiles: N < 8448)
-                assert (cfg.SPLIT_K > 1) == ((n == 512 and not cfg.PRELOAD) or (swap and -(-n // 64) < tf.NUM_SMS))
+                # split K where the row tiles cannot fill the GPU (small N; 64-row SWAP_AB tiles: N < 8448, unless
+                # SWAP_AB_ONE_SLICE, the default, runs those in one slice)
+                assert (cfg.SPLIT_K > 1) == ((n == 512 and not swap and not cfg.PRELOAD)
+                                             or (swap and not tfv.SWAP_AB_ONE_SLICE and -(-n // 64) < tf.NUM_SMS))
         assert all(not c.USE_DOT or c.SWAP_AB for c in gemv_tuning.fp8_candidates(1, gran))  # v1, or w @ x^T on wgmma
         assert any(c.WEIGHT_ONLY for c in gemv_tuning.fp8_candidates(1, gran))  # what config_for runs at one row
         for m in (2, 4, 8):
