@@ -26,12 +26,12 @@
 #           --tokens 8,32,128,256 --shapes qwen3-30b-a3b" for the whole sweep; GB/s against bench/decode.py's copy rate)
 #   moedecodestep the fp8 Qwen3-30B-A3B step at MOESTEP_BATCH (default 8,32,1) tokens in one artifact
 #           (bench/decode_ab.py, 5 rounds; ~6 minutes, the 31 GB build included): as shipped against MOESTEP_VARIANTS
-#           (bench/decode_ab.py's --variant syntax; default: the wgmma GEMVs in one K slice,
-#           triton_fp8_gemv.SWAP_AB_ONE_SLICE)
-#   oneslice the wgmma fp8 GEMVs the rule splits over K in one slice at 5 stages (triton_fp8_gemv.SWAP_AB_ONE_SLICE)
-#           against the split, in the step: Qwen3-30B-A3B at batch 1, 8 and 32 (its one-token qkv splits today; at 8
-#           rows MEASURED has its tiles), then Llama-3-8B at 8 and 32 (at one row nothing changes), ONESLICE_ROUNDS
-#           (default 5) rounds each (~9 minutes)
+#           (bench/decode_ab.py's --variant syntax; default: the wgmma GEMVs split over K as before the seventieth
+#           run, triton_fp8_gemv.SWAP_AB_ONE_SLICE off)
+#   oneslice the wgmma fp8 GEMVs the rule splits over K in one slice at 5 stages (triton_fp8_gemv.SWAP_AB_ONE_SLICE,
+#           the default since the seventieth run) against the split, in the step: Qwen3-30B-A3B at batch 1, 8 and
+#           32, then Llama-3-8B at 8 and 32 (at one row its qkv was one slice already), ONESLICE_ROUNDS (default 5)
+#           rounds each (~9 minutes; at 3 rounds 260 s on an H100, 2026-12-06)
 #   tp      the push all-reduce and TP GPU tests, then tp=2 (push, with and without the GEMV pushing its rows;
 #           TP_MODES) vs tp=1 decode and the all-reduce times
 #   ab      after decode, same call: fp8 without fuse_norm_linear
@@ -125,14 +125,14 @@ case "${1:-}" in
             ${MOEDECODE_ARGS:---against-previous --tokens 8,32,64 --weights channel,block128} ;;
   moedecodestep) run 560 moe_decode_step.log python3 bench/decode_ab.py --config bench/qwen3_30b_a3b.json --quant fp8 \
             --batch "${MOESTEP_BATCH:-8,32,1}" --rounds 5 --out "$scratch/abmd" --variant shipped= \
-            ${MOESTEP_VARIANTS:---variant oneslice=mxc.kernels.triton_fp8_gemv.SWAP_AB_ONE_SLICE=True} \
+            ${MOESTEP_VARIANTS:---variant split=mxc.kernels.triton_fp8_gemv.SWAP_AB_ONE_SLICE=False} \
             ; rm -rf "$scratch"/abmd* ;;
   oneslice) run 300 oneslice_qwen3.log python3 bench/decode_ab.py --config bench/qwen3_30b_a3b.json --quant fp8 \
             --batch 1,8,32 --rounds "${ONESLICE_ROUNDS:-5}" --out "$scratch/abos" --variant shipped= \
-            --variant oneslice=mxc.kernels.triton_fp8_gemv.SWAP_AB_ONE_SLICE=True; rm -rf "$scratch"/abos*
+            --variant split=mxc.kernels.triton_fp8_gemv.SWAP_AB_ONE_SLICE=False; rm -rf "$scratch"/abos*
           run 250 oneslice_llama.log python3 bench/decode_ab.py --quant fp8 --batch 8,32 \
             --rounds "${ONESLICE_ROUNDS:-5}" --out "$scratch/abol" --variant shipped= \
-            --variant oneslice=mxc.kernels.triton_fp8_gemv.SWAP_AB_ONE_SLICE=True; rm -rf "$scratch"/abol* ;;
+            --variant split=mxc.kernels.triton_fp8_gemv.SWAP_AB_ONE_SLICE=False; rm -rf "$scratch"/abol* ;;
   tp)     run 60 push_test.log python3 -m pytest -q -p no:cacheprovider tests/gpu/test_push_allreduce_gpu.py
           run 120 tp_test.log python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tp_gpu.py -k "${TP_TESTS:-one_shot or push}"
           run 400 tp.log python3 bench/decode_tp.py --tp 2 --modes "${TP_MODES:-push,push-unfused}" --out "$scratch/btp"; rm -rf "$scratch"/btp* ;;
