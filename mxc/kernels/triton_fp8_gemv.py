@@ -456,11 +456,12 @@ def _base_config(m_bucket: int, n: int, k: int, dtype: torch.dtype, granularity:
         return MEASURED[(m_bucket, n, k, dtype, granularity)]
     qbk = _quant_block(k)
     if granularity != "block128" and (m_bucket > 1 or n > k):
-        # w @ x^T on e4m3 wgmma (SWAP_AB), [64 rows, 256 B] steps, K split to ~1 program per SM. Llama-3-8B's
-        # one-token gate/up GEMV (80 KB of shared memory: two programs an SM, 448 programs in two waves) in the
-        # whole step (2026-12-02, ``bench/decode_ab.py``): 2.522 ms against [128, 128 B] x 4 stages 2.597 (one
-        # wave of 224), [64, 128 B] x 5 stages 2.598 (four an SM: one wave), [64, 128 B] x 8 stages 2.536. The
-        # first weight tiles loaded into registers before the PDL wait: slower (``docs/persistent_decode.md``'s index).
+        # w @ x^T on e4m3 wgmma (SWAP_AB), [64 rows, 256 B] steps, K split to ~1 program per SM (not under
+        # SWAP_AB_ONE_SLICE). Llama-3-8B's one-token gate/up GEMV (80 KB of shared memory: two programs an SM, 448
+        # programs in two waves) in the whole step (2026-12-02, ``bench/decode_ab.py``): 2.522 ms against [128, 128 B]
+        # x 4 stages 2.597 (one wave of 224), [64, 128 B] x 5 stages 2.598 (four an SM: one wave), [64, 128 B] x 8
+        # stages 2.536. The first weight tiles loaded into registers before the PDL wait: slower
+        # (``docs/persistent_decode.md``'s index).
         split_k = split_k_for(cdiv(n, 64), k, 256)
         if SWAP_AB_ONE_SLICE and split_k > 1:
             split_k, stages = 1, 5
