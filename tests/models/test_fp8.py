@@ -7,7 +7,9 @@ L2 norm, max error 4-8% of the largest logit (each e4m3 rounding is up to
 out). The bounds below sit just above that; the issue's 5%-of-scale target is
 met on L2 for Llama and Qwen2, not for Qwen3 (docs/perf.md). Greedy agreement
 with bf16 is printed; tiny random models have near-flat logits, so it is
-reported rather than asserted.
+reported rather than asserted. ``test_fp8_logits_are_the_schemes_own`` shows the
+error is the scheme's: in float32, transformers computing W8A8 e4m3 itself gives
+mxc's fp8 logits to 1e-7, 5.4-5.7% off the unquantized ones for Qwen3.
 """
 
 from __future__ import annotations
@@ -50,6 +52,61 @@ def test_fp8_logits_close_to_unquantized(arch, overrides, granularity, hf_checkp
         assert f.get_tensor("layers.0.wqkv_scale").dtype == torch.float32
         assert f.get_tensor("lm_head" if "lm_head" in f.keys() else "embed").dtype == torch.bfloat16
 
+
+
+def _w8a8(model, granularity):
+    """Make a transformers model compute #5's scheme, written here apart from mxc: each decoder linear's weight
+    rounded to e4m3 at amax / 448 scales (per output row, per tensor, or per 128x128 tile of the weight mxc merges
+    the parts into: ``block128`` tiles the merged qkv and gate/up, ``channel`` and ``tensor`` keep each part's own
+    scales), and each token of its input rounded to e4m3 at its own amax / 448."""
+    fmax = torch.finfo(torch.float8_e4m3fn).max
+
+    def rounded(t, amax):
+        scale = (amax / fmax).clamp(min=1e-12)
+        return (t / scale).clamp(-fmax, fmax).to(torch.float8_e4m3fn).float() * scale
+
+    def weights(parts):
+        if granularity == "channel":
+            return [rounded(w, w.abs().amax(dim=1, keepdim=True)) for w in parts]
+        if granularity == "tensor":
+            return [rounded(w, w.abs().amax()) for w in parts]
+        w = torch.cat(parts)
+        n, k = w.shape
+        tiles = torch.nn.functional.pad(w, (0, -k % 128, 0, -n % 128)).unflatten(1, (-1, 128)).unflatten(0, (-1, 128))
+        return rounded(tiles, tiles.abs().amax(dim=(1, 3), keepdim=True)).flatten(2).flatten(0, 1)[:n, :k].split(
+            [p.shape[0] for p in parts])
+
+    def tokens_rounded(_, args):
+        return (rounded(args[0], args[0].abs().amax(dim=-1, keepdim=True)),)
+
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for linears in ([attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj], [mlp.gate_proj, mlp.up_proj],
+                        [mlp.down_proj]):
+            for linear, w in zip(linears, weights([lin.weight.detach().float() for lin in linears])):
+                linear.weight.data.copy_(w)
+                linear.register_forward_pre_hook(tokens_rounded)
+    return model
+
+
+@pytest.mark.parametrize("arch,overrides", [("LlamaForCausalLM", {}), ("Qwen2ForCausalLM", {}),
+                                            ("Qwen3ForCausalLM", {"head_dim": 32})])
+@pytest.mark.parametrize("granularity", ["channel", "tensor", "block128"])
+def test_fp8_logits_are_the_schemes_own(arch, overrides, granularity, hf_checkpoint, tmp_path, record_property):
+    """In float32, where no other rounding differs, the fp8 artifact's logits are those of transformers computing
+    the W8A8 scheme itself (``_w8a8``): what the fp8 logits lose against the unquantized model is the scheme's
+    rounding, not mxc's (the reported figure, at these models' float32; bfloat16's is in the test above)."""
+    ckpt, hf = hf_checkpoint(arch, **overrides)
+    art = mxc.build(str(ckpt), out=tmp_path / "fp8", dtype="float32", quant="fp8", quant_granularity=granularity,
+                    progress=False, log=lambda m: None)
+    got = mxc.load(art).logits(IDS)
+    with torch.no_grad():
+        plain = hf(IDS).logits
+        want = _w8a8(hf, granularity)(IDS).logits
+    assert _l2(got, want) < 1e-4 and _rel(got, want) < 1e-4, (_l2(got, want), _rel(got, want))
+    assert _l2(want, plain) > 0.02  # the scheme's rounding is there to match
+    record_property("report", f"fp8 {granularity:8s} {arch:18s} float32: the W8A8 scheme in transformers puts the "
+                              f"logits {_l2(want, plain):.1%} (L2) off; mxc {_l2(got, want):.0e} off the scheme")
 
 def test_fp8_experts(hf_checkpoint, tmp_path):
     """--quant fp8 also stores the expert stacks in fp8 with per-expert row scales."""
