@@ -58,7 +58,9 @@ def _w8a8(model, granularity):
     """Make a transformers model compute #5's scheme, written here apart from mxc: each decoder linear's weight
     rounded to e4m3 at amax / 448 scales (per output row, per tensor, or per 128x128 tile of the weight mxc merges
     the parts into: ``block128`` tiles the merged qkv and gate/up, ``channel`` and ``tensor`` keep each part's own
-    scales), and each token of its input rounded to e4m3 at its own amax / 448."""
+    scales), and each token of its input rounded to e4m3 at its own amax / 448. Fused experts (transformers'
+    [E, rows, K] stacks) have each expert's rows rounded at their own scales, whatever the granularity, and their
+    inputs left as they are; the routers stay unrounded."""
     fmax = torch.finfo(torch.float8_e4m3fn).max
 
     def rounded(t, amax):
@@ -81,16 +83,26 @@ def _w8a8(model, granularity):
 
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        for linears in ([attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj], [mlp.gate_proj, mlp.up_proj],
-                        [mlp.down_proj]):
+        groups = [[attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj]]
+        if hasattr(mlp, "experts"):
+            for stack in (mlp.experts.gate_up_proj.data, mlp.experts.down_proj.data):
+                stack.copy_(rounded(stack.float(), stack.float().abs().amax(dim=2, keepdim=True)))
+        else:
+            groups += [[mlp.gate_proj, mlp.up_proj], [mlp.down_proj]]
+        for linears in groups:
             for linear, w in zip(linears, weights([lin.weight.detach().float() for lin in linears])):
                 linear.weight.data.copy_(w)
                 linear.register_forward_pre_hook(tokens_rounded)
     return model
 
 
+QWEN3_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=True)
+MIXTRAL = dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=40)
+
+
 @pytest.mark.parametrize("arch,overrides", [("LlamaForCausalLM", {}), ("Qwen2ForCausalLM", {}),
-                                            ("Qwen3ForCausalLM", {"head_dim": 32})])
+                                            ("Qwen3ForCausalLM", {"head_dim": 32}),
+                                            ("Qwen3MoeForCausalLM", QWEN3_MOE), ("MixtralForCausalLM", MIXTRAL)])
 @pytest.mark.parametrize("granularity", ["channel", "tensor", "block128"])
 def test_fp8_logits_are_the_schemes_own(arch, overrides, granularity, hf_checkpoint, tmp_path, record_property):
     """In float32, where no other rounding differs, the fp8 artifact's logits are those of transformers computing
