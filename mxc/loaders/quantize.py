@@ -3,9 +3,12 @@
 ``quantize_fp8(w, granularity, segments)`` returns the fp8 values and the
 float32 scales with ``w ~= q * scale``: ``channel`` one scale per output row,
 ``tensor`` one per merged part (q, k and v keep their own) stored repeated
-per row, ``block128`` one per 128x128 tile. Scales are amax / 448 so the
-largest value of each group lands on e4m3's largest finite value. The runtime
-side (dequantization, activation quantization) is ``kernels/fp8_ref.py``.
+per row, ``block128`` one per 128x128 tile of the (merged) weight. Where a
+part's rows are not whole 128-row blocks (k and v of 96 rows), a tile spans two
+parts, which then share its scale; an fp8 checkpoint's per-part blocks cannot be
+merged that way, so the quantize pass refuses those merges. Scales are amax / 448,
+so the largest value of each group lands on e4m3's largest finite value. The
+runtime side (dequantization, activation quantization) is ``kernels/fp8_ref.py``.
 
 The float32 arithmetic runs ``CHUNK_BYTES`` of rows at a time (whole 128-row blocks for ``block128``) into
 outputs allocated once: over the whole tensor, its float32 copy and temporaries held about seven times a bf16
