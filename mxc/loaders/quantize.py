@@ -6,7 +6,7 @@ float32 scales with ``w ~= q * scale``: ``channel`` one scale per output row,
 per row, ``block128`` one per 128x128 tile of the (merged) weight. Where a
 part's rows are not whole 128-row blocks (k and v of 96 rows), a tile spans two
 parts, which then share its scale; an fp8 checkpoint's per-part blocks cannot be
-merged that way, so the quantize pass refuses those merges. Scales are amax / 448,
+merged that way, so the loader refuses those merges (``convert``). Scales are amax / 448,
 so the largest value of each group lands on e4m3's largest finite value. The
 runtime side (dequantization, activation quantization) is ``kernels/fp8_ref.py``.
 
