@@ -53,7 +53,6 @@ def test_fp8_logits_close_to_unquantized(arch, overrides, granularity, hf_checkp
         assert f.get_tensor("lm_head" if "lm_head" in f.keys() else "embed").dtype == torch.bfloat16
 
 
-
 def _w8a8(model, granularity):
     """Make a transformers model compute #5's scheme, written here apart from mxc: each decoder linear's weight
     rounded to e4m3 at amax / 448 scales (per output row, per tensor, or per 128x128 tile of the weight mxc merges
@@ -119,6 +118,7 @@ def test_fp8_logits_are_the_schemes_own(arch, overrides, granularity, hf_checkpo
     assert _l2(want, plain) > 0.02  # the scheme's rounding is there to match
     record_property("report", f"fp8 {granularity:8s} {arch:18s} float32: the W8A8 scheme in transformers puts the "
                               f"logits {_l2(want, plain):.1%} (L2) off; mxc {_l2(got, want):.0e} off the scheme")
+
 
 def test_fp8_experts(hf_checkpoint, tmp_path):
     """--quant fp8 also stores the expert stacks in fp8 with per-expert row scales."""
