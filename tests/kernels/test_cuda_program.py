@@ -162,22 +162,24 @@ def test_dense_fp8_cuda_program_matches_cpu_program(arch, fields, quant, lens):
         assert err < 5e-2, err
 
 
-
+@pytest.mark.parametrize("lens", [[S, S], [9, 9, 9, 9]], ids=["gemv", "gemm"])
 @pytest.mark.parametrize("granularity", ["channel", "tensor", "block128"])
-def test_dense_fp8_cuda_program_in_float32_is_the_cpu_programs(granularity):
+def test_dense_fp8_cuda_program_in_float32_is_the_cpu_programs(granularity, lens):
     """In float32 no other rounding differs, so the CUDA program's fp8 kernels (the activations' RMSNorm-quantize,
-    quantize and SiLU-quantize, the GEMVs at 2 rows a decode step, the GEMM at the 10-row prefill) give the CPU
-    program's logits, which are transformers' computing the W8A8 scheme (``tests/models/test_fp8.py``), up to
-    float32 sums in another order: here a scale 1% off or one activation left unrounded is seen, where the float16
-    test above needs a 5% bound. Two rows a step: at one row the GPU's GEMVs run weight-only, by design."""
+    quantize and SiLU-quantize; the fp8 GEMVs at a 10-row prefill and at 2 and 4 rows a decode step, the fp8 GEMM
+    at a 36-row prefill) give the CPU program's logits, which are transformers' computing the W8A8 scheme
+    (``tests/models/test_fp8.py``), up to float32 sums in another order: here an activation scale 1% off, or
+    activations left unrounded, fail, where the float16 test above needs a 5% bound. At least two rows a step: at
+    one row the GPU's GEMVs run weight-only, by design."""
     quant = dict(quant="fp8", quant_granularity=granularity)
     cuda_graph, cuda_forward = _program("LlamaForCausalLM", "cuda", quant, dense_fp8=True, dtype="float32")
     cpu_graph, cpu_forward = _program("LlamaForCausalLM", "cpu", quant, dense_fp8=True, dtype="float32")
-    for got, ref in zip(_run(cuda_graph, cuda_forward, [S, S], torch.float32),
-                        _run(cpu_graph, cpu_forward, [S, S], torch.float32)):
+    for got, ref in zip(_run(cuda_graph, cuda_forward, lens, torch.float32),
+                        _run(cpu_graph, cpu_forward, lens, torch.float32)):
         assert got.dtype == torch.float32 and got.shape == ref.shape
         err = float((got - ref).abs().max() / ref.abs().max())
         assert err < 1e-5, err
+
 
 @pytest.mark.parametrize("arch,fields,s", [  # padded by 7 tokens, and by none (a zero-length second sequence)
     ("LlamaForCausalLM", {}, 9), ("LlamaForCausalLM", {}, 16), ("Qwen3MoeForCausalLM", MOE, 9),
