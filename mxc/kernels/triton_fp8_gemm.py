@@ -14,8 +14,8 @@ import triton.language as tl
 
 from mxc.kernels.launch import cdiv, launch
 from mxc.kernels.pdl import pdl_enter
-from mxc.kernels.triton_fp8_quant import (_DTYPES, GRANULARITIES, _check_inputs, _check_norm, _finish, _pow2,
-                                          _prequantize, _quant_block)
+from mxc.kernels.triton_fp8_quant import (_DTYPES, GRANULARITIES, _check_inputs, _check_norm, _dot_e4m3, _finish,
+                                          _pow2, _prequantize, _quant_block, promote_acc)
 
 
 @triton.jit
@@ -24,7 +24,7 @@ def _qgemm_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_M: tl.constexpr, BLOCK_SCALE: tl.constexpr,
                   HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                  USE_PDL: tl.constexpr = False):
+                  USE_PDL: tl.constexpr = False, PROMOTE_ACC: tl.constexpr = 0):
     """One [BLOCK_M, BLOCK_N] tile of y = (xq [M, K] @ w [N, K]^T) * xs[:, None] * scale, both
     operands e4m3, fp32 accumulation; grid: cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N) programs in
     groups of GROUP_M row tiles (consecutive programs share w tiles in L2)."""
@@ -62,9 +62,9 @@ def _qgemm_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
         if BLOCK_SCALE:
-            acc += tl.dot(a, tl.trans(b)) * tl.load(s_row + k // 128)
+            acc += _dot_e4m3(a, tl.trans(b), None, PROMOTE_ACC) * tl.load(s_row + k // 128)
         else:
-            acc = tl.dot(a, tl.trans(b), acc)
+            acc = _dot_e4m3(a, tl.trans(b), acc, PROMOTE_ACC)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
 
@@ -136,6 +136,7 @@ def qlinear_gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: to
     grid = (cdiv(M, cfg.BLOCK_M) * cdiv(N, cfg.BLOCK_N),)
     launch(_qgemm_kernel, grid, [xq, xs, w, scale, bias, residual, y, M],
            dict(N=N, K=K, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-                BLOCK_SCALE=block, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None),
+                BLOCK_SCALE=block, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+                **promote_acc(cfg.BLOCK_K)),
            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y

@@ -65,8 +65,8 @@ from mxc.kernels import triton_elementwise, triton_norm
 from mxc.kernels.launch import cdiv, launch, next_pow2
 from mxc.kernels.triton_elementwise import _gate_col, _silu_mul
 from mxc.kernels.pdl import pdl_enter, prefetch_bytes, prefetch_rows_l2, reads_before_wait
-from mxc.kernels.triton_fp8_quant import (_DTYPES, GRANULARITIES, _check_inputs, _check_norm, _finish, _load_act,
-                                          _pow2, _prequantize, _quant, _quant_block, _row_scale)
+from mxc.kernels.triton_fp8_quant import (_DTYPES, GRANULARITIES, _check_inputs, _check_norm, _dot_e4m3, _finish,
+                                          _load_act, _pow2, _prequantize, _quant, _quant_block, _row_scale, promote_acc)
 from mxc.kernels.triton_gemv import M_BUCKETS, NUM_SMS, bucket, fill_gpu, split_k_for
 
 
@@ -80,7 +80,8 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
                   PROLOGUE_SILU_MUL: tl.constexpr,
                   USE_PDL: tl.constexpr = False, SWAP_AB: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
                   WEIGHT_ONLY: tl.constexpr = False, EPILOGUE_SILU_MUL: tl.constexpr = False,
-                  REDUCE_STEPS: tl.constexpr = False, PRELOAD: tl.constexpr = False, PAIR_BLOCK: tl.constexpr = 0):
+                  REDUCE_STEPS: tl.constexpr = False, PRELOAD: tl.constexpr = False, PAIR_BLOCK: tl.constexpr = 0,
+                  PROMOTE_ACC: tl.constexpr = 0):
     """One program: columns [pid_n * BLOCK_N, +BLOCK_N) of y over K slice pid_k.
 
     x_ptr: x [M, K] (or [M, 2K] under PROLOGUE_SILU_MUL) in its float dtype, with xs_ptr None;
@@ -184,13 +185,13 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
                 else:  # the last slices of a split may start past K
                     sk = tl.load(s_row + kb, mask=kb < KB, other=0.0)
                 if SWAP_AB:
-                    acc_t += tl.dot(w, tl.trans(xq)) * sk
+                    acc_t += _dot_e4m3(w, tl.trans(xq), None, PROMOTE_ACC) * sk
                 else:
-                    acc += tl.dot(xq, tl.trans(w)) * sk
+                    acc += _dot_e4m3(xq, tl.trans(w), None, PROMOTE_ACC) * sk
             elif SWAP_AB:
-                acc_t = tl.dot(w, tl.trans(xq), acc_t)
+                acc_t = _dot_e4m3(w, tl.trans(xq), acc_t, PROMOTE_ACC)
             else:
-                acc = tl.dot(xq, tl.trans(w), acc)
+                acc = _dot_e4m3(xq, tl.trans(w), acc, PROMOTE_ACC)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         if SWAP_AB:
@@ -579,7 +580,8 @@ def qlinear_small_m(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias:
                   PROLOGUE_SILU_MUL=silu_mul and not (cfg.PREQUANT or cfg.WEIGHT_ONLY), SWAP_AB=cfg.SWAP_AB,
                   PREFETCH=prefetch_bytes(PREFETCH_BYTES, K), WEIGHT_ONLY=cfg.WEIGHT_ONLY,
                   EPILOGUE_SILU_MUL=epilogue is not None, **({"REDUCE_STEPS": True} if cfg.REDUCE_STEPS else {}),
-                  **({"PRELOAD": True} if cfg.PRELOAD else {}), **({"PAIR_BLOCK": interleave} if interleave else {}))
+                  **({"PRELOAD": True} if cfg.PRELOAD else {}), **({"PAIR_BLOCK": interleave} if interleave else {}),
+                  **promote_acc(cfg.BLOCK_K))
     has_bias, has_residual = bias is not None, residual is not None
     if cfg.SPLIT_K == 1:
         launch(_qgemv_kernel, grid, [x, xs, w, scale, bias, residual, y, M],

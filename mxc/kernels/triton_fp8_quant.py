@@ -52,6 +52,13 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 GRANULARITIES = ("channel", "tensor", "block128")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Triton runs an e4m3 x e4m3 -> fp32 tl.dot on sm_90 as wgmma accumulating in the tensor cores' own accumulator,
+# which keeps fewer bits than fp32 (DeepSeek-V3's report, section 3.3.2: about 14), over the whole K unless the
+# dot's ``max_num_imprecise_acc`` says otherwise (its default there: 2**30), as CUTLASS's FP8FastAccum and
+# torchao's fp8 inference run. FP8_ACC_PROMOTE = N > 0 makes the fp8 GEMV and GEMM add their sums into fp32
+# every N elements of K (at least once a dot: their ``PROMOTE_ACC``, ``_dot_e4m3``); measured in
+# docs/perf.md (bench/fp8_accum_lab.py): at N = BLOCK_K the GEMVs 2-10% slower, the GEMM 36%, so 0 (never).
+FP8_ACC_PROMOTE = 0
 
 
 @triton.jit
@@ -92,6 +99,23 @@ def _chunk(x_ptrs, k, PAIR_BLOCK: tl.constexpr):
         return x_ptrs + 2 * k
     else:
         return x_ptrs + k
+
+
+@triton.jit
+def _dot_e4m3(a, b, acc, PROMOTE: tl.constexpr):
+    """``acc + a @ b`` of e4m3 tiles (``acc`` None: zeros), ``acc`` riding in the tensor cores' accumulator; with
+    ``PROMOTE`` (at most the tiles' K) the products are summed apart ``PROMOTE`` elements of K at a time, each sum
+    then added to ``acc`` in fp32 (as cuBLASLt's default fp8 GEMM and DeepGEMM do every 128)."""
+    if PROMOTE:
+        return tl.dot(a, b, acc, max_num_imprecise_acc=PROMOTE)
+    else:
+        return tl.dot(a, b, acc)
+
+
+def promote_acc(block_k: int) -> dict:
+    """The ``PROMOTE_ACC`` constexpr of an fp8 GEMV or GEMM launch with K tiles of ``block_k`` under
+    ``FP8_ACC_PROMOTE`` (none at 0, leaving the binaries as they were)."""
+    return {"PROMOTE_ACC": min(FP8_ACC_PROMOTE, block_k)} if FP8_ACC_PROMOTE else {}
 
 
 @triton.jit
