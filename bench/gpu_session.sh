@@ -32,6 +32,10 @@
 #           the default since the seventieth run) against the split, in the step: Qwen3-30B-A3B at batch 1, 8 and
 #           32, then Llama-3-8B at 8 and 32 (at one row its qkv was one slice already), ONESLICE_ROUNDS (default 5)
 #           rounds each (~9 minutes; at 3 rounds 260 s on an H100, 2026-12-06)
+#   accum   how the fp8 GEMVs and GEMM accumulate (bench/fp8_accum_lab.py): as shipped (fast, in the tensor cores)
+#           against sums promoted to fp32 once a dot and after every wgmma (ACCUM_PROMOTE, default "0 1024 32"; 1024:
+#           once a dot); each linear's error against exact products and its time, then tiny float32 logits cuda vs
+#           CPU (~150 s a setting on an H100, 2026-12-06)
 #   tp      the push all-reduce and TP GPU tests, then tp=2 (push, with and without the GEMV pushing its rows;
 #           TP_MODES) vs tp=1 decode and the all-reduce times
 #   ab      after decode, same call: fp8 without fuse_norm_linear
@@ -113,6 +117,8 @@ case "${1:-}" in
   tests)  # GPU_TESTS: the test paths and pytest options (default tests/gpu), TESTS_LIMIT: seconds (default 560)
           run "${TESTS_LIMIT:-560}" pytest.log python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu} --durations=10 ;;
   suite)  run 560 pytest_suite.log python3 -m pytest -q -p no:cacheprovider -n "${SUITE_WORKERS:-12}" tests --ignore=tests/gpu ;;
+  accum)  for p in ${ACCUM_PROMOTE:-0 1024 32}; do
+            run 170 "accum_$p.log" python3 bench/fp8_accum_lab.py --promote "$p"; done ;;
   kattn)  run 300 pytest_attention.log python3 -m pytest -q -p no:cacheprovider tests/kernels/test_attention.py ;;
   decode) run 570 decode.log python3 bench/decode.py --profile 1,8 --profile-prefill --quant fp8 --hf-batches 1,8,32 --pdl-ab \
             --out "$scratch/b8" ;;
