@@ -297,6 +297,30 @@ def test_qlinear_dispatch():
         assert launches == [tfq._quant_tile_kernel, tfm._qgemm_kernel]
 
 
+@pytest.mark.parametrize("gran", ["channel", "block128"])
+@pytest.mark.parametrize("fn,m,cfg", [(tf.qlinear_small_m, 5, SWAP), (tf.qlinear_small_m, 17, DOT),
+                                      (tf.qlinear_gemm, 40, GEMM)], ids=["swap", "dot", "gemm"])
+def test_promoted_accumulation(fn, m, cfg, gran, monkeypatch):
+    """``FP8_ACC_PROMOTE``: the fp8 dots promote their sums every N elements of K, at most a dot's BLOCK_K (64
+    here), through a launch constexpr passed only when set, so the shipped binaries stay as they were; the values
+    are the reference's either way (the interpreter sums in fp32; the GPU's difference: bench/fp8_accum_lab.py)."""
+    def constexprs(promote):
+        seen = []
+
+        def launcher(kernel, grid, args, consts, num_warps, num_stages):
+            seen.append(consts)
+            launch_mod.jit_launch(kernel, grid, args, consts, num_warps, num_stages)
+
+        monkeypatch.setattr(tfq, "FP8_ACC_PROMOTE", promote)
+        with launch_mod.using(launcher):
+            _run(fn, m, torch.float32, gran, FUSIONS[0], cfg, seed=m)
+        return [c.get("PROMOTE_ACC") for c in seen if "BLOCK_SCALE" in c]  # the GEMV's or GEMM's launch
+
+    assert constexprs(0) == [None]
+    assert constexprs(32) == [32]
+    assert constexprs(1024) == [64]
+
+
 def test_rejects_bad_inputs():
     x, q, s, b, r = (_dev(t) for t in _inputs(2, 8, 16, torch.float16, "channel", True, True, False, seed=1))
     ok = dict(granularity="channel")
