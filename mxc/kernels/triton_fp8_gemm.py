@@ -27,7 +27,8 @@ def _qgemm_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
                   USE_PDL: tl.constexpr = False, PROMOTE_ACC: tl.constexpr = 0):
     """One [BLOCK_M, BLOCK_N] tile of y = (xq [M, K] @ w [N, K]^T) * xs[:, None] * scale, both
     operands e4m3, fp32 accumulation; grid: cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N) programs in
-    groups of GROUP_M row tiles (consecutive programs share w tiles in L2)."""
+    groups of GROUP_M row tiles (consecutive programs share w tiles in L2). The dots' sums go to fp32 every
+    PROMOTE_ACC columns of K (0: never, the tensor cores' accumulator; ``_dot_e4m3``)."""
     pdl_enter(USE_PDL)
     tl.static_assert(not BLOCK_SCALE or (128 % BLOCK_K == 0 and 128 % BLOCK_N == 0))
     KB: tl.constexpr = (K + 127) // 128

@@ -95,8 +95,8 @@ def _qgemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M,
     N/2 below them; with PAIR_BLOCK B the weight's rows come in blocks of B gate then B up rows, each gate
     row's up row B below it (``triton_elementwise.check_interleave``). REDUCE_STEPS (one row): v2's loop,
     each step's products summed to BLOCK_N values, instead of v1's [BLOCK_N, BLOCK_K] accumulator. Built
-    for PDL (USE_PDL), it first asks L2 for PREFETCH bytes (0: none) of each of its weight rows.
-    """
+    for PDL (USE_PDL), it first asks L2 for PREFETCH bytes (0: none) of each of its weight rows. The e4m3
+    dots' sums go to fp32 every PROMOTE_ACC columns of K (0: never, the tensor cores' accumulator; ``_dot_e4m3``)."""
     tl.static_assert(SPLIT_K == 1 or not (HAS_BIAS or HAS_RESIDUAL))
     tl.static_assert(not PREQUANT or not PROLOGUE_SILU_MUL)
     tl.static_assert(not SWAP_AB or (USE_DOT and PREQUANT))
