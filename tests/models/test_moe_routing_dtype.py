@@ -50,7 +50,7 @@ def test_mixtral_moe_block_bit_for_bit(dtype, experts, k, impl, hf_checkpoint):
 
     The batched path's float16 products are torch's float16 ``bmm``, whose sums on a CPU without AVX-512 (an
     AVX2 EPYC, 2026-12-06) are not float32 sums rounded once: there transformers' two paths themselves differ on
-    0.65% of the elements, and mxc is held to the batched path where they agree."""
+    0.3% of these elements, and mxc is held to the batched path where they agree."""
     _, hf = hf_checkpoint("MixtralForCausalLM", dtype=dtype, num_local_experts=experts, num_experts_per_tok=k)
     block, x = _block_and_input(hf)
     assert hf.config._experts_implementation == "grouped_mm"  # transformers' default: what a user's model runs
@@ -62,7 +62,7 @@ def test_mixtral_moe_block_bit_for_bit(dtype, experts, k, impl, hf_checkpoint):
         _, rounded = _mxc_block(block, x, k, fp32_weights=False)
     assert w.dtype == torch.float32 and got.dtype == want.dtype == dtype
     assert torch.equal(got, default), float((got.float() - default.float()).abs().max())
-    agree = want == default  # every element where torch's 16-bit matmuls sum in float32 and round once
+    agree = want == default  # transformers' two paths agree: everywhere where torch's float16 bmm sums in float32
     assert (~agree).float().mean() < 0.02 and torch.equal(got[agree], want[agree])
     assert (rounded != want).float().mean() > 0.1  # the bf16 weights' output: about half the elements an ulp off
 
