@@ -28,7 +28,10 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # bf16/fp8 conversions and dots a
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(min(4, torch.get_num_threads()))
+# One intra-op thread pool a core: pytest-xdist's workers (-n auto: one a core) each left at the core count
+# oversubscribe the CPUs, 9-13% slower on the 2-core CI machine (2026-12-06)
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(4, torch.get_num_threads(), len(os.sched_getaffinity(0)) // _WORKERS)))
 
 # Figures a test reports (``record_property("report", line)``, e.g. fp8's greedy-token agreement), printed
 # after the run: report properties travel from pytest-xdist's workers, whose own output is not shown.

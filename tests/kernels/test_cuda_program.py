@@ -7,9 +7,8 @@ This checks the wiring the kernel tests cannot: the calls the code generator wri
 chosen candidate (GEMV and cuBLAS linears, the RoPE/KV write then prefill attention, the decode
 attention that does the RoPE/KV write itself,
 the one-kernel MoE router, the sorted fused MoE for prefills and the per-pair MoE kernels for
-decode), token-count dispatch between them, and the KV cache they share: a prefill of 2 x 5
-tokens (or 1 x 5, or sequences of 5 and 2), then two decode steps of 2 tokens (or 1: the one-row kernels,
-such as the batch-1 GEMV).
+decode), token-count dispatch between them, and the KV cache they share: a prefill of sequences of 5 and 2
+tokens (or 1 x 5), then two decode steps of 2 tokens (or 1: the one-row kernels, such as the batch-1 GEMV).
 """
 
 from __future__ import annotations
@@ -98,9 +97,10 @@ def _run(graph, forward, lens, dtype=torch.float16):
 BLOCK_FP8 = dict(quant="fp8", quant_granularity="block128", quant_scale_suffix="weight_scale_inv")
 
 
-# one sequence: the one-row kernels (the batch-1 GEMV); two of one length; two of different lengths (generate's
-# prompts of different lengths: the attention's rows of each, the decode from each one's position)
-@pytest.mark.parametrize("lens", [[S], [S, S], [S, 2]], ids=["one", "two", "ragged"])
+# one sequence: the one-row kernels (the batch-1 GEMV); two of different lengths (generate's prompts of different
+# lengths: the attention's rows of each, the decode from each one's position). Two of one length took the same
+# kernels as these two (a prefill of 7 or 10 tokens: the same candidates) and 60 s of CI: dropped
+@pytest.mark.parametrize("lens", [[S], [S, 2]], ids=["one", "ragged"])
 @pytest.mark.parametrize("arch,fields,quant", [
     ("LlamaForCausalLM", {}, None), ("Qwen3MoeForCausalLM", MOE, None), ("LlamaForCausalLM", {"head_dim": 80}, None),
     ("Qwen3MoeForCausalLM", {**MOE, "moe_intermediate_size": 128}, BLOCK_FP8),
