@@ -75,4 +75,44 @@ def patch_interpreter() -> None:
     global _patched
     interpreter._convert_float = _convert_float
     interpreter.InterpreterBuilder.create_dot = create_dot
+    _skip_repatching_in_helper_calls(interpreter, tl)
     _patched = True
+
+
+def _skip_repatching_in_helper_calls(interpreter, tl) -> None:
+    """Triton's interpreter patches ``triton.language`` again (``inspect.getmembers`` over ``tl``, ``tl.math``,
+    ``tl.tensor``) at every call of a ``@triton.jit`` helper (``tl.sum`` and ``tl.zeros`` among them), though the
+    running launch or an earlier helper patched the same modules already: a third of the time of kernels that call
+    helpers in their loops. Within a launch, a helper that sees no language module not patched yet skips it; the
+    patches it would make are the same."""
+    if not (hasattr(interpreter, "_patch_lang") and hasattr(interpreter, "GridExecutor")):
+        return  # another interpreter layout: left as it is
+    patch_lang, launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
+    patched: list[set[int] | None] = []  # the language modules each running launch patched (None: not yet)
+
+    seen: dict = {}  # function -> the language modules among its globals
+
+    def langs(fn) -> set[int]:
+        if fn not in seen:
+            seen[fn] = frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+        return seen[fn]
+
+    def _patch_lang(fn):
+        mods = langs(fn)
+        if patched and patched[-1] is None:  # the launch's own call: its scope restores the modules at the end
+            patched[-1] = set(mods)
+        elif patched and mods <= patched[-1]:
+            return None  # a helper's call, whose scope nothing restores
+        elif patched:  # a helper seeing another module (tl.sum's tl.core): patched from here on, never restored
+            patched[-1] |= mods
+        return patch_lang(fn)
+
+    def __call__(self, *args, **kwargs):
+        patched.append(None)
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    interpreter._patch_lang = _patch_lang
+    interpreter.GridExecutor.__call__ = __call__
