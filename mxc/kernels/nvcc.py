@@ -11,6 +11,7 @@ machine with none. No GPU is needed to build.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -92,8 +93,18 @@ def cached_library(what: str, cache_name: str, source, compile, prebuilt_env: st
         text = source()
         cached = cache_dir(cache_name) / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.so"
         if not cached.is_file():
-            log(f"compiling the {what} with nvcc{note} (cached in {cached.parent})")
-            compile(text, cached)
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            # one compile of a source at a time (two builds at once, the test suite's workers): the second waits for
+            # the first's library instead of compiling it again; the lock goes with its process, even a killed one
+            with open(cached.with_suffix(".lock"), "w") as lock:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    log(f"waiting for another process compiling the {what} (into {cached.parent})")
+                    fcntl.flock(lock, fcntl.LOCK_EX)
+                if not cached.is_file():
+                    log(f"compiling the {what} with nvcc{note} (cached in {cached.parent})")
+                    compile(text, cached)
     if out_path is None:
         return cached
     out_path = Path(out_path)
