@@ -39,6 +39,12 @@ _REPORTS: list[str] = []
 
 
 def pytest_configure(config):
+    # -n with pytest-xdist's default 'load': 'loadgroup' instead, so the tests marked xdist_group("cutlass") (those
+    # compiling the CUTLASS fp8 library, 150 s of nvcc on the 2-core CI machine when the cache is cold) run on one
+    # worker, the first compiling it and the rest finding it cached, while the other workers go on; under 'load' two
+    # workers compiled it at once in one CI run out of two (2026-12-06)
+    if getattr(config.option, "dist", "no") == "load":
+        config.option.dist = "loadgroup"
     config.addinivalue_line("markers", "interpreter: runs Triton kernels in Triton's interpreter on CPU tensors "
                             "(simulated ranks, a whole program on the CPU); skipped where CUDA is available")
 

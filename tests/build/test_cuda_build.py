@@ -56,6 +56,13 @@ BUILD_IDS = ["llama-default", "qwen3-yarn", "llama-tp2", "llama-fp8", "qwen3-moe
 GPU_TRITON = os.environ.get("MXC_GPU_TRITON")  # a folder holding the GPU machines' Triton (.ci/run fetches 3.6.0)
 
 
+def _params(skip=()):
+    """BUILDS as parameters; the fp8 ones share a pytest-xdist worker with the other tests that compile the CUTLASS
+    library (tests/conftest.py), so one compiles it and the rest find it cached."""
+    return [pytest.param(*b, id=i, marks=[pytest.mark.xdist_group("cutlass")] if b[2] == "fp8" else [])
+            for b, i in zip(BUILDS, BUILD_IDS) if i not in skip]
+
+
 def _build(config, tp, quant, tmp_path, triton_path=None):
     """``mxc build --target cuda`` in a subprocess (kernels compiled, not interpreted), optionally with the
     Triton package in ``triton_path``; returns the artifact directory."""
@@ -78,8 +85,7 @@ def _compile_env(triton_path=None) -> dict:
 
 
 @pytest.mark.skipif(not GPU_TRITON, reason="MXC_GPU_TRITON not set (a folder with the GPU machines' Triton package)")
-@pytest.mark.parametrize("config,tp,quant", [b for b in BUILDS if b != (QWEN3_MOE, 1, "fp8")],
-                         ids=[i for i in BUILD_IDS if i != "qwen3-moe-fp8"])
+@pytest.mark.parametrize("config,tp,quant", _params(skip=["qwen3-moe-fp8"]))
 def test_cuda_build_compiles_with_the_gpu_triton(config, tp, quant, tmp_path):
     """The same builds with the Triton of the GPU machines, which refuses code the newer CPU one takes
     (a None in a returned tuple broke a GPU build once): every kernel must compile with both."""
@@ -90,7 +96,7 @@ def test_cuda_build_compiles_with_the_gpu_triton(config, tp, quant, tmp_path):
     assert version != triton.__version__, f"the build used this environment's Triton {version}, not MXC_GPU_TRITON's"
 
 
-@pytest.mark.parametrize("config,tp,quant", BUILDS, ids=BUILD_IDS)
+@pytest.mark.parametrize("config,tp,quant", _params())
 def test_cuda_build_compiles_every_kernel_for_sm90(config, tp, quant, tmp_path):
     art = _build(config, tp, quant, tmp_path)
     manifest = json.loads((art / "manifest.json").read_text())

@@ -87,6 +87,7 @@ def _fp8_cuda_build(out, **env_overrides):
 
 @pytest.mark.skipif(cutlass_fp8.generator_available() is not None,
                     reason=f"CUTLASS generator unusable here: {cutlass_fp8.generator_available()}")
+@pytest.mark.xdist_group("cutlass")  # one pytest-xdist worker compiles the library (tests/conftest.py)
 def test_fp8_cuda_build_ships_the_library(tmp_path):
     """Generated and compiled by the build (a prebuilt library named by the environment is ignored here), then the
     same library named as prebuilt: shipped as it is, its config recorded as "prebuilt"."""

@@ -111,6 +111,7 @@ def test_cpu_fused_build_gives_the_unfused_logits(tmp_path):
 
 
 @pytest.mark.skipif(mlp_pair_fp8.available() is not None, reason=f"no nvcc: {mlp_pair_fp8.available()}")
+@pytest.mark.xdist_group("cutlass")  # one pytest-xdist worker compiles the library (tests/conftest.py)
 def test_cuda_build_ships_the_library(tmp_path):
     """``mxc build --mlp-pair`` (the CLI) compiles the library into the artifact and the manifest lists it."""
     cfg = tmp_path / "config.json"

@@ -105,6 +105,7 @@ def test_compile_failure_reports_nvcc_output(tmp_path):
 
 
 @needs_generator
+@pytest.mark.xdist_group("cutlass")  # one pytest-xdist worker compiles the library (tests/conftest.py)
 def test_compile_so_exports_entry_points(tmp_path, monkeypatch):
     monkeypatch.delenv(cutlass_fp8.PREBUILT_ENV, raising=False)
     start = time.perf_counter()
