@@ -91,10 +91,9 @@ def _skip_repatching_in_helper_calls(interpreter, tl) -> None:
         return  # another interpreter layout: left as it is
     patch_lang, launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
     patched: list[set[int] | None] = []  # the language modules each running launch patched (None: not yet)
-
     seen: dict = {}  # function -> the language modules among its globals
 
-    def langs(fn) -> set[int]:
+    def langs(fn) -> frozenset[int]:
         if fn not in seen:
             seen[fn] = frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
         return seen[fn]

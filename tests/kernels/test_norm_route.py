@@ -84,7 +84,8 @@ def test_ties_go_to_the_lower_expert(topk):
     assert ids[0, :2].tolist() == [3, 5] and w[0, 0] == w[0, 1]
 
 
-# every pair of (way, scoring), (way, dtype) and (scoring, dtype) once: each dtype takes both scorings, one a way
+# every pair of (way, scoring), (way, dtype) and (scoring, dtype) at least once: each dtype takes both scorings,
+# one a way
 # (all 12 combinations took 56 s of CI)
 SCORINGS = [("softmax", True), ("sigmoid", False)]
 OTHER_WAYS = [(topk, *SCORINGS[(i + j) % 2], dtype) for i, dtype in enumerate(DTYPES)
