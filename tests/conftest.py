@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -38,12 +39,19 @@ torch.set_num_threads(max(1, min(4, torch.get_num_threads(), len(os.sched_getaff
 _REPORTS: list[str] = []
 
 
+def _dist_given(config) -> bool:
+    """Whether the command line or PYTEST_ADDOPTS names pytest-xdist's mode (--dist, --dist=MODE, -d)."""
+    args = [*config.invocation_params.args, *shlex.split(os.environ.get("PYTEST_ADDOPTS", ""))]
+    return bool(getattr(config.option, "distload", False)) or any(a == "--dist" or a.startswith("--dist=")
+                                                                    for a in args)
+
+
 def pytest_configure(config):
     # -n with pytest-xdist's default 'load': 'loadgroup' instead, so the tests marked xdist_group("cutlass") (those
     # compiling the CUTLASS fp8 library, 150 s of nvcc on the 2-core CI machine when the cache is cold) run on one
     # worker, the first compiling it and the rest finding it cached, while the other workers go on; under 'load' two
-    # workers compiled it at once in one CI run out of two (2026-12-06)
-    if getattr(config.option, "dist", "no") == "load":
+    # workers compiled it at once in one CI run out of two (2026-12-06). A --dist or -d the user gives is kept.
+    if getattr(config.option, "dist", "no") == "load" and not _dist_given(config):
         config.option.dist = "loadgroup"
     config.addinivalue_line("markers", "interpreter: runs Triton kernels in Triton's interpreter on CPU tensors "
                             "(simulated ranks, a whole program on the CPU); skipped where CUDA is available")
