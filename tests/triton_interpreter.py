@@ -11,8 +11,8 @@ conversions), and ``create_dot`` upcasts bf16 operands to fp32 first. With both
 in place, kernels that cast after loading match the GPU bit for bit on
 bf16/fp16/fp8 conversions. It also keeps the interpreter from patching ``triton.language`` again at every
 helper call inside a launch (``_skip_repatching_in_helper_calls``: speed only). Nothing is changed when kernels run
-on a GPU. (Until the sixty-sixth session this
-was ``tests/kernels/conftest.py``, so kernels run from other folders' tests alone got the broken conversions.)
+on a GPU. (Until the sixty-sixth session this was ``tests/kernels/conftest.py``, so kernels run from other folders'
+tests alone got the broken conversions.)
 """
 
 from __future__ import annotations

@@ -40,7 +40,9 @@ def test_cached_library_compiles_a_source_once_when_asked_twice_at_once(tmp_path
 
     def compile(text, path):
         compiles.append(text)
-        time.sleep(0.5)  # the other caller arrives meanwhile
+        deadline = time.monotonic() + 30  # until the other caller waits on the lock (whichever of the two came first)
+        while not any(m.startswith("waiting for") for m in logs) and time.monotonic() < deadline:
+            time.sleep(0.01)
         Path(path).write_text(text)
 
     def get():
