@@ -63,6 +63,9 @@
 #           extra 128 rows; kill criterion 2 us a layer
 #   moefused the batch-1 MoE experts as one kernel (gate/up and down, fp32 atomics) against the shipped two
 #           (bench/moe_fused_lab.py): correctness, then 32 layers of router + experts + norm in a PDL graph
+#   moedownsmem the batch-1 MoE down kernel as 128 programs holding the token's whole down slice in shared memory,
+#           TMA-loaded before the PDL wait (bench/moe_down_smem_lab.py, Gluon): correctness, then 32 layers of router
+#           + experts + norm in a PDL graph against the shipped kernels, the SM carveout by default and at max shared
 #   moestep the bf16 MoE experts' pair kernels at half the columns a step (the fp8 experts' weight bytes), unrolled:
 #           a Qwen3-30B-A3B bf16 step A/B (bench/decode_ab.py)
 #   tiles   the one-token fp8 wgmma GEMV over tile-major weights (each stage's tile one contiguous piece) against the
@@ -149,6 +152,7 @@ case "${1:-}" in
   preload) run 200 preload_lab.log python3 bench/gemv_preload_lab.py ;;
   fold)   run 200 router_fold_lab.log python3 bench/router_fold_lab.py ${FOLD_ARGS:-} ;;
   moefused) run 300 moe_fused_lab.log python3 bench/moe_fused_lab.py ${MOEFUSED_ARGS:-} ;;
+  moedownsmem) run 300 moe_down_smem_lab.log python3 bench/moe_down_smem_lab.py ${MOEDOWNSMEM_ARGS:-} ;;
   resident) run 200 resident_lab.log python3 bench/prefetch_lab.py --resident --shapes gate_up,down \
               --resident-delay-us 20 --regions 0:4096:4096,512:1024:16384,0:512:28672 ;;
   gemvs)  # each GEMV's cost in the full step and in the GEMVs-only step (g_*), bf16 then fp8 (GEMVS_BF16=0: fp8 only)
@@ -226,6 +230,6 @@ case "${1:-}" in
             -p no:xdist ${SANITIZE_TESTS:-tests/kernels}
           echo "memcheck reports in the tests: $(errors kernels)"
           cat "$logs"/kernels.*.log | grep -v "Host Frame" | head -200 ;;
-  *) echo "usage: bash bench/gpu_session.sh tests|suite|kattn|decode|ab|moe|moelab|moeprefill|moedecode|moedecodestep|oneslice|tp|small|lab|ablate|pair|pairab|gaps|prefill|fp8moe|preload|fold|moefused|gemvs|resident|moestep|tiles|sanitize|accum" >&2
+  *) echo "usage: bash bench/gpu_session.sh tests|suite|kattn|decode|ab|moe|moelab|moeprefill|moedecode|moedecodestep|oneslice|tp|small|lab|ablate|pair|pairab|gaps|prefill|fp8moe|preload|fold|moefused|moedownsmem|gemvs|resident|moestep|tiles|sanitize|accum" >&2
      exit 2 ;;
 esac

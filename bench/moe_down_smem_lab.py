@@ -1,0 +1,282 @@
+"""Lab: the batch-1 MoE down GEMV with the token's whole down slice TMA-loaded into shared memory before its PDL wait.
+
+Today (``triton_moe_decode``) a Qwen3-30B-A3B layer's experts take two kernels at one token: the gate/up pair kernel
+(14.3 us a layer in the step for 12.1 us of bytes on the H200) and the tiled down kernel (9.1 us for 6.1 us of
+bytes). The down kernel is latency-bound: its 1024 programs start loading only once the gate/up kernel is done.
+Two earlier tries to start those loads sooner lost (``triton_moe_decode._default_configs``' docstring): the down
+tile loaded into registers before the wait (few of the 1024 register-heavy programs fit beside the gate/up
+kernel's, so most loaded after it as before), and the down matrices asked of L2 before the wait (the lines
+streamed beside the gate/up kernel were evicted by its own 50 MB before use: it slowed by 3.8 us, the down kernel
+gained 0.35).
+
+Here the down kernel is ``H / BN`` programs (128 at BN = 16), each holding its output rows' slice of all k chosen
+experts, [k, BN, I] (196 KB in bf16), in shared memory: before ``griddepcontrol.wait`` a program reads the
+router's ids (written two kernels back, done once the gate/up kernel ahead has passed its own wait, which it does
+before it lets this kernel launch) and issues the TMA loads of its slice on one mbarrier; after the wait it reads
+h and multiplies out of shared memory. The gate/up kernel (4 warps, 142 registers a thread on sm_90 under Triton
+3.6, 512 B of shared memory; 384 programs, at most three an SM) leaves about 10K registers and 220 KB of shared
+memory an SM free, so a program of 2 or 4 warps at up to 80 registers a thread fits beside it from its start: the
+down bytes stream while the gate/up kernel runs (the two kernels share HBM), and no line is read twice.
+
+    out[n] = r[n] + sum_j  round(round(h_j @ down_{e_j}[n]) * w_j)        (the pair kernels' rounding)
+
+On the GPU machine (Hopper, Triton 3.6 or later; `bash bench/gpu_session.sh moedownsmem`): checks every variant
+against the torch reference (an invalid id included), then times 32 layers of [router -> gate/up -> down ->
+RMSNorm] in one CUDA graph with PDL, the shipped down kernel against each variant, rounds interleaved. Kill
+criterion: no variant at least 1.5 us a layer under the shipped chain.
+On the CPU, ``tests/bench/test_moe_down_smem_lab.py`` compiles the kernel for sm_90 and checks that every TMA load
+sits before the PDL wait and the h loads after it, and the registers a thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma  # noqa: E402
+
+# the TMA load's name: async_copy_global_to_shared in Triton 3.6 (the GPU machines'), async_load from 3.7 or so
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+@gluon.jit
+def _gdc_wait():
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _gdc_launch_dependents():
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
+def down_smem_kernel(h_ptr, w_desc, wts_ptr, ids_ptr, r_ptr, out_ptr, E: gl.constexpr, H: gl.constexpr,
+                     I: gl.constexpr, TOP_K: gl.constexpr, HAS_R: gl.constexpr, USE_PDL: gl.constexpr):
+    """One token. Program p: output rows [p * BN, (p + 1) * BN) of every chosen expert, [TOP_K * I / BK] boxes of
+    [BN, BK] from ``w_desc`` (the down weights [E, H, I] as [E * H, I]), all in shared memory at once."""
+    BN: gl.constexpr = w_desc.block_type.shape[0]
+    BK: gl.constexpr = w_desc.block_type.shape[1]
+    KS: gl.constexpr = I // BK
+    gl.static_assert(KS * BK == I, "I must be a multiple of the box's columns")
+    ty: gl.constexpr = h_ptr.dtype.element_ty
+    wty: gl.constexpr = wts_ptr.dtype.element_ty  # each product rounded to it (the pair kernels' rounding)
+    n0 = gl.program_id(0) * BN
+
+    w_smem = gl.allocate_shared_memory(w_desc.dtype, [TOP_K * KS, BN, BK], w_desc.layout)
+    bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar.index(0), count=1)
+    fence_async_shared()
+    # Before the wait: the router's ids (two kernels back: finished once the gate/up kernel ahead passed its wait,
+    # which it does before it lets this kernel launch; read past L1) and the weights, which no kernel writes.
+    mbarrier.expect(bar.index(0), TOP_K * KS * w_desc.block_type.nbytes)
+    for j in gl.static_range(TOP_K):
+        e = gl.load(ids_ptr + j, cache_modifier=".cg")
+        e = gl.where((e >= 0) & (e < E), e, 0).to(gl.int32)  # an invalid id reads expert 0; its term is dropped
+        for kb in gl.static_range(KS):
+            _tma_load(w_desc, [e * H + n0, kb * BK], bar.index(0), w_smem.index(j * KS + kb))
+    if USE_PDL:
+        _gdc_wait()
+        _gdc_launch_dependents()
+
+    NW: gl.constexpr = gl.num_warps()
+    # a warp reads BK contiguous elements of one row (512 B at BK = 256 in bf16)
+    layout: gl.constexpr = gl.BlockedLayout([1, BK // 32], [1, 32], [NW, 1], [1, 0])
+    rows: gl.constexpr = gl.SliceLayout(1, layout)
+    offs_k = gl.arange(0, BK, layout=gl.SliceLayout(0, layout))
+    offs_n = n0 + gl.arange(0, BN, layout=rows)
+    total = gl.zeros([BN], gl.float32, rows)
+    mbarrier.wait(bar.index(0), 0)
+    for j in range(TOP_K):
+        ej = gl.load(ids_ptr + j)
+        acc = gl.zeros([BN, BK], gl.float32, layout)
+        for kb in gl.static_range(KS):
+            hk = gl.load(h_ptr + j * I + kb * BK + offs_k).to(gl.float32)
+            w = w_smem.index(j * KS + kb).load(layout).to(gl.float32)
+            acc += w * gl.expand_dims(hk, 0)
+        y = gl.sum(acc, axis=1)
+        wt = gl.load(wts_ptr + j).to(gl.float32)
+        z = (y.to(ty).to(gl.float32) * wt).to(wty).to(gl.float32)
+        total += gl.where((ej >= 0) & (ej < E), z, 0.0)
+    mbarrier.invalidate(bar.index(0))
+    out = total.to(ty)
+    if HAS_R:
+        out = (gl.load(r_ptr + offs_n).to(gl.float32) + out.to(gl.float32)).to(ty)
+    gl.store(out_ptr + offs_n, out)
+
+
+def descriptor(w_down: torch.Tensor, bn: int, bk: int):
+    """The TMA descriptor of the down weights [E, H, I] as [E * H, I], [bn, bk] boxes, no swizzle (a warp reads
+    512 contiguous bytes of one row: no bank conflicts)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    E, H, I = w_down.shape
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 * w_down.element_size(), rank=2)
+    return TensorDescriptor.from_tensor(w_down.view(E * H, I), [bn, bk], layout)
+
+
+def down_smem(h, weights, ids, w_down, residual, desc, *, warps: int = 4, use_pdl: bool = False, out=None):
+    """out [1, H] of h [k, I] (the pair kernel's), weights and ids [1, k], down [E, H, I] (desc: ``descriptor``)."""
+    E, H, I = w_down.shape
+    k = ids.shape[1]
+    bn = desc.block_shape[0]
+    assert ids.shape[0] == 1 and H % bn == 0, (ids.shape, H, bn)
+    out = out if out is not None else torch.empty((1, H), dtype=h.dtype, device=h.device)
+    down_smem_kernel[(H // bn, )](h, desc, weights, ids, residual if residual is not None else out, out, E, H, I,
+                                  k, residual is not None, use_pdl, num_warps=warps,
+                                  **({"launch_pdl": True} if use_pdl else {}))
+    return out
+
+
+def experts(x, weights, ids, w1, w2, residual, desc, *, warps: int, use_pdl: bool):
+    """The shipped gate/up pair kernel (``triton_moe_decode``, its default config), then ``down_smem``."""
+    from mxc.kernels import triton_moe_decode as tmd
+    from mxc.kernels.launch import cdiv, launch
+
+    H, E, I, k = x.shape[1], w1.shape[0], w2.shape[2], ids.shape[1]
+    up, _ = tmd.config_for(H, I, x.dtype, k)
+    h = torch.empty((k, I), dtype=x.dtype, device=x.device)
+    launch(tmd._pair_up_kernel, (k, cdiv(I, up.BLOCK_N)), [x, w1, None, ids, h],
+           dict(E=E, H=H, I=I, TOP_K=k, BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K,
+                **({"UNROLL": True} if up.UNROLL else {})), num_warps=up.num_warps, num_stages=1)
+    return down_smem(h, weights, ids, w2, residual, desc, warps=warps, use_pdl=use_pdl)
+
+
+# (label, BN rows a program, BK columns a box, warps). BN = 16: 128 programs of 196 KB at the 30B shape; BN = 8:
+# 256 of 98 KB, two an SM where the gate/up kernel leaves room.
+VARIANTS = (("16 rows, 4 warps", 16, 256, 4), ("16 rows, 2 warps", 16, 256, 2), ("8 rows, 4 warps", 8, 256, 4),
+            ("16 rows, 128-column boxes, 4 warps", 16, 128, 4))
+
+
+def check(device: str = "cuda") -> None:
+    """Against ``moe_ref.fused_moe`` plus the residual (rounded as the pair kernels round), every variant, an
+    invalid id among the k."""
+    from mxc.kernels import moe_ref
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    dt = torch.bfloat16
+    for E, H, I, K in ((128, 2048, 768, 8), (16, 256, 512, 4)):
+        w1 = (torch.randn(E, 2 * I, H, generator=g) * 0.05).to(dt).to(device)
+        w2 = (torch.randn(E, H, I, generator=g) * 0.05).to(dt).to(device)
+        x = torch.randn(1, H, generator=g).to(dt).to(device)
+        r = torch.randn(1, H, generator=g).to(dt).to(device)
+        wts, ids = torch.topk(torch.randn(1, E, generator=g).softmax(-1), K, dim=-1)
+        wts, ids = (wts / wts.sum(-1, keepdim=True)).to(dt).to(device), ids.to(device)
+        ids[0, -1] = E + 3  # an invalid id contributes nothing
+        y = moe_ref.fused_moe(x, wts.masked_fill(ids >= E, 0), ids.clamp(max=E - 1), w1, w2)
+        want = (r.float() + y.float()).to(dt).float()
+        for label, bn, bk, warps in VARIANTS:
+            if H % bn or I % bk:
+                continue
+            got = experts(x, wts, ids, w1, w2, r, descriptor(w2, bn, bk), warps=warps, use_pdl=False).float()
+            err = float((got - want).abs().max() / want.abs().max())
+            print(f"check E={E} H={H} I={I} k={K} {label}: max err {err:.2e}", flush=True)
+            assert err < 1e-2, (label, err)
+
+
+def set_carveout(modules, percent: int) -> int:
+    """Set every compiled kernel of ``modules``' Triton and Gluon functions to prefer ``percent`` of the SM's unified
+    L1 / shared memory as shared memory (``CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT``; -1: no preference,
+    the driver's choice). An SM runs blocks of one carveout at a time, so a down kernel of 197 KB a program may wait
+    for the gate/up kernel's blocks to drain from an SM the driver configured small; this asks every kernel of the
+    chain for the large one. Returns how many kernels were set."""
+    import ctypes
+
+    from triton.runtime.jit import JITFunction
+
+    cu = ctypes.CDLL("libcuda.so.1")
+    n = 0
+    for mod in modules:
+        for fn in vars(mod).values():
+            fn = getattr(fn, "fn", fn)  # autotuned or heuristics wrappers
+            if not isinstance(fn, JITFunction):
+                continue
+            for cache in fn.device_caches.values():
+                for kernel in cache[0].values():
+                    kernel._init_handles()
+                    rc = cu.cuFuncSetAttribute(ctypes.c_void_p(kernel.function), 9, ctypes.c_int(percent))
+                    assert rc == 0, f"cuFuncSetAttribute: CUresult {rc}"
+                    n += 1
+    return n
+
+
+def bench(rounds: int) -> None:
+    from moe_lab import time_us
+
+    from mxc.kernels import triton_moe_decode as tmd
+    from mxc.kernels import triton_norm, triton_route
+    from mxc.kernels.context import ForwardContext
+
+    E, H, I, K = 128, 2048, 768, 8
+    dt = torch.bfloat16
+    w1 = torch.randn(E, 2 * I, H, device="cuda", dtype=dt) * 0.02
+    w2 = torch.randn(E, H, I, device="cuda", dtype=dt) * 0.02
+    sets = 16
+    a = [torch.randn(1, H, device="cuda", dtype=dt) for _ in range(sets)]
+    b = [torch.randn(1, H, device="cuda", dtype=dt) for _ in range(sets)]
+    nw = torch.ones(H, device="cuda", dtype=dt)
+    rws = [torch.randn(E, H, device="cuda", dtype=dt) * H ** -0.5 for _ in range(sets)]
+    ctx = ForwardContext([1], [0], [0])
+
+    def route(i):
+        return triton_route.add_rms_norm_route(a[i % sets], b[i % sets], nw, rws[i % sets], ctx, eps=1e-6, k=K,
+                                               renormalize=True)
+
+    def shipped(i):
+        s, h, wts, ids = route(i)
+        return triton_norm.rms_norm(tmd.fused_moe(h, wts, ids, w1, w2, residual=s), nw, 1e-6)
+
+    def variant(bn, bk, warps):
+        desc = descriptor(w2, bn, bk)
+
+        def layer(i):
+            s, h, wts, ids = route(i)
+            return triton_norm.rms_norm(experts(h, wts, ids, w1, w2, s, desc, warps=warps, use_pdl=True), nw, 1e-6)
+        return layer
+
+    names = {"router only": route, "shipped": shipped}
+    for label, bn, bk, warps in VARIANTS:
+        names[f"smem down, {label}"] = variant(bn, bk, warps)
+    chain = [sys.modules[__name__], tmd, triton_norm, triton_route]
+    for fn in names.values():  # compiled before the carveout is set on them
+        fn(0)
+    torch.cuda.synchronize()
+    results: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for carveout in (-1, 100):
+            for name, fn in names.items():
+                label = f"{name}, carveout {'max' if carveout > 0 else 'default'}"
+                try:
+                    set_carveout(chain, carveout)
+                    t = time_us(fn, calls=32, pdl=True)
+                except Exception as e:  # a lab: say what failed and go on
+                    print(f"  skip {label}: {type(e).__name__} {str(e)[:200]}", flush=True)
+                    continue
+                results.setdefault(label, []).append(t)
+    print(f"kernels given the carveout: {set_carveout(chain, -1)}", flush=True)
+    med = {name: sorted(ts)[len(ts) // 2] for name, ts in results.items()}
+    base, router = med["shipped, carveout default"], med["router only, carveout default"]
+    for name, ts in sorted(results.items(), key=lambda kv: med[kv[0]]):
+        print(f"{name:62s} {med[name]:7.2f} us a layer ({'/'.join(f'{t:.2f}' for t in ts)}), "
+              f"{med[name] - base:+6.2f} vs shipped, experts + norm {med[name] - router:6.2f}", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--skip-check", action="store_true")
+    args = p.parse_args()
+    if not args.skip_check:
+        check()
+    bench(args.rounds)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""The shared-memory down lab (bench/moe_down_smem_lab.py): what it exists to test is where its loads sit.
+
+The lab runs on the GPU only (Gluon kernels do not run in the interpreter). Compiling it here for sm_90 checks the
+property the experiment is about: every TMA load of the down slice comes before ``griddepcontrol.wait`` in the PTX,
+and before it only the router's k ids are read from global memory (the weights go by TMA); h, the routing weights
+and the residual after it. It also checks that a program's slice is the shared memory it asks for, and keeps the
+lab compiling with this environment's Triton and, where ``MXC_GPU_TRITON`` names it, the GPU machines'.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+_COMPILE = """
+import sys, torch, triton
+sys.path.insert(0, "bench")
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+import moe_down_smem_lab as lab
+fn = lab.down_smem_kernel
+w2 = torch.empty(128, 2048, 768, dtype=torch.bfloat16, device="meta")
+for label, bn, bk, warps in lab.VARIANTS:
+    d = lab.descriptor(w2, bn, bk)
+    sig = {"h_ptr": "*bf16", "w_desc": mangle_type(d), "wts_ptr": "*bf16", "ids_ptr": "*i64", "r_ptr": "*bf16",
+           "out_ptr": "*bf16", "E": "constexpr", "H": "constexpr", "I": "constexpr", "TOP_K": "constexpr",
+           "HAS_R": "constexpr", "USE_PDL": "constexpr"}
+    consts = {"E": 128, "H": 2048, "I": 768, "TOP_K": 8, "HAS_R": True, "USE_PDL": True}
+    src = GluonASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    lines = [l.strip() for l in k.asm["ptx"].splitlines()]
+    wait = next(i for i, l in enumerate(lines) if l.startswith("griddepcontrol.wait"))
+    tma = [i for i, l in enumerate(lines) if "cp.async.bulk.tensor" in l]
+    lds = [i for i, l in enumerate(lines) if l.startswith("ld.global")]
+    print("kernel", bn, bk, k.metadata.shared, sum(i < wait for i in tma), sum(i > wait for i in tma),
+          sum(i < wait for i in lds), sum(i > wait for i in lds))
+"""
+
+
+def _compile(triton_path: str | None = None) -> list[tuple[int, ...]]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if triton_path:
+        env["PYTHONPATH"] = os.pathsep.join([triton_path, str(ROOT)])
+    r = subprocess.run([sys.executable, "-c", _COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [tuple(int(v) for v in line.split()[1:]) for line in r.stdout.splitlines() if line.startswith("kernel ")]
+
+
+def _check(rows: list[tuple[int, ...]]) -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    import moe_down_smem_lab as lab
+
+    assert len(rows) == len(lab.VARIANTS), rows
+    for bn, bk, shared, tma_before, tma_after, ld_before, ld_after in rows:
+        assert shared >= 8 * bn * 768 * 2, (bn, shared)  # the k experts' [bn, 768] slices, all at once
+        assert tma_before == 8 * 768 // bk and tma_after == 0, (bn, bk, tma_before, tma_after)
+        assert ld_before == 8 and ld_after > 0, (bn, bk, ld_before, ld_after)  # the ids early; h, weights, r late
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compile check is for machines without a GPU")
+def test_the_down_slice_loads_before_the_pdl_wait():
+    _check(_compile())
+
+
+@pytest.mark.skipif(not os.environ.get("MXC_GPU_TRITON"), reason="MXC_GPU_TRITON not set (the GPU machines' Triton)")
+def test_the_gpu_triton_compiles_it_alike():
+    _check(_compile(os.environ["MXC_GPU_TRITON"]))
