@@ -13,8 +13,8 @@ Here the down kernel is ``H / BN`` programs (128 at BN = 16), each holding its o
 experts, [k, BN, I] (196 KB in bf16), in shared memory: before ``griddepcontrol.wait`` a program reads the
 router's ids (written two kernels back, done once the gate/up kernel ahead has passed its own wait, which it does
 before it lets this kernel launch) and issues the TMA loads of its slice on one mbarrier; after the wait it loads
-h [k, I] by one more TMA load and multiplies out of shared memory. The gate/up kernel (4 warps, 142 registers a thread on sm_90 under Triton
-3.6, 512 B of shared memory; 384 programs, at most three an SM) leaves about 10K registers and 220 KB of shared
+h [k, I] by one more TMA load and multiplies out of shared memory. The gate/up kernel (4 warps, 142 registers a
+thread on sm_90 under Triton 3.6, 512 B of shared memory; 384 programs, at most three an SM) leaves about 10K registers and 220 KB of shared
 memory an SM free, so a program of 2 or 4 warps at up to 80 registers a thread fits beside it from its start: the
 down bytes stream while the gate/up kernel runs (the two kernels share HBM), and no line is read twice. An SM runs
 blocks of one L1 / shared-memory carveout at a time, so each variant is timed twice: the driver's carveout, and
@@ -27,7 +27,7 @@ against the torch reference (an invalid id included), then times 32 layers of [r
 RMSNorm] in one CUDA graph with PDL, the shipped down kernel against each variant, rounds interleaved. Kill
 criterion: no variant at least 1.5 us a layer under the shipped chain.
 On the CPU, ``tests/bench/test_moe_down_smem_lab.py`` compiles the kernel for sm_90 and checks that every TMA load
-sits before the PDL wait and the h loads after it, and the registers a thread.
+of the slice sits before the PDL wait (after it in the controls) and h's after it.
 """
 
 from __future__ import annotations
@@ -64,8 +64,22 @@ def _gdc_launch_dependents():
 
 
 @gluon.jit
+def _load_slice(w_desc, w_smem, bar, ids_ptr, n0, E: gl.constexpr, H: gl.constexpr, KS: gl.constexpr,
+                TOP_K: gl.constexpr):
+    """TMA-load rows [n0, n0 + BN) of the k chosen experts' down matrices into ``w_smem`` under ``bar``."""
+    BK: gl.constexpr = w_desc.block_type.shape[1]
+    mbarrier.expect(bar.index(0), TOP_K * KS * w_desc.block_type.nbytes)
+    for j in gl.static_range(TOP_K):
+        e = gl.load(ids_ptr + j, cache_modifier=".cg")
+        e = gl.where((e >= 0) & (e < E), e, 0).to(gl.int32)  # an invalid id reads expert 0; its term is dropped
+        for kb in gl.static_range(KS):
+            _tma_load(w_desc, [e * H + n0, kb * BK], bar.index(0), w_smem.index(j * KS + kb))
+
+
+@gluon.jit
 def down_smem_kernel(h_desc, w_desc, wts_ptr, ids_ptr, r_ptr, out_ptr, E: gl.constexpr, H: gl.constexpr,
-                     I: gl.constexpr, TOP_K: gl.constexpr, HAS_R: gl.constexpr, USE_PDL: gl.constexpr):
+                     I: gl.constexpr, TOP_K: gl.constexpr, HAS_R: gl.constexpr, USE_PDL: gl.constexpr,
+                     EARLY: gl.constexpr = True):
     """One token. Program p: output rows [p * BN, (p + 1) * BN) of every chosen expert, [TOP_K * I / BK] boxes of
     [BN, BK] from ``w_desc`` (the down weights [E, H, I] as [E * H, I]), all in shared memory at once."""
     BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -82,15 +96,13 @@ def down_smem_kernel(h_desc, w_desc, wts_ptr, ids_ptr, r_ptr, out_ptr, E: gl.con
     fence_async_shared()
     # Before the wait: the router's ids (two kernels back: finished once the gate/up kernel ahead passed its wait,
     # which it does before it lets this kernel launch; read past L1) and the weights, which no kernel writes.
-    mbarrier.expect(bar.index(0), TOP_K * KS * w_desc.block_type.nbytes)
-    for j in gl.static_range(TOP_K):
-        e = gl.load(ids_ptr + j, cache_modifier=".cg")
-        e = gl.where((e >= 0) & (e < E), e, 0).to(gl.int32)  # an invalid id reads expert 0; its term is dropped
-        for kb in gl.static_range(KS):
-            _tma_load(w_desc, [e * H + n0, kb * BK], bar.index(0), w_smem.index(j * KS + kb))
+    if EARLY:
+        _load_slice(w_desc, w_smem, bar, ids_ptr, n0, E, H, KS, TOP_K)
     if USE_PDL:
         _gdc_wait()
         _gdc_launch_dependents()
+    if not EARLY:  # the control: the same loads after the wait
+        _load_slice(w_desc, w_smem, bar, ids_ptr, n0, E, H, KS, TOP_K)
 
     NW: gl.constexpr = gl.num_warps()
     # a warp reads BK contiguous elements of one row (512 B at BK = 256 in bf16)
@@ -152,7 +164,7 @@ def down_descriptor(w_down: torch.Tensor, bn: int, bk: int):
 
 
 def down_smem(h, weights, ids, w_down, residual, desc, *, warps: int = 4, maxnreg: int | None = None,
-              use_pdl: bool = False, out=None):
+              early: bool = True, use_pdl: bool = False, out=None):
     """out [1, H] of h [k, I] (the pair kernel's), weights and ids [1, k], down [E, H, I] (desc: ``descriptor``)."""
     E, H, I = w_down.shape
     k = ids.shape[1]
@@ -163,13 +175,14 @@ def down_smem(h, weights, ids, w_down, residual, desc, *, warps: int = 4, maxnre
     h_desc = descriptor(h.view(rows, bk), [1 << (rows - 1).bit_length(), bk])
     out = out if out is not None else torch.empty((1, H), dtype=h.dtype, device=h.device)
     down_smem_kernel[(H // bn, )](h_desc, desc, weights, ids, residual if residual is not None else out, out, E, H, I,
-                                  k, residual is not None, use_pdl, num_warps=warps,
+                                  k, residual is not None, use_pdl, early, num_warps=warps,
                                   **({"maxnreg": maxnreg} if maxnreg else {}),
                                   **({"launch_pdl": True} if use_pdl else {}))
     return out
 
 
-def experts(x, weights, ids, w1, w2, residual, desc, *, warps: int, maxnreg: int | None, use_pdl: bool):
+def experts(x, weights, ids, w1, w2, residual, desc, *, warps: int, maxnreg: int | None, early: bool = True,
+            use_pdl: bool):
     """The shipped gate/up pair kernel (``triton_moe_decode``, its default config), then ``down_smem``."""
     from mxc.kernels import triton_moe_decode as tmd
     from mxc.kernels.launch import cdiv, launch
@@ -180,17 +193,20 @@ def experts(x, weights, ids, w1, w2, residual, desc, *, warps: int, maxnreg: int
     launch(tmd._pair_up_kernel, (k, cdiv(I, up.BLOCK_N)), [x, w1, None, ids, h],
            dict(E=E, H=H, I=I, TOP_K=k, BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K,
                 **({"UNROLL": True} if up.UNROLL else {})), num_warps=up.num_warps, num_stages=1)
-    return down_smem(h, weights, ids, w2, residual, desc, warps=warps, maxnreg=maxnreg, use_pdl=use_pdl)
+    return down_smem(h, weights, ids, w2, residual, desc, warps=warps, maxnreg=maxnreg, early=early,
+                     use_pdl=use_pdl)
 
 
-# (label, BN rows a program, BK columns a box, warps, registers a thread at most). BN = 16: 128 programs of 208 KB
-# at the 30B shape; BN = 8: 256 of 112 KB, two an SM where the gate/up kernel leaves room. The register cap
-# (ptxas' maxnreg) keeps a program within what three gate/up programs leave an SM (10,240 registers): unrolled,
-# the 16-row kernel holds 101 a thread at 4 warps otherwise (Triton 3.6, sm_90), and at 80 it keeps 24 bytes of
-# stack.
-VARIANTS = (("16 rows, 4 warps", 16, 256, 4, 80), ("16 rows, 2 warps", 16, 256, 2, 160),
-            ("8 rows, 4 warps", 8, 256, 4, 80), ("16 rows, 128-column boxes, 4 warps", 16, 128, 4, 80),
-            ("16 rows, 4 warps, registers uncapped", 16, 256, 4, None))
+# (label, BN rows a program, BK columns a box, warps, registers a thread at most, the slice loaded before the wait).
+# BN = 16: 128 programs of 208 KB at the 30B shape; BN = 8: 256 of 112 KB, two an SM where the gate/up kernel
+# leaves room. The register cap (ptxas' maxnreg) keeps a program within what three gate/up programs leave an SM
+# (10,240 registers): unrolled, the 16-row kernel holds 101 a thread at 4 warps otherwise (Triton 3.6, sm_90),
+# and at 80 it keeps 24 bytes of stack. The first GPU call (H100, 2026-12-07) also timed 2 warps (160 registers):
+# 13.5 us a layer slower than the shipped chain.
+VARIANTS = (("16 rows, 4 warps", 16, 256, 4, 80, True), ("16 rows, 4 warps, uncapped", 16, 256, 4, None, True),
+            ("8 rows, 4 warps", 8, 256, 4, 80, True), ("16 rows, 128-column boxes, 4 warps", 16, 128, 4, 80, True),
+            ("16 rows, 4 warps, uncapped, loads after the wait", 16, 256, 4, None, False),
+            ("8 rows, 4 warps, loads after the wait", 8, 256, 4, 80, False))
 
 
 def check(device: str = "cuda") -> None:
@@ -210,11 +226,11 @@ def check(device: str = "cuda") -> None:
         ids[0, -1] = E + 3  # an invalid id contributes nothing
         y = moe_ref.fused_moe(x, wts.masked_fill(ids >= E, 0), ids.clamp(max=E - 1), w1, w2)
         want = (r.float() + y.float()).to(dt).float()
-        for label, bn, bk, warps, maxnreg in VARIANTS:
+        for label, bn, bk, warps, maxnreg, early in VARIANTS:
             if H % bn or I % bk:
                 continue
             got = experts(x, wts, ids, w1, w2, r, down_descriptor(w2, bn, bk), warps=warps, maxnreg=maxnreg,
-                          use_pdl=False).float()
+                          early=early, use_pdl=False).float()
             err = float((got - want).abs().max() / want.abs().max())
             print(f"check E={E} H={H} I={I} k={K} {label}: max err {err:.2e}", flush=True)
             assert err < 1e-2, (label, err)
@@ -233,8 +249,8 @@ def set_carveout(modules, percent: int) -> int:
     cu = ctypes.CDLL("libcuda.so.1")
     n = 0
     for mod in modules:
-        for fn in vars(mod).values():
-            fn = getattr(fn, "fn", fn)  # autotuned or heuristics wrappers
+        for obj in vars(mod).values():
+            fn = obj if isinstance(obj, JITFunction) else getattr(obj, "fn", None)  # autotuner wrappers
             if not isinstance(fn, JITFunction):
                 continue
             for cache in fn.device_caches.values():
@@ -272,22 +288,23 @@ def bench(rounds: int) -> None:
         s, h, wts, ids = route(i)
         return triton_norm.rms_norm(tmd.fused_moe(h, wts, ids, w1, w2, residual=s), nw, 1e-6)
 
-    def variant(bn, bk, warps, maxnreg):
+    def variant(bn, bk, warps, maxnreg, early):
         desc = down_descriptor(w2, bn, bk)
 
         def layer(i):
             s, h, wts, ids = route(i)
             return triton_norm.rms_norm(experts(h, wts, ids, w1, w2, s, desc, warps=warps, maxnreg=maxnreg,
-                                                           use_pdl=True), nw, 1e-6)
+                                                           early=early, use_pdl=True), nw, 1e-6)
         return layer
 
     names = {"router only": route, "shipped": shipped}
-    for label, bn, bk, warps, maxnreg in VARIANTS:
-        names[f"smem down, {label}"] = variant(bn, bk, warps, maxnreg)
+    for label, bn, bk, warps, maxnreg, early in VARIANTS:
+        names[f"smem down, {label}"] = variant(bn, bk, warps, maxnreg, early)
     chain = [sys.modules[__name__], tmd, triton_norm, triton_route]
     for fn in names.values():  # compiled before the carveout is set on them
         fn(0)
     torch.cuda.synchronize()
+    print(f"kernels given the carveout: {set_carveout(chain, -1)}", flush=True)
     results: dict[str, list[float]] = {}
     for _ in range(rounds):
         for carveout in (-1, 100):
@@ -300,7 +317,7 @@ def bench(rounds: int) -> None:
                     print(f"  skip {label}: {type(e).__name__} {str(e)[:200]}", flush=True)
                     continue
                 results.setdefault(label, []).append(t)
-    print(f"kernels given the carveout: {set_carveout(chain, -1)}", flush=True)
+    set_carveout(chain, -1)
     med = {name: sorted(ts)[len(ts) // 2] for name, ts in results.items()}
     base, router = med["shipped, carveout default"], med["router only, carveout default"]
     for name, ts in sorted(results.items(), key=lambda kv: med[kv[0]]):

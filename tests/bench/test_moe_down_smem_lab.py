@@ -1,7 +1,8 @@
 """The shared-memory down lab (bench/moe_down_smem_lab.py): what it exists to test is where its loads sit.
 
 The lab runs on the GPU only (Gluon kernels do not run in the interpreter). Compiling it here for sm_90 checks the
-property the experiment is about: every TMA load of the down slice comes before ``griddepcontrol.wait`` in the PTX,
+property the experiment is about: every TMA load of the down slice comes before ``griddepcontrol.wait`` in the PTX
+(in the control variants, after it),
 and before it only the router's k ids are read from global memory; after it h (one more TMA load), the routing
 weights and the residual. It also checks that a program's slice is the shared memory it asks for, and keeps the
 lab compiling with this environment's Triton and, where ``MXC_GPU_TRITON`` names it, the GPU machines'.
@@ -28,20 +29,20 @@ from triton.runtime.jit import mangle_type
 import moe_down_smem_lab as lab
 fn = lab.down_smem_kernel
 w2 = torch.empty(128, 2048, 768, dtype=torch.bfloat16, device="meta")
-for label, bn, bk, warps, maxnreg in lab.VARIANTS:
+for label, bn, bk, warps, maxnreg, early in lab.VARIANTS:
     d = lab.down_descriptor(w2, bn, bk)
     hd = lab.descriptor(torch.empty(8 * 768 // bk, bk, dtype=torch.bfloat16, device="meta"), [32 if bk == 256 else 64, bk])
     sig = {"h_desc": mangle_type(hd), "w_desc": mangle_type(d), "wts_ptr": "*bf16", "ids_ptr": "*i64", "r_ptr": "*bf16",
            "out_ptr": "*bf16", "E": "constexpr", "H": "constexpr", "I": "constexpr", "TOP_K": "constexpr",
-           "HAS_R": "constexpr", "USE_PDL": "constexpr"}
-    consts = {"E": 128, "H": 2048, "I": 768, "TOP_K": 8, "HAS_R": True, "USE_PDL": True}
+           "HAS_R": "constexpr", "USE_PDL": "constexpr", "EARLY": "constexpr"}
+    consts = {"E": 128, "H": 2048, "I": 768, "TOP_K": 8, "HAS_R": True, "USE_PDL": True, "EARLY": early}
     src = GluonASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})})
     lines = [l.strip() for l in k.asm["ptx"].splitlines()]
     wait = next(i for i, l in enumerate(lines) if l.startswith("griddepcontrol.wait"))
     tma = [i for i, l in enumerate(lines) if "cp.async.bulk.tensor" in l]
     lds = [i for i, l in enumerate(lines) if l.startswith("ld.global")]
-    print("kernel", bn, bk, k.metadata.shared, sum(i < wait for i in tma), sum(i > wait for i in tma),
+    print("kernel", bn, bk, int(early), k.metadata.shared, sum(i < wait for i in tma), sum(i > wait for i in tma),
           sum(i < wait for i in lds), sum(i > wait for i in lds))
 """
 
@@ -61,10 +62,14 @@ def _check(rows: list[tuple[int, ...]]) -> None:
     import moe_down_smem_lab as lab
 
     assert len(rows) == len(lab.VARIANTS), rows
-    for bn, bk, shared, tma_before, tma_after, ld_before, ld_after in rows:
+    for bn, bk, early, shared, tma_before, tma_after, ld_before, ld_after in rows:
         assert shared >= 8 * bn * 768 * 2, (bn, shared)  # the k experts' [bn, 768] slices, all at once
-        assert tma_before == 8 * 768 // bk and tma_after == 1, (bn, bk, tma_before, tma_after)  # after: h's box
-        assert ld_before == 8 and ld_after > 0, (bn, bk, ld_before, ld_after)  # the ids early; h, weights, r late
+        boxes = 8 * 768 // bk
+        if early:  # the ids and the slice's boxes before the wait; h's box, the weights and r after it
+            assert (tma_before, tma_after) == (boxes, 1) and ld_before == 8 and ld_after > 0, rows
+        else:  # the control: every load after it
+            assert (tma_before, tma_after) == (0, boxes + 1) and ld_before == 0 and ld_after > 8, rows
+    assert {r[2] for r in rows} == {0, 1}, rows
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="compile check is for machines without a GPU")
