@@ -14,11 +14,12 @@ experts, [k, BN, I] (196 KB in bf16), in shared memory: before ``griddepcontrol.
 router's ids (written two kernels back, done once the gate/up kernel ahead has passed its own wait, which it does
 before it lets this kernel launch) and issues the TMA loads of its slice on one mbarrier; after the wait it loads
 h [k, I] by one more TMA load and multiplies out of shared memory. The gate/up kernel (4 warps, 142 registers a
-thread on sm_90 under Triton 3.6, 512 B of shared memory; 384 programs, at most three an SM) leaves about 10K registers and 220 KB of shared
-memory an SM free, so a program of 2 or 4 warps at up to 80 registers a thread fits beside it from its start: the
-down bytes stream while the gate/up kernel runs (the two kernels share HBM), and no line is read twice. An SM runs
-blocks of one L1 / shared-memory carveout at a time, so each variant is timed twice: the driver's carveout, and
-every kernel of the chain asking for the most shared memory (``set_carveout``).
+thread on sm_90 under Triton 3.6, 512 B of shared memory; 384 programs, at most three an SM) leaves about 10K
+registers and 220 KB of shared memory an SM free, so a program of 4 warps at up to 80 registers a thread fits
+beside it from its start: the down bytes stream while the gate/up kernel runs (the two kernels share HBM), and no
+line is read twice. An SM runs blocks of one L1 / shared-memory carveout at a time, so each variant is timed three
+ways: the driver's carveout, every kernel of the chain asking for the most shared memory, and the experts' kernels
+only (``set_carveout``).
 
     out[n] = r[n] + sum_j  round(round(h_j @ down_{e_j}[n]) * w_j)        (the pair kernels' rounding)
 
@@ -198,15 +199,17 @@ def experts(x, weights, ids, w1, w2, residual, desc, *, warps: int, maxnreg: int
 
 
 # (label, BN rows a program, BK columns a box, warps, registers a thread at most, the slice loaded before the wait).
-# BN = 16: 128 programs of 208 KB at the 30B shape; BN = 8: 256 of 112 KB, two an SM where the gate/up kernel
-# leaves room. The register cap (ptxas' maxnreg) keeps a program within what three gate/up programs leave an SM
-# (10,240 registers): unrolled, the 16-row kernel holds 101 a thread at 4 warps otherwise (Triton 3.6, sm_90),
-# and at 80 it keeps 24 bytes of stack. The first GPU call (H100, 2026-12-07) also timed 2 warps (160 registers):
-# 13.5 us a layer slower than the shipped chain.
-VARIANTS = (("16 rows, 4 warps", 16, 256, 4, 80, True), ("16 rows, 4 warps, uncapped", 16, 256, 4, None, True),
-            ("8 rows, 4 warps", 8, 256, 4, 80, True), ("16 rows, 128-column boxes, 4 warps", 16, 128, 4, 80, True),
-            ("16 rows, 4 warps, uncapped, loads after the wait", 16, 256, 4, None, False),
-            ("8 rows, 4 warps, loads after the wait", 8, 256, 4, 80, False))
+# BN = 16: 128 programs of 208 KB at the 30B shape; BN = 8: 256 of 112 KB. The register cap (ptxas' maxnreg) keeps a
+# program within what three gate/up programs leave an SM (10,240 registers): unrolled, the 16-row kernel holds 101
+# a thread at 4 warps otherwise (Triton 3.6, sm_90), and at 80 it keeps 24 bytes of stack. Measured on one H100
+# (2026-12-07; us a layer against the shipped chain, same call): the first call (no carveout set, a bug) 2 warps
+# +13.5, 16 rows +1.1 (uncapped +0.4), 8 rows -1.0; the second, the carveout at max for every kernel of the chain
+# against the driver's: 8 rows -1.68 / -1.03, 16 rows +2.95 / +1.30 (uncapped +0.49 / +0.56, 128-column boxes
+# +2.11 / +0.64), the controls loading after the wait 8 rows +0.74 / +0.65 and 16 rows uncapped +2.64 / +2.55, and the
+# shipped chain itself +0.48 at max.
+VARIANTS = (("8 rows, 4 warps", 8, 256, 4, 80, True), ("8 rows, 4 warps, uncapped", 8, 256, 4, None, True),
+            ("8 rows, 128-column boxes, 4 warps", 8, 128, 4, 80, True), ("4 rows, 4 warps", 4, 256, 4, 80, True),
+            ("16 rows, 4 warps, uncapped", 16, 256, 4, None, True))
 
 
 def check(device: str = "cuda") -> None:
@@ -236,29 +239,36 @@ def check(device: str = "cuda") -> None:
             assert err < 1e-2, (label, err)
 
 
-def set_carveout(modules, percent: int) -> int:
-    """Set every compiled kernel of ``modules``' Triton and Gluon functions to prefer ``percent`` of the SM's unified
-    L1 / shared memory as shared memory (``CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT``; -1: no preference,
-    the driver's choice). An SM runs blocks of one carveout at a time, so a down kernel of 197 KB a program may wait
-    for the gate/up kernel's blocks to drain from an SM the driver configured small; this asks every kernel of the
-    chain for the large one. Returns how many kernels were set."""
-    import ctypes
-
+def jit_functions(modules) -> list:
+    """The Triton and Gluon kernels defined or imported at the top level of ``modules``."""
     from triton.runtime.jit import JITFunction
 
-    cu = ctypes.CDLL("libcuda.so.1")
-    n = 0
+    fns = []
     for mod in modules:
         for obj in vars(mod).values():
             fn = obj if isinstance(obj, JITFunction) else getattr(obj, "fn", None)  # autotuner wrappers
-            if not isinstance(fn, JITFunction):
-                continue
-            for cache in fn.device_caches.values():
-                for kernel in cache[0].values():
-                    kernel._init_handles()
-                    rc = cu.cuFuncSetAttribute(ctypes.c_void_p(kernel.function), 9, ctypes.c_int(percent))
-                    assert rc == 0, f"cuFuncSetAttribute: CUresult {rc}"
-                    n += 1
+            if isinstance(fn, JITFunction) and fn not in fns:
+                fns.append(fn)
+    return fns
+
+
+def set_carveout(fns, percent: int) -> int:
+    """Set every compiled kernel of the Triton / Gluon functions ``fns`` to prefer ``percent`` of the SM's unified
+    L1 / shared memory as shared memory (``CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT``; -1: no preference,
+    the driver's choice). An SM runs blocks of one carveout at a time, so a down kernel of 112-208 KB a program may
+    wait for the gate/up kernel's blocks to drain from an SM the driver configured small. Returns how many compiled
+    kernels were set."""
+    import ctypes
+
+    cu = ctypes.CDLL("libcuda.so.1")
+    n = 0
+    for fn in fns:
+        for cache in fn.device_caches.values():
+            for kernel in cache[0].values():
+                kernel._init_handles()
+                rc = cu.cuFuncSetAttribute(ctypes.c_void_p(kernel.function), 9, ctypes.c_int(percent))
+                assert rc == 0, f"cuFuncSetAttribute: CUresult {rc}"
+                n += 1
     return n
 
 
@@ -300,18 +310,22 @@ def bench(rounds: int) -> None:
     names = {"router only": route, "shipped": shipped}
     for label, bn, bk, warps, maxnreg, early in VARIANTS:
         names[f"smem down, {label}"] = variant(bn, bk, warps, maxnreg, early)
-    chain = [sys.modules[__name__], tmd, triton_norm, triton_route]
+    chain = jit_functions([sys.modules[__name__], tmd, triton_norm, triton_route])
+    experts_only = [down_smem_kernel, tmd._pair_up_kernel, tmd._pair_down_tile_kernel]
     for fn in names.values():  # compiled before the carveout is set on them
         fn(0)
     torch.cuda.synchronize()
     print(f"kernels given the carveout: {set_carveout(chain, -1)}", flush=True)
     results: dict[str, list[float]] = {}
+    # carveouts: the driver's; the most shared memory for every kernel of the chain; for the experts' kernels only
+    modes = {"default": [], "max": chain, "max for the experts": experts_only}
     for _ in range(rounds):
-        for carveout in (-1, 100):
+        for mode, at_max in modes.items():
             for name, fn in names.items():
-                label = f"{name}, carveout {'max' if carveout > 0 else 'default'}"
+                label = f"{name}, carveout {mode}"
                 try:
-                    set_carveout(chain, carveout)
+                    set_carveout(chain, -1)
+                    set_carveout(at_max, 100)
                     t = time_us(fn, calls=32, pdl=True)
                 except Exception as e:  # a lab: say what failed and go on
                     print(f"  skip {label}: {type(e).__name__} {str(e)[:200]}", flush=True)

@@ -29,15 +29,17 @@ from triton.runtime.jit import mangle_type
 import moe_down_smem_lab as lab
 fn = lab.down_smem_kernel
 w2 = torch.empty(128, 2048, 768, dtype=torch.bfloat16, device="meta")
-for label, bn, bk, warps, maxnreg, early in lab.VARIANTS:
+for label, bn, bk, warps, maxnreg, early in lab.VARIANTS + (("control", 8, 256, 4, 80, False),):
     d = lab.down_descriptor(w2, bn, bk)
-    hd = lab.descriptor(torch.empty(8 * 768 // bk, bk, dtype=torch.bfloat16, device="meta"), [32 if bk == 256 else 64, bk])
+    hd = lab.descriptor(torch.empty(8 * 768 // bk, bk, dtype=torch.bfloat16, device="meta"),
+                        [32 if bk == 256 else 64, bk])
     sig = {"h_desc": mangle_type(hd), "w_desc": mangle_type(d), "wts_ptr": "*bf16", "ids_ptr": "*i64", "r_ptr": "*bf16",
            "out_ptr": "*bf16", "E": "constexpr", "H": "constexpr", "I": "constexpr", "TOP_K": "constexpr",
            "HAS_R": "constexpr", "USE_PDL": "constexpr", "EARLY": "constexpr"}
     consts = {"E": 128, "H": 2048, "I": 768, "TOP_K": 8, "HAS_R": True, "USE_PDL": True, "EARLY": early}
     src = GluonASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})})
+    opts = {"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})}
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     lines = [l.strip() for l in k.asm["ptx"].splitlines()]
     wait = next(i for i, l in enumerate(lines) if l.startswith("griddepcontrol.wait"))
     tma = [i for i, l in enumerate(lines) if "cp.async.bulk.tensor" in l]
@@ -61,7 +63,7 @@ def _check(rows: list[tuple[int, ...]]) -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     import moe_down_smem_lab as lab
 
-    assert len(rows) == len(lab.VARIANTS), rows
+    assert len(rows) == len(lab.VARIANTS) + 1, rows
     for bn, bk, early, shared, tma_before, tma_after, ld_before, ld_after in rows:
         assert shared >= 8 * bn * 768 * 2, (bn, shared)  # the k experts' [bn, 768] slices, all at once
         boxes = 8 * 768 // bk
