@@ -32,6 +32,12 @@ from mxc.runtime import tensor_maps
 _CTYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "i64": ctypes.c_int64, "f32": ctypes.c_float,
            "f64": ctypes.c_double, "i8": ctypes.c_int8, "i16": ctypes.c_int16}
 _MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+_PREFERRED_CARVEOUT = 9  # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+# The L1 / shared-memory split every kernel asks for, in percent of the most shared memory (-1 or None: the
+# driver's choice, the default). An A/B knob (``bench/decode_ab.py --variant``), read at each launch: an SM runs
+# blocks of one carveout at a time, so a kernel needing more shared memory than the SM is configured for waits
+# for the blocks ahead to drain; a uniform split lets kernels overlap under PDL (``bench/moe_down_smem_lab.py``).
+CARVEOUT: int | None = None
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
@@ -117,6 +123,7 @@ class _Binary:
         self._maps = maps
         self.pdl = bool(entry.get("pdl"))
         self._local = threading.local()
+        self._carveout = -1  # the driver's default until ``CARVEOUT`` says otherwise
 
     def _slots(self):
         """This thread's ctypes value for each parameter, the array of their addresses the driver reads, and
@@ -134,6 +141,10 @@ class _Binary:
         return slots
 
     def launch(self, grid, args, pdl: bool = True) -> None:
+        carveout = -1 if CARVEOUT is None else CARVEOUT
+        if carveout != self._carveout:
+            _check(self.lib.cuFuncSetAttribute(self.func, _PREFERRED_CARVEOUT, carveout), "the carveout")
+            self._carveout = carveout
         values, params, config, _attr, config_ref = self._slots()
         for step, arg in zip(self._plan, args):  # args: no None (absent = constexpr)
             kind, i = step[0], step[1]

@@ -218,6 +218,23 @@ def test_shared_memory_reaches_the_driver(shared, opt_in, monkeypatch):
     assert launched == [shared] and [c[2] for c in driver.configs] == [shared]
 
 
+def test_the_carveout_knob_reaches_the_driver_once_a_change(monkeypatch):
+    """``CARVEOUT`` (an A/B knob) is read at each launch: a change sets the function's preferred carveout once,
+    None goes back to the driver's choice (-1), and the default sets nothing."""
+    monkeypatch.setattr(cuda_launch, "stream_handle", lambda: 0)
+    entry = _entry()
+    driver = _Driver(entry["params"])
+    attributes = []
+    driver.cuFuncSetAttribute = lambda func, attr, value: attributes.append((attr, value)) or 0
+    b = cuda_launch._Binary(driver, b"", entry)
+    x = torch.empty(4)
+    for knob in (None, 100, 100, 50, None, None):
+        monkeypatch.setattr(cuda_launch, "CARVEOUT", knob)
+        b.launch((1,), [x, x, 1, 1.0], pdl=True)
+    assert attributes == [(cuda_launch._PREFERRED_CARVEOUT, v) for v in (100, 50, -1)]
+    assert len(driver.launches) == 6
+
+
 @pytest.mark.parametrize("tail", [("ptr", "i32"), ("i32", "ptr"), ("i64",)])
 def test_parameters_past_the_arguments_must_be_scratch_pointers(tail):
     """Triton appends only scratch pointers after a kernel's arguments; anything else means the index entry
