@@ -29,7 +29,8 @@ from triton.runtime.jit import mangle_type
 import moe_down_smem_lab as lab
 fn = lab.down_smem_kernel
 w2 = torch.empty(128, 2048, 768, dtype=torch.bfloat16, device="meta")
-for label, bn, bk, warps, maxnreg, early in lab.VARIANTS + (("control", 8, 256, 4, 80, False),):
+# the first variant and its control (the same kernel loading its slice after the wait)
+for label, bn, bk, warps, maxnreg, early in (lab.VARIANTS[0], lab.VARIANTS[0][:5] + (False,)):
     d = lab.down_descriptor(w2, bn, bk)
     hd = lab.descriptor(torch.empty(8 * 768 // bk, bk, dtype=torch.bfloat16, device="meta"),
                         [32 if bk == 256 else 64, bk])
@@ -63,7 +64,7 @@ def _check(rows: list[tuple[int, ...]]) -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     import moe_down_smem_lab as lab
 
-    assert len(rows) == len(lab.VARIANTS) + 1, rows
+    assert len(rows) == 2, rows
     for bn, bk, early, shared, tma_before, tma_after, ld_before, ld_after in rows:
         assert shared >= 8 * bn * 768 * 2, (bn, shared)  # the k experts' [bn, 768] slices, all at once
         boxes = 8 * 768 // bk
