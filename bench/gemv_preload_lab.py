@@ -38,25 +38,16 @@ import argparse
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
+
+from gluon_common import gdc_launch_dependents as _gdc_launch_dependents
+from gluon_common import gdc_wait as _gdc_wait
+from gluon_common import tma_load as _tma_load
 
 BLOCK_N = 64  # weight rows a program: wgmma's M
 BLOCK_K = 128  # bytes of a weight row a stage: one 128-byte swizzled TMA box
 BLOCK_M = 16  # tokens, padded: wgmma's N
-# the TMA load's name: async_copy_global_to_shared in Triton 3.6 (the GPU machines'), async_load from 3.7 or so
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-
-
-@gluon.jit
-def _gdc_wait():
-    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _gdc_launch_dependents():
-    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
-                              pack=1)
 
 
 @gluon.jit

@@ -49,25 +49,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier  # noqa: E402
 
-# the TMA load's name: async_copy_global_to_shared in Triton 3.6 (the GPU machines'), async_load from 3.7 or so
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-
-
-# the CTA barrier's name: thread_barrier in Triton 3.6, barrier later
-_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-
-
-@gluon.jit
-def _gdc_wait():
-    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _gdc_launch_dependents():
-    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
-                              pack=1)
+from gluon_common import gdc_launch_dependents as _gdc_launch_dependents  # noqa: E402
+from gluon_common import gdc_wait as _gdc_wait  # noqa: E402
+from gluon_common import tma_load as _tma_load  # noqa: E402
 
 
 @gluon.jit
@@ -279,26 +265,13 @@ def set_carveout(fns, percent: int) -> int:
 
 
 def bench(rounds: int) -> None:
-    from moe_lab import time_us
+    from moe_lab import chain_inputs, time_us
 
     from mxc.kernels import triton_moe_decode as tmd
     from mxc.kernels import triton_norm, triton_route
-    from mxc.kernels.context import ForwardContext
 
-    E, H, I, K = 128, 2048, 768, 8
-    dt = torch.bfloat16
-    w1 = torch.randn(E, 2 * I, H, device="cuda", dtype=dt) * 0.02
-    w2 = torch.randn(E, H, I, device="cuda", dtype=dt) * 0.02
-    sets = 16
-    a = [torch.randn(1, H, device="cuda", dtype=dt) for _ in range(sets)]
-    b = [torch.randn(1, H, device="cuda", dtype=dt) for _ in range(sets)]
-    nw = torch.ones(H, device="cuda", dtype=dt)
-    rws = [torch.randn(E, H, device="cuda", dtype=dt) * H ** -0.5 for _ in range(sets)]
-    ctx = ForwardContext([1], [0], [0])
-
-    def route(i):
-        return triton_route.add_rms_norm_route(a[i % sets], b[i % sets], nw, rws[i % sets], ctx, eps=1e-6, k=K,
-                                               renormalize=True)
+    c = chain_inputs()
+    w1, w2, nw, route = c.w1, c.w2, c.nw, c.route
 
     def shipped(i):
         s, h, wts, ids = route(i)

@@ -253,42 +253,31 @@ def time_chain(layer, layers: int = 32) -> float:
 
 
 def bench(rounds: int) -> None:
-    from mxc.kernels import triton_moe_decode as tmd
-    from mxc.kernels import triton_norm, triton_route
-    from mxc.kernels.context import ForwardContext
+    from moe_lab import H, I, K, chain_inputs
 
-    E, H, I, K = 128, 2048, 768, 8
-    dt = torch.bfloat16
-    w1 = torch.randn(E, 2 * I, H, device="cuda", dtype=dt) * 0.02
-    w2 = torch.randn(E, H, I, device="cuda", dtype=dt) * 0.02
+    from mxc.kernels import triton_moe_decode as tmd
+    from mxc.kernels import triton_norm
+
+    c = chain_inputs()
+    w1, w2, nw, route = c.w1, c.w2, c.nw, c.route
     w2t = w2.transpose(1, 2).contiguous()
-    sets = 16
-    a = [torch.randn(1, H, device="cuda", dtype=dt) for _ in range(sets)]
-    b = [torch.randn(1, H, device="cuda", dtype=dt) for _ in range(sets)]
-    nw = torch.ones(H, device="cuda", dtype=dt)
-    rws = [torch.randn(E, H, device="cuda", dtype=dt) * H ** -0.5 for _ in range(sets)]
-    ctx = ForwardContext([1], [0], [0])
     accs = {(c, fx): torch.zeros(c, 1, H, dtype=torch.int64 if fx else torch.float32, device="cuda")
             for c in (1, 4) for fx in (False, True)}
 
     def shipped(i):
-        s, h, wts, ids = triton_route.add_rms_norm_route(a[i % sets], b[i % sets], nw, rws[i % sets], ctx,
-                                                         eps=1e-6, k=K, renormalize=True)
+        s, h, wts, ids = route(i)
         y = tmd.fused_moe(h, wts, ids, w1, w2, residual=s)
         return triton_norm.rms_norm(y, nw, 1e-6)
 
     def fused(v):
         def layer(i):
-            s, h, wts, ids = triton_route.add_rms_norm_route(a[i % sets], b[i % sets], nw, rws[i % sets], ctx,
-                                                             eps=1e-6, k=K, renormalize=True)
+            s, h, wts, ids = route(i)
             acc = accs[v.get("copies", 1), v.get("fixed", False)]
             fused_experts(h, wts, ids, w1, w2t if v["down_t"] else w2, acc, **v)
             return finish(acc, s, nw, 1e-6)
         return layer
 
-    def router_only(i):
-        return triton_route.add_rms_norm_route(a[i % sets], b[i % sets], nw, rws[i % sets], ctx,
-                                               eps=1e-6, k=K, renormalize=True)
+    router_only = route
 
     bytes_ = K * 3 * I * H * 2
     print(f"expert bytes a layer {bytes_ / 1e6:.1f} MB", flush=True)
@@ -299,8 +288,7 @@ def bench(rounds: int) -> None:
         names[" ".join(f"{k}={val}" for k, val in v.items())] = fused(v)
     for uu, du in ((True, False), (False, True), (True, True), (False, False)):
         def pairs(i, uu=uu, du=du):
-            s, h, wts, ids = triton_route.add_rms_norm_route(a[i % sets], b[i % sets], nw, rws[i % sets], ctx,
-                                                             eps=1e-6, k=K, renormalize=True)
+            s, h, wts, ids = route(i)
             y = pair_experts(h, wts, ids, w1, w2, s, up_unrolled=uu, down_unrolled=du)
             return triton_norm.rms_norm(y, nw, 1e-6)
         names[f"pair kernels, up unrolled {uu}, down unrolled {du}"] = pairs

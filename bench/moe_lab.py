@@ -31,6 +31,32 @@ from mxc.kernels import triton_moe_decode as tmd  # noqa: E402
 E, H, I, K = 128, 2048, 768, 8
 
 
+def chain_inputs(sets: int = 16):
+    """The MoE block at the Qwen3-30B-A3B shape, random bf16, for the labs' 32-layer chains (``time_us``): expert
+    weights ``w1`` [E, 2I, H] and ``w2`` [E, H, I], the RMSNorm weight ``nw``, ``sets`` residual / attention inputs
+    ``a``, ``b`` and router weights ``rws``, and ``route(i)``: the shipped add + RMSNorm + router of set i % sets
+    (each set its own router weights, so consecutive layers choose other experts)."""
+    from types import SimpleNamespace
+
+    from mxc.kernels import triton_route
+    from mxc.kernels.context import ForwardContext
+
+    dt = torch.bfloat16
+    w1 = torch.randn(E, 2 * I, H, device="cuda", dtype=dt) * 0.02
+    w2 = torch.randn(E, H, I, device="cuda", dtype=dt) * 0.02
+    a = [torch.randn(1, H, device="cuda", dtype=dt) for _ in range(sets)]
+    b = [torch.randn(1, H, device="cuda", dtype=dt) for _ in range(sets)]
+    nw = torch.ones(H, device="cuda", dtype=dt)
+    rws = [torch.randn(E, H, device="cuda", dtype=dt) * H ** -0.5 for _ in range(sets)]
+    ctx = ForwardContext([1], [0], [0])
+
+    def route(i):
+        return triton_route.add_rms_norm_route(a[i % sets], b[i % sets], nw, rws[i % sets], ctx, eps=1e-6, k=K,
+                                               renormalize=True)
+
+    return SimpleNamespace(w1=w1, w2=w2, a=a, b=b, nw=nw, rws=rws, route=route, sets=sets)
+
+
 def time_us(fn, calls: int = 32, pdl: bool = False) -> float:
     """Microseconds per ``fn(i)``: do_bench of a CUDA graph of ``calls`` back-to-back calls; with ``pdl``, the kernels
     launched for programmatic dependent launch, as an artifact's decode graph runs them (``launch.jit_launch_pdl``)."""

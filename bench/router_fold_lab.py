@@ -171,29 +171,20 @@ def check(device: str, E: int, H: int, I: int, K: int, T: int = 1) -> None:
 
 
 def bench(rounds: int) -> None:
-    from moe_lab import time_us
+    from moe_lab import E, K, chain_inputs, time_us
 
-    from mxc.kernels import triton_gemv, triton_norm, triton_route
-    from mxc.kernels.context import ForwardContext
+    from mxc.kernels import triton_gemv, triton_norm
 
-    E, H, I, K = 128, 2048, 768, 8
     dt = torch.bfloat16
-    w1 = torch.randn(E, 2 * I, H, device="cuda", dtype=dt) * 0.02
-    w2 = torch.randn(E, H, I, device="cuda", dtype=dt) * 0.02
-    sets = 16
-    a = [torch.randn(1, H, device="cuda", dtype=dt) for _ in range(sets)]
-    b = [torch.randn(1, H, device="cuda", dtype=dt) for _ in range(sets)]
-    nw = torch.ones(H, device="cuda", dtype=dt)
-    rws = [torch.randn(E, H, device="cuda", dtype=dt) * H ** -0.5 for _ in range(sets)]
+    c = chain_inputs()
+    w1, w2, a, b, nw, rws, sets = c.w1, c.w2, c.a, c.b, c.nw, c.rws, c.sets
     logits = [torch.randn(1, E, device="cuda") for _ in range(sets)]
-    ctx = ForwardContext([1], [0], [0])
     attn = [torch.randn(1, 4096, device="cuda", dtype=dt) for _ in range(sets)]
     wo = [torch.randn(2048, 4096, device="cuda", dtype=dt) * 0.02 for _ in range(sets)]
     wo_fold = [torch.randn(2048 + E, 4096, device="cuda", dtype=dt) * 0.02 for _ in range(sets)]
 
     def shipped(i):
-        s, h, wts, ids = triton_route.add_rms_norm_route(a[i % sets], b[i % sets], nw, rws[i % sets], ctx,
-                                                         eps=1e-6, k=K, renormalize=True)
+        s, h, wts, ids = c.route(i)
         y = tmd.fused_moe(h, wts, ids, w1, w2, residual=s)
         return triton_norm.rms_norm(y, nw, 1e-6)
 
@@ -202,8 +193,7 @@ def bench(rounds: int) -> None:
         return triton_norm.rms_norm(y, nw, 1e-6)
 
     names = {
-        "router only": lambda i: triton_route.add_rms_norm_route(a[i % sets], b[i % sets], nw, rws[i % sets], ctx,
-                                                                 eps=1e-6, k=K, renormalize=True),
+        "router only": c.route,
         "shipped: router, pair kernels, norm": shipped,
         "folded: folded gate/up, down, norm": folded,
         "o GEMV, 2048 rows": lambda i: triton_gemv.linear_small_m(attn[i % sets], wo[i % sets]),

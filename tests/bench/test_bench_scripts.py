@@ -30,7 +30,7 @@ BENCH = ROOT / "bench"
 sys.path.insert(0, str(BENCH))
 
 SCRIPTS = sorted(p.name for p in BENCH.glob("*.py"))
-LIBRARIES = {"profile_step.py"}  # helpers the benches import, with no command line of their own
+LIBRARIES = {"profile_step.py", "gluon_common.py"}  # helpers the benches import, with no command line of their own
 
 
 # --- import and --help --------------------------------------------------------------------------------------------
