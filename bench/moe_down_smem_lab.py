@@ -9,8 +9,8 @@ kernel's, so most loaded after it as before), and the down matrices asked of L2 
 streamed beside the gate/up kernel were evicted by its own 50 MB before use: it slowed by 3.8 us, the down kernel
 gained 0.35).
 
-Here the down kernel is ``H / BN`` programs (128 at BN = 16), each holding its output rows' slice of all k chosen
-experts, [k, BN, I] (196 KB in bf16), in shared memory: before ``griddepcontrol.wait`` a program reads the
+Here the down kernel is ``H / BN`` programs (256 at BN = 8, the best), each holding its output rows' slice of all
+k chosen experts, [k, BN, I] (98 KB in bf16 at BN = 8, and h's 16 KB), in shared memory: before ``griddepcontrol.wait`` a program reads the
 router's ids (written two kernels back, done once the gate/up kernel ahead has passed its own wait, which it does
 before it lets this kernel launch) and issues the TMA loads of its slice on one mbarrier; after the wait it loads
 h [k, I] by one more TMA load and multiplies out of shared memory. The gate/up kernel (4 warps, 142 registers a
