@@ -9,17 +9,17 @@ kernel's, so most loaded after it as before), and the down matrices asked of L2 
 streamed beside the gate/up kernel were evicted by its own 50 MB before use: it slowed by 3.8 us, the down kernel
 gained 0.35).
 
-Here the down kernel is ``H / BN`` programs (256 at BN = 8, the best), each holding its output rows' slice of all
-k chosen experts, [k, BN, I] (98 KB in bf16 at BN = 8, and h's 16 KB), in shared memory: before ``griddepcontrol.wait`` a program reads the
-router's ids (written two kernels back, done once the gate/up kernel ahead has passed its own wait, which it does
-before it lets this kernel launch) and issues the TMA loads of its slice on one mbarrier; after the wait it loads
-h [k, I] by one more TMA load and multiplies out of shared memory. The gate/up kernel (4 warps, 142 registers a
-thread on sm_90 under Triton 3.6, 512 B of shared memory; 384 programs, at most three an SM) leaves about 10K
-registers and 220 KB of shared memory an SM free, so a program of 4 warps at up to 80 registers a thread fits
-beside it from its start: the down bytes stream while the gate/up kernel runs (the two kernels share HBM), and no
-line is read twice. An SM runs blocks of one L1 / shared-memory carveout at a time, so each variant is timed three
-ways: the driver's carveout, every kernel of the chain asking for the most shared memory, and the experts' kernels
-only (``set_carveout``).
+Here the down kernel is ``H / BN`` programs (256 at BN = 8, the best), each holding its output rows' slice of all k
+chosen experts, [k, BN, I] (98 KB in bf16 at BN = 8, and h's 16 KB), in shared memory: before
+``griddepcontrol.wait`` a program reads the router's ids (written two kernels back, done once the gate/up kernel
+ahead has passed its own wait, which it does before it lets this kernel launch) and issues the TMA loads of its
+slice on one mbarrier; after the wait it loads h [k, I] by one more TMA load and multiplies out of shared memory.
+The gate/up kernel (4 warps, 142 registers a thread on sm_90 under Triton 3.6, 512 B of shared memory; 384 programs,
+at most three an SM) leaves about 10K registers and 220 KB of shared memory an SM free, so a program of 4 warps at
+up to 80 registers a thread fits beside it from its start: the down bytes stream while the gate/up kernel runs (the
+two kernels share HBM), and no line is read twice. An SM runs blocks of one L1 / shared-memory carveout at a time,
+so each variant is timed three ways: the driver's carveout, every kernel of the chain asking for the most shared
+memory, and the experts' kernels only (``set_carveout``).
 
     out[n] = r[n] + sum_j  round(round(h_j @ down_{e_j}[n]) * w_j)        (the pair kernels' rounding)
 
