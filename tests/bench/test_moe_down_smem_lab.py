@@ -61,9 +61,6 @@ def _compile(triton_path: str | None = None) -> list[tuple[int, ...]]:
 
 
 def _check(rows: list[tuple[int, ...]]) -> None:
-    sys.path.insert(0, str(ROOT / "bench"))
-    import moe_down_smem_lab as lab
-
     assert len(rows) == 2, rows
     for bn, bk, early, shared, tma_before, tma_after, ld_before, ld_after in rows:
         assert shared >= 8 * bn * 768 * 2, (bn, shared)  # the k experts' [bn, 768] slices, all at once
