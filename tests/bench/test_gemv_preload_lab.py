@@ -9,14 +9,12 @@ keeps the lab compiling with this environment's Triton and, where ``MXC_GPU_TRIT
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.sm90_compile import run_compile_script
+
 
 _COMPILE = """
 import sys, torch, triton
@@ -46,13 +44,8 @@ for name, stages, pipe, sub in (("ring", 6, False, 1), ("pipelined", 6, True, 1)
 
 
 def _compile(triton_path: str | None = None) -> dict[tuple[str, bool], tuple[int, int, int]]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if triton_path:
-        env["PYTHONPATH"] = os.pathsep.join([triton_path, str(ROOT)])
-    r = subprocess.run([sys.executable, "-c", _COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = [line.split()[1:] for line in r.stdout.splitlines() if line.startswith("ring ")]
+    stdout = run_compile_script(_COMPILE, triton_path)
+    rows = [line.split()[1:] for line in stdout.splitlines() if line.startswith("ring ")]
     return {(name, early == "1"): (int(boxes), int(before), int(after)) for name, boxes, early, before, after in rows}
 
 

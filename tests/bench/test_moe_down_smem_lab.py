@@ -11,14 +11,12 @@ lab compiling with this environment's Triton and, where ``MXC_GPU_TRITON`` names
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.sm90_compile import run_compile_script
+
 
 _COMPILE = """
 import sys, torch, triton
@@ -51,13 +49,8 @@ for label, bn, bk, warps, maxnreg, early in (lab.VARIANTS[0], lab.VARIANTS[0][:5
 
 
 def _compile(triton_path: str | None = None) -> list[tuple[int, ...]]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if triton_path:
-        env["PYTHONPATH"] = os.pathsep.join([triton_path, str(ROOT)])
-    r = subprocess.run([sys.executable, "-c", _COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return [tuple(int(v) for v in line.split()[1:]) for line in r.stdout.splitlines() if line.startswith("kernel ")]
+    stdout = run_compile_script(_COMPILE, triton_path)
+    return [tuple(int(v) for v in line.split()[1:]) for line in stdout.splitlines() if line.startswith("kernel ")]
 
 
 def _check(rows: list[tuple[int, ...]]) -> None:
