@@ -63,9 +63,10 @@
 #           extra 128 rows; kill criterion 2 us a layer
 #   moefused the batch-1 MoE experts as one kernel (gate/up and down, fp32 atomics) against the shipped two
 #           (bench/moe_fused_lab.py): correctness, then 32 layers of router + experts + norm in a PDL graph
-#   moedownsmem the batch-1 MoE down kernel as 128 programs holding the token's whole down slice in shared memory,
-#           TMA-loaded before the PDL wait (bench/moe_down_smem_lab.py, Gluon): correctness, then 32 layers of router
-#           + experts + norm in a PDL graph against the shipped kernels, the SM carveout by default and at max shared
+#   moedownsmem the batch-1 MoE down kernel as H/BN programs, each holding its rows of the k experts' down
+#           slices in shared memory, TMA-loaded before the PDL wait (bench/moe_down_smem_lab.py, Gluon): correctness,
+#           then 32 layers of router + experts + norm in a PDL graph against the shipped kernels, the SM carveout by
+#           default and at the most shared memory
 #   moestep the bf16 MoE experts' pair kernels at half the columns a step (the fp8 experts' weight bytes), unrolled:
 #           a Qwen3-30B-A3B bf16 step A/B (bench/decode_ab.py)
 #   tiles   the one-token fp8 wgmma GEMV over tile-major weights (each stage's tile one contiguous piece) against the
