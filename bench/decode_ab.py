@@ -13,8 +13,8 @@ active while the step is captured) in turn, so machine drift hits all variants a
 ``--bf16`` also builds and times the bf16 artifact of the same config under each variant (the fp8 / bf16
 ratio of issue #5 measured in the same run). ``--prefill N`` also times, each round and variant, a prefill of N
 tokens (median of ``--prefill-reps`` after a warm-up; ``--prefill-only`` skips the decode steps): prefill figures
-move between machines by more than most changes, so a prefill choice is judged within one call; ``--profile-prefill`` adds each variant's
-per-kernel breakdown of it. ``--timeline a,b`` prints, for those variants, one layer's kernels as the PDL graph
+move between machines by more than most changes, so a prefill choice is judged within one call;
+``--profile-prefill`` adds each variant's per-kernel breakdown of it. ``--timeline a,b`` prints, for those variants, one layer's kernels as the PDL graph
 runs them (``profile_step.timeline_decode``: each kernel's start against the previous one's end, its span, and
 the time it adds to the step), and writes the raw kernel list to ``$OUT/timeline_<variant>.json`` on the device
 machine. ``--batch 1,8`` times each batch size every round in the one artifact. Prints ms/step per round and the
@@ -97,7 +97,8 @@ def main() -> None:
     p.add_argument("--out", default="build/bench-ab")
     p.add_argument("--config", default=str(HERE / "llama3_8b.json"))
     p.add_argument("--quant", choices=["fp8"])
-    p.add_argument("--quant-granularity", choices=["channel", "tensor", "block128"], default="channel")
+    p.add_argument("--quant-granularity", choices=["channel", "tensor", "block128"],
+                   help="with --quant fp8 (the build's default: channel)")
     p.add_argument("--mlp-pair", action="store_true",
                    help="build with --mlp-pair (variants may set mxc.kernels.cuda_ops.MLP_PAIR=False for the chain)")
     p.add_argument("--variant", action="append", default=[], help="name=module.attr=value,... (repeatable)")

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from mxc.errors import MxcError
+
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
@@ -75,8 +77,8 @@ class _Parsed(Exception):
 
 def _parse(script: str, argv: list[str], monkeypatch) -> argparse.Namespace:
     """``bench/script``'s own parser over ``argv``: its ``main`` run up to its first benchmark work (decode_ab.py and
-    ablate.py up to their copy-bandwidth measurement: their option checks after parse_args run too), or an
-    assertion naming what the parser refused."""
+    ablate.py up to their build, through ``mxc.build``'s own option checks: the options they pass it must be ones
+    it accepts), or an assertion naming what the parser or the build refused."""
     mod = importlib.import_module(script.removesuffix(".py"))
     checks_after = script in ("decode_ab.py", "ablate.py")
     seen = {}
@@ -88,12 +90,14 @@ def _parse(script: str, argv: list[str], monkeypatch) -> argparse.Namespace:
             raise _Parsed
         return seen["args"]
 
-    def stop():
+    def stop(*args, **kwargs):
         raise _Parsed
 
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_args)
     if checks_after:
-        monkeypatch.setattr(mod, "copy_bandwidth", stop)
+        from mxc import builder
+        monkeypatch.setattr(mod, "copy_bandwidth", lambda: 3e12)
+        monkeypatch.setattr(builder, "BuildOptions", stop)  # made once every option check has passed
     monkeypatch.setattr(sys, "argv", [script, *argv])
     try:
         mod.main()
@@ -101,6 +105,8 @@ def _parse(script: str, argv: list[str], monkeypatch) -> argparse.Namespace:
         return seen["args"]
     except SystemExit as e:
         raise AssertionError(f"bench/{script} {' '.join(argv)}: refused (exit {e.code}); see the captured stderr")
+    except MxcError as e:
+        raise AssertionError(f"bench/{script} {' '.join(argv)}: the build refused its options: {e}")
     raise AssertionError(f"bench/{script}: main() returned without parsing its options")
 
 
