@@ -33,8 +33,10 @@ of the slice sits before the PDL wait (after it in the controls) and h's after i
 Measured on one H100 (2026-12-07, docs/perf.md, seventy-seventh run; three calls, correct every time): 8 rows a
 program at 4 warps, with every kernel of the chain asking for the most shared memory, is 1.60-1.68 us a layer under
 the shipped chain (two calls; 1.0 at the driver's carveout); the same kernel loading its slice after the wait is
-0.7 slower than shipped. The kill criterion is met on the H100, barely. Not wired: what a uniform max carveout
-costs the whole step (``mxc.runtime.cuda_launch.CARVEOUT``) and the H200's figure are the next measurements.
+0.7 slower than shipped. The kill criterion is met on the H100, barely. A third call (seventy-eighth run): -1.73.
+Not wired: a uniform max carveout (``mxc.runtime.cuda_launch.CARVEOUT = 100``) costs the whole Qwen3-30B-A3B step
+1.1 us a layer (2.981 against 2.928 ms on the H100), so the kernel would gain about 1.1 us a layer in the step
+(1.7%), under the kill criterion; the H200's figure is the one not measured.
 """
 
 from __future__ import annotations

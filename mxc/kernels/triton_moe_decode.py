@@ -200,9 +200,10 @@ def _default_configs(hidden: int, inter: int, dtype: torch.dtype, top_k: int = 8
     2.712 / 2.713 / 2.754 ms against 2.544. The streamed lines slow the gate/up kernel running beside them (it
     added 18.9 us a layer instead of 15.1) for 0.35 us gained by the down kernel (2026-12-02; removed). Held in
     shared memory instead, by 256 Gluon programs of 112 KB that fit beside the gate/up kernel, the early loads
-    pay: 1.6 us a layer in a 32-layer chain on an H100, not wired (``bench/moe_down_smem_lab.py``, 2026-12-07). Larger
-    up steps, fewer round trips a program: 1 KB steps 2.690 ms (8 warps 2.616), 2 KB at 8 warps 2.712, 32 rows at
-    8 warps 2.566, against 2.538 for these defaults (2026-12-02, same method).
+    pay: 1.6-1.7 us a layer in a 32-layer chain on an H100, but only at a max shared-memory carveout, which costs
+    the whole step 1.1 us a layer: about 1.7% of the step, not wired (``bench/moe_down_smem_lab.py``, 2026-12-07).
+    Larger up steps, fewer round trips a program: 1 KB steps 2.690 ms (8 warps 2.616), 2 KB at 8 warps 2.712, 32
+    rows at 8 warps 2.566, against 2.538 for these defaults (2026-12-02, same method).
     The up kernel's K loop unrolled (``UNROLL``, at most ``UNROLL_MAX_STEPS`` steps; the same sums): router + experts
     + RMSNorm, 32 layers in a PDL graph (``bench/moe_fused_lab.py``, 2026-12-04), 28.51 us a layer against 29.44
     rolled; the down kernel's loop unrolled as well, 30.86, so the bf16 down config keeps its loop (in the whole

@@ -37,6 +37,7 @@ _PREFERRED_CARVEOUT = 9  # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
 # driver's choice, the default). An A/B knob (``bench/decode_ab.py --variant``), read at each launch: an SM runs
 # blocks of one carveout at a time, so a kernel needing more shared memory than the SM is configured for waits
 # for the blocks ahead to drain; a uniform split lets kernels overlap under PDL (``bench/moe_down_smem_lab.py``).
+# 100 for every kernel costs the shipped Qwen3-30B-A3B bf16 step 1.8% on an H100 (docs/perf.md, 78th run).
 CARVEOUT: int | None = None
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
