@@ -239,7 +239,7 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
           quant: str | None = None, quant_granularity: str | None = None, quant_lm_head: bool = False,
           disable_passes: tuple[str, ...] | list[str] = (), pdl: bool | None = None,
           tp_allreduce: str = "auto", mlp_pair: bool = False, prefill_graphs: int | None = None,
-          progress: bool = True, log=_log) -> Path:
+          jobs: int | None = None, progress: bool = True, log=_log) -> Path:
     """Build an artifact and return its directory.
 
     ``pdl=None`` turns programmatic dependent launch on where it exists (``--target cuda``, sm_90+).
@@ -250,9 +250,11 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     (``mxc.kernels.mlp_pair_fp8``) instead of its kernel chain. ``prefill_graphs=None`` is
     ``PREFILL_GRAPH_TOKENS`` for ``--target cuda`` (0 elsewhere): batch-1 prompts up to the largest length bucket
     within that many tokens and ``max_seq_len`` replay the CUDA graph of their bucket
-    (``runtime_buckets.prefill_graph_buckets``); longer ones run eagerly.
+    (``runtime_buckets.prefill_graph_buckets``); longer ones run eagerly. ``jobs``: processes compiling the
+    kernels (None: one a core; 1: the calling process, no pool), which changes no file of the artifact.
     """
-    arch, tp, max_batch, max_seq_len, prefill_graphs = map(_integer, (arch, tp, max_batch, max_seq_len, prefill_graphs))
+    arch, tp, max_batch, max_seq_len, prefill_graphs, jobs = map(
+        _integer, (arch, tp, max_batch, max_seq_len, prefill_graphs, jobs))
     _check_argument_types(source=source, out=out, checkpoint=checkpoint, config=config, dump_ir=dump_ir, arch=arch,
                           disable_passes=disable_passes, quant_lm_head=quant_lm_head, mlp_pair=mlp_pair,
                           progress=progress, pdl=pdl, log=log)
@@ -295,6 +297,8 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
         raise MxcError(f"--max-batch {max_batch} / --max-seq-len {max_seq_len}: the KV cache would hold "
                        f"{max_batch + 1} x {max_seq_len} rows a layer (the scratch slot included), past the "
                        f"{KV_ROWS_LIMIT - 1} the cuda kernels address; lower one")
+    if jobs is not None and (not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1):
+        raise MxcError(f"--jobs {jobs}: expected a positive number of processes{_got(jobs)}")
     if prefill_graphs is None:
         prefill_graphs = PREFILL_GRAPH_TOKENS if target == "cuda" else 0
     if not isinstance(prefill_graphs, int) or isinstance(prefill_graphs, bool) or prefill_graphs < 0:
@@ -370,7 +374,7 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
         except OSError as e:
             raise MxcError(f"--out {out}: cannot write an artifact there ({e.strerror or e})") from None
         try:
-            _write(tmp, graph, src, options, arch, progress, log)
+            _write(tmp, graph, src, options, arch, jobs, progress, log)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise MxcError(f"--out {out}: {e.strerror} while writing the artifact (its weights take "
@@ -393,7 +397,8 @@ def build(source: str, *, out: str | Path | None = None, checkpoint: str | None 
     return out
 
 
-def _write(tmp: Path, graph: Graph, src: Source, options: BuildOptions, arch: int, progress: bool, log) -> None:
+def _write(tmp: Path, graph: Graph, src: Source, options: BuildOptions, arch: int, jobs: int | None, progress: bool,
+           log) -> None:
     (tmp / "code").mkdir()
     (tmp / "weights").mkdir()
     ir_text = dump_graph(graph)
@@ -406,7 +411,7 @@ def _write(tmp: Path, graph: Graph, src: Source, options: BuildOptions, arch: in
     with ckpt:
         check_checkpoint(graph, ckpt)  # what the headers say, before the kernels' minutes of compiling
         if options.target == "cuda":
-            _compile_kernels(graph, program_text, tmp / "code" / "kernels", options, arch, progress, log)
+            _compile_kernels(graph, program_text, tmp / "code" / "kernels", options, arch, jobs, progress, log)
             cutlass = _cutlass_library(graph, tmp, log)
             mlp_pair = _mlp_pair_library(graph, options, tmp, log)
         log("writing weights" + (f" from {src.checkpoint}" if src.checkpoint else
@@ -445,7 +450,7 @@ def _write(tmp: Path, graph: Graph, src: Source, options: BuildOptions, arch: in
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
 
 
-def _compile_kernels(graph, program_text, out_dir, options, arch, progress, log) -> None:
+def _compile_kernels(graph, program_text, out_dir, options, arch, jobs, progress, log) -> None:
     """Record the launches of the generated program and compile each kernel for sm_<arch>."""
     from mxc.codegen import aot
 
@@ -455,7 +460,7 @@ def _compile_kernels(graph, program_text, out_dir, options, arch, progress, log)
                        prefill_graph_tokens=options.prefill_graph_tokens)
     log(f"compiling {len(specs)} kernels for sm_{arch} (Triton {aot.triton_version()})")
     start = time.perf_counter()
-    aot.compile_specs(specs, out_dir, arch=arch, progress=progress)
+    aot.compile_specs(specs, out_dir, arch=arch, progress=progress, workers=jobs)
     log(f"compiled {len(specs)} kernels in {time.perf_counter() - start:.1f} s")
 
 

@@ -75,7 +75,7 @@ def cmd_build(args) -> None:
           target=args.target, dump_ir=args.dump_ir, max_batch=args.max_batch, max_seq_len=args.max_seq_len, tp=args.tp,
           quant=args.quant, quant_granularity=args.quant_granularity, quant_lm_head=args.quant_lm_head,
           disable_passes=args.disable_pass, pdl=args.pdl, tp_allreduce=args.tp_allreduce, mlp_pair=args.mlp_pair,
-          prefill_graphs=args.prefill_graphs,
+          prefill_graphs=args.prefill_graphs, jobs=args.jobs,
           progress=sys.stderr.isatty())  # bars on a terminal; a log or a pipe gets the phases' lines only
 
 
@@ -249,6 +249,8 @@ def parser() -> argparse.ArgumentParser:
                         "(powers of two from 16 to 512, then every 256, none past TOKENS or --max-seq-len), padded "
                         "up to it (short prompts wait on the host's ~8-20 ms of launches otherwise; default 2048, "
                         "0: off)")
+    b.add_argument("--jobs", "-j", type=int, metavar="N",
+                   help="cuda: processes compiling the kernels (default: one a core; 1: no worker processes)")
     b.set_defaults(fn=cmd_build)
 
     g = sub.add_parser("generate", help="generate tokens with a built artifact")

@@ -105,7 +105,8 @@ def _without_line_info():
 
 
 def _compile_one(key: str, spec: dict, arch: int, source: str | None) -> tuple[str, bytes, dict]:
-    """Compile one spec (runs in a worker process; ``source``: the rendered module of a generated kernel)."""
+    """Compile one spec (in a worker process, or the caller's; ``source``: the rendered module of a generated
+    kernel)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -161,8 +162,10 @@ def _workers_without_main():
 
 def compile_specs(specs: dict[str, dict], out_dir: Path, arch: int = 90, progress: bool = True,
                   workers: int | None = None) -> dict:
-    """Compile every spec for sm_<arch> (in parallel processes); write cubins, the rendered sources of
-    generated kernels (``src/<module>.py``) and index.json; return the index."""
+    """Compile every spec for sm_<arch> in ``workers`` processes (None: one a core; 1: in this process, with no
+    pool to start, as when the caller runs several builds at once); write cubins, the rendered sources of
+    generated kernels (``src/<module>.py``) and index.json; return the index. The files do not depend on
+    ``workers``."""
     from concurrent.futures import ProcessPoolExecutor
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -176,14 +179,12 @@ def compile_specs(specs: dict[str, dict], out_dir: Path, arch: int = 90, progres
         for module, text in sources.items():
             (out_dir / "src" / f"{module.partition('.')[2]}.py").write_text(text)
     workers = workers or min(len(specs), os.cpu_count() or 1)
+    args = [(key, spec, arch, sources.get(spec["kernel"].partition(":")[0])) for key, spec in sorted(specs.items())]
     index = {}
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        with _workers_without_main():  # the pool starts its processes as jobs are submitted
-            jobs = [pool.submit(_compile_one, key, spec, arch, sources.get(spec["kernel"].partition(":")[0]))
-                    for key, spec in sorted(specs.items())]
-        for job in tqdm(jobs, desc=f"compiling kernels for sm_{arch}", unit="kernel", disable=not progress,
-                        leave=False):
-            key, cubin, entry = job.result()
+
+    def write(results):
+        for key, cubin, entry in tqdm(results, total=len(args), desc=f"compiling kernels for sm_{arch}",
+                                      unit="kernel", disable=not progress, leave=False):
             module = entry["kernel"].partition(":")[0]
             if module in sources:
                 template, params = kernel_templates.origin(module)
@@ -191,6 +192,14 @@ def compile_specs(specs: dict[str, dict], out_dir: Path, arch: int = 90, progres
                              template_params=params)
             (out_dir / f"{key}.cubin").write_bytes(cubin)
             index[key] = entry
+
+    if workers == 1:
+        write(_compile_one(*a) for a in args)
+    else:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            with _workers_without_main():  # the pool starts its processes as jobs are submitted
+                jobs = [pool.submit(_compile_one, *a) for a in args]
+            write(job.result() for job in jobs)
     (out_dir / "index.json").write_text(json.dumps(index, indent=1, sort_keys=True) + "\n")
     return index
 

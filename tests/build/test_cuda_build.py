@@ -66,8 +66,10 @@ def _params(skip=()):
 def _build(config, tp, quant, tmp_path, triton_path=None):
     """``mxc build --target cuda`` in a subprocess (kernels compiled, not interpreted), optionally with the
     Triton package in ``triton_path``; returns the artifact directory."""
+    # --jobs 1: the kernels compile in the build's process (the suite's workers already fill the cores)
     args = [sys.executable, "-m", "mxc", "build", "llama.yaml", "--target", "cuda", "--out", str(tmp_path / "art"),
-            "--max-batch", "4", "--max-seq-len", "128", "--tp", str(tp)] + (["--quant", quant] if quant else [])
+            "--max-batch", "4", "--max-seq-len", "128", "--tp", str(tp), "--jobs", "1"]
+    args += ["--quant", quant] if quant else []
     if config is not None:
         (tmp_path / "config.json").write_text(json.dumps(config))
         args += ["--config", str(tmp_path / "config.json")]

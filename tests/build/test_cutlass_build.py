@@ -79,7 +79,7 @@ def test_runtime_without_a_library_says_so(monkeypatch):
 def _fp8_cuda_build(out, **env_overrides):
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", cutlass_fp8.PREBUILT_ENV)}
     proc = subprocess.run([sys.executable, "-m", "mxc", "build", "llama.yaml", "--target", "cuda", "--quant", "fp8",
-                           "--out", str(out), "--max-batch", "4", "--max-seq-len", "128"],
+                           "--out", str(out), "--max-batch", "4", "--max-seq-len", "128", "--jobs", "1"],
                           env={**env, **env_overrides}, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads((out / "manifest.json").read_text())

@@ -120,7 +120,8 @@ def test_cuda_build_ships_the_library(tmp_path):
     env[cutlass_fp8.PREBUILT_ENV] = "none"  # prefill by torch._scaled_mm: no minute of CUTLASS nvcc here
     art = tmp_path / "art"
     proc = subprocess.run([sys.executable, "-m", "mxc", "build", "llama.yaml", "--config", str(cfg), "--target", "cuda",
-                           "--quant", "fp8", "--mlp-pair", "--out", str(art), "--max-batch", "8", "--max-seq-len", "64"],
+                           "--quant", "fp8", "--mlp-pair", "--out", str(art), "--max-batch", "8", "--max-seq-len", "64",
+                           "--jobs", "1"],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     manifest = json.loads((art / "manifest.json").read_text())

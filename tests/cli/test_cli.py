@@ -488,6 +488,7 @@ def test_an_empty_path_is_refused_by_its_flag(argv, says, tmp_path, capsys, monk
     (["--target", "cuda", "--max-batch", "1", "--max-seq-len", str(2**30)], "past the 2147483647"),
     (["--quant-granularity", "channel"], "--quant-granularity channel: applies to fp8 weights; add --quant fp8"),
     (["--quant", "fp8", "--mlp-pair"], "--mlp-pair: the fused MLP kernel is a cuda kernel (got --target cpu)"),
+    (["--target", "cuda", "--jobs", "0"], "--jobs 0: expected a positive number of processes"),
 ])
 def test_build_sizes_and_options_that_cannot_run_are_refused_at_once(argv, says, tmp_path, capsys):
     """A billion-sequence cuda build ran out of the host's memory listing its buckets; --max-seq-len 1 built an

@@ -53,8 +53,8 @@ def test_every_launch_finds_its_binary(tmp_path, monkeypatch):
     art = tmp_path / "art"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-m", "mxc", "build", "llama.yaml", "--target", "cuda", "--out", str(art),
-                           "--max-batch", "2", "--max-seq-len", "64"], env=env, capture_output=True, text=True,
-                          timeout=600)
+                           "--max-batch", "2", "--max-seq-len", "64", "--jobs", "1"], env=env, capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     options = json.loads((art / "manifest.json").read_text())["options"]
 
