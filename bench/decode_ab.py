@@ -14,11 +14,11 @@ active while the step is captured) in turn, so machine drift hits all variants a
 ratio of issue #5 measured in the same run). ``--prefill N`` also times, each round and variant, a prefill of N
 tokens (median of ``--prefill-reps`` after a warm-up; ``--prefill-only`` skips the decode steps): prefill figures
 move between machines by more than most changes, so a prefill choice is judged within one call;
-``--profile-prefill`` adds each variant's per-kernel breakdown of it. ``--timeline a,b`` prints, for those variants, one layer's kernels as the PDL graph
-runs them (``profile_step.timeline_decode``: each kernel's start against the previous one's end, its span, and
-the time it adds to the step), and writes the raw kernel list to ``$OUT/timeline_<variant>.json`` on the device
-machine. ``--batch 1,8`` times each batch size every round in the one artifact. Prints ms/step per round and the
-median per variant (and batch).
+``--profile-prefill`` adds each variant's per-kernel breakdown of it. ``--timeline a,b`` prints, for those
+variants, one layer's kernels as the PDL graph runs them (``profile_step.timeline_decode``: each kernel's start
+against the previous one's end, its span, and the time it adds to the step), and writes the raw kernel list to
+``$OUT/timeline_<variant>.json`` on the device machine. ``--batch 1,8`` times each batch size every round in the
+one artifact. Prints ms/step per round and the median per variant (and batch).
 """
 
 from __future__ import annotations
