@@ -178,7 +178,7 @@ def compile_specs(specs: dict[str, dict], out_dir: Path, arch: int = 90, progres
         (out_dir / "src").mkdir(exist_ok=True)
         for module, text in sources.items():
             (out_dir / "src" / f"{module.partition('.')[2]}.py").write_text(text)
-    workers = workers or min(len(specs), os.cpu_count() or 1)
+    workers = workers or max(1, min(len(specs), os.cpu_count() or 1))
     args = [(key, spec, arch, sources.get(spec["kernel"].partition(":")[0])) for key, spec in sorted(specs.items())]
     index = {}
 
