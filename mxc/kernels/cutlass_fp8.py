@@ -531,9 +531,9 @@ def load(so_path) -> CutlassFp8Gemm:
 
 def build_library(out_path, log=print) -> Path:
     """The library a build ships at ``out_path``: ``$MXC_CUTLASS_LIBRARY`` if set, else ``BUILD_CONFIG``
-    generated and compiled here (about a minute of nvcc; cached by the source's sha256)."""
+    generated and compiled here (1.5-2 minutes of nvcc, one core; cached by the source's sha256)."""
     return nvcc_tool.cached_library("CUTLASS fp8 GEMM", "cutlass", lambda: generate(**BUILD_CONFIG), compile_so,
-                                    PREBUILT_ENV, out_path, log, note=" (about a minute)")
+                                    PREBUILT_ENV, out_path, log, note=" (1.5-2 minutes)")
 
 
 def library_config() -> dict | str:

@@ -3,7 +3,7 @@
 ``select_kernels`` gives fp8 linears above the GEMV's 32 tokens to ``fp8_gemm.cutlass`` where a build can
 have the library (``cutlass_fp8.available``), else to ``torch._scaled_mm``. A cuda build that chose it
 compiles the library into the artifact (``code/cutlass/fp8_gemm.so``) and records it in the manifest;
-the runtime opens it at load. The build test runs nvcc (about a minute, cached) and is skipped where
+the runtime opens it at load. The build test runs nvcc (1.5-2 minutes, cached) and is skipped where
 the generator is missing; its GPU run is tests/gpu/test_cutlass_fp8_gpu.py.
 """
 
