@@ -2,9 +2,8 @@
 
 The lab runs on the GPU only (Gluon kernels do not run in the interpreter). Compiling it here for sm_90 checks the
 property the experiment is about: every TMA load of the down slice comes before ``griddepcontrol.wait`` in the PTX
-(in the control variants, after it),
-and before it only the router's k ids are read from global memory; after it h (one more TMA load), the routing
-weights and the residual. It also checks that a program's slice is the shared memory it asks for, and keeps the
+(in the control variant, after it), and before it only the router's k ids are read from global memory; after it h
+(one more TMA load), the routing weights and the residual. It also checks that a program's slice is the shared memory it asks for, and keeps the
 lab compiling with this environment's Triton and, where ``MXC_GPU_TRITON`` names it, the GPU machines'.
 """
 

@@ -18,6 +18,7 @@ import pytest
 
 from mxc.kernels import launch
 from mxc.runtime_buckets import prefill_graph_buckets
+from tests.sm90_compile import compile_env
 
 QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 256,
@@ -73,17 +74,9 @@ def _build(config, tp, quant, tmp_path, triton_path=None):
     if config is not None:
         (tmp_path / "config.json").write_text(json.dumps(config))
         args += ["--config", str(tmp_path / "config.json")]
-    proc = subprocess.run(args, env=_compile_env(triton_path), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(args, env=compile_env(triton_path), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return tmp_path / "art"
-
-
-def _compile_env(triton_path=None) -> dict:
-    """This environment without the interpreter (kernels compile), with ``triton_path`` first if given."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if triton_path:
-        env["PYTHONPATH"] = os.pathsep.join([triton_path] + [v for v in [env.get("PYTHONPATH")] if v])
-    return env
 
 
 @pytest.mark.skipif(not GPU_TRITON, reason="MXC_GPU_TRITON not set (a folder with the GPU machines' Triton package)")
@@ -149,7 +142,7 @@ def test_cuda_build_compiles_every_kernel_for_sm90(config, tp, quant, tmp_path):
     assert "cuda_ops.qkv_rope_cache" in program and "cuda_ops.cached_attention" in program
     assert ("triton_fp8.qlinear_small_m" if quant else "triton_gemv.linear_small_m") in program
     if config is None and tp == 1 and not quant:
-        _same_keys_in_a_fresh_process(art, _compile_env())
+        _same_keys_in_a_fresh_process(art, compile_env())
         from mxc.inspect import summary  # `mxc inspect`: per-bucket kernel choices and the rendered kernels
 
         text = summary(art)
@@ -210,7 +203,7 @@ def test_cuda_build_with_pdl(tmp_path):
     and the index marks it for the programmatic-dependent launch; the manifest records the option."""
     args = [sys.executable, "-m", "mxc", "build", "llama.yaml", "--target", "cuda", "--out", str(tmp_path / "art"),
             "--max-batch", "2", "--max-seq-len", "64", "--pdl"]
-    proc = subprocess.run(args, env=_compile_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(args, env=compile_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     art = tmp_path / "art"
     assert json.loads((art / "manifest.json").read_text())["options"]["pdl"] is True
