@@ -1,6 +1,7 @@
 """Compiling for sm_90 in a fresh interpreter, with this environment's Triton or the GPU machines' (the
-``MXC_GPU_TRITON`` directory): what the cuda build tests (tests/build/test_cuda_build.py) and the Gluon labs' CPU
-tests (tests/bench/test_gemv_preload_lab.py, test_moe_down_smem_lab.py) share. A fresh process, so that another Triton can be put first on the path."""
+``MXC_GPU_TRITON`` directory): the environment every test that compiles kernels in a subprocess takes
+(``compile_env``: the interpreter off), and the Gluon labs' CPU tests' script runner (``run_compile_script``). A
+fresh process, so that another Triton can be put first on the path."""
 
 from __future__ import annotations
 

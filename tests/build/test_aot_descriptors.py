@@ -6,7 +6,6 @@ the PDL check names the expanded parameters."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -14,6 +13,7 @@ import pytest
 
 from mxc.codegen import aot
 from mxc.kernels import launch
+from tests.sm90_compile import compile_env
 
 
 def test_param_names_expand_descriptors():
@@ -81,7 +81,7 @@ print(json.dumps(entry))
 
 @pytest.mark.parametrize("pdl", [False, True])
 def test_prefill_attention_compiles_with_tma_maps(pdl):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiles for sm_90 with ptxas
+    env = compile_env()  # compiles for sm_90 with ptxas
     proc = subprocess.run([sys.executable, "-c", _COMPILE, "pdl" if pdl else "plain"], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -127,7 +127,7 @@ def test_a_descriptor_made_on_the_device_is_refused(tmp_path):
     """A descriptor built inside the kernel (``tl.make_tensor_descriptor``) needs Triton's global scratch memory for
     its map, which the AOT launcher does not pass: the build refuses it instead of launching it without."""
     (tmp_path / "desc_kernels.py").write_text(_DEVICE_DESCRIPTOR)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = compile_env()
     proc = subprocess.run([sys.executable, "-c", _COMPILE_DEVICE_DESCRIPTOR, str(tmp_path)], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.sm90_compile import compile_env
+
 ROOT = Path(__file__).resolve().parents[2]
 
 _SCRIPT = """
@@ -42,7 +44,7 @@ print("the same files from one process:", files(alone) == files(Path(sys.argv[1]
 def test_workers_do_not_run_the_callers_unguarded_script(tmp_path):
     script = tmp_path / "build_kernels.py"
     script.write_text(_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiles for sm_90, as a build does
+    env = compile_env()  # compiles for sm_90, as a build does
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     r = subprocess.run([sys.executable, str(script), str(tmp_path / "out")], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=300)

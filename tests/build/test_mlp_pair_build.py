@@ -10,7 +10,6 @@ kernel's own tests: tests/kernels/test_mlp_pair_fp8.py (CPU), tests/gpu/test_mlp
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -25,6 +24,7 @@ from mxc.ir import Node, TensorType
 from mxc.kernels import cutlass_fp8, mlp_pair_fp8
 from mxc.kernels.candidates import CANDIDATES, MLP_PAIR_KERNEL
 from mxc.models.registry import MODELS_DIR, bind_model, lookup
+from tests.sm90_compile import compile_env
 
 WIDE = dict(architectures=["LlamaForCausalLM"], hidden_size=1024, intermediate_size=2048, num_hidden_layers=2,
             num_attention_heads=8, num_key_value_heads=2, head_dim=128, vocab_size=256, max_position_embeddings=256)
@@ -116,7 +116,7 @@ def test_cuda_build_ships_the_library(tmp_path):
     """``mxc build --mlp-pair`` (the CLI) compiles the library into the artifact and the manifest lists it."""
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({**WIDE, "rms_norm_eps": 1e-5, "rope_theta": 10000.0}))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = compile_env()
     env[cutlass_fp8.PREBUILT_ENV] = "none"  # prefill by torch._scaled_mm: no minute of CUTLASS nvcc here
     art = tmp_path / "art"
     proc = subprocess.run([sys.executable, "-m", "mxc", "build", "llama.yaml", "--config", str(cfg), "--target", "cuda",

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+from tests.sm90_compile import compile_env
+
 _KERNEL = """
 import triton
 import triton.language as tl
@@ -36,7 +38,7 @@ def test_cubins_name_no_directory_of_the_build_machine(tmp_path):
     import triton
 
     (tmp_path / "sum_kernels.py").write_text(_KERNEL)
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_DISABLE_LINE_INFO")}
+    env = {k: v for k, v in compile_env().items() if k != "TRITON_DISABLE_LINE_INFO"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")  # compiled here, not found in a cache of earlier builds
     proc = subprocess.run([sys.executable, "-c", _COMPILE, str(tmp_path)], env=env, capture_output=True, text=True,
                           timeout=300)

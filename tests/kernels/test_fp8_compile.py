@@ -9,7 +9,6 @@ test_fp8_kernels.py and test_fp8_quant_kernels.py.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -17,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.sm90_compile import compile_env
 
 
 _COMPILE_SCRIPT = textwrap.dedent("""
@@ -116,7 +117,7 @@ _COMPILE_SCRIPT = textwrap.dedent("""
 def test_compiles_for_sm90():
     """Every kernel and version compiles for Hopper (sm_90) with the AOT build's options; the PTX
     quantizes with saturating e4m3 conversions, widens e4m3 weights, and the GEMM uses fp8 wgmma."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = compile_env()
     root = Path(__file__).resolve().parents[2]
     r = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], cwd=root, env=env, capture_output=True,
                        text=True, timeout=300)
@@ -151,7 +152,7 @@ print("e4m3 wgmma" if "wgmma.mma_async" in ptx and "e4m3" in ptx.split("wgmma.mm
 def test_swap_ab_runs_on_fp8_wgmma():
     """SWAP_AB puts the weights on the 64-row side of the product: sm_90 then issues e4m3 wgmma (no
     widening of the weights to fp16, which the 16-row v3 tile needs for mma.sync)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = compile_env()
     r = subprocess.run([sys.executable, "-c", _SWAP_PTX], cwd=Path(__file__).resolve().parents[2], env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -184,7 +185,7 @@ for spec in rec.specs.values():
 def test_preload_loads_weights_before_the_wait():
     """A PRELOAD GEMV (one row, small matrix) issues its whole tile's weight loads before ``griddepcontrol.wait``:
     32 KB a program over 256 threads, eight 16-byte loads a thread; after the wait only x (and the epilogue)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = compile_env()
     r = subprocess.run([sys.executable, "-c", _PRELOAD_PTX], cwd=Path(__file__).resolve().parents[2], env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -11,7 +11,6 @@ and, bit for bit, against the kernel without it followed by ``torch_ref.add``.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -27,6 +26,7 @@ from mxc.kernels import launch as launch_mod
 from mxc.kernels import torch_ref
 from mxc.kernels import triton_gemv as tg
 from mxc.kernels.triton_gemv import GemvConfig
+from tests.sm90_compile import compile_env
 from tests.triton_interpreter import bf16_ok
 
 # bf16 needs the interpreter's float conversions fixed (tests/triton_interpreter.py) off the GPU
@@ -430,7 +430,7 @@ _COMPILE_SCRIPT = textwrap.dedent("""
 @pytest.mark.skipif(torch.cuda.is_available(), reason="compile check is for machines without a GPU")
 def test_compiles_for_sm90():
     """The default configs, fused or not, compile for Hopper (sm_90) and load weights 16 bytes at a time."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = compile_env()
     root = Path(__file__).resolve().parents[2]
     r = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], cwd=root, env=env, capture_output=True,
                        text=True, timeout=300)

@@ -14,6 +14,7 @@ import torch
 from mxc.kernels import launch as launch_mod
 from mxc.kernels import torch_ref, triton_route
 from mxc.kernels.context import ForwardContext
+from tests.sm90_compile import compile_env
 from tests.triton_interpreter import bf16_ok
 
 _BF16_OK = bf16_ok()
@@ -210,11 +211,10 @@ for spec in rec.specs.values():
 def test_compiles_for_sm90():
     """Every top-k way compiles for Hopper with PDL (the OLMoE build in tests/build also
     compiles the default one with the GPU machines' Triton 3.6)."""
-    import os
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = compile_env()
     r = subprocess.run([sys.executable, "-c", _COMPILE], cwd=Path(__file__).resolve().parents[2], env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.count("ok") == 3, r.stderr[-3000:]

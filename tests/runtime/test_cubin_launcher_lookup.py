@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import subprocess
 import sys
 import types
@@ -20,6 +19,7 @@ from mxc.ir.serialize import load_graph
 from mxc.kernels import launch
 from mxc.runtime import cuda_launch
 from mxc.runtime_buckets import PREFILL_GRAPH_TOKENS
+from tests.sm90_compile import compile_env
 
 
 class _Driver:
@@ -51,7 +51,7 @@ class _Driver:
 
 def test_every_launch_finds_its_binary(tmp_path, monkeypatch):
     art = tmp_path / "art"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = compile_env()
     proc = subprocess.run([sys.executable, "-m", "mxc", "build", "llama.yaml", "--target", "cuda", "--out", str(art),
                            "--max-batch", "2", "--max-seq-len", "64", "--jobs", "1"], env=env, capture_output=True,
                           text=True, timeout=600)

@@ -5,7 +5,6 @@ CUlaunchConfig 56 bytes), and the recorder asks for the PDL variant only of kern
 from __future__ import annotations
 
 import ctypes
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import torch
 
 from mxc.kernels import launch, triton_norm
 from mxc.runtime.cuda_launch import _LaunchAttribute, _LaunchAttributeValue, _LaunchConfig
+from tests.sm90_compile import compile_env
 
 
 def test_launch_struct_layout():
@@ -64,7 +64,7 @@ for spec in rec.specs.values():
 def test_pdl_gemvs_prefetch_weights_before_waiting():
     """Under --pdl the GEMVs (bf16 and fp8) ask L2 for their first weight columns, then wait on the kernel
     ahead, then let the next one launch: the order in the sm_90 PTX."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = compile_env()
     r = subprocess.run([sys.executable, "-c", _PDL_PTX], cwd=Path(__file__).resolve().parents[2], env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
