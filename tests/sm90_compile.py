@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,10 +23,10 @@ def compile_env(triton_path: str | None = None) -> dict:
     return env
 
 
-def run_compile_script(code: str, triton_path: str | None = None) -> str:
-    """``code``'s standard output, run from the repository root in ``compile_env(triton_path)``; fails the test
-    with its stderr if it fails."""
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=compile_env(triton_path), capture_output=True,
-                       text=True, timeout=300)
+def run_compile_script(code: str, triton_path: str | None = None, args: Sequence[str] = ()) -> str:
+    """``code``'s standard output, run with ``args`` (its ``sys.argv[1:]``) from the repository root in
+    ``compile_env(triton_path)``; fails the test with its stderr if it fails."""
+    r = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=compile_env(triton_path),
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout

@@ -6,14 +6,12 @@ the PDL check names the expanded parameters."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from mxc.codegen import aot
 from mxc.kernels import launch
-from tests.sm90_compile import compile_env
+from tests.sm90_compile import run_compile_script
 
 
 def test_param_names_expand_descriptors():
@@ -81,11 +79,8 @@ print(json.dumps(entry))
 
 @pytest.mark.parametrize("pdl", [False, True])
 def test_prefill_attention_compiles_with_tma_maps(pdl):
-    env = compile_env()  # compiles for sm_90 with ptxas
-    proc = subprocess.run([sys.executable, "-c", _COMPILE, "pdl" if pdl else "plain"], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    entry = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_compile_script(_COMPILE, args=["pdl" if pdl else "plain"])  # compiles for sm_90 with ptxas
+    entry = json.loads(out.strip().splitlines()[-1])
     tmap = ["tmap", "i32", "i32", "i64", "i64"]
     # q, k_cache, v_cache, slots, kv_lens, q_start, out pointers, the scale, then the three descriptors
     assert entry["params"][:8] == ["ptr"] * 7 + ["f32"]
@@ -127,12 +122,9 @@ def test_a_descriptor_made_on_the_device_is_refused(tmp_path):
     """A descriptor built inside the kernel (``tl.make_tensor_descriptor``) needs Triton's global scratch memory for
     its map, which the AOT launcher does not pass: the build refuses it instead of launching it without."""
     (tmp_path / "desc_kernels.py").write_text(_DEVICE_DESCRIPTOR)
-    env = compile_env()
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_DEVICE_DESCRIPTOR, str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip().splitlines()[-1] == ("kernel desc_kernels:device_desc needs Triton scratch memory, "
-                                                    "which the AOT launcher does not provide")
+    out = run_compile_script(_COMPILE_DEVICE_DESCRIPTOR, args=[str(tmp_path)])
+    assert out.strip().splitlines()[-1] == ("kernel desc_kernels:device_desc needs Triton scratch memory, "
+                                            "which the AOT launcher does not provide")
 
 
 class _Compiled:

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import triton
@@ -14,7 +10,7 @@ import triton.language as tl
 from mxc.codegen import pdl_check
 from mxc.kernels import pdl
 from mxc.kernels.pdl import prefetch_rows_l2
-from tests.sm90_compile import compile_env
+from tests.sm90_compile import run_compile_script
 
 _HEAD = """
 .visible .entry k(
@@ -183,11 +179,7 @@ for name in ("early", "late", "nowait"):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="compile check is for machines without a GPU")
 def test_the_build_refuses_a_kernel_that_reads_its_input_before_the_wait(tmp_path):
     (tmp_path / "pdl_kernels.py").write_text(_KERNELS)
-    env = compile_env()
-    r = subprocess.run([sys.executable, "-c", _COMPILE, str(tmp_path)], cwd=Path(__file__).resolve().parents[2],
-                       env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    lines = r.stdout.strip().splitlines()
+    lines = run_compile_script(_COMPILE, args=[str(tmp_path)]).strip().splitlines()
     assert lines[0].startswith("early refused: kernel pdl_kernels:early loads x_ptr before griddepcontrol.wait"), lines
     assert "move it after pdl_enter" in lines[0], lines
     assert lines[1] == "late compiled", lines
@@ -253,12 +245,9 @@ def test_pdl_enter_waits_then_lets_the_next_kernel_launch(tmp_path):
     """``pdl_enter``: ``griddepcontrol.wait`` then ``launch_dependents``; ``pdl_enter_early`` the other way round;
     without USE_PDL neither (a kernel launched the ordinary way, which also compiles below sm_90)."""
     (tmp_path / "enter_kernels.py").write_text(_ENTER_KERNELS)
-    env = compile_env()
-    r = subprocess.run([sys.executable, "-c", _ENTER_PTX, str(tmp_path)], cwd=Path(__file__).resolve().parents[2],
-                       env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.strip().splitlines() == ["enter False", "enter True wait launch_dependents",
-                                             "enter_early False", "enter_early True launch_dependents wait"]
+    lines = run_compile_script(_ENTER_PTX, args=[str(tmp_path)]).strip().splitlines()
+    assert lines == ["enter False", "enter True wait launch_dependents",
+                     "enter_early False", "enter_early True launch_dependents wait"], lines
 
 
 @triton.jit

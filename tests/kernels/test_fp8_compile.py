@@ -9,15 +9,12 @@ test_fp8_kernels.py and test_fp8_quant_kernels.py.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.sm90_compile import compile_env
+from tests.sm90_compile import run_compile_script
 
 
 _COMPILE_SCRIPT = textwrap.dedent("""
@@ -117,13 +114,9 @@ _COMPILE_SCRIPT = textwrap.dedent("""
 def test_compiles_for_sm90():
     """Every kernel and version compiles for Hopper (sm_90) with the AOT build's options; the PTX
     quantizes with saturating e4m3 conversions, widens e4m3 weights, and the GEMM uses fp8 wgmma."""
-    env = compile_env()
-    root = Path(__file__).resolve().parents[2]
-    r = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], cwd=root, env=env, capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count(" ok") >= 14, r.stdout
-    assert r.stdout.count(" pairs ") == 5 and r.stdout.count("_quant_max_kernel") == 2, r.stdout
+    out = run_compile_script(_COMPILE_SCRIPT)
+    assert out.count(" ok") >= 14, out
+    assert out.count(" pairs ") == 5 and out.count("_quant_max_kernel") == 2, out
 
 
 _SWAP_PTX = """
@@ -152,11 +145,8 @@ print("e4m3 wgmma" if "wgmma.mma_async" in ptx and "e4m3" in ptx.split("wgmma.mm
 def test_swap_ab_runs_on_fp8_wgmma():
     """SWAP_AB puts the weights on the 64-row side of the product: sm_90 then issues e4m3 wgmma (no
     widening of the weights to fp16, which the 16-row v3 tile needs for mma.sync)."""
-    env = compile_env()
-    r = subprocess.run([sys.executable, "-c", _SWAP_PTX], cwd=Path(__file__).resolve().parents[2], env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.strip().splitlines()[-1] == "e4m3 wgmma", r.stdout
+    out = run_compile_script(_SWAP_PTX)
+    assert out.strip().splitlines()[-1] == "e4m3 wgmma", out
 
 
 _PRELOAD_PTX = """
@@ -185,11 +175,8 @@ for spec in rec.specs.values():
 def test_preload_loads_weights_before_the_wait():
     """A PRELOAD GEMV (one row, small matrix) issues its whole tile's weight loads before ``griddepcontrol.wait``:
     32 KB a program over 256 threads, eight 16-byte loads a thread; after the wait only x (and the epilogue)."""
-    env = compile_env()
-    r = subprocess.run([sys.executable, "-c", _PRELOAD_PTX], cwd=Path(__file__).resolve().parents[2], env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    counts = {name: (int(b), int(a)) for name, b, a in (line.split() for line in r.stdout.strip().splitlines())}
-    assert set(counts) == {"_qgemv_kernel"}, r.stdout
+    out = run_compile_script(_PRELOAD_PTX)
+    counts = {name: (int(b), int(a)) for name, b, a in (line.split() for line in out.strip().splitlines())}
+    assert set(counts) == {"_qgemv_kernel"}, out
     for name, (before, after) in counts.items():
         assert before >= 8 and after < before, (name, before, after)

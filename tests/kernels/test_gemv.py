@@ -11,11 +11,8 @@ and, bit for bit, against the kernel without it followed by ``torch_ref.add``.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +23,7 @@ from mxc.kernels import launch as launch_mod
 from mxc.kernels import torch_ref
 from mxc.kernels import triton_gemv as tg
 from mxc.kernels.triton_gemv import GemvConfig
-from tests.sm90_compile import compile_env
+from tests.sm90_compile import run_compile_script
 from tests.triton_interpreter import bf16_ok
 
 # bf16 needs the interpreter's float conversions fixed (tests/triton_interpreter.py) off the GPU
@@ -430,9 +427,5 @@ _COMPILE_SCRIPT = textwrap.dedent("""
 @pytest.mark.skipif(torch.cuda.is_available(), reason="compile check is for machines without a GPU")
 def test_compiles_for_sm90():
     """The default configs, fused or not, compile for Hopper (sm_90) and load weights 16 bytes at a time."""
-    env = compile_env()
-    root = Path(__file__).resolve().parents[2]
-    r = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], cwd=root, env=env, capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count(" ok") == 12, r.stdout
+    out = run_compile_script(_COMPILE_SCRIPT)
+    assert out.count(" ok") == 12, out

@@ -7,10 +7,7 @@ meta-device recording and an sm_90 compile."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +18,7 @@ from mxc.kernels import triton_moe as tm
 from mxc.kernels import triton_moe_decode as tmd
 from mxc.kernels.triton_moe import MoeConfig
 from mxc.loaders.quantize import quantize_fp8
-from tests.sm90_compile import compile_env
+from tests.sm90_compile import run_compile_script
 from tests.triton_interpreter import bf16_ok
 
 _BF16_OK = bf16_ok()
@@ -329,10 +326,8 @@ print("ok", len(rec.specs))
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="compile check is for machines without a GPU")
 def test_compiles_for_sm90():
-    env = compile_env()
-    r = subprocess.run([sys.executable, "-c", _COMPILE], cwd=Path(__file__).resolve().parents[2], env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "ok 13" in r.stdout, r.stderr[-3000:]
+    out = run_compile_script(_COMPILE)
+    assert "ok 13" in out, out
 
 
 @pytest.mark.interpreter

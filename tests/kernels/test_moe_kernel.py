@@ -14,10 +14,7 @@ the interpreter).
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +24,7 @@ from mxc.kernels import fp8_ref, moe_ref
 from mxc.kernels import triton_moe as tm
 from mxc.kernels.triton_moe import MoeConfig
 from mxc.loaders.quantize import quantize_fp8
-from tests.sm90_compile import compile_env
+from tests.sm90_compile import run_compile_script
 from tests.triton_interpreter import bf16_ok
 
 # bf16 needs the interpreter's float conversions fixed (tests/triton_interpreter.py) off the GPU
@@ -557,10 +554,6 @@ _COMPILE_SCRIPT = textwrap.dedent("""
 def test_compiles_for_sm90():
     """Every kernel, at the default configs of decode and prefill buckets, fp32/fp16/bf16 and fp8
     experts, compiles for Hopper (sm_90) within shared memory, the GEMMs on tensor cores."""
-    env = compile_env()
-    root = Path(__file__).resolve().parents[2]
-    r = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], cwd=root, env=env, capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    n = int(r.stdout.split("compiled")[-1])
-    assert n >= 20 and r.stdout.count(" ok") == n, r.stdout
+    out = run_compile_script(_COMPILE_SCRIPT)
+    n = int(out.split("compiled")[-1])
+    assert n >= 20 and out.count(" ok") == n, out

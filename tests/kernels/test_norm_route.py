@@ -6,15 +6,13 @@ recording. (The sm_90 compile, with Triton 3.9 and 3.6, runs in tests/build: the
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from mxc.kernels import launch as launch_mod
 from mxc.kernels import torch_ref, triton_route
 from mxc.kernels.context import ForwardContext
-from tests.sm90_compile import compile_env
+from tests.sm90_compile import run_compile_script
 from tests.triton_interpreter import bf16_ok
 
 _BF16_OK = bf16_ok()
@@ -211,13 +209,8 @@ for spec in rec.specs.values():
 def test_compiles_for_sm90():
     """Every top-k way compiles for Hopper with PDL (the OLMoE build in tests/build also
     compiles the default one with the GPU machines' Triton 3.6)."""
-    import subprocess
-    import sys
-
-    env = compile_env()
-    r = subprocess.run([sys.executable, "-c", _COMPILE], cwd=Path(__file__).resolve().parents[2], env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.count("ok") == 3, r.stderr[-3000:]
+    out = run_compile_script(_COMPILE)
+    assert out.count("ok") == 3, out
 
 
 @pytest.mark.parametrize("topk", triton_route.TOPK_WAYS)

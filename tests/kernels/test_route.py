@@ -5,16 +5,12 @@ meta-device recording and an sm_90 compile; the same with the bitonic top-k (``t
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from mxc.kernels import launch as launch_mod
 from mxc.kernels import moe_ref, triton_route
-from tests.sm90_compile import compile_env
+from tests.sm90_compile import run_compile_script
 from tests.triton_interpreter import bf16_ok
 
 _BF16_OK = bf16_ok()
@@ -123,10 +119,8 @@ print("ok")
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="compile check is for machines without a GPU")
 def test_compiles_for_sm90():
-    env = compile_env()
-    r = subprocess.run([sys.executable, "-c", _COMPILE], cwd=Path(__file__).resolve().parents[2], env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+    out = run_compile_script(_COMPILE)
+    assert out.strip().endswith("ok"), out
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # the interpreter's sigmoid

@@ -5,15 +5,12 @@ CUlaunchConfig 56 bytes), and the recorder asks for the PDL variant only of kern
 from __future__ import annotations
 
 import ctypes
-import subprocess
-import sys
-from pathlib import Path
 
 import torch
 
 from mxc.kernels import launch, triton_norm
 from mxc.runtime.cuda_launch import _LaunchAttribute, _LaunchAttributeValue, _LaunchConfig
-from tests.sm90_compile import compile_env
+from tests.sm90_compile import run_compile_script
 
 
 def test_launch_struct_layout():
@@ -64,8 +61,5 @@ for spec in rec.specs.values():
 def test_pdl_gemvs_prefetch_weights_before_waiting():
     """Under --pdl the GEMVs (bf16 and fp8) ask L2 for their first weight columns, then wait on the kernel
     ahead, then let the next one launch: the order in the sm_90 PTX."""
-    env = compile_env()
-    r = subprocess.run([sys.executable, "-c", _PDL_PTX], cwd=Path(__file__).resolve().parents[2], env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count(" ok") == 2, r.stdout
+    out = run_compile_script(_PDL_PTX)
+    assert out.count(" ok") == 2, out
