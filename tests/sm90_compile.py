@@ -1,7 +1,8 @@
 """Compiling for sm_90 in a fresh interpreter, with this environment's Triton or the GPU machines' (the
 ``MXC_GPU_TRITON`` directory): the environment every test that compiles kernels in a subprocess takes
-(``compile_env``: the interpreter off), and the Gluon labs' CPU tests' script runner (``run_compile_script``). A
-fresh process, so that another Triton can be put first on the path."""
+(``compile_env``: the interpreter off), and the runner of the compile tests' scripts (``run_compile_script``: the
+kernels' sm_90 checks, the PDL and descriptor checks, the Gluon labs' CPU tests). A fresh process, so that another
+Triton can be put first on the path."""
 
 from __future__ import annotations
 
