@@ -1,16 +1,18 @@
-"""Compiling for sm_90 in a fresh interpreter, with this environment's Triton or the GPU machines' (the
+"""Compiling for sm_90 in another interpreter, with this environment's Triton or the GPU machines' (the
 ``MXC_GPU_TRITON`` directory): the environment every test that compiles kernels in a subprocess takes
 (``compile_env``: the interpreter off), and the runner of the compile tests' scripts (``run_compile_script``: the
-kernels' sm_90 checks, the PDL and descriptor checks, the Gluon labs' CPU tests). A fresh process, so that another
-Triton can be put first on the path."""
+kernels' sm_90 checks, the PDL and descriptor checks, the Gluon labs' CPU tests). Another process, so that the
+interpreter is off and another Triton can be put first on the path; a fork of a warm one (``tests/warm_python.py``),
+so that torch and Triton are not imported again for each script."""
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+from tests import warm_python
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,7 +29,6 @@ def compile_env(triton_path: str | None = None) -> dict:
 def run_compile_script(code: str, triton_path: str | None = None, args: Sequence[str] = ()) -> str:
     """``code``'s standard output, run with ``args`` (its ``sys.argv[1:]``) from the repository root in
     ``compile_env(triton_path)``; fails the test with its stderr if it fails."""
-    r = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=compile_env(triton_path),
-                       capture_output=True, text=True, timeout=300)
+    r = warm_python.run([sys.executable, "-c", code, *args], cwd=ROOT, env=compile_env(triton_path), timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout

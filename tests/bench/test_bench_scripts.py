@@ -17,13 +17,13 @@ import importlib
 import inspect
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 import mxc
+from tests import warm_python
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
@@ -43,55 +43,14 @@ def test_imports_without_running(script):
     importlib.import_module(script.removesuffix(".py"))
 
 
-# Runs each script's ``--help`` as ``python bench/X.py --help`` would, in a process of its own forked from one that
-# has imported torch (a fresh interpreter a script took 1.5 s, mostly torch's import: 35 s for all of them).
-_HELP_DRIVER = r"""
-import json, os, runpy, sys, tempfile
-import torch  # noqa: F401  (shared by the forks)
-
-results = {}
-for path in sys.argv[1:]:
-    out = tempfile.TemporaryFile()
-    pid = os.fork()
-    if pid == 0:
-        os.dup2(out.fileno(), 1)
-        os.dup2(out.fileno(), 2)
-        sys.argv = [path, "--help"]
-        sys.path.insert(0, os.path.dirname(path))
-        code = 0
-        try:
-            runpy.run_path(path, run_name="__main__")
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        except BaseException:
-            import traceback
-            traceback.print_exc()
-            code = 1
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    out.seek(0)
-    results[path] = [os.waitstatus_to_exitcode(status), out.read().decode(errors="replace")[-4000:]]
-print(json.dumps(results))
-"""
-
-
-@pytest.fixture(scope="module")
-def helps():
-    """Each script's ``--help``, each in a fresh process (forked after torch's import)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    paths = [str(BENCH / s) for s in SCRIPTS]
-    r = subprocess.run([sys.executable, "-c", _HELP_DRIVER, *paths], capture_output=True, text=True, timeout=120,
-                       cwd=ROOT, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return {Path(p).name: v for p, v in json.loads(r.stdout.splitlines()[-1]).items()}
-
-
 @pytest.mark.parametrize("script", sorted(set(SCRIPTS) - LIBRARIES))
-def test_help_runs(helps, script):
-    code, output = helps[script]
-    assert code == 0 and "usage:" in output, f"bench/{script} --help exited {code}:\n{output}"
+def test_help_runs(script):
+    """``python bench/<script> --help``, in a fork of an interpreter that has imported torch (tests/warm_python.py;
+    a fresh interpreter a script took 1.5 s, mostly torch's import: 35 s for all of them)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = warm_python.run([sys.executable, str(BENCH / script), "--help"], env=env, cwd=ROOT, timeout=120,
+                        preload=("torch",))
+    assert r.returncode == 0 and "usage:" in r.stdout, f"bench/{script} --help exited {r.returncode}:\n{r.stderr}"
 
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1,

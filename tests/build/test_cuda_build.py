@@ -1,10 +1,9 @@
 """`mxc build --target cuda` on a machine without a GPU: every kernel the program launches compiles for sm_90.
 
-Runs the CLI in a subprocess without TRITON_INTERPRET (the AOT compiler needs
-real JIT functions), for the Llama default and a Qwen3 config (q/k norm,
-explicit head_dim, tied embeddings, yarn RoPE), and checks the artifact:
-an ELF cubin per recorded kernel, the parameter lists read from PTX, and the
-target recorded in the manifest.
+Runs the CLI in another process without TRITON_INTERPRET (the AOT compiler needs real JIT functions; a fork of a
+warm interpreter, tests/warm_python.py), for the Llama default and a Qwen3 config (q/k norm, explicit head_dim, tied
+embeddings, yarn RoPE), and checks the artifact: an ELF cubin per recorded kernel, the parameter lists read from PTX,
+and the target recorded in the manifest.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ import pytest
 
 from mxc.kernels import launch
 from mxc.runtime_buckets import prefill_graph_buckets
+from tests import warm_python
 from tests.sm90_compile import compile_env
 
 QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
@@ -65,7 +65,7 @@ def _params(skip=()):
 
 
 def _build(config, tp, quant, tmp_path, triton_path=None):
-    """``mxc build --target cuda`` in a subprocess (kernels compiled, not interpreted), optionally with the
+    """``mxc build --target cuda`` in another process (kernels compiled, not interpreted), optionally with the
     Triton package in ``triton_path``; returns the artifact directory."""
     # --jobs 1: the kernels compile in the build's process (the suite's workers already fill the cores)
     args = [sys.executable, "-m", "mxc", "build", "llama.yaml", "--target", "cuda", "--out", str(tmp_path / "art"),
@@ -74,7 +74,7 @@ def _build(config, tp, quant, tmp_path, triton_path=None):
     if config is not None:
         (tmp_path / "config.json").write_text(json.dumps(config))
         args += ["--config", str(tmp_path / "config.json")]
-    proc = subprocess.run(args, env=compile_env(triton_path), capture_output=True, text=True, timeout=600)
+    proc = warm_python.run(args, env=compile_env(triton_path), timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return tmp_path / "art"
 
@@ -203,7 +203,7 @@ def test_cuda_build_with_pdl(tmp_path):
     and the index marks it for the programmatic-dependent launch; the manifest records the option."""
     args = [sys.executable, "-m", "mxc", "build", "llama.yaml", "--target", "cuda", "--out", str(tmp_path / "art"),
             "--max-batch", "2", "--max-seq-len", "64", "--pdl"]
-    proc = subprocess.run(args, env=compile_env(), capture_output=True, text=True, timeout=600)
+    proc = warm_python.run(args, env=compile_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     art = tmp_path / "art"
     assert json.loads((art / "manifest.json").read_text())["options"]["pdl"] is True

@@ -10,7 +10,6 @@ the generator is missing; its GPU run is tests/gpu/test_cutlass_fp8_gpu.py.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -21,6 +20,7 @@ from mxc.ir import Node, TensorType
 from mxc.kernels import cutlass_fp8
 from mxc.kernels.candidates import CANDIDATES
 from mxc.models.registry import MODELS_DIR, bind_model, lookup
+from tests import warm_python
 from tests.sm90_compile import compile_env
 
 TINY = dict(architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -78,9 +78,9 @@ def test_runtime_without_a_library_says_so(monkeypatch):
 
 def _fp8_cuda_build(out, **env_overrides):
     env = {k: v for k, v in compile_env().items() if k != cutlass_fp8.PREBUILT_ENV}
-    proc = subprocess.run([sys.executable, "-m", "mxc", "build", "llama.yaml", "--target", "cuda", "--quant", "fp8",
-                           "--out", str(out), "--max-batch", "4", "--max-seq-len", "128", "--jobs", "1"],
-                          env={**env, **env_overrides}, capture_output=True, text=True, timeout=900)
+    proc = warm_python.run([sys.executable, "-m", "mxc", "build", "llama.yaml", "--target", "cuda", "--quant", "fp8",
+                            "--out", str(out), "--max-batch", "4", "--max-seq-len", "128", "--jobs", "1"],
+                           env={**env, **env_overrides}, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads((out / "manifest.json").read_text())
 

@@ -10,7 +10,6 @@ kernel's own tests: tests/kernels/test_mlp_pair_fp8.py (CPU), tests/gpu/test_mlp
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -24,6 +23,7 @@ from mxc.ir import Node, TensorType
 from mxc.kernels import cutlass_fp8, mlp_pair_fp8
 from mxc.kernels.candidates import CANDIDATES, MLP_PAIR_KERNEL
 from mxc.models.registry import MODELS_DIR, bind_model, lookup
+from tests import warm_python
 from tests.sm90_compile import compile_env
 
 WIDE = dict(architectures=["LlamaForCausalLM"], hidden_size=1024, intermediate_size=2048, num_hidden_layers=2,
@@ -119,10 +119,9 @@ def test_cuda_build_ships_the_library(tmp_path):
     env = compile_env()
     env[cutlass_fp8.PREBUILT_ENV] = "none"  # prefill by torch._scaled_mm: no minute of CUTLASS nvcc here
     art = tmp_path / "art"
-    proc = subprocess.run([sys.executable, "-m", "mxc", "build", "llama.yaml", "--config", str(cfg), "--target", "cuda",
-                           "--quant", "fp8", "--mlp-pair", "--out", str(art), "--max-batch", "8", "--max-seq-len", "64",
-                           "--jobs", "1"],
-                          env=env, capture_output=True, text=True, timeout=900)
+    proc = warm_python.run([sys.executable, "-m", "mxc", "build", "llama.yaml", "--config", str(cfg), "--target", "cuda",
+                            "--quant", "fp8", "--mlp-pair", "--out", str(art), "--max-batch", "8", "--max-seq-len", "64",
+                            "--jobs", "1"], env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     manifest = json.loads((art / "manifest.json").read_text())
     assert manifest["mlp_pair"]["library"] == mlp_pair_fp8.LIBRARY and manifest["options"]["mlp_pair"] is True

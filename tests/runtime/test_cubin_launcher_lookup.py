@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import subprocess
 import sys
 import types
 
@@ -19,6 +18,7 @@ from mxc.ir.serialize import load_graph
 from mxc.kernels import launch
 from mxc.runtime import cuda_launch
 from mxc.runtime_buckets import PREFILL_GRAPH_TOKENS
+from tests import warm_python
 from tests.sm90_compile import compile_env
 
 
@@ -52,9 +52,8 @@ class _Driver:
 def test_every_launch_finds_its_binary(tmp_path, monkeypatch):
     art = tmp_path / "art"
     env = compile_env()
-    proc = subprocess.run([sys.executable, "-m", "mxc", "build", "llama.yaml", "--target", "cuda", "--out", str(art),
-                           "--max-batch", "2", "--max-seq-len", "64", "--jobs", "1"], env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = warm_python.run([sys.executable, "-m", "mxc", "build", "llama.yaml", "--target", "cuda", "--out", str(art),
+                            "--max-batch", "2", "--max-seq-len", "64", "--jobs", "1"], env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     options = json.loads((art / "manifest.json").read_text())["options"]
 
