@@ -67,6 +67,13 @@ def test_the_environment_is_the_servers():
     assert warm_python.run([sys.executable, "-c", code], env=ENV, preload=LIGHT).stdout == "None\n"
 
 
+def test_a_variable_pytest_sets_a_test_is_the_commands_and_keeps_the_server():
+    code = "import os; print(os.getppid(), os.environ['PYTEST_CURRENT_TEST'])"
+    first, second = (warm_python.run([sys.executable, "-c", code], env={**ENV, "PYTEST_CURRENT_TEST": name},
+                                     preload=LIGHT).stdout.split() for name in ("a", "b"))
+    assert first[1:] == ["a"] and second[1:] == ["b"] and first[0] == second[0]
+
+
 def test_other_commands_are_refused():
     with pytest.raises(ValueError, match="takes"):
         warm_python.run(["bash", "-c", "true"], env=ENV)

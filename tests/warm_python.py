@@ -48,6 +48,8 @@ def child(req):
     os.dup2(os.open(req["out"], os.O_WRONLY), 1)
     os.dup2(os.open(req["err"], os.O_WRONLY), 2)
     os.chdir(req["cwd"])
+    os.environ.clear()
+    os.environ.update(req["env"])  # the server's but for the variables pytest changes a test (VOLATILE)
     code = 0
     try:
         command(req["argv"])
@@ -110,6 +112,9 @@ class _Server:
                 self.proc.kill()
 
 
+# what pytest sets a test: a server per value would start one a test (and keep each with torch in memory)
+VOLATILE = ("PYTEST_CURRENT_TEST",)
+MAX_SERVERS = 4  # a worker's environments (this Triton and the GPU machines', and a few tests' own); the oldest goes
 _SERVERS: dict[tuple, _Server] = {}
 
 
@@ -127,15 +132,18 @@ def run(args, env: dict, cwd=None, timeout: float | None = None, preload=PRELOAD
     args = [str(a) for a in args]
     if args[0] != sys.executable or len(args) < 2 or (args[1].startswith("-") and args[1] not in ("-m", "-c")):
         raise ValueError(f"warm_python.run takes [sys.executable, '-m', '-c' or a script, ...], got {args[:2]}")
-    key = (tuple(sorted(env.items())), tuple(preload))
-    server = _SERVERS.get(key)
+    key = (tuple(sorted((k, v) for k, v in env.items() if k not in VOLATILE)), tuple(preload))
+    server = _SERVERS.pop(key, None)
     if server is None or server.proc.poll() is not None:
-        server = _SERVERS[key] = _Server(env, preload)
+        while len(_SERVERS) >= MAX_SERVERS:
+            _SERVERS.pop(next(iter(_SERVERS))).close()
+        server = _Server(env, preload)
+    _SERVERS[key] = server  # the most recently used last
     with tempfile.TemporaryDirectory(prefix="mxc_warm_") as tmp:
         out, err = Path(tmp) / "out", Path(tmp) / "err"
         out.touch(), err.touch()
-        server.proc.stdin.write(json.dumps({"argv": args[1:], "cwd": str(cwd or os.getcwd()), "out": str(out),
-                                            "err": str(err)}) + "\n")
+        request = {"argv": args[1:], "cwd": str(cwd or os.getcwd()), "env": env, "out": str(out), "err": str(err)}
+        server.proc.stdin.write(json.dumps(request) + "\n")
         server.proc.stdin.flush()
         pid = server.reply(None)["pid"]
         try:
