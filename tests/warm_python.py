@@ -1,6 +1,7 @@
-"""A warm interpreter for the tests that run ``python -m mxc ...`` or ``python -c SCRIPT`` in a subprocess to compile
-kernels: torch (with torch._dynamo, which a build's first meta-device op imports), Triton and mxc's build modules
-imported once an environment and pytest worker, then every command run in a fork of it.
+"""A warm interpreter for the tests that run ``python -m mxc ...``, ``python -c SCRIPT`` or ``python bench/X.py`` in
+a subprocess, most of them to compile kernels: torch (with torch._dynamo, which a build's first meta-device op
+imports), Triton and mxc's build modules imported once an environment and pytest worker, then every command run in
+a fork of it.
 
 To the command the fork is a fresh process: its own module state (the server's is as the imports left it), its own
 stdio, working directory, ``sys.argv``, exit status and atexit handlers. It skips only the imports, about 6.5 s of

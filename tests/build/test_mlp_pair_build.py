@@ -119,9 +119,9 @@ def test_cuda_build_ships_the_library(tmp_path):
     env = compile_env()
     env[cutlass_fp8.PREBUILT_ENV] = "none"  # prefill by torch._scaled_mm: no minute of CUTLASS nvcc here
     art = tmp_path / "art"
-    proc = warm_python.run([sys.executable, "-m", "mxc", "build", "llama.yaml", "--config", str(cfg), "--target", "cuda",
-                            "--quant", "fp8", "--mlp-pair", "--out", str(art), "--max-batch", "8", "--max-seq-len", "64",
-                            "--jobs", "1"], env=env, timeout=900)
+    proc = warm_python.run([sys.executable, "-m", "mxc", "build", "llama.yaml", "--config", str(cfg), "--target",
+                            "cuda", "--quant", "fp8", "--mlp-pair", "--out", str(art), "--max-batch", "8",
+                            "--max-seq-len", "64", "--jobs", "1"], env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     manifest = json.loads((art / "manifest.json").read_text())
     assert manifest["mlp_pair"]["library"] == mlp_pair_fp8.LIBRARY and manifest["options"]["mlp_pair"] is True
