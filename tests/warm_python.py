@@ -13,6 +13,7 @@ process started from nothing (another hash seed, a killed build) calls ``subproc
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import select
@@ -20,6 +21,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,14 +96,22 @@ class _Server:
     def __init__(self, env: dict, preload):
         self.proc = subprocess.Popen([sys.executable, "-c", _SERVE, *preload], cwd=ROOT, env=env, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self._read = b""  # replies read from the pipe, not yet returned (the pid's and the status's may come at once)
 
     def reply(self, timeout: float | None) -> dict:
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not ready:
-            raise TimeoutError
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the warm interpreter ended ({self.proc.poll()})")
+        """The next reply line, read straight from the pipe's descriptor (a buffered reader could hold the second
+        line where ``select`` does not see it); TimeoutError if none is whole within ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._read:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([fd], [], [], left)[0]:
+                raise TimeoutError
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise RuntimeError(f"the warm interpreter ended ({self.proc.poll()})")
+            self._read += chunk
+        line, self._read = self._read.split(b"\n", 1)
         return json.loads(line)
 
     def close(self):
@@ -150,7 +160,8 @@ def run(args, env: dict, cwd=None, timeout: float | None = None, preload=PRELOAD
         try:
             rc = server.reply(timeout)["rc"]
         except TimeoutError:
-            os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # it may have ended, and been reaped, just now
+                os.kill(pid, signal.SIGKILL)
             server.reply(None)
             raise subprocess.TimeoutExpired(args, timeout, out.read_text(errors="replace"),
                                             err.read_text(errors="replace")) from None
